@@ -1,0 +1,264 @@
+/*
+ * moonshard.h: the one public header of libmoonshard.
+ *
+ * A C11 core for distributed-training policy: dtypes and casts, tensors (cpu, meta),
+ * device meshes, DTensor / FSDP layout math and collectives over groups of ranks.
+ *
+ * Conventions (they hold for every function below):
+ * - Every function that can fail returns an ms_status and writes its results through
+ *   pointers.  On failure a message for this thread is left in ms_last_error(); nothing in
+ *   the core aborts, exits or longjmps.
+ * - Handles are opaque and reference counted.  A function that hands out a handle through
+ *   `**out` gives the caller one reference, to be dropped with the matching *_release.
+ *   *_release(NULL) is a no-op.
+ * - Ranks, coordinates, dims and offsets are 0-based.  Sizes are int64_t.
+ *
+ * The declarations between MS_API_BEGIN and MS_API_END are FFI-clean: no macros inside
+ * them, no structs by value, no varargs, so LuaJIT can ffi.cdef them as they are.
+ */
+#ifndef MOONSHARD_H
+#define MOONSHARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* MS_API_BEGIN */
+
+/* ---------------------------------------------------------------- status */
+
+typedef enum ms_status {
+    MS_OK = 0,
+    MS_ERR_ARG = 1,        /* an argument is invalid */
+    MS_ERR_OOM = 2,        /* out of memory */
+    MS_ERR_OVERFLOW = 3,   /* a size or byte count overflows int64 */
+    MS_ERR_SHAPE = 4,      /* shapes do not fit together */
+    MS_ERR_DTYPE = 5,      /* a dtype is not supported here */
+    MS_ERR_DEVICE = 6,     /* wrong or unsupported device */
+    MS_ERR_MISMATCH = 7,   /* ranks disagree on a collective's arguments */
+    MS_ERR_TIMEOUT = 8,    /* a collective waited past the timeout */
+    MS_ERR_PEER = 9,       /* a peer rank failed or ended without joining */
+    MS_ERR_NOT_BUILT = 10, /* a backend or feature was not built in */
+    MS_ERR_STATE = 11,     /* an object is in the wrong state for the call */
+    MS_ERR_IO = 12,        /* a file could not be read or written */
+    MS_ERR_INTERNAL = 13   /* a bug in moonshard */
+} ms_status;
+
+/* "ok", "invalid_argument", "out_of_memory", ...: a static string. */
+const char *ms_status_name(ms_status status);
+/* The message of the last failure on this thread ("" when none).  Valid until the next
+ * moonshard call on this thread. */
+const char *ms_last_error(void);
+/* "0.1.0" */
+const char *ms_version(void);
+
+/* ---------------------------------------------------------------- dtypes */
+
+typedef enum ms_dtype {
+    MS_F32 = 0,
+    MS_F16 = 1,
+    MS_BF16 = 2,
+    MS_F8E4M3 = 3, /* OCP e4m3fn: bias 7, max 448, no inf, NaN = S.1111.111 */
+    MS_F8E5M2 = 4, /* OCP e5m2: bias 15, max 57344, IEEE-like */
+    MS_F64 = 5,
+    MS_I64 = 6,
+    MS_I32 = 7,
+    MS_I8 = 8,
+    MS_U8 = 9,
+    MS_BOOL = 10,
+    MS_DTYPE_COUNT = 11
+} ms_dtype;
+
+/* Bytes per element; 0 for an invalid dtype. */
+int ms_dtype_size(ms_dtype dtype);
+/* "f32", "bf16", ...; NULL for an invalid dtype. */
+const char *ms_dtype_name(ms_dtype dtype);
+/* Parses a name of the list above ("float32", "bfloat16", "half", ... are accepted too). */
+ms_status ms_dtype_parse(const char *name, ms_dtype *out);
+/* 1 for f32 f16 bf16 f8e4m3 f8e5m2 f64, else 0. */
+int ms_dtype_is_float(ms_dtype dtype);
+
+/* Converts n elements from src (src_dtype) to dst (dst_dtype); contiguous, no overlap
+ * unless dst == src with equal element sizes.  Float to narrower float rounds to nearest
+ * even (bf16 and f16 bit-identical to PyTorch for non-NaN inputs; fp8 saturates to the
+ * largest finite value); NaN stays NaN.  Float to integer truncates toward zero and
+ * saturates, NaN -> 0; integer to integer wraps like a C cast; to bool: nonzero -> 1. */
+ms_status ms_cast(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype src_dtype, int64_t n);
+
+typedef enum ms_cast_impl {
+    MS_CAST_AUTO = 0,     /* AVX2 when the CPU has AVX2 and F16C, else portable */
+    MS_CAST_PORTABLE = 1, /* plain C */
+    MS_CAST_AVX2 = 2      /* AVX2 + F16C kernels; MS_ERR_NOT_BUILT when unavailable */
+} ms_cast_impl;
+
+/* Chooses the cast kernels for the whole process (tests and benchmarks compare them). */
+ms_status ms_cast_set_impl(ms_cast_impl impl);
+/* The kernels in use now: MS_CAST_PORTABLE or MS_CAST_AVX2. */
+ms_cast_impl ms_cast_get_impl(void);
+
+/* ---------------------------------------------------------------- tensors */
+
+typedef enum ms_device_type {
+    MS_DEVICE_CPU = 0,
+    MS_DEVICE_META = 1, /* shape and dtype only, no memory */
+    MS_DEVICE_CUDA = 2
+} ms_device_type;
+
+enum { MS_MAX_DIMS = 8 };
+
+/* Parses "cpu", "meta", "cuda", "cuda:N". */
+ms_status ms_device_parse(const char *name, ms_device_type *type, int *index);
+
+typedef struct ms_tensor ms_tensor;
+
+/* A new zero-filled contiguous tensor.  ndim 0..8; sizes >= 0; the byte count must fit
+ * int64.  Release with ms_tensor_release. */
+ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype,
+                        ms_device_type device, int device_index);
+/* A cpu tensor over memory the caller owns (contiguous); moonshard never frees it. */
+ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape,
+                         ms_dtype dtype);
+void ms_tensor_retain(ms_tensor *t);
+void ms_tensor_release(ms_tensor *t);
+
+int ms_tensor_ndim(const ms_tensor *t);
+int64_t ms_tensor_size(const ms_tensor *t, int dim);   /* -1 when dim is out of range */
+int64_t ms_tensor_stride(const ms_tensor *t, int dim); /* in elements */
+int64_t ms_tensor_numel(const ms_tensor *t);
+int64_t ms_tensor_nbytes(const ms_tensor *t); /* numel * element size */
+ms_dtype ms_tensor_dtype(const ms_tensor *t);
+ms_device_type ms_tensor_device(const ms_tensor *t);
+int ms_tensor_device_index(const ms_tensor *t);
+int ms_tensor_is_contiguous(const ms_tensor *t);
+/* Address of the first element; NULL for meta tensors and for empty tensors. */
+void *ms_tensor_data(const ms_tensor *t);
+/* 1 when a and b view overlapping bytes of the same storage. */
+int ms_tensor_overlaps(const ms_tensor *a, const ms_tensor *b);
+
+/* Views: they retain t's storage and share its memory. */
+ms_status ms_tensor_narrow(ms_tensor **out, ms_tensor *t, int dim, int64_t start, int64_t length);
+/* A new shape with the same numel over a contiguous tensor; one size may be -1. */
+ms_status ms_tensor_view(ms_tensor **out, ms_tensor *t, int ndim, const int64_t *shape);
+/* Piece `index` of torch.chunk(t, chunks, dim): ceil(n/chunks) rows per piece, the last
+ * ones shorter or empty (an empty piece is a view of 0 rows at offset n). */
+ms_status ms_tensor_chunk(ms_tensor **out, ms_tensor *t, int64_t chunks, int64_t index, int dim);
+
+/* dst <- src element-wise with a cast; equal shapes; any strides. */
+ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src);
+/* Every element of t set to value (cast to t's dtype with the rules of ms_cast). */
+ms_status ms_tensor_fill(ms_tensor *t, double value);
+/* A new contiguous tensor holding t cast to dtype. */
+ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype);
+
+/* ---------------------------------------------------------------- collectives */
+
+typedef enum ms_op { MS_OP_SUM = 0, MS_OP_AVG = 1, MS_OP_MAX = 2, MS_OP_MIN = 3 } ms_op;
+
+const char *ms_op_name(ms_op op);                  /* "sum", ...; NULL if invalid */
+ms_status ms_op_parse(const char *name, ms_op *out);
+
+/* The ranks of one job in this process and the backend that connects them. */
+typedef struct ms_world ms_world;
+/* One rank's handle on a group of ranks (a communicator). */
+typedef struct ms_comm ms_comm;
+
+/* A world of nranks ranks run as threads of this process.  timeout_s <= 0 takes
+ * MOONSHARD_TIMEOUT from the environment, else 300 seconds. */
+ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s);
+void ms_world_retain(ms_world *w);
+void ms_world_release(ms_world *w);
+int ms_world_size(const ms_world *w);
+double ms_world_timeout(const ms_world *w);
+/* The whole world as seen from `rank`; call it on that rank's thread. */
+ms_status ms_world_comm(ms_world *w, int rank, ms_comm **out);
+/* Says that `rank` has finished (failed = 0) or failed (failed != 0).  Collectives waiting
+ * for that rank then fail with MS_ERR_PEER instead of waiting out the timeout. */
+ms_status ms_world_rank_done(ms_world *w, int rank, int failed);
+
+void ms_comm_retain(ms_comm *c);
+void ms_comm_release(ms_comm *c);
+int ms_comm_size(const ms_comm *c);
+int ms_comm_rank(const ms_comm *c);
+/* The world rank of group member `group_rank`; -1 if out of range. */
+int ms_comm_world_rank(const ms_comm *c, int group_rank);
+/* "threads", "mpi" or "nccl". */
+const char *ms_comm_backend(const ms_comm *c);
+/* The group of the given world ranks (strictly increasing, including this rank) seen from
+ * this rank.  Every member must ask for the same list; asking again returns the same group. */
+ms_status ms_comm_group(ms_comm *world, int n, const int *world_ranks, ms_comm **out);
+
+/* Collectives.  Tensors are contiguous, on the comm's device, equal dtype; every rank of
+ * the group must make the same call with the same counts, dtype and op, else every rank
+ * gets MS_ERR_MISMATCH.  A rank that does not arrive within the timeout gives
+ * MS_ERR_TIMEOUT; after a failed collective the comm is unusable (MS_ERR_STATE).
+ * 16-bit float reductions accumulate in f32 and round once; avg divides by the group size.
+ * In place: all_gather when in is out's slice for this rank; reduce_scatter when out is
+ * in's slice for this rank; all_reduce always. */
+ms_status ms_all_gather(ms_comm *c, ms_tensor *out, const ms_tensor *in);  /* out numel = n * in numel */
+ms_status ms_reduce_scatter(ms_comm *c, ms_tensor *out, const ms_tensor *in, ms_op op); /* in numel = n * out numel */
+ms_status ms_all_reduce(ms_comm *c, ms_tensor *t, ms_op op);
+ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root);
+ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in); /* equal numel, divisible by n */
+ms_status ms_barrier(ms_comm *c);
+
+/* ---------------------------------------------------------------- meshes */
+
+typedef struct ms_mesh ms_mesh;
+
+/* A mesh of named axes (row-major: the last axis varies fastest).  Names are unique and
+ * non-empty, sizes >= 1.  world may be NULL (a shape-only mesh, for planning); otherwise
+ * the product of sizes must equal its size and the mesh retains it. */
+ms_status ms_mesh_new(ms_mesh **out, int naxes, const char *const *names, const int64_t *sizes,
+                      ms_comm *world);
+void ms_mesh_retain(ms_mesh *m);
+void ms_mesh_release(ms_mesh *m);
+int ms_mesh_ndim(const ms_mesh *m);
+const char *ms_mesh_axis_name(const ms_mesh *m, int axis); /* NULL when out of range */
+int64_t ms_mesh_axis_size(const ms_mesh *m, int axis);     /* -1 when out of range */
+int ms_mesh_axis_index(const ms_mesh *m, const char *name); /* -1 when absent */
+int64_t ms_mesh_size(const ms_mesh *m);                     /* product of the sizes */
+/* This rank's world rank, -1 for a shape-only mesh. */
+int64_t ms_mesh_rank(const ms_mesh *m);
+ms_status ms_mesh_coords(const ms_mesh *m, int64_t rank, int64_t *coords);
+ms_status ms_mesh_rank_of(const ms_mesh *m, const int64_t *coords, int64_t *rank);
+/* The ranks of `rank`'s group over the given axes (axis indices in increasing mesh order,
+ * as torch DeviceMesh slicing requires), ordered row-major over those axes, which is
+ * increasing rank order; ranks has room for the product of their sizes; *count gets it. */
+ms_status ms_mesh_group_ranks(const ms_mesh *m, int naxes, const int *axes, int64_t rank,
+                              int64_t *ranks, int64_t *count);
+/* This rank's group over the given axes, built once per mesh and cached. */
+ms_status ms_mesh_group(ms_mesh *m, int naxes, const int *axes, ms_comm **out);
+
+/* ---------------------------------------------------------------- layouts */
+
+typedef enum ms_placement_kind {
+    MS_PLACE_REPLICATE = 0,
+    MS_PLACE_SHARD = 1,
+    MS_PLACE_PARTIAL = 2
+} ms_placement_kind;
+
+/* torch.chunk extent of piece r of a dim of size n cut into k pieces. */
+ms_status ms_chunk_extent(int64_t n, int64_t k, int64_t r, int64_t *length, int64_t *offset);
+/* DTensor local shape and global offset of the shard at `coords` of a mesh of mesh_ndim
+ * dims with one placement per mesh dim (kinds[i], shard_dims[i] for Shard).  Placements
+ * apply in mesh-dim order to the current local extent.  Negative shard dims count from
+ * the end. */
+ms_status ms_local_shape(int ndim, const int64_t *global_shape, int mesh_ndim, const int *kinds,
+                         const int *shard_dims, const int64_t *mesh_sizes, const int64_t *coords,
+                         int64_t *local_shape, int64_t *global_offset);
+/* FSDP2 shard of a parameter on `dim` over `world` ranks: the local shape and the offset
+ * along `dim` of `rank` (torch.chunk rules; a rank may hold 0 rows) and the padded shape (ceil(n/world)
+ * rows).  dim != 0 requires size % world == 0; 0-dim parameters are an error. */
+ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t rank, int dim,
+                        int64_t *local_shape, int64_t *offset, int64_t *padded_shape);
+
+/* MS_API_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOONSHARD_H */

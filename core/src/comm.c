@@ -1,0 +1,418 @@
+/*
+ * comm.c: worlds, comms and groups, and the public collectives.
+ *
+ * Everything here is backend-independent.  A collective call is checked on the calling rank
+ * (tensors present, holding data, on the backend's device, contiguous, equal dtypes, the
+ * numel relation of the collective, the op, in-place forms), turned into an ms_coll and
+ * handed to the backend's table (comm.h).  A rank whose arguments are rejected here has not
+ * joined the collective: its comm stays usable and its peers keep waiting for it.  A
+ * failure inside the backend (mismatch, timeout, peer gone) makes the comm unusable: later
+ * calls return MS_ERR_STATE with the first failure's message.
+ */
+#include "comm.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- names for messages */
+
+static const char *const coll_name[] = {"all_gather", "reduce_scatter", "all_reduce",
+                                        "broadcast", "all_to_all", "barrier"};
+
+const char *ms__coll_name(ms_coll_kind kind) { return coll_name[kind]; }
+
+const char *ms__coll_str(char *buf, size_t cap, const ms_coll *call) {
+    const char *dt = ms_dtype_name(call->dtype);
+    long long count = (long long)call->count;
+    switch (call->kind) {
+    case MS_COLL_ALL_GATHER:
+    case MS_COLL_ALL_TO_ALL: snprintf(buf, cap, "in %lld x %s", count, dt); break;
+    case MS_COLL_REDUCE_SCATTER:
+        snprintf(buf, cap, "out %lld x %s %s", count, dt, ms_op_name(call->op));
+        break;
+    case MS_COLL_ALL_REDUCE: snprintf(buf, cap, "%lld x %s %s", count, dt, ms_op_name(call->op)); break;
+    case MS_COLL_BROADCAST: snprintf(buf, cap, "%lld x %s root %d", count, dt, call->root); break;
+    case MS_COLL_BARRIER: buf[0] = '\0'; break;
+    }
+    return buf;
+}
+
+const char *ms__group_str(char *buf, size_t cap, int n, const int *world_ranks) {
+    size_t len = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < n && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, i ? " %d" : "%d", world_ranks[i]);
+    if (len < cap) snprintf(buf + len, cap - len, "]");
+    return buf;
+}
+
+static const char *const device_name[] = {[MS_DEVICE_CPU] = "cpu", [MS_DEVICE_META] = "meta",
+                                          [MS_DEVICE_CUDA] = "cuda"};
+
+/* "[4, 3] f32": a tensor in messages. */
+static const char *tensor_str(char *buf, size_t cap, const ms_tensor *t) {
+    char shape[160];
+    snprintf(buf, cap, "%s %s", ms__shape_str(shape, sizeof shape, t->ndim, t->shape),
+             ms_dtype_name(t->dtype));
+    return buf;
+}
+
+/* ---------------------------------------------------------------- worlds */
+
+enum { MS_DEFAULT_TIMEOUT_S = 300 };
+
+/* The timeout of a new world and where it came from (for timeout messages). */
+static ms_status resolve_timeout(ms_world *w, double timeout_s) {
+    if (timeout_s > 0) {
+        if (!isfinite(timeout_s))
+            return ms__fail(MS_ERR_ARG, "world: timeout_s %g is not a finite number of seconds", timeout_s);
+        w->timeout_s = timeout_s;
+        snprintf(w->timeout_origin, sizeof w->timeout_origin, "timeout_s=%g given to the world", timeout_s);
+        return MS_OK;
+    }
+    const char *env = getenv("MOONSHARD_TIMEOUT");
+    if (!env || !*env) {
+        w->timeout_s = MS_DEFAULT_TIMEOUT_S;
+        snprintf(w->timeout_origin, sizeof w->timeout_origin,
+                 "the default; set MOONSHARD_TIMEOUT to change it");
+        return MS_OK;
+    }
+    char *end;
+    double v = strtod(env, &end);
+    while (*end == ' ' || *end == '\t') end++;
+    if (end == env || *end || !isfinite(v) || v <= 0)
+        return ms__fail(MS_ERR_ARG, "MOONSHARD_TIMEOUT='%s' is not a positive number of seconds", env);
+    w->timeout_s = v;
+    snprintf(w->timeout_origin, sizeof w->timeout_origin, "MOONSHARD_TIMEOUT=%.40s", env);
+    return MS_OK;
+}
+
+static void group_free(const ms_backend *backend, ms_group *g) {
+    if (g->impl) backend->group_free(g);
+    free(g->world_ranks);
+    free(g->comms);
+    free(g);
+}
+
+/* A new group of the given world ranks with its backend state; the caller holds w->lock
+ * (or owns w alone) and links it into the registry. */
+static ms_status group_new(ms_world *w, int n, const int *world_ranks, ms_group **out) {
+    ms_group *g = calloc(1, sizeof *g);
+    if (!g) return ms__fail(MS_ERR_OOM, "out of memory creating a group of %d ranks", n);
+    g->n = n;
+    g->world_ranks = malloc((size_t)n * sizeof *g->world_ranks);
+    g->comms = calloc((size_t)n, sizeof *g->comms);
+    if (!g->world_ranks || !g->comms) {
+        group_free(w->backend, g);
+        return ms__fail(MS_ERR_OOM, "out of memory creating a group of %d ranks", n);
+    }
+    memcpy(g->world_ranks, world_ranks, (size_t)n * sizeof *world_ranks);
+    for (int i = 0; i < n; i++) g->comms[i] = (ms_comm){.world = w, .group = g, .rank = i};
+    ms_status st = w->backend->group_init(w, g);
+    if (st) {
+        group_free(w->backend, g);
+        return st;
+    }
+    *out = g;
+    return MS_OK;
+}
+
+static void world_free(ms_world *w) {
+    for (ms_group *g = w->groups, *next; g; g = next) {
+        next = g->next;
+        group_free(w->backend, g);
+    }
+    pthread_mutex_destroy(&w->lock);
+    free(w->rank_state);
+    free(w);
+}
+
+ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s) {
+    if (!out) return ms__fail(MS_ERR_ARG, "%s world: out is NULL", backend->name);
+    if (nranks < 1) return ms__fail(MS_ERR_ARG, "%s world: nranks must be >= 1, got %d", backend->name, nranks);
+    ms_world *w = calloc(1, sizeof *w);
+    if (!w) return ms__fail(MS_ERR_OOM, "%s world: out of memory", backend->name);
+    atomic_init(&w->refcount, 1);
+    w->backend = backend;
+    w->size = nranks;
+    pthread_mutex_init(&w->lock, NULL);
+    ms_status st = resolve_timeout(w, timeout_s);
+    int *all = malloc((size_t)nranks * sizeof *all);
+    w->rank_state = calloc((size_t)nranks, sizeof *w->rank_state);
+    if (!st && (!all || !w->rank_state)) st = ms__fail(MS_ERR_OOM, "%s world: out of memory", backend->name);
+    if (!st) {
+        for (int i = 0; i < nranks; i++) {
+            all[i] = i;
+            atomic_init(&w->rank_state[i], MS_RANK_RUNNING);
+        }
+        st = group_new(w, nranks, all, &w->groups);
+    }
+    free(all);
+    if (st) {
+        world_free(w);
+        return st;
+    }
+    *out = w;
+    return ms__ok();
+}
+
+void ms_world_retain(ms_world *w) {
+    if (w) atomic_fetch_add(&w->refcount, 1);
+}
+
+void ms_world_release(ms_world *w) {
+    if (w && atomic_fetch_sub(&w->refcount, 1) == 1) world_free(w);
+}
+
+int ms_world_size(const ms_world *w) { return w->size; }
+double ms_world_timeout(const ms_world *w) { return w->timeout_s; }
+
+ms_status ms_world_comm(ms_world *w, int rank, ms_comm **out) {
+    if (!w || !out) return ms__fail(MS_ERR_ARG, "world_comm: NULL argument");
+    if (rank < 0 || rank >= w->size)
+        return ms__fail(MS_ERR_ARG, "world_comm: rank %d is out of range for a world of %d ranks", rank, w->size);
+    ms_world_retain(w);
+    *out = &w->groups->comms[rank];
+    return ms__ok();
+}
+
+ms_status ms_world_rank_done(ms_world *w, int rank, int failed) {
+    if (!w) return ms__fail(MS_ERR_ARG, "world_rank_done: world is NULL");
+    if (rank < 0 || rank >= w->size)
+        return ms__fail(MS_ERR_ARG, "world_rank_done: rank %d is out of range for a world of %d ranks", rank,
+                        w->size);
+    atomic_store(&w->rank_state[rank], failed ? MS_RANK_FAILED : MS_RANK_FINISHED);
+    return ms__ok();
+}
+
+/* ---------------------------------------------------------------- comms and groups */
+
+void ms_comm_retain(ms_comm *c) {
+    if (c) ms_world_retain(c->world);
+}
+
+void ms_comm_release(ms_comm *c) {
+    if (c) ms_world_release(c->world);
+}
+
+int ms_comm_size(const ms_comm *c) { return c->group->n; }
+int ms_comm_rank(const ms_comm *c) { return c->rank; }
+int ms_comm_world_rank(const ms_comm *c, int group_rank) {
+    return group_rank >= 0 && group_rank < c->group->n ? c->group->world_ranks[group_rank] : -1;
+}
+const char *ms_comm_backend(const ms_comm *c) { return c->world->backend->name; }
+
+/* Checks a member list: strictly increasing world ranks that include `me`. */
+static ms_status check_members(const ms_world *w, int me, int n, const int *ranks) {
+    char list[256];
+    if (n < 1 || n > w->size)
+        return ms__fail(MS_ERR_ARG, "comm_group: %d ranks asked for in a world of %d", n, w->size);
+    ms__group_str(list, sizeof list, n, ranks);
+    bool has_me = false;
+    for (int i = 0; i < n; i++) {
+        if (ranks[i] < 0 || ranks[i] >= w->size)
+            return ms__fail(MS_ERR_ARG, "comm_group %s: rank %d is out of range for a world of %d ranks", list,
+                            ranks[i], w->size);
+        if (i > 0 && ranks[i] <= ranks[i - 1])
+            return ms__fail(MS_ERR_ARG, "comm_group %s: world ranks must be strictly increasing", list);
+        has_me |= ranks[i] == me;
+    }
+    if (!has_me)
+        return ms__fail(MS_ERR_ARG, "comm_group %s: the group does not contain the calling rank %d", list, me);
+    return MS_OK;
+}
+
+ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out) {
+    if (!c || !world_ranks || !out) return ms__fail(MS_ERR_ARG, "comm_group: NULL argument");
+    ms_world *w = c->world;
+    int me = c->group->world_ranks[c->rank];
+    ms_status st = check_members(w, me, n, world_ranks);
+    if (st) return st;
+
+    pthread_mutex_lock(&w->lock);
+    ms_group *g = w->groups, *last = NULL;
+    for (; g; last = g, g = g->next)
+        if (g->n == n && !memcmp(g->world_ranks, world_ranks, (size_t)n * sizeof *world_ranks)) break;
+    if (!g && !(st = group_new(w, n, world_ranks, &g))) last->next = g;
+    pthread_mutex_unlock(&w->lock);
+    if (st) return st;
+
+    int rank = 0;
+    while (g->world_ranks[rank] != me) rank++;
+    ms_world_retain(w);
+    *out = &g->comms[rank];
+    return ms__ok();
+}
+
+/* ---------------------------------------------------------------- argument checks */
+
+/* The comm is present and usable; writes "all_gather on group [0 1]" into where. */
+static ms_status check_comm(ms_comm *c, ms_coll_kind kind, char *where, size_t cap) {
+    if (!c) return ms__fail(MS_ERR_ARG, "%s: comm is NULL", ms__coll_name(kind));
+    char group[256];
+    snprintf(where, cap, "%s on group %s", ms__coll_name(kind),
+             ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
+    if (c->unusable)
+        return ms__fail(MS_ERR_STATE, "%s: the comm is unusable after an earlier failure: %s", where, c->failure);
+    return MS_OK;
+}
+
+/* The tensor is present, holds data on the backend's device and is contiguous. */
+static ms_status check_tensor(const ms_comm *c, const char *where, const char *name, const ms_tensor *t) {
+    if (!t) return ms__fail(MS_ERR_ARG, "%s: %s is NULL", where, name);
+    char desc[200];
+    tensor_str(desc, sizeof desc, t);
+    ms_device_type device = ms_tensor_device(t);
+    if (device == MS_DEVICE_META)
+        return ms__fail(MS_ERR_DEVICE, "%s: %s %s is a meta tensor; meta tensors hold no data", where, name, desc);
+    if (device != c->world->backend->device)
+        return ms__fail(MS_ERR_DEVICE, "%s: %s %s is a %s tensor; the %s backend moves %s tensors", where, name,
+                        desc, device_name[device], c->world->backend->name, device_name[c->world->backend->device]);
+    if (!ms_tensor_is_contiguous(t)) {
+        char strides[160];
+        return ms__fail(MS_ERR_ARG, "%s: %s %s is not contiguous (strides %s)", where, name, desc,
+                        ms__shape_str(strides, sizeof strides, t->ndim, t->stride));
+    }
+    return MS_OK;
+}
+
+static ms_status check_same_dtype(const char *where, const ms_tensor *out, const ms_tensor *in) {
+    if (out->dtype == in->dtype) return MS_OK;
+    char a[200], b[200];
+    return ms__fail(MS_ERR_DTYPE, "%s: out %s and in %s must have the same dtype", where,
+                    tensor_str(a, sizeof a, out), tensor_str(b, sizeof b, in));
+}
+
+/* The op exists and the dtype can be reduced with it. */
+static ms_status check_op(const char *where, ms_op op, ms_dtype dtype) {
+    if (!ms_op_name(op))
+        return ms__fail(MS_ERR_ARG, "%s: invalid reduction op %d (expected sum, avg, max or min)", where, (int)op);
+    if (op == MS_OP_AVG && !ms_dtype_is_float(dtype))
+        return ms__fail(MS_ERR_DTYPE, "%s: avg needs a floating dtype, got %s", where, ms_dtype_name(dtype));
+    if (dtype == MS_BOOL && op == MS_OP_SUM)
+        return ms__fail(MS_ERR_DTYPE, "%s: bool reduces with max (logical or) and min (logical and) only, not sum",
+                        where);
+    return MS_OK;
+}
+
+/* `whole` has n times the elements of `part`. */
+static ms_status check_n_times(const char *where, int n, const char *whole_name, const ms_tensor *whole,
+                               const char *part_name, const ms_tensor *part) {
+    int64_t part_numel = ms_tensor_numel(part), want;
+    if (ms__mul_ok(part_numel, n, &want) && ms_tensor_numel(whole) == want) return MS_OK;
+    char a[200], b[200];
+    return ms__fail(MS_ERR_SHAPE, "%s: %s %s has %lld elements, expected %d x %lld (group size x %s's numel; %s %s)",
+                    where, whole_name, tensor_str(a, sizeof a, whole), (long long)ms_tensor_numel(whole), n,
+                    (long long)part_numel, part_name, part_name, tensor_str(b, sizeof b, part));
+}
+
+static bool bytes_overlap(const ms_tensor *a, const ms_tensor *b) {
+    const char *pa = ms_tensor_data(a), *pb = ms_tensor_data(b);
+    if (!pa || !pb) return false;
+    return pa < pb + ms_tensor_nbytes(b) && pb < pa + ms_tensor_nbytes(a);
+}
+
+/* `part` is disjoint from `whole` or exactly its slice for this rank (the in-place form). */
+static ms_status check_in_place(const ms_comm *c, const char *where, const char *whole_name,
+                                const ms_tensor *whole, const char *part_name, const ms_tensor *part) {
+    if (!bytes_overlap(whole, part)) return MS_OK;
+    const char *slice = (const char *)ms_tensor_data(whole) + c->rank * ms_tensor_nbytes(part);
+    if (ms_tensor_data(part) == slice) return MS_OK;
+    char a[200], b[200];
+    return ms__fail(MS_ERR_ARG, "%s: %s %s overlaps %s %s but is not its slice for group rank %d (the in-place form)",
+                    where, part_name, tensor_str(a, sizeof a, part), whole_name, tensor_str(b, sizeof b, whole),
+                    c->rank);
+}
+
+/* Hands a checked call to the backend; a failure there makes the comm unusable. */
+static ms_status run(ms_comm *c, const ms_coll *call) {
+    ms_status st = c->world->backend->collective(c, call);
+    if (st) {
+        c->unusable = true;
+        snprintf(c->failure, sizeof c->failure, "%s", ms_last_error());
+        return st;
+    }
+    return ms__ok();
+}
+
+/* ---------------------------------------------------------------- collectives */
+
+ms_status ms_all_gather(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
+    char where[320];
+    ms_status st = check_comm(c, MS_COLL_ALL_GATHER, where, sizeof where);
+    if (!st) st = check_tensor(c, where, "out", out);
+    if (!st) st = check_tensor(c, where, "in", in);
+    if (!st) st = check_same_dtype(where, out, in);
+    if (!st) st = check_n_times(where, c->group->n, "out", out, "in", in);
+    if (!st) st = check_in_place(c, where, "out", out, "in", in);
+    if (st) return st;
+    ms_coll call = {.kind = MS_COLL_ALL_GATHER, .dtype = in->dtype, .count = ms_tensor_numel(in),
+                    .send = ms_tensor_data(in), .recv = ms_tensor_data(out)};
+    return run(c, &call);
+}
+
+ms_status ms_reduce_scatter(ms_comm *c, ms_tensor *out, const ms_tensor *in, ms_op op) {
+    char where[320];
+    ms_status st = check_comm(c, MS_COLL_REDUCE_SCATTER, where, sizeof where);
+    if (!st) st = check_tensor(c, where, "out", out);
+    if (!st) st = check_tensor(c, where, "in", in);
+    if (!st) st = check_same_dtype(where, out, in);
+    if (!st) st = check_op(where, op, in->dtype);
+    if (!st) st = check_n_times(where, c->group->n, "in", in, "out", out);
+    if (!st) st = check_in_place(c, where, "in", in, "out", out);
+    if (st) return st;
+    ms_coll call = {.kind = MS_COLL_REDUCE_SCATTER, .dtype = in->dtype, .op = op, .count = ms_tensor_numel(out),
+                    .send = ms_tensor_data(in), .recv = ms_tensor_data(out)};
+    return run(c, &call);
+}
+
+ms_status ms_all_reduce(ms_comm *c, ms_tensor *t, ms_op op) {
+    char where[320];
+    ms_status st = check_comm(c, MS_COLL_ALL_REDUCE, where, sizeof where);
+    if (!st) st = check_tensor(c, where, "t", t);
+    if (!st) st = check_op(where, op, t->dtype);
+    if (st) return st;
+    ms_coll call = {.kind = MS_COLL_ALL_REDUCE, .dtype = t->dtype, .op = op, .count = ms_tensor_numel(t),
+                    .send = ms_tensor_data(t), .recv = ms_tensor_data(t)};
+    return run(c, &call);
+}
+
+ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root) {
+    char where[320];
+    ms_status st = check_comm(c, MS_COLL_BROADCAST, where, sizeof where);
+    if (!st) st = check_tensor(c, where, "t", t);
+    if (!st && (root < 0 || root >= c->group->n))
+        st = ms__fail(MS_ERR_ARG, "%s: root %d is not a group rank (0..%d)", where, root, c->group->n - 1);
+    if (st) return st;
+    ms_coll call = {.kind = MS_COLL_BROADCAST, .dtype = t->dtype, .root = root, .count = ms_tensor_numel(t),
+                    .send = ms_tensor_data(t), .recv = ms_tensor_data(t)};
+    return run(c, &call);
+}
+
+ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
+    char where[320], a[200], b[200];
+    ms_status st = check_comm(c, MS_COLL_ALL_TO_ALL, where, sizeof where);
+    if (!st) st = check_tensor(c, where, "out", out);
+    if (!st) st = check_tensor(c, where, "in", in);
+    if (!st) st = check_same_dtype(where, out, in);
+    if (st) return st;
+    int64_t numel = ms_tensor_numel(in);
+    if (ms_tensor_numel(out) != numel || numel % c->group->n)
+        return ms__fail(MS_ERR_SHAPE, "%s: out %s and in %s must have equal numel divisible by the group size %d",
+                        where, tensor_str(a, sizeof a, out), tensor_str(b, sizeof b, in), c->group->n);
+    if (bytes_overlap(out, in))
+        return ms__fail(MS_ERR_ARG, "%s: out %s and in %s overlap (all_to_all has no in-place form)", where,
+                        tensor_str(a, sizeof a, out), tensor_str(b, sizeof b, in));
+    ms_coll call = {.kind = MS_COLL_ALL_TO_ALL, .dtype = in->dtype, .count = numel,
+                    .send = ms_tensor_data(in), .recv = ms_tensor_data(out)};
+    return run(c, &call);
+}
+
+ms_status ms_barrier(ms_comm *c) {
+    char where[320];
+    ms_status st = check_comm(c, MS_COLL_BARRIER, where, sizeof where);
+    if (st) return st;
+    ms_coll call = {.kind = MS_COLL_BARRIER};
+    return run(c, &call);
+}

@@ -1,0 +1,110 @@
+/*
+ * comm.h: the internal interface between the public collectives (comm.c) and the backends
+ * that move the data (comm_threads.c; comm_mpi.c and comm_nccl.c later).
+ *
+ * comm.c owns everything backend-independent: the world and its refcount, the timeout, the
+ * per-rank "done" flags, the registry of groups, the checks of a call's tensors on the
+ * calling rank and the poisoning of a comm after a failed collective.  A backend is a
+ * small table of function pointers (ms_backend) that creates the shared state of a group
+ * and runs one already-checked collective, described by a plain struct (ms_coll).
+ */
+#ifndef MS_COMM_H
+#define MS_COMM_H
+
+#include "ms_internal.h"
+
+#include <pthread.h>
+
+typedef enum ms_coll_kind {
+    MS_COLL_ALL_GATHER = 0,
+    MS_COLL_REDUCE_SCATTER = 1,
+    MS_COLL_ALL_REDUCE = 2,
+    MS_COLL_BROADCAST = 3,
+    MS_COLL_ALL_TO_ALL = 4,
+    MS_COLL_BARRIER = 5
+} ms_coll_kind;
+
+/* "all_gather", "reduce_scatter", ... */
+const char *ms__coll_name(ms_coll_kind kind);
+
+/* One rank's collective call after comm.c has checked it.  Every field but the two
+ * pointers must be equal on all ranks of the group (the backends compare them).
+ *   kind            send (elements)       recv (elements)      count is
+ *   all_gather      count                 n * count            in numel
+ *   reduce_scatter  n * count             count                out numel
+ *   all_reduce      = recv                count                numel
+ *   broadcast       = recv                count                numel
+ *   all_to_all      count                 count                in numel (n divides it)
+ *   barrier         NULL                  NULL                 0
+ * Pointers are NULL when their tensor has no elements.  In place: all_gather's send is
+ * recv + rank * count elements or disjoint from recv; reduce_scatter's recv is send +
+ * rank * count elements or disjoint from send; all_to_all's never overlap. */
+typedef struct ms_coll {
+    ms_coll_kind kind;
+    ms_dtype dtype;
+    ms_op op;       /* reduce_scatter and all_reduce; MS_OP_SUM otherwise */
+    int root;       /* broadcast: group rank of the source; 0 otherwise */
+    int64_t count;
+    const void *send;
+    void *recv;
+} ms_coll;
+
+/* A call's arguments in messages: "16 x f32 sum", "in 8 x bf16", "16 x f32 root 1", ""
+ * (barrier). */
+const char *ms__coll_str(char *buf, size_t cap, const ms_coll *call);
+/* "[0 2 5]": a group's world ranks, for messages. */
+const char *ms__group_str(char *buf, size_t cap, int n, const int *world_ranks);
+
+typedef struct ms_group ms_group;
+
+typedef struct ms_backend {
+    const char *name;      /* "threads", "mpi", "nccl" */
+    ms_device_type device; /* where its tensors live */
+    /* Creates g->impl, the state the members of g in this process share.  Called once per
+     * group, by its first member to ask, with the world's lock held. */
+    ms_status (*group_init)(ms_world *w, ms_group *g);
+    /* Frees g->impl when the world goes away. */
+    void (*group_free)(ms_group *g);
+    /* Runs one collective on c.  Any status but MS_OK leaves the comm unusable (comm.c
+     * marks it); the message names the collective and the group. */
+    ms_status (*collective)(ms_comm *c, const ms_coll *call);
+} ms_backend;
+
+/* What ms_world_rank_done said about a rank. */
+enum { MS_RANK_RUNNING = 0, MS_RANK_FINISHED = 1, MS_RANK_FAILED = 2 };
+
+struct ms_world {
+    atomic_int refcount; /* users of the world and of every one of its comms */
+    const ms_backend *backend;
+    int size;
+    double timeout_s;
+    char timeout_origin[64]; /* "MOONSHARD_TIMEOUT=2", for timeout messages */
+    atomic_int *rank_state;  /* (size) MS_RANK_*; set by ms_world_rank_done */
+    pthread_mutex_t lock;    /* guards the group registry */
+    ms_group *groups;        /* registry, owned; the first is the whole world */
+};
+
+/* A set of world ranks and one comm per member.  Comms live as long as the world: a
+ * reference to a comm is a reference to its world. */
+struct ms_group {
+    int n;
+    int *world_ranks; /* (n) strictly increasing */
+    ms_comm *comms;   /* (n) comms[i] is group rank i's handle */
+    void *impl;       /* backend state shared by the members in this process */
+    ms_group *next;
+};
+
+struct ms_comm {
+    ms_world *world; /* not retained: the comm's references are the world's */
+    ms_group *group;
+    int rank;        /* group rank */
+    /* Set when a collective failed: every later call returns MS_ERR_STATE with this. */
+    bool unusable;
+    char failure[1024];
+};
+
+/* A world of nranks ranks connected by backend (registers the whole-world group).
+ * timeout_s <= 0 reads MOONSHARD_TIMEOUT, else 300 s. */
+ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s);
+
+#endif /* MS_COMM_H */

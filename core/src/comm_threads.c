@@ -1,0 +1,540 @@
+/*
+ * comm_threads.c: the threads backend.  The ranks of a world are threads of one process;
+ * a collective moves data by reading the peers' buffers directly, with no staging copy.
+ *
+ * One collective on a group of n ranks, seen from group rank r:
+ *   1. arrive: r posts its ms_coll (pointers and arguments) into its slot and counts itself
+ *      in; it then waits until all n have arrived.  If the world's timeout passes first, or
+ *      a missing rank was reported done (ms_world_rank_done), the waiting rank poisons the
+ *      group: every rank that joins this call, waiting or late, fails with the same status
+ *      and message (comm.c then refuses its later calls with MS_ERR_STATE).
+ *   2. agree: every rank compares the n posted calls; on any difference all of them return
+ *      MS_ERR_MISMATCH with the same message and no data is touched.
+ *   3. move: r reads the peers' buffers and writes only what it owns: its own out, or (for
+ *      all_reduce) its chunk of every rank's buffer.
+ *   4. depart: r counts itself out and waits until all n are done reading, so no rank
+ *      returns (and reuses its buffers) while a peer may still read them.
+ * The arrival and departure counters only grow: the k-th call (from 0) is complete when a
+ * counter reaches n * (k + 1).  Arriving and poisoning are both compare-and-swaps on the
+ * arrival counter: an arrival fails once the poison bit is set, and poisoning succeeds only
+ * while the arrival is incomplete, so a call either completes or is poisoned, never both.
+ * Waiting spins briefly, yields, then sleeps on a condition variable in short slices (to
+ * notice the deadline and ranks reported done); the lock only guards that sleep and the
+ * poison message, so a call whose ranks arrive together never takes it.
+ *
+ * Reductions run in rank order 0..n-1 in blocks of MS_BLOCK elements, accumulated in f32
+ * for f32/f16/bf16/fp8 (rounded once per element at the end), f64 for f64, and in the
+ * integer type itself, wrapping around, for integers.  bool reduces as u8: max is logical
+ * or, min logical and.
+ */
+#include "comm.h"
+
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    MS_BLOCK = 2048,   /* elements reduced per block: the accumulator stays in L1 */
+    MS_SPINS = 100,    /* busy polls before yielding, when every rank has a CPU */
+    MS_YIELDS = 50,    /* sched_yield polls before sleeping */
+    MS_SLICE_MS = 5,   /* longest sleep between checks of the deadline and of done ranks */
+};
+
+/* ---------------------------------------------------------------- group state */
+
+typedef struct slot {
+    _Alignas(64) ms_coll call;          /* posted by its rank when arriving; peers read it until departure */
+    atomic_llong arrivals; /* calls this rank has arrived at */
+    const void **srcs;     /* (n) this rank's scratch: reduction sources */
+    void **dsts;           /* (n) this rank's scratch: reduction destinations */
+} slot;
+
+/* Set in tgroup.arrived when the group is poisoned: the counter then compares >= every
+ * target, so a waiter stops, and the bit tells it why. */
+#define MS_POISONED (1LL << 62)
+
+typedef struct tgroup {
+    pthread_mutex_t lock;     /* the sleep/wake handshake and the poison message */
+    pthread_cond_t wake;      /* broadcast when a counter moves or the group is poisoned */
+    int spins;                /* MS_SPINS, or 0 when the group has more ranks than CPUs */
+    atomic_int sleepers;      /* ranks blocked on wake */
+    _Alignas(64) atomic_llong arrived;  /* arrivals of all ranks over all calls, | MS_POISONED */
+    _Alignas(64) atomic_llong departed; /* departures of all ranks over all calls */
+    ms_status poison_status;  /* under lock; written before MS_POISONED is set, never after */
+    char poison_msg[1024];    /* likewise */
+    slot *slots;              /* (n) indexed by group rank */
+} tgroup;
+
+static void threads_group_free(ms_group *g) {
+    tgroup *t = g->impl;
+    for (int i = 0; t->slots && i < g->n; i++) {
+        free(t->slots[i].srcs);
+        free(t->slots[i].dsts);
+    }
+    free(t->slots);
+    pthread_cond_destroy(&t->wake);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+    g->impl = NULL;
+}
+
+/* Zeroed memory on its own cache lines (the counters and slots are aligned to 64 bytes so
+ * that ranks spinning on one do not share a line with another). */
+static void *zalloc64(size_t bytes) {
+    void *p = aligned_alloc(64, bytes); /* the sizes are multiples of 64 */
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+static ms_status threads_group_init(ms_world *w, ms_group *g) {
+    (void)w;
+    tgroup *t = zalloc64(sizeof *t);
+    if (!t) return ms__fail(MS_ERR_OOM, "threads backend: out of memory for a group of %d ranks", g->n);
+    pthread_mutex_init(&t->lock, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->wake, &attr);
+    pthread_condattr_destroy(&attr);
+    t->spins = g->n <= sysconf(_SC_NPROCESSORS_ONLN) ? MS_SPINS : 0; /* spinning starves a peer */
+    atomic_init(&t->sleepers, 0);
+    atomic_init(&t->arrived, 0);
+    atomic_init(&t->departed, 0);
+    g->impl = t;
+    t->slots = zalloc64((size_t)g->n * sizeof *t->slots);
+    bool ok = t->slots != NULL;
+    for (int i = 0; ok && i < g->n; i++) {
+        atomic_init(&t->slots[i].arrivals, 0);
+        t->slots[i].srcs = malloc((size_t)g->n * sizeof *t->slots[i].srcs);
+        t->slots[i].dsts = malloc((size_t)g->n * sizeof *t->slots[i].dsts);
+        ok = t->slots[i].srcs && t->slots[i].dsts;
+    }
+    if (!ok) {
+        threads_group_free(g);
+        return ms__fail(MS_ERR_OOM, "threads backend: out of memory for a group of %d ranks", g->n);
+    }
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- messages */
+
+typedef struct msg {
+    char s[1024];
+    size_t len;
+} msg;
+
+static void msg_add(msg *m, const char *fmt, ...) MS_PRINTF(2, 3);
+static void msg_add(msg *m, const char *fmt, ...) {
+    if (m->len >= sizeof m->s) return;
+    va_list ap;
+    va_start(ap, fmt);
+    m->len += (size_t)vsnprintf(m->s + m->len, sizeof m->s - m->len, fmt, ap);
+    va_end(ap);
+}
+
+/* "all_reduce on group [0 1 2 3]" */
+static void msg_where(msg *m, const ms_comm *c, ms_coll_kind kind) {
+    char group[256];
+    msg_add(m, "%s on group %s", ms__coll_name(kind),
+            ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
+}
+
+/* ---------------------------------------------------------------- waiting */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* True once *counter >= target within a short spin-then-yield; false means: go to sleep. */
+static bool spin_until(const tgroup *t, atomic_llong *counter, long long target) {
+    for (int i = 0; i < t->spins; i++) {
+        if (atomic_load(counter) >= target) return true;
+        cpu_relax();
+    }
+    for (int i = 0; i < MS_YIELDS; i++) {
+        if (atomic_load(counter) >= target) return true;
+        sched_yield();
+    }
+    return false;
+}
+
+/* Sleeps on t->wake (lock held) until woken or `until` (monotonic seconds), unless *counter
+ * reached target meanwhile.  The sleeper counts itself before it reads the counter and a
+ * waker moves the counter before it reads the sleepers (all seq_cst), so one of the two
+ * sees the other: no wake-up is lost. */
+static void sleep_until(tgroup *t, atomic_llong *counter, long long target, double until) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)until;
+    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+    atomic_fetch_add(&t->sleepers, 1);
+    if (atomic_load(counter) < target) pthread_cond_timedwait(&t->wake, &t->lock, &ts);
+    atomic_fetch_sub(&t->sleepers, 1);
+}
+
+/* After moving a counter: wakes the sleepers, if any. */
+static void wake_sleepers(tgroup *t) {
+    if (atomic_load(&t->sleepers) == 0) return;
+    pthread_mutex_lock(&t->lock);
+    pthread_cond_broadcast(&t->wake);
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* The poison as this rank's error.  Every rank that joins the failed call gets it, whether
+ * it was waiting when the group was poisoned or arrived afterwards. */
+static ms_status poisoned_error(tgroup *t) {
+    pthread_mutex_lock(&t->lock);
+    ms_status st = ms__fail(t->poison_status, "%s", t->poison_msg);
+    pthread_mutex_unlock(&t->lock);
+    return st;
+}
+
+/* Tries to poison the group in the k-th call (lock held): names the ranks that have not
+ * arrived, as done (MS_ERR_PEER) when ms_world_rank_done reported any of them, else as late
+ * (MS_ERR_TIMEOUT, only once `timed_out`).  Does nothing when there is no reason yet or when
+ * the arrival completed meanwhile. */
+static void try_poison(const ms_comm *c, tgroup *t, const ms_coll *call, long long k, bool timed_out) {
+    const ms_world *w = c->world;
+    const ms_group *g = c->group;
+    msg m = {0}, missing = {0}, done = {0};
+    int nmissing = 0;
+    for (int j = 0; j < g->n; j++) {
+        if (atomic_load(&t->slots[j].arrivals) > k) continue;
+        int wr = g->world_ranks[j];
+        nmissing++;
+        msg_add(&missing, " %d", wr);
+        int state = atomic_load(&w->rank_state[wr]);
+        if (state == MS_RANK_FINISHED)
+            msg_add(&done, "%srank %d finished its script without joining %s", done.len ? "; " : "", wr,
+                    ms__coll_name(call->kind));
+        else if (state == MS_RANK_FAILED)
+            msg_add(&done, "%srank %d failed", done.len ? "; " : "", wr);
+    }
+    msg_where(&m, c, call->kind);
+    if (done.len) {
+        msg_add(&m, ": %s", done.s);
+        t->poison_status = MS_ERR_PEER;
+    } else if (timed_out) {
+        msg_add(&m, " timed out after %g s: rank%s%s did not arrive (%s)", w->timeout_s, nmissing > 1 ? "s" : "",
+                missing.s, w->timeout_origin);
+        t->poison_status = MS_ERR_TIMEOUT;
+    } else {
+        return;
+    }
+    snprintf(t->poison_msg, sizeof t->poison_msg, "%s", m.s);
+    long long v = atomic_load(&t->arrived);
+    if (v < (long long)g->n * (k + 1) && atomic_compare_exchange_strong(&t->arrived, &v, v | MS_POISONED))
+        pthread_cond_broadcast(&t->wake);
+}
+
+/* Posts call as this rank's k-th and waits until every member has posted its k-th. */
+static ms_status arrive(ms_comm *c, tgroup *t, const ms_coll *call, long long k) {
+    slot *me = &t->slots[c->rank];
+    const long long target = (long long)c->group->n * (k + 1);
+    const double deadline = now_s() + c->world->timeout_s;
+
+    me->call = *call;
+    atomic_store(&me->arrivals, k + 1);
+    long long v = atomic_load(&t->arrived);
+    do {
+        if (v & MS_POISONED) return poisoned_error(t);
+    } while (!atomic_compare_exchange_weak(&t->arrived, &v, v + 1));
+    wake_sleepers(t);
+
+    if (!spin_until(t, &t->arrived, target)) {
+        pthread_mutex_lock(&t->lock);
+        while (atomic_load(&t->arrived) < target) {
+            double now = now_s(), slice = now + MS_SLICE_MS * 1e-3;
+            try_poison(c, t, call, k, now >= deadline);
+            sleep_until(t, &t->arrived, target, slice < deadline ? slice : deadline);
+        }
+        pthread_mutex_unlock(&t->lock);
+    }
+    return atomic_load(&t->arrived) & MS_POISONED ? poisoned_error(t) : MS_OK;
+}
+
+/* Counts this rank out of the k-th call and waits until every member is out.  Never fails:
+ * all members arrived, so each one only has its bounded data movement left. */
+static void depart(ms_comm *c, tgroup *t, long long k) {
+    const long long target = (long long)c->group->n * (k + 1);
+    atomic_fetch_add(&t->departed, 1);
+    wake_sleepers(t);
+    if (spin_until(t, &t->departed, target)) return;
+    pthread_mutex_lock(&t->lock);
+    while (atomic_load(&t->departed) < target) sleep_until(t, &t->departed, target, now_s() + MS_SLICE_MS * 1e-3);
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* ---------------------------------------------------------------- agreement */
+
+static bool same_call(const ms_coll *a, const ms_coll *b) {
+    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
+           a->count == b->count;
+}
+
+/* MS_ERR_MISMATCH unless all posted calls agree.  The message depends only on the posted
+ * calls, so every rank returns the same one: each distinct call with the ranks that posted
+ * it, e.g. "ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum". */
+static ms_status agree(const ms_comm *c, const tgroup *t) {
+    const ms_group *g = c->group;
+    const slot *s = t->slots;
+    bool same = true, same_kind = true;
+    for (int j = 1; j < g->n; j++) {
+        same &= same_call(&s[j].call, &s[0].call);
+        same_kind &= s[j].call.kind == s[0].call.kind;
+    }
+    if (same) return MS_OK;
+
+    msg m = {0};
+    char group[256], args[160];
+    if (same_kind) {
+        msg_where(&m, c, s[0].call.kind);
+        msg_add(&m, ": ranks disagree: ");
+    } else {
+        msg_add(&m, "collectives on group %s: ranks disagree on the collective: ",
+                ms__group_str(group, sizeof group, g->n, g->world_ranks));
+    }
+    bool first = true;
+    for (int j = 0; j < g->n; j++) {
+        bool seen = false;
+        for (int i = 0; i < j && !seen; i++) seen = same_call(&s[i].call, &s[j].call);
+        if (seen) continue;
+        int count = 0;
+        for (int i = j; i < g->n; i++) count += same_call(&s[i].call, &s[j].call);
+        msg_add(&m, "%s%s", first ? "" : "; ", count > 1 ? "ranks" : "rank");
+        for (int i = j; i < g->n; i++)
+            if (same_call(&s[i].call, &s[j].call)) msg_add(&m, " %d", g->world_ranks[i]);
+        ms__coll_str(args, sizeof args, &s[j].call);
+        if (same_kind)
+            msg_add(&m, ": %s", args);
+        else
+            msg_add(&m, ": %s%s%s", ms__coll_name(s[j].call.kind), *args ? " " : "", args);
+        first = false;
+    }
+    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
+}
+
+/* ---------------------------------------------------------------- reduction kernels */
+
+/* The two kernels of one accumulation type, over m elements that never overlap:
+ *   first: out[i] = x[i] op y[i]      (the first two sources of a block)
+ *   next:  acc[i] = acc[i] op x[i]    (every further source) */
+typedef struct kernels {
+    void (*first)(void *out, const void *x, const void *y, int64_t m, ms_op op);
+    void (*next)(void *acc, const void *x, int64_t m, ms_op op);
+} kernels;
+
+/* out[i] = x[i] op y[i] for each op: sums wrap through the unsigned type UT for integers;
+ * max and min propagate NaN from either side. */
+#define MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
+    switch (op) {                                                                              \
+    case MS_OP_SUM:                                                                            \
+    case MS_OP_AVG:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = (T)((UT)x[i] + (UT)y[i]);                     \
+        break;                                                                                 \
+    case MS_OP_MAX:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = y[i] > x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
+        break;                                                                                 \
+    case MS_OP_MIN:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = y[i] < x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
+        break;                                                                                 \
+    }
+#define MS_FLOAT_NAN(v) ((v) != (v))
+#define MS_INT_NAN(v) 0
+
+/* name_first and name_next for type T, compiled with ATTR (an instruction set or nothing). */
+#define MS_KERNELS(name, T, UT, IS_NAN, ATTR)                                                  \
+    ATTR static void name##_first(void *out_, const void *x_, const void *y_, int64_t m, ms_op op) { \
+        T *restrict out = out_;                                                                \
+        const T *restrict x = x_, *restrict y = y_;                                            \
+        MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
+    }                                                                                          \
+    ATTR static void name##_next(void *acc_, const void *x_, int64_t m, ms_op op) {            \
+        T *restrict acc = acc_;                                                                \
+        const T *restrict x = x_;                                                              \
+        MS_OP_LOOPS(T, UT, IS_NAN, acc, acc, x)                                                \
+    }
+
+/* The kernels of every accumulation type, k<type><SUFFIX>_first/_next, and their table
+ * kernels<SUFFIX>[dtype] (bool reduces as u8). */
+#define MS_KERNEL_SET(SUFFIX, ATTR)                                                            \
+    MS_KERNELS(kf32##SUFFIX, float, float, MS_FLOAT_NAN, ATTR)                                 \
+    MS_KERNELS(kf64##SUFFIX, double, double, MS_FLOAT_NAN, ATTR)                               \
+    MS_KERNELS(ki64##SUFFIX, int64_t, uint64_t, MS_INT_NAN, ATTR)                              \
+    MS_KERNELS(ki32##SUFFIX, int32_t, uint32_t, MS_INT_NAN, ATTR)                              \
+    MS_KERNELS(ki8##SUFFIX, int8_t, uint8_t, MS_INT_NAN, ATTR)                                 \
+    MS_KERNELS(ku8##SUFFIX, uint8_t, uint8_t, MS_INT_NAN, ATTR)                                \
+    static const kernels kernels##SUFFIX[MS_DTYPE_COUNT] = {                                   \
+        [MS_F32] = {kf32##SUFFIX##_first, kf32##SUFFIX##_next},                                \
+        [MS_F64] = {kf64##SUFFIX##_first, kf64##SUFFIX##_next},                                \
+        [MS_I64] = {ki64##SUFFIX##_first, ki64##SUFFIX##_next},                                \
+        [MS_I32] = {ki32##SUFFIX##_first, ki32##SUFFIX##_next},                                \
+        [MS_I8] = {ki8##SUFFIX##_first, ki8##SUFFIX##_next},                                   \
+        [MS_U8] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next},                                   \
+        [MS_BOOL] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next}};
+
+MS_KERNEL_SET(_portable, )
+#if defined(__x86_64__) && defined(__GNUC__)
+/* AVX2 builds of the same loops, chosen at run time (no global -mavx2, no ifunc). */
+MS_KERNEL_SET(_avx2, __attribute__((target("avx2"))))
+#endif
+
+/* The kernels for accumulation dtype `at` on this CPU. */
+static const kernels *kernels_for(ms_dtype at) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) return &kernels_avx2[at];
+#endif
+    return &kernels_portable[at];
+}
+
+/* The dtype a reduction accumulates in: f32 for the floats narrower than f32. */
+static ms_dtype acc_dtype(ms_dtype d) {
+    switch (d) {
+    case MS_F16:
+    case MS_BF16:
+    case MS_F8E4M3:
+    case MS_F8E5M2: return MS_F32;
+    default: return d;
+    }
+}
+
+/* avg: acc /= n in the accumulation type (f32 or f64). */
+static void divide(ms_dtype at, void *acc, int64_t m, int n) {
+    if (at == MS_F64) {
+        double *a = acc;
+        for (int64_t i = 0; i < m; i++) a[i] /= (double)n;
+    } else {
+        float *a = acc;
+        for (int64_t i = 0; i < m; i++) a[i] /= (float)n;
+    }
+}
+
+/* x itself when the accumulation dtype is the dtype, else x widened into buf. */
+static const void *widen(void *buf, ms_dtype at, const void *x, ms_dtype dtype, int64_t m) {
+    if (at == dtype) return x;
+    ms__cast_contig(buf, at, x, dtype, m);
+    return buf;
+}
+
+/* dsts[d][i] = srcs[0][i] op srcs[1][i] op ... op srcs[n-1][i] for i < count and every d
+ * (ndst of them).  Each block is accumulated straight in the destination when there is one
+ * that is not also a source and no widening is needed (the out-of-place reduce_scatter: no
+ * extra pass over the data), else in a stack block that is read from every source before
+ * any destination is written (in-place reduce_scatter, all_reduce, 8- and 16-bit floats). */
+static void reduce(ms_dtype dtype, ms_op op, int n, const void *const *srcs, void *const *dsts, int ndst,
+                   int64_t count) {
+    const ms_dtype at = acc_dtype(dtype);
+    const kernels *k = kernels_for(at);
+    const size_t es = (size_t)ms_dtype_size(dtype), as = (size_t)ms_dtype_size(at);
+    bool direct = ndst == 1 && at == dtype;
+    for (int j = 0; j < n; j++) direct &= srcs[j] != dsts[0];
+    _Alignas(64) unsigned char acc[MS_BLOCK * sizeof(double)];   /* (m) of at, unless direct */
+    _Alignas(64) unsigned char wide[2][MS_BLOCK * sizeof(float)]; /* (2, m) f32 from narrow floats */
+    for (int64_t off = 0; off < count; off += MS_BLOCK) {
+        const int64_t m = count - off < MS_BLOCK ? count - off : MS_BLOCK;
+        const size_t boff = (size_t)off * es;
+        char *d0 = (char *)dsts[0] + boff;
+        void *a = direct ? (void *)d0 : (void *)acc;
+        const void *x = widen(wide[0], at, (const char *)srcs[0] + boff, dtype, m);
+        if (n == 1) memcpy(a, x, (size_t)m * as);
+        else k->first(a, x, widen(wide[1], at, (const char *)srcs[1] + boff, dtype, m), m, op);
+        for (int j = 2; j < n; j++) k->next(a, widen(wide[1], at, (const char *)srcs[j] + boff, dtype, m), m, op);
+        if (op == MS_OP_AVG) divide(at, a, m, n);
+        if (direct) continue;
+        if (at == dtype) memcpy(d0, acc, (size_t)m * es);
+        else ms__cast_contig(d0, dtype, acc, at, m);
+        for (int d = 1; d < ndst; d++) memcpy((char *)dsts[d] + boff, d0, (size_t)m * es);
+    }
+}
+
+/* ---------------------------------------------------------------- data movement */
+
+/* Elements [*off, *off + *len) of a count-element buffer that group rank r reduces in an
+ * all_reduce: n near-equal chunks. */
+static void all_reduce_chunk(int64_t count, int n, int r, int64_t *off, int64_t *len) {
+    int64_t base = count / n, rem = count % n;
+    *off = base * r + (r < rem ? r : rem);
+    *len = base + (r < rem);
+}
+
+/* Rank r's part of the agreed call: reads peers' posted buffers, writes only its own. */
+static void move(const ms_comm *c, const tgroup *t) {
+    const int n = c->group->n, r = c->rank;
+    const slot *s = t->slots;
+    const ms_coll *me = &s[r].call;
+    const size_t es = (size_t)ms_dtype_size(me->dtype);
+    const void **srcs = s[r].srcs;
+    void **dsts = s[r].dsts;
+    if (me->count == 0) return;
+    switch (me->kind) {
+    case MS_COLL_ALL_GATHER: {
+        size_t bytes = (size_t)me->count * es;
+        for (int i = 0; i < n; i++) { /* start at r so the ranks read different peers */
+            int j = (r + i) % n;
+            char *dst = (char *)me->recv + (size_t)j * bytes;
+            if (s[j].call.send != dst) memcpy(dst, s[j].call.send, bytes);
+        }
+        break;
+    }
+    case MS_COLL_REDUCE_SCATTER:
+        for (int j = 0; j < n; j++) srcs[j] = (const char *)s[j].call.send + (size_t)r * (size_t)me->count * es;
+        dsts[0] = me->recv;
+        reduce(me->dtype, me->op, n, srcs, dsts, 1, me->count);
+        break;
+    case MS_COLL_ALL_REDUCE: {
+        int64_t off, len;
+        all_reduce_chunk(me->count, n, r, &off, &len);
+        for (int j = 0; j < n; j++) srcs[j] = dsts[j] = (char *)s[j].call.recv + (size_t)off * es;
+        reduce(me->dtype, me->op, n, srcs, dsts, n, len);
+        break;
+    }
+    case MS_COLL_BROADCAST:
+        if (r != me->root) memcpy(me->recv, s[me->root].call.send, (size_t)me->count * es);
+        break;
+    case MS_COLL_ALL_TO_ALL: {
+        size_t chunk = (size_t)(me->count / n) * es;
+        for (int i = 0; i < n; i++) {
+            int j = (r + i) % n;
+            memcpy((char *)me->recv + (size_t)j * chunk, (const char *)s[j].call.send + (size_t)r * chunk, chunk);
+        }
+        break;
+    }
+    case MS_COLL_BARRIER: break;
+    }
+}
+
+/* ---------------------------------------------------------------- the backend */
+
+static ms_status threads_collective(ms_comm *c, const ms_coll *call) {
+    tgroup *t = c->group->impl;
+    long long k = atomic_load(&t->slots[c->rank].arrivals); /* this rank's call index */
+    ms_status st = arrive(c, t, call, k);
+    if (st) return st;
+    st = agree(c, t);
+    if (!st) move(c, t);
+    depart(c, t, k);
+    return st;
+}
+
+static const ms_backend threads_backend = {
+    .name = "threads",
+    .device = MS_DEVICE_CPU,
+    .group_init = threads_group_init,
+    .group_free = threads_group_free,
+    .collective = threads_collective,
+};
+
+ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s) {
+    return ms__world_new(out, &threads_backend, nranks, timeout_s);
+}

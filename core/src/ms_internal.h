@@ -1,0 +1,91 @@
+/*
+ * ms_internal.h: what the core's files share and the public header does not show.
+ * Never included by the Lua binding or by hosts.
+ */
+#ifndef MS_INTERNAL_H
+#define MS_INTERNAL_H
+
+#include "moonshard.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#if defined(__GNUC__)
+#define MS_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define MS_PRINTF(a, b)
+#endif
+
+/* ---------------------------------------------------------------- status.c */
+
+/* Records "fmt ..." as this thread's message and returns st. */
+ms_status ms__fail(ms_status st, const char *fmt, ...) MS_PRINTF(2, 3);
+/* Clears the message and returns MS_OK. */
+ms_status ms__ok(void);
+/* Prepends "prefix: " to this thread's message, keeps st. */
+ms_status ms__wrap(ms_status st, const char *fmt, ...) MS_PRINTF(2, 3);
+
+/* a*b and a+b with overflow checks: false on overflow. */
+bool ms__mul_ok(int64_t a, int64_t b, int64_t *out);
+bool ms__add_ok(int64_t a, int64_t b, int64_t *out);
+/* "[2, 3, 4]" into buf (always terminated). */
+const char *ms__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
+
+/* ---------------------------------------------------------------- dtype.c */
+
+/* X(enum, name, size, is_float): the one list of dtypes. */
+#define MS_DTYPE_LIST(X)              \
+    X(MS_F32, "f32", 4, 1)            \
+    X(MS_F16, "f16", 2, 1)            \
+    X(MS_BF16, "bf16", 2, 1)          \
+    X(MS_F8E4M3, "f8e4m3", 1, 1)      \
+    X(MS_F8E5M2, "f8e5m2", 1, 1)      \
+    X(MS_F64, "f64", 8, 1)            \
+    X(MS_I64, "i64", 8, 0)            \
+    X(MS_I32, "i32", 4, 0)            \
+    X(MS_I8, "i8", 1, 0)              \
+    X(MS_U8, "u8", 1, 0)              \
+    X(MS_BOOL, "bool", 1, 0)
+
+static inline bool ms__dtype_valid(ms_dtype d) { return (unsigned)d < (unsigned)MS_DTYPE_COUNT; }
+
+/* ---------------------------------------------------------------- cast.c */
+
+/* Scalar conversions, portable, exactly the rules of ms_cast. */
+uint16_t ms__f32_to_bf16(float f);
+float ms__bf16_to_f32(uint16_t h);
+uint16_t ms__f32_to_f16(float f);
+float ms__f16_to_f32(uint16_t h);
+uint8_t ms__f32_to_e4m3(float f);
+float ms__e4m3_to_f32(uint8_t b);
+uint8_t ms__f32_to_e5m2(float f);
+float ms__e5m2_to_f32(uint8_t b);
+
+/* ms_cast without argument checks (n >= 0, valid dtypes, no overlap). */
+void ms__cast_contig(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype src_dtype, int64_t n);
+
+/* ---------------------------------------------------------------- tensor.c */
+
+typedef struct ms_storage {
+    atomic_int refcount;
+    void *data;      /* NULL for meta */
+    int64_t nbytes;
+    bool owned;      /* false for ms_tensor_wrap */
+    ms_device_type device;
+    int device_index;
+} ms_storage;
+
+struct ms_tensor {
+    atomic_int refcount;
+    ms_storage *storage;  /* retained */
+    int64_t offset;       /* first element, in elements from storage->data */
+    int ndim;
+    int64_t shape[MS_MAX_DIMS];
+    int64_t stride[MS_MAX_DIMS]; /* elements */
+    ms_dtype dtype;
+};
+
+/* Checks a shape (0..8 dims, sizes >= 0) and returns its numel through *numel. */
+ms_status ms__check_shape(int ndim, const int64_t *shape, int64_t *numel);
+
+#endif /* MS_INTERNAL_H */

@@ -1,0 +1,86 @@
+-- moonshard: the Lua face of libmoonshard.
+--
+-- `local ms = require "moonshard"` gives the contract of DESIGN.md: ranks, tensors, meshes,
+-- groups and collectives come from the C binding (moonshard.core); placements and the
+-- layout helpers that take them are here.  Dims, ranks, coordinates and offsets are 0-based.
+
+local core = require "moonshard.core"
+
+local M = {}
+for k, v in pairs(core) do M[k] = v end
+
+-- ---------------------------------------------------------------- placements
+
+local Placement = {}
+Placement.__index = Placement
+
+function Placement.__tostring(p)
+  if p.kind == "shard" then return "Shard(" .. p.dim .. ")" end
+  if p.kind == "partial" then return "Partial(" .. p.op .. ")" end
+  return "Replicate()"
+end
+
+function Placement.__eq(a, b)
+  return a.kind == b.kind and a.dim == b.dim and a.op == b.op
+end
+
+local function is_placement(p) return getmetatable(p) == Placement end
+M.is_placement = is_placement
+
+local partial_ops = { sum = true, avg = true, max = true, min = true, product = true }
+
+--- Shard(dim): the tensor dim `dim` (0-based, negative counts from the end) split over a mesh dim.
+function M.Shard(dim)
+  if math.type(dim) ~= "integer" then
+    error("moonshard: Shard(dim) needs an integer dim, got " .. tostring(dim), 2)
+  end
+  return setmetatable({ kind = "shard", dim = dim }, Placement)
+end
+
+--- Replicate(): every rank along the mesh dim holds the whole tensor.
+function M.Replicate() return setmetatable({ kind = "replicate" }, Placement) end
+
+--- Partial(op?): the whole shape on every rank, a reduction (default sum) still pending.
+function M.Partial(op)
+  op = op or "sum"
+  if not partial_ops[op] then
+    error("moonshard: Partial(op): unknown op '" .. tostring(op) .. "' (sum, avg, max, min or product)", 2)
+  end
+  return setmetatable({ kind = "partial", op = op }, Placement)
+end
+
+local kind_code = { replicate = 0, shard = 1, partial = 2 }
+
+--- local_shape(global_shape, placements, mesh_shape, coords) -> local_shape, global_offset
+-- placements: one per mesh dim.  mesh_shape: a sequence of sizes, or a mesh.  coords: a
+-- sequence of 0-based coordinates, or a table axis name -> coordinate (as mesh:coords()
+-- returns) when mesh_shape is a mesh.
+function M.local_shape(global_shape, placements, mesh_shape, coords)
+  local sizes, crd = mesh_shape, coords
+  if type(mesh_shape) == "userdata" then
+    sizes, crd = {}, {}
+    for i, name in ipairs(mesh_shape:axes()) do
+      sizes[i] = mesh_shape:size(name)
+      crd[i] = coords[name] or coords[i]
+      if crd[i] == nil then
+        error("moonshard: local_shape: no coordinate for mesh axis '" .. name .. "'", 2)
+      end
+    end
+  end
+  if type(placements) ~= "table" then
+    error("moonshard: local_shape: placements must be a list like {ms.Shard(0), ms.Replicate()}", 2)
+  end
+  local kinds, dims = {}, {}
+  for i = 1, #placements do
+    local p = placements[i]
+    if not is_placement(p) then
+      error("moonshard: local_shape: placements[" .. i .. "] is " .. tostring(p) ..
+            ", expected ms.Shard(d), ms.Replicate() or ms.Partial()", 2)
+    end
+    kinds[i] = kind_code[p.kind]
+    dims[i] = p.dim or 0
+  end
+  return core.local_shape(global_shape, kinds, dims, sizes, crd)
+end
+
+return M

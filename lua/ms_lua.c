@@ -1,0 +1,770 @@
+/*
+ * ms_lua.c: the Lua 5.4 binding of libmoonshard (luaopen_moonshard_core).
+ *
+ * Thin functions that check their Lua arguments, call the core and turn a failed status
+ * into one Lua error naming the status and the core's message.  Userdata follow liolib:
+ * the box is made "closed" before the handle is acquired, and __gc / __close share one
+ * idempotent release, so an error half-way leaves nothing behind.
+ *
+ * The world: the moonshard executable stores each rank's world comm in the registry
+ * (ms_lua_set_world) before the script runs.  A stock lua5.4 that does
+ * `require "moonshard"` gets a world of one rank, made on first use.
+ */
+#include "moonshard.h"
+#include "ms_lua.h"
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TENSOR_MT "moonshard.Tensor"
+#define MESH_MT "moonshard.Mesh"
+#define GROUP_MT "moonshard.Group"
+#define WORLD_KEY "moonshard.world"     /* light userdata: ms_comm * of this rank */
+#define WORLD_OWNER_KEY "moonshard.world_owner" /* full userdata owning a 1-rank world */
+
+/* ---------------------------------------------------------------- errors */
+
+static int ms_lua_fail(lua_State *L, ms_status st) {
+    return luaL_error(L, "moonshard %s error: %s", ms_status_name(st), ms_last_error());
+}
+
+/* Raises the Lua error for a failed core call (luaL_error does not return). */
+#define CHECK(L, call)                       \
+    do {                                     \
+        ms_status st_ = (call);              \
+        if (st_ != MS_OK) ms_lua_fail(L, st_); \
+    } while (0)
+
+/* ---------------------------------------------------------------- boxes */
+
+typedef struct { void *h; } box;
+
+static void *box_new(lua_State *L, const char *mt) {
+    box *b = lua_newuserdatauv(L, sizeof *b, 0);
+    b->h = NULL; /* closed until the handle exists */
+    luaL_setmetatable(L, mt);
+    return b;
+}
+
+static void *box_get(lua_State *L, int idx, const char *mt, const char *what) {
+    box *b = luaL_checkudata(L, idx, mt);
+    if (!b->h) luaL_error(L, "moonshard: attempt to use a released %s", what);
+    return b->h;
+}
+
+#define check_tensor(L, i) ((ms_tensor *)box_get(L, i, TENSOR_MT, "tensor"))
+#define check_mesh(L, i) ((ms_mesh *)box_get(L, i, MESH_MT, "mesh"))
+#define check_group(L, i) ((ms_comm *)box_get(L, i, GROUP_MT, "group"))
+
+#define DEFINE_RELEASE(fname, mt, release)          \
+    static int fname(lua_State *L) {                \
+        box *b = luaL_checkudata(L, 1, mt);         \
+        if (b->h) {                                 \
+            release(b->h);                          \
+            b->h = NULL;                            \
+        }                                           \
+        return 0;                                   \
+    }
+DEFINE_RELEASE(tensor_gc, TENSOR_MT, ms_tensor_release)
+DEFINE_RELEASE(mesh_gc, MESH_MT, ms_mesh_release)
+DEFINE_RELEASE(group_gc, GROUP_MT, ms_comm_release)
+
+/* ---------------------------------------------------------------- world */
+
+void ms_lua_set_world(lua_State *L, ms_comm *world) {
+    lua_pushlightuserdata(L, world);
+    lua_setfield(L, LUA_REGISTRYINDEX, WORLD_KEY);
+}
+
+typedef struct { ms_world *w; ms_comm *c; } world_owner;
+
+static int world_owner_gc(lua_State *L) {
+    world_owner *o = lua_touserdata(L, 1);
+    ms_comm_release(o->c);
+    ms_world_release(o->w);
+    o->c = NULL;
+    o->w = NULL;
+    return 0;
+}
+
+static ms_comm *get_world(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, WORLD_KEY);
+    ms_comm *c = lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    if (c) return c;
+    /* No launcher: this Lua state is rank 0 of 1. */
+    world_owner *o = lua_newuserdatauv(L, sizeof *o, 0);
+    o->w = NULL;
+    o->c = NULL;
+    lua_newtable(L);
+    lua_pushcfunction(L, world_owner_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_setmetatable(L, -2);
+    CHECK(L, ms_threads_world_new(&o->w, 1, 0));
+    CHECK(L, ms_world_comm(o->w, 0, &o->c));
+    lua_setfield(L, LUA_REGISTRYINDEX, WORLD_OWNER_KEY);
+    ms_lua_set_world(L, o->c);
+    return o->c;
+}
+
+static int l_rank(lua_State *L) {
+    lua_pushinteger(L, ms_comm_rank(get_world(L)));
+    return 1;
+}
+static int l_world_size(lua_State *L) {
+    lua_pushinteger(L, ms_comm_size(get_world(L)));
+    return 1;
+}
+static int l_backend(lua_State *L) {
+    lua_pushstring(L, ms_comm_backend(get_world(L)));
+    return 1;
+}
+
+/* ---------------------------------------------------------------- argument helpers */
+
+static ms_dtype opt_dtype(lua_State *L, int idx, ms_dtype def) {
+    if (lua_isnoneornil(L, idx)) return def;
+    ms_dtype d;
+    ms_status st = ms_dtype_parse(luaL_checkstring(L, idx), &d);
+    if (st) ms_lua_fail(L, st);
+    return d;
+}
+
+/* A Lua sequence of integers (a shape, a list of sizes); returns its length. */
+static int check_int_list(lua_State *L, int idx, const char *what, int64_t *out, int cap) {
+    luaL_checktype(L, idx, LUA_TTABLE);
+    int n = (int)luaL_len(L, idx);
+    if (n > cap) luaL_error(L, "moonshard: %s has %d entries, at most %d allowed", what, n, cap);
+    for (int i = 0; i < n; i++) {
+        lua_geti(L, idx, i + 1);
+        int ok;
+        lua_Integer v = lua_tointegerx(L, -1, &ok);
+        if (!ok)
+            luaL_error(L, "moonshard: %s[%d] is %s, expected an integer", what, i + 1,
+                       luaL_typename(L, -1));
+        out[i] = (int64_t)v;
+        lua_pop(L, 1);
+    }
+    return n;
+}
+
+static void push_int_list(lua_State *L, const int64_t *v, int n) {
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        lua_pushinteger(L, (lua_Integer)v[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+}
+
+static ms_op opt_op(lua_State *L, int idx) {
+    if (lua_isnoneornil(L, idx)) return MS_OP_SUM;
+    ms_op op;
+    ms_status st = ms_op_parse(luaL_checkstring(L, idx), &op);
+    if (st) ms_lua_fail(L, st);
+    return op;
+}
+
+/* ---------------------------------------------------------------- tensors */
+
+static int l_tensor(lua_State *L) {
+    int64_t shape[MS_MAX_DIMS];
+    int nd = check_int_list(L, 1, "shape", shape, MS_MAX_DIMS);
+    ms_dtype dt = opt_dtype(L, 2, MS_F32);
+    ms_device_type dev = MS_DEVICE_CPU;
+    int idx = 0;
+    if (!lua_isnoneornil(L, 3)) CHECK(L, ms_device_parse(luaL_checkstring(L, 3), &dev, &idx));
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *t;
+    CHECK(L, ms_tensor_new(&t, nd, shape, dt, dev, idx));
+    b->h = t;
+    return 1;
+}
+
+/* from_table(values, dtype?, shape?): values is a flat sequence of numbers (or booleans). */
+static int l_from_table(lua_State *L) {
+    luaL_checktype(L, 1, LUA_TTABLE);
+    ms_dtype dt = opt_dtype(L, 2, MS_F32);
+    int64_t n = (int64_t)luaL_len(L, 1);
+    int64_t shape[MS_MAX_DIMS];
+    int nd = 1;
+    shape[0] = n;
+    if (!lua_isnoneornil(L, 3)) nd = check_int_list(L, 3, "shape", shape, MS_MAX_DIMS);
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *t;
+    CHECK(L, ms_tensor_new(&t, nd, shape, dt, MS_DEVICE_CPU, 0));
+    b->h = t;
+    if (ms_tensor_numel(t) != n) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "moonshard shape error: from_table: %lld values do not fill a shape of %lld elements",
+                 (long long)n, (long long)ms_tensor_numel(t));
+        return luaL_error(L, "%s", msg);
+    }
+    /* Integers travel as int64 so that values above 2^53 stay exact; floats as f64. */
+    bool as_int = !ms_dtype_is_float(dt);
+    void *stage = malloc((size_t)(n ? n : 1) * 8);
+    if (!stage) return luaL_error(L, "moonshard out_of_memory error: from_table: %lld values", (long long)n);
+    for (int64_t i = 0; i < n; i++) {
+        lua_geti(L, 1, i + 1);
+        int ok = 1;
+        if (lua_isboolean(L, -1)) {
+            int v = lua_toboolean(L, -1);
+            if (as_int) ((int64_t *)stage)[i] = v;
+            else ((double *)stage)[i] = v;
+        } else if (as_int && lua_isinteger(L, -1)) {
+            ((int64_t *)stage)[i] = (int64_t)lua_tointeger(L, -1);
+        } else {
+            lua_Number v = lua_tonumberx(L, -1, &ok);
+            if (as_int) {
+                ms_cast(&((int64_t *)stage)[i], MS_I64, &v, MS_F64, 1);
+            } else {
+                ((double *)stage)[i] = v;
+            }
+        }
+        if (!ok) {
+            free(stage);
+            return luaL_error(L, "moonshard: from_table: values[%lld] is %s, expected a number",
+                              (long long)(i + 1), luaL_typename(L, -1));
+        }
+        lua_pop(L, 1);
+    }
+    ms_status st = ms_cast(ms_tensor_data(t), dt, stage, as_int ? MS_I64 : MS_F64, n);
+    free(stage);
+    CHECK(L, st);
+    return 1;
+}
+
+static int t_shape(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    int64_t shape[MS_MAX_DIMS];
+    int nd = ms_tensor_ndim(t);
+    for (int i = 0; i < nd; i++) shape[i] = ms_tensor_size(t, i);
+    push_int_list(L, shape, nd);
+    return 1;
+}
+
+static int t_stride(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    int64_t s[MS_MAX_DIMS];
+    int nd = ms_tensor_ndim(t);
+    for (int i = 0; i < nd; i++) s[i] = ms_tensor_stride(t, i);
+    push_int_list(L, s, nd);
+    return 1;
+}
+
+static int t_dtype(lua_State *L) {
+    lua_pushstring(L, ms_dtype_name(ms_tensor_dtype(check_tensor(L, 1))));
+    return 1;
+}
+static int t_numel(lua_State *L) {
+    lua_pushinteger(L, (lua_Integer)ms_tensor_numel(check_tensor(L, 1)));
+    return 1;
+}
+static int t_nbytes(lua_State *L) {
+    lua_pushinteger(L, (lua_Integer)ms_tensor_nbytes(check_tensor(L, 1)));
+    return 1;
+}
+static int t_ndim(lua_State *L) {
+    lua_pushinteger(L, ms_tensor_ndim(check_tensor(L, 1)));
+    return 1;
+}
+static int t_is_contiguous(lua_State *L) {
+    lua_pushboolean(L, ms_tensor_is_contiguous(check_tensor(L, 1)));
+    return 1;
+}
+
+static void push_device(lua_State *L, const ms_tensor *t) {
+    switch (ms_tensor_device(t)) {
+    case MS_DEVICE_CPU: lua_pushliteral(L, "cpu"); break;
+    case MS_DEVICE_META: lua_pushliteral(L, "meta"); break;
+    case MS_DEVICE_CUDA: lua_pushfstring(L, "cuda:%d", ms_tensor_device_index(t)); break;
+    }
+}
+
+static int t_device(lua_State *L) {
+    push_device(L, check_tensor(L, 1));
+    return 1;
+}
+
+static int t_to(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    ms_dtype dt = opt_dtype(L, 2, ms_tensor_dtype(t));
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *r;
+    CHECK(L, ms_tensor_to(&r, t, dt));
+    b->h = r;
+    return 1;
+}
+
+static int t_copy_(lua_State *L) {
+    CHECK(L, ms_tensor_copy(check_tensor(L, 1), check_tensor(L, 2)));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int t_fill_(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    double v = lua_isboolean(L, 2) ? lua_toboolean(L, 2) : luaL_checknumber(L, 2);
+    CHECK(L, ms_tensor_fill(t, v));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int t_narrow(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    int dim = (int)luaL_checkinteger(L, 2);
+    int64_t start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *r;
+    CHECK(L, ms_tensor_narrow(&r, t, dim, start, len));
+    b->h = r;
+    return 1;
+}
+
+static int t_view(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    int64_t shape[MS_MAX_DIMS];
+    int nd = check_int_list(L, 2, "shape", shape, MS_MAX_DIMS);
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *r;
+    CHECK(L, ms_tensor_view(&r, t, nd, shape));
+    b->h = r;
+    return 1;
+}
+
+/* t:chunk(chunks, index, dim?) -- piece `index` (0-based) of torch.chunk */
+static int t_chunk(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    int64_t chunks = luaL_checkinteger(L, 2), index = luaL_checkinteger(L, 3);
+    int dim = (int)luaL_optinteger(L, 4, 0);
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor *r;
+    CHECK(L, ms_tensor_chunk(&r, t, chunks, index, dim));
+    b->h = r;
+    return 1;
+}
+
+/* Reads t as a contiguous buffer of `as` (a private copy); returns the owning tensor. */
+static ms_tensor *read_as(lua_State *L, ms_tensor *t, ms_dtype as) {
+    if (ms_tensor_device(t) != MS_DEVICE_CPU)
+        luaL_error(L, "moonshard device error: totable/bits: a %s tensor holds no data",
+                   ms_tensor_device(t) == MS_DEVICE_META ? "meta" : "device");
+    box *b = box_new(L, TENSOR_MT); /* keeps the copy alive (and freed) on the Lua stack */
+    ms_tensor *r;
+    ms_status st = ms_tensor_to(&r, t, as);
+    if (st) ms_lua_fail(L, st);
+    b->h = r;
+    return r;
+}
+
+static int t_totable(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    ms_dtype dt = ms_tensor_dtype(t);
+    bool is_float = ms_dtype_is_float(dt);
+    ms_tensor *c = read_as(L, t, is_float ? MS_F64 : MS_I64);
+    int64_t n = ms_tensor_numel(c);
+    const void *p = ms_tensor_data(c);
+    lua_createtable(L, n < INT32_MAX ? (int)n : 0, 0);
+    for (int64_t i = 0; i < n; i++) {
+        if (is_float) lua_pushnumber(L, ((const double *)p)[i]);
+        else lua_pushinteger(L, (lua_Integer)((const int64_t *)p)[i]);
+        lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+    return 1;
+}
+
+static int t_bits(lua_State *L) {
+    ms_tensor *t = check_tensor(L, 1);
+    ms_dtype dt = ms_tensor_dtype(t);
+    ms_tensor *c = read_as(L, t, dt);
+    int64_t n = ms_tensor_numel(c);
+    int es = ms_dtype_size(dt);
+    const unsigned char *p = ms_tensor_data(c);
+    lua_createtable(L, n < INT32_MAX ? (int)n : 0, 0);
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t v = 0;
+        memcpy(&v, p + i * es, (size_t)es); /* little-endian host */
+        lua_pushinteger(L, (lua_Integer)v);
+        lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+    return 1;
+}
+
+static int t_tostring(lua_State *L) {
+    box *b = luaL_checkudata(L, 1, TENSOR_MT);
+    if (!b->h) {
+        lua_pushliteral(L, "tensor (released)");
+        return 1;
+    }
+    ms_tensor *t = b->h;
+    luaL_Buffer buf;
+    luaL_buffinit(L, &buf);
+    luaL_addstring(&buf, "tensor([");
+    for (int i = 0; i < ms_tensor_ndim(t); i++) {
+        lua_pushfstring(L, i ? ", %I" : "%I", (lua_Integer)ms_tensor_size(t, i));
+        luaL_addvalue(&buf);
+    }
+    lua_pushfstring(L, "], %s, ", ms_dtype_name(ms_tensor_dtype(t)));
+    luaL_addvalue(&buf);
+    push_device(L, t);
+    luaL_addvalue(&buf);
+    luaL_addchar(&buf, ')');
+    luaL_pushresult(&buf);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- meshes */
+
+/* ms.mesh({{"dp_replicate", 2}, {"dp_shard", 4}}, {shape_only = true}?) */
+static int l_mesh(lua_State *L) {
+    luaL_checktype(L, 1, LUA_TTABLE);
+    int n = (int)luaL_len(L, 1);
+    if (n < 1 || n > MS_MAX_DIMS)
+        return luaL_error(L, "moonshard: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MS_MAX_DIMS, n);
+    const char *names[MS_MAX_DIMS];
+    int64_t sizes[MS_MAX_DIMS];
+    for (int i = 0; i < n; i++) {
+        lua_geti(L, 1, i + 1);
+        if (!lua_istable(L, -1))
+            return luaL_error(L, "moonshard: mesh: axis %d is %s, expected {name, size}", i + 1, luaL_typename(L, -1));
+        lua_geti(L, -1, 1);
+        lua_geti(L, -2, 2);
+        int ok;
+        names[i] = lua_tostring(L, -2);
+        sizes[i] = (int64_t)lua_tointegerx(L, -1, &ok);
+        if (!names[i] || lua_type(L, -2) != LUA_TSTRING || !ok)
+            return luaL_error(L, "moonshard: mesh: axis %d must be {name, size} with a string and an integer", i + 1);
+        lua_pop(L, 2); /* names[i] stays alive: the axis table is kept on the stack */
+    }
+    bool shape_only = false;
+    if (lua_istable(L, 2)) {
+        lua_getfield(L, 2, "shape_only");
+        shape_only = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
+    ms_comm *world = shape_only ? NULL : get_world(L);
+    box *b = box_new(L, MESH_MT);
+    ms_mesh *m;
+    CHECK(L, ms_mesh_new(&m, n, names, sizes, world));
+    b->h = m;
+    return 1;
+}
+
+static int axis_index(lua_State *L, ms_mesh *m, int idx) {
+    const char *name = luaL_checkstring(L, idx);
+    int a = ms_mesh_axis_index(m, name);
+    if (a < 0) {
+        luaL_Buffer buf;
+        luaL_buffinit(L, &buf);
+        for (int i = 0; i < ms_mesh_ndim(m); i++) {
+            if (i) luaL_addstring(&buf, ", ");
+            luaL_addstring(&buf, ms_mesh_axis_name(m, i));
+        }
+        luaL_pushresult(&buf);
+        luaL_error(L, "moonshard: mesh has no axis '%s' (axes: %s)", name, lua_tostring(L, -1));
+    }
+    return a;
+}
+
+static int m_size(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    if (lua_isnoneornil(L, 2)) lua_pushinteger(L, (lua_Integer)ms_mesh_size(m));
+    else lua_pushinteger(L, (lua_Integer)ms_mesh_axis_size(m, axis_index(L, m, 2)));
+    return 1;
+}
+
+static int m_axes(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    lua_createtable(L, ms_mesh_ndim(m), 0);
+    for (int i = 0; i < ms_mesh_ndim(m); i++) {
+        lua_pushstring(L, ms_mesh_axis_name(m, i));
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int64_t opt_rank(lua_State *L, ms_mesh *m, int idx) {
+    if (!lua_isnoneornil(L, idx)) return luaL_checkinteger(L, idx);
+    int64_t r = ms_mesh_rank(m);
+    if (r < 0) luaL_error(L, "moonshard: a shape-only mesh has no rank of its own; pass a rank");
+    return r;
+}
+
+static int m_rank(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    int64_t r = ms_mesh_rank(m);
+    if (r < 0) lua_pushnil(L);
+    else lua_pushinteger(L, (lua_Integer)r);
+    return 1;
+}
+
+static int m_coords(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    int64_t c[MS_MAX_DIMS];
+    CHECK(L, ms_mesh_coords(m, opt_rank(L, m, 2), c));
+    lua_createtable(L, 0, ms_mesh_ndim(m));
+    for (int i = 0; i < ms_mesh_ndim(m); i++) {
+        lua_pushinteger(L, (lua_Integer)c[i]);
+        lua_setfield(L, -2, ms_mesh_axis_name(m, i));
+    }
+    return 1;
+}
+
+/* An axis name or a sequence of names -> axis indices. */
+static int check_axes(lua_State *L, ms_mesh *m, int idx, int *axes) {
+    if (lua_type(L, idx) == LUA_TSTRING) {
+        axes[0] = axis_index(L, m, idx);
+        return 1;
+    }
+    luaL_checktype(L, idx, LUA_TTABLE);
+    int n = (int)luaL_len(L, idx);
+    if (n < 1 || n > ms_mesh_ndim(m))
+        luaL_error(L, "moonshard: mesh group: expected 1 to %d axis names, got %d", ms_mesh_ndim(m), n);
+    for (int i = 0; i < n; i++) {
+        lua_geti(L, idx, i + 1);
+        axes[i] = axis_index(L, m, lua_gettop(L));
+        lua_pop(L, 1);
+    }
+    return n;
+}
+
+static int m_group(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    int axes[MS_MAX_DIMS];
+    int n = check_axes(L, m, 2, axes);
+    box *b = box_new(L, GROUP_MT);
+    ms_comm *c;
+    CHECK(L, ms_mesh_group(m, n, axes, &c));
+    b->h = c;
+    return 1;
+}
+
+/* mesh:group_ranks(axes, rank?) -> the mesh ranks of that group, without communicating */
+static int m_group_ranks(lua_State *L) {
+    ms_mesh *m = check_mesh(L, 1);
+    int axes[MS_MAX_DIMS];
+    int n = check_axes(L, m, 2, axes);
+    int64_t count = 1;
+    for (int i = 0; i < n; i++) count *= ms_mesh_axis_size(m, axes[i]);
+    int64_t *ranks = lua_newuserdatauv(L, (size_t)count * sizeof *ranks, 0);
+    CHECK(L, ms_mesh_group_ranks(m, n, axes, opt_rank(L, m, 3), ranks, &count));
+    push_int_list(L, ranks, (int)count);
+    return 1;
+}
+
+static int m_tostring(lua_State *L) {
+    box *b = luaL_checkudata(L, 1, MESH_MT);
+    if (!b->h) {
+        lua_pushliteral(L, "mesh (released)");
+        return 1;
+    }
+    ms_mesh *m = b->h;
+    luaL_Buffer buf;
+    luaL_buffinit(L, &buf);
+    luaL_addstring(&buf, "mesh(");
+    for (int i = 0; i < ms_mesh_ndim(m); i++) {
+        lua_pushfstring(L, i ? ", %s=%I" : "%s=%I", ms_mesh_axis_name(m, i), (lua_Integer)ms_mesh_axis_size(m, i));
+        luaL_addvalue(&buf);
+    }
+    luaL_addchar(&buf, ')');
+    luaL_pushresult(&buf);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- groups */
+
+static int g_size(lua_State *L) {
+    lua_pushinteger(L, ms_comm_size(check_group(L, 1)));
+    return 1;
+}
+static int g_rank(lua_State *L) {
+    lua_pushinteger(L, ms_comm_rank(check_group(L, 1)));
+    return 1;
+}
+static int g_ranks(lua_State *L) {
+    ms_comm *c = check_group(L, 1);
+    int n = ms_comm_size(c);
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        lua_pushinteger(L, ms_comm_world_rank(c, i));
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int g_all_gather(lua_State *L) {
+    CHECK(L, ms_all_gather(check_group(L, 1), check_tensor(L, 2), check_tensor(L, 3)));
+    lua_settop(L, 2);
+    return 1;
+}
+static int g_reduce_scatter(lua_State *L) {
+    CHECK(L, ms_reduce_scatter(check_group(L, 1), check_tensor(L, 2), check_tensor(L, 3), opt_op(L, 4)));
+    lua_settop(L, 2);
+    return 1;
+}
+static int g_all_reduce(lua_State *L) {
+    CHECK(L, ms_all_reduce(check_group(L, 1), check_tensor(L, 2), opt_op(L, 3)));
+    lua_settop(L, 2);
+    return 1;
+}
+static int g_broadcast(lua_State *L) {
+    CHECK(L, ms_broadcast(check_group(L, 1), check_tensor(L, 2), (int)luaL_checkinteger(L, 3)));
+    lua_settop(L, 2);
+    return 1;
+}
+static int g_all_to_all(lua_State *L) {
+    CHECK(L, ms_all_to_all(check_group(L, 1), check_tensor(L, 2), check_tensor(L, 3)));
+    lua_settop(L, 2);
+    return 1;
+}
+static int g_barrier(lua_State *L) {
+    CHECK(L, ms_barrier(check_group(L, 1)));
+    return 0;
+}
+
+static int g_tostring(lua_State *L) {
+    box *b = luaL_checkudata(L, 1, GROUP_MT);
+    if (!b->h) {
+        lua_pushliteral(L, "group (released)");
+        return 1;
+    }
+    ms_comm *c = b->h;
+    luaL_Buffer buf;
+    luaL_buffinit(L, &buf);
+    lua_pushfstring(L, "group(%s, rank %d of %d, ranks [", ms_comm_backend(c), ms_comm_rank(c), ms_comm_size(c));
+    luaL_addvalue(&buf);
+    for (int i = 0; i < ms_comm_size(c); i++) {
+        lua_pushfstring(L, i ? " %d" : "%d", ms_comm_world_rank(c, i));
+        luaL_addvalue(&buf);
+    }
+    luaL_addstring(&buf, "])");
+    luaL_pushresult(&buf);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- layouts */
+
+/* core.local_shape(shape, kinds, dims, mesh_sizes, coords) -- kinds: 0 replicate, 1 shard,
+ * 2 partial (ms_placement_kind); the Lua library turns placements into these lists. */
+static int l_local_shape(lua_State *L) {
+    int64_t shape[MS_MAX_DIMS], kinds64[MS_MAX_DIMS], dims64[MS_MAX_DIMS], sizes[MS_MAX_DIMS], coords[MS_MAX_DIMS];
+    int nd = check_int_list(L, 1, "global_shape", shape, MS_MAX_DIMS);
+    int nk = check_int_list(L, 2, "placements", kinds64, MS_MAX_DIMS);
+    int ndims = check_int_list(L, 3, "placement dims", dims64, MS_MAX_DIMS);
+    int nm = check_int_list(L, 4, "mesh_shape", sizes, MS_MAX_DIMS);
+    int nc = check_int_list(L, 5, "coords", coords, MS_MAX_DIMS);
+    if (nk != nm || ndims != nm || nc != nm)
+        return luaL_error(L, "moonshard: local_shape: %d placements and %d coordinates for a mesh of %d dims "
+                          "(one of each per mesh dim)", nk, nc, nm);
+    int kinds[MS_MAX_DIMS], dims[MS_MAX_DIMS];
+    for (int i = 0; i < nm; i++) {
+        kinds[i] = (int)kinds64[i];
+        dims[i] = (int)dims64[i];
+    }
+    int64_t local[MS_MAX_DIMS], offset[MS_MAX_DIMS];
+    CHECK(L, ms_local_shape(nd, shape, nm, kinds, dims, sizes, coords, local, offset));
+    push_int_list(L, local, nd);
+    push_int_list(L, offset, nd);
+    return 2;
+}
+
+static int l_fsdp_shard(lua_State *L) {
+    int64_t shape[MS_MAX_DIMS];
+    int nd = check_int_list(L, 1, "global_shape", shape, MS_MAX_DIMS);
+    int64_t world = luaL_checkinteger(L, 2), rank = luaL_checkinteger(L, 3);
+    int dim = (int)luaL_optinteger(L, 4, 0);
+    int64_t local[MS_MAX_DIMS], padded[MS_MAX_DIMS], offset;
+    CHECK(L, ms_fsdp_shard(nd, shape, world, rank, dim, local, &offset, padded));
+    push_int_list(L, local, nd);
+    lua_pushinteger(L, (lua_Integer)offset);
+    push_int_list(L, padded, nd);
+    return 3;
+}
+
+static int l_chunk_extent(lua_State *L) {
+    int64_t len, off;
+    CHECK(L, ms_chunk_extent(luaL_checkinteger(L, 1), luaL_checkinteger(L, 2), luaL_checkinteger(L, 3), &len, &off));
+    lua_pushinteger(L, (lua_Integer)len);
+    lua_pushinteger(L, (lua_Integer)off);
+    return 2;
+}
+
+/* ---------------------------------------------------------------- misc */
+
+static int l_dtype_size(lua_State *L) {
+    lua_pushinteger(L, ms_dtype_size(opt_dtype(L, 1, MS_F32)));
+    return 1;
+}
+
+static int l_cast_impl(lua_State *L) {
+    if (!lua_isnoneornil(L, 1)) {
+        const char *name = luaL_checkstring(L, 1);
+        int impl = strcmp(name, "portable") == 0 ? MS_CAST_PORTABLE
+                   : strcmp(name, "avx2") == 0   ? MS_CAST_AVX2
+                   : strcmp(name, "auto") == 0   ? MS_CAST_AUTO
+                                                 : -1;
+        if (impl < 0) return luaL_error(L, "moonshard: cast_impl: '%s' is not auto, portable or avx2", name);
+        CHECK(L, ms_cast_set_impl((ms_cast_impl)impl));
+    }
+    lua_pushstring(L, ms_cast_get_impl() == MS_CAST_AVX2 ? "avx2" : "portable");
+    return 1;
+}
+
+/* ---------------------------------------------------------------- registration */
+
+static void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
+                      lua_CFunction tostring) {
+    luaL_newmetatable(L, mt);
+    lua_newtable(L);
+    luaL_setfuncs(L, methods, 0);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, gc);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, gc);
+    lua_setfield(L, -2, "__close");
+    lua_pushcfunction(L, tostring);
+    lua_setfield(L, -2, "__tostring");
+    lua_pushstring(L, mt);
+    lua_setfield(L, -2, "__name");
+    lua_pop(L, 1);
+}
+
+int luaopen_moonshard_core(lua_State *L) {
+    static const luaL_Reg tensor_methods[] = {
+        {"shape", t_shape}, {"stride", t_stride}, {"dtype", t_dtype}, {"numel", t_numel},
+        {"nbytes", t_nbytes}, {"ndim", t_ndim}, {"device", t_device},
+        {"is_contiguous", t_is_contiguous}, {"to", t_to}, {"copy_", t_copy_}, {"fill_", t_fill_},
+        {"narrow", t_narrow}, {"view", t_view}, {"chunk", t_chunk}, {"totable", t_totable},
+        {"bits", t_bits}, {"release", tensor_gc}, {NULL, NULL}};
+    static const luaL_Reg mesh_methods[] = {
+        {"size", m_size}, {"axes", m_axes}, {"rank", m_rank}, {"coords", m_coords},
+        {"group", m_group}, {"group_ranks", m_group_ranks}, {"release", mesh_gc}, {NULL, NULL}};
+    static const luaL_Reg group_methods[] = {
+        {"size", g_size}, {"rank", g_rank}, {"ranks", g_ranks}, {"all_gather", g_all_gather},
+        {"reduce_scatter", g_reduce_scatter}, {"all_reduce", g_all_reduce},
+        {"broadcast", g_broadcast}, {"all_to_all", g_all_to_all}, {"barrier", g_barrier},
+        {"release", group_gc}, {NULL, NULL}};
+    static const luaL_Reg funcs[] = {
+        {"rank", l_rank}, {"world_size", l_world_size}, {"backend", l_backend},
+        {"tensor", l_tensor}, {"from_table", l_from_table}, {"mesh", l_mesh},
+        {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
+        {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},
+        {"cast_impl", l_cast_impl}, {NULL, NULL}};
+    new_class(L, TENSOR_MT, tensor_methods, tensor_gc, t_tostring);
+    new_class(L, MESH_MT, mesh_methods, mesh_gc, m_tostring);
+    new_class(L, GROUP_MT, group_methods, group_gc, g_tostring);
+    luaL_newlib(L, funcs);
+    lua_pushstring(L, ms_version());
+    lua_setfield(L, -2, "version");
+    lua_createtable(L, MS_DTYPE_COUNT, 0);
+    for (int d = 0; d < MS_DTYPE_COUNT; d++) {
+        lua_pushstring(L, ms_dtype_name((ms_dtype)d));
+        lua_rawseti(L, -2, d + 1);
+    }
+    lua_setfield(L, -2, "dtypes");
+    return 1;
+}

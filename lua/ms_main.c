@@ -1,0 +1,359 @@
+/*
+ * ms_main.c: the moonshard executable.
+ *
+ *   moonshard [-n N] script.lua [args...]      run the script on N ranks (SPMD)
+ *   moonshard [-n N] -e CODE [args...]
+ *
+ * Each rank is a thread with its own Lua state, joined to one threads world: the embedded
+ * default, with no launcher and no network.  When a rank fails, its error and traceback are
+ * printed once, prefixed by the rank (ranks with the same message are printed together),
+ * and the process exits non-zero.  A rank still running long after another failed (stuck
+ * outside any collective) does not keep the process alive past the timeout.
+ */
+#include "moonshard.h"
+#include "ms_lua.h"
+
+#include <lauxlib.h>
+#include <lua.h>
+#include <lualib.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    MAX_RANKS = 4096,
+    GRACE_S = 3 /* how long ranks may keep running after another rank failed */
+};
+
+static const char *usage_text =
+    "usage: moonshard [options] script.lua [args...]\n"
+    "       moonshard [options] -e CODE [args...]\n"
+    "\n"
+    "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
+    "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
+    "real data through shared memory.\n"
+    "\n"
+    "options:\n"
+    "  -n N, --ranks N   number of ranks (default 1, at most 4096)\n"
+    "  -e CODE           run CODE instead of a script file\n"
+    "  --timeout S       seconds a collective waits for a missing rank before failing\n"
+    "                    (default: $MOONSHARD_TIMEOUT, else 300)\n"
+    "  --version         print the version and exit\n"
+    "  -h, --help        print this help and exit\n"
+    "\n"
+    "environment:\n"
+    "  MOONSHARD_TIMEOUT   collective timeout in seconds (default 300)\n"
+    "  MOONSHARD_LUA_DIR   directory holding moonshard/init.lua (default: the installed\n"
+    "                      Lua files, else the source tree this binary was built from)\n"
+    "\n"
+    "exit status: 0 when every rank finished, 1 when any rank failed, 2 on a usage error.\n";
+
+/* ---------------------------------------------------------------- ranks */
+
+typedef struct {
+    int rank;
+    ms_world *world;
+    const char *script; /* NULL when code is set */
+    const char *code;
+    int argc;
+    char **argv;
+    char *error; /* malloc'd message + traceback when the rank failed */
+    bool failed, done;
+} rank_job;
+
+static pthread_mutex_t done_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
+static int ranks_done;
+
+/* print() that writes each line in one piece, so ranks' lines do not interleave. */
+static int l_print(lua_State *L) {
+    int n = lua_gettop(L);
+    luaL_Buffer b;
+    luaL_buffinit(L, &b);
+    for (int i = 1; i <= n; i++) {
+        if (i > 1) luaL_addchar(&b, '\t');
+        luaL_tolstring(L, i, NULL);
+        luaL_addvalue(&b);
+    }
+    luaL_addchar(&b, '\n');
+    luaL_pushresult(&b);
+    size_t len;
+    const char *s = lua_tolstring(L, -1, &len);
+    flockfile(stdout);
+    fwrite(s, 1, len, stdout);
+    fflush(stdout);
+    funlockfile(stdout);
+    return 0;
+}
+
+static int traceback(lua_State *L) {
+    const char *msg = lua_tostring(L, 1);
+    if (!msg) {
+        if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
+        msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    }
+    luaL_traceback(L, L, msg, 1);
+    return 1;
+}
+
+static bool is_dir_with_init(const char *dir) {
+    char path[PATH_MAX + 32];
+    if (snprintf(path, sizeof path, "%s/moonshard/init.lua", dir) >= (int)sizeof path) return false;
+    return access(path, R_OK) == 0;
+}
+
+/* Where moonshard/init.lua lives: $MOONSHARD_LUA_DIR, the install tree, the source tree. */
+static const char *lua_dir(void) {
+    static char dir[PATH_MAX + 32];
+    const char *env = getenv("MOONSHARD_LUA_DIR");
+    if (env && *env) return env;
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) *slash = '\0';
+        if (snprintf(dir, sizeof dir, "%s/../share/lua/5.4", exe) < (int)sizeof dir && is_dir_with_init(dir))
+            return dir;
+    }
+    if (is_dir_with_init(MOONSHARD_INSTALL_LUA_DIR)) return MOONSHARD_INSTALL_LUA_DIR;
+    return MOONSHARD_SOURCE_LUA_DIR;
+}
+
+static void setup_state(lua_State *L, rank_job *job) {
+    luaL_openlibs(L);
+    lua_pushcfunction(L, l_print);
+    lua_setglobal(L, "print");
+    /* package.path: moonshard's Lua files first */
+    lua_getglobal(L, "package");
+    const char *dir = lua_dir();
+    lua_getfield(L, -1, "path");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, lua_tostring(L, -1));
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+    /* moonshard.core is linked in */
+    lua_getfield(L, -1, "preload");
+    lua_pushcfunction(L, luaopen_moonshard_core);
+    lua_setfield(L, -2, "moonshard.core");
+    lua_pop(L, 2);
+    /* arg: arg[0] = script, arg[1..] = its arguments */
+    lua_createtable(L, job->argc, 1);
+    lua_pushstring(L, job->script ? job->script : "-e");
+    lua_rawseti(L, -2, 0);
+    for (int i = 0; i < job->argc; i++) {
+        lua_pushstring(L, job->argv[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_setglobal(L, "arg");
+}
+
+/* Runs the job on a fresh Lua state; returns NULL or a malloc'd error text. */
+static char *run_rank(rank_job *job, ms_comm *world) {
+    lua_State *L = luaL_newstate();
+    if (!L) return strdup("cannot create a Lua state (out of memory)");
+    setup_state(L, job);
+    ms_lua_set_world(L, world);
+    lua_pushcfunction(L, traceback);
+    int st = job->script ? luaL_loadfilex(L, job->script, NULL) : luaL_loadbufferx(L, job->code, strlen(job->code), "=(command line)", "t");
+    if (st == LUA_OK) {
+        for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
+        st = lua_pcall(L, job->argc, 0, 1);
+    }
+    char *err = NULL;
+    if (st != LUA_OK) {
+        const char *msg = lua_tostring(L, -1);
+        err = strdup(msg ? msg : "(error object is not a string)");
+    }
+    lua_close(L); /* releases the rank's tensors, meshes and groups */
+    return err;
+}
+
+static void *rank_main(void *arg) {
+    rank_job *job = arg;
+    ms_comm *world = NULL;
+    ms_status st = ms_world_comm(job->world, job->rank, &world);
+    if (st) {
+        char buf[1200];
+        snprintf(buf, sizeof buf, "moonshard %s error: %s", ms_status_name(st), ms_last_error());
+        job->error = strdup(buf);
+    } else {
+        job->error = run_rank(job, world);
+    }
+    job->failed = job->error != NULL;
+    ms_world_rank_done(job->world, job->rank, job->failed);
+    ms_comm_release(world);
+    pthread_mutex_lock(&done_mu);
+    job->done = true;
+    ranks_done++;
+    pthread_cond_broadcast(&done_cv);
+    pthread_mutex_unlock(&done_mu);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- reporting */
+
+/* Prints each distinct error once: "[rank 2] ..." or "[ranks 0,1,3] ...", every line of the
+ * message and traceback prefixed. */
+static void report_errors(const rank_job *jobs, const bool *finished, int n) {
+    bool *printed = calloc((size_t)n, sizeof *printed);
+    for (int r = 0; r < n; r++) {
+        if (!finished[r] || !jobs[r].failed || (printed && printed[r])) continue;
+        /* the first line (the message) decides the grouping */
+        size_t head = strcspn(jobs[r].error, "\n");
+        char who[256];
+        int len = snprintf(who, sizeof who, "rank %d", r);
+        int same = 0;
+        for (int q = r + 1; q < n && printed; q++)
+            if (finished[q] && jobs[q].failed && strncmp(jobs[q].error, jobs[r].error, head) == 0 &&
+                (jobs[q].error[head] == '\n' || jobs[q].error[head] == '\0')) {
+                printed[q] = true;
+                if (len < (int)sizeof who - 16) len += snprintf(who + len, sizeof who - (size_t)len, ",%d", q);
+                same++;
+            }
+        if (same) {
+            memmove(who + 5, who + 4, strlen(who + 4) + 1); /* "rank" -> "ranks" */
+            who[4] = 's';
+        }
+        const char *p = jobs[r].error;
+        while (*p) {
+            size_t l = strcspn(p, "\n");
+            fprintf(stderr, "[%s] %.*s\n", who, (int)l, p);
+            p += l + (p[l] == '\n');
+        }
+    }
+    free(printed);
+}
+
+/* ---------------------------------------------------------------- main */
+
+static int usage_error(const char *fmt, const char *arg) {
+    fprintf(stderr, "moonshard: ");
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n(try 'moonshard --help')\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    int nranks = 1;
+    double timeout = 0;
+    const char *code = NULL, *script = NULL;
+    int i = 1;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else if (strcmp(a, "--version") == 0) {
+            printf("moonshard %s (%s, libmoonshard %s)\n", MOONSHARD_VERSION, LUA_RELEASE, ms_version());
+            return 0;
+        } else if (strcmp(a, "-n") == 0 || strcmp(a, "--ranks") == 0 || strncmp(a, "-n", 2) == 0) {
+            const char *v = a[1] == 'n' && a[2] ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return usage_error("%s needs a number of ranks", a);
+            char *end;
+            errno = 0;
+            long n = strtol(v, &end, 10);
+            if (errno || end == v || *end || n < 1 || n > MAX_RANKS)
+                return usage_error("bad number of ranks '%s' (expected 1 to 4096)", v);
+            nranks = (int)n;
+        } else if (strcmp(a, "-e") == 0) {
+            if (i + 1 >= argc) return usage_error("%s needs a chunk of Lua code", a);
+            code = argv[++i];
+        } else if (strcmp(a, "--timeout") == 0) {
+            if (i + 1 >= argc) return usage_error("%s needs a number of seconds", a);
+            char *end;
+            timeout = strtod(argv[++i], &end);
+            if (end == argv[i] || *end || !(timeout > 0))
+                return usage_error("bad timeout '%s' (expected seconds > 0)", argv[i]);
+        } else if (strcmp(a, "--") == 0) {
+            i++;
+            break;
+        } else if (a[0] == '-' && a[1]) {
+            return usage_error("unknown option '%s'", a);
+        } else {
+            break;
+        }
+    }
+    if (!code) {
+        if (i >= argc) return usage_error("%s", "no script given (moonshard [-n N] script.lua, or -e CODE)");
+        script = argv[i++];
+        if (access(script, R_OK) != 0) {
+            fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script, strerror(errno));
+            return 2;
+        }
+    }
+
+    ms_world *world;
+    ms_status st = ms_threads_world_new(&world, nranks, timeout);
+    if (st) {
+        fprintf(stderr, "moonshard: %s error: %s\n", ms_status_name(st), ms_last_error());
+        return 1;
+    }
+    rank_job *jobs = calloc((size_t)nranks, sizeof *jobs);
+    pthread_t *threads = calloc((size_t)nranks, sizeof *threads);
+    if (!jobs || !threads) {
+        fprintf(stderr, "moonshard: out of memory for %d ranks\n", nranks);
+        return 1;
+    }
+    int started = 0;
+    for (int r = 0; r < nranks; r++) {
+        jobs[r] = (rank_job){.rank = r, .world = world, .script = script, .code = code,
+                             .argc = argc - i, .argv = argv + i};
+        if (pthread_create(&threads[r], NULL, rank_main, &jobs[r]) != 0) {
+            fprintf(stderr, "moonshard: cannot start the thread of rank %d: %s\n", r, strerror(errno));
+            /* The ranks already started fail at their first collective with this one. */
+            for (int q = r; q < nranks; q++) ms_world_rank_done(world, q, 1);
+            break;
+        }
+        started++;
+    }
+
+    /* Wait for every rank.  Once one has failed, the others fail fast in their collectives
+     * (a failed peer is noticed at once); a rank stuck outside any collective gets a short
+     * grace and is then abandoned, so the job ends and says so. */
+    pthread_mutex_lock(&done_mu);
+    struct timespec deadline = {0};
+    bool have_deadline = false;
+    while (ranks_done < started) {
+        bool any_failed = false;
+        for (int r = 0; r < nranks; r++) any_failed |= jobs[r].done && jobs[r].failed;
+        if (any_failed && !have_deadline) {
+            clock_gettime(CLOCK_REALTIME, &deadline);
+            deadline.tv_sec += GRACE_S;
+            have_deadline = true;
+        }
+        int rc = have_deadline ? pthread_cond_timedwait(&done_cv, &done_mu, &deadline)
+                               : pthread_cond_wait(&done_cv, &done_mu);
+        if (rc == ETIMEDOUT) break;
+    }
+    bool stuck = ranks_done < started;
+    /* What the ranks still running may not change under us: who had finished by now. */
+    bool *finished = calloc((size_t)nranks, sizeof *finished);
+    for (int r = 0; finished && r < nranks; r++) finished[r] = jobs[r].done;
+    pthread_mutex_unlock(&done_mu);
+    if (!finished) _exit(1);
+
+    int failed = started < nranks;
+    if (!stuck)
+        for (int r = 0; r < started; r++) pthread_join(threads[r], NULL);
+    for (int r = 0; r < started; r++) failed |= finished[r] && jobs[r].failed;
+    fflush(stdout);
+    report_errors(jobs, finished, started);
+    for (int r = 0; stuck && r < started; r++)
+        if (!finished[r])
+            fprintf(stderr, "[rank %d] still running %d s after another rank failed; abandoned\n", r, GRACE_S);
+    fflush(stderr);
+    if (stuck) _exit(1); /* threads still run: do not tear down what they use */
+    for (int r = 0; r < nranks; r++) free(jobs[r].error);
+    free(finished);
+    free(jobs);
+    free(threads);
+    ms_world_release(world);
+    return failed ? 1 : 0;
+}

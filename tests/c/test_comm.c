@@ -1,0 +1,711 @@
+/*
+ * test_comm.c: the collectives of the threads backend, checked on every rank.
+ *
+ * Ranks are pthreads of one threads world.  Every input element is a formula of (test
+ * seed, group rank, index), so each rank computes what every peer sent and checks its own
+ * result against a reference made here independently: reductions in rank order in f32
+ * (f32 and the narrower floats, rounded once with cast.c's scalar converters), f64, or
+ * wrapping 64-bit integers.  Wrong elements are counted per rank and the largest float
+ * difference is printed.  Then the failure paths, each in a fresh world: ranks that
+ * disagree (MS_ERR_MISMATCH on every rank, data untouched), a rank that never arrives
+ * (MS_ERR_TIMEOUT), ranks reported done (MS_ERR_PEER), comms unusable afterwards
+ * (MS_ERR_STATE), and argument errors, all by their messages.
+ */
+#include "ms_internal.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---------------------------------------------------------------- harness (thread-safe) */
+
+static atomic_int passed, failed;
+
+static void fail_at(int line, const char *what, const char *fmt, ...) MS_PRINTF(3, 4);
+static void fail_at(int line, const char *what, const char *fmt, ...) {
+    char buf[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "test_comm.c:%d: %s%s\n", line, what, buf);
+    atomic_fetch_add(&failed, 1);
+}
+
+/* CHECK(cond) or CHECK(cond, "(context %d)", x): counts, and prints cond and the context. */
+#define CHECK(cond, ...)                                                 \
+    do {                                                                 \
+        if (cond) atomic_fetch_add(&passed, 1);                          \
+        else fail_at(__LINE__, "CHECK failed: " #cond, " " __VA_ARGS__); \
+    } while (0)
+
+/* The call returns `want` and its message contains `needle`. */
+#define CHECK_ST(call, want, needle)                                                          \
+    do {                                                                                      \
+        ms_status st_ = (call);                                                               \
+        if (st_ == (want) && strstr(ms_last_error(), (needle))) atomic_fetch_add(&passed, 1); \
+        else fail_at(__LINE__, #call, ": expected %s with \"%s\", got %s: \"%s\"",            \
+                     ms_status_name(want), (needle), ms_status_name(st_), ms_last_error());   \
+    } while (0)
+
+#define CHECK_OK(call) CHECK_ST(call, MS_OK, "")
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+enum { MAX_RANKS = 4 };
+
+typedef struct rank_ctx {
+    ms_world *w;
+    int rank;
+    ms_comm *world; /* this rank's world comm */
+    void *arg;      /* the test's shared state */
+} rank_ctx;
+
+typedef void (*rank_fn)(rank_ctx *);
+
+typedef struct rank_thread {
+    rank_ctx ctx;
+    rank_fn fn;
+} rank_thread;
+
+static void *rank_main(void *p) {
+    rank_thread *t = p;
+    CHECK_OK(ms_world_comm(t->ctx.w, t->ctx.rank, &t->ctx.world));
+    t->fn(&t->ctx);
+    ms_comm_release(t->ctx.world);
+    return NULL;
+}
+
+/* Runs fn on n rank threads of a fresh world with the given timeout. */
+static void run_ranks(int n, double timeout_s, rank_fn fn, void *arg) {
+    ms_world *w = NULL;
+    CHECK_OK(ms_threads_world_new(&w, n, timeout_s));
+    if (!w) return;
+    rank_thread th[MAX_RANKS];
+    pthread_t tid[MAX_RANKS];
+    for (int r = 0; r < n; r++) {
+        th[r] = (rank_thread){.ctx = {.w = w, .rank = r, .arg = arg}, .fn = fn};
+        pthread_create(&tid[r], NULL, rank_main, &th[r]);
+    }
+    for (int r = 0; r < n; r++) pthread_join(tid[r], NULL);
+    ms_world_release(w);
+}
+
+/* ---------------------------------------------------------------- tensors and inputs */
+
+static ms_tensor *tensor(ms_dtype dt, int ndim, int64_t d0, int64_t d1) {
+    int64_t shape[2] = {d0, d1};
+    ms_tensor *t = NULL;
+    CHECK_OK(ms_tensor_new(&t, ndim, shape, dt, MS_DEVICE_CPU, 0));
+    return t;
+}
+
+/* Rows [start, start + len) of t (dim 0): a view sharing t's memory. */
+static ms_tensor *rows(ms_tensor *t, int64_t start, int64_t len) {
+    ms_tensor *v = NULL;
+    CHECK_OK(ms_tensor_narrow(&v, t, 0, start, len));
+    return v;
+}
+
+static unsigned char *elem(const ms_tensor *t, int64_t i) {
+    return (unsigned char *)ms_tensor_data(t) + i * ms_dtype_size(ms_tensor_dtype(t));
+}
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* Stores float v into one element of a float dtype with the scalar converters. */
+static void put_float(ms_dtype dt, double v, void *p) {
+    float f = (float)v;
+    uint16_t h;
+    uint8_t b;
+    switch (dt) {
+    case MS_F64: memcpy(p, &v, 8); break;
+    case MS_F32: memcpy(p, &f, 4); break;
+    case MS_BF16: h = ms__f32_to_bf16(f), memcpy(p, &h, 2); break;
+    case MS_F16: h = ms__f32_to_f16(f), memcpy(p, &h, 2); break;
+    case MS_F8E4M3: b = ms__f32_to_e4m3(f), memcpy(p, &b, 1); break;
+    default: b = ms__f32_to_e5m2(f), memcpy(p, &b, 1); break;
+    }
+}
+
+static double get_float(ms_dtype dt, const void *p) {
+    double d;
+    float f;
+    uint16_t h;
+    switch (dt) {
+    case MS_F64: memcpy(&d, p, 8); return d;
+    case MS_F32: memcpy(&f, p, 4); return f;
+    case MS_BF16: memcpy(&h, p, 2); return ms__bf16_to_f32(h);
+    case MS_F16: memcpy(&h, p, 2); return ms__f16_to_f32(h);
+    case MS_F8E4M3: return ms__e4m3_to_f32(*(const uint8_t *)p);
+    default: return ms__e5m2_to_f32(*(const uint8_t *)p);
+    }
+}
+
+/* Integers and bool: the value, and its low bytes stored back (wrapping). */
+static int64_t get_int(ms_dtype dt, const void *p) {
+    int64_t v64;
+    int32_t v32;
+    switch (dt) {
+    case MS_I64: memcpy(&v64, p, 8); return v64;
+    case MS_I32: memcpy(&v32, p, 4); return v32;
+    case MS_I8: return *(const int8_t *)p;
+    default: return *(const uint8_t *)p; /* u8, bool */
+    }
+}
+
+static void put_int(ms_dtype dt, int64_t v, void *p) {
+    memcpy(p, &v, (size_t)ms_dtype_size(dt)); /* little-endian: the low bytes */
+}
+
+/* Element i of group rank r's input in test `seed`. */
+static void input(ms_dtype dt, uint32_t seed, int r, int64_t i, void *p) {
+    uint64_t h = mix(((uint64_t)seed << 40) ^ ((uint64_t)r << 32) ^ (uint64_t)i);
+    if (dt == MS_F64) put_float(dt, (double)((int64_t)(h % 2000001) - 1000000) / 9973.0, p);
+    else if (ms_dtype_is_float(dt)) put_float(dt, (double)((float)((int)(h % 20001) - 10000) / 997.0f), p);
+    else if (dt == MS_BOOL) put_int(dt, (int64_t)(h & 1), p);
+    else put_int(dt, (int64_t)h, p);
+}
+
+static void fill_input(ms_tensor *t, uint32_t seed, int r) {
+    for (int64_t i = 0; i < ms_tensor_numel(t); i++) input(ms_tensor_dtype(t), seed, r, i, elem(t, i));
+}
+
+/* ---------------------------------------------------------------- the reference */
+
+static float op_f32(ms_op op, float a, float b) {
+    return op == MS_OP_MAX ? (b > a ? b : a) : op == MS_OP_MIN ? (b < a ? b : a) : a + b;
+}
+static double op_f64(ms_op op, double a, double b) {
+    return op == MS_OP_MAX ? (b > a ? b : a) : op == MS_OP_MIN ? (b < a ? b : a) : a + b;
+}
+static int64_t op_int(ms_op op, int64_t a, int64_t b) {
+    return op == MS_OP_MAX ? (b > a ? b : a) : op == MS_OP_MIN ? (b < a ? b : a) : (int64_t)((uint64_t)a + (uint64_t)b);
+}
+
+/* Element i of the inputs of ranks 0..n-1 reduced with op, in rank order, stored in p. */
+static void reference(ms_dtype dt, ms_op op, int n, uint32_t seed, int64_t i, void *p) {
+    unsigned char x[8];
+    if (dt == MS_F64) {
+        double acc = 0;
+        for (int r = 0; r < n; r++) {
+            input(dt, seed, r, i, x);
+            acc = r ? op_f64(op, acc, get_float(dt, x)) : get_float(dt, x);
+        }
+        put_float(dt, op == MS_OP_AVG ? acc / n : acc, p);
+    } else if (ms_dtype_is_float(dt)) {
+        float acc = 0;
+        for (int r = 0; r < n; r++) {
+            input(dt, seed, r, i, x);
+            acc = r ? op_f32(op, acc, (float)get_float(dt, x)) : (float)get_float(dt, x);
+        }
+        put_float(dt, op == MS_OP_AVG ? acc / (float)n : acc, p);
+    } else {
+        int64_t acc = 0;
+        for (int r = 0; r < n; r++) {
+            input(dt, seed, r, i, x);
+            acc = r ? op_int(op, acc, get_int(dt, x)) : get_int(dt, x);
+        }
+        put_int(dt, acc, p);
+    }
+}
+
+/* ---------------------------------------------------------------- the sweep */
+
+/* What one rank saw over all its collectives. */
+typedef struct sweep_stats {
+    long calls, elements, wrong;
+    double max_diff; /* largest |got - want| of a float result */
+} sweep_stats;
+
+/* Counts got[i] != want (bitwise) for one element; prints the first few. */
+static void compare(sweep_stats *st, const char *what, ms_dtype dt, int64_t i, const void *got, const void *want) {
+    int es = ms_dtype_size(dt);
+    st->elements++;
+    if (ms_dtype_is_float(dt)) {
+        double d = fabs(get_float(dt, got) - get_float(dt, want));
+        if (d > st->max_diff) st->max_diff = d;
+    }
+    if (!memcmp(got, want, (size_t)es)) return;
+    if (st->wrong++ < 5) {
+        if (ms_dtype_is_float(dt))
+            fail_at(__LINE__, what, ": element %lld is %.9g, expected %.9g", (long long)i, get_float(dt, got),
+                    get_float(dt, want));
+        else
+            fail_at(__LINE__, what, ": element %lld is %lld, expected %lld", (long long)i,
+                    (long long)get_int(dt, got), (long long)get_int(dt, want));
+    }
+}
+
+static bool op_valid(ms_dtype dt, ms_op op) {
+    if (op == MS_OP_AVG) return ms_dtype_is_float(dt);
+    return dt != MS_BOOL || op != MS_OP_SUM;
+}
+
+static const int64_t counts[] = {0, 1, 7, 2049, 5003}; /* 2049, 5003: past one reduction block */
+
+/* One all_gather: in is out's slice for this rank, or a tensor of its own. */
+static void test_all_gather(ms_comm *c, const char *where, ms_dtype dt, int64_t count, bool in_place,
+                            uint32_t seed, sweep_stats *st) {
+    int n = ms_comm_size(c), r = ms_comm_rank(c);
+    ms_tensor *out = tensor(dt, 2, n, count);
+    ms_tensor *in = in_place ? rows(out, r, 1) : tensor(dt, 1, count, 0);
+    if (count) memset(ms_tensor_data(out), 0xA5, (size_t)ms_tensor_nbytes(out));
+    fill_input(in, seed, r);
+    char what[256];
+    snprintf(what, sizeof what, "%s: all_gather %s count %lld%s", where, ms_dtype_name(dt), (long long)count,
+             in_place ? " in place" : "");
+    CHECK_ST(ms_all_gather(c, out, in), MS_OK, "");
+    unsigned char want[8];
+    for (int j = 0; j < n; j++)
+        for (int64_t i = 0; i < count; i++) {
+            input(dt, seed, j, i, want);
+            compare(st, what, dt, j * count + i, elem(out, j * count + i), want);
+        }
+    st->calls++;
+    ms_tensor_release(in);
+    ms_tensor_release(out);
+}
+
+/* One reduce_scatter: out is in's slice for this rank, or a tensor of its own. */
+static void test_reduce_scatter(ms_comm *c, const char *where, ms_dtype dt, ms_op op, int64_t count,
+                                bool in_place, uint32_t seed, sweep_stats *st) {
+    int n = ms_comm_size(c), r = ms_comm_rank(c);
+    ms_tensor *in = tensor(dt, 2, n, count);
+    ms_tensor *out = in_place ? rows(in, r, 1) : tensor(dt, 1, count, 0);
+    fill_input(in, seed, r);
+    char what[256];
+    snprintf(what, sizeof what, "%s: reduce_scatter %s %s count %lld%s", where, ms_dtype_name(dt), ms_op_name(op),
+             (long long)count, in_place ? " in place" : "");
+    CHECK_ST(ms_reduce_scatter(c, out, in, op), MS_OK, "");
+    unsigned char want[8];
+    for (int64_t i = 0; i < count; i++) {
+        reference(dt, op, n, seed, r * count + i, want);
+        compare(st, what, dt, i, elem(out, i), want);
+    }
+    st->calls++;
+    ms_tensor_release(out);
+    ms_tensor_release(in);
+}
+
+static void test_all_reduce(ms_comm *c, const char *where, ms_dtype dt, ms_op op, int64_t count, uint32_t seed,
+                            sweep_stats *st) {
+    int n = ms_comm_size(c), r = ms_comm_rank(c);
+    ms_tensor *t = tensor(dt, 1, count, 0);
+    fill_input(t, seed, r);
+    char what[256];
+    snprintf(what, sizeof what, "%s: all_reduce %s %s count %lld", where, ms_dtype_name(dt), ms_op_name(op),
+             (long long)count);
+    CHECK_ST(ms_all_reduce(c, t, op), MS_OK, "");
+    unsigned char want[8];
+    for (int64_t i = 0; i < count; i++) {
+        reference(dt, op, n, seed, i, want);
+        compare(st, what, dt, i, elem(t, i), want);
+    }
+    st->calls++;
+    ms_tensor_release(t);
+}
+
+static void test_broadcast(ms_comm *c, const char *where, ms_dtype dt, int64_t count, int root, uint32_t seed,
+                           sweep_stats *st) {
+    ms_tensor *t = tensor(dt, 1, count, 0);
+    fill_input(t, seed, ms_comm_rank(c));
+    char what[256];
+    snprintf(what, sizeof what, "%s: broadcast %s count %lld root %d", where, ms_dtype_name(dt), (long long)count,
+             root);
+    CHECK_ST(ms_broadcast(c, t, root), MS_OK, "");
+    unsigned char want[8];
+    for (int64_t i = 0; i < count; i++) {
+        input(dt, seed, root, i, want);
+        compare(st, what, dt, i, elem(t, i), want);
+    }
+    st->calls++;
+    ms_tensor_release(t);
+}
+
+/* all_to_all of n chunks of `chunk` elements: out chunk j = chunk r of rank j's in. */
+static void test_all_to_all(ms_comm *c, const char *where, ms_dtype dt, int64_t chunk, uint32_t seed,
+                            sweep_stats *st) {
+    int n = ms_comm_size(c), r = ms_comm_rank(c);
+    ms_tensor *in = tensor(dt, 2, n, chunk), *out = tensor(dt, 1, n * chunk, 0);
+    fill_input(in, seed, r);
+    char what[256];
+    snprintf(what, sizeof what, "%s: all_to_all %s chunk %lld", where, ms_dtype_name(dt), (long long)chunk);
+    CHECK_ST(ms_all_to_all(c, out, in), MS_OK, "");
+    unsigned char want[8];
+    for (int j = 0; j < n; j++)
+        for (int64_t i = 0; i < chunk; i++) {
+            input(dt, seed, j, r * chunk + i, want);
+            compare(st, what, dt, j * chunk + i, elem(out, j * chunk + i), want);
+        }
+    st->calls++;
+    ms_tensor_release(in);
+    ms_tensor_release(out);
+}
+
+/* Every collective x dtype x op x count on one comm.  All members run the same loops, so
+ * their calls match and *seed advances alike on each. */
+static void sweep_comm(ms_comm *c, uint32_t *seed, sweep_stats *st) {
+    char where[128], group[64];
+    size_t len = 0;
+    for (int j = 0; j < ms_comm_size(c); j++)
+        len += (size_t)snprintf(group + len, sizeof group - len, j ? " %d" : "%d", ms_comm_world_rank(c, j));
+    snprintf(where, sizeof where, "group [%s] rank %d", group, ms_comm_rank(c));
+    for (int d = 0; d < MS_DTYPE_COUNT; d++) {
+        ms_dtype dt = (ms_dtype)d;
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+            int64_t count = counts[k];
+            test_all_gather(c, where, dt, count, false, ++*seed, st);
+            test_all_gather(c, where, dt, count, true, ++*seed, st);
+            int root = (int)(*seed % (uint32_t)ms_comm_size(c));
+            test_broadcast(c, where, dt, count, root, ++*seed, st);
+            test_all_to_all(c, where, dt, count, ++*seed, st);
+            for (int op = 0; op < 4; op++) {
+                if (!op_valid(dt, (ms_op)op)) continue;
+                test_reduce_scatter(c, where, dt, (ms_op)op, count, false, ++*seed, st);
+                test_reduce_scatter(c, where, dt, (ms_op)op, count, true, ++*seed, st);
+                test_all_reduce(c, where, dt, (ms_op)op, count, ++*seed, st);
+            }
+        }
+    }
+    CHECK_OK(ms_barrier(c));
+    st->calls++;
+}
+
+/* The groups each world size is swept on, as partitions of the world run one after the
+ * other (the groups of one partition run at the same time). */
+typedef struct partition {
+    int ngroups;
+    int size[MAX_RANKS];
+    int ranks[MAX_RANKS][MAX_RANKS];
+} partition;
+
+static const partition partitions[MAX_RANKS + 1][3] = {
+    [1] = {{1, {1}, {{0}}}},
+    [2] = {{1, {2}, {{0, 1}}}, {2, {1, 1}, {{0}, {1}}}},
+    [3] = {{1, {3}, {{0, 1, 2}}}, {2, {2, 1}, {{0, 2}, {1}}}},
+    [4] = {{1, {4}, {{0, 1, 2, 3}}}, {2, {2, 2}, {{0, 2}, {1, 3}}}, {2, {1, 3}, {{0}, {1, 2, 3}}}},
+};
+
+static void sweep_rank(rank_ctx *ctx) {
+    sweep_stats *stats = ctx->arg;
+    int n = ms_world_size(ctx->w);
+    uint32_t seed = 0;
+    for (int p = 0; p < 3 && partitions[n][p].ngroups; p++) {
+        const partition *part = &partitions[n][p];
+        for (int g = 0; g < part->ngroups; g++) {
+            const int *members = part->ranks[g];
+            bool mine = false;
+            for (int j = 0; j < part->size[g]; j++) mine |= members[j] == ctx->rank;
+            if (!mine) continue;
+            ms_comm *c = NULL;
+            CHECK_OK(ms_comm_group(ctx->world, part->size[g], members, &c));
+            if (!c) continue;
+            uint32_t group_seed = seed + 1000000u * (uint32_t)g;
+            sweep_comm(c, &group_seed, &stats[ctx->rank]);
+            ms_comm_release(c);
+        }
+        seed += 10000000u;
+    }
+}
+
+static void test_sweep(void) {
+    for (int n = 1; n <= MAX_RANKS; n++) {
+        sweep_stats stats[MAX_RANKS] = {{0}};
+        double t0 = now_s();
+        run_ranks(n, 60, sweep_rank, stats);
+        for (int r = 0; r < n; r++) {
+            CHECK(stats[r].wrong == 0, "(world %d rank %d: %ld wrong elements)", n, r, stats[r].wrong);
+            printf("world %d rank %d: %5ld collectives, %8ld elements checked, %ld wrong, max float diff %g\n", n, r,
+                   stats[r].calls, stats[r].elements, stats[r].wrong, stats[r].max_diff);
+        }
+        printf("world %d: swept in %.2f s\n", n, now_s() - t0);
+    }
+}
+
+/* ---------------------------------------------------------------- handles */
+
+static void handles_rank(rank_ctx *ctx) {
+    ms_comm *again = NULL, *all = NULL, *pair = NULL, *pair2 = NULL;
+    CHECK_OK(ms_world_comm(ctx->w, ctx->rank, &again));
+    CHECK(again == ctx->world, "(ms_world_comm twice gives the same handle)");
+    CHECK(ms_comm_size(ctx->world) == 4 && ms_comm_rank(ctx->world) == ctx->rank);
+    CHECK(!strcmp(ms_comm_backend(ctx->world), "threads"));
+    int everyone[4] = {0, 1, 2, 3};
+    CHECK_OK(ms_comm_group(ctx->world, 4, everyone, &all));
+    CHECK(all == ctx->world, "(the group of all ranks is the world comm)");
+    int members[2] = {ctx->rank % 2, ctx->rank % 2 + 2}; /* [0 2] or [1 3] */
+    CHECK_OK(ms_comm_group(ctx->world, 2, members, &pair));
+    CHECK_OK(ms_comm_group(all, 2, members, &pair2)); /* asked through another comm of the world */
+    CHECK(pair && pair == pair2, "(asking for the same list again gives the same handle)");
+    if (pair) {
+        CHECK(ms_comm_size(pair) == 2 && ms_comm_rank(pair) == ctx->rank / 2);
+        CHECK(ms_comm_world_rank(pair, 1) == members[1] && ms_comm_world_rank(pair, 2) == -1);
+    }
+    ms_comm_release(pair2);
+    ms_comm_release(pair);
+    ms_comm_release(all);
+    ms_comm_release(again);
+}
+
+/* ---------------------------------------------------------------- mismatch */
+
+typedef struct mismatch_case {
+    const char *name;
+    /* Makes rank r's call on t (16 elements of f32, or what the case changes). */
+    ms_status (*call)(ms_comm *c, ms_tensor *t, int r);
+    const char *message;
+} mismatch_case;
+
+static ms_status count_differs(ms_comm *c, ms_tensor *t, int r) {
+    if (r != 2) return ms_all_reduce(c, t, MS_OP_SUM);
+    ms_tensor *half = rows(t, 0, 8);
+    ms_status st = ms_all_reduce(c, half, MS_OP_SUM);
+    ms_tensor_release(half);
+    return st;
+}
+
+static ms_status dtype_differs(ms_comm *c, ms_tensor *t, int r) {
+    if (r != 1) return ms_all_reduce(c, t, MS_OP_SUM);
+    int64_t shape[1] = {16};
+    ms_tensor *b = NULL; /* the same bytes seen as 16 bf16 */
+    CHECK_OK(ms_tensor_wrap(&b, ms_tensor_data(t), 1, shape, MS_BF16));
+    ms_status st = ms_all_reduce(c, b, MS_OP_SUM);
+    ms_tensor_release(b);
+    return st;
+}
+
+static ms_status op_differs(ms_comm *c, ms_tensor *t, int r) {
+    return ms_all_reduce(c, t, r == 3 ? MS_OP_MAX : MS_OP_SUM);
+}
+
+static ms_status kind_differs(ms_comm *c, ms_tensor *t, int r) {
+    return r == 0 ? ms_broadcast(c, t, 0) : ms_all_reduce(c, t, MS_OP_SUM);
+}
+
+static ms_status root_differs(ms_comm *c, ms_tensor *t, int r) { return ms_broadcast(c, t, r < 2 ? 0 : 1); }
+
+static ms_status barrier_differs(ms_comm *c, ms_tensor *t, int r) {
+    return r == 3 ? ms_barrier(c) : ms_all_reduce(c, t, MS_OP_SUM);
+}
+
+static const mismatch_case mismatch_cases[] = {
+    {"count", count_differs, "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum"},
+    {"dtype", dtype_differs, "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 2 3: 16 x f32 sum; rank 1: 16 x bf16 sum"},
+    {"op", op_differs, "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 1 2: 16 x f32 sum; rank 3: 16 x f32 max"},
+    {"kind", kind_differs,
+     "collectives on group [0 1 2 3]: ranks disagree on the collective: rank 0: broadcast 16 x f32 root 0; "
+     "ranks 1 2 3: all_reduce 16 x f32 sum"},
+    {"root", root_differs, "broadcast on group [0 1 2 3]: ranks disagree: ranks 0 1: 16 x f32 root 0; ranks 2 3: 16 x f32 root 1"},
+    {"barrier", barrier_differs,
+     "collectives on group [0 1 2 3]: ranks disagree on the collective: ranks 0 1 2: all_reduce 16 x f32 sum; "
+     "rank 3: barrier"},
+};
+
+static void mismatch_rank(rank_ctx *ctx) {
+    const mismatch_case *mc = ctx->arg;
+    ms_tensor *t = tensor(MS_F32, 1, 16, 0);
+    fill_input(t, 7, ctx->rank);
+    CHECK_ST(mc->call(ctx->world, t, ctx->rank), MS_ERR_MISMATCH, mc->message);
+    CHECK(!strcmp(ms_last_error(), mc->message), "(case %s rank %d: the message is exactly \"%s\", got \"%s\")",
+          mc->name, ctx->rank, mc->message, ms_last_error());
+    unsigned char want[4];
+    int untouched = 1;
+    for (int64_t i = 0; i < 16; i++) {
+        input(MS_F32, 7, ctx->rank, i, want);
+        untouched &= !memcmp(elem(t, i), want, 4);
+    }
+    CHECK(untouched, "(case %s rank %d: a mismatch touches no data)", mc->name, ctx->rank);
+    CHECK_ST(ms_barrier(ctx->world), MS_ERR_STATE, "the comm is unusable after an earlier failure: ");
+    CHECK(strstr(ms_last_error(), mc->message), "(the later failure repeats why: %s)", ms_last_error());
+    ms_tensor_release(t);
+}
+
+static void test_mismatch(void) {
+    for (size_t i = 0; i < sizeof mismatch_cases / sizeof mismatch_cases[0]; i++)
+        run_ranks(4, 30, mismatch_rank, (void *)&mismatch_cases[i]);
+}
+
+/* ---------------------------------------------------------------- timeout */
+
+typedef struct timeout_case {
+    atomic_int returned; /* ranks that have come back from the timed-out call */
+    const char *message;
+} timeout_case;
+
+/* Ranks 0 and 1 all_reduce; rank 2 joins only after both gave up. */
+static void timeout_rank(rank_ctx *ctx) {
+    timeout_case *tc = ctx->arg;
+    double timeout = ms_world_timeout(ctx->w);
+    ms_tensor *t = tensor(MS_F32, 1, 5, 0);
+    if (ctx->rank < 2) {
+        double t0 = now_s();
+        CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_TIMEOUT, tc->message);
+        double waited = now_s() - t0;
+        CHECK(waited >= timeout - 0.1 && waited < timeout + 0.5, "(rank %d waited %.3f s for a %g s timeout)",
+              ctx->rank, waited, timeout);
+        CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_STATE, tc->message);
+        atomic_fetch_add(&tc->returned, 1);
+    } else {
+        /* Late to the call that failed: the same failure, then the comm is unusable. */
+        while (atomic_load(&tc->returned) < 2) sched_yield();
+        CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_TIMEOUT, tc->message);
+        CHECK_ST(ms_barrier(ctx->world), MS_ERR_STATE, "the comm is unusable after an earlier failure: ");
+    }
+    ms_tensor_release(t);
+}
+
+static void test_timeout(void) {
+    timeout_case tc = {.message = "all_reduce on group [0 1 2] timed out after 0.3 s: rank 2 did not arrive "
+                                  "(timeout_s=0.3 given to the world)"};
+    run_ranks(3, 0.3, timeout_rank, &tc);
+
+    /* The timeout from the environment, named in the message. */
+    setenv("MOONSHARD_TIMEOUT", "0.25", 1);
+    timeout_case env = {.message = "all_reduce on group [0 1 2] timed out after 0.25 s: rank 2 did not arrive "
+                                   "(MOONSHARD_TIMEOUT=0.25)"};
+    run_ranks(3, 0, timeout_rank, &env);
+
+    ms_world *w = NULL;
+    setenv("MOONSHARD_TIMEOUT", "soon", 1);
+    CHECK_ST(ms_threads_world_new(&w, 2, 0), MS_ERR_ARG, "MOONSHARD_TIMEOUT='soon' is not a positive number");
+    setenv("MOONSHARD_TIMEOUT", "-1", 1);
+    CHECK_ST(ms_threads_world_new(&w, 2, -5), MS_ERR_ARG, "MOONSHARD_TIMEOUT='-1'");
+    unsetenv("MOONSHARD_TIMEOUT");
+    CHECK_OK(ms_threads_world_new(&w, 2, 0));
+    CHECK(w && ms_world_timeout(w) == 300, "(the default timeout is 300 s)");
+    ms_world_release(w);
+}
+
+/* ---------------------------------------------------------------- peers reported done */
+
+typedef struct peer_case {
+    atomic_int done; /* ranks that have reported themselves done */
+} peer_case;
+
+/* World of 4, 30 s timeout.  Ranks 2 (finished) and 3 (failed) leave without joining;
+ * ranks 0 and 1 must fail at once on the world; rank 1 also on its group [1 3]. */
+static void peer_rank(rank_ctx *ctx) {
+    peer_case *pc = ctx->arg;
+    if (ctx->rank >= 2) {
+        CHECK_OK(ms_world_rank_done(ctx->w, ctx->rank, ctx->rank == 3));
+        atomic_fetch_add(&pc->done, 1);
+        return;
+    }
+    while (atomic_load(&pc->done) < 2) sched_yield();
+    ms_tensor *t = tensor(MS_F32, 1, 4, 0), *out = tensor(MS_F32, 1, 8, 0);
+    double t0 = now_s();
+    CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_PEER,
+             "all_reduce on group [0 1 2 3]: rank 2 finished its script without joining all_reduce; rank 3 failed");
+    if (ctx->rank == 1) {
+        int members[2] = {1, 3};
+        ms_comm *g = NULL;
+        CHECK_OK(ms_comm_group(ctx->world, 2, members, &g));
+        CHECK_ST(ms_all_gather(g, out, t), MS_ERR_PEER, "all_gather on group [1 3]: rank 3 failed");
+        ms_comm_release(g);
+    }
+    double waited = now_s() - t0;
+    CHECK(waited < 0.5, "(rank %d waited %.3f s for ranks reported done)", ctx->rank, waited);
+    CHECK_ST(ms_barrier(ctx->world), MS_ERR_STATE, "rank 3 failed");
+    ms_tensor_release(out);
+    ms_tensor_release(t);
+}
+
+static void test_peer_done(void) {
+    peer_case pc = {0};
+    run_ranks(4, 30, peer_rank, &pc);
+}
+
+/* ---------------------------------------------------------------- argument errors */
+
+/* Both ranks of a world of 2 make the same bad calls: each is refused on the calling rank
+ * before it joins, so the comm stays usable for the good call at the end. */
+static void args_rank(rank_ctx *ctx) {
+    ms_comm *c = ctx->world;
+    int r = ctx->rank;
+    ms_tensor *f4 = tensor(MS_F32, 1, 4, 0), *f8 = tensor(MS_F32, 1, 8, 0), *f7 = tensor(MS_F32, 1, 7, 0);
+    ms_tensor *f9 = tensor(MS_F32, 1, 9, 0), *b4 = tensor(MS_BF16, 1, 4, 0), *i4 = tensor(MS_I32, 1, 4, 0);
+    ms_tensor *bool4 = tensor(MS_BOOL, 1, 4, 0), *f5 = tensor(MS_F32, 1, 5, 0), *m = NULL, *wide = NULL;
+    int64_t shape[2] = {4, 6};
+    CHECK_OK(ms_tensor_new(&m, 1, shape, MS_F32, MS_DEVICE_META, 0));
+    CHECK_OK(ms_tensor_new(&wide, 2, shape, MS_F32, MS_DEVICE_CPU, 0));
+    ms_tensor *strided = NULL, *shifted = rows(f8, 1, 4);
+    CHECK_OK(ms_tensor_narrow(&strided, wide, 1, 0, 3));
+
+    CHECK_ST(ms_all_gather(NULL, f8, f4), MS_ERR_ARG, "all_gather: comm is NULL");
+    CHECK_ST(ms_all_reduce(c, NULL, MS_OP_SUM), MS_ERR_ARG, "all_reduce on group [0 1]: t is NULL");
+    CHECK_ST(ms_all_reduce(c, m, MS_OP_SUM), MS_ERR_DEVICE,
+             "all_reduce on group [0 1]: t [4] f32 is a meta tensor; meta tensors hold no data");
+    CHECK_ST(ms_broadcast(c, strided, 0), MS_ERR_ARG,
+             "broadcast on group [0 1]: t [4, 3] f32 is not contiguous (strides [6, 1])");
+    CHECK_ST(ms_all_gather(c, f8, b4), MS_ERR_DTYPE,
+             "all_gather on group [0 1]: out [8] f32 and in [4] bf16 must have the same dtype");
+    CHECK_ST(ms_all_gather(c, f7, f4), MS_ERR_SHAPE,
+             "all_gather on group [0 1]: out [7] f32 has 7 elements, expected 2 x 4 (group size x in's numel; in [4] f32)");
+    CHECK_ST(ms_reduce_scatter(c, f4, f9, MS_OP_SUM), MS_ERR_SHAPE,
+             "reduce_scatter on group [0 1]: in [9] f32 has 9 elements, expected 2 x 4");
+    CHECK_ST(ms_all_gather(c, f8, shifted), MS_ERR_ARG,
+             "all_gather on group [0 1]: in [4] f32 overlaps out [8] f32 but is not its slice for group rank");
+    CHECK_ST(ms_reduce_scatter(c, shifted, f8, MS_OP_SUM), MS_ERR_ARG,
+             "reduce_scatter on group [0 1]: out [4] f32 overlaps in [8] f32 but is not its slice");
+    CHECK_ST(ms_all_reduce(c, i4, MS_OP_AVG), MS_ERR_DTYPE, "all_reduce on group [0 1]: avg needs a floating dtype, got i32");
+    CHECK_ST(ms_all_reduce(c, bool4, MS_OP_SUM), MS_ERR_DTYPE, "bool reduces with max (logical or) and min (logical and) only");
+    CHECK_ST(ms_all_reduce(c, bool4, MS_OP_AVG), MS_ERR_DTYPE, "avg needs a floating dtype, got bool");
+    CHECK_ST(ms_all_reduce(c, f4, (ms_op)9), MS_ERR_ARG, "invalid reduction op 9 (expected sum, avg, max or min)");
+    CHECK_ST(ms_broadcast(c, f4, 2), MS_ERR_ARG, "broadcast on group [0 1]: root 2 is not a group rank (0..1)");
+    CHECK_ST(ms_all_to_all(c, f5, f5), MS_ERR_SHAPE, "must have equal numel divisible by the group size 2");
+    CHECK_ST(ms_all_to_all(c, f8, f4), MS_ERR_SHAPE, "all_to_all on group [0 1]: out [8] f32 and in [4] f32");
+    CHECK_ST(ms_all_to_all(c, f4, f4), MS_ERR_ARG, "overlap (all_to_all has no in-place form)");
+
+    ms_comm *g = NULL;
+    int backwards[2] = {1, 0}, outside[2] = {0, 5}, other[1] = {1 - r};
+    CHECK_ST(ms_comm_group(c, 2, backwards, &g), MS_ERR_ARG, "comm_group [1 0]: world ranks must be strictly increasing");
+    CHECK_ST(ms_comm_group(c, 2, outside, &g), MS_ERR_ARG, "comm_group [0 5]: rank 5 is out of range for a world of 2 ranks");
+    char want[128];
+    snprintf(want, sizeof want, "comm_group [%d]: the group does not contain the calling rank %d", 1 - r, r);
+    CHECK_ST(ms_comm_group(c, 1, other, &g), MS_ERR_ARG, want);
+    CHECK_ST(ms_comm_group(c, 0, other, &g), MS_ERR_ARG, "comm_group: 0 ranks asked for in a world of 2");
+    CHECK_ST(ms_world_comm(ctx->w, 2, &g), MS_ERR_ARG, "world_comm: rank 2 is out of range for a world of 2 ranks");
+    CHECK_ST(ms_world_rank_done(ctx->w, 7, 0), MS_ERR_ARG, "world_rank_done: rank 7 is out of range");
+
+    /* Nothing above joined a collective: the comm still works and the ranks still agree. */
+    float *d = ms_tensor_data(f4);
+    for (int i = 0; i < 4; i++) d[i] = (float)(r + 1) * (float)i;
+    CHECK_OK(ms_all_reduce(c, f4, MS_OP_SUM));
+    CHECK(d[0] == 0 && d[1] == 3 && d[2] == 6 && d[3] == 9);
+
+    ms_tensor *all[] = {f4, f8, f7, f9, b4, i4, bool4, f5, m, wide, strided, shifted};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ms_tensor_release(all[i]);
+}
+
+static void test_args(void) {
+    ms_world *w = NULL;
+    CHECK_ST(ms_threads_world_new(&w, 0, 1), MS_ERR_ARG, "threads world: nranks must be >= 1, got 0");
+    run_ranks(2, 30, args_rank, NULL);
+    run_ranks(4, 30, handles_rank, NULL);
+}
+
+int main(void) {
+    double t0 = now_s();
+    test_args();
+    test_mismatch();
+    test_timeout();
+    test_peer_done();
+    test_sweep();
+    printf("test_comm: %d passed, %d failed in %.1f s\n", atomic_load(&passed), atomic_load(&failed), now_s() - t0);
+    return atomic_load(&failed) ? 1 : 0;
+}

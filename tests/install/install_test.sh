@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# install_test.sh BUILD_DIR: installs the build into a scratch prefix and uses it the way a
+# user would: the installed moonshard, `require "moonshard"` from a stock lua5.4, and a C
+# host compiled against libmoonshard found through pkg-config.
+set -euo pipefail
+build=$1
+prefix=$(mktemp -d)
+trap 'rm -rf "$prefix"' EXIT
+cmake --install "$build" --prefix "$prefix" >/dev/null
+
+out=$("$prefix/bin/moonshard" -n 2 -e 'local ms = require "moonshard"; print(ms.rank(), ms.backend())' | sort)
+[ "$out" = $'0\tthreads\n1\tthreads' ] || { echo "installed moonshard printed: $out"; exit 1; }
+
+libdir=$(dirname "$(find "$prefix" -name 'libmoonshard.so' | head -1)")
+out=$(cd / && LUA_PATH="$prefix/share/lua/5.4/?.lua;$prefix/share/lua/5.4/?/init.lua;;" \
+      LUA_CPATH="$libdir/lua/5.4/?.so;;" \
+      lua5.4 -e 'local ms = require "moonshard"; print(ms.world_size(), ms.from_table({1/3}, "bf16"):bits()[1])')
+[ "$out" = $'1\t16043' ] || { echo "stock lua5.4 printed: $out"; exit 1; }
+
+cat >"$prefix/host.c" <<'C'
+#include <moonshard.h>
+#include <stdio.h>
+int main(void) {
+    ms_tensor *t;
+    ms_status st = ms_tensor_new(&t, 2, (int64_t[]){3, 4}, MS_BF16, MS_DEVICE_CPU, 0);
+    if (st) { printf("%s: %s\n", ms_status_name(st), ms_last_error()); return 1; }
+    printf("%lld\n", (long long)ms_tensor_nbytes(t));
+    ms_tensor_release(t);
+    return 0;
+}
+C
+export PKG_CONFIG_PATH="$libdir/pkgconfig"
+# shellcheck disable=SC2046
+cc -std=c11 -Wall -Werror "$prefix/host.c" $(pkg-config --cflags --libs moonshard) \
+   -Wl,-rpath,"$libdir" -o "$prefix/host"
+out=$("$prefix/host")
+[ "$out" = 24 ] || { echo "host printed: $out"; exit 1; }
+echo "install test: installed executable, stock lua5.4 require, pkg-config host: ok"

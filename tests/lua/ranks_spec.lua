@@ -1,0 +1,106 @@
+-- ranks_spec.lua: the moonshard executable running SPMD scripts on ranks as threads:
+-- collectives checked on every rank, failures reported once per rank, no hangs.
+local S = require "support"
+
+local function busy_wait(seconds)
+  return string.format("local t = os.time(); while os.time() - t < %d do end", seconds)
+end
+
+describe("moonshard -n N", function()
+  for _, n in ipairs({ 1, 2, 3, 4 }) do
+    it("checks every collective, dtype and op on every one of " .. n .. " ranks", function()
+      local r = S.run({ "-n", tostring(n), "tests/lua/scripts/collectives.lua" })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      for rank = 0, n - 1 do
+        assert.matches("rank " .. rank .. ": %d+ checks ok", r.out)
+      end
+    end)
+  end
+
+  it("gives each rank its rank, the world size, the backend and its arguments", function()
+    local r = S.run({ "-n", "3", "-e", "print(require('moonshard').rank(), require('moonshard').world_size(), " ..
+      "require('moonshard').backend(), ...)", "x", "y" })
+    assert.equal(0, r.code)
+    for rank = 0, 2 do assert.matches(rank .. "\t3\tthreads\tx\ty\n", r.out, 1, true) end
+  end)
+
+  it("prints one failing rank's error once, prefixed by the rank, and exits 1", function()
+    local r = S.run_code(4, [[
+      local ms = require "moonshard"
+      if ms.rank() == 2 then error("boom on purpose") end
+    ]])
+    assert.equal(1, r.code)
+    assert.matches("%[rank 2%] %(command line%):2: boom on purpose", r.err)
+    assert.matches("%[rank 2%] stack traceback:", r.err)
+    local _, count = r.err:gsub("boom on purpose", "")
+    assert.equal(1, count)
+  end)
+
+  it("turns a rank that skips a collective into a timeout naming the missing rank", function()
+    local r = S.run_code(4, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"dp", 4}}):group("dp")
+      if ms.rank() == 2 then ]] .. busy_wait(30) .. [[ else g:all_reduce(ms.tensor({8})) end
+    ]], { MOONSHARD_TIMEOUT = "2" })
+    assert.equal(1, r.code)
+    assert.matches("%[ranks 0,1,3%] .*moonshard timeout error: all_reduce on group %[0 1 2 3%].*timed out after 2 s.*rank.* 2", r.err)
+    assert.matches("%[rank 2%] still running 3 s after another rank failed; abandoned", r.err)
+    assert.is_true(r.seconds <= 2 + 5, "took " .. r.seconds .. " s")
+  end)
+
+  it("fails at once when a rank ends without joining the collective", function()
+    local r = S.run_code(4, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"dp", 4}}):group("dp")
+      if ms.rank() ~= 3 then g:barrier() end
+    ]], { MOONSHARD_TIMEOUT = "60" })
+    assert.equal(1, r.code)
+    assert.matches("rank 3 finished its script without joining barrier", r.err)
+    assert.is_true(r.seconds < 10, "took " .. r.seconds .. " s")
+  end)
+
+  it("reports ranks that disagree on a collective on every rank", function()
+    local r = S.run_code(2, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"dp", 2}}):group("dp")
+      g:all_reduce(ms.tensor({ms.rank() == 0 and 16 or 8}))
+    ]])
+    assert.equal(1, r.code)
+    assert.matches("%[ranks 0,1%] .*moonshard mismatch error: all_reduce on group %[0 1%]: ranks disagree", r.err)
+    assert.matches("rank 0: 16 x f32 sum", r.err, 1, true)
+    assert.matches("rank 1: 8 x f32 sum", r.err, 1, true)
+  end)
+end)
+
+describe("the moonshard command line", function()
+  it("tells the truth in --help and --version", function()
+    local r = S.run({ "--help" })
+    assert.equal(0, r.code)
+    assert.matches("usage: moonshard %[options%] script.lua", r.out)
+    assert.matches("MOONSHARD_TIMEOUT", r.out)
+    r = S.run({ "--version" })
+    assert.equal(0, r.code)
+    assert.matches("^moonshard %d+%.%d+%.%d+", r.out)
+  end)
+
+  it("rejects bad usage with exit status 2", function()
+    for _, args in ipairs({ { "-n", "0", "x.lua" }, { "-n" }, { "--frobnicate" }, {}, { "no/such/script.lua" } }) do
+      local r = S.run(args)
+      assert.equal(2, r.code)
+      assert.matches("moonshard: ", r.err)
+    end
+    assert.matches("bad number of ranks '0'", S.run({ "-n", "0", "x.lua" }).err)
+    assert.matches("unknown option '%-%-frobnicate'", S.run({ "--frobnicate" }).err)
+    assert.matches("cannot read script 'no/such/script.lua'", S.run({ "no/such/script.lua" }).err)
+  end)
+
+  it("runs the quickstart on 4 ranks and prints its report", function()
+    local r = S.run({ "-n", "4", "examples/quickstart.lua" })
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    assert.matches("all%-gather", r.out)
+    assert.matches("reduce%-scatter", r.out)
+    for rank = 0, 3 do assert.matches("rank " .. rank .. " ok", r.out) end
+  end)
+end)

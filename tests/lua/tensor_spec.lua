@@ -1,0 +1,95 @@
+-- tensor_spec.lua: tensors through `require "moonshard"` in a stock Lua (rank 0 of 1).
+local ms = require "moonshard"
+
+describe("tensors", function()
+  it("are zero-filled with shape, dtype, numel and device", function()
+    local t = ms.tensor({ 2, 3 }, "bf16")
+    assert.same({ 2, 3 }, t:shape())
+    assert.equal("bf16", t:dtype())
+    assert.equal(6, t:numel())
+    assert.equal(12, t:nbytes())
+    assert.equal("cpu", t:device())
+    assert.same({ 0, 0, 0, 0, 0, 0 }, t:totable())
+    assert.equal("tensor([2, 3], bf16, cpu)", tostring(t))
+    assert.equal("f32", ms.tensor({ 4 }):dtype())
+  end)
+
+  it("round-trips values through from_table and totable", function()
+    local t = ms.from_table({ 1.5, -2, 3.25, 0 }, "f32", { 2, 2 })
+    assert.same({ 2, 2 }, t:shape())
+    assert.same({ 1.5, -2, 3.25, 0 }, t:totable())
+    local big = ms.from_table({ 9007199254740993, -9007199254740993, math.maxinteger }, "i64")
+    assert.same({ 9007199254740993, -9007199254740993, math.maxinteger }, big:totable())
+  end)
+
+  it("gives the raw bits of narrow floats, rounded to nearest even", function()
+    -- bf16: 1 = 0x3F80, -2.5 = 0xC020, 1/3 = 0x3EAB (0x3EAAAAAB rounds up)
+    assert.same({ 0x3F80, 0xC020, 0x3EAB }, ms.from_table({ 1, -2.5, 1 / 3 }, "bf16"):bits())
+    -- f16: 1/3 = 0x3555, 65504 = 0x7BFF, 65520 rounds to inf 0x7C00
+    assert.same({ 0x3555, 0x7BFF, 0x7C00 }, ms.from_table({ 1 / 3, 65504, 65520 }, "f16"):bits())
+    -- e4m3: 448 = 0x7E, 1000 saturates to 0x7E, -0.5 = 0xB0; e5m2: 57344 = 0x7B, 1e6 -> 0x7B
+    assert.same({ 0x7E, 0x7E, 0xB0 }, ms.from_table({ 448, 1000, -0.5 }, "f8e4m3"):bits())
+    assert.same({ 0x7B, 0x7B }, ms.from_table({ 57344, 1e6 }, "f8e5m2"):bits())
+    -- bits of a NaN stay a NaN
+    local nan = ms.from_table({ 0 / 0 }, "bf16"):bits()[1]
+    assert.is_true(nan & 0x7F80 == 0x7F80 and nan & 0x7F ~= 0)
+  end)
+
+  it("casts with to() and copy_()", function()
+    local t = ms.from_table({ 1.7, -1.7, 300 }, "f32")
+    assert.same({ 1, -1, 127 }, t:to("i8"):totable())
+    local dst = ms.tensor({ 3 }, "f64")
+    dst:copy_(t:to("bf16"))
+    assert.same({ 1.703125, -1.703125, 300 }, dst:totable())
+  end)
+
+  it("makes views that share memory", function()
+    local t = ms.from_table({ 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 }, "f32", { 3, 4 })
+    local col = t:narrow(1, 1, 2)
+    assert.same({ 3, 2 }, col:shape())
+    assert.is_false(col:is_contiguous())
+    assert.same({ 1, 2, 5, 6, 9, 10 }, col:totable())
+    col:fill_(-1)
+    assert.same({ 0, -1, -1, 3, 4, -1, -1, 7, 8, -1, -1, 11 }, t:totable())
+    assert.same({ 2, 2, 3 }, t:view({ 2, -1, 3 }):shape())
+    assert.same({ 8, -1, -1, 11 }, t:chunk(2, 1):totable())
+    assert.same({ 0, 4 }, t:chunk(4, 3):shape())
+  end)
+
+  it("are meta tensors of any size without memory", function()
+    local t = ms.tensor({ 129280, 7168 * 724 }, "bf16", "meta")
+    assert.equal("meta", t:device())
+    assert.equal(129280 * 7168 * 724, t:numel())
+    assert.same({ 28, 7168 * 724 }, t:narrow(0, 100, 28):shape())
+    assert.has_error(function() t:totable() end, nil)
+    local ok, err = pcall(t.totable, t)
+    assert.is_false(ok)
+    assert.matches("meta tensor holds no data", err)
+  end)
+
+  it("release with <close> and refuse use afterwards", function()
+    local t = ms.tensor({ 2 })
+    do
+      local u <close> = t
+    end
+    local ok, err = pcall(t.numel, t)
+    assert.is_false(ok)
+    assert.matches("attempt to use a released tensor", err)
+  end)
+
+  it("report bad input by name and value", function()
+    local function err(f, ...)
+      local ok, e = pcall(f, ...)
+      assert.is_false(ok)
+      return e
+    end
+    assert.matches("unknown dtype 'f12'", err(ms.tensor, { 2 }, "f12"))
+    assert.matches("moonshard shape error: size of dim 1 is %-3", err(ms.tensor, { 2, -3 }))
+    assert.matches("shape%[2%] is string, expected an integer", err(ms.tensor, { 2, "x" }))
+    assert.matches("built without CUDA", err(ms.tensor, { 2 }, "f32", "cuda:0"))
+    local t = ms.tensor({ 3, 4 })
+    assert.matches("start 2 and length 3 do not fit dim 1 of size 4", err(t.narrow, t, 1, 2, 3))
+    assert.matches("destination shape %[3, 4%] differs from source shape %[4%]", err(t.copy_, t, ms.tensor({ 4 })))
+    assert.matches("3 values do not fill a shape of 4 elements", err(ms.from_table, { 1, 2, 3 }, "f32", { 2, 2 }))
+  end)
+end)
