@@ -31,7 +31,7 @@ local partial_ops = { sum = true, avg = true, max = true, min = true, product = 
 
 --- Shard(dim): the tensor dim `dim` (0-based, negative counts from the end) split over a mesh dim.
 function M.Shard(dim)
-  if math.type(dim) ~= "integer" then
+  if type(dim) ~= "number" or dim ~= math.floor(dim) then
     error("moonshard: Shard(dim) needs an integer dim, got " .. tostring(dim), 2)
   end
   return setmetatable({ kind = "shard", dim = dim }, Placement)

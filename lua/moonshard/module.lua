@@ -1,0 +1,168 @@
+-- moonshard.module: module trees, the shape of a model that policies and the planner see.
+--
+-- A module has a type name (the PyTorch class it stands for: "LlamaDecoderLayer",
+-- "ModuleList", "GroupedExperts", ...), ordered children and ordered parameters.  Names are
+-- dotted paths from the root ("" is the root), exactly as PyTorch's named_modules and
+-- named_parameters give them: a module's own parameters come before its children's, and a
+-- parameter shared by two modules (tied weights) is listed once, under its first name.
+--
+-- Parameters are plain tables {shape = {...}, dtype = "bf16", numel = n, requires_grad =
+-- true}; param:meta() makes a meta tensor of the same shape when one is wanted.  Counts are
+-- exact Lua integers.
+
+local M = {}
+
+local Module = {}
+Module.__index = Module
+M.Module = Module
+
+local Param = {}
+Param.__index = Param
+M.Param = Param
+
+local function fail(msg, level) error("moonshard: " .. msg, (level or 1) + 1) end
+
+local function check_name(name, what)
+  if type(name) ~= "string" or name == "" or name:find(".", 1, true) then
+    fail(what .. " name must be a non-empty string without dots, got " .. tostring(name), 3)
+  end
+end
+
+--- A parameter of the given shape (a sequence of non-negative integers) and dtype.
+function M.param(shape, dtype, opts)
+  local numel = 1
+  for i, s in ipairs(shape) do
+    if type(s) ~= "number" or s ~= math.floor(s) or s < 0 then
+      fail(string.format("parameter shape[%d] is %s; sizes are integers >= 0", i, tostring(s)), 2)
+    end
+    numel = numel * s
+  end
+  local p = setmetatable({ shape = shape, dtype = dtype or "f32", numel = numel,
+    requires_grad = not (opts and opts.requires_grad == false) }, Param)
+  return p
+end
+
+function Param:meta()
+  return require("moonshard").tensor(self.shape, self.dtype, "meta")
+end
+
+function Param:nbytes()
+  return self.numel * require("moonshard").dtype_size(self.dtype)
+end
+
+function Param:__tostring()
+  return string.format("param([%s], %s)", table.concat(self.shape, ", "), self.dtype)
+end
+
+--- A new module of the given type name.
+function M.new(type_name, attrs)
+  local m = setmetatable({ type = type_name or "Module", children = {}, child_order = {},
+    params = {}, param_order = {}, attrs = attrs or {} }, Module)
+  return m
+end
+
+--- Adds (or replaces, keeping its place) a child module; returns the child.
+function Module:add(name, child)
+  check_name(name, "module")
+  if getmetatable(child) ~= Module then fail("add: child '" .. name .. "' is not a module", 2) end
+  if not self.children[name] then self.child_order[#self.child_order + 1] = name end
+  self.children[name] = child
+  return child
+end
+
+--- Adds a parameter (a shape and dtype, or a param made with M.param); returns it.
+function Module:param(name, shape, dtype, opts)
+  check_name(name, "parameter")
+  if self.params[name] then fail("parameter '" .. name .. "' is already registered", 2) end
+  local p = getmetatable(shape) == Param and shape or M.param(shape, dtype, opts)
+  self.params[name] = p
+  self.param_order[#self.param_order + 1] = name
+  return p
+end
+
+local function join(prefix, name)
+  if prefix == "" then return name end
+  return prefix .. "." .. name
+end
+M.join = join
+
+--- Every module in pre-order as a list of {name, module}; the root is "" (or prefix).
+function Module:named_modules(prefix)
+  local out = {}
+  local function walk(m, name)
+    out[#out + 1] = { name, m }
+    for _, cname in ipairs(m.child_order) do walk(m.children[cname], join(name, cname)) end
+  end
+  walk(self, prefix or "")
+  return out
+end
+
+--- Every parameter as a list of {fqn, param, owner_module_name}, in PyTorch's order,
+-- shared parameters once.
+function Module:named_parameters(prefix)
+  local out, seen = {}, {}
+  for _, nm in ipairs(self:named_modules(prefix)) do
+    local mname, m = nm[1], nm[2]
+    for _, pname in ipairs(m.param_order) do
+      local p = m.params[pname]
+      if not seen[p] then
+        seen[p] = true
+        out[#out + 1] = { join(mname, pname), p, mname }
+      end
+    end
+  end
+  return out
+end
+
+--- The module at a dotted name ("" is this module), or nil.
+function Module:get(name)
+  local m = self
+  if name == "" then return m end
+  for part in name:gmatch("[^.]+") do
+    m = m.children[part]
+    if not m then return nil end
+  end
+  return m
+end
+
+--- Total parameter count (shared parameters once), an exact integer.
+function Module:param_count()
+  local n = 0
+  for _, np in ipairs(self:named_parameters()) do n = n + np[2].numel end
+  return n
+end
+
+--- Total bytes of the parameters in their stored dtypes.
+function Module:param_bytes()
+  local n = 0
+  for _, np in ipairs(self:named_parameters()) do n = n + np[2]:nbytes() end
+  return n
+end
+
+M.CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+
+--- Wraps child `name` of this module in an activation-checkpoint wrapper, as PyTorch's
+-- checkpoint_wrapper does: the child's names gain a "_checkpoint_wrapped_module" segment.
+function Module:checkpoint_wrap(name)
+  local child = self.children[name]
+  if not child then fail("checkpoint_wrap: no child '" .. name .. "'", 2) end
+  local wrapper = M.new("CheckpointWrapper")
+  wrapper:add(M.CHECKPOINT_WRAPPED, child)
+  self.children[name] = wrapper
+  return wrapper
+end
+
+--- A name with every "_checkpoint_wrapped_module" segment removed.
+function M.strip_checkpoint(name)
+  local parts = {}
+  for part in name:gmatch("[^.]+") do
+    if part ~= M.CHECKPOINT_WRAPPED then parts[#parts + 1] = part end
+  end
+  return table.concat(parts, ".")
+end
+
+function Module:__tostring()
+  return string.format("%s(%d children, %d params)", self.type, #self.child_order, #self.param_order)
+end
+
+return M
