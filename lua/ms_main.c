@@ -35,6 +35,7 @@ enum {
 static const char *usage_text =
     "usage: moonshard [options] script.lua [args...]\n"
     "       moonshard [options] -e CODE [args...]\n"
+    "       moonshard plan --help        plan a model's sharding on a mesh (no GPUs)\n"
     "\n"
     "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
     "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
@@ -53,7 +54,8 @@ static const char *usage_text =
     "  MOONSHARD_LUA_DIR   directory holding moonshard/init.lua (default: the installed\n"
     "                      Lua files, else the source tree this binary was built from)\n"
     "\n"
-    "exit status: 0 when every rank finished, 1 when any rank failed, 2 on a usage error.\n";
+    "exit status: 1 when any rank failed, 2 on a usage error, else the largest integer a\n"
+    "rank's script returned (0 when none did).\n";
 
 /* ---------------------------------------------------------------- ranks */
 
@@ -65,6 +67,7 @@ typedef struct {
     int argc;
     char **argv;
     char *error; /* malloc'd message + traceback when the rank failed */
+    int status;  /* the integer the script returned, else 0 */
     bool failed, done;
 } rank_job;
 
@@ -164,7 +167,8 @@ static char *run_rank(rank_job *job, ms_comm *world) {
     int st = job->script ? luaL_loadfilex(L, job->script, NULL) : luaL_loadbufferx(L, job->code, strlen(job->code), "=(command line)", "t");
     if (st == LUA_OK) {
         for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
-        st = lua_pcall(L, job->argc, 0, 1);
+        st = lua_pcall(L, job->argc, 1, 1);
+        if (st == LUA_OK && lua_isinteger(L, -1)) job->status = (int)lua_tointeger(L, -1);
     }
     char *err = NULL;
     if (st != LUA_OK) {
@@ -245,6 +249,12 @@ int main(int argc, char **argv) {
     double timeout = 0;
     const char *code = NULL, *script = NULL;
     int i = 1;
+    if (argc > 1 && strcmp(argv[1], "plan") == 0) {
+        /* The planner is a Lua program: one rank, its arguments passed through. */
+        code = "return require('moonshard.plan_cli').main({...})";
+        i = 2;
+        goto run;
+    }
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
@@ -280,6 +290,7 @@ int main(int argc, char **argv) {
             break;
         }
     }
+run:
     if (!code) {
         if (i >= argc) return usage_error("%s", "no script given (moonshard [-n N] script.lua, or -e CODE)");
         script = argv[i++];
@@ -342,7 +353,11 @@ int main(int argc, char **argv) {
     int failed = started < nranks;
     if (!stuck)
         for (int r = 0; r < started; r++) pthread_join(threads[r], NULL);
-    for (int r = 0; r < started; r++) failed |= finished[r] && jobs[r].failed;
+    int status = 0;
+    for (int r = 0; r < started; r++) {
+        failed |= finished[r] && jobs[r].failed;
+        if (finished[r] && jobs[r].status > status) status = jobs[r].status;
+    }
     fflush(stdout);
     report_errors(jobs, finished, started);
     for (int r = 0; stuck && r < started; r++)
@@ -355,5 +370,5 @@ int main(int argc, char **argv) {
     free(jobs);
     free(threads);
     ms_world_release(world);
-    return failed ? 1 : 0;
+    return failed ? 1 : status;
 }

@@ -1,0 +1,126 @@
+-- moonshard.mesh_context: Automodel's MeshContext (SEMANTICS.md §1), as shapes.
+--
+-- The root mesh is (pp, dp_replicate, dp_shard, cp, tp) with the flattened axes
+-- dp = (dp_replicate, dp_shard), dp_shard_cp = (dp_shard, cp), dp_cp = (dp_replicate,
+-- dp_shard, cp).  The MoE mesh flattens (dp_replicate, dp_shard, cp, tp) and splits it
+-- into (ep_shard, ep), ep innermost.  No ranks are needed: this is the planner's view.
+
+local util = require "moonshard.util"
+
+local M = {}
+
+local MeshContext = {}
+MeshContext.__index = MeshContext
+
+local AXES = { "pp", "dp_replicate", "dp_shard", "cp", "tp" }
+M.AXES = AXES
+local KNOWN = { pp = true, dp_replicate = true, dp_shard = true, cp = true, tp = true, ep = true }
+
+local function fail(msg) error("moonshard: mesh: " .. msg, 0) end
+
+local is_int = util.is_int
+
+--- Parses "dp_replicate=2,dp_shard=4,ep=8" into a table of sizes.
+function M.parse(spec)
+  if type(spec) ~= "string" or spec == "" then
+    fail("expected sizes like dp_replicate=2,dp_shard=4,ep=8")
+  end
+  local sizes = {}
+  for item in spec:gmatch("[^,]+") do
+    local name, value = item:match("^%s*([%w_]+)%s*=%s*(%-?%d+)%s*$")
+    if not name then fail("'" .. item .. "' is not name=size (in '" .. spec .. "')") end
+    if not KNOWN[name] then
+      fail("unknown axis '" .. name .. "' (axes: pp, dp_replicate, dp_shard, cp, tp, ep)")
+    end
+    if sizes[name] then fail("axis '" .. name .. "' given twice") end
+    sizes[name] = tonumber(value)
+  end
+  return sizes
+end
+
+--- new{pp=, dp_replicate=, dp_shard=, cp=, tp=, ep=, world=?, n_routed_experts=?}
+-- Unset sizes are 1, except dp_shard, which fills the world when `world` is given.
+function M.new(sizes)
+  if type(sizes) == "string" then sizes = M.parse(sizes) end
+  local s = {}
+  for _, a in ipairs(AXES) do s[a] = sizes[a] end
+  s.ep = sizes.ep or 1
+  for name, v in pairs(s) do
+    if not is_int(v) or v < 1 then fail(name .. " = " .. tostring(v) .. "; sizes are integers >= 1") end
+  end
+  for _, a in ipairs(AXES) do
+    if a ~= "dp_shard" then s[a] = s[a] or 1 end
+  end
+  local others = s.pp * s.dp_replicate * s.cp * s.tp
+  if not s.dp_shard then
+    if not sizes.world then s.dp_shard = 1
+    elseif sizes.world % others ~= 0 then
+      fail(string.format("world %d is not divisible by pp*dp_replicate*cp*tp = %d", sizes.world, others))
+    else s.dp_shard = util.idiv(sizes.world, others) end
+  end
+  local world = others * s.dp_shard
+  if sizes.world and sizes.world ~= world then
+    fail(string.format("pp*dp_replicate*dp_shard*cp*tp = %d but the world has %d ranks", world, sizes.world))
+  end
+  local dp = s.dp_replicate * s.dp_shard
+  if s.dp_replicate ~= 1 and s.dp_replicate >= dp then
+    fail(string.format("dp_replicate = %d needs dp_shard > 1 (dp_replicate >= dp_size = %d is rejected, " ..
+      "as Automodel does: use dp_shard for pure data parallel sharding)", s.dp_replicate, dp))
+  end
+  local non_pp = dp * s.cp * s.tp
+  if s.ep > non_pp then
+    fail(string.format("ep = %d is larger than dp_replicate*dp_shard*cp*tp = %d", s.ep, non_pp))
+  end
+  if non_pp % s.ep ~= 0 then
+    fail(string.format("ep = %d does not divide dp_replicate*dp_shard*cp*tp = %d", s.ep, non_pp))
+  end
+  if sizes.n_routed_experts and s.ep > 1 and sizes.n_routed_experts % s.ep ~= 0 then
+    fail(string.format("n_routed_experts = %d is not divisible by ep = %d", sizes.n_routed_experts, s.ep))
+  end
+  local ctx = setmetatable({ sizes = s, world = world, non_pp = non_pp }, MeshContext)
+  s.ep_shard = s.ep < non_pp and util.idiv(non_pp, s.ep) or 1
+  s.dp = dp
+  s.dp_shard_cp = s.dp_shard * s.cp
+  s.dp_cp = dp * s.cp
+  -- FSDP mesh: SEMANTICS.md §1
+  if s.cp == 1 and s.dp_replicate == 1 then ctx.fsdp_axes = { "dp_shard" }
+  elseif s.cp == 1 then ctx.fsdp_axes = { "dp_replicate", "dp_shard" }
+  elseif s.dp_replicate == 1 then ctx.fsdp_axes = { "dp_shard_cp" }
+  else ctx.fsdp_axes = { "dp_replicate", "dp_shard_cp" } end
+  return ctx
+end
+
+--- Size of an axis (root, flattened or MoE: pp dp_replicate dp_shard cp tp dp dp_shard_cp
+-- dp_cp ep ep_shard).
+function MeshContext:size(axis)
+  local v = self.sizes[axis]
+  if not v then fail("no axis '" .. tostring(axis) .. "'") end
+  return v
+end
+
+--- Product of the sizes of a list of axes.
+function MeshContext:group_size(axes)
+  local n = 1
+  for _, a in ipairs(axes) do n = n * self:size(a) end
+  return n
+end
+
+--- "dp_replicate=2, dp_shard=4, ep=8": the sizes that are not 1, in mesh order.
+function MeshContext:describe()
+  local parts = {}
+  for _, a in ipairs({ "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep" }) do
+    if self.sizes[a] ~= 1 then parts[#parts + 1] = a .. "=" .. self.sizes[a] end
+  end
+  if #parts == 0 then return "world=1" end
+  return table.concat(parts, ", ")
+end
+
+--- The root mesh axes with sizes, in order (for the plan JSON).
+function MeshContext:root_axes()
+  local out = {}
+  for _, a in ipairs(AXES) do out[#out + 1] = { name = a, size = self.sizes[a] } end
+  return out
+end
+
+M.MeshContext = MeshContext
+return M

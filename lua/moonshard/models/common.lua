@@ -1,0 +1,189 @@
+-- moonshard.models.common: what the model builders share.
+--
+-- Config access whose errors name the key, the architecture and the config file; the stored
+-- dtype from torch_dtype; and the modules several architectures are made of (Linear,
+-- RMSNorm, gated MLP, grouped-query attention, the MoE block, the causal-LM skeleton), so
+-- that each builder file reads as the list of what is particular to its architecture.
+
+local module = require "moonshard.module"
+local json = require "moonshard.json"
+
+local C = {}
+
+local Config = {}
+Config.__index = Config
+
+--- A reader of the config table `raw`, loaded from `source`, for architecture `arch`.
+function C.config(raw, source, arch)
+  return setmetatable({ raw = raw, source = source, arch = arch }, Config)
+end
+
+function Config:fail(fmt, ...)
+  error(string.format("moonshard: models: %s: %s: ", self.source, self.arch) .. string.format(fmt, ...), 0)
+end
+
+-- The value at key; nil when absent or JSON null.
+function Config:get(key)
+  local v = self.raw[key]
+  if v == json.null then return nil end
+  return v
+end
+
+--- An integer >= min (default 1); `default` when absent (an error when there is none).
+function Config:int(key, default, min)
+  local v = self:get(key)
+  if v == nil then
+    if default == nil then self:fail("config key '%s' is missing", key) end
+    return default
+  end
+  min = min or 1
+  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
+    self:fail("config key '%s' is %s; expected an integer >= %d", key, json.encode(v), min)
+  end
+  return math.floor(v)  -- an integer in 5.4 even when the config wrote 4096.0
+end
+
+--- Like int, but the key must be present and null means "none": returns nil then.
+function Config:int_or_null(key, min)
+  if self.raw[key] == nil then self:fail("config key '%s' is missing (null if unused)", key) end
+  if self.raw[key] == json.null then return nil end
+  return self:int(key, nil, min)
+end
+
+--- A boolean; `default` when absent.
+function Config:bool(key, default)
+  local v = self:get(key)
+  if v == nil then return default end
+  if type(v) ~= "boolean" then self:fail("config key '%s' is %s; expected true or false", key, json.encode(v)) end
+  return v
+end
+
+--- A list of integers >= 0; `default` when absent.
+function Config:ints(key, default)
+  local v = self:get(key)
+  if v == nil then return default end
+  if type(v) ~= "table" then self:fail("config key '%s' is %s; expected a list of integers", key, json.encode(v)) end
+  for i, x in ipairs(v) do
+    if type(x) ~= "number" or x ~= math.floor(x) or x < 0 then
+      self:fail("config key '%s'[%d] is %s; expected an integer >= 0", key, i - 1, json.encode(x))
+    end
+  end
+  return v
+end
+
+local torch_dtypes = { bfloat16 = "bf16", float16 = "f16", half = "f16", float32 = "f32",
+  float = "f32", float64 = "f64", double = "f64" }
+
+--- The stored dtype of the model: torch_dtype (or "dtype", which newer transformers write),
+-- bf16 when neither is given.
+function Config:dtype()
+  local v = self:get("torch_dtype") or self:get("dtype")
+  if v == nil then return "bf16" end
+  local dt = torch_dtypes[v]
+  if not dt then
+    self:fail("torch_dtype %s is not one of bfloat16, float16, float32, float64", json.encode(v))
+  end
+  return dt
+end
+
+--- The sizes of a grouped-query-attention decoder: vocab, hidden, layers, heads, kv_heads
+-- (default heads) and head_dim (default hidden / heads, as transformers does).
+function Config:gqa_dims()
+  local d = { vocab = self:int("vocab_size"), hidden = self:int("hidden_size"),
+    layers = self:int("num_hidden_layers"), heads = self:int("num_attention_heads") }
+  d.kv_heads = self:int("num_key_value_heads", d.heads)
+  if self:get("head_dim") == nil and d.hidden % d.heads ~= 0 then
+    self:fail("hidden_size %d is not a multiple of num_attention_heads %d; give head_dim", d.hidden, d.heads)
+  end
+  d.head_dim = self:int("head_dim", math.floor(d.hidden / d.heads))
+  return d
+end
+
+-- ---------------------------------------------------------------- modules
+
+--- parent.name = Linear(in_f -> out_f): weight [out_f, in_f], bias [out_f] when asked.
+function C.linear(parent, name, out_f, in_f, dtype, bias)
+  local m = parent:add(name, module.new("Linear"))
+  m:param("weight", { out_f, in_f }, dtype)
+  if bias then m:param("bias", { out_f }, dtype) end
+  return m
+end
+
+--- parent.name = RMSNorm: weight [n].
+function C.norm(parent, name, n, dtype)
+  local m = parent:add(name, module.new("RMSNorm"))
+  m:param("weight", { n }, dtype)
+  return m
+end
+
+--- parent.name = a SwiGLU MLP of the given type: gate_proj, up_proj [inter, hidden], down_proj
+-- [hidden, inter].
+function C.mlp(parent, name, type_name, hidden, inter, dtype, bias)
+  local m = parent:add(name, module.new(type_name))
+  C.linear(m, "gate_proj", inter, hidden, dtype, bias)
+  C.linear(m, "up_proj", inter, hidden, dtype, bias)
+  C.linear(m, "down_proj", hidden, inter, dtype, bias)
+  return m
+end
+
+--- parent.self_attn = grouped-query attention of the given type with q/k/v/o_proj.
+function C.attention(parent, type_name, d, dtype, bias)
+  local m = parent:add("self_attn", module.new(type_name))
+  C.linear(m, "q_proj", d.heads * d.head_dim, d.hidden, dtype, bias)
+  C.linear(m, "k_proj", d.kv_heads * d.head_dim, d.hidden, dtype, bias)
+  C.linear(m, "v_proj", d.kv_heads * d.head_dim, d.hidden, dtype, bias)
+  C.linear(m, "o_proj", d.hidden, d.heads * d.head_dim, dtype, bias)
+  return m
+end
+
+--- parent.name = an MoE block in Automodel's layout: gate (router), experts (grouped
+-- [experts, in, out] tensors) and, when o.shared_inter > 0, shared_experts (one fused MLP).
+-- o: experts, top_k, hidden, inter, dtype; gate_dtype (default dtype); correction_bias (the
+-- gate's e_score_correction_bias [experts]).
+function C.moe(parent, name, o)
+  local block = parent:add(name, module.new("MoE", { n_experts = o.experts, top_k = o.top_k }))
+  local gate = block:add("gate", module.new("Gate"))
+  gate:param("weight", { o.experts, o.hidden }, o.gate_dtype or o.dtype)
+  if o.correction_bias then
+    gate:param("e_score_correction_bias", { o.experts }, o.gate_dtype or o.dtype)
+  end
+  local experts = block:add("experts", module.new("GroupedExperts"))
+  experts:param("gate_and_up_projs", { o.experts, o.hidden, 2 * o.inter }, o.dtype)
+  experts:param("down_projs", { o.experts, o.inter, o.hidden }, o.dtype)
+  if o.shared_inter and o.shared_inter > 0 then
+    C.mlp(block, "shared_experts", "MLP", o.hidden, o.shared_inter, o.dtype)
+  end
+  return block
+end
+
+--- The causal-LM skeleton: root (type = the architecture) with model {embed_tokens, layers,
+-- norm} and lm_head, whose weight is the embedding's own parameter object when
+-- tie_word_embeddings is true (so it is counted once, as in PyTorch).  Returns root, model,
+-- layers; the builder fills layers.
+function C.causal_lm(cfg, model_type, vocab, hidden, dtype)
+  local tied = cfg:bool("tie_word_embeddings", false)
+  local root = module.new(cfg.arch, { architecture = cfg.arch, dtype = dtype,
+    tie_word_embeddings = tied, config = cfg.raw, source = cfg.source })
+  local model = root:add("model", module.new(model_type))
+  local embed = model:add("embed_tokens", module.new("Embedding"))
+  local weight = embed:param("weight", { vocab, hidden }, dtype)
+  local layers = model:add("layers", module.new("ModuleList"))
+  C.norm(model, "norm", hidden, dtype)
+  local head = root:add("lm_head", module.new("Linear"))
+  if tied then head:param("weight", weight) else head:param("weight", { vocab, hidden }, dtype) end
+  return root, model, layers
+end
+
+--- Adds n Hugging Face decoder layers "0".."n-1" of the given type: fill(layer, i) adds
+-- self_attn and the MLP, then come input_layernorm and post_attention_layernorm, the
+-- registration order of the transformers classes.
+function C.decoder_layers(layers, n, type_name, hidden, dtype, fill)
+  for i = 0, n - 1 do
+    local layer = layers:add(tostring(i), module.new(type_name))
+    fill(layer, i)
+    C.norm(layer, "input_layernorm", hidden, dtype)
+    C.norm(layer, "post_attention_layernorm", hidden, dtype)
+  end
+end
+
+return C

@@ -1,0 +1,56 @@
+-- moonshard.models: module trees from Hugging Face config.json files.
+--
+-- architectures[0] of the config picks the builder; each builder is a Lua file returning
+-- function(cfg) -> tree, where cfg is a moonshard.models.common config reader.  Users add
+-- architectures by adding to M.builders (a module name or a function).
+
+local json = require "moonshard.json"
+local C = require "moonshard.models.common"
+
+local M = {}
+
+M.builders = {
+  LlamaForCausalLM = "moonshard.models.llama",
+  MixtralForCausalLM = "moonshard.models.mixtral",
+  Qwen3MoeForCausalLM = "moonshard.models.qwen3_moe",
+  DeepseekV3ForCausalLM = "moonshard.models.deepseek_v3",
+  Inkling2ForCausalLM = "moonshard.models.inkling2",
+}
+
+local function fail(source, fmt, ...)
+  error(string.format("moonshard: models: %s: " .. fmt, source, ...), 0)
+end
+
+local function known()
+  local names = {}
+  for name in pairs(M.builders) do names[#names + 1] = name end
+  table.sort(names)
+  return table.concat(names, ", ")
+end
+
+--- from_config(config, source?) -> module tree.  config: a config table or the path of a
+-- config.json; source names it in errors (default: the path, or "config table").
+function M.from_config(config, source)
+  if type(config) == "string" then
+    source = source or config
+    local f, err = io.open(config, "rb")
+    if not f then fail(source, "cannot open the config: %s", err) end
+    local text = f:read("a")
+    f:close()
+    config = json.decode(text, source)
+  end
+  source = source or "config table"
+  if type(config) ~= "table" or config == json.null or getmetatable(config) == json.array_mt then
+    fail(source, "a config is a JSON object, got %s", type(config) == "table" and "an array or null" or type(config))
+  end
+  local archs = config.architectures
+  if type(archs) ~= "table" or type(archs[1]) ~= "string" then
+    fail(source, "config key 'architectures' is missing or not a list of names (known: %s)", known())
+  end
+  local builder = M.builders[archs[1]]
+  if not builder then fail(source, "unknown architecture '%s' (known: %s)", archs[1], known()) end
+  if type(builder) == "string" then builder = require(builder) end
+  return builder(C.config(config, source, archs[1]))
+end
+
+return M

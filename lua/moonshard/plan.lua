@@ -1,0 +1,586 @@
+-- moonshard.plan: applies a policy to a module tree on a mesh and says what every rank
+-- will hold and send.
+--
+-- The policy's parallelize(ctx) calls ctx:fully_shard(...) in the order PyTorch's
+-- fully_shard would be called (children before parents), ctx:expert_parallel(...) for
+-- what expert parallelism owns and ctx:checkpoint_wrap(...) for activation checkpointing.
+-- The planner records those calls (SEMANTICS.md §3-§6), validates them, and computes per
+-- unit: the parameters it owns with their shard layouts, its effective precision, and its
+-- collectives; per rank: memory by category; per step: communication.  Parameters are
+-- identified by object, so names stay right after checkpoint wrapping renames them.
+
+local ms_module = require "moonshard.module"
+local util = require "moonshard.util"
+
+local M = {}
+
+local DTYPE_SIZE = { f32 = 4, f16 = 2, bf16 = 2, f8e4m3 = 1, f8e5m2 = 1, f64 = 8, i64 = 8, i32 = 4,
+  i8 = 1, u8 = 1, bool = 1 }
+local FLOAT = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+M.DTYPE_SIZE = DTYPE_SIZE
+
+-- Thresholds for warnings: a unit whose all-gather moves less than this per rank is
+-- latency bound; padding above this fraction of a unit's gathered bytes is waste.
+M.LATENCY_BOUND_BYTES = 1024 * 1024
+M.PADDING_WASTE = 0.05
+
+local function fail(msg) error("moonshard: plan: " .. msg, 0) end
+
+-- How a unit or module is named in messages: the root has the empty name.
+local function display(name) return name == "" and "<root>" or name end
+M.display = display
+
+local function check_dtype(d, what)
+  if d ~= nil and not DTYPE_SIZE[d] then
+    fail(string.format("%s is '%s', not a dtype (f32 f16 bf16 f8e4m3 f8e5m2 f64 i64 i32 i8 u8 bool)", what, tostring(d)))
+  end
+end
+
+-- ---------------------------------------------------------------- the context policies see
+
+local Ctx = {}
+Ctx.__index = Ctx
+
+--- A planning context over `model` (a module tree) and `mesh` (a MeshContext).
+function M.context(model, mesh, opts)
+  opts = opts or {}
+  return setmetatable({
+    model = model,
+    mesh = mesh,
+    config = opts.config,
+    units = {},        -- in fully_shard order
+    owner = {},        -- param -> unit
+    ep = {},           -- param -> {placements, local_shape}
+    ep_order = {},     -- params in the order expert_parallel saw them
+    warnings = {},
+    prefetch = { forward = 1, backward = 2 },
+    names = nil,       -- module -> name cache, rebuilt after checkpoint wrapping
+  }, Ctx)
+end
+
+function Ctx:warn(msg) self.warnings[#self.warnings + 1] = msg end
+
+local function rebuild_names(ctx)
+  local names, order = {}, {}
+  for i, nm in ipairs(ctx.model:named_modules()) do
+    names[nm[2]] = nm[1]
+    order[nm[2]] = i
+  end
+  ctx.names, ctx.preorder = names, order
+end
+
+--- The dotted name of a module of the tree ("" for the root).
+function Ctx:name_of(module)
+  if not self.names then rebuild_names(self) end
+  local n = self.names[module]
+  if not n then fail("a module passed to the planner is not part of the model tree") end
+  return n
+end
+
+--- A module given as a module or a dotted name.
+function Ctx:module(m)
+  if type(m) == "string" then
+    local found = self.model:get(m)
+    if not found then fail("no module named '" .. m .. "' in the model") end
+    return found
+  end
+  if getmetatable(m) ~= ms_module.Module then fail("expected a module or a module name, got " .. tostring(m)) end
+  return m
+end
+
+--- {fqn, param} of every parameter under a module, with full names.
+function Ctx:params_of(m)
+  m = self:module(m)
+  local out = {}
+  for _, np in ipairs(m:named_parameters(self:name_of(m))) do out[#out + 1] = { np[1], np[2] } end
+  return out
+end
+
+--- true when a unit or expert parallelism already owns the parameter.
+function Ctx:is_owned(p) return self.owner[p] ~= nil or self.ep[p] ~= nil end
+
+--- The dtype a parameter is gathered (computed) in under a mixed-precision policy.
+function Ctx:compute_dtype(p, mp_policy)
+  local gather = M.effective_dtypes(p.dtype, mp_policy or {})
+  return gather
+end
+
+--- Wraps every child of a layer list (a ModuleList, given as module or name) in an
+-- activation-checkpoint wrapper: full-layer activation checkpointing.
+function Ctx:checkpoint_wrap(list)
+  list = self:module(list)
+  for _, name in ipairs(list.child_order) do
+    if list.children[name].type ~= "CheckpointWrapper" then list:checkpoint_wrap(name) end
+  end
+  self.names = nil
+end
+
+local function is_ancestor(ctx, a, b) -- module a is b or an ancestor of b
+  local na, nb = ctx:name_of(a), ctx:name_of(b)
+  return na == "" or na == nb or nb:sub(1, #na + 1) == na .. "."
+end
+
+--- Expert parallelism owns every parameter of `module`: Shard(0) over the ep axis.
+-- Returns the list of those parameters (pass it as ignored_params to the block's unit).
+function Ctx:expert_parallel(module, opts)
+  opts = opts or {}
+  local ep = self.mesh:size("ep")
+  local owned = {}
+  for _, np in ipairs(self:params_of(module)) do
+    local fqn, p = np[1], np[2]
+    if self.ep[p] then fail("parameter " .. fqn .. " is given to expert parallelism twice") end
+    if #p.shape == 0 then fail("expert parameter " .. fqn .. " is a scalar; experts are split on dim 0") end
+    if p.shape[1] % ep ~= 0 then
+      fail(string.format("expert parameter %s has %d experts (dim 0), not divisible by ep = %d", fqn, p.shape[1], ep))
+    end
+    local local_shape = util.copy(p.shape)
+    local_shape[1] = util.idiv(p.shape[1], ep)
+    self.ep[p] = { placements = { "Shard(0)" }, local_shape = local_shape, by = opts.by or "ep" }
+    self.ep_order[#self.ep_order + 1] = p
+    owned[#owned + 1] = p
+  end
+  return owned
+end
+
+local function as_param_set(ctx, list)
+  local set = {}
+  if list == nil then return set end
+  local byname
+  for k, v in pairs(list) do
+    local item = (type(k) ~= "number") and k or v
+    if type(item) == "string" then
+      if not byname then
+        byname = {}
+        for _, np in ipairs(ctx.model:named_parameters()) do byname[np[1]] = np[2] end
+      end
+      if not byname[item] then fail("ignored_params names '" .. item .. "', which is not a parameter of the model") end
+      set[byname[item]] = true
+    elseif getmetatable(item) == ms_module.Param then
+      set[item] = true
+    elseif type(item) == "table" and getmetatable(item[2]) == ms_module.Param then -- {fqn, param}
+      set[item[2]] = true
+    end
+  end
+  return set
+end
+
+local RESHARD_OK = { [true] = true, [false] = true }
+
+--- Makes `module` a shard unit, like torch's fully_shard(module, mesh=..., mp_policy=...,
+-- reshard_after_forward=..., ignored_params=..., shard_placement_fn=...).
+-- opts: mesh (list of axis names; default the FSDP mesh), mp_policy {param_dtype,
+-- reduce_dtype, output_dtype, cast_forward_inputs}, reshard_after_forward (true, false,
+-- an integer, or nil for the default), ignored_params (params or fqns), shard_placement_fn
+-- (fqn, param) -> dim or nil, kind ("fp32_island", "module" or "root"; default "root" for
+-- the model's root, else "module").
+function Ctx:fully_shard(module, opts)
+  opts = opts or {}
+  module = self:module(module)
+  local name = self:name_of(module)
+  local axes = opts.mesh or self.mesh.fsdp_axes
+  if type(axes) == "string" then axes = { axes } end
+  if #axes < 1 or #axes > 2 then
+    fail(string.format("fully_shard(%s): FSDP takes a 1-D (shard) or 2-D (replicate, shard) mesh, got %d axes",
+      display(name), #axes))
+  end
+  for _, a in ipairs(axes) do self.mesh:size(a) end
+  local mp = opts.mp_policy or {}
+  for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
+    check_dtype(mp[k], "mp_policy." .. k .. " of unit " .. (display(name)))
+  end
+  local raf = opts.reshard_after_forward
+  if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then
+    fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
+      name, tostring(raf)))
+  end
+  local ignored = as_param_set(self, opts.ignored_params)
+  local unit = {
+    name = name, module = module, mesh_axes = axes,
+    kind = opts.kind or (module == self.model and "root" or "module"),
+    mp = { param_dtype = mp.param_dtype, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
+      cast_forward_inputs = mp.cast_forward_inputs ~= false },
+    reshard_after_forward = raf, raf_explicit = raf ~= nil,
+    shard_placement_fn = opts.shard_placement_fn,
+    params = {}, ignored = {}, index = #self.units + 1,
+  }
+  for _, np in ipairs(self:params_of(module)) do
+    local fqn, p = np[1], np[2]
+    local prev = self.owner[p]
+    if ignored[p] then
+      unit.ignored[#unit.ignored + 1] = p
+    elseif prev then
+      if not is_ancestor(self, module, prev.module) then
+        fail(string.format("parameter %s is already owned by unit %s, which is not nested in %s " ..
+          "(shard a child before its parent)", fqn, display(prev.name), display(name)))
+      end
+    elseif self.ep[p] and axes[#axes] ~= "ep_shard" then
+      fail(string.format("parameter %s is placed by expert parallelism but unit %s would shard it too: " ..
+        "pass the expert parameters as ignored_params (as Automodel does) or shard them on ep_shard",
+        fqn, display(name)))
+    else
+      unit.params[#unit.params + 1] = p
+      self.owner[p] = unit
+    end
+  end
+  self.units[#self.units + 1] = unit
+  return unit
+end
+
+-- ---------------------------------------------------------------- precision (SEMANTICS §4)
+
+--- Effective dtypes of a parameter in a unit: the dtype it is gathered (computed) in and
+-- the dtype its gradient is reduced in (nil for a non-float parameter), as FSDP2 clamps them.
+function M.effective_dtypes(stored, mp)
+  local pd, rd = mp.param_dtype, mp.reduce_dtype
+  if rd == pd then rd = nil end
+  if not FLOAT[stored] then return stored, nil end -- no casts and no gradients
+  if pd == stored then pd = nil end
+  local gather = pd or stored
+  return gather, rd or gather
+end
+
+-- ---------------------------------------------------------------- unit layouts (SEMANTICS §3)
+
+local function shard_dim(unit, fqn, p, W)
+  local d = 0
+  if unit.shard_placement_fn then d = unit.shard_placement_fn(fqn, p) or 0 end
+  local nd = #p.shape
+  if nd == 0 then
+    fail(string.format("parameter %s of unit %s is a scalar (0-dim); FSDP cannot shard it", fqn, unit.name))
+  end
+  if not util.is_int(d) or d < -nd or d >= nd then
+    fail(string.format("shard dim %s of parameter %s is out of range for %d dims", tostring(d), fqn, nd))
+  end
+  if d < 0 then d = d + nd end
+  if d ~= 0 and p.shape[d + 1] % W ~= 0 then
+    fail(string.format("parameter %s: Shard(%d) needs size %d divisible by the shard size %d", fqn, d,
+      p.shape[d + 1], W))
+  end
+  return d
+end
+
+-- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
+local function fsdp_shape(ctx, p)
+  local e = ctx.ep[p]
+  return e and e.local_shape or p.shape
+end
+
+local function numel_of(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
+local function reshard_value(unit, W)
+  local raf = unit.reshard_after_forward
+  if raf == nil then raf = unit.kind ~= "root" end
+  if util.is_int(raf) then
+    if raf < 1 or raf > W or W % raf ~= 0 then
+      fail(string.format("unit %s: reshard_after_forward = %d must divide the shard size %d (1 <= k <= %d)",
+        unit.name, raf, W, W))
+    end
+    if raf == 1 then raf = false elseif raf == W then raf = true end
+  end
+  return raf
+end
+
+local function finish_unit(ctx, unit, fqn_of)
+  local axes = unit.mesh_axes
+  local W = ctx.mesh:size(axes[#axes])
+  local R = #axes == 2 and ctx.mesh:size(axes[1]) or 1
+  unit.shard_size, unit.replicate_size = W, R
+  unit.reshard = reshard_value(unit, W)
+  local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
+  local grad_shard_bytes, param_shard_bytes, trainable_shard = 0, 0, 0
+  local dtypes, reduces = {}, {}
+  unit.entries = {}
+  for _, p in ipairs(unit.params) do
+    local fqn = fqn_of[p]
+    local shape = fsdp_shape(ctx, p)
+    local d = shard_dim(unit, fqn, p, W)
+    local padded = util.copy(shape)
+    padded[d + 1] = util.ceil_div(shape[d + 1], W)
+    local pn = numel_of(padded)
+    local gather, red = M.effective_dtypes(p.dtype, unit.mp)
+    dtypes[p.dtype] = dtypes[p.dtype] or {}
+    table.insert(dtypes[p.dtype], fqn)
+    if p.requires_grad and FLOAT[p.dtype] then
+      reduces[red] = reduces[red] or {}
+      table.insert(reduces[red], fqn)
+      grad_shard_bytes = grad_shard_bytes + pn * DTYPE_SIZE[red]
+      trainable_shard = trainable_shard + pn
+    end
+    stored, reduce = p.dtype, (p.requires_grad and FLOAT[p.dtype]) and red or reduce
+    gather_bytes = gather_bytes + pn * DTYPE_SIZE[gather]
+    param_shard_bytes = param_shard_bytes + pn * DTYPE_SIZE[p.dtype]
+    shard_numel = shard_numel + pn
+    numel = numel + numel_of(shape)
+    padded_total = padded_total + pn * W
+    unit.entries[#unit.entries + 1] = { fqn = fqn, param = p, shape = shape, dim = d, padded = padded,
+      gather = gather, reduce = red }
+  end
+  -- One stored dtype and one reduce dtype per unit: FSDP2 fails lazily, we fail now.
+  local function uniform(groups, what)
+    local keys = {}
+    for k in pairs(groups) do keys[#keys + 1] = k end
+    if #keys > 1 then
+      table.sort(keys)
+      local parts = {}
+      for _, k in ipairs(keys) do
+        local names = groups[k]
+        parts[#parts + 1] = string.format("%s: %s%s", k, table.concat(names, ", ", 1, math.min(#names, 4)),
+          #names > 4 and string.format(" (and %d more)", #names - 4) or "")
+      end
+      fail(string.format("unit %s mixes %s dtypes (%s); FSDP expects one per unit: shard those parameters " ..
+        "in a unit of their own", display(unit.name), what, table.concat(parts, "; ")))
+    end
+  end
+  uniform(dtypes, "stored")
+  uniform(reduces, "reduce")
+  unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
+  unit.numel, unit.shard_numel, unit.padded_numel = numel, shard_numel, padded_total
+  unit.param_shard_bytes, unit.grad_shard_bytes = param_shard_bytes, grad_shard_bytes
+  unit.trainable_shard_numel = trainable_shard
+  unit.unsharded_bytes = gather_bytes * W -- the all-gather output: every rank's padded shard
+  unit.unsharded_grad_bytes = 0
+  for _, e in ipairs(unit.entries) do
+    if e.param.requires_grad and FLOAT[e.param.dtype] then
+      unit.unsharded_grad_bytes = unit.unsharded_grad_bytes + numel_of(e.padded) * W * DTYPE_SIZE[e.gather]
+    end
+  end
+  -- Collectives per step, as nccl-tests bus bytes one rank moves.
+  local ag, rs, ar = {}, nil, nil
+  if W > 1 and #unit.params > 0 then
+    local S = unit.unsharded_bytes
+    ag[#ag + 1] = { n = W, bytes = util.idiv(S * (W - 1), W) }          -- forward
+    if unit.reshard == true then
+      ag[#ag + 1] = { n = W, bytes = util.idiv(S * (W - 1), W) }        -- backward re-gather
+    elseif util.is_int(unit.reshard) then
+      local k = unit.reshard
+      ag[#ag + 1] = { n = k, bytes = util.idiv(S * (k - 1), k) }        -- k-way re-gather
+    end
+    if grad_shard_bytes > 0 then
+      rs = { n = W, bytes = util.idiv(grad_shard_bytes * W * (W - 1), W) }
+    end
+  end
+  if R > 1 and grad_shard_bytes > 0 then
+    ar = { n = R, bytes = util.idiv(2 * grad_shard_bytes * (R - 1), R) }
+  end
+  unit.comm = { all_gather = ag, reduce_scatter = rs, all_reduce = ar }
+  unit.all_gather_bytes, unit.reduce_scatter_bytes, unit.all_reduce_bytes = 0, rs and rs.bytes or 0, ar and ar.bytes or 0
+  for _, c in ipairs(ag) do unit.all_gather_bytes = unit.all_gather_bytes + c.bytes end
+  unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
+  unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
+end
+
+-- ---------------------------------------------------------------- memory (per rank)
+
+-- The peak of unsharded parameters and gradients alive at once, walking the units in
+-- forward order (pre-order of their modules) and then backward (the reverse): a unit is
+-- gathered while its module and its descendants run, the next `forward` units are
+-- prefetched, units that keep their parameters after forward stay gathered until their
+-- backward, and in backward a unit also holds its unsharded gradient.
+local function peak_unsharded(ctx, units)
+  local order = {}
+  for _, u in ipairs(units) do order[#order + 1] = u end
+  table.sort(order, function(a, b)
+    local pa, pb = ctx.preorder[a.module], ctx.preorder[b.module]
+    if pa ~= pb then return pa < pb end
+    return a.index < b.index
+  end)
+  local n = #order
+  local function contains(a, b) return is_ancestor(ctx, a.module, b.module) and a ~= b end
+  local function kept_bytes(u) -- what stays after forward
+    if u.reshard == false then return u.unsharded_bytes end
+    if util.is_int(u.reshard) then return util.idiv(u.unsharded_bytes, u.reshard) end
+    return 0
+  end
+  local peak = 0
+  local df, db = ctx.prefetch.forward, ctx.prefetch.backward
+  for t = 1, n do -- forward
+    local live = 0
+    for i = 1, n do
+      local u = order[i]
+      if i == t or (i > t and i <= t + df) or (i < t and contains(u, order[t])) then
+        live = live + u.unsharded_bytes
+      elseif i < t then
+        live = live + kept_bytes(u)
+      end
+    end
+    if live > peak then peak = live end
+  end
+  for t = n, 1, -1 do -- backward
+    local live = order[t].unsharded_grad_bytes
+    for i = 1, n do
+      local u = order[i]
+      if i == t or (i < t and i >= t - db) or (i < t and contains(u, order[t])) then
+        live = live + u.unsharded_bytes
+      elseif i < t then
+        live = live + kept_bytes(u)
+      end
+    end
+    if live > peak then peak = live end
+  end
+  return peak
+end
+
+-- ---------------------------------------------------------------- the plan
+
+-- Every trainable parameter belongs to exactly one unit or to expert parallelism (units
+-- cannot claim a parameter twice and cannot claim expert parameters: fully_shard checks
+-- both as it goes), so what is left to check is that nothing was forgotten.
+local function validate_ownership(ctx, params)
+  local unowned = {}
+  for _, np in ipairs(params) do
+    local fqn, p = np[1], np[2]
+    if p.requires_grad and not ctx.owner[p] and not ctx.ep[p] then unowned[#unowned + 1] = fqn end
+  end
+  if #unowned > 0 then
+    fail(string.format("%d trainable parameter%s left unowned: %s%s; every trainable parameter must belong to " ..
+      "exactly one shard unit or to expert parallelism", #unowned, #unowned == 1 and " is" or "s are",
+      table.concat(unowned, ", ", 1, math.min(#unowned, 8)), #unowned > 8 and string.format(" (and %d more)", #unowned - 8) or ""))
+  end
+end
+
+--- plan(model, mesh, policy, opts) -> plan
+-- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward}).
+-- opts: config (the model config), name, architecture, optimizer ("adamw" or "none").
+function M.plan(model, mesh, policy, opts)
+  opts = opts or {}
+  if mesh:size("pp") > 1 then fail("pipeline parallelism (pp > 1) is not planned yet; use pp = 1") end
+  if mesh:size("tp") > 1 then fail("tensor parallel plans (tp > 1) are not modelled yet; use tp = 1") end
+  if type(policy) ~= "table" or type(policy.parallelize) ~= "function" then
+    fail("the policy has no parallelize(ctx) function")
+  end
+  local ctx = M.context(model, mesh, opts)
+  if policy.prefetch then
+    ctx.prefetch = { forward = policy.prefetch.forward or 1, backward = policy.prefetch.backward or 2 }
+  end
+  policy.parallelize(ctx)
+  rebuild_names(ctx)
+  local params = model:named_parameters()
+  local fqn_of = {}
+  for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
+  validate_ownership(ctx, params)
+  for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
+
+  -- Memory per rank: all ranks hold equal padded shards, so one figure serves them all.
+  local adam = opts.optimizer ~= "none"
+  local mem = { params = 0, grads = 0, optimizer = 0 }
+  local function add_state(numel_trainable, stored)
+    if adam then mem.optimizer = mem.optimizer + numel_trainable * (8 + (stored == "f32" and 0 or 4)) end
+  end
+  for _, u in ipairs(ctx.units) do
+    mem.params = mem.params + u.param_shard_bytes
+    for _, e in ipairs(u.entries) do
+      if e.param.requires_grad and FLOAT[e.param.dtype] then
+        local pn = numel_of(e.padded)
+        mem.grads = mem.grads + pn * DTYPE_SIZE[e.param.dtype]
+        add_state(pn, e.param.dtype)
+      end
+    end
+  end
+  local owned = {}
+  for _, p in ipairs(ctx.ep_order) do
+    local e = ctx.ep[p]
+    local fqn = fqn_of[p]
+    owned[#owned + 1] = { fqn = fqn, by = e.by, shape = p.shape, dtype = p.dtype, placements = e.placements,
+      local_shape = e.local_shape, unit = ctx.owner[p] and ctx.owner[p].name or nil }
+    if not ctx.owner[p] then
+      local ln = numel_of(e.local_shape)
+      mem.params = mem.params + ln * DTYPE_SIZE[p.dtype]
+      if p.requires_grad and FLOAT[p.dtype] then
+        mem.grads = mem.grads + ln * DTYPE_SIZE[p.dtype]
+        add_state(ln, p.dtype)
+      end
+    end
+  end
+  mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
+  mem.total = mem.params + mem.grads + mem.optimizer + mem.peak_unsharded
+
+  -- Communication per step.
+  local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
+    all_reduce = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } }
+  for _, u in ipairs(ctx.units) do
+    for _, c in ipairs(u.comm.all_gather) do
+      comm.all_gather.count = comm.all_gather.count + 1
+      comm.all_gather.bytes = comm.all_gather.bytes + c.bytes
+    end
+    for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do
+      local c = u.comm[kind]
+      if c then
+        comm[kind].count = comm[kind].count + 1
+        comm[kind].bytes = comm[kind].bytes + c.bytes
+      end
+    end
+  end
+
+  -- Warnings: latency-bound units and padding waste, grouped so a reader sees them once.
+  local small, padded = {}, {}
+  for _, u in ipairs(ctx.units) do
+    if u.shard_size > 1 and #u.params > 0 and u.gather_bytes_per_rank < M.LATENCY_BOUND_BYTES then
+      small[#small + 1] = display(u.name)
+    end
+    if u.padding_fraction > M.PADDING_WASTE then
+      padded[#padded + 1] = string.format("%s (%.0f%%)", display(u.name), 100 * u.padding_fraction)
+    end
+  end
+  local warnings = util.copy(ctx.warnings)
+  local function listing(names)
+    return table.concat(names, ", ", 1, math.min(#names, 6)) ..
+      (#names > 6 and string.format(" (and %d more)", #names - 6) or "")
+  end
+  if #small > 0 then
+    warnings[#warnings + 1] = string.format("%d unit%s move%s less than %s per all-gather and will be latency " ..
+      "bound: %s", #small, #small == 1 and "" or "s", #small == 1 and "s" or "", util.bytes(M.LATENCY_BOUND_BYTES),
+      listing(small))
+  end
+  if #padded > 0 then
+    warnings[#warnings + 1] = string.format("%d unit%s pad more than %d%% of their gathered elements: %s",
+      #padded, #padded == 1 and "" or "s", math.floor(100 * M.PADDING_WASTE + 0.5), listing(padded))
+  end
+
+  return {
+    model = { name = opts.name or "model", architecture = opts.architecture or model.type,
+      params = model:param_count(), bytes = model:param_bytes() },
+    mesh = mesh,
+    units = ctx.units,
+    owned = owned,
+    memory = mem,
+    comm = comm,
+    warnings = warnings,
+    prefetch = ctx.prefetch,
+    fqn_of = fqn_of,
+    params = params,
+  }
+end
+
+--- The dtype audit: for every parameter, where it lives and its stored, gathered and
+-- reduced dtypes.  A list of {fqn, unit, stored, gathered, reduced, owner}.
+function M.audit(plan)
+  local unit_of = {}
+  for _, u in ipairs(plan.units) do
+    for _, e in ipairs(u.entries) do unit_of[e.param] = { u, e } end
+  end
+  local ep = {}
+  for _, o in ipairs(plan.owned) do ep[o.fqn] = o end
+  local out = {}
+  for _, np in ipairs(plan.params) do
+    local fqn, p = np[1], np[2]
+    local ue = unit_of[p]
+    if ue then
+      out[#out + 1] = { fqn = fqn, unit = ue[1].name, kind = ue[1].kind, stored = p.dtype, gathered = ue[2].gather,
+        reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
+    elseif ep[fqn] then
+      -- Expert parallelism moves no parameters; gradients are reduced by the data parallel
+      -- replicas of the expert in its own dtype.
+      out[#out + 1] = { fqn = fqn, unit = nil, kind = "ep", stored = p.dtype, gathered = p.dtype,
+        reduced = p.requires_grad and p.dtype or nil }
+    else
+      out[#out + 1] = { fqn = fqn, unit = nil, kind = "frozen", stored = p.dtype, gathered = p.dtype, reduced = nil }
+    end
+  end
+  return out
+end
+
+return M

@@ -1,0 +1,201 @@
+-- moonshard.plan_cli: `moonshard plan`, the planner on the command line.
+--
+--   moonshard plan (--config config.json | --safetensors PATH) --mesh dp_shard=8,ep=8
+--                  --policy policies/inkling2 [--json] [--svg FILE] [--audit]
+
+local util = require "moonshard.util"
+
+local M = {}
+
+M.usage = [[
+usage: moonshard plan (--config FILE | --safetensors PATH) --mesh SIZES --policy PATH [options]
+
+Applies a sharding policy to a model on a mesh, without GPUs, and prints what every rank
+holds and sends: the shard units in the order fully_shard is called, their precision and
+layouts, what expert parallelism owns, memory per rank and communication per step.
+
+model (one of):
+  --config FILE        a Hugging Face config.json; architectures[0] picks the builder
+                       (LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
+                       DeepseekV3ForCausalLM, Inkling2ForCausalLM)
+  --safetensors PATH   a .safetensors file, a model.safetensors.index.json, or a directory
+                       holding one: names, dtypes and shapes as on disk (no data read)
+required:
+  --mesh SIZES         e.g. dp_replicate=2,dp_shard=4,ep=8 (axes pp dp_replicate dp_shard
+                       cp tp ep; unset sizes are 1; the world is their product without ep)
+  --policy PATH        a policy directory (e.g. policies/inkling2) or one policy file
+                       (e.g. policies/fsdp2_default.lua)
+output:
+  --json               the plan JSON (DESIGN.md, version 1) on stdout instead of the table
+  --svg FILE           also draw the units and the per-rank memory into FILE
+  --audit              every parameter's stored, gathered and reduced dtype (added to the
+                       JSON as "audit" with --json)
+  --optimizer NAME     adamw (default: fp32 moments, fp32 master weights for non-fp32
+                       parameters) or none
+  --name NAME          the model name to print (default: the config's _name_or_path or
+                       the file name)
+  -h, --help           this help
+
+exit status: 0 on success, 1 when the plan is invalid or an input is bad, 2 on usage errors.
+]]
+
+local function usage_error(msg)
+  io.stderr:write("moonshard plan: " .. msg .. "\n(try 'moonshard plan --help')\n")
+  return 2
+end
+
+local FLAGS = { json = true, audit = true }
+local VALUES = { config = true, safetensors = true, mesh = true, policy = true, svg = true, optimizer = true,
+  name = true }
+
+function M.parse(args)
+  local o = {}
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == "-h" or a == "--help" then
+      o.help = true
+    else
+      local key, inline = a:match("^%-%-([%w_-]+)=(.*)$")
+      key = key or a:match("^%-%-([%w_-]+)$")
+      if not key then return nil, "unexpected argument '" .. a .. "'" end
+      if FLAGS[key] then
+        o[key] = true
+      elseif VALUES[key] then
+        local v = inline
+        if not v then
+          i = i + 1
+          v = args[i]
+        end
+        if v == nil or v == "" then return nil, "--" .. key .. " needs a value" end
+        if o[key] then return nil, "--" .. key .. " given twice" end
+        o[key] = v
+      else
+        return nil, "unknown option '" .. a .. "'"
+      end
+    end
+    i = i + 1
+  end
+  return o
+end
+
+local function read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then error("moonshard: cannot read " .. path .. ": " .. tostring(err), 0) end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+local function stem(path) return (path:match("([^/]+)$") or path):gsub("%.[^.]+$", "") end
+
+local function is_dir(path)
+  local f = io.open(path .. "/.", "r")
+  if f then f:close() return true end
+  return false
+end
+
+-- The model tree, its name and its config (nil for safetensors).
+local function load_model(o)
+  if o.config then
+    local json = require "moonshard.json"
+    local config = json.decode(read_file(o.config), o.config)
+    local tree = require("moonshard.models").from_config(config, o.config)
+    local name = o.name or (type(config._name_or_path) == "string" and config._name_or_path) or stem(o.config)
+    return tree, name, config
+  end
+  local st = require "moonshard.safetensors"
+  local path = o.safetensors
+  if is_dir(path) then
+    local index = path .. "/model.safetensors.index.json"
+    local f = io.open(index, "r")
+    if f then f:close() path = index else path = path .. "/model.safetensors" end
+  end
+  return st.tree_from_safetensors(path), o.name or stem(o.safetensors), nil
+end
+
+-- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
+-- or the only file that has one.
+local function entry_point(policy, path)
+  if type(policy.main) == "table" and policy.main.parallelize then return policy.main end
+  if type(policy.shard_units) == "table" and policy.shard_units.parallelize then return policy.shard_units end
+  local found
+  for k, v in pairs(policy) do
+    if type(v) == "table" and type(v.parallelize) == "function" then
+      if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
+      found = v
+    end
+  end
+  if not found then
+    error("moonshard: policy " .. path .. ": no file returns a table with parallelize(ctx) " ..
+      "(shard_units.lua usually does)", 0)
+  end
+  return found
+end
+
+--- Builds the plan from parsed options; returns plan, name of the policy.
+function M.make_plan(o)
+  local mesh_context = require "moonshard.mesh_context"
+  local tree, name, config = load_model(o)
+  local sizes = mesh_context.parse(o.mesh)
+  sizes.n_routed_experts = config and config.n_routed_experts or nil
+  if config and not sizes.n_routed_experts and config.num_local_experts then
+    sizes.n_routed_experts = config.num_local_experts
+  end
+  if config and not sizes.n_routed_experts and config.num_experts then sizes.n_routed_experts = config.num_experts end
+  local mesh = mesh_context.new(sizes)
+  local policy = require("moonshard.policy").load(o.policy, {
+    modules = { ["moonshard.util"] = util },
+  })
+  local entry = entry_point(policy, o.policy)
+  local plan = require("moonshard.plan").plan(tree, mesh, entry, {
+    name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
+    optimizer = o.optimizer,
+  })
+  return plan
+end
+
+--- Runs `moonshard plan` with a list of arguments; returns the exit status.
+function M.main(args)
+  local o, err = M.parse(args)
+  if not o then return usage_error(err) end
+  if o.help then
+    io.stdout:write(M.usage)
+    return 0
+  end
+  if (o.config and o.safetensors) or not (o.config or o.safetensors) then
+    return usage_error("give the model with exactly one of --config FILE or --safetensors PATH")
+  end
+  if not o.mesh then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
+  if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
+  if o.optimizer and o.optimizer ~= "adamw" and o.optimizer ~= "none" then
+    return usage_error("--optimizer is adamw or none, not '" .. o.optimizer .. "'")
+  end
+  local ok, result = pcall(M.make_plan, o)
+  if not ok then
+    io.stderr:write("moonshard plan: error: " .. tostring(result):gsub("^moonshard: ", "") .. "\n")
+    return 1
+  end
+  local report = require "moonshard.plan_report"
+  if o.json then
+    io.stdout:write(report.to_json(result, { audit = o.audit }))
+  else
+    io.stdout:write(report.to_text(result, { policy = o.policy }))
+    if o.audit then
+      io.stdout:write("\n" .. report.audit_text(result))
+    end
+  end
+  if o.svg then
+    local f, ferr = io.open(o.svg, "wb")
+    if not f then
+      io.stderr:write("moonshard plan: error: cannot write " .. o.svg .. ": " .. tostring(ferr) .. "\n")
+      return 1
+    end
+    f:write(require("moonshard.plan_svg").render(result))
+    f:close()
+    if not o.json then io.stdout:write("picture written to " .. o.svg .. "\n") end
+  end
+  return 0
+end
+
+return M

@@ -1,0 +1,235 @@
+-- moonshard.plan_report: a plan as a person reads it (a table), as a machine reads it (the
+-- plan JSON of DESIGN.md, version 1), as a dtype audit, and as an SVG picture.
+
+local plan_mod = require "moonshard.plan"
+local util = require "moonshard.util"
+
+local M = {}
+
+-- ---------------------------------------------------------------- JSON (version 1)
+
+local ESC = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f", ["\n"] = "\\n", ["\r"] = "\\r",
+  ["\t"] = "\\t" }
+local function jstr(s)
+  if s == nil then return "null" end
+  return '"' .. tostring(s):gsub('[%c"\\]', function(c)
+    return ESC[c] or string.format("\\u%04x", c:byte())
+  end) .. '"'
+end
+local function jnum(n)
+  if n ~= n or n == math.huge or n == -math.huge then error("moonshard: plan JSON: non-finite number") end
+  if n == math.floor(n) and math.abs(n) < 2 ^ 63 then return string.format("%d", n) end
+  return string.format("%.17g", n)
+end
+local function jbool(b) return b and "true" or "false" end
+local function jints(list)
+  local parts = {}
+  for i, v in ipairs(list) do parts[i] = jnum(v) end
+  return "[" .. table.concat(parts, ",") .. "]"
+end
+local function jstrs(list)
+  local parts = {}
+  for i, v in ipairs(list) do parts[i] = jstr(v) end
+  return "[" .. table.concat(parts, ",") .. "]"
+end
+-- An object from {key, encoded value} pairs, in order.
+local function jobj(pairs_list)
+  local parts = {}
+  for i, kv in ipairs(pairs_list) do parts[i] = jstr(kv[1]) .. ":" .. kv[2] end
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+M.jstr, M.jnum, M.jobj = jstr, jnum, jobj
+
+-- Local shapes of every coordinate of the shard axis: torch.chunk gives full chunks, at most
+-- one partial chunk, then empty ones, so the list is built from three repeated strings.
+local function local_shapes_json(shape, dim, W)
+  local n = shape[dim + 1]
+  local c = util.ceil_div(n, W)
+  local function with(len)
+    local s = util.copy(shape)
+    s[dim + 1] = len
+    return jints(s)
+  end
+  if n % W == 0 then
+    return "[" .. string.rep(with(util.idiv(n, W)), W, ",") .. "]"
+  end
+  local full = util.idiv(n, c)
+  local rest = n - full * c
+  local parts = {}
+  if full > 0 then parts[#parts + 1] = string.rep(with(c), full, ",") end
+  local used = full
+  if rest > 0 then
+    parts[#parts + 1] = with(rest)
+    used = used + 1
+  end
+  if W - used > 0 then parts[#parts + 1] = string.rep(with(0), W - used, ",") end
+  return "[" .. table.concat(parts, ",") .. "]"
+end
+M.local_shapes_json = local_shapes_json
+
+local function unit_json(u)
+  local params = {}
+  for i, e in ipairs(u.entries) do
+    params[i] = "      " .. jobj({
+      { "fqn", jstr(e.fqn) }, { "shape", jints(e.shape) }, { "dtype", jstr(e.param.dtype) },
+      { "placement", jstr(string.format("Shard(%d)", e.dim)) }, { "padded_shard_shape", jints(e.padded) },
+      { "local_shapes", local_shapes_json(e.shape, e.dim, u.shard_size) },
+    })
+  end
+  local raf = u.reshard
+  return "    {" .. table.concat({
+    jstr("name") .. ":" .. jstr(u.name),
+    jstr("kind") .. ":" .. jstr(u.kind),
+    jstr("mesh_axes") .. ":" .. jstrs(u.mesh_axes),
+    jstr("param_dtype") .. ":" .. jstr(u.mp.param_dtype),
+    jstr("reduce_dtype") .. ":" .. jstr(u.mp.reduce_dtype),
+    jstr("output_dtype") .. ":" .. jstr(u.mp.output_dtype),
+    jstr("cast_forward_inputs") .. ":" .. jbool(u.mp.cast_forward_inputs),
+    jstr("reshard_after_forward") .. ":" .. (type(raf) == "boolean" and jbool(raf) or jnum(raf)),
+    jstr("params") .. ":[" .. (#params > 0 and "\n" .. table.concat(params, ",\n") .. "\n    " or "") .. "]",
+    jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes),
+    jstr("reduce_scatter_bytes") .. ":" .. jnum(u.reduce_scatter_bytes),
+    jstr("all_reduce_bytes") .. ":" .. jnum(u.all_reduce_bytes),
+  }, ",") .. "}"
+end
+
+--- The plan JSON (DESIGN.md, version 1), with "audit" added when opts.audit is set.
+function M.to_json(plan, opts)
+  opts = opts or {}
+  local mesh = plan.mesh
+  local out = {}
+  local function add(s) out[#out + 1] = s end
+  add('{"moonshard_plan":1,\n')
+  add(' "model":' .. jobj({ { "name", jstr(plan.model.name) }, { "architecture", jstr(plan.model.architecture) },
+    { "params", jnum(plan.model.params) }, { "bytes", jnum(plan.model.bytes) } }) .. ",\n")
+  local axes = {}
+  for i, a in ipairs(mesh:root_axes()) do axes[i] = jobj({ { "name", jstr(a.name) }, { "size", jnum(a.size) } }) end
+  add(' "mesh":' .. jobj({ { "world", jnum(mesh.world) }, { "axes", "[" .. table.concat(axes, ",") .. "]" },
+    { "ep", jnum(mesh:size("ep")) }, { "ep_shard", jnum(mesh:size("ep_shard")) },
+    { "fsdp_axes", jstrs(mesh.fsdp_axes) } }) .. ",\n")
+  local units = {}
+  for i, u in ipairs(plan.units) do units[i] = unit_json(u) end
+  add(' "units":[\n' .. table.concat(units, ",\n") .. "\n ],\n")
+  local owned = {}
+  for i, o in ipairs(plan.owned) do
+    owned[i] = "    " .. jobj({ { "fqn", jstr(o.fqn) }, { "by", jstr(o.by) }, { "shape", jints(o.shape) },
+      { "dtype", jstr(o.dtype) }, { "placements", jstrs(o.placements) }, { "local_shape", jints(o.local_shape) },
+      { "unit", jstr(o.unit) } })
+  end
+  add(' "owned":[' .. (#owned > 0 and "\n" .. table.concat(owned, ",\n") .. "\n " or "") .. "],\n")
+  -- every rank holds the same padded shards: one record, repeated with its rank
+  local mem = plan.memory
+  local tail = "," .. table.concat({ jstr("params") .. ":" .. jnum(mem.params), jstr("grads") .. ":" .. jnum(mem.grads),
+    jstr("optimizer") .. ":" .. jnum(mem.optimizer), jstr("peak_unsharded") .. ":" .. jnum(mem.peak_unsharded),
+    jstr("total") .. ":" .. jnum(mem.total) }, ",") .. "}"
+  local ranks = {}
+  for r = 0, mesh.world - 1 do ranks[r + 1] = '{"rank":' .. r .. tail end
+  add(' "memory":{"per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
+  local comm = {}
+  for i, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
+    comm[i] = jstr(k) .. ":" .. jobj({ { "count", jnum(plan.comm[k].count) }, { "bytes", jnum(plan.comm[k].bytes) } })
+  end
+  add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}},\n")
+  if opts.audit then
+    local rows = {}
+    for i, a in ipairs(plan_mod.audit(plan)) do
+      rows[i] = "    " .. jobj({ { "fqn", jstr(a.fqn) }, { "unit", jstr(a.unit) }, { "kind", jstr(a.kind) },
+        { "stored", jstr(a.stored) }, { "gathered", jstr(a.gathered) }, { "reduced", jstr(a.reduced) } })
+    end
+    add(' "audit":[\n' .. table.concat(rows, ",\n") .. "\n ],\n")
+  end
+  add(' "warnings":' .. jstrs(plan.warnings) .. "\n}\n")
+  return table.concat(out)
+end
+
+-- ---------------------------------------------------------------- the table
+
+local function pad(s, w, right)
+  s = tostring(s)
+  if #s >= w then return s end
+  return right and string.rep(" ", w - #s) .. s or s .. string.rep(" ", w - #s)
+end
+
+local function dtypes_str(u)
+  local g, r = u.entries[1] and u.entries[1].gather or "-", u.reduce_dtype_eff or "-"
+  return g, r
+end
+
+--- The plan as text: units, expert parallelism, memory per rank, communication, warnings.
+function M.to_text(plan, opts)
+  opts = opts or {}
+  local out = {}
+  local function add(s) out[#out + 1] = s end
+  local mesh = plan.mesh
+  add(string.format("model   %s (%s): %s params, %s", plan.model.name, plan.model.architecture,
+    util.thousands(plan.model.params), util.bytes(plan.model.bytes)))
+  add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
+    mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
+  if opts.policy then add("policy  " .. opts.policy) end
+  add("")
+  local nw = 12
+  for _, u in ipairs(plan.units) do nw = math.max(nw, #(u.name == "" and "<root>" or u.name)) end
+  nw = math.min(nw, 60)
+  add(string.format("%4s  %s  %-11s %-14s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", "mesh",
+    "params", "gather", "reduce", "reshard", "AG/step", "RS/step"))
+  for i, u in ipairs(plan.units) do
+    local g, r = dtypes_str(u)
+    local raf = u.reshard
+    add(string.format("%4d  %s  %-11s %-14s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
+      u.kind, table.concat(u.mesh_axes, ","), util.thousands(u.numel), g, r,
+      type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
+      util.bytes(u.reduce_scatter_bytes + u.all_reduce_bytes)))
+  end
+  if #plan.owned > 0 then
+    local n, bytes = 0, 0
+    for _, o in ipairs(plan.owned) do
+      local k = 1
+      for _, s in ipairs(o.shape) do k = k * s end
+      n, bytes = n + k, bytes + k * plan_mod.DTYPE_SIZE[o.dtype]
+    end
+    add("")
+    add(string.format("expert parallelism owns %d parameters (%s params, %s): %s over ep=%d, e.g. %s -> [%s] per rank",
+      #plan.owned, util.thousands(n), util.bytes(bytes), table.concat(plan.owned[1].placements, ","), mesh:size("ep"),
+      plan.owned[1].fqn, table.concat(plan.owned[1].local_shape, ", ")))
+  end
+  local m = plan.memory
+  add("")
+  add(string.format("memory per rank (every rank alike): params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
+    util.bytes(m.params), util.bytes(m.grads), util.bytes(m.optimizer), util.bytes(m.peak_unsharded),
+    util.bytes(m.total)))
+  add("communication per step and rank (bus bytes):")
+  for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
+    local c = plan.comm[k]
+    add(string.format("  %-15s %5d x  %s", k, c.count, util.bytes(c.bytes)))
+  end
+  if #plan.warnings > 0 then
+    add("")
+    add("warnings:")
+    for _, w in ipairs(plan.warnings) do add("  - " .. w) end
+  end
+  return table.concat(out, "\n") .. "\n"
+end
+
+--- The dtype audit as text: every parameter's stored, gathered and reduced dtype.
+function M.audit_text(plan)
+  local rows = plan_mod.audit(plan)
+  local w = 10
+  for _, a in ipairs(rows) do w = math.max(w, #a.fqn) end
+  local out = { string.format("%s  %-6s %-8s %-8s %-11s %s", pad("parameter", w), "stored", "gathered", "reduced",
+    "kind", "unit") }
+  local counts = {}
+  for _, a in ipairs(rows) do
+    out[#out + 1] = string.format("%s  %-6s %-8s %-8s %-11s %s", pad(a.fqn, w), a.stored, a.gathered, a.reduced or "-",
+      a.kind, a.unit and (a.unit == "" and "<root>" or a.unit) or "-")
+    if a.reduced then counts[a.reduced] = (counts[a.reduced] or 0) + 1 end
+  end
+  local keys = {}
+  for k in pairs(counts) do keys[#keys + 1] = k end
+  table.sort(keys)
+  local parts = {}
+  for _, k in ipairs(keys) do parts[#parts + 1] = string.format("%d in %s", counts[k], k) end
+  out[#out + 1] = "gradients reduced: " .. table.concat(parts, ", ")
+  return table.concat(out, "\n") .. "\n"
+end
+
+return M

@@ -1,0 +1,131 @@
+-- moonshard.plan_svg: a plan as a picture.  One row per decoder layer (and one for the
+-- rest of the model) with a box per shard unit, sized by its parameters and coloured by the
+-- dtype it gathers in (FP32 islands stand out), expert-parallel parameters as their own
+-- box; below, per-rank memory as stacked bars and the communication per step.
+
+local util = require "moonshard.util"
+
+local M = {}
+
+local W, MARGIN, ROW_H, BAR_H = 1100, 20, 34, 18
+local COLOURS = { f32 = "#e8833a", bf16 = "#4a7fc1", f16 = "#6aa84f", f8e4m3 = "#9b59b6", f8e5m2 = "#9b59b6",
+  f64 = "#c0392b", ep = "#7f8c8d" }
+local MEM = { { "params", "#4a7fc1" }, { "grads", "#6aa84f" }, { "optimizer", "#e8833a" },
+  { "peak_unsharded", "#9b59b6" } }
+
+local function esc(s)
+  return (tostring(s):gsub("[&<>\"]", { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;", ['"'] = "&quot;" }))
+end
+
+local function short(name)
+  if name == "" then return "<root>" end
+  return (name:gsub("_checkpoint_wrapped_module%.", ""):gsub("^model%.layers%.%d+%.", ""))
+end
+
+local function row_of(name)
+  local i = name:match("^model%.layers%.(%d+)")
+  return i and tonumber(i) or -1
+end
+
+--- SVG text for a plan.
+function M.render(plan)
+  local rows, order = {}, {}
+  local function add(row, box)
+    if not rows[row] then
+      rows[row] = {}
+      order[#order + 1] = row
+    end
+    table.insert(rows[row], box)
+  end
+  for _, u in ipairs(plan.units) do
+    local g = u.entries[1] and u.entries[1].gather or u.mp.param_dtype or "f32"
+    add(row_of(u.name), { label = short(u.name), size = math.max(u.numel, 1), colour = COLOURS[g] or "#95a5a6",
+      tip = string.format("%s: %s params, %s, gather %s, reduce %s", u.name == "" and "<root>" or u.name,
+        util.thousands(u.numel), u.kind, g, u.reduce_dtype_eff or "-") })
+  end
+  local ep_rows = {}
+  for _, o in ipairs(plan.owned) do
+    local r = row_of(o.fqn)
+    local n = 1
+    for _, s in ipairs(o.shape) do n = n * s end
+    ep_rows[r] = (ep_rows[r] or 0) + n
+  end
+  for r, n in pairs(ep_rows) do
+    add(r, { label = "experts (ep)", size = n, colour = COLOURS.ep,
+      tip = string.format("expert parallelism: %s params, Shard(0) over ep", util.thousands(n)) })
+  end
+  table.sort(order)
+  local out = {}
+  local function put(s) out[#out + 1] = s end
+  local units_h = #order * ROW_H
+  local mem_top = 70 + units_h + 40
+  local ranks = plan.mesh.world
+  local shown = math.min(ranks, 32)
+  local height = mem_top + 30 + shown * (BAR_H + 4) + 90
+  put(string.format('<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" ' ..
+    'font-size="11">', W, height))
+  put(string.format('<rect width="%d" height="%d" fill="white"/>', W, height))
+  put(string.format('<text x="%d" y="24" font-size="16" font-weight="bold">%s (%s): %s params on %s</text>',
+    MARGIN, esc(plan.model.name), esc(plan.model.architecture), util.thousands(plan.model.params),
+    esc(plan.mesh:describe())))
+  -- legend
+  local lx = MARGIN
+  for _, k in ipairs({ "f32", "bf16", "f16", "ep" }) do
+    put(string.format('<rect x="%d" y="36" width="12" height="12" fill="%s"/><text x="%d" y="46">%s</text>', lx,
+      COLOURS[k], lx + 16, k == "ep" and "expert parallel" or "gathered in " .. k))
+    lx = lx + 130
+  end
+  local label_w = 90
+  for ri, r in ipairs(order) do
+    local y = 60 + (ri - 1) * ROW_H
+    put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, y + 20, r >= 0 and "layer " .. r or "model"))
+    local boxes, total = rows[r], 0
+    for _, b in ipairs(boxes) do total = total + math.sqrt(b.size) end
+    local x, avail = MARGIN + label_w, W - 2 * MARGIN - label_w - 4 * #boxes
+    for _, b in ipairs(boxes) do
+      local w = math.max(4, avail * math.sqrt(b.size) / total)
+      put(string.format('<g><title>%s</title><rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s" rx="3"/>',
+        esc(b.tip), x, y + 4, w, ROW_H - 8, b.colour))
+      if w > 7 * #b.label then
+        put(string.format('<text x="%.1f" y="%d" fill="white">%s</text>', x + 4, y + 21, esc(b.label)))
+      end
+      put("</g>")
+      x = x + w + 4
+    end
+  end
+  -- memory per rank
+  local m = plan.memory
+  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">memory per rank: %s total%s</text>',
+    MARGIN, mem_top, util.bytes(m.total), ranks > shown and string.format(" (first %d of %d ranks, all alike)",
+      shown, ranks) or ""))
+  lx = MARGIN
+  for _, c in ipairs(MEM) do
+    put(string.format('<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s %s</text>', lx,
+      mem_top + 10, c[2], lx + 16, mem_top + 20, c[1]:gsub("_", " "), util.bytes(m[c[1]])))
+    lx = lx + 220
+  end
+  local scale = (W - 2 * MARGIN - 70) / math.max(m.total, 1)
+  for r = 0, shown - 1 do
+    local y = mem_top + 30 + r * (BAR_H + 4)
+    put(string.format('<text x="%d" y="%d">rank %d</text>', MARGIN, y + 13, r))
+    local x = MARGIN + 70
+    for _, c in ipairs(MEM) do
+      local w = m[c[1]] * scale
+      put(string.format('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"/>', x, y, w, BAR_H, c[2]))
+      x = x + w
+    end
+  end
+  local cy = mem_top + 30 + shown * (BAR_H + 4) + 24
+  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">communication per step and rank</text>',
+    MARGIN, cy))
+  local parts = {}
+  for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
+    local c = plan.comm[k]
+    parts[#parts + 1] = string.format("%s %d x %s", k, c.count, util.bytes(c.bytes))
+  end
+  put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "   "))))
+  put("</svg>")
+  return table.concat(out, "\n") .. "\n"
+end
+
+return M

@@ -1,0 +1,285 @@
+-- moonshard.safetensors: the names, dtypes and shapes of a checkpoint, read from safetensors
+-- headers without reading tensor data, and the module tree they describe.
+--
+-- A .safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+-- ({"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then
+-- the data area.  Headers are checked as strictly as the reference implementation does
+-- (offsets contiguous from 0, no holes, no overlaps, the data area covered exactly) so that
+-- a plan made from a header describes a file that a loader will accept.  Sharded checkpoints
+-- come with a model.safetensors.index.json whose weight_map must agree with the shards.
+
+local json = require "moonshard.json"
+local module = require "moonshard.module"
+
+local M = {}
+
+local format = string.format
+
+--- Headers longer than this (100 MiB) are refused: real ones are far smaller, and a corrupt
+-- length must not make moonshard read a whole checkpoint as JSON.
+M.MAX_HEADER = 100 * 1024 * 1024
+
+--- safetensors dtype -> {moonshard dtype, bytes per element}; the dtypes moonshard reads.
+M.dtypes = {
+  F64 = { "f64", 8 }, F32 = { "f32", 4 }, F16 = { "f16", 2 }, BF16 = { "bf16", 2 },
+  F8_E4M3 = { "f8e4m3", 1 }, F8_E5M2 = { "f8e5m2", 1 },
+  I64 = { "i64", 8 }, I32 = { "i32", 4 }, I8 = { "i8", 1 }, U8 = { "u8", 1 }, BOOL = { "bool", 1 },
+}
+
+local supported = {}
+for name in pairs(M.dtypes) do supported[#supported + 1] = name end
+table.sort(supported)
+supported = table.concat(supported, " ")
+
+local function fail(path, fmt, ...)
+  error("moonshard: safetensors: " .. path .. ": " .. format(fmt, ...), 0)
+end
+
+local function is_object(v)
+  return type(v) == "table" and v ~= json.null and getmetatable(v) ~= json.array_mt
+end
+
+local function is_array(v) return getmetatable(v) == json.array_mt end
+
+local function is_count(v) return type(v) == "number" and v >= 0 and v == math.floor(v) end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys)
+  return keys
+end
+
+local function show_list(a)
+  local parts = {}
+  for i, v in ipairs(a) do parts[i] = json.encode(v) end
+  return "[" .. table.concat(parts, ", ") .. "]"
+end
+
+-- Reads the 8-byte little-endian length and the JSON header of an open file.
+local function read_json_header(f, path)
+  local size = f:seek("end")
+  f:seek("set", 0)
+  local head = f:read(8)
+  if not head or #head < 8 then
+    fail(path, "file is %d bytes, too short for the 8-byte header length", size)
+  end
+  -- Summed as a float: a corrupt length can exceed 2^63, where 5.4 integers would wrap.
+  local n = 0.0
+  for i = 8, 1, -1 do n = n * 256 + head:byte(i) end
+  if n > M.MAX_HEADER then
+    fail(path, "header length %.0f exceeds the %d-byte limit (not a safetensors file?)", n, M.MAX_HEADER)
+  end
+  n = math.floor(n)
+  if 8 + n > size then
+    fail(path, "header length %d goes beyond the end of the file (%d bytes)", n, size)
+  end
+  local text = n > 0 and f:read(n) or ""
+  if text:sub(1, 1) ~= "{" then
+    fail(path, "the header does not start with '{' (not a safetensors file?)")
+  end
+  return json.decode(text, path .. " header"), size - 8 - n
+end
+
+local function check_metadata(path, meta)
+  if not is_object(meta) then fail(path, "__metadata__ is not an object of strings") end
+  for k, v in pairs(meta) do
+    if type(v) ~= "string" then
+      fail(path, "__metadata__[%q] is %s; metadata values are strings", k, json.encode(v))
+    end
+  end
+  return meta
+end
+
+-- Validates one header entry; returns {name, dtype, shape, data_offsets, file}.
+local function check_entry(path, name, e, data_size)
+  local function bad(fmt, ...) fail(path, "tensor '%s': " .. fmt, name, ...) end
+  if not is_object(e) then bad("entry is not an object {dtype, shape, data_offsets}") end
+  for k in pairs(e) do
+    if k ~= "dtype" and k ~= "shape" and k ~= "data_offsets" then
+      bad("unexpected key '%s' (expected dtype, shape and data_offsets)", k)
+    end
+  end
+  if type(e.dtype) ~= "string" then bad("dtype is missing or not a string") end
+  local dt = M.dtypes[e.dtype]
+  if not dt then bad("dtype '%s' is not supported (supported: %s)", e.dtype, supported) end
+  if not is_array(e.shape) then bad("shape is missing or not an array") end
+  local numel = 1
+  for i, s in ipairs(e.shape) do
+    if not is_count(s) then bad("shape[%d] is %s; sizes are integers >= 0", i - 1, json.encode(s)) end
+    numel = numel * s
+  end
+  local off = e.data_offsets
+  if not is_array(off) or #off ~= 2 or not is_count(off[1]) or not is_count(off[2]) or off[1] > off[2] then
+    bad("data_offsets must be [begin, end] with 0 <= begin <= end, got %s",
+      off == nil and "nothing" or json.encode(off))
+  end
+  if off[2] - off[1] ~= numel * dt[2] then
+    bad("data_offsets %s hold %d bytes but shape %s of %s needs %d", show_list(off), off[2] - off[1],
+      show_list(e.shape), e.dtype, numel * dt[2])
+  end
+  if off[2] > data_size then
+    bad("data_offsets %s go beyond the data area (%d bytes)", show_list(off), data_size)
+  end
+  return { name = name, dtype = dt[1], shape = e.shape, data_offsets = off, file = path }
+end
+
+local function by_offset(a, b)
+  local x, y = a.data_offsets, b.data_offsets
+  if x[1] ~= y[1] then return x[1] < y[1] end
+  if x[2] ~= y[2] then return x[2] < y[2] end
+  return a.name < b.name
+end
+
+-- The tensors, sorted by offset, must tile the data area: each starts where the previous
+-- ended, the first at 0, the last at the end.
+local function check_tiling(path, tensors, data_size)
+  local cursor, prev = 0, nil
+  for _, t in ipairs(tensors) do
+    local b = t.data_offsets[1]
+    if b < cursor then
+      fail(path, "tensors '%s' %s and '%s' %s overlap", prev.name, show_list(prev.data_offsets),
+        t.name, show_list(t.data_offsets))
+    elseif b > cursor then
+      fail(path, "bytes [%d, %d) of the data area belong to no tensor (a hole before '%s')",
+        cursor, b, t.name)
+    end
+    cursor, prev = t.data_offsets[2], t
+  end
+  if cursor ~= data_size then
+    fail(path, "bytes [%d, %d) of the data area belong to no tensor (after the last one)",
+      cursor, data_size)
+  end
+end
+
+--- read_header(path) -> tensors, metadata.  tensors: a list of {name, dtype (moonshard's
+-- name), shape, data_offsets, file} sorted by data offset; metadata: the __metadata__ map
+-- (empty when absent).  No tensor data is read.
+function M.read_header(path)
+  local f, err = io.open(path, "rb")
+  if not f then fail(path, "cannot open: %s", err) end
+  local ok, header, data_size = pcall(read_json_header, f, path)
+  f:close()
+  if not ok then error(header, 0) end
+  local tensors, metadata = {}, {}
+  for _, name in ipairs(sorted_keys(header)) do
+    if name == "__metadata__" then
+      metadata = check_metadata(path, header[name])
+    else
+      tensors[#tensors + 1] = check_entry(path, name, header[name], data_size)
+    end
+  end
+  table.sort(tensors, by_offset)
+  check_tiling(path, tensors, data_size)
+  return tensors, metadata
+end
+
+local function read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then fail(path, "cannot open: %s", err) end
+  local text = f:read("a")
+  f:close()
+  return text
+end
+
+--- read_index(path) -> tensors, metadata for a model.safetensors.index.json: the headers of
+-- every shard its weight_map names (paths relative to the index), merged shard by shard (in
+-- file name order) and each in data-offset order; metadata is the index's "metadata" object.
+-- weight_map and the shards must agree exactly.
+function M.read_index(path)
+  local index = json.decode(read_file(path), path)
+  if not is_object(index) or not is_object(index.weight_map) then
+    fail(path, "not a safetensors index: expected an object with a \"weight_map\" object")
+  end
+  local weight_map = index.weight_map
+  local dir = path:match("^(.*)/[^/]*$") or "."
+  local names, first_name, files = sorted_keys(weight_map), {}, {}
+  for _, name in ipairs(names) do
+    local file = weight_map[name]
+    if type(file) ~= "string" or file == "" then
+      fail(path, "weight_map[%q] is %s, not a shard file name", name, json.encode(file))
+    end
+    if not first_name[file] then first_name[file], files[#files + 1] = name, file end
+  end
+  table.sort(files)
+  local all, held = {}, {}
+  for _, file in ipairs(files) do
+    local shard = dir .. "/" .. file
+    local f, err = io.open(shard, "rb")
+    if not f then
+      fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", first_name[file], file, err)
+    end
+    f:close()
+    for _, t in ipairs((M.read_header(shard))) do
+      local listed = weight_map[t.name]
+      if listed == nil then
+        fail(path, "shard '%s' holds tensor '%s', which weight_map does not list", file, t.name)
+      elseif listed ~= file then
+        fail(path, "weight_map puts tensor '%s' in '%s', but shard '%s' holds it", t.name, listed, file)
+      end
+      held[t.name] = true
+      all[#all + 1] = t
+    end
+  end
+  for _, name in ipairs(names) do
+    if not held[name] then
+      fail(path, "weight_map puts tensor '%s' in shard '%s', which has no such tensor", name, weight_map[name])
+    end
+  end
+  local metadata = index.metadata
+  if metadata ~= nil and not is_object(metadata) then fail(path, "\"metadata\" is not an object") end
+  return all, metadata or {}
+end
+
+local function is_index(name) return tostring(name):match("%.json$") ~= nil end
+
+--- tree(tensors, source?) -> a module tree with one parameter per tensor, modules following
+-- the dotted names.  Children come in the order the tensors first name them, except that
+-- a module whose children are all integers is a "ModuleList" with them in numeric order
+-- (data-offset order is name order, which puts "10" before "2").  Other modules: "Module".
+function M.tree(tensors, source)
+  local root = module.new("Module", { source = source })
+  for _, t in ipairs(tensors) do
+    local parts = {}
+    for part in (t.name .. "."):gmatch("([^.]*)%.") do parts[#parts + 1] = part end
+    local m = root
+    for i, part in ipairs(parts) do
+      if part == "" then
+        fail(source or "tensors", "tensor name '%s' has an empty segment", t.name)
+      end
+      local clash = i < #parts and m.params[part] or (i == #parts and m.children[part])
+      if clash then
+        fail(source or "tensors", "'%s' is both a parameter and a module (tensor '%s')",
+          table.concat(parts, ".", 1, i), t.name)
+      end
+      if i == #parts then
+        m:param(part, t.shape, t.dtype)
+      else
+        m = m.children[part] or m:add(part, module.new("Module"))
+      end
+    end
+  end
+  for _, nm in ipairs(root:named_modules()) do
+    local m = nm[2]
+    local all_ints = #m.child_order > 0
+    for _, c in ipairs(m.child_order) do all_ints = all_ints and c:match("^%d+$") ~= nil end
+    if all_ints then
+      m.type = "ModuleList"
+      table.sort(m.child_order, function(a, b) return tonumber(a) < tonumber(b) end)
+    end
+  end
+  return root
+end
+
+--- tree_from_safetensors(path) -> the module tree of a .safetensors file, or of a sharded
+-- checkpoint when path is its .index.json; dtypes and shapes exactly as on disk.
+function M.tree_from_safetensors(path)
+  local tensors, metadata
+  if is_index(path) then tensors, metadata = M.read_index(path)
+  else tensors, metadata = M.read_header(path) end
+  local root = M.tree(tensors, path)
+  root.attrs.metadata = metadata
+  return root
+end
+
+return M

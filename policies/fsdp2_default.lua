@@ -1,0 +1,79 @@
+-- fsdp2_default.lua: Automodel's default parallelizer (SEMANTICS.md §6).
+--
+-- Dense models: every decoder layer becomes a unit, then the root.  MoE models (when the
+-- mesh has ep > 1): per decoder layer, the experts (on the expert mesh, when ep_shard > 1)
+-- and then the layer sharded by dtype, ignoring the expert parameters; then embed_tokens
+-- (when untied), embed_norm (when the model has one), lm_head (with the FP32 policy when
+-- the head is stored in FP32), and the root.  reshard_after_forward is the override below
+-- when set, else false under pipeline parallelism, else true for every layer but the last;
+-- the root never reshards after forward.
+
+local by_dtype = require "by_dtype"
+
+local M = {}
+
+M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }
+M.fp32 = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
+M.reshard_after_forward = nil -- true, false or an integer to override the rule above
+M.activation_checkpointing = false
+M.prefetch = { forward = 1, backward = 2 }
+
+local function experts_of(layer)
+  for _, nm in ipairs(layer:named_modules()) do
+    if nm[2].type == "GroupedExperts" then return nm[2] end
+  end
+end
+
+function M.parallelize(ctx)
+  local mesh = ctx.mesh
+  local layers = ctx:module("model.layers")
+  local moe = mesh:size("ep") > 1
+  local ignored = {}
+  if moe then
+    for _, i in ipairs(layers.child_order) do
+      local experts = experts_of(layers.children[i])
+      if experts then
+        for _, p in ipairs(ctx:expert_parallel(experts)) do ignored[#ignored + 1] = p end
+      end
+    end
+  end
+  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
+
+  local n = #layers.child_order
+  for k, i in ipairs(layers.child_order) do
+    local layer = layers.children[i]
+    if layer.type ~= "ModuleList" and layer.type ~= "ModuleDict" then
+      local raf = M.reshard_after_forward
+      if raf == nil then
+        if mesh:size("pp") > 1 then raf = false else raf = k < n end
+      end
+      if moe then
+        local experts = experts_of(layer)
+        if experts and mesh:size("ep_shard") > 1 then
+          ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
+            shard_placement_fn = function() return 1 end })
+        end
+        by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
+          ignored_params = ignored })
+      else
+        ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf })
+      end
+    end
+  end
+
+  if moe then
+    local embed, head = ctx.model:get("model.embed_tokens"), ctx.model:get("lm_head")
+    if embed and not (head and head.params.weight == embed.params.weight) then
+      ctx:fully_shard(embed, { mp_policy = M.precision })
+    end
+    local embed_norm = ctx.model:get("model.embed_norm")
+    if embed_norm then ctx:fully_shard(embed_norm, { mp_policy = M.precision }) end
+    if head and not (embed and head.params.weight == embed.params.weight) then
+      local fp32_head = head.params.weight and head.params.weight.dtype == "f32"
+      ctx:fully_shard(head, { mp_policy = fp32_head and M.fp32 or M.precision })
+    end
+  end
+  ctx:fully_shard(ctx.model, { mp_policy = M.precision, ignored_params = ignored })
+end
+
+return M

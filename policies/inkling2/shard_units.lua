@@ -1,0 +1,167 @@
+-- shard_units.lua: how Inkling2 becomes FSDP shard units (the seed's Inkling2Parallelizer,
+-- SEMANTICS.md §5).
+--
+-- FP32 modules ("islands") become their own units with the FP32 policy, then the module
+-- around them is sharded with the compute policy; parameters owned by expert parallelism
+-- are passed on as ignored and keep their placements.  Units are made in the order
+-- PyTorch's fully_shard would be called: per decoder layer its islands, then the layer
+-- (experts first on the expert mesh when ep_shard > 1); then embed_tokens, lm_head, the
+-- islands of the root (output_query) and the root.
+
+local FP32_MODULES = require "fp32_modules"
+local precision = require "precision"
+
+local M = {}
+
+-- Whole decoder layers are activation-checkpointed (the residual histories are explicit
+-- immutable inputs of each layer), which renames their modules with
+-- "_checkpoint_wrapped_module": is_fp32_module_name looks through that.
+M.activation_checkpointing = true
+
+-- Prefetch depth in forward and backward (Automodel's defaults).
+M.prefetch = { forward = 1, backward = 2 }
+
+local CHECKPOINT = "_checkpoint_wrapped_module"
+
+local function strip_checkpoint(name)
+  local parts = {}
+  for part in name:gmatch("[^.]+") do
+    if part ~= CHECKPOINT then parts[#parts + 1] = part end
+  end
+  return table.concat(parts, ".")
+end
+
+--- true when `name` names an FP32 module: equal to an entry of fp32_modules.lua or ending
+-- with "." .. entry, after removing activation-checkpoint segments.
+function M.is_fp32_module_name(name)
+  local n = strip_checkpoint(name)
+  for _, entry in ipairs(FP32_MODULES) do
+    if n == entry or n:sub(-(#entry + 1)) == "." .. entry then return true end
+  end
+  return false
+end
+
+-- Already sharded parameters count as owned too: an island sharded with its layer is not
+-- an island of the root again.
+local function has_unowned(ctx, module, owned)
+  for _, np in ipairs(ctx:params_of(module)) do
+    if not owned[np[2]] and not ctx:is_owned(np[2]) then return true end
+  end
+  return false
+end
+
+--- The FP32 modules strictly below `module` that still hold parameters not in `owned`,
+-- in module order; a module inside an island already yielded is not yielded again.
+function M.iter_fp32_islands(ctx, module, owned)
+  local islands, inside = {}, nil
+  for _, nm in ipairs(module:named_modules(ctx:name_of(module))) do
+    local name, m = nm[1], nm[2]
+    local below_island = inside and name:sub(1, #inside + 1) == inside .. "."
+    if m ~= module and not below_island and M.is_fp32_module_name(name) and has_unowned(ctx, m, owned) then
+      islands[#islands + 1] = m
+      inside = name
+    end
+  end
+  return islands
+end
+
+--- Makes `module` one unit of its remaining parameters; the owned parameters inside it are
+-- passed on as ignored.
+function M.shard(ctx, module, mesh, mp_policy, reshard_after_forward, owned, kind)
+  local ignored = {}
+  for _, np in ipairs(ctx:params_of(module)) do
+    if owned[np[2]] then ignored[#ignored + 1] = np[2] end
+  end
+  return ctx:fully_shard(module, { mesh = mesh, mp_policy = mp_policy, kind = kind,
+    reshard_after_forward = reshard_after_forward, ignored_params = ignored })
+end
+
+--- Shards every FP32 island below `module` as its own unit with the FP32 policy, adding its
+-- parameters to the owned set, then shards `module` with `mp_policy`.
+function M.fully_shard_module(ctx, module, mesh, mp_policy, reshard_after_forward, ignored_params)
+  local owned = {}
+  for _, p in ipairs(ignored_params or {}) do owned[p] = true end
+  for _, island in ipairs(M.iter_fp32_islands(ctx, module, owned)) do
+    M.shard(ctx, island, mesh, precision.fp32, reshard_after_forward, owned, "fp32_island")
+    for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
+  end
+  return M.shard(ctx, module, mesh, mp_policy, reshard_after_forward, owned)
+end
+
+--- Checks the text topology before anything is sharded: decoder layers whose MoE blocks
+-- use shared grouped experts ([experts, input, output] tensors) and an untied LM head.
+function M.prepare_model(ctx)
+  local model = ctx.model
+  local function reject(what) error("inkling2 policy: " .. what, 0) end
+  local layers = model:get("model.layers")
+  if not layers then reject("the model has no model.layers: only text decoder models are supported") end
+  local embed, head = model:get("model.embed_tokens"), model:get("lm_head")
+  if not embed or not head then reject("the model needs model.embed_tokens and lm_head") end
+  if head.params.weight == embed.params.weight then
+    reject("lm_head.weight is tied to model.embed_tokens.weight; Inkling2 requires an untied LM head " ..
+      "(set tie_word_embeddings to false)")
+  end
+  local moe_layers = 0
+  for _, i in ipairs(layers.child_order) do
+    local layer = layers.children[i]
+    local experts = layer:get("mlp.experts")
+    if experts then
+      moe_layers = moe_layers + 1
+      if experts.type ~= "GroupedExperts" then
+        reject(string.format("model.layers.%s.mlp.experts is %s; shared grouped experts are required", i, experts.type))
+      end
+      for _, pname in ipairs(experts.param_order) do
+        local p = experts.params[pname]
+        if #p.shape ~= 3 then
+          reject(string.format("model.layers.%s.mlp.experts.%s has shape [%s]; grouped expert tensors are " ..
+            "[experts, input, output]", i, pname, table.concat(p.shape, ", ")))
+        end
+      end
+    end
+  end
+  if moe_layers == 0 then reject("no decoder layer has an MoE block with grouped experts (mlp.experts)") end
+end
+
+--- Automodel's MoE parallelizer with the Inkling2 islands.
+function M.parallelize(ctx)
+  M.prepare_model(ctx)
+  local mesh = ctx.mesh
+  local fsdp_mesh = mesh.fsdp_axes
+  local use_ep = mesh:size("ep") > 1
+  local layers = ctx:module("model.layers")
+
+  -- Expert parallelism first: its parameters are ignored by every unit around them.
+  local ignored = {}
+  if use_ep then
+    for _, i in ipairs(layers.child_order) do
+      local experts = layers.children[i]:get("mlp.experts")
+      if experts then
+        for _, p in ipairs(ctx:expert_parallel(experts)) do ignored[#ignored + 1] = p end
+      end
+    end
+  end
+
+  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
+
+  local n = #layers.child_order
+  for k, i in ipairs(layers.child_order) do
+    local layer = layers.children[i]
+    -- Every layer but the last reshards after forward; the last one's backward comes first.
+    local reshard = k < n
+    local experts = layer:get(CHECKPOINT .. ".mlp.experts") or layer:get("mlp.experts")
+    if use_ep and experts and mesh:size("ep_shard") > 1 then
+      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = precision.compute,
+        reshard_after_forward = reshard, shard_placement_fn = function() return 1 end })
+    end
+    M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, reshard, ignored)
+  end
+
+  ctx:fully_shard("model.embed_tokens", { mesh = fsdp_mesh, mp_policy = precision.compute })
+  local head_fp32 = M.is_fp32_module_name("lm_head")
+  ctx:fully_shard("lm_head", { mesh = fsdp_mesh, mp_policy = head_fp32 and precision.fp32 or precision.compute,
+    kind = head_fp32 and "fp32_island" or nil })
+  -- The root never reshards after forward (its reshard_after_forward default).
+  M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, nil, ignored)
+end
+
+return M

@@ -1,0 +1,220 @@
+-- plan_spec.lua: the planner's rules (SEMANTICS.md §1, §3, §4) on small trees, with the
+-- expected layouts, bytes and errors worked out by hand in the comments.
+local module = require "moonshard.module"
+local mesh_context = require "moonshard.mesh_context"
+local planner = require "moonshard.plan"
+
+local function policy(fn) return { parallelize = fn } end
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+
+-- root { a { w [10,4] }, b { w [6] }, p [3] }, all f32
+local function small_tree(dtype)
+  local root = module.new("Toy")
+  root:add("a", module.new("Linear")):param("w", { 10, 4 }, dtype or "f32")
+  root:add("b", module.new("Norm")):param("w", { 6 }, dtype or "f32")
+  root:param("p", { 3 }, dtype or "f32")
+  return root
+end
+
+describe("MeshContext", function()
+  it("chooses the FSDP mesh like Automodel", function()
+    assert.same({ "dp_shard" }, mesh_context.new("dp_shard=8").fsdp_axes)
+    local hsdp = mesh_context.new("dp_replicate=2,dp_shard=4")
+    assert.same({ "dp_replicate", "dp_shard" }, hsdp.fsdp_axes)
+    assert.equal(8, hsdp.world)
+    assert.equal(8, hsdp:size("dp"))
+    local cp = mesh_context.new("dp_shard=2,cp=2")
+    assert.same({ "dp_shard_cp" }, cp.fsdp_axes)
+    assert.equal(4, cp:size("dp_shard_cp"))
+    assert.same({ "dp_replicate", "dp_shard_cp" }, mesh_context.new("dp_replicate=2,dp_shard=2,cp=2").fsdp_axes)
+    assert.equal(8, mesh_context.new("dp_replicate=2,dp_shard=2,cp=2"):size("dp_cp"))
+  end)
+
+  it("splits the MoE mesh into (ep_shard, ep)", function()
+    local m = mesh_context.new("dp_shard=8,ep=4")
+    assert.equal(2, m:size("ep_shard"))
+    assert.equal(1, mesh_context.new("dp_shard=8,ep=8"):size("ep_shard"))
+    -- ep over dp_replicate x dp_shard x cp: 2*2*2 = 8 = ep
+    assert.equal(1, mesh_context.new("dp_replicate=2,dp_shard=2,cp=2,ep=8"):size("ep_shard"))
+  end)
+
+  it("rejects what Automodel rejects", function()
+    assert.matches("dp_replicate = 2 needs dp_shard > 1", errmsg(mesh_context.new, "dp_replicate=2"))
+    assert.matches("ep = 3 does not divide dp_replicate%*dp_shard%*cp%*tp = 8", errmsg(mesh_context.new, "dp_shard=8,ep=3"))
+    assert.matches("ep = 16 is larger than", errmsg(mesh_context.new, "dp_shard=8,ep=16"))
+    assert.matches("n_routed_experts = 6 is not divisible by ep = 4",
+      errmsg(mesh_context.new, { dp_shard = 8, ep = 4, n_routed_experts = 6 }))
+    assert.matches("unknown axis 'dpx'", errmsg(mesh_context.parse, "dpx=2"))
+    assert.matches("'dp_shard' is not name=size", errmsg(mesh_context.parse, "dp_shard"))
+    assert.matches("dp_shard = 0; sizes are integers >= 1", errmsg(mesh_context.new, "dp_shard=0"))
+  end)
+end)
+
+describe("shard units", function()
+  it("nest: a child sharded first is excluded from its parent", function()
+    local tree = small_tree()
+    local plan = planner.plan(tree, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard(ctx.model)
+    end), { optimizer = "adamw" })
+    assert.equal(2, #plan.units)
+    local a, root = plan.units[1], plan.units[2]
+    assert.equal("a", a.name)
+    assert.equal("module", a.kind)
+    assert.equal("root", root.kind)
+    -- a.w [10,4] over 4: ceil(10/4) = 3 rows padded; chunks 3,3,3,1
+    assert.same({ 3, 4 }, a.entries[1].padded)
+    assert.equal("a.w", a.entries[1].fqn)
+    -- root owns b.w [6] -> padded [2]; p [3] -> padded [1]; own parameters first
+    assert.equal("p", root.entries[1].fqn)
+    assert.equal("b.w", root.entries[2].fqn)
+    assert.same({ 1 }, root.entries[1].padded)
+    assert.same({ 2 }, root.entries[2].padded)
+    -- non-root reshards after forward, the root does not
+    assert.is_true(a.reshard)
+    assert.is_false(root.reshard)
+    -- a: S = 4 ranks x 12 elements x 4 B = 192; forward + backward all-gather 144 each;
+    -- reduce-scatter 144.  root: S = 4 x 3 x 4 = 48: one all-gather of 36, reduce-scatter 36.
+    assert.equal(288, a.all_gather_bytes)
+    assert.equal(144, a.reduce_scatter_bytes)
+    assert.equal(36, root.all_gather_bytes)
+    assert.same({ count = 3, bytes = 324 }, plan.comm.all_gather)
+    assert.same({ count = 2, bytes = 180 }, plan.comm.reduce_scatter)
+    assert.same({ count = 0, bytes = 0 }, plan.comm.all_reduce)
+    -- memory: 15 padded elements: params 60 B, grads 60 B, AdamW moments 8 B/element = 120 B;
+    -- peak: backward of a holds its gradient (192) + a (192) + the root around it (48) = 432
+    assert.same({ params = 60, grads = 60, optimizer = 120, peak_unsharded = 432, total = 672 }, plan.memory)
+  end)
+
+  it("writes every coordinate's local shape (torch.chunk) into the JSON", function()
+    local report = require "moonshard.plan_report"
+    assert.equal("[[3,4],[3,4],[3,4],[1,4]]", report.local_shapes_json({ 10, 4 }, 0, 4))
+    assert.equal("[[2],[2],[1],[0]]", report.local_shapes_json({ 5 }, 0, 4))
+    assert.equal("[[1,3],[1,3],[0,3],[0,3]]", report.local_shapes_json({ 2, 3 }, 0, 4))
+    assert.equal("[[4,2],[4,2]]", report.local_shapes_json({ 4, 4 }, 1, 2))
+  end)
+
+  it("refuse to claim a parameter twice or to shard a parent first", function()
+    local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+      ctx:fully_shard("a")
+    end))
+    assert.matches("parameter a.w is already owned by unit <root>, which is not nested in a", msg)
+  end)
+
+  it("find every trainable parameter left unowned", function()
+    local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a")
+    end))
+    assert.matches("2 trainable parameters are left unowned: p, b.w", msg)
+  end)
+
+  it("demand one stored dtype per unit and name the parameters", function()
+    local tree = small_tree()
+    tree.children.b.params.w.dtype = "bf16"
+    local msg = errmsg(planner.plan, tree, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.matches("unit <root> mixes stored dtypes %(bf16: b.w; f32: p, a.w%)", msg)
+  end)
+
+  it("check integer reshard_after_forward and run the backward gather over k ranks", function()
+    local function with(k)
+      return planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+        ctx:fully_shard("a", { reshard_after_forward = k })
+        ctx:fully_shard(ctx.model)
+      end))
+    end
+    -- k = 2: backward all-gather of S = 192 over 2 ranks moves 96
+    local a = with(2).units[1]
+    assert.equal(144 + 96, a.all_gather_bytes)
+    assert.equal(2, a.reshard)
+    assert.is_false(with(1).units[1].reshard) -- 1 means false
+    assert.is_true(with(4).units[1].reshard)  -- W means true
+    assert.matches("reshard_after_forward = 3 must divide the shard size 4", errmsg(with, 3))
+    assert.matches("reshard_after_forward = 8 must divide", errmsg(with, 8))
+  end)
+
+  it("reduce over the replicate axis on a 2-D mesh (HSDP)", function()
+    local plan = planner.plan(small_tree(), mesh_context.new("dp_replicate=2,dp_shard=2"), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard(ctx.model)
+    end))
+    local a = plan.units[1]
+    assert.same({ "dp_replicate", "dp_shard" }, a.mesh_axes)
+    -- a.w over 2: padded [5,4] = 20 elements; S = 2 x 20 x 4 = 160; all-gather 80 twice;
+    -- reduce-scatter 80; all-reduce of the 80 B shard over 2 replicas: 2 x 80 x 1/2 = 80
+    assert.same({ 5, 4 }, a.entries[1].padded)
+    assert.equal(160, a.all_gather_bytes)
+    assert.equal(80, a.reduce_scatter_bytes)
+    assert.equal(80, a.all_reduce_bytes)
+    assert.equal(2, plan.comm.all_reduce.count)
+  end)
+
+  it("match the FSDP formula (2 b_param + b_grad) P (n-1)/n when nothing is padded", function()
+    local root = module.new("Toy")
+    for i = 1, 3 do root:add("l" .. i, module.new("Linear")):param("w", { 64, 32 }, "f32") end
+    root:param("b", { 64 }, "f32")
+    local mp = { param_dtype = "bf16", reduce_dtype = "f32" }
+    local plan = planner.plan(root, mesh_context.new("dp_shard=8"), policy(function(ctx)
+      for i = 1, 3 do ctx:fully_shard("l" .. i, { mp_policy = mp }) end
+      ctx:fully_shard(ctx.model, { mp_policy = mp, reshard_after_forward = true })
+    end))
+    local P = 3 * 64 * 32 + 64
+    local total = plan.comm.all_gather.bytes + plan.comm.reduce_scatter.bytes
+    assert.equal((2 * 2 + 4) * P * 7 / 8, total)
+  end)
+
+  it("leave expert parameters to expert parallelism and refuse to shard them again", function()
+    local root = module.new("Toy")
+    local moe = root:add("moe", module.new("MoE"))
+    moe:add("experts", module.new("GroupedExperts")):param("up", { 8, 16, 32 }, "bf16")
+    moe:add("gate", module.new("Gate")):param("weight", { 8, 16 }, "f32")
+    local mesh = mesh_context.new("dp_shard=4,ep=4")
+    local plan = planner.plan(root, mesh, policy(function(ctx)
+      local ignored = ctx:expert_parallel("moe.experts")
+      ctx:fully_shard("moe.gate")
+      ctx:fully_shard(ctx.model, { ignored_params = ignored })
+    end))
+    assert.equal(1, #plan.owned)
+    assert.same({ 2, 16, 32 }, plan.owned[1].local_shape)
+    assert.same({ "Shard(0)" }, plan.owned[1].placements)
+    -- memory: gate [8,16] f32 padded [2,16] = 32 elements; experts 2x16x32 = 1024 bf16 local
+    assert.equal(32 * 4 + 1024 * 2, plan.memory.params)
+    local msg = errmsg(planner.plan, root, mesh, policy(function(ctx)
+      ctx:expert_parallel("moe.experts")
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.matches("parameter moe.experts.up is placed by expert parallelism but unit <root> would shard it too", msg)
+  end)
+end)
+
+describe("mixed precision", function()
+  it("clamps param_dtype and reduce_dtype like FSDP2", function()
+    local e = planner.effective_dtypes
+    local mp = { param_dtype = "bf16", reduce_dtype = "f32" }
+    assert.same({ "bf16", "f32" }, { e("bf16", mp) })
+    assert.same({ "bf16", "f32" }, { e("f32", mp) })
+    assert.same({ "f32", "f32" }, { e("f32", { param_dtype = "f32", reduce_dtype = "f32" }) })
+    assert.same({ "bf16", "bf16" }, { e("f32", { param_dtype = "bf16", reduce_dtype = "bf16" }) })
+    assert.same({ "i64" }, { e("i64", mp) })
+    assert.same({ "f32", "f32" }, { e("f32", {}) })
+  end)
+
+  it("audits every parameter's stored, gathered and reduced dtype", function()
+    local tree = small_tree()
+    local plan = planner.plan(tree, mesh_context.new("dp_shard=2"), policy(function(ctx)
+      ctx:fully_shard("a", { mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" } })
+      ctx:fully_shard(ctx.model, { mp_policy = { param_dtype = "f32", reduce_dtype = "f32" } })
+    end))
+    local rows = {}
+    for _, r in ipairs(planner.audit(plan)) do rows[r.fqn] = r end
+    assert.same({ "f32", "bf16", "f32" }, { rows["a.w"].stored, rows["a.w"].gathered, rows["a.w"].reduced })
+    assert.same({ "f32", "f32", "f32" }, { rows["p"].stored, rows["p"].gathered, rows["p"].reduced })
+  end)
+end)
