@@ -1,0 +1,427 @@
+-- moonshard.policy: loads user policies (plain Lua that returns data and functions) in a
+-- sandbox with a budget, the way Redis runs scripts.
+--
+-- A policy is a directory of .lua files or a single .lua file.  Every file runs in an
+-- environment holding only safe globals (no io, os, package, debug, load, collectgarbage);
+-- reading or writing any other global is an error naming the file and line.  Files reach
+-- each other through a `require` limited to the files of the same policy and to the host
+-- modules the caller lists in opts.modules.  Loading a file, and every later call of a
+-- function a policy returned, runs under a fresh budget: a count hook limits the
+-- instructions and checks the memory in use, so a runaway policy ends with an error that
+-- names its file instead of hanging or exhausting the host.
+--
+-- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
+
+local M = {}
+
+local DEFAULT_INSTRUCTIONS = 200000000
+local DEFAULT_MEMORY_MB = 256
+-- The hook runs every STEP instructions: rarely enough to cost little, often enough that a
+-- loop cannot allocate much between two memory checks.
+local STEP = 1000
+local SANDBOX = "policies run in a sandbox without io, os, package, debug, load"
+
+-- Captured now: the sandbox swaps the string metatable's __index during policy calls.
+local byte, format, sub = string.byte, string.format, string.sub
+local unpack = table.unpack or unpack
+-- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
+local rawlen = rawlen or function(v) return #v end
+local jit = rawget(_G, "jit")
+
+local function pack(...) return { n = select("#", ...), ... } end
+
+local function copy(t)
+  local c = {}
+  for k, v in pairs(t) do c[k] = v end
+  return c
+end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys)
+  return keys
+end
+
+-- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
+-- policy line to blame, and how results tell policy functions (wrapped) from host ones.
+local policy_sources = {}
+
+-- ---------------------------------------------------------------- the budget
+
+-- The budget of the outermost policy call in progress, nil when none.  A policy function
+-- called while one is in progress (a sibling, a callback) runs under the caller's budget.
+-- Once tripped it stays tripped until that outermost call returns: the sandbox's pcall and
+-- xpcall rethrow it and the hook raises it again, so a policy cannot catch its own end.
+local budget = nil
+
+local run, finish -- the hook leaves their frames alone (see hook)
+
+-- The innermost policy frame at stack `level` or above: file, line.  A tail call leaves no
+-- frame of its caller; then the file of the function the budget was entered for, no line.
+local function policy_position(level)
+  local info = debug.getinfo(level + 1, "Sl")
+  while info do
+    if policy_sources[info.source] then return sub(info.source, 2), info.currentline end
+    level = level + 1
+    info = debug.getinfo(level + 1, "Sl")
+  end
+  return budget and budget.file or "?"
+end
+
+-- Trips the budget; returns the message.
+local function trip(what)
+  local file, line = policy_position(2)
+  budget.tripped = format("moonshard: policy %s: %s", file, what) .. (line and " at line " .. line or "")
+  return budget.tripped
+end
+
+local function hook()
+  local b = budget
+  -- No budget: a Lua 5.4 coroutine created during a call inherited the hook and runs now.
+  if not b then return end
+  if not b.tripped then
+    b.used = b.used + b.cfg.step
+    if b.used >= b.cfg.instructions then
+      trip(format("instruction budget of %d exceeded (an infinite loop?)", b.cfg.instructions))
+    elseif collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+      -- the count includes garbage not yet swept: only what is still live counts
+      collectgarbage("collect")
+      if collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+        trip(format("memory cap of %g MiB exceeded", b.cfg.memory_mb))
+      end
+    end
+  end
+  -- Never from run's or finish's own frame: an error between the policy's return and the
+  -- restore of the previous hook would leave this hook installed.
+  if b.tripped then
+    local running = debug.getinfo(2, "f").func
+    if running ~= run and running ~= finish then error(b.tripped, 0) end
+  end
+end
+
+-- Wraps every policy function reachable from value (tables, their metatables, nested
+-- tables) so that the host's later calls run under a budget.  Tables are changed in place;
+-- host functions are left as they are.
+local function wrap_all(cfg, value, seen)
+  local t = type(value)
+  if t == "function" then
+    if not policy_sources[debug.getinfo(value, "S").source] then return value end
+    local w = cfg.wrappers[value]
+    if not w then
+      w = function(...) return run(cfg, value, ...) end
+      cfg.wrappers[value] = w
+    end
+    return w
+  end
+  if t == "table" and not seen[value] then
+    seen[value] = true
+    for k, v in next, value do
+      local w = wrap_all(cfg, v, seen)
+      if w ~= v then rawset(value, k, w) end
+    end
+    local mt = debug.getmetatable(value)
+    if mt then wrap_all(cfg, mt, seen) end
+  end
+  return value
+end
+
+function finish(b, saved, ok, ...)
+  if type(saved.hook) == "function" then
+    debug.sethook(saved.hook, saved.mask, saved.count)
+  else
+    debug.sethook()
+  end
+  saved.string_mt.__index = saved.string_index
+  budget = nil
+  if b.tripped then error(b.tripped, 0) end
+  local seen = {}
+  -- an error value with a __tostring the host calls later is policy code too
+  if not ok then error(wrap_all(b.cfg, (...), seen), 0) end
+  local results = pack(...)
+  for i = 1, results.n do results[i] = wrap_all(b.cfg, results[i], seen) end
+  return unpack(results, 1, results.n)
+end
+
+-- Calls fn(...) under a fresh budget unless one is in progress.  Errors keep their message
+-- (policy errors carry "file:line:", host errors their own); budget errors replace them.
+function run(cfg, fn, ...)
+  if budget then return fn(...) end
+  local old_hook, old_mask, old_count = debug.gethook()
+  local string_mt = debug.getmetatable("")
+  local saved = { hook = old_hook, mask = old_mask, count = old_count,
+                  string_mt = string_mt, string_index = string_mt.__index }
+  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0,
+              base_kb = collectgarbage("count") }
+  budget = b
+  -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
+  string_mt.__index = cfg.string
+  debug.sethook(hook, "", cfg.step)
+  return finish(b, saved, pcall(fn, ...))
+end
+
+-- ---------------------------------------------------------------- the sandbox
+
+-- Raises "moonshard: policy path:line: ..." naming the policy line that called the sandbox
+-- function (or ran into the metamethod) that calls this.
+local function sandbox_error(fmt, ...)
+  local file, line = policy_position(2)
+  error(format("moonshard: policy %s%s: " .. fmt, file, line and ":" .. line or "", ...), 0)
+end
+
+-- Rethrows a tripped budget that a policy's pcall/xpcall caught; otherwise passes results.
+local function rethrow_budget(...)
+  if budget and budget.tripped then error(budget.tripped, 0) end
+  return ...
+end
+
+local function sandbox_string(cfg)
+  local s = copy(string)
+  s.dump = nil
+  local rep = string.rep
+  local function len(v)
+    local t = type(v)
+    return (t == "string" or t == "number") and #tostring(v) or 0
+  end
+  -- one rep can allocate gigabytes in C, where the hook never runs
+  function s.rep(str, n, sep)
+    if type(n) == "number" and n > 0 then
+      local bytes = len(str) * n + len(sep) * (n - 1)
+      if bytes > cfg.memory_kb * 1024 then
+        error(trip(format("memory cap of %g MiB exceeded (string.rep of %.0f bytes)",
+                          cfg.memory_mb, bytes)), 0)
+      end
+    end
+    return rep(str, n, sep)
+  end
+  return setmetatable(s, { __metatable = false, __index = function(_, name)
+    if name == "dump" then sandbox_error("string.dump is not available (%s)", SANDBOX) end
+  end })
+end
+
+-- The globals every file of one load sees.  The libraries are copies, so a policy that
+-- replaces string.format changes only its own view.
+local function sandbox_env(cfg, require)
+  local tbl = copy(table)
+  tbl.unpack = unpack
+  tbl.pack = tbl.pack or pack
+  local env = {
+    assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs,
+    select = select, tonumber = tonumber, tostring = tostring, type = type, unpack = unpack,
+    rawequal = rawequal, rawget = rawget, rawlen = rawlen, rawset = rawset,
+    math = copy(math), string = cfg.string, table = tbl, require = require,
+  }
+  function env.pcall(f, ...) return rethrow_budget(pcall(f, ...)) end
+  function env.xpcall(f, handler, ...)
+    if type(handler) ~= "function" then return xpcall(f, handler, ...) end
+    return rethrow_budget(xpcall(f, function(e)
+      if budget and budget.tripped then return e end
+      return handler(e)
+    end, ...))
+  end
+  -- Only tables show a metatable: the string one would give back the host's string
+  -- library, a userdata one the host's methods.
+  function env.getmetatable(v)
+    if type(v) == "table" then return getmetatable(v) end
+  end
+  function env.setmetatable(t, mt)
+    if type(mt) == "table" and rawget(mt, "__gc") ~= nil then
+      sandbox_error("setmetatable: __gc is not allowed (a finalizer would run outside the policy's budget)")
+    end
+    return setmetatable(t, mt)
+  end
+  return setmetatable(env, {
+    __metatable = false,
+    __index = function(_, name)
+      sandbox_error("unknown global '%s' (%s)", tostring(name), SANDBOX)
+    end,
+    __newindex = function(_, name)
+      sandbox_error("cannot set global '%s' (keep state in locals; a policy file returns its values)",
+                    tostring(name))
+    end,
+  })
+end
+
+-- Source text only: bytecode could crash the VM.
+local function compile(path, env)
+  local f, err = io.open(path, "rb")
+  if not f then error("moonshard: policy " .. err, 0) end
+  local src
+  src, err = f:read("*a")
+  f:close()
+  if not src then error(format("moonshard: policy %s: cannot read: %s", path, err), 0) end
+  if byte(src, 1) == 27 then
+    error(format("moonshard: policy %s: is precompiled bytecode; policies load from Lua source only", path), 0)
+  end
+  local chunk, msg = load(src, "@" .. path, "t", env)
+  if not chunk then error("moonshard: policy " .. msg, 0) end
+  -- LuaJIT's compiled traces never call the hook: policy code stays interpreted
+  if jit then jit.off(chunk, true) end
+  policy_sources["@" .. path] = true
+  return chunk
+end
+
+-- ---------------------------------------------------------------- loading
+
+-- Opens only when path is a directory (POSIX).
+local function is_directory(path)
+  local f = io.open(path .. "/.", "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- The .lua files of dir, sorted; names starting with "." (editor files) are skipped.
+local function lua_files(dir, names)
+  if not names then
+    if not io.popen then
+      error(format("moonshard: policy %s: cannot list a directory without io.popen; pass opts.files", dir), 0)
+    end
+    local ls = io.popen("ls -1 -- '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
+    names = {}
+    for name in ls:lines() do names[#names + 1] = name end
+    ls:close()
+  end
+  local files = {}
+  for _, name in ipairs(names) do
+    if name:match("^[^.].*%.lua$") then files[#files + 1] = name end
+  end
+  table.sort(files)
+  return files
+end
+
+local function option(opts, name, default)
+  local v = opts[name]
+  if v == nil then return default end
+  if type(v) ~= "number" or v <= 0 then
+    error(format("moonshard: policy.load: opts.%s must be a positive number, got %s", name, tostring(v)), 3)
+  end
+  return v
+end
+
+local function count(n, word)
+  return format("%d %s%s", n, word, n == 1 and "" or "s")
+end
+
+-- What describe() says of a value: its type, a list's length and element type, a table's
+-- keys (and, depth levels down, theirs).
+local function kind(v, depth)
+  if type(v) ~= "table" then return type(v) end
+  local keys = {}
+  for k in next, v do keys[#keys + 1] = k end
+  local n = rawlen(v)
+  if #keys == 0 then return "empty table" end
+  if #keys == n then
+    local elem = type(rawget(v, 1))
+    for i = 2, n do
+      if type(rawget(v, i)) ~= elem then elem = "value" break end
+    end
+    return "list of " .. count(n, elem)
+  end
+  if depth == 0 then return "table of " .. count(#keys, "key") end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  local parts = {}
+  for i, k in ipairs(keys) do parts[i] = tostring(k) .. " = " .. kind(rawget(v, k), depth - 1) end
+  return "table {" .. table.concat(parts, ", ") .. "}"
+end
+
+--- describe(policy) -> text: the policy's path and, per file, the kind of value it returned.
+function M.describe(p)
+  return p.describe()
+end
+
+--- load(path, opts?) -> policy
+-- path: a directory of .lua files (each loaded, sorted by name) or one .lua file.  The
+-- policy maps each file's stem to the value the file returned; policy.main is that value
+-- for a single file, policy.describe() lists the files (a file named like one of these
+-- fields shadows it).  opts: instructions (per call, default 200e6), memory_mb (per call,
+-- default 256), modules (name -> module value the policy may require), files (the names in
+-- the directory, where io.popen is missing).  Loads again from disk on every call.
+function M.load(path, opts)
+  opts = opts or {}
+  if type(path) ~= "string" or path == "" then
+    error("moonshard: policy.load: path must be a file or directory name, got " .. tostring(path), 2)
+  end
+  path = path:gsub("(.)/+$", "%1")
+  local instructions = math.floor(option(opts, "instructions", DEFAULT_INSTRUCTIONS))
+  local memory_mb = option(opts, "memory_mb", DEFAULT_MEMORY_MB)
+  local cfg = { instructions = instructions, step = math.min(STEP, instructions),
+                memory_mb = memory_mb, memory_kb = memory_mb * 1024,
+                wrappers = setmetatable({}, { __mode = "k" }) }
+  cfg.string = sandbox_string(cfg)
+
+  local stems, file_of = {}, {}
+  local dir = is_directory(path)
+  local home = dir and path or path:match("^(.*)/[^/]*$") or "."
+  if dir then
+    for _, name in ipairs(lua_files(path, opts.files)) do
+      local stem = name:sub(1, -5)
+      stems[#stems + 1] = stem
+      file_of[stem] = path .. "/" .. name
+    end
+    if #stems == 0 then error(format("moonshard: policy %s: directory has no .lua files", path), 0) end
+  else
+    local stem = path:match("([^/]+)$"):gsub("%.lua$", "")
+    stems[1], file_of[stem] = stem, path
+  end
+  -- The file `require name` loads.  A single file may require the .lua files beside it
+  -- (policies/fsdp2_default.lua requires by_dtype); a directory's files are listed already.
+  local function sibling(name)
+    if dir or file_of[name] or type(name) ~= "string" or name:find("^%.") or name:find("/") then
+      return file_of[name]
+    end
+    local file = home .. "/" .. name .. ".lua"
+    local f = io.open(file, "rb")
+    if f then
+      f:close()
+      file_of[name] = file
+    end
+    return file_of[name]
+  end
+
+  local modules = {}
+  for name, m in pairs(opts.modules or {}) do
+    modules[name] = type(m) == "table" and copy(m) or m
+  end
+
+  local loaded, loading = {}, {}
+  local env
+  local function load_file(stem)
+    if loaded[stem] ~= nil then return loaded[stem] end
+    local file = file_of[stem]
+    if loading[stem] then
+      error(format("moonshard: policy %s: circular require of '%s' while it loads", file, stem), 0)
+    end
+    loading[stem] = true
+    local value = run(cfg, compile(file, env))
+    loading[stem] = nil
+    if value == nil then
+      error(format("moonshard: policy %s: returned nothing (a policy file returns its data or functions)", file), 0)
+    end
+    loaded[stem] = value
+    return value
+  end
+  env = sandbox_env(cfg, function(name)
+    if modules[name] ~= nil then return modules[name] end
+    if sibling(name) then return load_file(name) end
+    sandbox_error("require '%s': no %s.lua in %s and not an allowed module (%s); %s",
+                  tostring(name), tostring(name), home,
+                  next(modules) and table.concat(sorted_keys(modules), ", ") or "none", SANDBOX)
+  end)
+
+  local p, files = {}, {}
+  for i, stem in ipairs(stems) do
+    p[stem] = wrap_all(cfg, load_file(stem), {})
+    files[i] = file_of[stem]
+  end
+  local fields = { path = path, files = files, main = not dir and p[stems[1]] or nil }
+  function fields.describe()
+    local lines = { format("policy %s: %s", path, count(#stems, "file")) }
+    for i, stem in ipairs(stems) do
+      lines[i + 1] = format("  %s: %s", files[i]:match("([^/]+)$"), kind(p[stem], 1))
+    end
+    return table.concat(lines, "\n")
+  end
+  return setmetatable(p, { __index = fields })
+end
+
+return M

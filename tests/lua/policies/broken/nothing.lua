@@ -1,0 +1,2 @@
+-- nothing.lua: forgets to return its value.
+local units = {}

@@ -1,0 +1,2 @@
+-- a.lua: requires b, which requires this file back while both load.
+return require "b"

@@ -1,0 +1,2 @@
+-- b.lua: see a.lua.
+return require "a"

@@ -1,0 +1,3 @@
+-- global_at_load.lua: writes a global while loading.
+leaked = 1
+return {}

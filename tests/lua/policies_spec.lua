@@ -1,0 +1,361 @@
+-- policies_spec.lua: the shipped policies (SEMANTICS.md §5, §6) applied by the planner,
+-- and `moonshard plan` end to end, against layouts worked out by hand.
+local module = require "moonshard.module"
+local mesh_context = require "moonshard.mesh_context"
+local planner = require "moonshard.plan"
+local policy = require "moonshard.policy"
+local models = require "moonshard.models"
+local json = require "moonshard.json"
+local S = require "support"
+
+local INKLING2_SMALL = "examples/configs/inkling2_small.json"
+
+local function read(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+local function config(path) return json.decode(read(path), path) end
+
+local function entry(p) return p.main or p.shard_units end
+
+local function plan_of(cfg, mesh, policy_path)
+  local tree = models.from_config(cfg, "spec")
+  return planner.plan(tree, mesh_context.new(mesh), entry(policy.load(policy_path)))
+end
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+
+describe("the inkling2 policy", function()
+  local units = policy.load("policies/inkling2").shard_units
+
+  it("matches FP32 module names dot-bounded, through checkpoint wrappers", function()
+    local yes = { "attn_query", "model.layers.1.attn_query", "model.layers.1._checkpoint_wrapped_module.attn_query",
+      "model.layers.0.mlp.gate", "model.output_query", "model.layers.2.self_attn.q_l2_clip" }
+    local no = { "model.layers.1.xattn_query", "model.layers.0.mlp.gate_proj", "model.layers.0.shared_mlp.gate",
+      "model.layers.2.self_attn.k_l2_clip", "model.layers.0.mlp" }
+    for _, n in ipairs(yes) do assert.is_true(units.is_fp32_module_name(n), n) end
+    for _, n in ipairs(no) do assert.is_false(units.is_fp32_module_name(n), n) end
+  end)
+
+  it("yields FP32 islands below a module, once, skipping owned ones", function()
+    -- layer { attn_query{query}, self_attn{ q_l2_clip{scale}, k_l2_clip{scale}, inner{ attn_query{q} } },
+    --         mlp{ gate{ weight, attn_query{q} } } }
+    local layer = module.new("Layer")
+    layer:add("attn_query", module.new("ResidualQuery")):param("query", { 4 }, "f32")
+    local attn = layer:add("self_attn", module.new("Attention"))
+    attn:add("q_l2_clip", module.new("L2Clip")):param("scale", { 4 }, "f32")
+    attn:add("k_l2_clip", module.new("L2Clip")):param("scale", { 4 }, "bf16")
+    attn:add("inner", module.new("Inner")):add("attn_query", module.new("ResidualQuery")):param("q", { 4 }, "f32")
+    local gate = layer:add("mlp", module.new("MoE")):add("gate", module.new("Gate"))
+    gate:param("weight", { 2, 4 }, "f32")
+    gate:add("attn_query", module.new("ResidualQuery")):param("q", { 4 }, "f32")
+    local root = module.new("Root")
+    root:add("layer", layer)
+    local ctx = planner.context(root, mesh_context.new("dp_shard=2"))
+    local names = {}
+    for _, m in ipairs(units.iter_fp32_islands(ctx, layer, {})) do names[#names + 1] = ctx:name_of(m) end
+    assert.same({ "layer.attn_query", "layer.self_attn.q_l2_clip", "layer.self_attn.inner.attn_query",
+      "layer.mlp.gate" }, names)
+    names = {}
+    for _, m in ipairs(units.iter_fp32_islands(ctx, layer, { [layer.children.attn_query.params.query] = true })) do
+      names[#names + 1] = ctx:name_of(m)
+    end
+    assert.same({ "layer.self_attn.q_l2_clip", "layer.self_attn.inner.attn_query", "layer.mlp.gate" }, names)
+  end)
+
+  it("makes every FP32 island its own FP32 unit ahead of its layer, experts owned by EP", function()
+    local plan = plan_of(config(INKLING2_SMALL), "dp_replicate=2,dp_shard=4,ep=8", "policies/inkling2")
+    local W = "_checkpoint_wrapped_module."
+    local expected = {
+      "model.layers.0." .. W .. "self_attn.q_l2_clip", "model.layers.0." .. W .. "self_attn.rel_l2_clip",
+      "model.layers.0." .. W .. "mlp_query", "model.layers.0." .. W .. "mlp.gate", "model.layers.0" }
+    for l = 1, 3 do
+      local p = "model.layers." .. l .. "." .. W
+      for _, n in ipairs({ p .. "attn_query", p .. "self_attn.q_l2_clip", p .. "self_attn.rel_l2_clip",
+        p .. "mlp_query", p .. "mlp.gate", "model.layers." .. l }) do
+        expected[#expected + 1] = n
+      end
+    end
+    for _, n in ipairs({ "model.embed_tokens", "lm_head", "model.output_query", "" }) do expected[#expected + 1] = n end
+    local got = {}
+    for i, u in ipairs(plan.units) do got[i] = u.name end
+    assert.same(expected, got)
+    for _, u in ipairs(plan.units) do
+      if u.kind == "fp32_island" then
+        assert.same({ param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }, u.mp)
+        for _, e in ipairs(u.entries) do assert.equal("f32", e.gather) end
+      elseif u.name:match("^model%.layers%.%d+$") then
+        assert.same({ param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }, u.mp)
+        assert.equal("bf16", u.entries[1].gather)
+        assert.equal("f32", u.reduce_dtype_eff)
+      end
+    end
+    -- the last layer keeps its parameters after forward; the root never reshards
+    assert.is_true(plan.units[5].reshard)
+    assert.is_false(plan.units[23].reshard)
+    assert.is_false(plan.units[27].reshard)
+    -- 4 layers x 2 grouped expert tensors, Shard(0) over ep=8: 16 experts -> 2 per rank
+    assert.equal(8, #plan.owned)
+    for _, o in ipairs(plan.owned) do
+      assert.equal("ep", o.by)
+      assert.equal(2, o.local_shape[1])
+      assert.matches("%.mlp%.experts%.", o.fqn)
+    end
+  end)
+
+  it("moves what the FSDP formula says, up to padding", function()
+    -- Per unit and step: a forward all-gather in the gather dtype, a backward one when it
+    -- reshards, and a reduce-scatter in the reduce dtype: sum over units of
+    -- ((1 + reshard) b_gather + b_reduce) * P * (n-1)/n, with the exact (unpadded) P.
+    local plan = plan_of(config(INKLING2_SMALL), "dp_shard=8", "policies/inkling2")
+    local size = { f32 = 4, bf16 = 2 }
+    local want = 0
+    for _, u in ipairs(plan.units) do
+      if #u.entries > 0 then
+        local gathers = u.reshard == true and 2 or 1
+        want = want + (gathers * size[u.entries[1].gather] + size[u.reduce_dtype_eff]) * u.numel * 7 / 8
+      end
+    end
+    local got = plan.comm.all_gather.bytes + plan.comm.reduce_scatter.bytes
+    assert.is_true(got >= want and got <= want * 1.02, string.format("got %d, formula %d", got, want))
+  end)
+
+  it("rejects a tied LM head and experts that are not grouped", function()
+    local cfg = config(INKLING2_SMALL)
+    cfg.tie_word_embeddings = true
+    assert.matches("requires an untied LM head", errmsg(plan_of, cfg, "dp_shard=8", "policies/inkling2"))
+    local tree = models.from_config(config(INKLING2_SMALL), "spec")
+    local experts = tree:get("model.layers.1.mlp.experts")
+    experts.params.down_projs.shape = { 16, 128 * 256 }
+    assert.matches("model.layers.1.mlp.experts.down_projs has shape %[16, 32768%]; grouped expert tensors are",
+      errmsg(planner.plan, tree, mesh_context.new("dp_shard=8"), policy.load("policies/inkling2").shard_units))
+  end)
+end)
+
+describe("by_dtype", function()
+  local by_dtype = policy.load("policies/by_dtype.lua").main
+
+  local function layer_tree(extra)
+    local root = module.new("Root")
+    local layer = root:add("layer", module.new("Layer"))
+    layer:add("attn", module.new("Linear")):param("weight", { 8, 8 }, "bf16")
+    layer:add("mlp", module.new("Linear")):param("weight", { 8, 8 }, "bf16")
+    layer:add("router", module.new("Gate")):param("weight", { 4, 8 }, "f32")
+    if extra then extra(layer) end
+    return root, layer
+  end
+
+  local function units_of(root, fn)
+    local plan = planner.plan(root, mesh_context.new("dp_shard=2"), { parallelize = fn })
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    return names, plan
+  end
+
+  it("gives the minority dtype group its maximal subtrees, then the module", function()
+    local root = layer_tree()
+    -- groups: bf16->bf16 (128 elements), f32->bf16 (32): the f32 router is the minority
+    local names = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.same({ "layer.router", "layer", "" }, names)
+  end)
+
+  it("gives every maximal uniform subtree a unit when there are three groups", function()
+    local root = layer_tree(function(layer)
+      local n = layer:add("norm", module.new("Norm"))
+      n:param("weight", { 8 }, "f16")
+    end)
+    local names = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer", { mp_policy = { reduce_dtype = "f32" } })
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.same({ "layer.attn", "layer.mlp", "layer.router", "layer.norm", "layer", "" }, names)
+  end)
+
+  it("one group: one unit", function()
+    local root = layer_tree()
+    root.children.layer.children.router.params.weight.dtype = "bf16"
+    assert.same({ "layer", "" }, units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end))
+  end)
+
+  it("refuses a group that no subtree isolates", function()
+    local root = layer_tree(function(layer) layer:param("scale", { 8 }, "f32") end)
+    -- the layer holds an f32 parameter directly, beside bf16 ones in its children: three
+    -- children are uniform, but "scale" can only be isolated by the layer itself
+    root.children.layer.children.router.params.weight.dtype = "bf16"
+    local msg = errmsg(units_of, root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.matches("place them in a dedicated parameter%-owning module", msg)
+    assert.matches("f32%->bf16: layer.scale", msg)
+  end)
+end)
+
+describe("fsdp2_default", function()
+  local llama = {
+    architectures = { "LlamaForCausalLM" }, vocab_size = 256, hidden_size = 64, intermediate_size = 128,
+    num_hidden_layers = 3, num_attention_heads = 4, num_key_value_heads = 2, tie_word_embeddings = false,
+    torch_dtype = "bfloat16", rms_norm_eps = 1e-5,
+  }
+
+  it("makes every decoder layer a unit, then the root; the last layer keeps its parameters", function()
+    local plan = plan_of(llama, "dp_shard=4", "policies/fsdp2_default.lua")
+    local got = {}
+    for i, u in ipairs(plan.units) do got[i] = { u.name, u.reshard } end
+    assert.same({ { "model.layers.0", true }, { "model.layers.1", true }, { "model.layers.2", false }, { "", false } }, got)
+  end)
+
+  it("shards experts, blocks by dtype, embed, head and root on an MoE model with ep > 1", function()
+    local plan = plan_of(config("examples/configs/qwen3_30b_a3b.json"), "dp_shard=16,ep=8", "policies/fsdp2_default.lua")
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    -- 48 layers, each: experts on ep_shard = 2, then the layer; then embed, head, root
+    assert.equal(48 * 2 + 3, #names)
+    assert.equal("model.layers.0.mlp.experts", names[1])
+    assert.same({ "ep_shard" }, plan.units[1].mesh_axes)
+    assert.equal("model.layers.0", names[2])
+    assert.same({ "model.embed_tokens", "lm_head", "" }, { names[97], names[98], names[99] })
+    assert.equal(96, #plan.owned)
+  end)
+end)
+
+describe("moonshard plan", function()
+  local base = { "plan", "--config", INKLING2_SMALL, "--mesh", "dp_replicate=2,dp_shard=4,ep=8", "--policy",
+    "policies/inkling2" }
+  local function args(...)
+    local a = {}
+    for _, v in ipairs(base) do a[#a + 1] = v end
+    for _, v in ipairs({ ... }) do a[#a + 1] = v end
+    return a
+  end
+
+  it("prints the units, memory and communication as a table", function()
+    local r = S.run(args())
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    assert.matches("Inkling2ForCausalLM", r.out)
+    assert.matches("fp32_island", r.out)
+    assert.matches("memory per rank", r.out)
+    assert.matches("all_gather", r.out)
+  end)
+
+  it("writes the plan JSON of DESIGN.md", function()
+    local r = S.run(args("--json"))
+    assert.equal(0, r.code)
+    local plan = json.decode(r.out, "plan JSON")
+    assert.equal(1, plan.moonshard_plan)
+    assert.equal("Inkling2ForCausalLM", plan.model.architecture)
+    assert.equal(8164064, plan.model.params)
+    assert.equal(8, plan.mesh.world)
+    assert.equal(27, #plan.units)
+    local island = plan.units[1]
+    assert.equal("fp32_island", island.kind)
+    assert.same({ "dp_replicate", "dp_shard" }, island.mesh_axes)
+    assert.equal("f32", island.param_dtype)
+    assert.is_false(island.cast_forward_inputs)
+    local p = island.params[1]
+    -- q_l2_clip.scale [nh*d] = [256] over dp_shard=4: 64 each
+    assert.same({ 256 }, p.shape)
+    assert.equal("Shard(0)", p.placement)
+    assert.same({ 64 }, p.padded_shard_shape)
+    assert.same({ { 64 }, { 64 }, { 64 }, { 64 } }, p.local_shapes)
+    assert.equal(8, #plan.owned)
+    assert.equal(8, #plan.memory.per_rank)
+    assert.equal(7, plan.memory.per_rank[8].rank)
+    for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
+      assert.is_number(plan.comm.per_step[k].count)
+    end
+  end)
+
+  it("draws an SVG and audits dtypes", function()
+    local svg = os.tmpname()
+    local r = S.run(args("--svg", svg, "--audit"))
+    assert.equal(0, r.code)
+    local text = read(svg)
+    os.remove(svg)
+    assert.matches("^<svg", text)
+    assert.matches("</svg>\n$", text)
+    assert.matches("memory per rank", text)
+    assert.matches("model.layers.0._checkpoint_wrapped_module.mlp.gate.weight%s+f32%s+f32%s+f32", r.out)
+    assert.matches("model.embed_tokens.weight%s+bf16%s+bf16%s+f32", r.out)
+  end)
+
+  it("changes the plan when a policy file is edited, with nothing rebuilt", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir -p " .. dir .. " && cp policies/inkling2/*.lua " .. dir))
+    local function edit(from, to)
+      local f = assert(io.open(dir .. "/fp32_modules.lua", "rb"))
+      local text = f:read("a"):gsub(from, to)
+      f:close()
+      f = assert(io.open(dir .. "/fp32_modules.lua", "wb"))
+      f:write(text)
+      f:close()
+    end
+    local cmd = { "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir, "--json" }
+    local before = json.decode(S.run(cmd).out)
+    -- k_l2_clip (stored in bf16) becomes an island: gathered in f32, one more unit per layer
+    edit('\n}', '\n  "k_l2_clip",\n}')
+    local after = json.decode(S.run(cmd).out)
+    -- without mlp.gate the f32 router falls into its bf16 layer's unit: refused, by name
+    edit('\n  "mlp%.gate",[^\n]*', "")
+    local refused = S.run(cmd)
+    os.execute("rm -rf " .. dir)
+    assert.equal(27, #before.units)
+    assert.equal(27 + 4, #after.units)
+    local islands = 0
+    for _, u in ipairs(after.units) do
+      if u.name:match("k_l2_clip$") then
+        islands = islands + 1
+        assert.equal("fp32_island", u.kind)
+        assert.equal("bf16", u.params[1].dtype)
+        assert.equal("f32", u.param_dtype)
+      end
+    end
+    assert.equal(4, islands)
+    assert.equal(1, refused.code)
+    assert.matches("unit model.layers.0 mixes stored dtypes %(bf16: .*; f32: model.layers.0." ..
+      "_checkpoint_wrapped_module.mlp.gate.weight", refused.err)
+  end)
+
+  it("fails with a clear message on bad input and bad policies", function()
+    local r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8" })
+    assert.equal(2, r.code)
+    assert.matches("%-%-policy is required", r.err)
+    r = S.run({ "plan", "--config", "examples/configs/nope.json", "--mesh", "dp_shard=8", "--policy", "policies/inkling2" })
+    assert.equal(1, r.code)
+    assert.matches("cannot read examples/configs/nope.json", r.err)
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8,ep=3", "--policy", "policies/inkling2" })
+    assert.equal(1, r.code)
+    assert.matches("ep = 3 does not divide", r.err)
+    -- a policy that forgets the root leaves parameters unowned
+    local dir = os.tmpname()
+    os.remove(dir)
+    os.execute("mkdir -p " .. dir)
+    local f = assert(io.open(dir .. "/layers_only.lua", "wb"))
+    f:write([[
+return { parallelize = function(ctx)
+  local layers = ctx:module("model.layers")
+  for _, i in ipairs(layers.child_order) do ctx:fully_shard(layers.children[i]) end
+end }
+]])
+    f:close()
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
+    os.execute("rm -rf " .. dir)
+    assert.equal(1, r.code)
+    assert.matches("trainable parameters are left unowned: model.embed_tokens.weight", r.err)
+  end)
+end)
