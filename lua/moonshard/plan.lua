@@ -191,7 +191,7 @@ function Ctx:fully_shard(module, opts)
   local raf = opts.reshard_after_forward
   if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then
     fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
-      name, tostring(raf)))
+      display(name), tostring(raf)))
   end
   local ignored = as_param_set(self, opts.ignored_params)
   local unit = {
@@ -246,7 +246,7 @@ local function shard_dim(unit, fqn, p, W)
   if unit.shard_placement_fn then d = unit.shard_placement_fn(fqn, p) or 0 end
   local nd = #p.shape
   if nd == 0 then
-    fail(string.format("parameter %s of unit %s is a scalar (0-dim); FSDP cannot shard it", fqn, unit.name))
+    fail(string.format("parameter %s of unit %s is a scalar (0-dim); FSDP cannot shard it", fqn, display(unit.name)))
   end
   if not util.is_int(d) or d < -nd or d >= nd then
     fail(string.format("shard dim %s of parameter %s is out of range for %d dims", tostring(d), fqn, nd))
@@ -277,7 +277,7 @@ local function reshard_value(unit, W)
   if util.is_int(raf) then
     if raf < 1 or raf > W or W % raf ~= 0 then
       fail(string.format("unit %s: reshard_after_forward = %d must divide the shard size %d (1 <= k <= %d)",
-        unit.name, raf, W, W))
+        display(unit.name), raf, W, W))
     end
     if raf == 1 then raf = false elseif raf == W then raf = true end
   end

@@ -167,16 +167,18 @@ function M.to_text(plan, opts)
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
   if opts.policy then add("policy  " .. opts.policy) end
   add("")
-  local nw = 12
-  for _, u in ipairs(plan.units) do nw = math.max(nw, #(u.name == "" and "<root>" or u.name)) end
-  nw = math.min(nw, 60)
-  add(string.format("%4s  %s  %-11s %-14s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", "mesh",
+  local nw, mw = 12, 4
+  for _, u in ipairs(plan.units) do
+    nw = math.max(nw, #(u.name == "" and "<root>" or u.name))
+    mw = math.max(mw, #table.concat(u.mesh_axes, ","))
+  end
+  add(string.format("%4s  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", pad("mesh", mw),
     "params", "gather", "reduce", "reshard", "AG/step", "RS/step"))
   for i, u in ipairs(plan.units) do
     local g, r = dtypes_str(u)
     local raf = u.reshard
-    add(string.format("%4d  %s  %-11s %-14s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
-      u.kind, table.concat(u.mesh_axes, ","), util.thousands(u.numel), g, r,
+    add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
+      u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
       type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
       util.bytes(u.reduce_scatter_bytes + u.all_reduce_bytes)))
   end

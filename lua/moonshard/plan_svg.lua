@@ -123,7 +123,7 @@ function M.render(plan)
     local c = plan.comm[k]
     parts[#parts + 1] = string.format("%s %d x %s", k, c.count, util.bytes(c.bytes))
   end
-  put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "   "))))
+  put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "  |  "))))
   put("</svg>")
   return table.concat(out, "\n") .. "\n"
 end

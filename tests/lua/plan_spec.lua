@@ -194,6 +194,34 @@ describe("shard units", function()
   end)
 end)
 
+describe("shard dims and meshes", function()
+  it("shard on another dim only when it divides, with negative dims normalised", function()
+    local root = module.new("Toy")
+    root:add("a", module.new("Linear")):param("w", { 6, 8 }, "f32")
+    local function with(dim, mesh)
+      return planner.plan(root, mesh_context.new(mesh or "dp_shard=4"), policy(function(ctx)
+        ctx:fully_shard(ctx.model, { shard_placement_fn = function() return dim end })
+      end))
+    end
+    local e = with(-1).units[1].entries[1]
+    assert.equal(1, e.dim)
+    assert.same({ 6, 2 }, e.padded)
+    assert.matches("Shard%(1%) needs size 8 divisible by the shard size 3", errmsg(with, 1, "dp_shard=3"))
+    assert.matches("shard dim 2 of parameter a.w is out of range for 2 dims", errmsg(with, 2))
+  end)
+
+  it("refuse scalar parameters and meshes of more than two axes", function()
+    local root = module.new("Toy")
+    root:param("scale", {}, "f32")
+    assert.matches("parameter scale of unit <root> is a scalar", errmsg(planner.plan, root,
+      mesh_context.new("dp_shard=2"), policy(function(ctx) ctx:fully_shard(ctx.model) end)))
+    assert.matches("FSDP takes a 1%-D %(shard%) or 2%-D %(replicate, shard%) mesh, got 3 axes",
+      errmsg(planner.plan, small_tree(), mesh_context.new("dp_replicate=2,dp_shard=2,cp=2"), policy(function(ctx)
+        ctx:fully_shard(ctx.model, { mesh = { "dp_replicate", "dp_shard", "cp" } })
+      end)))
+  end)
+end)
+
 describe("mixed precision", function()
   it("clamps param_dtype and reduce_dtype like FSDP2", function()
     local e = planner.effective_dtypes

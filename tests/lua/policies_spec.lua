@@ -226,6 +226,12 @@ describe("fsdp2_default", function()
     assert.equal(48 * 2 + 3, #names)
     assert.equal("model.layers.0.mlp.experts", names[1])
     assert.same({ "ep_shard" }, plan.units[1].mesh_axes)
+    -- experts are already split on dim 0 by ep; ep_shard shards them on dim 1:
+    -- gate_and_up_projs [128, 2048, 1536] -> [16, 2048, 1536] per ep rank -> [16, 1024, 1536]
+    local e = plan.units[1].entries[1]
+    assert.equal(1, e.dim)
+    assert.same({ 16, 2048, 1536 }, e.shape)
+    assert.same({ 16, 1024, 1536 }, e.padded)
     assert.equal("model.layers.0", names[2])
     assert.same({ "model.embed_tokens", "lm_head", "" }, { names[97], names[98], names[99] })
     assert.equal(96, #plan.owned)
@@ -329,6 +335,32 @@ describe("moonshard plan", function()
     assert.equal(1, refused.code)
     assert.matches("unit model.layers.0 mixes stored dtypes %(bf16: .*; f32: model.layers.0." ..
       "_checkpoint_wrapped_module.mlp.gate.weight", refused.err)
+  end)
+
+  it("plans a model read from safetensors headers, names, dtypes and shapes as on disk", function()
+    local path = os.tmpname()
+    local tensors = { { "model.embed_tokens.weight", "BF16", { 64, 16 } } }
+    for l = 0, 1 do
+      local p = "model.layers." .. l .. "."
+      tensors[#tensors + 1] = { p .. "self_attn.qkv_proj.weight", "BF16", { 48, 16 } }
+      tensors[#tensors + 1] = { p .. "mlp.down_proj.weight", "BF16", { 16, 40 } }
+      tensors[#tensors + 1] = { p .. "input_layernorm.weight", "BF16", { 16 } }
+    end
+    tensors[#tensors + 1] = { "model.norm.weight", "BF16", { 16 } }
+    tensors[#tensors + 1] = { "lm_head.weight", "BF16", { 64, 16 } }
+    S.write_safetensors(path, tensors)
+    local r = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=4", "--policy", "policies/fsdp2_default.lua",
+      "--json" })
+    os.remove(path)
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    -- 2*64*16 + 2*(48*16 + 16*40 + 16) + 16 = 2048 + 2848 + 16 = 4912
+    assert.equal(4912, plan.model.params)
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    assert.same({ "model.layers.0", "model.layers.1", "" }, names)
+    assert.same({ 12, 16 }, plan.units[1].params[1].padded_shard_shape)
+    assert.equal("model.layers.0.self_attn.qkv_proj.weight", plan.units[1].params[1].fqn)
   end)
 
   it("fails with a clear message on bad input and bad policies", function()

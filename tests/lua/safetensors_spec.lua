@@ -1,43 +1,11 @@
 -- safetensors_spec.lua: headers read strictly, index files merged and checked, module trees
--- built from what is on disk.  The files are written here by a tiny writer: the header
--- length, the header JSON, then zero bytes for the data.
+-- built from what is on disk.  The files are written by the tiny writer in support.lua.
 local json = require "moonshard.json"
 local st = require "moonshard.safetensors"
 
-local function u64le(n)
-  local b = {}
-  for i = 1, 8 do
-    b[i] = string.char(n % 256)
-    n = math.floor(n / 256)
-  end
-  return table.concat(b)
-end
+local S = require "support"
+local write_raw, write_tensors = S.write_raw, S.write_safetensors
 
--- Writes a raw safetensors file: header (a JSON text or a value to encode) and data_size
--- zero bytes; length overrides the header length field.
-local function write_raw(path, header, data_size, length)
-  local text = type(header) == "string" and header or json.encode(header)
-  local f = assert(io.open(path, "wb"))
-  f:write(u64le(length or #text), text, string.rep("\0", data_size or 0))
-  f:close()
-  return path
-end
-
-local sizes = { F64 = 8, F32 = 4, BF16 = 2, F16 = 2, I64 = 8, I32 = 4, I8 = 1, U8 = 1, BOOL = 1,
-  F8_E4M3 = 1, F8_E5M2 = 1 }
-
--- Writes a valid file holding tensors {name, dtype, shape} laid out in the given order.
-local function write_tensors(path, tensors, metadata)
-  local header, offset = {}, 0
-  for _, t in ipairs(tensors) do
-    local n = sizes[t[2]]
-    for _, s in ipairs(t[3]) do n = n * s end
-    header[t[1]] = { dtype = t[2], shape = json.array(t[3]), data_offsets = { offset, offset + n } }
-    offset = offset + n
-  end
-  header.__metadata__ = metadata
-  return write_raw(path, header, offset)
-end
 
 local tmpdir
 local function tmp(name) return tmpdir .. "/" .. name end
