@@ -255,6 +255,98 @@ ms_status ms_local_shape(int ndim, const int64_t *global_shape, int mesh_ndim, c
 ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t rank, int dim,
                         int64_t *local_shape, int64_t *offset, int64_t *padded_shape);
 
+/* ---------------------------------------------------------------- shard units (FSDP2 runtime)
+ *
+ * A unit is one rank's part of an FSDP2 shard unit (SEMANTICS.md §3-§4): the padded shards
+ * of its parameters in their stored dtype, a flat all-gather buffer in the param dtype, the
+ * unsharded parameters and gradients while gathered, and the sharded gradients.  Lifecycle:
+ *   ms_unit_new -> ms_unit_add_param (each parameter, in plan order) -> ms_unit_finalize
+ *   per step: ms_unit_unshard (async) -> ms_unit_wait -> forward on ms_unit_param_full
+ *             -> ms_unit_reshard (by the reshard_after_forward rule)
+ *             -> ms_unit_unshard / wait again if resharded -> backward writes or adds into
+ *                ms_unit_grad_full -> ms_unit_reduce_grads -> ms_unit_wait
+ *             -> ms_unit_clip_... / ms_unit_adamw_step
+ * Every call checks the state and returns MS_ERR_STATE when it is out of order.  All ranks
+ * of the unit's groups make the same calls in the same order (they are collectives). */
+
+typedef struct ms_unit ms_unit;
+
+/* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
+ * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes, -1 for unset
+ * (FSDP2 clamps them per parameter, SEMANTICS.md §4; the unit needs one stored dtype).
+ * reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep them,
+ * k >= 2 (dividing W) = keep a k-way shard and gather over k consecutive ranks in backward.
+ * The unit retains the comms. */
+ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
+                      int param_dtype, int reduce_dtype, int reshard_after_forward);
+void ms_unit_retain(ms_unit *u);
+void ms_unit_release(ms_unit *u);
+/* Adds a parameter of global `shape` stored in `dtype`, sharded on `dim` (0 unless a
+ * shard_placement_fn says otherwise; another dim must divide by W).  The rank's padded
+ * shard is allocated zero-filled; requires_grad = 0 for frozen parameters. */
+ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape,
+                            ms_dtype dtype, int dim, int requires_grad);
+/* Allocates the gather buffers; no parameter may be added after. */
+ms_status ms_unit_finalize(ms_unit *u);
+int ms_unit_param_count(const ms_unit *u);
+const char *ms_unit_name(const ms_unit *u);
+const char *ms_unit_param_fqn(const ms_unit *u, int i);
+/* The rank's shard of parameter i (a view of its padded shard without the padding), in
+ * the stored dtype: write initial values here.  Borrowed: valid while the unit lives. */
+ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
+/* The rank's sharded gradient of parameter i (stored dtype), or NULL before the first
+ * reduce_grads.  Borrowed. */
+ms_tensor *ms_unit_grad_shard(ms_unit *u, int i);
+/* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i. */
+ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full);
+
+/* Starts the all-gather of the unit's parameters in the param dtype (asynchronous: the
+ * collective runs on the rank's communication thread); ms_unit_wait completes it. */
+ms_status ms_unit_unshard(ms_unit *u);
+/* Waits for the unit's pending collective (unshard or reduce_grads), then finishes it
+ * (copy-out of the unsharded parameters; cast-back and accumulation of gradients). */
+ms_status ms_unit_wait(ms_unit *u);
+/* The unsharded parameter i (global shape, gather dtype) while unsharded.  Borrowed. */
+ms_tensor *ms_unit_param_full(ms_unit *u, int i);
+/* Frees (or keeps, per reshard_after_forward) the unsharded parameters after forward. */
+ms_status ms_unit_reshard(ms_unit *u);
+/* The unsharded gradient of parameter i (global shape, gather dtype) to write or add
+ * into during backward; zeroed when first handed out in a step.  Borrowed. */
+ms_tensor *ms_unit_grad_full(ms_unit *u, int i);
+/* Reduces the unsharded gradients: reduce-scatter in the reduce dtype over the shard
+ * group (divide factors of SEMANTICS.md §3), all-reduce over the replicate group for HSDP,
+ * cast back and accumulate into the sharded gradients (asynchronous: ms_unit_wait).
+ * With sync off, accumulates the unsharded gradients locally instead (no collective). */
+ms_status ms_unit_reduce_grads(ms_unit *u);
+ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync);
+/* 0 = the default divide factor (shard x replicate size); else a custom factor. */
+ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor);
+/* Frees the unsharded parameters and gradients whatever the reshard rule (end of step). */
+ms_status ms_unit_release_unsharded(ms_unit *u);
+/* Zeroes the sharded gradients. */
+ms_status ms_unit_zero_grad(ms_unit *u);
+
+/* Sum of squares of this rank's gradient shards (padding excluded), each divided by the
+ * number of ranks holding the same shard (the replicate size), so that summing over the
+ * world counts every element once. */
+ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
+/* Multiplies the sharded gradients by scale (clipping). */
+ms_status ms_unit_scale_grads(ms_unit *u, double scale);
+/* AdamW on the rank's shards: fp32 moments, fp32 master weights when the stored dtype is
+ * not f32 (made on the first step), decoupled weight decay; step counts from 1. */
+ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
+                             double weight_decay, int64_t step);
+/* Bytes this rank holds for the unit now, by category (0 params, 1 grads, 2 optimizer
+ * state, 3 unsharded parameters and gradients). */
+int64_t ms_unit_bytes(const ms_unit *u, int category);
+
+/* The collectives a unit has issued, for audits: kind 0 all_gather, 1 reduce_scatter,
+ * 2 all_reduce; the dtype and the group size and the bytes of the whole buffer. */
+int ms_unit_record_count(const ms_unit *u);
+ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size,
+                         int64_t *bytes);
+void ms_unit_clear_records(ms_unit *u);
+
 /* MS_API_END */
 
 #ifdef __cplusplus
