@@ -1,0 +1,61 @@
+/*
+ * data.c: the byte-level text dataset of data.h.
+ */
+#include "data.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int dataset_open(Dataset *d, const char *path, char *err, size_t errlen) {
+    d->bytes = NULL;
+    d->size = 0;
+    if (!path) path = DATA_DEFAULT_PATH;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, errlen, "dataset: cannot open %s: %s%s", path, strerror(errno),
+                 strcmp(path, DATA_DEFAULT_PATH) ? "" :
+                 " (the default text comes with Debian's base-files; pass another text file)");
+        return -1;
+    }
+    long size = -1;
+    if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
+    unsigned char *bytes = size > 0 ? malloc((size_t)size) : NULL;
+    if (!bytes || fseek(f, 0, SEEK_SET) != 0 || fread(bytes, 1, (size_t)size, f) != (size_t)size) {
+        snprintf(err, errlen, "dataset: cannot read %s: %s", path,
+                 size == 0 ? "the file is empty" : bytes ? "read error" : "out of memory");
+        free(bytes);
+        fclose(f);
+        return -1;
+    }
+    fclose(f);
+    d->bytes = bytes;
+    d->size = (size_t)size;
+    return 0;
+}
+
+void dataset_close(Dataset *d) {
+    free(d->bytes);
+    d->bytes = NULL;
+    d->size = 0;
+}
+
+// splitmix64 finaliser: a well-mixed hash of one 64-bit word.
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+int dataset_rows(const Dataset *d, uint64_t seed, int64_t step, int T, int row0, int nrows,
+                 int *tokens) {
+    if (d->size < (size_t)T + 1) return -1;
+    size_t starts = d->size - (size_t)T; // offsets 0 .. size-T-1 hold T+1 bytes
+    for (int r = 0; r < nrows; r++) {
+        uint64_t h = mix64(seed ^ mix64((uint64_t)step ^ mix64((uint64_t)(row0 + r) + 0x9E3779B97F4A7C15ull)));
+        const unsigned char *src = d->bytes + h % starts;
+        for (int t = 0; t <= T; t++) tokens[(size_t)r * (T + 1) + t] = src[t];
+    }
+    return 0;
+}

@@ -1,0 +1,676 @@
+/*
+ * model.c: the MoE character model of model.h: parameter table, init, forward and exact
+ * backward in fp32 with plain loops (single-threaded; the ranks of a host are the threads).
+ *
+ * Every kernel works one token at a time on contiguous rows: matrices stored (in, out)
+ * (the grouped experts) are applied as axpy over input rows, matrices stored (out, in)
+ * (nn.Linear layout: router, shared experts, lm_head) as dot products with eight partial
+ * sums, so the inner loops vectorize without reassociation flags and the order of every
+ * sum is fixed: results are bit-identical from run to run.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define RMS_EPS 1e-6f
+
+// ----------------------------------------------------------------------------
+// configuration
+
+void model_config_default(ModelConfig *cfg) {
+    cfg->vocab_size = 256;
+    cfg->hidden_size = 64;
+    cfg->num_layers = 2;
+    cfg->num_experts = 4;
+    cfg->top_k = 2;
+    cfg->expert_dim = 64;
+    cfg->num_shared = 1;
+    cfg->conv_kernel = 4;
+    cfg->seq_len = 64;
+}
+
+int model_config_check(const ModelConfig *cfg, char *err, size_t errlen) {
+    const struct { const char *name; int value; } sizes[] = {
+        {"vocab_size", cfg->vocab_size},   {"hidden_size", cfg->hidden_size},
+        {"num_layers", cfg->num_layers},   {"num_experts", cfg->num_experts},
+        {"top_k", cfg->top_k},             {"expert_dim", cfg->expert_dim},
+        {"num_shared", cfg->num_shared},   {"conv_kernel", cfg->conv_kernel},
+        {"seq_len", cfg->seq_len},
+    };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        if (sizes[i].value <= 0) {
+            snprintf(err, errlen, "model config: %s is %d; it must be positive", sizes[i].name,
+                     sizes[i].value);
+            return -1;
+        }
+    }
+    if (cfg->top_k > cfg->num_experts) {
+        snprintf(err, errlen, "model config: top_k %d exceeds num_experts %d", cfg->top_k,
+                 cfg->num_experts);
+        return -1;
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// parameter table
+
+int model_param_count(const ModelConfig *cfg) { return 1 + cfg->num_layers * LP_COUNT + 3; }
+int model_layer_param(const ModelConfig *cfg, int l, int k) { (void)cfg; return 1 + l * LP_COUNT + k; }
+int model_final_norm(const ModelConfig *cfg) { return 1 + cfg->num_layers * LP_COUNT; }
+int model_output_query(const ModelConfig *cfg) { return model_final_norm(cfg) + 1; }
+int model_lm_head(const ModelConfig *cfg) { return model_final_norm(cfg) + 2; }
+
+// Name, shape and flags of parameter i (offset left 0).
+static void param_desc(const ModelConfig *cfg, int i, ModelParam *p) {
+    int V = cfg->vocab_size, H = cfg->hidden_size, E = cfg->num_experts;
+    int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared, Kc = cfg->conv_kernel;
+    memset(p, 0, sizeof *p);
+    p->requires_grad = 1;
+    int s0 = 0, s1 = 0, s2 = 0;
+    if (i == MODEL_EMBED) {
+        snprintf(p->name, sizeof p->name, "model.embed_tokens.weight");
+        s0 = V, s1 = H;
+    } else if (i == model_final_norm(cfg)) {
+        snprintf(p->name, sizeof p->name, "model.norm.weight");
+        s0 = H;
+    } else if (i == model_output_query(cfg)) {
+        snprintf(p->name, sizeof p->name, "model.output_query.query");
+        s0 = H, p->fp32_module = 1;
+    } else if (i == model_lm_head(cfg)) {
+        snprintf(p->name, sizeof p->name, "lm_head.weight");
+        s0 = V, s1 = H;
+    } else {
+        int l = (i - 1) / LP_COUNT, k = (i - 1) % LP_COUNT;
+        static const char *const suffix[LP_COUNT] = {
+            "mlp_query.query", "mlp_norm.weight", "mlp_sconv.weight", "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias", "mlp.experts.gate_and_up_projs",
+            "mlp.experts.down_projs", "mlp.shared_experts.gate_proj.weight",
+            "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+        };
+        snprintf(p->name, sizeof p->name, "model.layers.%d.%s", l, suffix[k]);
+        switch (k) {
+        case LP_MLP_QUERY: s0 = H, p->fp32_module = 1; break;
+        case LP_MLP_NORM: s0 = H; break;
+        case LP_MLP_SCONV: s0 = H, s1 = 1, s2 = Kc; break;
+        case LP_GATE: s0 = E, s1 = H, p->fp32_module = 1; break;
+        case LP_GATE_BIAS: s0 = E, p->fp32_module = 1, p->requires_grad = 0; break;
+        case LP_EXPERTS_GATE_UP: s0 = E, s1 = H, s2 = 2 * I; break;
+        case LP_EXPERTS_DOWN: s0 = E, s1 = I, s2 = H; break;
+        case LP_SHARED_GATE: case LP_SHARED_UP: s0 = Is, s1 = H; break;
+        case LP_SHARED_DOWN: s0 = H, s1 = Is; break;
+        }
+    }
+    p->ndim = s2 ? 3 : s1 ? 2 : 1;
+    p->shape[0] = s0, p->shape[1] = s1, p->shape[2] = s2;
+    p->numel = (size_t)s0 * (size_t)(s1 ? s1 : 1) * (size_t)(s2 ? s2 : 1);
+}
+
+size_t model_params(const ModelConfig *cfg, ModelParam *out) {
+    size_t offset = 0;
+    for (int i = 0; i < model_param_count(cfg); i++) {
+        param_desc(cfg, i, &out[i]);
+        out[i].offset = offset;
+        offset += out[i].numel;
+    }
+    return offset;
+}
+
+size_t model_param_numel(const ModelConfig *cfg) {
+    size_t total = 0;
+    ModelParam p;
+    for (int i = 0; i < model_param_count(cfg); i++) {
+        param_desc(cfg, i, &p);
+        total += p.numel;
+    }
+    return total;
+}
+
+void model_param_pointers(const ModelConfig *cfg, float *flat, float **ptrs) {
+    size_t offset = 0;
+    ModelParam p;
+    for (int i = 0; i < model_param_count(cfg); i++) {
+        param_desc(cfg, i, &p);
+        ptrs[i] = flat + offset;
+        offset += p.numel;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// init
+
+// splitmix64: a counter-based generator, so each tensor's stream depends on (seed, i) only.
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Standard normal by Box-Muller (one value per pair of uniforms).
+static double normal(uint64_t *state) {
+    double u1 = (double)((splitmix64(state) >> 11) + 1) * 0x1.0p-53; // (0, 1]
+    double u2 = (double)(splitmix64(state) >> 11) * 0x1.0p-53;       // [0, 1)
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+void model_init_param(const ModelConfig *cfg, int i, float *dst, uint64_t seed) {
+    ModelParam p;
+    param_desc(cfg, i, &p);
+    int k = (i >= 1 && i < model_final_norm(cfg)) ? (i - 1) % LP_COUNT : -1;
+    double H = cfg->hidden_size, std = 0.0; // std 0: the constant `value`
+    float value = 0.0f;                     // queries and the correction bias
+    if (i == MODEL_EMBED) std = 1.0;
+    else if (i == model_lm_head(cfg)) std = 1.0 / sqrt(H);
+    else if (i == model_final_norm(cfg)) value = 1.0f;
+    else switch (k) {
+    case LP_MLP_NORM: value = 1.0f; break;
+    case LP_MLP_SCONV: std = 1.0 / sqrt(cfg->conv_kernel); break;
+    case LP_GATE: case LP_EXPERTS_GATE_UP: case LP_SHARED_GATE: case LP_SHARED_UP:
+        std = 1.0 / sqrt(H); break;
+    case LP_EXPERTS_DOWN: std = 1.0 / sqrt(cfg->expert_dim); break;
+    case LP_SHARED_DOWN: std = 1.0 / sqrt((double)cfg->expert_dim * cfg->num_shared); break;
+    default: break;
+    }
+    uint64_t state = seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
+    for (size_t j = 0; j < p.numel; j++) dst[j] = std > 0.0 ? (float)(std * normal(&state)) : value;
+}
+
+void model_init(const ModelConfig *cfg, float *flat, uint64_t seed) {
+    size_t offset = 0;
+    ModelParam p;
+    for (int i = 0; i < model_param_count(cfg); i++) {
+        param_desc(cfg, i, &p);
+        model_init_param(cfg, i, flat + offset, seed);
+        offset += p.numel;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// workspace
+
+typedef struct {
+    int *tokens;     // (B, T+1) copy of the batch
+    float *resid;    // (L+1, BT, H) residual stream entering layer l; [L] enters the head
+    float *rstd;     // (L, BT) 1/rms of r = x * (1 + mlp_query)
+    float *hnorm;    // (L, BT, H) RMSNorm(r) * mlp_norm.weight: the conv input
+    float *h;        // (L, BT, H) conv output: the MoE input
+    float *score;    // (L, BT, E) sigmoid router scores
+    int *choice;     // (L, BT, K) chosen experts, in selection order
+    float *weight;   // (L, BT, K) routing weights (chosen scores normalised)
+    float *egu;      // (L, BT, K, 2I) expert gate | up pre-activations
+    float *eact;     // (L, BT, K, I) silu(gate) * up
+    float *eout;     // (L, BT, K, H) expert outputs before weighting
+    float *sgu;      // (L, BT, 2Is) shared gate | up pre-activations
+    float *sact;     // (L, BT, Is) shared silu(gate) * up
+    float *frstd;    // (BT) 1/rms of x * (1 + output_query)
+    float *fnorm;    // (BT, H) final RMSNorm output: the lm_head input
+    float *probs;    // (BT, V) softmax of the logits
+    float *losses;   // (BT) per-position cross-entropy
+    float *dresid;   // (BT, H) d loss / d residual stream at the stage being run backward
+    float *dh;       // (BT, H) d loss / d h (conv output)
+    float *dhnorm;   // (BT, H) d loss / d hnorm (conv input)
+    float *dlogits;  // (V) one position's scratch
+    float *dfnorm;   // (H)
+    float *dsact;    // (Is)
+    float *dsgu;     // (2Is)
+    float *deact;    // (I)
+    float *degu;     // (2I)
+    float *dweight;  // (K)
+} Acts;
+
+enum { WS_ALIGN = 64 };
+
+// Reserves `bytes` at *off (aligned); NULL when only measuring.
+static void *take(char *base, size_t *off, size_t bytes) {
+    *off = (*off + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+    void *p = base ? base + *off : NULL;
+    *off += bytes;
+    return p;
+}
+
+// Lays out the workspace for B rows after its header (the int B of the latest forward);
+// returns its size in bytes. base NULL: measure only.
+static size_t acts_layout(const ModelConfig *c, int B, char *base, Acts *a) {
+    size_t L = (size_t)c->num_layers, BT = (size_t)B * c->seq_len, H = c->hidden_size;
+    size_t V = c->vocab_size, E = c->num_experts, K = c->top_k, I = c->expert_dim;
+    size_t Is = I * (size_t)c->num_shared, f = sizeof(float), n = sizeof(int);
+    size_t off = sizeof(int); // header: B
+    a->tokens = take(base, &off, (size_t)B * (c->seq_len + 1) * n);
+    a->resid = take(base, &off, (L + 1) * BT * H * f);
+    a->rstd = take(base, &off, L * BT * f);
+    a->hnorm = take(base, &off, L * BT * H * f);
+    a->h = take(base, &off, L * BT * H * f);
+    a->score = take(base, &off, L * BT * E * f);
+    a->choice = take(base, &off, L * BT * K * n);
+    a->weight = take(base, &off, L * BT * K * f);
+    a->egu = take(base, &off, L * BT * K * 2 * I * f);
+    a->eact = take(base, &off, L * BT * K * I * f);
+    a->eout = take(base, &off, L * BT * K * H * f);
+    a->sgu = take(base, &off, L * BT * 2 * Is * f);
+    a->sact = take(base, &off, L * BT * Is * f);
+    a->frstd = take(base, &off, BT * f);
+    a->fnorm = take(base, &off, BT * H * f);
+    a->probs = take(base, &off, BT * V * f);
+    a->losses = take(base, &off, BT * f);
+    a->dresid = take(base, &off, BT * H * f);
+    a->dh = take(base, &off, BT * H * f);
+    a->dhnorm = take(base, &off, BT * H * f);
+    a->dlogits = take(base, &off, V * f);
+    a->dfnorm = take(base, &off, H * f);
+    a->dsact = take(base, &off, Is * f);
+    a->dsgu = take(base, &off, 2 * Is * f);
+    a->deact = take(base, &off, I * f);
+    a->degu = take(base, &off, 2 * I * f);
+    a->dweight = take(base, &off, K * f);
+    return off;
+}
+
+size_t model_workspace_size(const ModelConfig *cfg, int B) {
+    Acts a;
+    return acts_layout(cfg, B, NULL, &a);
+}
+
+// Points `a` at ws as laid out by the latest forward; returns its B.
+static int acts_of(const ModelConfig *cfg, void *ws, Acts *a) {
+    int B;
+    memcpy(&B, ws, sizeof B);
+    acts_layout(cfg, B, ws, a);
+    return B;
+}
+
+// One layer's slice of the activations: rows of BT positions.
+typedef struct {
+    float *x, *xnext;      // (BT, H) residual stream in and out
+    float *rstd;           // (BT)
+    float *hnorm, *h;      // (BT, H)
+    float *score;          // (BT, E)
+    int *choice;           // (BT, K)
+    float *weight;         // (BT, K)
+    float *egu, *eact;     // (BT, K, 2I), (BT, K, I)
+    float *eout;           // (BT, K, H)
+    float *sgu, *sact;     // (BT, 2Is), (BT, Is)
+} LayerActs;
+
+static LayerActs layer_acts(const ModelConfig *c, const Acts *a, int B, int l) {
+    size_t BT = (size_t)B * c->seq_len, H = c->hidden_size, K = c->top_k, I = c->expert_dim;
+    size_t Is = I * (size_t)c->num_shared;
+    LayerActs la;
+    la.x = a->resid + l * BT * H;
+    la.xnext = la.x + BT * H;
+    la.rstd = a->rstd + l * BT;
+    la.hnorm = a->hnorm + l * BT * H;
+    la.h = a->h + l * BT * H;
+    la.score = a->score + l * BT * c->num_experts;
+    la.choice = a->choice + l * BT * K;
+    la.weight = a->weight + l * BT * K;
+    la.egu = a->egu + l * BT * K * 2 * I;
+    la.eact = a->eact + l * BT * K * I;
+    la.eout = a->eout + l * BT * K * H;
+    la.sgu = a->sgu + l * BT * 2 * Is;
+    la.sact = a->sact + l * BT * Is;
+    return la;
+}
+
+// ----------------------------------------------------------------------------
+// kernels on one row
+
+// Eight partial sums in a fixed order: vectorizes, and the result is reproducible.
+static float dot(const float *a, const float *b, int n) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 8; j++) s += acc[j];
+    return s;
+}
+
+// y += alpha * x
+static void axpy(float *y, float alpha, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// act (n) = silu(gu[0, n)) * gu[n, 2n): the gated unit of every expert.
+static void swiglu_forward(float *act, const float *gu, int n) {
+    for (int i = 0; i < n; i++) act[i] = gu[i] * sigmoidf(gu[i]) * gu[n + i];
+}
+
+// Backward of swiglu_forward: dgu (2n) from dact (n).
+static void swiglu_backward(float *dgu, const float *dact, const float *gu, int n) {
+    for (int i = 0; i < n; i++) {
+        float s = sigmoidf(gu[i]);
+        dgu[i] = dact[i] * gu[n + i] * s * (1.0f + gu[i] * (1.0f - s));
+        dgu[n + i] = dact[i] * gu[i] * s;
+    }
+}
+
+// out = RMSNorm(x * (1 + q)) * w; writes 1/rms to *rstd.
+static void query_norm_forward(float *out, float *rstd, const float *x, const float *q,
+                               const float *w, int H) {
+    float ss = 0.0f;
+    for (int c = 0; c < H; c++) {
+        float r = x[c] * (1.0f + q[c]);
+        ss += r * r;
+    }
+    float rs = 1.0f / sqrtf(ss / H + RMS_EPS);
+    for (int c = 0; c < H; c++) out[c] = x[c] * (1.0f + q[c]) * rs * w[c];
+    *rstd = rs;
+}
+
+// Backward of query_norm_forward: adds into dx, dq and dw.
+static void query_norm_backward(float *dx, float *dq, float *dw, const float *dout,
+                                const float *x, const float *q, const float *w, float rstd,
+                                int H) {
+    float m = 0.0f; // mean over c of dn * n
+    for (int c = 0; c < H; c++) m += dout[c] * w[c] * x[c] * (1.0f + q[c]) * rstd;
+    m /= H;
+    for (int c = 0; c < H; c++) {
+        float n = x[c] * (1.0f + q[c]) * rstd;
+        float dr = rstd * (dout[c] * w[c] - n * m);
+        dw[c] += dout[c] * n;
+        dq[c] += dr * x[c];
+        dx[c] += dr * (1.0f + q[c]);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// forward
+
+int model_forward_embed(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
+                        void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size;
+    for (int j = 0; j < B * (T + 1); j++)
+        if (tokens[j] < 0 || tokens[j] >= cfg->vocab_size) return -1;
+    memcpy(ws, &B, sizeof B);
+    Acts a;
+    acts_of(cfg, ws, &a);
+    memcpy(a.tokens, tokens, (size_t)B * (T + 1) * sizeof(int));
+    const float *wte = params[MODEL_EMBED]; // (V, H)
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            memcpy(a.resid + ((size_t)b * T + t) * H, wte + (size_t)tokens[b * (T + 1) + t] * H,
+                   H * sizeof(float));
+    return 0;
+}
+
+// h (B, T, H) = causal depthwise conv of hn with w (H, 1, Kc), zero left padding.
+static void sconv_forward(float *h, const float *hn, const float *w, int B, int T, int H, int Kc) {
+    memset(h, 0, (size_t)B * T * H * sizeof(float));
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < Kc; j++) {
+                int src = t - (Kc - 1) + j;
+                if (src < 0) continue;
+                float *out = h + ((size_t)b * T + t) * H;
+                const float *in = hn + ((size_t)b * T + src) * H;
+                for (int c = 0; c < H; c++) out[c] += w[c * Kc + j] * in[c];
+            }
+}
+
+// Router of one position: scores (E), top-K choice by score + bias, normalised weights.
+static void router_forward(float *score, int *choice, float *weight, const float *h,
+                           const float *gate, const float *bias, int E, int K, int H) {
+    for (int e = 0; e < E; e++) score[e] = sigmoidf(dot(h, gate + (size_t)e * H, H));
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= choice[j] == e;
+            if (!taken && (best < 0 || score[e] + bias[e] > score[best] + bias[best])) best = e;
+        }
+        choice[k] = best;
+        sum += score[best];
+    }
+    for (int k = 0; k < K; k++) weight[k] = score[choice[k]] / sum;
+}
+
+// One expert on one position: gu (2I) = h @ Wgu (H, 2I), act (I), out (H) = act @ Wd (I, H).
+static void expert_forward(float *out, float *gu, float *act, const float *h, const float *wgu,
+                           const float *wd, int H, int I) {
+    memset(gu, 0, 2 * (size_t)I * sizeof(float));
+    for (int c = 0; c < H; c++) axpy(gu, h[c], wgu + (size_t)c * 2 * I, 2 * I);
+    swiglu_forward(act, gu, I);
+    memset(out, 0, (size_t)H * sizeof(float));
+    for (int i = 0; i < I; i++) axpy(out, act[i], wd + (size_t)i * H, H);
+}
+
+void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
+    int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    float *const *p = params + model_layer_param(cfg, l, 0);
+    const float *query = p[LP_MLP_QUERY];   // (H)
+    const float *norm = p[LP_MLP_NORM];     // (H)
+    const float *gate = p[LP_GATE];         // (E, H)
+    const float *bias = p[LP_GATE_BIAS];    // (E)
+    const float *wgu = p[LP_EXPERTS_GATE_UP]; // (E, H, 2I)
+    const float *wd = p[LP_EXPERTS_DOWN];   // (E, I, H)
+    const float *sg = p[LP_SHARED_GATE];    // (Is, H)
+    const float *su = p[LP_SHARED_UP];      // (Is, H)
+    const float *sd = p[LP_SHARED_DOWN];    // (H, Is)
+
+    for (int n = 0; n < BT; n++)
+        query_norm_forward(la.hnorm + (size_t)n * H, la.rstd + n, la.x + (size_t)n * H, query,
+                           norm, H);
+    sconv_forward(la.h, la.hnorm, p[LP_MLP_SCONV], B, T, H, cfg->conv_kernel);
+
+    for (int n = 0; n < BT; n++) {
+        const float *h = la.h + (size_t)n * H;
+        float *xnext = la.xnext + (size_t)n * H;
+        int *choice = la.choice + (size_t)n * K;
+        float *weight = la.weight + (size_t)n * K;
+        memcpy(xnext, la.x + (size_t)n * H, H * sizeof(float));
+
+        router_forward(la.score + (size_t)n * E, choice, weight, h, gate, bias, E, K, H);
+        for (int k = 0; k < K; k++) {
+            size_t nk = (size_t)n * K + k, e = choice[k];
+            float *out = la.eout + nk * H;
+            expert_forward(out, la.egu + nk * 2 * I, la.eact + nk * I, h, wgu + e * H * 2 * I,
+                           wd + e * I * H, H, I);
+            axpy(xnext, weight[k], out, H);
+        }
+
+        float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
+        for (int i = 0; i < Is; i++) {
+            sgu[i] = dot(h, sg + (size_t)i * H, H);
+            sgu[Is + i] = dot(h, su + (size_t)i * H, H);
+        }
+        swiglu_forward(sact, sgu, Is);
+        for (int c = 0; c < H; c++) xnext[c] += dot(sact, sd + (size_t)c * Is, Is);
+    }
+}
+
+float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, V = cfg->vocab_size, L = cfg->num_layers;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    const float *x = a.resid + (size_t)L * BT * H;        // (BT, H)
+    const float *norm = params[model_final_norm(cfg)];    // (H)
+    const float *query = params[model_output_query(cfg)]; // (H)
+    const float *wlm = params[model_lm_head(cfg)];        // (V, H)
+    double total = 0.0;
+    for (int n = 0; n < BT; n++) {
+        float *xn = a.fnorm + (size_t)n * H, *probs = a.probs + (size_t)n * V;
+        query_norm_forward(xn, a.frstd + n, x + (size_t)n * H, query, norm, H);
+        float maxv = -INFINITY;
+        for (int v = 0; v < V; v++) {
+            probs[v] = dot(xn, wlm + (size_t)v * H, H); // logits for now
+            if (probs[v] > maxv) maxv = probs[v];
+        }
+        int target = a.tokens[(n / T) * (T + 1) + n % T + 1];
+        float target_logit = probs[target], sum = 0.0f;
+        for (int v = 0; v < V; v++) {
+            probs[v] = expf(probs[v] - maxv);
+            sum += probs[v];
+        }
+        for (int v = 0; v < V; v++) probs[v] /= sum;
+        a.losses[n] = logf(sum) - (target_logit - maxv);
+        total += a.losses[n];
+    }
+    return (float)(total / BT);
+}
+
+int model_forward(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
+                  float *loss, void *ws) {
+    if (model_forward_embed(cfg, params, tokens, B, ws)) return -1;
+    for (int l = 0; l < cfg->num_layers; l++) model_forward_layer(cfg, l, params, ws);
+    *loss = model_forward_head(cfg, params, ws);
+    return 0;
+}
+
+const int *model_routing(const ModelConfig *cfg, int l, const void *ws) {
+    Acts a;
+    int B = acts_of(cfg, (void *)ws, &a);
+    return a.choice + (size_t)l * B * cfg->seq_len * cfg->top_k;
+}
+
+// ----------------------------------------------------------------------------
+// backward
+
+void model_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
+                         void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, V = cfg->vocab_size, L = cfg->num_layers;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    const float *x = a.resid + (size_t)L * BT * H;        // (BT, H)
+    int in = model_final_norm(cfg), iq = model_output_query(cfg), ih = model_lm_head(cfg);
+    const float *wlm = params[ih];                        // (V, H)
+    float *dwlm = grads[ih];                              // (V, H)
+    memset(a.dresid, 0, (size_t)BT * H * sizeof(float));
+    for (int n = 0; n < BT; n++) {
+        const float *xn = a.fnorm + (size_t)n * H, *probs = a.probs + (size_t)n * V;
+        int target = a.tokens[(n / T) * (T + 1) + n % T + 1];
+        for (int v = 0; v < V; v++) a.dlogits[v] = probs[v] / BT;
+        a.dlogits[target] -= 1.0f / BT;
+        memset(a.dfnorm, 0, (size_t)H * sizeof(float));
+        for (int v = 0; v < V; v++) {
+            axpy(dwlm + (size_t)v * H, a.dlogits[v], xn, H);
+            axpy(a.dfnorm, a.dlogits[v], wlm + (size_t)v * H, H);
+        }
+        query_norm_backward(a.dresid + (size_t)n * H, grads[iq], grads[in], a.dfnorm,
+                            x + (size_t)n * H, params[iq], params[in], a.frstd[n], H);
+    }
+}
+
+// Backward of sconv_forward: dhn (B, T, H) = conv^T dh; adds into dw (H, 1, Kc).
+static void sconv_backward(float *dhn, float *dw, const float *dh, const float *hn,
+                           const float *w, int B, int T, int H, int Kc) {
+    memset(dhn, 0, (size_t)B * T * H * sizeof(float));
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < Kc; j++) {
+                int src = t - (Kc - 1) + j;
+                if (src < 0) continue;
+                const float *dout = dh + ((size_t)b * T + t) * H;
+                const float *in = hn + ((size_t)b * T + src) * H;
+                float *din = dhn + ((size_t)b * T + src) * H;
+                for (int c = 0; c < H; c++) {
+                    din[c] += w[c * Kc + j] * dout[c];
+                    dw[c * Kc + j] += dout[c] * in[c];
+                }
+            }
+}
+
+void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
+                          float *const *grads, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
+    int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    int base = model_layer_param(cfg, l, 0);
+    float *const *p = params + base, *const *g = grads + base;
+    const float *gate = p[LP_GATE], *wgu = p[LP_EXPERTS_GATE_UP], *wd = p[LP_EXPERTS_DOWN];
+    const float *sg = p[LP_SHARED_GATE], *su = p[LP_SHARED_UP], *sd = p[LP_SHARED_DOWN];
+    float *dgate = g[LP_GATE];            // (E, H)
+    float *dwgu = g[LP_EXPERTS_GATE_UP];  // (E, H, 2I)
+    float *dwd = g[LP_EXPERTS_DOWN];      // (E, I, H)
+    float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is, H)
+    float *dsd = g[LP_SHARED_DOWN];       // (H, Is)
+
+    // MoE block: dresid holds d loss / d xnext, which is also d loss / d (routed + shared).
+    memset(a.dh, 0, (size_t)BT * H * sizeof(float));
+    for (int n = 0; n < BT; n++) {
+        const float *dy = a.dresid + (size_t)n * H, *h = la.h + (size_t)n * H;
+        float *dh = a.dh + (size_t)n * H;
+
+        const float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
+        memset(a.dsact, 0, (size_t)Is * sizeof(float));
+        for (int c = 0; c < H; c++) {
+            axpy(a.dsact, dy[c], sd + (size_t)c * Is, Is);
+            axpy(dsd + (size_t)c * Is, dy[c], sact, Is);
+        }
+        swiglu_backward(a.dsgu, a.dsact, sgu, Is);
+        for (int i = 0; i < Is; i++) {
+            axpy(dsg + (size_t)i * H, a.dsgu[i], h, H);
+            axpy(dh, a.dsgu[i], sg + (size_t)i * H, H);
+            axpy(dsu + (size_t)i * H, a.dsgu[Is + i], h, H);
+            axpy(dh, a.dsgu[Is + i], su + (size_t)i * H, H);
+        }
+
+        const int *choice = la.choice + (size_t)n * K;
+        const float *weight = la.weight + (size_t)n * K, *score = la.score + (size_t)n * cfg->num_experts;
+        for (int k = 0; k < K; k++) {
+            size_t nk = (size_t)n * K + k, e = choice[k];
+            const float *gu = la.egu + nk * 2 * I, *act = la.eact + nk * I;
+            const float *wgu_e = wgu + e * H * 2 * I, *wd_e = wd + e * I * H;
+            a.dweight[k] = dot(dy, la.eout + nk * H, H);
+            for (int i = 0; i < I; i++) {
+                a.deact[i] = weight[k] * dot(wd_e + (size_t)i * H, dy, H);
+                axpy(dwd + e * I * H + (size_t)i * H, weight[k] * act[i], dy, H);
+            }
+            swiglu_backward(a.degu, a.deact, gu, I);
+            for (int c = 0; c < H; c++) {
+                dh[c] += dot(wgu_e + (size_t)c * 2 * I, a.degu, 2 * I);
+                axpy(dwgu + e * H * 2 * I + (size_t)c * 2 * I, h[c], a.degu, 2 * I);
+            }
+        }
+
+        // w_k = s_k / S: d s_k = (d w_k - sum_j w_j d w_j) / S; d logit = d s * s (1 - s).
+        float sum = 0.0f, wdw = 0.0f;
+        for (int k = 0; k < K; k++) {
+            sum += score[choice[k]];
+            wdw += weight[k] * a.dweight[k];
+        }
+        for (int k = 0; k < K; k++) {
+            float s = score[choice[k]];
+            float dlogit = (a.dweight[k] - wdw) / sum * s * (1.0f - s);
+            axpy(dgate + (size_t)choice[k] * H, dlogit, h, H);
+            axpy(dh, dlogit, gate + (size_t)choice[k] * H, H);
+        }
+    }
+
+    sconv_backward(a.dhnorm, g[LP_MLP_SCONV], a.dh, la.hnorm, p[LP_MLP_SCONV], B, T, H,
+                   cfg->conv_kernel);
+    // x feeds both xnext (identity: dresid already holds it) and the norm.
+    for (int n = 0; n < BT; n++)
+        query_norm_backward(a.dresid + (size_t)n * H, g[LP_MLP_QUERY], g[LP_MLP_NORM],
+                            a.dhnorm + (size_t)n * H, la.x + (size_t)n * H, p[LP_MLP_QUERY],
+                            p[LP_MLP_NORM], la.rstd[n], H);
+}
+
+void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size;
+    Acts a;
+    int B = acts_of(cfg, ws, &a);
+    float *dwte = grads[MODEL_EMBED]; // (V, H)
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            axpy(dwte + (size_t)a.tokens[b * (T + 1) + t] * H, 1.0f,
+                 a.dresid + ((size_t)b * T + t) * H, H);
+}
+
+void model_backward(const ModelConfig *cfg, float *const *params, float *const *grads, void *ws) {
+    model_backward_head(cfg, params, grads, ws);
+    for (int l = cfg->num_layers - 1; l >= 0; l--) model_backward_layer(cfg, l, params, grads, ws);
+    model_backward_embed(cfg, grads, ws);
+}

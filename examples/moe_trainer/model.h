@@ -1,0 +1,150 @@
+/*
+ * model.h: a small inkling2-like MoE character-level language model on the CPU: forward
+ * and exact backward in fp32, single-threaded, no moonshard dependency.
+ *
+ * There is no attention: token mixing is a causal depthwise short convolution. One layer:
+ *
+ *   r   = x * (1 + q)                       ResidualQuery, q = mlp_query.query (FP32 module)
+ *   hn  = RMSNorm(r) * mlp_norm.weight      eps 1e-6
+ *   h   = causal depthwise conv of hn over time with mlp_sconv.weight (left zero padding):
+ *         h[t, c] = sum_j w[c, 0, j] * hn[t - (Kc-1) + j, c]   (tap Kc-1 is the current token)
+ *   s   = sigmoid(h @ gate.weight^T)                           router scores (E)
+ *   top-K experts by s + e_score_correction_bias (ties: lower index); the bias only selects
+ *   w_k = s_k / sum of the chosen s                            routing weights (K)
+ *   routed = sum_k w_k * (silu(h @ Wg_e) * (h @ Wu_e)) @ Wd_e
+ *            [Wg_e | Wu_e] = gate_and_up_projs[e] (H, 2I): columns [0, I) gate, [I, 2I) up
+ *            Wd_e = down_projs[e] (I, H)
+ *   shared = (silu(h @ Sg^T) * (h @ Su^T)) @ Sd^T              the shared experts fused (Is)
+ *   x   = x + routed + shared
+ *
+ * then x = x * (1 + output_query.query); x = RMSNorm(x) * norm.weight; logits = x @ lm_head^T;
+ * loss = mean over the B*T positions of the cross-entropy of the next byte.
+ *
+ * Parameters, in this order (the table of model_params; Is = I * n_shared; "fp32": the
+ * module is FP32 in inkling2):
+ *
+ *   model.embed_tokens.weight                          (V, H)
+ *   per layer i:
+ *   model.layers.{i}.mlp_query.query                   (H)            fp32
+ *   model.layers.{i}.mlp_norm.weight                   (H)
+ *   model.layers.{i}.mlp_sconv.weight                  (H, 1, Kc)
+ *   model.layers.{i}.mlp.gate.weight                   (E, H)         fp32
+ *   model.layers.{i}.mlp.gate.e_score_correction_bias  (E)            fp32, requires_grad 0
+ *   model.layers.{i}.mlp.experts.gate_and_up_projs     (E, H, 2I)
+ *   model.layers.{i}.mlp.experts.down_projs            (E, I, H)
+ *   model.layers.{i}.mlp.shared_experts.gate_proj.weight (Is, H)
+ *   model.layers.{i}.mlp.shared_experts.up_proj.weight   (Is, H)
+ *   model.layers.{i}.mlp.shared_experts.down_proj.weight (H, Is)
+ *   model.norm.weight                                  (H)
+ *   model.output_query.query                           (H)            fp32
+ *   lm_head.weight                                     (V, H)         untied
+ *
+ * Parameters and gradients are passed as an array of pointers, one per parameter in table
+ * order, each to a contiguous row-major f32 tensor of the shape above: a host points each
+ * at its own (unsharded) buffer, or at offsets of one flat array (model_param_pointers).
+ * Activations live in a workspace the caller allocates (model_workspace_size). No globals:
+ * calls on different workspaces and gradient buffers may run concurrently on many threads.
+ */
+#ifndef MOE_MODEL_H
+#define MOE_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// ----------------------------------------------------------------------------
+// configuration
+
+typedef struct {
+    int vocab_size;   // V (256: bytes)
+    int hidden_size;  // H
+    int num_layers;   // L
+    int num_experts;  // E, routed experts
+    int top_k;        // K, experts per token
+    int expert_dim;   // I, intermediate size of one routed expert
+    int num_shared;   // n_shared; the fused shared MLP has Is = I * n_shared
+    int conv_kernel;  // Kc, short-conv kernel
+    int seq_len;      // T
+} ModelConfig;
+
+// V=256, H=64, L=2, E=4, K=2, I=64, n_shared=1, Kc=4, T=64.
+void model_config_default(ModelConfig *cfg);
+// 0 when every size is positive and K <= E; else -1 with the reason in err.
+int model_config_check(const ModelConfig *cfg, char *err, size_t errlen);
+
+// ----------------------------------------------------------------------------
+// parameters
+
+enum { MODEL_NAME_MAX = 96 };
+
+typedef struct {
+    char name[MODEL_NAME_MAX]; // dotted inkling2 name
+    int ndim;
+    int shape[3];
+    size_t numel;
+    size_t offset;             // in floats, into one flat array of model_param_numel floats
+    int fp32_module;           // 1 when the parameter belongs to an FP32 module in inkling2
+    int requires_grad;         // 0 for e_score_correction_bias: backward never touches it
+} ModelParam;
+
+// Indices of one layer's parameters relative to model_layer_param(cfg, l, 0).
+enum {
+    LP_MLP_QUERY, LP_MLP_NORM, LP_MLP_SCONV, LP_GATE, LP_GATE_BIAS,
+    LP_EXPERTS_GATE_UP, LP_EXPERTS_DOWN, LP_SHARED_GATE, LP_SHARED_UP, LP_SHARED_DOWN,
+    LP_COUNT
+};
+enum { MODEL_EMBED = 0 }; // model.embed_tokens.weight is parameter 0
+
+int model_param_count(const ModelConfig *cfg);             // 1 + L*LP_COUNT + 3 tensors
+int model_layer_param(const ModelConfig *cfg, int l, int k); // index of layer l's parameter k
+int model_final_norm(const ModelConfig *cfg);               // index of model.norm.weight
+int model_output_query(const ModelConfig *cfg);             // index of model.output_query.query
+int model_lm_head(const ModelConfig *cfg);                  // index of lm_head.weight
+// Fills out[model_param_count(cfg)]; returns the total number of floats.
+size_t model_params(const ModelConfig *cfg, ModelParam *out);
+size_t model_param_numel(const ModelConfig *cfg);
+// ptrs[i] = flat + offset of parameter i (ptrs has model_param_count(cfg) entries).
+void model_param_pointers(const ModelConfig *cfg, float *flat, float **ptrs);
+
+// Deterministic init of parameter i into dst (numel floats): matrices normal with std
+// 1/sqrt(fan_in) (embedding: std 1), norm weights 1, queries 0, the correction bias 0.
+// The values depend on (seed, i, shape) only, so a host may init one tensor at a time.
+void model_init_param(const ModelConfig *cfg, int i, float *dst, uint64_t seed);
+// model_init_param for every parameter into one flat array laid out as model_params says.
+void model_init(const ModelConfig *cfg, float *flat, uint64_t seed);
+
+// ----------------------------------------------------------------------------
+// forward and backward
+
+// Bytes of workspace for batches of up to B rows (64-byte aligned memory is best).
+size_t model_workspace_size(const ModelConfig *cfg, int B);
+
+// tokens: (B, T+1) bytes as ints, row b predicts tokens[b][1..T] from tokens[b][0..T-1].
+// Writes the mean loss; keeps the activations (and a copy of the tokens) in ws for
+// model_backward. Returns 0, or -1 when a token is outside [0, V).
+int model_forward(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
+                  float *loss, void *ws);
+// Adds d(mean loss)/d(param) into grads[i] for every parameter with requires_grad (the
+// caller zeroes them; adding allows accumulation over micro-batches); grads of the other
+// parameters are not touched and may be NULL. Needs the ws of the latest model_forward.
+// params must hold the values the forward saw.
+void model_backward(const ModelConfig *cfg, float *const *params, float *const *grads, void *ws);
+
+// The same, by stage, for a host that unshards one unit at a time: a stage reads only its
+// own parameters (embed: embed_tokens; layer l: layer l's; head: norm, output_query,
+// lm_head) and may be given a params array whose other entries are NULL.
+// model_forward = embed, layers 0..L-1, head; model_backward = head, layers L-1..0, embed.
+int model_forward_embed(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
+                        void *ws);
+void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws);
+float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws);
+void model_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
+                         void *ws);
+void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
+                          float *const *grads, void *ws);
+void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws);
+
+// The experts chosen in the latest forward: (B, T, K) indices for layer l, in the order
+// of selection. Borrowed from ws.
+const int *model_routing(const ModelConfig *cfg, int l, const void *ws);
+
+#endif
