@@ -15,6 +15,11 @@
 
 #include <lauxlib.h>
 #include <lua.h>
+#include <lualib.h>
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <unistd.h>
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -24,6 +29,7 @@
 #define TENSOR_MT "moonshard.Tensor"
 #define MESH_MT "moonshard.Mesh"
 #define GROUP_MT "moonshard.Group"
+#define UNIT_MT "moonshard.Unit"
 #define WORLD_KEY "moonshard.world"     /* light userdata: ms_comm * of this rank */
 #define WORLD_OWNER_KEY "moonshard.world_owner" /* full userdata owning a 1-rank world */
 
@@ -60,6 +66,7 @@ static void *box_get(lua_State *L, int idx, const char *mt, const char *what) {
 #define check_tensor(L, i) ((ms_tensor *)box_get(L, i, TENSOR_MT, "tensor"))
 #define check_mesh(L, i) ((ms_mesh *)box_get(L, i, MESH_MT, "mesh"))
 #define check_group(L, i) ((ms_comm *)box_get(L, i, GROUP_MT, "group"))
+#define check_unit(L, i) ((ms_unit *)box_get(L, i, UNIT_MT, "unit"))
 
 #define DEFINE_RELEASE(fname, mt, release)          \
     static int fname(lua_State *L) {                \
@@ -73,6 +80,7 @@ static void *box_get(lua_State *L, int idx, const char *mt, const char *what) {
 DEFINE_RELEASE(tensor_gc, TENSOR_MT, ms_tensor_release)
 DEFINE_RELEASE(mesh_gc, MESH_MT, ms_mesh_release)
 DEFINE_RELEASE(group_gc, GROUP_MT, ms_comm_release)
+DEFINE_RELEASE(unit_gc, UNIT_MT, ms_unit_release)
 
 /* ---------------------------------------------------------------- world */
 
@@ -693,6 +701,217 @@ static int l_chunk_extent(lua_State *L) {
     return 2;
 }
 
+/* ---------------------------------------------------------------- shard units */
+
+static int opt_dtype_or_unset(lua_State *L, int idx) {
+    if (lua_isnoneornil(L, idx)) return -1;
+    return (int)opt_dtype(L, idx, MS_F32);
+}
+
+/* core.unit(name, shard_group, replicate_group|nil, param_dtype|nil, reduce_dtype|nil,
+ *           reshard_after_forward) -- reshard: true, false or an integer k */
+static int l_unit(lua_State *L) {
+    const char *name = luaL_checkstring(L, 1);
+    ms_comm *shard = check_group(L, 2);
+    ms_comm *replicate = lua_isnoneornil(L, 3) ? NULL : check_group(L, 3);
+    int pd = opt_dtype_or_unset(L, 4), rd = opt_dtype_or_unset(L, 5);
+    /* true / false, or an integer k where (SEMANTICS.md §3) k = 1 means keep: the C API's 0 */
+    int raf = 1;
+    if (lua_isboolean(L, 6)) raf = lua_toboolean(L, 6);
+    else if (!lua_isnoneornil(L, 6)) {
+        lua_Integer k = luaL_checkinteger(L, 6);
+        raf = k == 1 ? 0 : (int)k;
+    }
+    box *b = box_new(L, UNIT_MT);
+    ms_unit *u;
+    CHECK(L, ms_unit_new(&u, name, shard, replicate, pd, rd, raf));
+    b->h = u;
+    return 1;
+}
+
+/* unit:add_param(fqn, shape, dtype, dim?, requires_grad?) -> index (0-based) */
+static int u_add_param(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    const char *fqn = luaL_checkstring(L, 2);
+    int64_t shape[MS_MAX_DIMS];
+    int nd = check_int_list(L, 3, "shape", shape, MS_MAX_DIMS);
+    ms_dtype dt = opt_dtype(L, 4, MS_F32);
+    int dim = (int)luaL_optinteger(L, 5, 0);
+    int requires_grad = lua_isnoneornil(L, 6) ? 1 : lua_toboolean(L, 6);
+    CHECK(L, ms_unit_add_param(u, fqn, nd, shape, dt, dim, requires_grad));
+    lua_pushinteger(L, ms_unit_param_count(u) - 1);
+    return 1;
+}
+
+static int param_index(lua_State *L, ms_unit *u, int idx) {
+    lua_Integer i = luaL_checkinteger(L, idx);
+    if (i < 0 || i >= ms_unit_param_count(u))
+        luaL_error(L, "moonshard: unit %s has no parameter %d (it has %d, numbered from 0)", ms_unit_name(u), (int)i,
+                   ms_unit_param_count(u));
+    return (int)i;
+}
+
+/* Pushes a tensor the unit lends: the Lua object holds its own reference. */
+static int push_borrowed(lua_State *L, ms_tensor *t) {
+    if (!t) {
+        lua_pushnil(L);
+        return 1;
+    }
+    box *b = box_new(L, TENSOR_MT);
+    ms_tensor_retain(t);
+    b->h = t;
+    return 1;
+}
+
+#define UNIT_TENSOR_GETTER(fname, call)                                  \
+    static int fname(lua_State *L) {                                     \
+        ms_unit *u = check_unit(L, 1);                                   \
+        int i = param_index(L, u, 2);                                    \
+        ms_tensor *t = call(u, i);                                       \
+        if (!t && ms_last_error()[0])                                    \
+            return luaL_error(L, "moonshard state error: %s", ms_last_error()); \
+        return push_borrowed(L, t);                                      \
+    }
+UNIT_TENSOR_GETTER(u_param_shard, ms_unit_param_shard)
+UNIT_TENSOR_GETTER(u_grad_shard, ms_unit_grad_shard)
+UNIT_TENSOR_GETTER(u_param_full, ms_unit_param_full)
+UNIT_TENSOR_GETTER(u_grad_full, ms_unit_grad_full)
+
+#define UNIT_ACTION(fname, call)                 \
+    static int fname(lua_State *L) {             \
+        CHECK(L, call(check_unit(L, 1)));        \
+        lua_settop(L, 1);                        \
+        return 1;                                \
+    }
+UNIT_ACTION(u_finalize, ms_unit_finalize)
+UNIT_ACTION(u_unshard, ms_unit_unshard)
+UNIT_ACTION(u_wait, ms_unit_wait)
+UNIT_ACTION(u_reshard, ms_unit_reshard)
+UNIT_ACTION(u_reduce_grads, ms_unit_reduce_grads)
+UNIT_ACTION(u_release_unsharded, ms_unit_release_unsharded)
+UNIT_ACTION(u_zero_grad, ms_unit_zero_grad)
+
+static int u_load_full(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    CHECK(L, ms_unit_load_full(u, param_index(L, u, 2), check_tensor(L, 3)));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int u_set_sync(lua_State *L) {
+    CHECK(L, ms_unit_set_requires_gradient_sync(check_unit(L, 1), lua_toboolean(L, 2)));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int u_set_divide_factor(lua_State *L) {
+    CHECK(L, ms_unit_set_gradient_divide_factor(check_unit(L, 1), luaL_checknumber(L, 2)));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int u_grad_sq_norm(lua_State *L) {
+    double v;
+    CHECK(L, ms_unit_grad_sq_norm(check_unit(L, 1), &v));
+    lua_pushnumber(L, v);
+    return 1;
+}
+
+static int u_scale_grads(lua_State *L) {
+    CHECK(L, ms_unit_scale_grads(check_unit(L, 1), luaL_checknumber(L, 2)));
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=} */
+static int u_adamw_step(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    lua_getfield(L, 2, "lr");
+    lua_getfield(L, 2, "eps");
+    lua_getfield(L, 2, "weight_decay");
+    lua_getfield(L, 2, "step");
+    lua_getfield(L, 2, "betas");
+    double b1 = 0.9, b2 = 0.999;
+    if (lua_istable(L, -1)) {
+        lua_geti(L, -1, 1);
+        lua_geti(L, -2, 2);
+        b1 = luaL_checknumber(L, -2);
+        b2 = luaL_checknumber(L, -1);
+        lua_pop(L, 2);
+    }
+    double lr = luaL_checknumber(L, -5), eps = luaL_optnumber(L, -4, 1e-8), wd = luaL_optnumber(L, -3, 0.01);
+    int64_t step = luaL_checkinteger(L, -2);
+    CHECK(L, ms_unit_adamw_step(u, lr, b1, b2, eps, wd, step));
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* unit:bytes() -> {params=, grads=, optimizer=, unsharded=} */
+static int u_bytes(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    static const char *const names[] = {"params", "grads", "optimizer", "unsharded"};
+    lua_createtable(L, 0, 4);
+    for (int c = 0; c < 4; c++) {
+        lua_pushinteger(L, (lua_Integer)ms_unit_bytes(u, c));
+        lua_setfield(L, -2, names[c]);
+    }
+    return 1;
+}
+
+/* unit:records() -> list of {kind=, dtype=, group_size=, bytes=} */
+static int u_records(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    static const char *const kinds[] = {"all_gather", "reduce_scatter", "all_reduce"};
+    int n = ms_unit_record_count(u);
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        int kind, size;
+        ms_dtype dt;
+        int64_t bytes;
+        CHECK(L, ms_unit_record(u, i, &kind, &dt, &size, &bytes));
+        lua_createtable(L, 0, 4);
+        lua_pushstring(L, kind >= 0 && kind < 3 ? kinds[kind] : "?");
+        lua_setfield(L, -2, "kind");
+        lua_pushstring(L, ms_dtype_name(dt));
+        lua_setfield(L, -2, "dtype");
+        lua_pushinteger(L, size);
+        lua_setfield(L, -2, "group_size");
+        lua_pushinteger(L, (lua_Integer)bytes);
+        lua_setfield(L, -2, "bytes");
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int u_clear_records(lua_State *L) {
+    ms_unit_clear_records(check_unit(L, 1));
+    return 0;
+}
+
+static int u_count(lua_State *L) {
+    lua_pushinteger(L, ms_unit_param_count(check_unit(L, 1)));
+    return 1;
+}
+
+static int u_name(lua_State *L) {
+    lua_pushstring(L, ms_unit_name(check_unit(L, 1)));
+    return 1;
+}
+
+static int u_fqn(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    lua_pushstring(L, ms_unit_param_fqn(u, param_index(L, u, 2)));
+    return 1;
+}
+
+static int u_tostring(lua_State *L) {
+    box *b = luaL_checkudata(L, 1, UNIT_MT);
+    if (!b->h) lua_pushliteral(L, "unit (released)");
+    else lua_pushfstring(L, "unit(%s, %d params)", ms_unit_name(b->h), ms_unit_param_count(b->h));
+    return 1;
+}
+
 /* ---------------------------------------------------------------- misc */
 
 static int l_dtype_size(lua_State *L) {
@@ -712,6 +931,65 @@ static int l_cast_impl(lua_State *L) {
     }
     lua_pushstring(L, ms_cast_get_impl() == MS_CAST_AVX2 ? "avx2" : "portable");
     return 1;
+}
+
+/* ---------------------------------------------------------------- states for ranks and hosts */
+
+static bool is_dir_with_init(const char *dir) {
+    char path[PATH_MAX + 32];
+    if (snprintf(path, sizeof path, "%s/moonshard/init.lua", dir) >= (int)sizeof path) return false;
+    return access(path, R_OK) == 0;
+}
+
+/* dir/../share/lua/5.4 or dir/../../share/lua/5.4 (multiarch libdir) when it holds init.lua */
+static const char *share_near(char *buf, size_t cap, const char *file) {
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", file);
+    char *slash = strrchr(dir, '/');
+    if (!slash) return NULL;
+    *slash = '\0';
+    static const char *const rel[] = {"/../share/lua/5.4", "/../../share/lua/5.4"};
+    for (int i = 0; i < 2; i++)
+        if (snprintf(buf, cap, "%s%s", dir, rel[i]) < (int)cap && is_dir_with_init(buf)) return buf;
+    return NULL;
+}
+
+const char *ms_lua_dir(void) {
+    static _Thread_local char dir[PATH_MAX + 32];
+    const char *env = getenv("MOONSHARD_LUA_DIR");
+    if (env && *env) return env;
+    /* next to the library or module this code was loaded from (an installed host's case) */
+    Dl_info info;
+    if (dladdr((void *)ms_lua_dir, &info) && info.dli_fname && share_near(dir, sizeof dir, info.dli_fname)) return dir;
+    /* next to the executable (an installed moonshard) */
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        if (share_near(dir, sizeof dir, exe)) return dir;
+    }
+    if (is_dir_with_init(MOONSHARD_INSTALL_LUA_DIR)) return MOONSHARD_INSTALL_LUA_DIR;
+    return MOONSHARD_SOURCE_LUA_DIR;
+}
+
+void ms_lua_setup(lua_State *L, ms_comm *world) {
+    luaL_openlibs(L);
+    lua_getglobal(L, "package");
+    const char *dir = ms_lua_dir();
+    lua_getfield(L, -1, "path");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, lua_tostring(L, -1));
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "preload");
+    lua_pushcfunction(L, luaopen_moonshard_core);
+    lua_setfield(L, -2, "moonshard.core");
+    lua_pop(L, 2);
+    ms_lua_set_world(L, world);
+}
+
+ms_unit *ms_lua_to_unit(lua_State *L, int idx) {
+    box *b = luaL_testudata(L, idx, UNIT_MT);
+    return b ? b->h : NULL;
 }
 
 /* ---------------------------------------------------------------- registration */
@@ -753,10 +1031,22 @@ int luaopen_moonshard_core(lua_State *L) {
         {"tensor", l_tensor}, {"from_table", l_from_table}, {"mesh", l_mesh},
         {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
         {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},
-        {"cast_impl", l_cast_impl}, {NULL, NULL}};
+        {"cast_impl", l_cast_impl}, {"unit", l_unit}, {NULL, NULL}};
     new_class(L, TENSOR_MT, tensor_methods, tensor_gc, t_tostring);
     new_class(L, MESH_MT, mesh_methods, mesh_gc, m_tostring);
     new_class(L, GROUP_MT, group_methods, group_gc, g_tostring);
+    static const luaL_Reg unit_methods[] = {
+        {"add_param", u_add_param}, {"finalize", u_finalize}, {"count", u_count}, {"name", u_name},
+        {"fqn", u_fqn}, {"param_shard", u_param_shard}, {"grad_shard", u_grad_shard},
+        {"param_full", u_param_full}, {"grad_full", u_grad_full}, {"load_full", u_load_full},
+        {"unshard", u_unshard}, {"wait", u_wait}, {"reshard", u_reshard},
+        {"reduce_grads", u_reduce_grads}, {"set_requires_gradient_sync", u_set_sync},
+        {"set_gradient_divide_factor", u_set_divide_factor},
+        {"release_unsharded", u_release_unsharded}, {"zero_grad", u_zero_grad},
+        {"grad_sq_norm", u_grad_sq_norm}, {"scale_grads", u_scale_grads},
+        {"adamw_step", u_adamw_step}, {"bytes", u_bytes}, {"records", u_records},
+        {"clear_records", u_clear_records}, {"release", unit_gc}, {NULL, NULL}};
+    new_class(L, UNIT_MT, unit_methods, unit_gc, u_tostring);
     luaL_newlib(L, funcs);
     lua_pushstring(L, ms_version());
     lua_setfield(L, -2, "version");

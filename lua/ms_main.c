@@ -15,7 +15,6 @@
 
 #include <lauxlib.h>
 #include <lua.h>
-#include <lualib.h>
 
 #include <errno.h>
 #include <limits.h>
@@ -106,46 +105,10 @@ static int traceback(lua_State *L) {
     return 1;
 }
 
-static bool is_dir_with_init(const char *dir) {
-    char path[PATH_MAX + 32];
-    if (snprintf(path, sizeof path, "%s/moonshard/init.lua", dir) >= (int)sizeof path) return false;
-    return access(path, R_OK) == 0;
-}
-
-/* Where moonshard/init.lua lives: $MOONSHARD_LUA_DIR, the install tree, the source tree. */
-static const char *lua_dir(void) {
-    static char dir[PATH_MAX + 32];
-    const char *env = getenv("MOONSHARD_LUA_DIR");
-    if (env && *env) return env;
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n > 0) {
-        exe[n] = '\0';
-        char *slash = strrchr(exe, '/');
-        if (slash) *slash = '\0';
-        if (snprintf(dir, sizeof dir, "%s/../share/lua/5.4", exe) < (int)sizeof dir && is_dir_with_init(dir))
-            return dir;
-    }
-    if (is_dir_with_init(MOONSHARD_INSTALL_LUA_DIR)) return MOONSHARD_INSTALL_LUA_DIR;
-    return MOONSHARD_SOURCE_LUA_DIR;
-}
-
-static void setup_state(lua_State *L, rank_job *job) {
-    luaL_openlibs(L);
+static void setup_state(lua_State *L, rank_job *job, ms_comm *world) {
+    ms_lua_setup(L, world);
     lua_pushcfunction(L, l_print);
     lua_setglobal(L, "print");
-    /* package.path: moonshard's Lua files first */
-    lua_getglobal(L, "package");
-    const char *dir = lua_dir();
-    lua_getfield(L, -1, "path");
-    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, lua_tostring(L, -1));
-    lua_setfield(L, -3, "path");
-    lua_pop(L, 1);
-    /* moonshard.core is linked in */
-    lua_getfield(L, -1, "preload");
-    lua_pushcfunction(L, luaopen_moonshard_core);
-    lua_setfield(L, -2, "moonshard.core");
-    lua_pop(L, 2);
     /* arg: arg[0] = script, arg[1..] = its arguments */
     lua_createtable(L, job->argc, 1);
     lua_pushstring(L, job->script ? job->script : "-e");
@@ -161,8 +124,7 @@ static void setup_state(lua_State *L, rank_job *job) {
 static char *run_rank(rank_job *job, ms_comm *world) {
     lua_State *L = luaL_newstate();
     if (!L) return strdup("cannot create a Lua state (out of memory)");
-    setup_state(L, job);
-    ms_lua_set_world(L, world);
+    setup_state(L, job, world);
     lua_pushcfunction(L, traceback);
     int st = job->script ? luaL_loadfilex(L, job->script, NULL) : luaL_loadbufferx(L, job->code, strlen(job->code), "=(command line)", "t");
     if (st == LUA_OK) {

@@ -265,63 +265,84 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
  *             -> ms_unit_reshard (by the reshard_after_forward rule)
  *             -> ms_unit_unshard / wait again if resharded -> backward writes or adds into
  *                ms_unit_grad_full -> ms_unit_reduce_grads -> ms_unit_wait
- *             -> ms_unit_clip_... / ms_unit_adamw_step
- * Every call checks the state and returns MS_ERR_STATE when it is out of order.  All ranks
- * of the unit's groups make the same calls in the same order (they are collectives). */
+ *             -> ms_unit_grad_sq_norm / ms_unit_scale_grads (clipping) / ms_unit_adamw_step
+ * Every call checks the state and returns MS_ERR_STATE when it is out of order, with a
+ * message naming the unit and its state.  All ranks of the unit's groups make the same
+ * calls in the same order (they are collectives).  A unit's collectives run, in the order
+ * they were started, on one communication thread per rank shared by all of its units: while
+ * one is pending, the rank must not call collectives on the unit's groups itself.  After a
+ * failed collective the unit is unusable (MS_ERR_STATE with the first failure's message).
+ * The tensor getters below return NULL with ms_last_error() set on failure, and NULL with
+ * an empty message when there is nothing to return. */
 
 typedef struct ms_unit ms_unit;
 
 /* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
- * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes, -1 for unset
- * (FSDP2 clamps them per parameter, SEMANTICS.md §4; the unit needs one stored dtype).
- * reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep them,
- * k >= 2 (dividing W) = keep a k-way shard and gather over k consecutive ranks in backward.
- * The unit retains the comms. */
+ * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes (floating),
+ * -1 for unset (FSDP2 clamps them per parameter, SEMANTICS.md §4; the unit needs one stored
+ * dtype).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
+ * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
+ * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
+ * retains the comms; cpu tensors only (threads and mpi backends). */
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
                       int param_dtype, int reduce_dtype, int reshard_after_forward);
 void ms_unit_retain(ms_unit *u);
 void ms_unit_release(ms_unit *u);
-/* Adds a parameter of global `shape` stored in `dtype`, sharded on `dim` (0 unless a
- * shard_placement_fn says otherwise; another dim must divide by W).  The rank's padded
- * shard is allocated zero-filled; requires_grad = 0 for frozen parameters. */
+/* Adds a parameter of global `shape` (1 to 8 dims) stored in `dtype`, sharded on `dim`
+ * (0 unless a shard_placement_fn says otherwise; negative dims count from the end; another
+ * dim than 0 must divide by W).  The rank's padded shard is allocated zero-filled;
+ * requires_grad = 0 for frozen parameters (required for integer dtypes).  Every parameter
+ * of a unit has the same stored dtype (MS_ERR_DTYPE naming both parameters otherwise). */
 ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape,
                             ms_dtype dtype, int dim, int requires_grad);
-/* Allocates the gather buffers; no parameter may be added after. */
+/* Fixes the flat layout (S = sum of the padded shard numels) and the effective dtypes; no
+ * parameter may be added after.  The gather and reduce buffers are allocated by each
+ * unshard and reduce_grads and freed when they complete. */
 ms_status ms_unit_finalize(ms_unit *u);
 int ms_unit_param_count(const ms_unit *u);
 const char *ms_unit_name(const ms_unit *u);
 const char *ms_unit_param_fqn(const ms_unit *u, int i);
-/* The rank's shard of parameter i (a view of its padded shard without the padding), in
- * the stored dtype: write initial values here.  Borrowed: valid while the unit lives. */
+/* The rank's shard of parameter i (a view of its padded shard without the padding, maybe
+ * of 0 rows), in the stored dtype: write initial values here.  Borrowed: valid while the
+ * unit lives. */
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
 /* The rank's sharded gradient of parameter i (stored dtype), or NULL before the first
  * reduce_grads.  Borrowed. */
 ms_tensor *ms_unit_grad_shard(ms_unit *u, int i);
-/* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i. */
+/* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i, with a
+ * cast; before finalize or while sharded. */
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full);
 
 /* Starts the all-gather of the unit's parameters in the param dtype (asynchronous: the
  * collective runs on the rank's communication thread); ms_unit_wait completes it. */
 ms_status ms_unit_unshard(ms_unit *u);
 /* Waits for the unit's pending collective (unshard or reduce_grads), then finishes it
- * (copy-out of the unsharded parameters; cast-back and accumulation of gradients). */
+ * (copy-out of the unsharded parameters; cast-back and accumulation of gradients).  A no-op
+ * when nothing is pending. */
 ms_status ms_unit_wait(ms_unit *u);
-/* The unsharded parameter i (global shape, gather dtype) while unsharded.  Borrowed. */
+/* The unsharded parameter i (global shape, gather dtype) while unsharded (or kept by
+ * reshard_after_forward 0).  Borrowed. */
 ms_tensor *ms_unit_param_full(ms_unit *u, int i);
 /* Frees (or keeps, per reshard_after_forward) the unsharded parameters after forward. */
 ms_status ms_unit_reshard(ms_unit *u);
 /* The unsharded gradient of parameter i (global shape, gather dtype) to write or add
- * into during backward; zeroed when first handed out in a step.  Borrowed. */
+ * into during backward, while unsharded; zeroed when first handed out after a reduce.
+ * Frozen parameters have none.  Borrowed. */
 ms_tensor *ms_unit_grad_full(ms_unit *u, int i);
-/* Reduces the unsharded gradients: reduce-scatter in the reduce dtype over the shard
- * group (divide factors of SEMANTICS.md §3), all-reduce over the replicate group for HSDP,
- * cast back and accumulate into the sharded gradients (asynchronous: ms_unit_wait).
- * With sync off, accumulates the unsharded gradients locally instead (no collective). */
+/* Reduces the unsharded gradients of the parameters handed out by grad_full since the last
+ * reduce (and those accumulated with sync off): reduce-scatter in the reduce dtype over the
+ * shard group (divide factors of SEMANTICS.md §3), all-reduce over the replicate group for
+ * HSDP, cast back and accumulate into the sharded gradients (asynchronous: ms_unit_wait).
+ * With sync off, adds them into an unsharded accumulator in the reduce dtype instead (no
+ * collective).  Either way it then frees the unsharded parameters and gradients, as FSDP2
+ * reshards after backward.  MS_ERR_STATE when no gradient was handed out (a unit without
+ * trainable parameters only reshards). */
 ms_status ms_unit_reduce_grads(ms_unit *u);
 ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync);
 /* 0 = the default divide factor (shard x replicate size); else a custom factor. */
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor);
-/* Frees the unsharded parameters and gradients whatever the reshard rule (end of step). */
+/* Frees the unsharded parameters and gradients whatever the reshard rule (end of step);
+ * the sync-off accumulator is kept for the next synchronised reduce. */
 ms_status ms_unit_release_unsharded(ms_unit *u);
 /* Zeroes the sharded gradients. */
 ms_status ms_unit_zero_grad(ms_unit *u);
@@ -332,12 +353,15 @@ ms_status ms_unit_zero_grad(ms_unit *u);
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
 /* Multiplies the sharded gradients by scale (clipping). */
 ms_status ms_unit_scale_grads(ms_unit *u, double scale);
-/* AdamW on the rank's shards: fp32 moments, fp32 master weights when the stored dtype is
- * not f32 (made on the first step), decoupled weight decay; step counts from 1. */
+/* AdamW on the rank's shards that have a gradient, while sharded: fp32 moments, fp32
+ * master weights when the stored dtype is not f32 (made on the first step), decoupled
+ * weight decay; step counts from 1. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
-/* Bytes this rank holds for the unit now, by category (0 params, 1 grads, 2 optimizer
- * state, 3 unsharded parameters and gradients). */
+/* Bytes this rank holds for the unit now, by category (0 padded shards, 1 padded gradient
+ * shards, 2 optimizer state incl. master weights, 3 unsharded parameters and gradients, the
+ * sync-off accumulator, the k-way shard and the flat buffer of a pending collective); -1
+ * for another category. */
 int64_t ms_unit_bytes(const ms_unit *u, int category);
 
 /* The collectives a unit has issued, for audits: kind 0 all_gather, 1 reduce_scatter,

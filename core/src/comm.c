@@ -119,6 +119,7 @@ static ms_status group_new(ms_world *w, int n, const int *world_ranks, ms_group 
 }
 
 static void world_free(ms_world *w) {
+    ms__async_world_stop(w);
     for (ms_group *g = w->groups, *next; g; g = next) {
         next = g->next;
         group_free(w->backend, g);

@@ -107,4 +107,36 @@ struct ms_comm {
  * timeout_s <= 0 reads MOONSHARD_TIMEOUT, else 300 s. */
 ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s);
 
+/* ---------------------------------------------------------------- comm_async.c
+ *
+ * One communication thread per (world, world rank), created on first use, runs the calls
+ * queued for that rank in FIFO order: a rank that queues its collectives in program order
+ * issues them in the same order as its peers, whatever thread queued them.  Used by the
+ * shard units (fsdp.c) so that compute on the rank's thread overlaps communication. */
+
+typedef ms_status (*ms_async_fn)(void *arg);
+
+typedef struct ms_async_worker ms_async_worker;
+
+/* One queued call and its outcome.  Owned by the caller: it must stay valid, untouched,
+ * from ms__async_submit until ms__async_wait returns. */
+typedef struct ms_ticket {
+    ms_async_fn fn;
+    void *arg;
+    ms_async_worker *worker; /* the thread it was queued on */
+    struct ms_ticket *next;  /* the worker's queue */
+    bool done;               /* under the worker's lock */
+    ms_status status;        /* fn's result, valid once done */
+    char message[1024];      /* the worker thread's ms_last_error() when status != MS_OK */
+} ms_ticket;
+
+/* Queues fn(arg) on the communication thread of world rank `world_rank` of w (starting the
+ * thread on first use).  fn runs on that thread; it may fail with a status and message. */
+ms_status ms__async_submit(ms_world *w, int world_rank, ms_ticket *t, ms_async_fn fn, void *arg);
+/* Waits until t has run; returns fn's status with fn's message as this thread's message. */
+ms_status ms__async_wait(ms_ticket *t);
+/* Stops and joins the communication threads of w (its queues are empty: every ticket holds
+ * a reference to w through its caller).  Called when the world is freed. */
+void ms__async_world_stop(ms_world *w);
+
 #endif /* MS_COMM_H */

@@ -4,6 +4,7 @@
 # host compiled against libmoonshard found through pkg-config.
 set -euo pipefail
 build=$1
+cd "$(dirname "$0")/../.."
 prefix=$(mktemp -d)
 trap 'rm -rf "$prefix"' EXIT
 cmake --install "$build" --prefix "$prefix" >/dev/null
@@ -35,4 +36,14 @@ cc -std=c11 -Wall -Werror "$prefix/host.c" $(pkg-config --cflags --libs moonshar
    -Wl,-rpath,"$libdir" -o "$prefix/host"
 out=$("$prefix/host")
 [ "$out" = 24 ] || { echo "host printed: $out"; exit 1; }
-echo "install test: installed executable, stock lua5.4 require, pkg-config host: ok"
+# the embedding host of examples/embed_host, found with find_package and with pkg-config
+cmake -S examples/embed_host -B "$prefix/build-host" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$prefix/build-host" >/dev/null
+out=$(cd / && "$prefix/build-host/embed_host" 2 "$OLDPWD/examples/configs/inkling2_small.json" "$OLDPWD/policies/inkling2" | sort)
+echo "$out" | grep -q "^rank 1: 27 units, 8164064 parameters gathered" || { echo "embed_host printed: $out"; exit 1; }
+# shellcheck disable=SC2046
+cc -std=c11 -Wall -Werror examples/embed_host/host.c $(pkg-config --cflags --libs moonshard-embed) -pthread \
+   -Wl,-rpath,"$libdir" -o "$prefix/host2"
+"$prefix/host2" 1 examples/configs/inkling2_small.json policies/inkling2 | grep -q "27 units" ||
+  { echo "the pkg-config embed host failed"; exit 1; }
+echo "install test: installed executable, stock lua5.4 require, pkg-config host, find_package embed host: ok"

@@ -1,0 +1,268 @@
+/*
+ * bench_unit.c: a training step through shard units against the same collectives and
+ * compute called by hand, measured in the same run.
+ *
+ * One step over U units of one f32 parameter each (gathered and reduced in f32):
+ *   forward   for each unit: unshard, wait, the kernel over the unsharded parameter, reshard
+ *   backward  for each unit, last first: unshard, wait, the kernel writing the unsharded
+ *             gradient, reduce_grads; every reduce is waited for at the end of the step
+ * With prefetch on, the next unit's unshard is started before the current unit's kernel
+ * (FSDP2's forward and backward prefetch of one unit); with it off, right before its wait.
+ * The hand-written reference runs the same collectives synchronously on the rank's thread
+ * over buffers allocated once: all_gather from the shard into the (W, S) buffer, the kernel
+ * on it, reduce_scatter (avg) of the gradient and its accumulation into the gradient shard.
+ *   ratio   t_hand / t_units per trial (below 1: the units' overhead; above: overlap wins)
+ *   hidden  1 - exposed_on / exposed_off, exposed = t_step - t_compute, t_compute the
+ *           kernels of one step alone: the share of communication time prefetch hides
+ * The four measurements alternate (hand, off, on, compute, hand, ...) over the trials and
+ * print min / median / max.  PERF.md: on 2 cores, n = 2 with its 2 communication threads
+ * already oversubscribes; figures at n = 4 are for scaling only.
+ *
+ * usage: bench_unit [-n ranks] [-u units] [-m MiB per unit] [-k fma per element] [-t trials]
+ *        defaults: -n 2 -u 4 -m 4 -k 48 -t 7
+ */
+#include "moonshard.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { MAX_RANKS = 16, MAX_UNITS = 64, MAX_TRIALS = 64, COLS = 1024, KBLOCK = 256 };
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void must(ms_status st, const char *what) {
+    if (st == MS_OK) return;
+    fprintf(stderr, "bench_unit: %s: %s: %s\n", what, ms_status_name(st), ms_last_error());
+    exit(1);
+}
+
+/* The stand-in compute: y[i] = k steps of a = a * c + x[i] from a = x[i] (k dependent FMAs
+ * per element, vectorised across a block of elements). */
+static void kernel(float *restrict y, const float *restrict x, int64_t n, int k) {
+    float a[KBLOCK]; /* (m) the running values of one block */
+    for (int64_t off = 0; off < n; off += KBLOCK) {
+        const int64_t m = n - off < KBLOCK ? n - off : KBLOCK;
+        const float *xb = x + off;
+        for (int64_t i = 0; i < m; i++) a[i] = xb[i];
+        for (int j = 0; j < k; j++)
+            for (int64_t i = 0; i < m; i++) a[i] = a[i] * 0.999f + xb[i];
+        memcpy(y + off, a, (size_t)m * sizeof *a);
+    }
+}
+
+/* ---------------------------------------------------------------- one rank */
+
+typedef struct config {
+    int n, units, k, trials;
+    int64_t rows; /* of each unit's [rows, COLS] parameter; a multiple of n */
+} config;
+
+typedef enum run_kind { RUN_HAND, RUN_OFF, RUN_ON, RUN_COMPUTE, RUN_KINDS } run_kind;
+
+typedef struct results {
+    double t[RUN_KINDS][MAX_TRIALS]; /* seconds per step, written by rank 0 */
+} results;
+
+typedef struct rank_arg {
+    ms_world *w;
+    int rank;
+    const config *cfg;
+    results *res;
+} rank_arg;
+
+typedef struct hand_unit {
+    ms_tensor *shard;    /* (rows/n, COLS) f32: this rank's shard */
+    ms_tensor *gathered; /* (rows, COLS) f32: the (W, S) all_gather output, the parameter */
+    ms_tensor *grad;     /* (rows, COLS) f32: the unsharded gradient */
+    ms_tensor *reduced;  /* (rows/n, COLS) f32: the reduce_scatter output */
+    ms_tensor *grad_shard; /* (rows/n, COLS) f32: the accumulated gradient shard */
+} hand_unit;
+
+static ms_tensor *tensor(int64_t rows) {
+    ms_tensor *t = NULL;
+    must(ms_tensor_new(&t, 2, (int64_t[]){rows, COLS}, MS_F32, MS_DEVICE_CPU, 0), "tensor_new");
+    must(ms_tensor_fill(t, 0.5), "tensor_fill");
+    return t;
+}
+
+static void step_hand(ms_comm *c, hand_unit *h, int U, float *act, int k) {
+    const int64_t elems = ms_tensor_numel(h[0].gathered), shard = ms_tensor_numel(h[0].shard);
+    for (int i = 0; i < U; i++) {
+        must(ms_all_gather(c, h[i].gathered, h[i].shard), "all_gather");
+        kernel(act, ms_tensor_data(h[i].gathered), elems, k);
+    }
+    for (int i = U - 1; i >= 0; i--) {
+        must(ms_all_gather(c, h[i].gathered, h[i].shard), "all_gather");
+        kernel(ms_tensor_data(h[i].grad), ms_tensor_data(h[i].gathered), elems, k);
+        must(ms_reduce_scatter(c, h[i].reduced, h[i].grad, MS_OP_AVG), "reduce_scatter");
+        float *g = ms_tensor_data(h[i].grad_shard);
+        const float *r = ms_tensor_data(h[i].reduced);
+        for (int64_t j = 0; j < shard; j++) g[j] += r[j];
+    }
+}
+
+static void step_units(ms_unit **u, int U, float *act, int64_t elems, int k, bool prefetch) {
+    if (prefetch) must(ms_unit_unshard(u[0]), "unshard");
+    for (int i = 0; i < U; i++) {
+        if (!prefetch) must(ms_unit_unshard(u[i]), "unshard");
+        else if (i + 1 < U) must(ms_unit_unshard(u[i + 1]), "unshard");
+        must(ms_unit_wait(u[i]), "wait");
+        kernel(act, ms_tensor_data(ms_unit_param_full(u[i], 0)), elems, k);
+        must(ms_unit_reshard(u[i]), "reshard");
+    }
+    if (prefetch) must(ms_unit_unshard(u[U - 1]), "unshard");
+    for (int i = U - 1; i >= 0; i--) {
+        if (!prefetch) must(ms_unit_unshard(u[i]), "unshard");
+        else if (i > 0) must(ms_unit_unshard(u[i - 1]), "unshard");
+        must(ms_unit_wait(u[i]), "wait");
+        kernel(ms_tensor_data(ms_unit_grad_full(u[i], 0)), ms_tensor_data(ms_unit_param_full(u[i], 0)), elems, k);
+        must(ms_unit_reduce_grads(u[i]), "reduce_grads");
+    }
+    for (int i = 0; i < U; i++) {
+        must(ms_unit_wait(u[i]), "wait");
+        ms_unit_clear_records(u[i]);
+    }
+}
+
+static void step_compute(hand_unit *h, int U, float *act, int k) {
+    const int64_t elems = ms_tensor_numel(h[0].gathered);
+    for (int i = 0; i < U; i++) kernel(act, ms_tensor_data(h[i].gathered), elems, k);
+    for (int i = U - 1; i >= 0; i--) kernel(ms_tensor_data(h[i].grad), ms_tensor_data(h[i].gathered), elems, k);
+}
+
+static void *rank_main(void *p) {
+    rank_arg *a = p;
+    const config *cfg = a->cfg;
+    const int U = cfg->units;
+    ms_comm *c = NULL;
+    must(ms_world_comm(a->w, a->rank, &c), "world_comm");
+    const int64_t elems = cfg->rows * COLS;
+    float *act = calloc((size_t)elems, sizeof *act); /* (elems) forward output of the kernel */
+    hand_unit h[MAX_UNITS];
+    ms_unit *u[MAX_UNITS];
+    for (int i = 0; i < U; i++) {
+        h[i] = (hand_unit){tensor(cfg->rows / cfg->n), tensor(cfg->rows), tensor(cfg->rows),
+                           tensor(cfg->rows / cfg->n), tensor(cfg->rows / cfg->n)};
+        char name[32];
+        snprintf(name, sizeof name, "layers.%d", i);
+        must(ms_unit_new(&u[i], name, c, NULL, -1, -1, 1), "unit_new");
+        must(ms_unit_add_param(u[i], "weight", 2, (int64_t[]){cfg->rows, COLS}, MS_F32, 0, 1), "add_param");
+        must(ms_unit_finalize(u[i]), "finalize");
+        must(ms_tensor_fill(ms_unit_param_shard(u[i], 0), 0.5), "fill");
+    }
+    for (int trial = -1; trial < cfg->trials; trial++) { /* trial -1 warms up */
+        for (int kind = 0; kind < RUN_KINDS; kind++) {
+            must(ms_barrier(c), "barrier");
+            double t0 = now_s();
+            switch ((run_kind)kind) {
+            case RUN_HAND: step_hand(c, h, U, act, cfg->k); break;
+            case RUN_OFF: step_units(u, U, act, elems, cfg->k, false); break;
+            case RUN_ON: step_units(u, U, act, elems, cfg->k, true); break;
+            case RUN_COMPUTE: step_compute(h, U, act, cfg->k); break;
+            case RUN_KINDS: break;
+            }
+            must(ms_barrier(c), "barrier");
+            if (a->rank == 0 && trial >= 0) a->res->t[kind][trial] = now_s() - t0;
+        }
+    }
+    for (int i = 0; i < U; i++) {
+        ms_unit_release(u[i]);
+        ms_tensor_release(h[i].shard);
+        ms_tensor_release(h[i].gathered);
+        ms_tensor_release(h[i].grad);
+        ms_tensor_release(h[i].reduced);
+        ms_tensor_release(h[i].grad_shard);
+    }
+    free(act);
+    ms_comm_release(c);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- statistics and report */
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* "min a med b max c" of v[0..k) into buf. */
+static const char *spread(char *buf, size_t cap, const double *v, int k, const char *fmt) {
+    double s[MAX_TRIALS];
+    memcpy(s, v, (size_t)k * sizeof *s);
+    qsort(s, (size_t)k, sizeof *s, cmp_double);
+    double med = k % 2 ? s[k / 2] : 0.5 * (s[k / 2 - 1] + s[k / 2]);
+    char a[32], b[32], c[32];
+    snprintf(a, sizeof a, fmt, s[0]);
+    snprintf(b, sizeof b, fmt, med);
+    snprintf(c, sizeof c, fmt, s[k - 1]);
+    snprintf(buf, cap, "min %s med %s max %s", a, b, c);
+    return buf;
+}
+
+static void run(const config *cfg) {
+    ms_world *w = NULL;
+    must(ms_threads_world_new(&w, cfg->n, 0), "threads_world_new");
+    results *res = calloc(1, sizeof *res);
+    rank_arg args[MAX_RANKS];
+    pthread_t tid[MAX_RANKS];
+    for (int r = 0; r < cfg->n; r++) {
+        args[r] = (rank_arg){w, r, cfg, res};
+        pthread_create(&tid[r], NULL, rank_main, &args[r]);
+    }
+    for (int r = 0; r < cfg->n; r++) pthread_join(tid[r], NULL);
+    ms_world_release(w);
+
+    const int T = cfg->trials;
+    double off[MAX_TRIALS], on[MAX_TRIALS], hidden[MAX_TRIALS], ms[RUN_KINDS][MAX_TRIALS];
+    for (int k = 0; k < T; k++) {
+        off[k] = res->t[RUN_HAND][k] / res->t[RUN_OFF][k];
+        on[k] = res->t[RUN_HAND][k] / res->t[RUN_ON][k];
+        double comp = res->t[RUN_COMPUTE][k];
+        hidden[k] = 1 - (res->t[RUN_ON][k] - comp) / (res->t[RUN_OFF][k] - comp);
+        for (int j = 0; j < RUN_KINDS; j++) ms[j][k] = 1e3 * res->t[j][k];
+    }
+    char b[4][128];
+    printf("n=%d units=%d param=%.1f MiB k=%d\n", cfg->n, cfg->units, (double)cfg->rows * COLS * 4 / (1 << 20),
+           cfg->k);
+    printf("  step ms   hand %s | prefetch off %s | on %s | compute only %s\n",
+           spread(b[0], sizeof b[0], ms[RUN_HAND], T, "%.2f"), spread(b[1], sizeof b[1], ms[RUN_OFF], T, "%.2f"),
+           spread(b[2], sizeof b[2], ms[RUN_ON], T, "%.2f"), spread(b[3], sizeof b[3], ms[RUN_COMPUTE], T, "%.2f"));
+    printf("  ratio t_hand/t_units  prefetch off %s | on %s\n", spread(b[0], sizeof b[0], off, T, "%.3f"),
+           spread(b[1], sizeof b[1], on, T, "%.3f"));
+    printf("  communication hidden by prefetch  %s\n", spread(b[2], sizeof b[2], hidden, T, "%.2f"));
+    free(res);
+}
+
+int main(int argc, char **argv) {
+    config cfg = {.n = 2, .units = 4, .k = 48, .trials = 7};
+    double mib = 4;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "-n")) cfg.n = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-u")) cfg.units = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-m")) mib = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "-k")) cfg.k = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-t")) cfg.trials = atoi(argv[i + 1]);
+        else {
+            fprintf(stderr, "usage: bench_unit [-n ranks] [-u units] [-m MiB per unit] [-k fma per element] [-t trials]\n");
+            return 2;
+        }
+    }
+    if (cfg.n < 1 || cfg.n > MAX_RANKS || cfg.units < 1 || cfg.units > MAX_UNITS || cfg.trials < 1 ||
+        cfg.trials > MAX_TRIALS || cfg.k < 0 || mib <= 0) {
+        fprintf(stderr, "bench_unit: -n 1..%d, -u 1..%d, -t 1..%d, -k >= 0, -m > 0\n", MAX_RANKS, MAX_UNITS,
+                MAX_TRIALS);
+        return 2;
+    }
+    int64_t rows = (int64_t)(mib * (1 << 20) / 4 / COLS);
+    cfg.rows = rows / cfg.n * cfg.n > 0 ? rows / cfg.n * cfg.n : cfg.n;
+    run(&cfg);
+    return 0;
+}

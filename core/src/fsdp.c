@@ -1,0 +1,935 @@
+/*
+ * fsdp.c: shard units, one rank's FSDP2 runtime (SEMANTICS.md §3-§4).
+ *
+ * A unit holds the padded shards of its parameters in their stored dtype (the shard dim
+ * has ceil(n/W) rows on every rank for dim 0, n/W for another dim; the padding is zero and
+ * stays zero) and moves them with the collectives of comm.c, queued on the rank's
+ * communication thread (comm_async.c) so that compute on the rank's thread overlaps them.
+ *
+ *   unshard  every padded shard is cast to the gather dtype into this rank's chunk of a flat
+ *            (W, S) buffer, S = sum of padded shard numels; all_gather in place over the
+ *            shard group (over the k-group from a k-way shard); ms_unit_wait copies each
+ *            rank's block of each parameter out into the unsharded parameter (global shape).
+ *   reshard  frees them (1), keeps them (0), or keeps this rank's segment of the (W, S)
+ *            layout for a k-way regather (k), rebuilt from the unsharded parameters.
+ *   reduce   each rank's block of every gradient is packed into a (W, S_r) buffer in the
+ *            reduce dtype (S_r over the parameters that have a gradient this step; padding
+ *            zero), pre-scaled, reduce_scatter in place, all_reduce over the replicate group
+ *            (HSDP); ms_unit_wait post-divides, casts to the stored dtype and accumulates
+ *            into the gradient shards.
+ *
+ * Every buffer the unit allocates goes through buf_new / buf_free, which keep the byte
+ * counts of ms_unit_bytes exact.  All unit state belongs to the rank's thread; while an op
+ * is pending, the communication thread touches only that op's tensors (unit_op).
+ */
+#include "comm.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- types */
+
+/* ms_unit_bytes categories. */
+enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_COUNT = 4 };
+
+/* Record kinds of ms_unit_record. */
+enum { REC_ALL_GATHER = 0, REC_REDUCE_SCATTER = 1, REC_ALL_REDUCE = 2 };
+
+typedef enum unit_state {
+    ST_BUILDING,  /* parameters are being added */
+    ST_SHARDED,   /* the shards only */
+    ST_GATHERING, /* an all_gather is pending (ms_unit_wait copies out) */
+    ST_UNSHARDED, /* the unsharded parameters are alive */
+    ST_KEPT,      /* resharded with reshard_after_forward 0: the unsharded parameters are kept */
+    ST_KWAY,      /* resharded to a k-way shard (u->kept) */
+    ST_REDUCING,  /* a reduce_grads is pending (ms_unit_wait accumulates) */
+    ST_FAILED     /* a collective failed: u->failure */
+} unit_state;
+
+static const char *const state_name[] = {
+    [ST_BUILDING] = "building (not finalized)",
+    [ST_SHARDED] = "sharded",
+    [ST_GATHERING] = "unsharding (all_gather pending; call ms_unit_wait)",
+    [ST_UNSHARDED] = "unsharded",
+    [ST_KEPT] = "resharded with its unsharded parameters kept",
+    [ST_KWAY] = "resharded to a k-way shard",
+    [ST_REDUCING] = "reducing (reduce_grads pending; call ms_unit_wait)",
+    [ST_FAILED] = "failed",
+};
+
+#define ST(s) (1u << (s))
+/* Finalized with no pending op. */
+#define ST_IDLE (ST(ST_SHARDED) | ST(ST_UNSHARDED) | ST(ST_KEPT) | ST(ST_KWAY))
+
+typedef struct unit_param {
+    char *fqn;
+    int ndim;
+    int64_t shape[MS_MAX_DIMS];        /* global */
+    int64_t padded_shape[MS_MAX_DIMS]; /* the padded shard */
+    int dim;                           /* shard dim, normalised */
+    bool requires_grad;
+    int64_t padded_numel;
+    int64_t flat_offset; /* elements into each rank's S-element gather chunk */
+    int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
+    bool in_reduce;      /* part of the pending reduce_grads */
+    ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; CAT_PARAMS */
+    ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
+    ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
+    ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
+    ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
+    ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
+    ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
+    ms_tensor *full;        /* (shape) gather dtype: the unsharded parameter; CAT_UNSHARDED */
+    ms_tensor *grad_full;   /* (shape) gather dtype: this backward's gradient; CAT_UNSHARDED */
+    ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; CAT_UNSHARDED */
+} unit_param;
+
+/* The pending collective.  Between submit and wait only the communication thread uses it. */
+typedef struct unit_op {
+    ms_ticket ticket;
+    ms_comm *comm;      /* borrowed: the all_gather's or reduce_scatter's group */
+    ms_tensor *flat;    /* borrowed: u->flat, the collective's whole buffer */
+    ms_tensor *slice;   /* owned view: this rank's slice of flat (all_gather in, reduce_scatter out) */
+    ms_op op;           /* reduce_scatter */
+    ms_comm *replicate; /* borrowed: HSDP all_reduce of slice over this group, else NULL */
+    ms_op replicate_op;
+    double post_divide; /* reduce: slice /= post_divide on wait */
+} unit_op;
+
+typedef struct unit_record {
+    int kind;
+    ms_dtype dtype;
+    int group_size;
+    int64_t bytes;
+} unit_record;
+
+struct ms_unit {
+    atomic_int refcount;
+    char *name;
+    ms_comm *shard;     /* retained; W ranks */
+    ms_comm *replicate; /* retained; R ranks; NULL for a 1-D mesh */
+    ms_comm *kgroup;    /* retained; the k consecutive shard ranks of a k-way reshard, else NULL */
+    int W, R, rank;     /* rank: in the shard group */
+    int k;              /* reshard_after_forward: 0 keep, 1 free, else the k-way size */
+    int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
+    ms_dtype stored, gather, reduce; /* effective, per SEMANTICS.md §4, from finalize */
+    unit_state state;
+    char failure[1024]; /* the first failure's message (ST_FAILED) */
+    unit_param *params; /* (nparams), capacity cap */
+    int nparams, cap;
+    int64_t S;          /* elements of one rank's gather chunk */
+    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
+    ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
+    unit_op op;
+    bool sync;            /* requires_gradient_sync */
+    double divide_factor; /* 0 = default (W * R) */
+    int64_t bytes[CAT_COUNT];
+    unit_record *records; /* (nrecords), capacity rcap */
+    int nrecords, rcap;
+};
+
+/* ---------------------------------------------------------------- buffers and states */
+
+static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype) {
+    ms_status st = ms_tensor_new(out, ndim, shape, dtype, MS_DEVICE_CPU, 0);
+    if (st) return ms__wrap(st, "unit '%s'", u->name);
+    u->bytes[cat] += ms_tensor_nbytes(*out);
+    return MS_OK;
+}
+
+static void buf_free(ms_unit *u, int cat, ms_tensor **t) {
+    if (!*t) return;
+    u->bytes[cat] -= ms_tensor_nbytes(*t);
+    ms_tensor_release(*t);
+    *t = NULL;
+}
+
+static void view_free(ms_tensor **t) {
+    ms_tensor_release(*t);
+    *t = NULL;
+}
+
+/* Element i of a contiguous buffer (NULL stays NULL: empty tensors have no data). */
+static void *at(ms_tensor *t, int64_t i) {
+    char *d = ms_tensor_data(t);
+    return d ? d + i * ms_dtype_size(ms_tensor_dtype(t)) : NULL;
+}
+
+/* MS_OK when u's state is one of `allowed`, else MS_ERR_STATE naming the unit, the call
+ * and the state (with the first failure's message once the unit failed). */
+static ms_status check_state(const ms_unit *u, const char *call, unsigned allowed) {
+    if (allowed & ST(u->state)) return MS_OK;
+    if (u->state == ST_FAILED)
+        return ms__fail(MS_ERR_STATE, "unit '%s': %s: the unit is unusable after a failed collective: %s", u->name,
+                        call, u->failure);
+    return ms__fail(MS_ERR_STATE, "unit '%s': %s: not allowed while the unit is %s", u->name, call,
+                    state_name[u->state]);
+}
+
+static ms_status param_at(ms_unit *u, const char *call, int i, unit_param **out) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_%s: unit is NULL", call);
+    if (i < 0 || i >= u->nparams)
+        return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", u->name,
+                        call, i, u->nparams);
+    *out = &u->params[i];
+    return MS_OK;
+}
+
+/* The unsharded parameters, their gradients of this backward and the k-way shard. */
+static void free_unsharded(ms_unit *u) {
+    for (int i = 0; i < u->nparams; i++) {
+        buf_free(u, CAT_UNSHARDED, &u->params[i].full);
+        buf_free(u, CAT_UNSHARDED, &u->params[i].grad_full);
+    }
+    buf_free(u, CAT_UNSHARDED, &u->kept);
+}
+
+/* The pending op's buffers. */
+static void op_clear(ms_unit *u) {
+    view_free(&u->op.slice);
+    buf_free(u, CAT_UNSHARDED, &u->flat);
+}
+
+/* Marks u unusable after a failed or half-finished collective (its peers cannot be
+ * matched any more): keeps st's message, prefixed with the unit and the call. */
+static ms_status unit_fail(ms_unit *u, ms_status st, const char *call) {
+    ms__wrap(st, "unit '%s': %s", u->name, call);
+    snprintf(u->failure, sizeof u->failure, "%s", ms_last_error());
+    op_clear(u);
+    free_unsharded(u);
+    u->state = ST_FAILED;
+    return st;
+}
+
+static ms_status record(ms_unit *u, int kind, ms_dtype dtype, int group_size, int64_t bytes) {
+    if (u->nrecords == u->rcap) {
+        int cap = u->rcap ? 2 * u->rcap : 16;
+        unit_record *r = realloc(u->records, (size_t)cap * sizeof *r);
+        if (!r) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory recording a collective", u->name);
+        u->records = r;
+        u->rcap = cap;
+    }
+    u->records[u->nrecords++] = (unit_record){kind, dtype, group_size, bytes};
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- element-wise kernels */
+
+/* Elements per block: the opmath blocks (8 KiB each as f64) stay in L1. */
+enum { EW_BLOCK = 1024 };
+
+typedef enum ew_op {
+    EW_MUL, /* dst *= s */
+    EW_DIV, /* dst /= s */
+    EW_ADD  /* dst += src (src first rounded to dst's dtype when round_src) */
+} ew_op;
+
+/* n elements of dst (float dtype dd) updated in PyTorch's opmath: f64 when dst or src is
+ * f64, else f32 (so 16-bit values compute in f32 and round once into dst). */
+static void ew(ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd, bool round_src, int64_t n) {
+    const bool wide = dd == MS_F64 || (op == EW_ADD && sd == MS_F64);
+    const ms_dtype ot = wide ? MS_F64 : MS_F32;
+    const int64_t des = ms_dtype_size(dd), ses = op == EW_ADD ? ms_dtype_size(sd) : 0;
+    const float sf = (float)s;
+    union {
+        float f[EW_BLOCK];
+        double d[EW_BLOCK];
+    } a, b;                                       /* (m) opmath: dst, src */
+    _Alignas(8) unsigned char rounded[EW_BLOCK * 8]; /* (m) src rounded to dd */
+    for (int64_t off = 0; off < n; off += EW_BLOCK) {
+        const int64_t m = n - off < EW_BLOCK ? n - off : EW_BLOCK;
+        char *d = (char *)dst + off * des;
+        ms__cast_contig(&a, ot, d, dd, m);
+        if (op == EW_ADD) {
+            const void *x = (const char *)src + off * ses;
+            ms_dtype xt = sd;
+            if (round_src && sd != dd) {
+                ms__cast_contig(rounded, dd, x, sd, m);
+                x = rounded;
+                xt = dd;
+            }
+            ms__cast_contig(&b, ot, x, xt, m);
+            if (wide) for (int64_t i = 0; i < m; i++) a.d[i] += b.d[i];
+            else for (int64_t i = 0; i < m; i++) a.f[i] += b.f[i];
+        } else if (wide) {
+            for (int64_t i = 0; i < m; i++) a.d[i] = op == EW_MUL ? a.d[i] * s : a.d[i] / s;
+        } else {
+            for (int64_t i = 0; i < m; i++) a.f[i] = op == EW_MUL ? a.f[i] * sf : a.f[i] / sf;
+        }
+        ms__cast_contig(d, dd, &a, ot, m);
+    }
+}
+
+/* Sum of squares of n elements of a float dtype, in f64. */
+static double sum_sq(const void *x, ms_dtype dt, int64_t n) {
+    double a[EW_BLOCK], s = 0; /* (m) x widened */
+    const int64_t es = ms_dtype_size(dt);
+    for (int64_t off = 0; off < n; off += EW_BLOCK) {
+        const int64_t m = n - off < EW_BLOCK ? n - off : EW_BLOCK;
+        ms__cast_contig(a, MS_F64, (const char *)x + off * es, dt, m);
+        for (int64_t i = 0; i < m; i++) s += a[i] * a[i];
+    }
+    return s;
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+static ms_status check_policy_dtype(const char *unit, const char *what, int d) {
+    if (d == -1 || (ms__dtype_valid((ms_dtype)d) && ms_dtype_is_float((ms_dtype)d))) return MS_OK;
+    return ms__fail(MS_ERR_DTYPE, "unit '%s': %s %d is not a floating dtype (or -1 for unset)", unit, what, d);
+}
+
+/* The k consecutive ranks of the shard group that hold one k-way shard together. */
+static ms_status make_kgroup(ms_unit *u) {
+    int *ranks = malloc((size_t)u->k * sizeof *ranks);
+    if (!ranks) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory", u->name);
+    int first = u->rank / u->k * u->k;
+    for (int i = 0; i < u->k; i++) ranks[i] = ms_comm_world_rank(u->shard, first + i);
+    ms_status st = ms_comm_group(u->shard, u->k, ranks, &u->kgroup);
+    free(ranks);
+    return st ? ms__wrap(st, "unit '%s': the %d-way reshard group", u->name, u->k) : MS_OK;
+}
+
+ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate, int param_dtype,
+                      int reduce_dtype, int reshard_after_forward) {
+    if (!out || !name || !shard) return ms__fail(MS_ERR_ARG, "unit_new: out, name and shard are required");
+    const ms_backend *be = shard->world->backend;
+    if (be->device != MS_DEVICE_CPU)
+        return ms__fail(MS_ERR_NOT_BUILT, "unit '%s': the unit runtime moves cpu tensors; the %s backend moves device "
+                        "tensors", name, be->name);
+    if (replicate && replicate->world != shard->world)
+        return ms__fail(MS_ERR_ARG, "unit '%s': the shard and replicate comms belong to different worlds", name);
+    ms_status st = check_policy_dtype(name, "param_dtype", param_dtype);
+    if (!st) st = check_policy_dtype(name, "reduce_dtype", reduce_dtype);
+    if (st) return st;
+    const int W = ms_comm_size(shard);
+    int k = reshard_after_forward;
+    if (k < 0 || (k >= 2 && (k > W || W % k)))
+        return ms__fail(MS_ERR_ARG, "unit '%s': reshard_after_forward %d: expected 0 (keep), 1 (free) or a k-way "
+                        "size 2 <= k <= W that divides the shard size W = %d", name, k, W);
+    if (k == W && k >= 2) k = 1;
+
+    ms_unit *u = calloc(1, sizeof *u);
+    if (!u || !(u->name = strdup(name))) {
+        free(u);
+        return ms__fail(MS_ERR_OOM, "unit '%s': out of memory", name);
+    }
+    atomic_init(&u->refcount, 1);
+    ms_comm_retain(shard);
+    ms_comm_retain(replicate);
+    u->shard = shard;
+    u->replicate = replicate;
+    u->W = W;
+    u->R = replicate ? ms_comm_size(replicate) : 1;
+    u->rank = ms_comm_rank(shard);
+    u->k = k;
+    u->policy_param = param_dtype;
+    u->policy_reduce = reduce_dtype;
+    u->state = ST_BUILDING;
+    u->sync = true;
+    if (k >= 2 && (st = make_kgroup(u))) {
+        ms_unit_release(u);
+        return st;
+    }
+    *out = u;
+    return ms__ok();
+}
+
+void ms_unit_retain(ms_unit *u) {
+    if (u) atomic_fetch_add(&u->refcount, 1);
+}
+
+static void param_free(ms_unit *u, unit_param *p) {
+    view_free(&p->shard);
+    view_free(&p->grad_shard);
+    buf_free(u, CAT_PARAMS, &p->padded);
+    buf_free(u, CAT_GRADS, &p->grad_padded);
+    buf_free(u, CAT_OPTIM, &p->exp_avg);
+    buf_free(u, CAT_OPTIM, &p->exp_avg_sq);
+    buf_free(u, CAT_OPTIM, &p->master);
+    buf_free(u, CAT_UNSHARDED, &p->full);
+    buf_free(u, CAT_UNSHARDED, &p->grad_full);
+    buf_free(u, CAT_UNSHARDED, &p->grad_acc);
+    free(p->fqn);
+}
+
+void ms_unit_release(ms_unit *u) {
+    if (!u || atomic_fetch_sub(&u->refcount, 1) != 1) return;
+    if (u->state == ST_GATHERING || u->state == ST_REDUCING) ms__async_wait(&u->op.ticket);
+    op_clear(u);
+    buf_free(u, CAT_UNSHARDED, &u->kept);
+    for (int i = 0; i < u->nparams; i++) param_free(u, &u->params[i]);
+    ms_comm_release(u->kgroup);
+    ms_comm_release(u->replicate);
+    ms_comm_release(u->shard);
+    free(u->records);
+    free(u->params);
+    free(u->name);
+    free(u);
+}
+
+ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape, ms_dtype dtype, int dim,
+                            int requires_grad) {
+    if (!u || !fqn) return ms__fail(MS_ERR_ARG, "unit_add_param: NULL unit or fqn");
+    if (u->state != ST_BUILDING)
+        return ms__fail(MS_ERR_STATE, "unit '%s': add_param '%s': the unit is %s; parameters are added before "
+                        "ms_unit_finalize", u->name, fqn, state_name[u->state]);
+    if (!ms__dtype_valid(dtype))
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': add_param '%s': invalid dtype %d", u->name, fqn, (int)dtype);
+    for (int i = 0; i < u->nparams; i++)
+        if (!strcmp(u->params[i].fqn, fqn))
+            return ms__fail(MS_ERR_ARG, "unit '%s': add_param: parameter '%s' is already in the unit", u->name, fqn);
+    if (u->nparams && dtype != u->stored)
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is stored in %s but '%s' is stored in %s: FSDP "
+                        "expects uniform original parameter dtype; shard them in separate units", u->name, fqn,
+                        ms_dtype_name(dtype), u->params[0].fqn, ms_dtype_name(u->stored));
+    if (requires_grad && !ms_dtype_is_float(dtype))
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is %s and cannot require gradients", u->name, fqn,
+                        ms_dtype_name(dtype));
+    int64_t local[MS_MAX_DIMS], offset, padded[MS_MAX_DIMS];
+    ms_status st = ms_fsdp_shard(ndim, shape, u->W, u->rank, dim, local, &offset, padded);
+    if (st) return ms__wrap(st, "unit '%s': add_param '%s'", u->name, fqn);
+    if (u->nparams == u->cap) {
+        int cap = u->cap ? 2 * u->cap : 8;
+        unit_param *ps = realloc(u->params, (size_t)cap * sizeof *ps);
+        if (!ps) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", u->name, fqn);
+        u->params = ps;
+        u->cap = cap;
+    }
+    unit_param *p = &u->params[u->nparams];
+    *p = (unit_param){.ndim = ndim, .dim = dim < 0 ? dim + ndim : dim, .requires_grad = requires_grad != 0};
+    memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
+    memcpy(p->padded_shape, padded, (size_t)ndim * sizeof *padded);
+    p->padded_numel = 1;
+    for (int d = 0; d < ndim; d++) p->padded_numel *= padded[d];
+    if (!(p->fqn = strdup(fqn))) st = ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", u->name, fqn);
+    if (!st) st = buf_new(u, CAT_PARAMS, &p->padded, ndim, padded, dtype);
+    if (!st) st = ms_tensor_narrow(&p->shard, p->padded, p->dim, 0, local[p->dim]);
+    if (st) {
+        param_free(u, p);
+        return st;
+    }
+    u->stored = dtype;
+    u->nparams++;
+    return ms__ok();
+}
+
+ms_status ms_unit_finalize(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_finalize: unit is NULL");
+    ms_status st = check_state(u, "finalize", ST(ST_BUILDING));
+    if (st) return st;
+    int64_t S = 0, bytes;
+    for (int i = 0; i < u->nparams; i++) {
+        u->params[i].flat_offset = S;
+        S += u->params[i].padded_numel; /* each padded shard fits in memory, so the sum fits */
+    }
+    if (!u->nparams) u->stored = MS_F32;
+    /* SEMANTICS.md §4: reduce_dtype unset when equal to param_dtype; param_dtype unset when
+     * equal to the stored dtype or when the parameters are not floating point. */
+    int pd = u->policy_param, rd = u->policy_reduce;
+    if (rd == pd) rd = -1;
+    if (pd == (int)u->stored || !ms_dtype_is_float(u->stored)) pd = -1;
+    u->gather = pd >= 0 ? (ms_dtype)pd : u->stored;
+    u->reduce = rd >= 0 ? (ms_dtype)rd : u->gather;
+    int64_t es = ms_dtype_size(u->gather) > ms_dtype_size(u->reduce) ? ms_dtype_size(u->gather)
+                                                                     : ms_dtype_size(u->reduce);
+    if (!ms__mul_ok(S, u->W, &bytes) || !ms__mul_ok(bytes, es, &bytes))
+        return ms__fail(MS_ERR_OVERFLOW, "unit '%s': the all-gather buffer of %d x %lld elements overflows int64",
+                        u->name, u->W, (long long)S);
+    u->S = S;
+    u->state = ST_SHARDED;
+    return ms__ok();
+}
+
+/* ---------------------------------------------------------------- accessors */
+
+int ms_unit_param_count(const ms_unit *u) { return u ? u->nparams : 0; }
+const char *ms_unit_name(const ms_unit *u) { return u ? u->name : NULL; }
+
+const char *ms_unit_param_fqn(const ms_unit *u, int i) {
+    return u && i >= 0 && i < u->nparams ? u->params[i].fqn : NULL;
+}
+
+ms_tensor *ms_unit_param_shard(ms_unit *u, int i) {
+    unit_param *p = NULL;
+    if (param_at(u, "param_shard", i, &p)) return NULL;
+    ms__ok();
+    return p->shard;
+}
+
+ms_tensor *ms_unit_grad_shard(ms_unit *u, int i) {
+    unit_param *p = NULL;
+    if (param_at(u, "grad_shard", i, &p)) return NULL;
+    ms__ok();
+    return p->grad_shard;
+}
+
+/* The rows of p's shard dim that shard rank q holds: torch.chunk extents. */
+static void rank_rows(const ms_unit *u, const unit_param *p, int q, int64_t *len, int64_t *off) {
+    ms_chunk_extent(p->shape[p->dim], u->W, q, len, off);
+}
+
+ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "load_full", i, &p);
+    if (st) return st;
+    if (!full) return ms__fail(MS_ERR_ARG, "unit '%s': load_full '%s': the full tensor is NULL", u->name, p->fqn);
+    if ((st = check_state(u, "load_full", ST(ST_BUILDING) | ST(ST_SHARDED)))) return st;
+    if (full->ndim != p->ndim || memcmp(full->shape, p->shape, (size_t)p->ndim * sizeof *p->shape)) {
+        char a[256], b[256];
+        return ms__fail(MS_ERR_SHAPE, "unit '%s': load_full '%s': the full tensor is %s but the parameter is %s",
+                        u->name, p->fqn, ms__shape_str(a, sizeof a, full->ndim, full->shape),
+                        ms__shape_str(b, sizeof b, p->ndim, p->shape));
+    }
+    int64_t len, off;
+    rank_rows(u, p, u->rank, &len, &off);
+    ms_tensor *region = NULL;
+    st = ms_tensor_narrow(&region, (ms_tensor *)full, p->dim, off, len); /* a view; full is only read */
+    if (!st) st = ms_tensor_copy(p->shard, region);
+    ms_tensor_release(region);
+    return st ? ms__wrap(st, "unit '%s': load_full '%s'", u->name, p->fqn) : ms__ok();
+}
+
+/* ---------------------------------------------------------------- flat layouts */
+
+/* Moves shard rank q's block of p between `full` (global shape) and `flat`, a 1-D buffer
+ * holding q's padded block of p from element `at_elem`: full -> flat when to_flat, else
+ * flat -> full, casting between their dtypes.  Only q's real rows move: the padding rows of
+ * flat keep what they hold (zeros, in every buffer the unit packs). */
+static ms_status move_block(const ms_unit *u, const unit_param *p, int q, ms_tensor *full, ms_tensor *flat,
+                            int64_t at_elem, bool to_flat) {
+    int64_t len, off;
+    rank_rows(u, p, q, &len, &off);
+    ms_tensor *block = NULL, *shaped = NULL, *packed = NULL, *region = NULL;
+    ms_status st = ms_tensor_narrow(&block, flat, 0, at_elem, p->padded_numel);
+    if (!st) st = ms_tensor_view(&shaped, block, p->ndim, p->padded_shape);
+    if (!st) st = ms_tensor_narrow(&packed, shaped, p->dim, 0, len);
+    if (!st) st = ms_tensor_narrow(&region, full, p->dim, off, len);
+    if (!st) st = to_flat ? ms_tensor_copy(packed, region) : ms_tensor_copy(region, packed);
+    ms_tensor_release(region);
+    ms_tensor_release(packed);
+    ms_tensor_release(shaped);
+    ms_tensor_release(block);
+    return st;
+}
+
+/* ---------------------------------------------------------------- the pending op */
+
+static ms_status run_all_gather(void *arg) {
+    unit_op *op = arg;
+    return ms_all_gather(op->comm, op->flat, op->slice);
+}
+
+static ms_status run_reduce(void *arg) {
+    unit_op *op = arg;
+    ms_status st = ms_reduce_scatter(op->comm, op->slice, op->flat, op->op);
+    if (!st && op->replicate) st = ms_all_reduce(op->replicate, op->slice, op->replicate_op);
+    return st;
+}
+
+/* Queues u->op on this rank's communication thread; u enters `pending`. */
+static ms_status op_submit(ms_unit *u, ms_async_fn fn, unit_state pending) {
+    ms_comm *c = u->shard;
+    ms_status st = ms__async_submit(c->world, ms_comm_world_rank(c, c->rank), &u->op.ticket, fn, &u->op);
+    if (st) return st;
+    u->state = pending;
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- unshard and reshard */
+
+/* u->flat = the (W, S) gather buffer holding this rank's chunk (from its shards, or from
+ * the k-way shard); u->op the in-place all_gather that fills the rest. */
+static ms_status prepare_gather(ms_unit *u) {
+    const int64_t es = ms_dtype_size(u->gather), total = u->W * u->S;
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->gather);
+    if (st) return st;
+    u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat};
+    ms_comm *group = u->op.comm;
+    if (u->state == ST_KWAY) {
+        const int64_t seg = ms_tensor_numel(u->kept);
+        st = ms_tensor_narrow(&u->op.slice, u->flat, 0, ms_comm_rank(group) * seg, seg);
+        if (!st) st = ms_tensor_copy(u->op.slice, u->kept);
+    } else {
+        st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * u->S, u->S);
+        for (int i = 0; !st && i < u->nparams; i++) {
+            const unit_param *p = &u->params[i];
+            if (p->padded_numel)
+                ms__cast_contig(at(u->flat, u->rank * u->S + p->flat_offset), u->gather, ms_tensor_data(p->padded),
+                                u->stored, p->padded_numel);
+        }
+    }
+    if (!st) st = record(u, REC_ALL_GATHER, u->gather, ms_comm_size(group), total * es);
+    return st;
+}
+
+ms_status ms_unit_unshard(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_unshard: unit is NULL");
+    ms_status st = check_state(u, "unshard", ST(ST_SHARDED) | ST(ST_KEPT) | ST(ST_KWAY));
+    if (st) return st;
+    if (u->state == ST_KEPT) { /* reshard_after_forward 0: nothing to gather */
+        u->state = ST_UNSHARDED;
+        return ms__ok();
+    }
+    st = prepare_gather(u);
+    if (!st) st = op_submit(u, run_all_gather, ST_GATHERING);
+    if (st) {
+        op_clear(u);
+        return ms__wrap(st, "unit '%s': unshard", u->name);
+    }
+    buf_free(u, CAT_UNSHARDED, &u->kept);
+    return ms__ok();
+}
+
+/* Copy-out: the (W, S) buffer split by rank and parameter into the unsharded parameters. */
+static ms_status finish_unshard(ms_unit *u) {
+    ms_status st = MS_OK;
+    for (int i = 0; !st && i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, u->gather);
+        for (int q = 0; !st && q < u->W; q++) st = move_block(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, false);
+    }
+    if (st) return st;
+    op_clear(u);
+    u->state = ST_UNSHARDED;
+    return MS_OK;
+}
+
+/* u->kept = this rank's segment j = rank % k of the (W, S) layout, the chunks of shard
+ * ranks [j*W/k, (j+1)*W/k), rebuilt from the unsharded parameters (padding zero). */
+static ms_status keep_kway(ms_unit *u) {
+    const int per = u->W / u->k, first = u->rank % u->k * per;
+    const int64_t n = per * u->S;
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather);
+    for (int q = first; !st && q < first + per; q++)
+        for (int i = 0; !st && i < u->nparams; i++) {
+            unit_param *p = &u->params[i];
+            st = move_block(u, p, q, p->full, u->kept, (q - first) * u->S + p->flat_offset, true);
+        }
+    if (st) buf_free(u, CAT_UNSHARDED, &u->kept);
+    return st;
+}
+
+ms_status ms_unit_reshard(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_reshard: unit is NULL");
+    ms_status st = check_state(u, "reshard", ST(ST_UNSHARDED));
+    if (st) return st;
+    if (u->k == 0) {
+        u->state = ST_KEPT;
+        return ms__ok();
+    }
+    if (u->k >= 2 && (st = keep_kway(u))) return ms__wrap(st, "unit '%s': reshard", u->name);
+    for (int i = 0; i < u->nparams; i++) buf_free(u, CAT_UNSHARDED, &u->params[i].full);
+    u->state = u->k >= 2 ? ST_KWAY : ST_SHARDED;
+    return ms__ok();
+}
+
+ms_status ms_unit_release_unsharded(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_release_unsharded: unit is NULL");
+    ms_status st = check_state(u, "release_unsharded", ST_IDLE);
+    if (st) return st;
+    free_unsharded(u);
+    u->state = ST_SHARDED;
+    return ms__ok();
+}
+
+ms_tensor *ms_unit_param_full(ms_unit *u, int i) {
+    unit_param *p = NULL;
+    if (param_at(u, "param_full", i, &p) || check_state(u, "param_full", ST(ST_UNSHARDED) | ST(ST_KEPT))) return NULL;
+    ms__ok();
+    return p->full;
+}
+
+/* ---------------------------------------------------------------- gradients */
+
+ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
+    unit_param *p = NULL;
+    if (param_at(u, "grad_full", i, &p) || check_state(u, "grad_full", ST(ST_UNSHARDED))) return NULL;
+    if (!p->requires_grad) {
+        ms__fail(MS_ERR_ARG, "unit '%s': grad_full: parameter '%s' is frozen (requires_grad = 0) and has no gradient",
+                 u->name, p->fqn);
+        return NULL;
+    }
+    if (!p->grad_full && buf_new(u, CAT_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather)) return NULL;
+    ms__ok();
+    return p->grad_full;
+}
+
+ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_requires_gradient_sync: unit is NULL");
+    u->sync = sync != 0;
+    return ms__ok();
+}
+
+ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_gradient_divide_factor: unit is NULL");
+    if (!(factor == 0 || (isfinite(factor) && factor > 0)))
+        return ms__fail(MS_ERR_ARG, "unit '%s': gradient divide factor %g: expected a finite factor > 0 (or 0 for "
+                        "the default)", u->name, factor);
+    u->divide_factor = factor;
+    return ms__ok();
+}
+
+/* How a reduce divides (PyTorch's _get_gradient_divide_factors): the packed input is
+ * multiplied by premul, reduce_scatter with rs_op, all_reduce with ar_op, divided by post. */
+typedef struct divide_plan {
+    double premul, post;
+    ms_op rs_op, ar_op;
+} divide_plan;
+
+static divide_plan divide_factors(const ms_unit *u) {
+    const double n = (double)u->W * u->R;
+    const double f = u->divide_factor > 0 ? u->divide_factor : n;
+    divide_plan d = {.premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
+    if (u->reduce == MS_F32 || u->reduce == MS_BF16) { /* no overflow risk: the collective divides */
+        if (f != n) d.premul = 1 / f;                   /* premul-sum */
+        else if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
+        return d;
+    }
+    /* f16 and the other reduce dtypes: divide by about sqrt(f) before and after the sums. */
+    double pre = 1;
+    while (fmod(f, pre) == 0 && f / pre > pre) pre *= 2;
+    d.premul = 1 / pre; /* a power of two: exact */
+    d.post = f / pre;
+    return d;
+}
+
+/* p's gradient of this backward added into its sync-off accumulator (reduce dtype), then
+ * freed. */
+static ms_status accumulate(ms_unit *u, unit_param *p) {
+    if (!p->grad_acc) {
+        ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce);
+        if (st) return st;
+    }
+    ew(EW_ADD, ms_tensor_data(p->grad_acc), u->reduce, 0, ms_tensor_data(p->grad_full), u->gather, false,
+       ms_tensor_numel(p->grad_full));
+    buf_free(u, CAT_UNSHARDED, &p->grad_full);
+    return MS_OK;
+}
+
+/* u->flat = the (W, S_r) reduce_scatter input: for every shard rank q, the padded blocks of
+ * the gradients of this step (accumulator + this backward's gradient when sync was off),
+ * pre-scaled; u->op the in-place reduce_scatter and HSDP all_reduce. */
+static ms_status prepare_reduce(ms_unit *u) {
+    int64_t sr = 0;
+    ms_status st = MS_OK;
+    for (int i = 0; i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        p->in_reduce = p->grad_full || p->grad_acc;
+        if (!p->in_reduce) continue;
+        p->grad_offset = sr;
+        sr += p->padded_numel;
+        if (!st && p->grad_full && p->grad_acc) st = accumulate(u, p);
+    }
+    const int64_t total = u->W * sr, es = ms_dtype_size(u->reduce);
+    if (!st) st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->reduce);
+    for (int q = 0; !st && q < u->W; q++)
+        for (int i = 0; !st && i < u->nparams; i++) {
+            unit_param *p = &u->params[i];
+            if (p->in_reduce)
+                st = move_block(u, p, q, p->grad_acc ? p->grad_acc : p->grad_full, u->flat, q * sr + p->grad_offset,
+                                true);
+        }
+    if (st) return st;
+    const divide_plan d = divide_factors(u);
+    if (d.premul != 1) ew(EW_MUL, ms_tensor_data(u->flat), u->reduce, d.premul, NULL, u->reduce, false, total);
+    u->op = (unit_op){.comm = u->shard, .flat = u->flat, .op = d.rs_op, .replicate = u->replicate,
+                      .replicate_op = d.ar_op, .post_divide = d.post};
+    st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
+    if (!st) st = record(u, REC_REDUCE_SCATTER, u->reduce, u->W, total * es);
+    if (!st && u->replicate) st = record(u, REC_ALL_REDUCE, u->reduce, u->R, sr * es);
+    return st;
+}
+
+ms_status ms_unit_reduce_grads(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_reduce_grads: unit is NULL");
+    ms_status st = check_state(u, "reduce_grads", ST_IDLE);
+    if (st) return st;
+    bool trainable = false, handed_out = false;
+    for (int i = 0; i < u->nparams; i++) {
+        trainable |= u->params[i].requires_grad;
+        handed_out |= u->params[i].grad_full != NULL;
+    }
+    if (trainable && !handed_out)
+        return ms__fail(MS_ERR_STATE, "unit '%s': reduce_grads: no gradient was handed out by ms_unit_grad_full "
+                        "since the last reduce_grads (reduce after backward)", u->name);
+    if (trainable && u->sync) {
+        st = prepare_reduce(u);
+        if (!st) st = op_submit(u, run_reduce, ST_REDUCING);
+        if (st) {
+            op_clear(u);
+            return ms__wrap(st, "unit '%s': reduce_grads", u->name);
+        }
+        for (int i = 0; i < u->nparams; i++) buf_free(u, CAT_UNSHARDED, &u->params[i].grad_acc); /* packed */
+    } else {
+        for (int i = 0; i < u->nparams && !st; i++)
+            if (u->params[i].grad_full) st = accumulate(u, &u->params[i]);
+        if (st) return ms__wrap(st, "unit '%s': reduce_grads", u->name);
+        u->state = ST_SHARDED;
+    }
+    free_unsharded(u); /* FSDP2 reshards after backward; this backward's gradients were packed or accumulated */
+    return ms__ok();
+}
+
+/* Post-divide, cast to the stored dtype and accumulate into the gradient shards (allocated
+ * zero-filled by the first reduce). */
+static ms_status finish_reduce(ms_unit *u) {
+    const int64_t es = ms_dtype_size(u->reduce);
+    char *out = ms_tensor_data(u->op.slice);
+    if (u->op.post_divide != 1)
+        ew(EW_DIV, out, u->reduce, u->op.post_divide, NULL, u->reduce, false, ms_tensor_numel(u->op.slice));
+    for (int i = 0; i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        if (!p->in_reduce) continue;
+        if (!p->grad_padded) {
+            int64_t len, off;
+            rank_rows(u, p, u->rank, &len, &off);
+            ms_status st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored);
+            if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
+            if (st) return st;
+        }
+        if (p->padded_numel)
+            ew(EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es, u->reduce, true,
+               p->padded_numel);
+        p->in_reduce = false;
+    }
+    op_clear(u);
+    u->state = ST_SHARDED;
+    return MS_OK;
+}
+
+ms_status ms_unit_wait(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_wait: unit is NULL");
+    if (u->state == ST_FAILED) return check_state(u, "wait", 0);
+    if (u->state != ST_GATHERING && u->state != ST_REDUCING) return ms__ok(); /* nothing pending */
+    const bool gather = u->state == ST_GATHERING;
+    ms_status st = ms__async_wait(&u->op.ticket);
+    if (!st) st = gather ? finish_unshard(u) : finish_reduce(u);
+    return st ? unit_fail(u, st, gather ? "unshard" : "reduce_grads") : ms__ok();
+}
+
+/* ---------------------------------------------------------------- optimizer and clipping */
+
+/* The gradient states: finalized, no reduce writing the gradient shards. */
+#define ST_GRADS (ST_IDLE | ST(ST_GATHERING))
+
+ms_status ms_unit_zero_grad(ms_unit *u) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_zero_grad: unit is NULL");
+    ms_status st = check_state(u, "zero_grad", ST_GRADS);
+    if (st) return st;
+    for (int i = 0; i < u->nparams; i++)
+        if (u->params[i].grad_padded) ms_tensor_fill(u->params[i].grad_padded, 0);
+    return ms__ok();
+}
+
+ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
+    if (!u || !out) return ms__fail(MS_ERR_ARG, "unit_grad_sq_norm: NULL argument");
+    ms_status st = check_state(u, "grad_sq_norm", ST_GRADS);
+    if (st) return st;
+    double s = 0;
+    for (int i = 0; i < u->nparams; i++) {
+        const unit_param *p = &u->params[i];
+        if (p->grad_shard) s += sum_sq(ms_tensor_data(p->grad_padded), u->stored, ms_tensor_numel(p->grad_shard));
+    }
+    *out = s / u->R; /* the R replicas hold the same shard */
+    return ms__ok();
+}
+
+ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_scale_grads: unit is NULL");
+    ms_status st = check_state(u, "scale_grads", ST_GRADS);
+    if (st) return st;
+    for (int i = 0; i < u->nparams; i++) {
+        const unit_param *p = &u->params[i];
+        if (p->grad_shard)
+            ew(EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL, u->stored, false,
+               ms_tensor_numel(p->grad_shard));
+    }
+    return ms__ok();
+}
+
+typedef struct adamw_hyper {
+    float decay;     /* 1 - lr * weight_decay */
+    float b1, b2;    /* beta1, beta2 */
+    float c1, c2;    /* 1 - beta1, 1 - beta2, rounded from double as PyTorch's scalars are */
+    float step_size; /* lr / (1 - beta1^step) */
+    float bc2_sqrt;  /* sqrt(1 - beta2^step) */
+    float eps;
+} adamw_hyper;
+
+/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer). */
+static ms_status adamw_param(ms_unit *u, unit_param *p, const adamw_hyper *h) {
+    const int64_t n = ms_tensor_numel(p->shard);
+    ms_status st = MS_OK;
+    if (!p->exp_avg) {
+        st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32);
+        if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32);
+        if (!st && u->stored != MS_F32 && !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32)) && n)
+            ms__cast_contig(ms_tensor_data(p->master), MS_F32, ms_tensor_data(p->padded), u->stored, n);
+        if (st) return st;
+    }
+    if (!n) return MS_OK;
+    float *w = ms_tensor_data(p->master ? p->master : p->padded);
+    float *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
+    const char *grad = ms_tensor_data(p->grad_padded);
+    const int64_t ges = ms_dtype_size(u->stored);
+    float g[EW_BLOCK]; /* (b) the gradient widened to f32 */
+    for (int64_t off = 0; off < n; off += EW_BLOCK) {
+        const int64_t b = n - off < EW_BLOCK ? n - off : EW_BLOCK;
+        ms__cast_contig(g, MS_F32, grad + off * ges, u->stored, b);
+        for (int64_t i = 0; i < b; i++) {
+            const int64_t j = off + i;
+            w[j] *= h->decay;
+            m[j] = h->b1 * m[j] + h->c1 * g[i];
+            v[j] = h->b2 * v[j] + h->c2 * g[i] * g[i];
+            w[j] -= h->step_size * m[j] / (sqrtf(v[j]) / h->bc2_sqrt + h->eps);
+        }
+    }
+    if (p->master) ms__cast_contig(ms_tensor_data(p->padded), u->stored, w, MS_F32, n);
+    return MS_OK;
+}
+
+ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
+                             int64_t step) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_adamw_step: unit is NULL");
+    ms_status st = check_state(u, "adamw_step", ST(ST_SHARDED));
+    if (st) return st;
+    if (!(lr >= 0) || !(eps >= 0) || !(weight_decay >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) ||
+        step < 1)
+        return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
+                        "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", u->name, lr, beta1, beta2,
+                        eps, weight_decay, (long long)step);
+    const adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
+                           .c1 = (float)(1 - beta1), .c2 = (float)(1 - beta2),
+                           .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
+                           .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
+    for (int i = 0; i < u->nparams && !st; i++)
+        if (u->params[i].grad_shard) st = adamw_param(u, &u->params[i], &h);
+    return st ? ms__wrap(st, "unit '%s': adamw_step", u->name) : ms__ok();
+}
+
+/* ---------------------------------------------------------------- audits */
+
+int64_t ms_unit_bytes(const ms_unit *u, int category) {
+    return u && category >= 0 && category < CAT_COUNT ? u->bytes[category] : -1;
+}
+
+int ms_unit_record_count(const ms_unit *u) { return u ? u->nrecords : 0; }
+
+ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size, int64_t *bytes) {
+    if (!u || !kind || !dtype || !group_size || !bytes) return ms__fail(MS_ERR_ARG, "unit_record: NULL argument");
+    if (i < 0 || i >= u->nrecords)
+        return ms__fail(MS_ERR_ARG, "unit '%s': record %d: out of range (%d recorded)", u->name, i, u->nrecords);
+    const unit_record *r = &u->records[i];
+    *kind = r->kind;
+    *dtype = r->dtype;
+    *group_size = r->group_size;
+    *bytes = r->bytes;
+    return ms__ok();
+}
+
+void ms_unit_clear_records(ms_unit *u) {
+    if (u) u->nrecords = 0;
+}

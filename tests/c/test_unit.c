@@ -1,0 +1,784 @@
+/*
+ * test_unit.c: shard units (fsdp.c, comm_async.c) on ranks run as threads.
+ *
+ * Every rank builds the same units over a 1-D mesh of W = 1, 2, 3, 4 ranks or an HSDP 2x2
+ * mesh (replicate 2 x shard 2), with parameters of uneven dim-0 sizes (one smaller than W,
+ * so some ranks hold 0 rows), a dim-1 sharded one, a frozen one and a 3-d one, under several
+ * mixed-precision policies.  Parameter values are arbitrary floats, so the gather dtype's
+ * rounding shows; gradients are multiples of 1/16 written per data-parallel rank, so the
+ * sums are exact and every difference comes from the documented roundings.  References
+ * are computed here in double, with the layout math (torch.chunk) written out again, and
+ * rounded with ms_cast as the dtypes of each stage dictate.  Checked on every rank: the
+ * unsharded parameters bit for bit, the gradient shards after one and two steps, gradient
+ * accumulation with sync off, the reshard modes 0, 1 and k, AdamW with fp32 master weights,
+ * the gradient norm, the collective records, the bytes held, state errors by message and a
+ * failed collective.  Max differences are printed per scenario.
+ */
+#include "check.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- harness (thread-safe) */
+
+/* check.h counts in plain ints: ranks take this lock around every check.  The checked
+ * call runs before the lock is taken (it may be a collective). */
+static pthread_mutex_t check_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define LOCKED(...)                          \
+    do {                                     \
+        pthread_mutex_lock(&check_lock);     \
+        __VA_ARGS__;                         \
+        pthread_mutex_unlock(&check_lock);   \
+    } while (0)
+
+#define R_CHECK(cond)                                                  \
+    do {                                                               \
+        const bool ok_ = (cond);                                       \
+        LOCKED(CHECK(ok_); if (!ok_) fprintf(stderr, "  %s\n", #cond)); \
+    } while (0)
+
+#define R_OK(call)                                                      \
+    do {                                                                \
+        const ms_status s_ = (call);                                    \
+        LOCKED(CHECK_OK(s_); if (s_) fprintf(stderr, "  %s\n", #call)); \
+    } while (0)
+
+#define R_ERR(call, want, needle)                                                   \
+    do {                                                                            \
+        const ms_status s_ = (call);                                                \
+        LOCKED(CHECK_ERR(s_, want, needle); if (s_ != (want)) fprintf(stderr, "  %s\n", #call)); \
+    } while (0)
+
+enum { MAX_RANKS = 4 };
+
+typedef struct rank_ctx {
+    int rank, nranks;
+    ms_comm *world;  /* this rank's world comm */
+    const void *arg; /* the scenario */
+} rank_ctx;
+
+typedef void (*rank_fn)(rank_ctx *);
+
+typedef struct rank_thread {
+    ms_world *w;
+    rank_ctx ctx;
+    rank_fn fn;
+} rank_thread;
+
+static void *rank_main(void *p) {
+    rank_thread *t = p;
+    R_OK(ms_world_comm(t->w, t->ctx.rank, &t->ctx.world));
+    t->fn(&t->ctx);
+    ms_comm_release(t->ctx.world);
+    return NULL;
+}
+
+/* Runs fn on n rank threads of a fresh threads world. */
+static void run_ranks(int n, rank_fn fn, const void *arg) {
+    ms_world *w = NULL;
+    CHECK_OK(ms_threads_world_new(&w, n, 60));
+    if (!w) return;
+    rank_thread th[MAX_RANKS];
+    pthread_t tid[MAX_RANKS];
+    for (int r = 0; r < n; r++) {
+        th[r] = (rank_thread){.w = w, .ctx = {.rank = r, .nranks = n, .arg = arg}, .fn = fn};
+        pthread_create(&tid[r], NULL, rank_main, &th[r]);
+    }
+    for (int r = 0; r < n; r++) pthread_join(tid[r], NULL);
+    ms_world_release(w);
+}
+
+/* The largest v over the world, printed by rank 0 with `what`. */
+static double world_max(const rank_ctx *c, double v) {
+    ms_tensor *t = NULL;
+    R_OK(ms_tensor_wrap(&t, &v, 1, (int64_t[]){1}, MS_F64));
+    R_OK(ms_all_reduce(c->world, t, MS_OP_MAX));
+    ms_tensor_release(t);
+    return v;
+}
+
+static double world_sum(const rank_ctx *c, double v) {
+    ms_tensor *t = NULL;
+    R_OK(ms_tensor_wrap(&t, &v, 1, (int64_t[]){1}, MS_F64));
+    R_OK(ms_all_reduce(c->world, t, MS_OP_SUM));
+    ms_tensor_release(t);
+    return v;
+}
+
+/* ---------------------------------------------------------------- meshes */
+
+/* world = R x W ranks, row-major: rank = a*W + b with a the replica, b the shard rank. */
+typedef struct layout {
+    int W, R;
+} layout;
+
+/* This rank's shard group and (HSDP) replicate group. */
+static void layout_comms(const rank_ctx *c, const layout *l, ms_comm **shard, ms_comm **replicate) {
+    *replicate = NULL;
+    if (l->R == 1) {
+        ms_comm_retain(c->world);
+        *shard = c->world;
+        return;
+    }
+    int a = c->rank / l->W, b = c->rank % l->W, sr[MAX_RANKS], rr[MAX_RANKS];
+    for (int i = 0; i < l->W; i++) sr[i] = a * l->W + i;
+    for (int i = 0; i < l->R; i++) rr[i] = i * l->W + b;
+    R_OK(ms_comm_group(c->world, l->W, sr, shard));
+    R_OK(ms_comm_group(c->world, l->R, rr, replicate));
+}
+
+/* ---------------------------------------------------------------- parameters and values */
+
+typedef struct param_spec {
+    const char *fqn;
+    int ndim;
+    int64_t shape[3];
+    int dim; /* as given to add_param; normalised by spec_dim */
+    int requires_grad;
+} param_spec;
+
+static const param_spec specs[] = {
+    {"layers.0.w", 2, {7, 5}, 0, 1},     /* uneven for W = 2, 3, 4 */
+    {"layers.0.b", 1, {2}, 0, 1},        /* smaller than W = 3, 4: ranks with 0 rows */
+    {"layers.0.proj", 2, {3, 12}, -1, 1}, /* Shard(1), given as -1 */
+    {"layers.0.frozen", 2, {5, 3}, 0, 0},
+    {"layers.0.conv", 3, {4, 3, 2}, 0, 1},
+};
+enum { NSPEC = sizeof specs / sizeof specs[0] };
+
+static int spec_dim(const param_spec *p) { return p->dim < 0 ? p->dim + p->ndim : p->dim; }
+
+static int64_t spec_numel(const param_spec *p) {
+    int64_t n = 1;
+    for (int d = 0; d < p->ndim; d++) n *= p->shape[d];
+    return n;
+}
+
+/* torch.chunk, written out: rows [*off, *off + *len) of a dim of size n for rank q of W. */
+static void chunk(int64_t n, int W, int q, int64_t *len, int64_t *off) {
+    int64_t c = (n + W - 1) / W, start = c * q;
+    *off = start < n ? start : n;
+    *len = start < n ? (n - start < c ? n - start : c) : 0;
+}
+
+/* Rows of the padded shard: ceil(n/W) on dim 0, n/W on another dim. */
+static int64_t padded_rows(const param_spec *p, int W) {
+    int64_t n = p->shape[spec_dim(p)];
+    return spec_dim(p) == 0 ? (n + W - 1) / W : n / W;
+}
+
+static int64_t padded_numel(const param_spec *p, int W) {
+    return spec_numel(p) / p->shape[spec_dim(p)] * padded_rows(p, W);
+}
+
+/* Global flat index of element l (row-major) of rank q's block of p. */
+static int64_t global_index(const param_spec *p, int W, int q, int64_t l) {
+    int64_t len, off, idx = 0, stride = 1;
+    chunk(p->shape[spec_dim(p)], W, q, &len, &off);
+    for (int d = p->ndim - 1; d >= 0; d--) {
+        int64_t size = d == spec_dim(p) ? len : p->shape[d];
+        int64_t i = l % size + (d == spec_dim(p) ? off : 0);
+        l /= size;
+        idx += i * stride;
+        stride *= p->shape[d];
+    }
+    return idx;
+}
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* Initial value of element i of parameter pid: an arbitrary float. */
+static double param_value(int pid, int64_t i) { return (float)(3 * sin(1.0 + 0.37 * pid + 0.113 * (double)i)); }
+
+/* Gradient that data-parallel rank r computes in step `step`: a multiple of 1/16 in
+ * [-2, 2), exact in every float dtype used here, with exact sums. */
+static double grad_value(int step, int r, int pid, int64_t i) {
+    uint64_t h = mix(((uint64_t)step << 48) ^ ((uint64_t)r << 40) ^ ((uint64_t)pid << 32) ^ (uint64_t)i);
+    return (double)((int)(h % 64) - 32) / 16.0;
+}
+
+/* v rounded to dtype with the core's casts (f64 -> 16-bit goes through f32). */
+static double round_as(ms_dtype dt, double v) {
+    unsigned char b[8];
+    double r;
+    ms_cast(b, dt, &v, MS_F64, 1);
+    ms_cast(&r, MS_F64, b, dt, 1);
+    return r;
+}
+
+/* The spacing of dtype's values at x. */
+static double ulp_of(ms_dtype dt, double x) {
+    int mant = dt == MS_F16 ? 10 : dt == MS_BF16 ? 7 : dt == MS_F64 ? 52 : 23, e;
+    frexp(x == 0 ? 1e-30 : x, &e);
+    return ldexp(1, e - 1 - mant);
+}
+
+/* A new tensor of p's global shape holding f(pid, i) as f64. */
+static ms_tensor *full_of(int pid, double (*f)(int, int64_t)) {
+    const param_spec *p = &specs[pid];
+    ms_tensor *t = NULL;
+    R_OK(ms_tensor_new(&t, p->ndim, p->shape, MS_F64, MS_DEVICE_CPU, 0));
+    double *d = ms_tensor_data(t);
+    for (int64_t i = 0; d && i < spec_numel(p); i++) d[i] = f(pid, i);
+    return t;
+}
+
+/* t (any dtype, any strides) as a new contiguous f64 copy. */
+static ms_tensor *as_f64(const ms_tensor *t) {
+    ms_tensor *r = NULL;
+    R_OK(ms_tensor_to(&r, t, MS_F64));
+    return r;
+}
+
+/* ---------------------------------------------------------------- policies */
+
+typedef struct policy {
+    const char *name;
+    ms_dtype stored;
+    int param_dtype, reduce_dtype; /* -1 = unset */
+    double factor;                 /* custom gradient divide factor, 0 = default */
+} policy;
+
+static const policy policies[] = {
+    {"f32 stored, bf16 gather, f32 reduce", MS_F32, MS_BF16, MS_F32, 0},
+    {"bf16 stored, f32 reduce", MS_BF16, -1, MS_F32, 0},
+    {"f32 stored, f16 reduce (pre/post)", MS_F32, -1, MS_F16, 0},
+    {"f32, custom divide factor 8", MS_F32, -1, -1, 8},
+    {"f32 stored, bf16 gather and reduce", MS_F32, MS_BF16, MS_BF16, 0},
+    {"f32 stored, f16 reduce, factor 8", MS_F32, MS_F16, MS_F16, 8},
+};
+enum { NPOLICY = sizeof policies / sizeof policies[0] };
+
+/* SEMANTICS.md §4, written out. */
+static ms_dtype gather_dtype(const policy *pol) {
+    return pol->param_dtype >= 0 && pol->param_dtype != (int)pol->stored ? (ms_dtype)pol->param_dtype : pol->stored;
+}
+static ms_dtype reduce_dtype(const policy *pol) {
+    return pol->reduce_dtype >= 0 && pol->reduce_dtype != pol->param_dtype ? (ms_dtype)pol->reduce_dtype
+                                                                            : gather_dtype(pol);
+}
+
+typedef struct scenario {
+    layout l;
+    const policy *pol;
+} scenario;
+
+/* A unit of all specs under pol, loaded with param_value. */
+static ms_unit *build_unit(const char *name, const policy *pol, ms_comm *shard, ms_comm *replicate, int reshard) {
+    ms_unit *u = NULL;
+    R_OK(ms_unit_new(&u, name, shard, replicate, pol->param_dtype, pol->reduce_dtype, reshard));
+    if (!u) return NULL;
+    for (int i = 0; i < NSPEC; i++)
+        R_OK(ms_unit_add_param(u, specs[i].fqn, specs[i].ndim, specs[i].shape, pol->stored, specs[i].dim,
+                               specs[i].requires_grad));
+    R_OK(ms_unit_finalize(u));
+    if (pol->factor) R_OK(ms_unit_set_gradient_divide_factor(u, pol->factor));
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *full = full_of(i, param_value);
+        R_OK(ms_unit_load_full(u, i, full));
+        ms_tensor_release(full);
+    }
+    return u;
+}
+
+/* ---------------------------------------------------------------- checks */
+
+/* The unsharded parameters against the stored values rounded to the gather dtype, bit for
+ * bit (f64 holds every value of the narrower dtypes exactly); returns the max |diff|. */
+static double check_params_full(ms_unit *u, const policy *pol) {
+    double worst = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *full = ms_unit_param_full(u, i);
+        R_CHECK(full && ms_tensor_dtype(full) == gather_dtype(pol) && ms_tensor_ndim(full) == specs[i].ndim);
+        if (!full) continue;
+        ms_tensor *f = as_f64(full);
+        const double *d = ms_tensor_data(f);
+        int64_t wrong = 0;
+        for (int64_t e = 0; e < spec_numel(&specs[i]); e++) {
+            double want = round_as(gather_dtype(pol), round_as(pol->stored, param_value(i, e)));
+            wrong += d[e] != want;
+            worst = fmax(worst, fabs(d[e] - want));
+        }
+        R_CHECK(wrong == 0);
+        ms_tensor_release(f);
+    }
+    return worst;
+}
+
+/* Writes data-parallel rank r's gradients of `step` into the trainable parameters. */
+static void write_grads(ms_unit *u, int step, int r) {
+    for (int i = 0; i < NSPEC; i++) {
+        if (!specs[i].requires_grad) continue;
+        ms_tensor *g = ms_unit_grad_full(u, i);
+        R_CHECK(g != NULL);
+        if (!g) continue;
+        ms_tensor *src = NULL;
+        R_OK(ms_tensor_new(&src, specs[i].ndim, specs[i].shape, MS_F64, MS_DEVICE_CPU, 0));
+        double *d = ms_tensor_data(src);
+        for (int64_t e = 0; d && e < spec_numel(&specs[i]); e++) d[e] = grad_value(step, r, i, e);
+        R_OK(ms_tensor_copy(g, src));
+        ms_tensor_release(src);
+    }
+}
+
+/* Element e of parameter pid's gradient after reducing the gradients of `steps` (summed
+ * per rank: several backwards accumulated before one reduce) over the N data-parallel
+ * ranks: the mean (or sum / custom factor) in the reduce dtype, cast to the stored dtype. */
+static double reduced_grad(const policy *pol, int N, const int *steps, int nsteps, int pid, int64_t e) {
+    double sum = 0;
+    for (int r = 0; r < N; r++)
+        for (int s = 0; s < nsteps; s++) sum += grad_value(steps[s], r, pid, e);
+    return round_as(pol->stored, round_as(reduce_dtype(pol), sum / (pol->factor ? pol->factor : N)));
+}
+
+/* This rank's gradient shards against want(pid, e); differences within tol_ulps of the
+ * reduce dtype count as right.  Returns the max |diff|. */
+typedef double (*grad_ref)(const scenario *sc, int pid, int64_t e);
+
+static double check_grads(ms_unit *u, const scenario *sc, int shard_rank, grad_ref want, double tol_ulps) {
+    double worst = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *g = ms_unit_grad_shard(u, i);
+        if (!specs[i].requires_grad) {
+            R_CHECK(g == NULL);
+            continue;
+        }
+        R_CHECK(g && ms_tensor_dtype(g) == sc->pol->stored);
+        if (!g) continue;
+        ms_tensor *f = as_f64(g);
+        const double *d = ms_tensor_data(f);
+        int64_t wrong = 0, n = ms_tensor_numel(f);
+        for (int64_t l = 0; l < n; l++) {
+            double ref = want(sc, i, global_index(&specs[i], sc->l.W, shard_rank, l)), diff = fabs(d[l] - ref);
+            wrong += diff > tol_ulps * ulp_of(reduce_dtype(sc->pol), ref);
+            worst = fmax(worst, diff);
+        }
+        int64_t len, off;
+        chunk(specs[i].shape[spec_dim(&specs[i])], sc->l.W, shard_rank, &len, &off);
+        R_CHECK(n == spec_numel(&specs[i]) / specs[i].shape[spec_dim(&specs[i])] * len);
+        R_CHECK(wrong == 0);
+        ms_tensor_release(f);
+    }
+    return worst;
+}
+
+static double ref_step1(const scenario *sc, int pid, int64_t e) {
+    return reduced_grad(sc->pol, sc->l.W * sc->l.R, (int[]){1}, 1, pid, e);
+}
+
+/* Two reduces accumulated into the stored gradient: each rounded, then added in opmath. */
+static double ref_step12(const scenario *sc, int pid, int64_t e) {
+    return round_as(sc->pol->stored, ref_step1(sc, pid, e) + reduced_grad(sc->pol, sc->l.W * sc->l.R, (int[]){2}, 1,
+                                                                           pid, e));
+}
+
+/* One reduce of the per-rank sums of steps 1 and 2 (sync off for step 1). */
+static double ref_summed(const scenario *sc, int pid, int64_t e) {
+    return reduced_grad(sc->pol, sc->l.W * sc->l.R, (int[]){1, 2}, 2, pid, e);
+}
+
+/* f16 reduces round at each stage (pre-divide, sum, post-divide): one f16 ulp allowed. */
+static double tolerance(const policy *pol) { return reduce_dtype(pol) == MS_F16 ? 1 : 0; }
+
+/* The records since the last clear: want[i] = {kind, group size, bytes}, all in dtype
+ * `dt[kind]`. */
+static void check_records(ms_unit *u, int n, const int64_t (*want)[3], const ms_dtype *dt) {
+    R_CHECK(ms_unit_record_count(u) == n);
+    for (int i = 0; i < n && i < ms_unit_record_count(u); i++) {
+        int kind = -1, size = -1;
+        ms_dtype d = MS_DTYPE_COUNT;
+        int64_t bytes = -1;
+        R_OK(ms_unit_record(u, i, &kind, &d, &size, &bytes));
+        R_CHECK(kind == want[i][0] && size == want[i][1] && bytes == want[i][2] && d == dt[kind]);
+    }
+}
+
+/* Sums over the specs of the padded shard numel (trainable only when `trainable`), the
+ * global numel, and this rank's real numel. */
+static int64_t sum_padded(int W, bool trainable) {
+    int64_t s = 0;
+    for (int i = 0; i < NSPEC; i++)
+        if (!trainable || specs[i].requires_grad) s += padded_numel(&specs[i], W);
+    return s;
+}
+
+static int64_t sum_full(bool trainable) {
+    int64_t s = 0;
+    for (int i = 0; i < NSPEC; i++)
+        if (!trainable || specs[i].requires_grad) s += spec_numel(&specs[i]);
+    return s;
+}
+
+static int64_t sum_local_trainable(int W, int q) {
+    int64_t s = 0, len, off;
+    for (int i = 0; i < NSPEC; i++) {
+        if (!specs[i].requires_grad) continue;
+        chunk(specs[i].shape[spec_dim(&specs[i])], W, q, &len, &off);
+        s += spec_numel(&specs[i]) / specs[i].shape[spec_dim(&specs[i])] * len;
+    }
+    return s;
+}
+
+static void check_bytes(ms_unit *u, int64_t params, int64_t grads, int64_t optim, int64_t unsharded) {
+    R_CHECK(ms_unit_bytes(u, 0) == params && ms_unit_bytes(u, 1) == grads && ms_unit_bytes(u, 2) == optim &&
+            ms_unit_bytes(u, 3) == unsharded);
+}
+
+/* ---------------------------------------------------------------- scenario: two steps */
+
+/* unshard, reshard (1), regather, backward, reduce; then a second step accumulating into
+ * the gradient shards.  Checks the parameters, gradients, norm, records and bytes. */
+static void two_steps(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("layers.0", pol, shard, replicate, 1);
+    if (!u) return;
+    const ms_dtype g = gather_dtype(pol), rd = reduce_dtype(pol);
+    const int64_t ges = ms_dtype_size(g), res = ms_dtype_size(rd), ses = ms_dtype_size(pol->stored);
+    const int64_t S = sum_padded(W, false), Sr = sum_padded(W, true);
+    check_bytes(u, S * ses, 0, 0, 0);
+
+    /* forward, reshard, backward regather */
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    double pdiff = check_params_full(u, pol);
+    check_bytes(u, S * ses, 0, 0, sum_full(false) * ges);
+    R_OK(ms_unit_reshard(u));
+    check_bytes(u, S * ses, 0, 0, 0);
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    pdiff = fmax(pdiff, check_params_full(u, pol));
+    write_grads(u, 1, c->rank);
+    check_bytes(u, S * ses, 0, 0, (sum_full(false) + sum_full(true)) * ges);
+    R_OK(ms_unit_reduce_grads(u));
+    check_bytes(u, S * ses, 0, 0, W * Sr * res); /* only the reduce_scatter buffer is left */
+    R_OK(ms_unit_wait(u));
+    check_bytes(u, S * ses, Sr * ses, 0, 0);
+    double g1 = check_grads(u, sc, q, ref_step1, tolerance(pol));
+
+    /* the norm: every element of the full mean gradient once over the world */
+    double sq = -1, want = 0;
+    R_OK(ms_unit_grad_sq_norm(u, &sq));
+    for (int i = 0; i < NSPEC; i++)
+        for (int64_t e = 0; specs[i].requires_grad && e < spec_numel(&specs[i]); e++)
+            want += ref_step1(sc, i, e) * ref_step1(sc, i, e);
+    double total = world_sum(c, sq), rel = fabs(total - want) / want;
+    R_CHECK(rel < 1e-12);
+
+    /* a second step accumulates into the gradient shards */
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grads(u, 2, c->rank);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    double g12 = check_grads(u, sc, q, ref_step12, 2 * tolerance(pol));
+
+    /* records: AG, AG, RS (+AR), AG, RS (+AR) */
+    const int64_t ag[3] = {0, W, W * S * ges}, rs[3] = {1, W, W * Sr * res}, ar[3] = {2, sc->l.R, Sr * res};
+    const ms_dtype dts[3] = {g, rd, rd};
+    if (replicate) {
+        const int64_t want_rec[7][3] = {{ag[0], ag[1], ag[2]}, {ag[0], ag[1], ag[2]}, {rs[0], rs[1], rs[2]},
+                                        {ar[0], ar[1], ar[2]}, {ag[0], ag[1], ag[2]}, {rs[0], rs[1], rs[2]},
+                                        {ar[0], ar[1], ar[2]}};
+        check_records(u, 7, want_rec, dts);
+    } else {
+        const int64_t want_rec[5][3] = {{ag[0], ag[1], ag[2]}, {ag[0], ag[1], ag[2]}, {rs[0], rs[1], rs[2]},
+                                        {ag[0], ag[1], ag[2]}, {rs[0], rs[1], rs[2]}};
+        check_records(u, 5, want_rec, dts);
+    }
+    ms_unit_clear_records(u);
+    R_CHECK(ms_unit_record_count(u) == 0);
+
+    pdiff = world_max(c, pdiff);
+    g1 = world_max(c, g1);
+    g12 = world_max(c, g12);
+    double relmax = world_max(c, rel);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %-38s params max|diff| %g  grads %g, accumulated %g  |g|^2 rel %.1e\n", W, sc->l.R,
+               pol->name, pdiff, g1, g12, relmax);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
+/* ---------------------------------------------------------------- scenario: sync off */
+
+/* Unit a: step 1 with sync off (no collective), step 2 with sync on.  Unit b: one step
+ * whose per-rank gradients are the sums of steps 1 and 2.  Same gradient shards. */
+static void sync_off(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *a = build_unit("a", sc->pol, shard, replicate, 1), *b = build_unit("b", sc->pol, shard, replicate, 1);
+    if (!a || !b) return;
+    const int64_t rfull = sum_full(true) * ms_dtype_size(reduce_dtype(sc->pol));
+
+    R_OK(ms_unit_set_requires_gradient_sync(a, 0));
+    R_OK(ms_unit_unshard(a));
+    R_OK(ms_unit_wait(a));
+    write_grads(a, 1, c->rank);
+    R_OK(ms_unit_reduce_grads(a));
+    R_OK(ms_unit_wait(a));
+    R_CHECK(ms_unit_record_count(a) == 1); /* the all_gather only */
+    R_CHECK(ms_unit_bytes(a, 3) == rfull); /* the accumulator, in the reduce dtype */
+    R_CHECK(ms_unit_grad_shard(a, 0) == NULL);
+    R_OK(ms_unit_set_requires_gradient_sync(a, 1));
+    R_OK(ms_unit_unshard(a));
+    R_OK(ms_unit_wait(a));
+    write_grads(a, 2, c->rank);
+    R_OK(ms_unit_reduce_grads(a));
+    R_OK(ms_unit_wait(a));
+    R_CHECK(ms_unit_bytes(a, 3) == 0);
+
+    R_OK(ms_unit_unshard(b));
+    R_OK(ms_unit_wait(b));
+    for (int i = 0; i < NSPEC; i++) {
+        if (!specs[i].requires_grad) continue;
+        ms_tensor *g = ms_unit_grad_full(b, i), *src = NULL;
+        R_OK(ms_tensor_new(&src, specs[i].ndim, specs[i].shape, MS_F64, MS_DEVICE_CPU, 0));
+        double *d = ms_tensor_data(src);
+        for (int64_t e = 0; d && e < spec_numel(&specs[i]); e++)
+            d[e] = grad_value(1, c->rank, i, e) + grad_value(2, c->rank, i, e);
+        R_OK(ms_tensor_copy(g, src));
+        ms_tensor_release(src);
+    }
+    R_OK(ms_unit_reduce_grads(b));
+    R_OK(ms_unit_wait(b));
+
+    int64_t differ = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        if (!specs[i].requires_grad) continue;
+        ms_tensor *ga = as_f64(ms_unit_grad_shard(a, i)), *gb = as_f64(ms_unit_grad_shard(b, i));
+        const double *x = ms_tensor_data(ga), *y = ms_tensor_data(gb);
+        for (int64_t l = 0; l < ms_tensor_numel(ga); l++) differ += x[l] != y[l];
+        ms_tensor_release(ga);
+        ms_tensor_release(gb);
+    }
+    R_CHECK(differ == 0);
+    double diff = world_max(c, check_grads(a, sc, q, ref_summed, tolerance(sc->pol)));
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %-38s sync off then on == summed step; max|diff| vs reference %g\n", W, sc->l.R,
+               sc->pol->name, diff);
+    ms_unit_release(a);
+    ms_unit_release(b);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
+/* ---------------------------------------------------------------- scenario: reshard modes */
+
+/* Three units with reshard_after_forward 0, 1 and 2 on W = 4, unsharded together (the
+ * second and third prefetched behind the first on the communication thread), resharded and
+ * regathered: the same unsharded parameters, the expected collectives and bytes. */
+static void reshard_modes(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, modes[3] = {0, 1, 2};
+    ms_unit *u[3];
+    for (int m = 0; m < 3; m++) u[m] = build_unit(m == 0 ? "keep" : m == 1 ? "free" : "two_way", pol, c->world,
+                                                  NULL, modes[m]);
+    if (!u[0] || !u[1] || !u[2]) return;
+    const int64_t ges = ms_dtype_size(gather_dtype(pol)), S = sum_padded(W, false);
+    double worst = 0;
+    for (int m = 0; m < 3; m++) R_OK(ms_unit_unshard(u[m]));
+    for (int m = 0; m < 3; m++) R_OK(ms_unit_wait(u[m]));
+    for (int m = 0; m < 3; m++) worst = fmax(worst, check_params_full(u[m], pol));
+    for (int m = 0; m < 3; m++) R_OK(ms_unit_reshard(u[m]));
+
+    R_CHECK(ms_unit_param_full(u[0], 0) != NULL); /* kept */
+    R_CHECK(ms_unit_bytes(u[0], 3) == sum_full(false) * ges);
+    R_CHECK(ms_unit_param_full(u[1], 0) == NULL && strstr(ms_last_error(), "'free': param_full") &&
+            strstr(ms_last_error(), "sharded"));
+    R_CHECK(ms_unit_bytes(u[1], 3) == 0);
+    R_CHECK(ms_unit_param_full(u[2], 0) == NULL && strstr(ms_last_error(), "k-way"));
+    R_CHECK(ms_unit_bytes(u[2], 3) == W / 2 * S * ges); /* this rank's segment of the (W, S) layout */
+
+    for (int m = 0; m < 3; m++) R_OK(ms_unit_unshard(u[m]));
+    for (int m = 0; m < 3; m++) R_OK(ms_unit_wait(u[m]));
+    for (int m = 0; m < 3; m++) worst = fmax(worst, check_params_full(u[m], pol));
+
+    const ms_dtype dts[3] = {gather_dtype(pol), reduce_dtype(pol), reduce_dtype(pol)};
+    const int64_t keep[1][3] = {{0, W, W * S * ges}};
+    const int64_t freed[2][3] = {{0, W, W * S * ges}, {0, W, W * S * ges}};
+    const int64_t two_way[2][3] = {{0, W, W * S * ges}, {0, 2, W * S * ges}};
+    check_records(u[0], 1, keep, dts);
+    check_records(u[1], 2, freed, dts);
+    check_records(u[2], 2, two_way, dts);
+
+    /* backward after the k-way regather reduces as usual */
+    write_grads(u[2], 1, c->rank);
+    R_OK(ms_unit_reduce_grads(u[2]));
+    R_OK(ms_unit_wait(u[2]));
+    const scenario one_d = {.l = {W, 1}, .pol = pol};
+    double gd = check_grads(u[2], &one_d, c->rank, ref_step1, tolerance(pol));
+
+    worst = world_max(c, worst);
+    gd = world_max(c, gd);
+    if (c->rank == 0)
+        printf("  W=%d      reshard_after_forward 0, 1, 2 (prefetched): params max|diff| %g, grads after the 2-way "
+               "regather %g\n", W, worst, gd);
+    for (int m = 0; m < 3; m++) ms_unit_release(u[m]);
+}
+
+/* ---------------------------------------------------------------- scenario: AdamW */
+
+enum { ADAM_STEPS = 3 };
+static const double LR = 1e-2, B1 = 0.9, B2 = 0.999, EPS = 1e-8, WD = 0.1;
+
+/* bf16 stored with fp32 master weights: three steps against a scalar AdamW in double. */
+static void adamw(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("adamw", pol, shard, replicate, 1);
+    if (!u) return;
+    for (int s = 1; s <= ADAM_STEPS; s++) {
+        R_OK(ms_unit_unshard(u));
+        R_OK(ms_unit_wait(u));
+        write_grads(u, s, c->rank);
+        R_OK(ms_unit_reduce_grads(u));
+        R_OK(ms_unit_wait(u));
+        R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, s));
+        R_OK(ms_unit_zero_grad(u));
+    }
+    const int64_t local = sum_local_trainable(W, q);
+    R_CHECK(ms_unit_bytes(u, 2) == local * 4 * (pol->stored == MS_F32 ? 2 : 3));
+
+    double worst = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
+        const double *d = ms_tensor_data(f);
+        int64_t wrong = 0;
+        for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
+            int64_t e = global_index(&specs[i], W, q, l);
+            const double w0 = round_as(pol->stored, param_value(i, e));
+            double w = w0, m = 0, v = 0;
+            for (int s = 1; specs[i].requires_grad && s <= ADAM_STEPS; s++) {
+                double g = reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, i, e);
+                w -= LR * WD * w;
+                m = B1 * m + (1 - B1) * g;
+                v = B2 * v + (1 - B2) * g * g;
+                double mhat = m / (1 - pow(B1, s)), vhat = v / (1 - pow(B2, s));
+                w -= LR * mhat / (sqrt(vhat) + EPS);
+            }
+            double want = round_as(pol->stored, w), diff = fabs(d[l] - want);
+            /* f32 arithmetic on values of w0's size against double: a few f32 ulps of w0, which
+             * move a bf16 rounding by one */
+            wrong += diff > (pol->stored == MS_F32 ? 4 : 1) * ulp_of(pol->stored, fmax(fabs(want), fabs(w0)));
+            worst = fmax(worst, diff);
+        }
+        R_CHECK(wrong == 0);
+        ms_tensor_release(f);
+    }
+    worst = world_max(c, worst);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  AdamW, %s, %d steps: max|diff| vs scalar reference %g\n", W, sc->l.R, pol->name,
+               ADAM_STEPS, worst);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
+/* ---------------------------------------------------------------- scenario: errors */
+
+static void errors(rank_ctx *c) {
+    const policy *pol = &policies[0];
+    ms_unit *u = build_unit("errs", pol, c->world, NULL, 1), *x = NULL;
+    if (!u) return;
+    const int64_t shape[2] = {4, 3};
+    R_ERR(ms_unit_add_param(u, "late", 2, shape, MS_F32, 0, 1), MS_ERR_STATE, "unit 'errs': add_param 'late'");
+    R_ERR(ms_unit_reduce_grads(u), MS_ERR_STATE, "no gradient was handed out");
+    R_CHECK(ms_unit_param_full(u, 0) == NULL && strstr(ms_last_error(), "'errs': param_full: not allowed while the "
+                                                                      "unit is sharded"));
+    R_ERR(ms_unit_reshard(u), MS_ERR_STATE, "reshard");
+    R_OK(ms_unit_unshard(u));
+    R_ERR(ms_unit_unshard(u), MS_ERR_STATE, "unsharding (all_gather pending");
+    R_ERR(ms_unit_adamw_step(u, 1e-3, 0.9, 0.999, 1e-8, 0, 1), MS_ERR_STATE, "adamw_step");
+    R_OK(ms_unit_wait(u));
+    R_OK(ms_unit_wait(u)); /* nothing pending: a no-op */
+    R_ERR(ms_unit_unshard(u), MS_ERR_STATE, "'errs': unshard: not allowed while the unit is unsharded");
+    R_CHECK(ms_unit_grad_full(u, 3) == NULL && strstr(ms_last_error(), "'layers.0.frozen' is frozen"));
+    R_CHECK(ms_unit_grad_full(u, 99) == NULL && strstr(ms_last_error(), "no parameter 99"));
+    R_ERR(ms_unit_load_full(u, 0, NULL), MS_ERR_ARG, "NULL");
+    R_OK(ms_unit_release_unsharded(u));
+    R_ERR(ms_unit_set_gradient_divide_factor(u, -2), MS_ERR_ARG, "divide factor");
+    R_ERR(ms_unit_record(u, 5, &(int){0}, &(ms_dtype){0}, &(int){0}, &(int64_t){0}), MS_ERR_ARG, "out of range");
+    R_CHECK(ms_unit_bytes(u, 7) == -1);
+    /* a unit released with its all_gather pending waits for it */
+    R_OK(ms_unit_unshard(u));
+    ms_unit_release(u);
+
+    R_OK(ms_unit_new(&x, "mixed", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_add_param(x, "a.weight", 2, shape, MS_F32, 0, 1));
+    R_ERR(ms_unit_add_param(x, "b.weight", 2, shape, MS_BF16, 0, 1), MS_ERR_DTYPE,
+          "'b.weight' is stored in bf16 but 'a.weight' is stored in f32");
+    R_ERR(ms_unit_add_param(x, "a.weight", 2, shape, MS_F32, 0, 1), MS_ERR_ARG, "already in the unit");
+    R_ERR(ms_unit_add_param(x, "scalar", 0, shape, MS_F32, 0, 1), MS_ERR_SHAPE, "scalar");
+    R_ERR(ms_unit_add_param(x, "cols", 2, shape, MS_F32, 1, 1), MS_ERR_SHAPE, "not divisible"); /* 3 cols, W = 2 */
+    ms_unit_release(x);
+    x = NULL;
+    R_OK(ms_unit_new(&x, "ints", c->world, NULL, -1, -1, 1));
+    R_ERR(ms_unit_add_param(x, "ids", 2, shape, MS_I64, 0, 1), MS_ERR_DTYPE, "cannot require gradients");
+    ms_unit_release(x);
+    x = NULL;
+    R_ERR(ms_unit_new(&x, "k3", c->world, NULL, -1, -1, 3), MS_ERR_ARG, "reshard_after_forward 3");
+    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, 1), MS_ERR_DTYPE, "param_dtype");
+    R_CHECK(x == NULL);
+}
+
+/* Ranks that disagree on the unit's layout: the all_gather fails with a mismatch on the
+ * communication thread; the message comes back through the ticket and the unit is unusable. */
+static void failed_collective(rank_ctx *c) {
+    ms_unit *u = NULL;
+    const int64_t shape[2] = {4 + 2 * c->rank, 3};
+    R_OK(ms_unit_new(&u, "bad", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_add_param(u, "w", 2, shape, MS_F32, 0, 1));
+    R_OK(ms_unit_finalize(u));
+    R_OK(ms_unit_unshard(u));
+    R_ERR(ms_unit_wait(u), MS_ERR_MISMATCH, "unit 'bad': unshard: all_gather on group [0 1]: ranks disagree");
+    R_ERR(ms_unit_unshard(u), MS_ERR_STATE, "unusable after a failed collective");
+    R_CHECK(ms_unit_bytes(u, 3) == 0);
+    ms_unit_release(u);
+}
+
+/* ---------------------------------------------------------------- main */
+
+int main(void) {
+    const layout layouts[] = {{1, 1}, {2, 1}, {3, 1}, {4, 1}, {2, 2}};
+    printf("two steps (a, b, c, g, i, j):\n");
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
+        for (int p = 0; p < NPOLICY; p++) {
+            const scenario sc = {layouts[l], &policies[p]};
+            run_ranks(layouts[l].W * layouts[l].R, two_steps, &sc);
+        }
+    printf("sync off (d):\n");
+    for (size_t l = 1; l < sizeof layouts / sizeof layouts[0]; l++) {
+        const scenario sc = {layouts[l], &policies[1]};
+        run_ranks(layouts[l].W * layouts[l].R, sync_off, &sc);
+    }
+    printf("reshard modes (e):\n");
+    const scenario four = {{4, 1}, &policies[0]};
+    run_ranks(4, reshard_modes, &four);
+    printf("AdamW (f):\n");
+    const scenario adam[] = {{{3, 1}, &policies[1]}, {{2, 2}, &policies[1]}, {{2, 1}, &policies[0]}};
+    for (int i = 0; i < 3; i++) run_ranks(adam[i].l.W * adam[i].l.R, adamw, &adam[i]);
+    printf("errors (h):\n");
+    run_ranks(2, errors, NULL);
+    run_ranks(2, failed_collective, NULL);
+    return check_summary("test_unit");
+}

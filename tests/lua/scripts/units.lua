@@ -1,0 +1,125 @@
+-- units.lua: the inkling2 plan of a config made real on every rank
+-- (moonshard -n 4 units.lua MESH [CONFIG], CONFIG default tests/lua/configs/inkling2_tiny.json): parameters gathered in each unit's param dtype and
+-- checked against the full values computed here, gradients reduced and checked against
+-- the mean computed here, the collectives each unit recorded, and the bytes each rank
+-- allocated against the planner's figures.  Prints "rank R: units ok ..." per rank.
+local ms = require "moonshard"
+local json = require "moonshard.json"
+
+local mesh_spec = arg[1] or "dp_shard=4"
+local f = assert(io.open(arg[2] or "tests/lua/configs/inkling2_tiny.json"))
+local config = json.decode(f:read("a"))
+f:close()
+local tree = require("moonshard.models").from_config(config, arg[2] or "inkling2_tiny")
+local mesh = require("moonshard.mesh_context").new(mesh_spec)
+local policy = require("moonshard.policy").load("policies/inkling2")
+local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units)
+local rank_state = require("moonshard.runtime").materialize(plan)
+local rank = ms.rank()
+local dp = mesh:size("dp_replicate") * mesh:size("dp_shard")
+
+local wrong = {}
+local function check(cond, what) if not cond then wrong[#wrong + 1] = what end end
+
+-- Deterministic full values: parameter p (by its index k in the plan) at flat index i.
+local function value(k, i) return ((k * 131 + i * 17) % 97) / 97 - 0.5 end
+-- multiples of 1/64 below 1: exact in bf16, so the gradients written in the gather dtype are
+-- exact and the mean of 4 is exact too
+local function grad_value(r, k, i) return (((r + 1) * (k + 3) + i % 13) % 64) / 64 end
+
+local function full_tensor(shape, fn)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  local vals = {}
+  for i = 0, n - 1 do vals[i + 1] = fn(i) end
+  return ms.from_table(vals, "f64", shape), n
+end
+
+local k = 0
+for ui, pu in ipairs(plan.units) do
+  local u = rank_state.units[ui]
+  for i, e in ipairs(pu.entries) do
+    k = k + 1
+    local kk = k
+    u:load_full(i - 1, (full_tensor(e.shape, function(j) return value(kk, j) end)))
+  end
+end
+
+-- unshard every unit; the gathered parameters are the full values in the gather dtype
+k = 0
+for ui, pu in ipairs(plan.units) do
+  local u = rank_state.units[ui]
+  u:unshard()
+  u:wait()
+  for i, e in ipairs(pu.entries) do
+    k = k + 1
+    local kk = k
+    local ref = full_tensor(e.shape, function(j) return value(kk, j) end)
+    local got = u:param_full(i - 1)
+    check(got:dtype() == e.gather, e.fqn .. " gathered in " .. got:dtype() .. ", planned " .. e.gather)
+    local want_bits, got_bits = ref:to(e.gather):bits(), got:bits()
+    local bad = 0
+    for j = 1, #want_bits do if want_bits[j] ~= got_bits[j] then bad = bad + 1 end end
+    check(bad == 0, string.format("%s: %d of %d gathered values differ", e.fqn, bad, #want_bits))
+  end
+end
+
+-- backward: rank r's gradient of every parameter, then reduce; the shard holds the mean
+local max_diff = 0
+k = 0
+for ui, pu in ipairs(plan.units) do
+  local u = rank_state.units[ui]
+  local kk0 = k
+  for i, e in ipairs(pu.entries) do
+    local kk = kk0 + i
+    if e.param.requires_grad then
+      u:grad_full(i - 1):copy_((full_tensor(e.shape, function(j) return grad_value(rank, kk, j) end)))
+    end
+  end
+  u:reduce_grads()
+  u:wait()
+  for i, e in ipairs(pu.entries) do
+    k = k + 1
+    local kk = k
+    if e.param.requires_grad then
+      local shard = u:grad_shard(i - 1)
+      local rows = shard:shape()[e.dim + 1]
+      -- this rank's rows: its dp_shard coordinate (the last mesh axis) times the padded rows
+      local lo = (rank % mesh:size("dp_shard")) * math.ceil(e.shape[e.dim + 1] / mesh:size("dp_shard"))
+      local ref = full_tensor(e.shape, function(j)
+        local s = 0
+        for q = 0, dp - 1 do s = s + grad_value(q, kk, j) end
+        return s / dp
+      end)
+      if rows > 0 then
+        local want = ref:narrow(e.dim, lo, rows):to(e.reduce):to(e.param.dtype):totable()
+        local got = shard:totable()
+        for j = 1, #want do max_diff = math.max(max_diff, math.abs(want[j] - got[j])) end
+      end
+    end
+  end
+end
+check(max_diff <= 1e-6, string.format("gradient shards differ from the mean by up to %g", max_diff))
+
+-- the records: islands gather and reduce in f32, the layers gather in bf16 and reduce in f32
+for ui, pu in ipairs(plan.units) do
+  for _, r in ipairs(rank_state.units[ui]:records()) do
+    if r.kind == "all_gather" then
+      check(r.dtype == pu.entries[1].gather, pu.name .. " gathered in " .. r.dtype)
+    elseif r.kind == "reduce_scatter" then
+      check(r.dtype == pu.reduce_dtype_eff, pu.name .. " reduced in " .. r.dtype)
+    end
+  end
+end
+
+-- memory: what this rank allocated against the planner (parameters and gradients now)
+local bytes = rank_state:bytes()
+for _, cat in ipairs({ "params", "grads" }) do
+  local planned = plan.memory[cat]
+  check(math.abs(bytes[cat] - planned) <= 0.01 * planned,
+    string.format("%s: %d bytes allocated, %d planned", cat, bytes[cat], planned))
+end
+
+if #wrong > 0 then error(string.format("rank %d: %d checks failed:\n  %s", rank, #wrong, table.concat(wrong, "\n  ")), 0) end
+print(string.format("rank %d: units ok (%d units, gradient max diff %g, params %d B, grads %d B)", rank,
+  #plan.units, max_diff, bytes.params, bytes.grads))
