@@ -397,29 +397,24 @@ local function peak_unsharded(ctx, units)
   end
   local peak = 0
   local df, db = ctx.prefetch.forward, ctx.prefetch.backward
-  for t = 1, n do -- forward
+  -- bytes gathered while unit t runs, with `prefetched(i)` telling which others are in flight
+  local function live_at(t, prefetched)
     local live = 0
     for i = 1, n do
       local u = order[i]
-      if i == t or (i > t and i <= t + df) or (i < t and contains(u, order[t])) then
+      if i == t or prefetched(i) or (i < t and contains(u, order[t])) then
         live = live + u.unsharded_bytes
       elseif i < t then
         live = live + kept_bytes(u)
       end
     end
-    if live > peak then peak = live end
+    return live
   end
-  for t = n, 1, -1 do -- backward
-    local live = order[t].unsharded_grad_bytes
-    for i = 1, n do
-      local u = order[i]
-      if i == t or (i < t and i >= t - db) or (i < t and contains(u, order[t])) then
-        live = live + u.unsharded_bytes
-      elseif i < t then
-        live = live + kept_bytes(u)
-      end
-    end
-    if live > peak then peak = live end
+  for t = 1, n do -- forward: the next df units are prefetched
+    peak = math.max(peak, live_at(t, function(i) return i > t and i <= t + df end))
+  end
+  for t = n, 1, -1 do -- backward: the previous db units are prefetched; t holds its gradient too
+    peak = math.max(peak, order[t].unsharded_grad_bytes + live_at(t, function(i) return i < t and i >= t - db end))
   end
   return peak
 end

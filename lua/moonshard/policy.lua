@@ -36,12 +36,7 @@ local function copy(t)
   return c
 end
 
-local function sorted_keys(t)
-  local keys = {}
-  for k in pairs(t) do keys[#keys + 1] = k end
-  table.sort(keys)
-  return keys
-end
+local sorted_keys = require("moonshard.util").sorted_keys
 
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
 -- policy line to blame, and how results tell policy functions (wrapped) from host ones.

@@ -43,12 +43,7 @@ local function is_array(v) return getmetatable(v) == json.array_mt end
 
 local function is_count(v) return type(v) == "number" and v >= 0 and v == math.floor(v) end
 
-local function sorted_keys(t)
-  local keys = {}
-  for k in pairs(t) do keys[#keys + 1] = k end
-  table.sort(keys)
-  return keys
-end
+local sorted_keys = require("moonshard.util").sorted_keys
 
 local function show_list(a)
   local parts = {}

@@ -12,6 +12,14 @@ function M.idiv(a, b) return math.floor(a / b) end
 --- ceil(a / b) for integral a >= 0, b >= 1
 function M.ceil_div(a, b) return math.floor((a + b - 1) / b) end
 
+--- the keys of a table, sorted
+function M.sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys)
+  return keys
+end
+
 --- a shallow copy of a sequence
 function M.copy(t)
   local c = {}
