@@ -105,6 +105,34 @@ function MeshContext:group_size(axes)
   return n
 end
 
+-- The root axes a flattened axis stands for; the MoE mesh (pp, ep_shard, ep) is separate.
+local FLATTENED = { dp = { "dp_replicate", "dp_shard" }, dp_shard_cp = { "dp_shard", "cp" },
+  dp_cp = { "dp_replicate", "dp_shard", "cp" } }
+
+--- The 0-based coordinate of world rank r along an axis (root, flattened or MoE), row-major.
+function MeshContext:coord(axis, r)
+  local s = self.sizes
+  if axis == "ep" or axis == "ep_shard" then
+    local in_stage = r % self.non_pp -- (ep_shard, ep) with ep innermost
+    if axis == "ep" then return in_stage % s.ep end
+    return util.idiv(in_stage, s.ep)
+  end
+  local parts = FLATTENED[axis] or { axis }
+  -- row-major coordinates on (pp, dp_replicate, dp_shard, cp, tp)
+  local c, rest = {}, r
+  for i = #AXES, 1, -1 do
+    local a = AXES[i]
+    c[a] = rest % s[a]
+    rest = util.idiv(rest, s[a])
+  end
+  local v = 0
+  for _, a in ipairs(parts) do
+    if not c[a] then fail("no axis '" .. tostring(axis) .. "'") end
+    v = v * s[a] + c[a]
+  end
+  return v
+end
+
 --- "dp_replicate=2, dp_shard=4, ep=8": the sizes that are not 1, in mesh order.
 function MeshContext:describe()
   local parts = {}

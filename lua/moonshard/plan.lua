@@ -459,19 +459,42 @@ function M.plan(model, mesh, policy, opts)
   validate_ownership(ctx, params)
   for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
 
-  -- Memory per rank: all ranks hold equal padded shards, so one figure serves them all.
+  -- Memory per rank.  Parameters and gradients live in padded shards, equal on every rank;
+  -- AdamW state is kept for the rows a rank really holds (as the runtime and PyTorch do), so
+  -- it depends on the rank's coordinate along each unit's shard axis: summed per coordinate
+  -- with a difference array per axis, O(parameters + axis size).
   local adam = opts.optimizer ~= "none"
   local mem = { params = 0, grads = 0, optimizer = 0 }
-  local function add_state(numel_trainable, stored)
-    if adam then mem.optimizer = mem.optimizer + numel_trainable * (8 + (stored == "f32" and 0 or 4)) end
+  local function state_bytes(stored) return adam and (8 + (stored == "f32" and 0 or 4)) or 0 end
+  local by_coord = {} -- shard axis -> difference array over its coordinates (1-based)
+  local function add_rows(axis, W, n, per_row, bytes)
+    local diff = by_coord[axis]
+    if not diff then
+      diff = {}
+      for c = 1, W + 1 do diff[c] = 0 end
+      by_coord[axis] = diff
+    end
+    local c = util.ceil_div(n, W)
+    if n % W == 0 then c = util.idiv(n, W) end
+    local full = c > 0 and math.min(W, util.idiv(n, c)) or W
+    local v = c * per_row * bytes
+    diff[1], diff[full + 1] = diff[1] + v, diff[full + 1] - v
+    local rest = n - full * c
+    if rest > 0 and full < W then
+      diff[full + 1] = diff[full + 1] + rest * per_row * bytes
+      diff[full + 2] = diff[full + 2] - rest * per_row * bytes
+    end
   end
   for _, u in ipairs(ctx.units) do
     mem.params = mem.params + u.param_shard_bytes
     for _, e in ipairs(u.entries) do
       if e.param.requires_grad and FLOAT[e.param.dtype] then
-        local pn = numel_of(e.padded)
-        mem.grads = mem.grads + pn * DTYPE_SIZE[e.param.dtype]
-        add_state(pn, e.param.dtype)
+        mem.grads = mem.grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
+        local n = e.shape[e.dim + 1]
+        if n > 0 then
+          add_rows(u.mesh_axes[#u.mesh_axes], u.shard_size, n, util.idiv(numel_of(e.shape), n),
+            state_bytes(e.param.dtype))
+        end
       end
     end
   end
@@ -486,12 +509,27 @@ function M.plan(model, mesh, policy, opts)
       mem.params = mem.params + ln * DTYPE_SIZE[p.dtype]
       if p.requires_grad and FLOAT[p.dtype] then
         mem.grads = mem.grads + ln * DTYPE_SIZE[p.dtype]
-        add_state(ln, p.dtype)
+        mem.optimizer = mem.optimizer + ln * state_bytes(p.dtype)
       end
     end
   end
+  -- prefix sums: bytes at each coordinate of each shard axis
+  for _, diff in pairs(by_coord) do
+    for c = 2, #diff do diff[c] = diff[c] + diff[c - 1] end
+  end
+  local even_optimizer = mem.optimizer
   mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
-  mem.total = mem.params + mem.grads + mem.optimizer + mem.peak_unsharded
+  local per_rank = {}
+  for r = 0, mesh.world - 1 do
+    local optimizer = even_optimizer
+    for axis, at in pairs(by_coord) do optimizer = optimizer + at[mesh:coord(axis, r) + 1] end
+    per_rank[r + 1] = { rank = r, params = mem.params, grads = mem.grads, optimizer = optimizer,
+      peak_unsharded = mem.peak_unsharded,
+      total = mem.params + mem.grads + optimizer + mem.peak_unsharded }
+  end
+  -- the summary figures are rank 0's; per_rank has every rank's
+  mem.optimizer, mem.total = per_rank[1].optimizer, per_rank[1].total
+  mem.per_rank = per_rank
 
   -- Communication per step.
   local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },

@@ -117,13 +117,17 @@ function M.to_json(plan, opts)
       { "unit", jstr(o.unit) } })
   end
   add(' "owned":[' .. (#owned > 0 and "\n" .. table.concat(owned, ",\n") .. "\n " or "") .. "],\n")
-  -- every rank holds the same padded shards: one record, repeated with its rank
-  local mem = plan.memory
-  local tail = "," .. table.concat({ jstr("params") .. ":" .. jnum(mem.params), jstr("grads") .. ":" .. jnum(mem.grads),
-    jstr("optimizer") .. ":" .. jnum(mem.optimizer), jstr("peak_unsharded") .. ":" .. jnum(mem.peak_unsharded),
-    jstr("total") .. ":" .. jnum(mem.total) }, ",") .. "}"
-  local ranks = {}
-  for r = 0, mesh.world - 1 do ranks[r + 1] = '{"rank":' .. r .. tail end
+  -- ranks with the same figures share one encoded tail
+  local tails, ranks = {}, {}
+  for i, m in ipairs(plan.memory.per_rank) do
+    local key = m.optimizer
+    if not tails[key] then
+      tails[key] = "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
+        jstr("optimizer") .. ":" .. jnum(m.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
+        jstr("total") .. ":" .. jnum(m.total) }, ",") .. "}"
+    end
+    ranks[i] = '{"rank":' .. m.rank .. tails[key]
+  end
   add(' "memory":{"per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
   local comm = {}
   for i, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
@@ -195,10 +199,16 @@ function M.to_text(plan, opts)
       plan.owned[1].fqn, table.concat(plan.owned[1].local_shape, ", ")))
   end
   local m = plan.memory
+  local lo, hi = m.optimizer, m.optimizer
+  for _, r in ipairs(m.per_rank) do lo, hi = math.min(lo, r.optimizer), math.max(hi, r.optimizer) end
   add("")
-  add(string.format("memory per rank (every rank alike): params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
-    util.bytes(m.params), util.bytes(m.grads), util.bytes(m.optimizer), util.bytes(m.peak_unsharded),
-    util.bytes(m.total)))
+  add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
+    lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),
+    util.bytes(m.optimizer), util.bytes(m.peak_unsharded), util.bytes(m.total)))
+  if lo ~= hi then
+    add(string.format("  optimizer state ranges from %s to %s across ranks (AdamW keeps rows a rank holds)",
+      util.bytes(lo), util.bytes(hi)))
+  end
   add("communication per step and rank (bus bytes):")
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     local c = plan.comm[k]

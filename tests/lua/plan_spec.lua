@@ -88,7 +88,12 @@ describe("shard units", function()
     assert.same({ count = 0, bytes = 0 }, plan.comm.all_reduce)
     -- memory: 15 padded elements: params 60 B, grads 60 B, AdamW moments 8 B/element = 120 B;
     -- peak: backward of a holds its gradient (192) + a (192) + the root around it (48) = 432
-    assert.same({ params = 60, grads = 60, optimizer = 120, peak_unsharded = 432, total = 672 }, plan.memory)
+    local m = plan.memory
+    assert.same({ 60, 60, 120, 432, 672 }, { m.params, m.grads, m.optimizer, m.peak_unsharded, m.total })
+    -- AdamW keeps the rows a rank holds: rank 3 has 1 row of a.w (4 elements), none of p or b.w
+    assert.equal(4 * 8, m.per_rank[4].optimizer)
+    assert.equal(3, m.per_rank[4].rank)
+    assert.equal((3 * 4 + 1 + 2) * 8, m.per_rank[2].optimizer)
   end)
 
   it("writes every coordinate's local shape (torch.chunk) into the JSON", function()
