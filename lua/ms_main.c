@@ -3,18 +3,29 @@
  *
  *   moonshard [-n N] script.lua [args...]      run the script on N ranks (SPMD)
  *   moonshard [-n N] -e CODE [args...]
+ *   mpirun -np N moonshard script.lua [args...]  the same, one rank per process over MPI
  *
- * Each rank is a thread with its own Lua state, joined to one threads world: the embedded
- * default, with no launcher and no network.  When a rank fails, its error and traceback are
- * printed once, prefixed by the rank (ranks with the same message are printed together),
- * and the process exits non-zero.  A rank still running long after another failed (stuck
- * outside any collective) does not keep the process alive past the timeout.
+ * Threads backend: each rank is a thread with its own Lua state, joined to one threads
+ * world: the embedded default, with no launcher and no network.  When a rank fails, its
+ * error and traceback are printed once, prefixed by the rank (ranks with the same message
+ * are printed together), and the process exits non-zero.  A rank still running long after
+ * another failed (stuck outside any collective) does not keep the process alive past the
+ * timeout.
+ *
+ * MPI backend, chosen when an MPI launcher started the process (or forced with --backend /
+ * MOONSHARD_BACKEND): the process is one rank of the MPI world.  A rank whose script fails
+ * prints its error the same way and then calls MPI_Abort, so the launcher ends the other
+ * ranks instead of leaving them waiting in a collective.
  */
 #include "moonshard.h"
 #include "ms_lua.h"
 
 #include <lauxlib.h>
 #include <lua.h>
+
+#ifdef MOONSHARD_HAVE_MPI
+#include <mpi.h>
+#endif
 
 #include <errno.h>
 #include <limits.h>
@@ -45,16 +56,21 @@ static const char *usage_text =
     "  -e CODE           run CODE instead of a script file\n"
     "  --timeout S       seconds a collective waits for a missing rank before failing\n"
     "                    (default: $MOONSHARD_TIMEOUT, else 300)\n"
+    "  --backend B       threads: N ranks as threads of this process; mpi: this process is\n"
+    "                    one rank of an MPI job (mpirun -np N moonshard ...; -n must then be\n"
+    "                    1 or absent).  Default: mpi when started by an MPI launcher, else\n"
+    "                    threads\n"
     "  --version         print the version and exit\n"
     "  -h, --help        print this help and exit\n"
     "\n"
     "environment:\n"
     "  MOONSHARD_TIMEOUT   collective timeout in seconds (default 300)\n"
+    "  MOONSHARD_BACKEND   threads or mpi, as --backend (the option wins)\n"
     "  MOONSHARD_LUA_DIR   directory holding moonshard/init.lua (default: the installed\n"
     "                      Lua files, else the source tree this binary was built from)\n"
     "\n"
     "exit status: 1 when any rank failed, 2 on a usage error, else the largest integer a\n"
-    "rank's script returned (0 when none did).\n";
+    "rank's script returned (0 when none did); under MPI, each process its own rank's.\n";
 
 /* ---------------------------------------------------------------- ranks */
 
@@ -174,13 +190,14 @@ static void report_errors(const rank_job *jobs, const bool *finished, int n) {
         /* the first line (the message) decides the grouping */
         size_t head = strcspn(jobs[r].error, "\n");
         char who[256];
-        int len = snprintf(who, sizeof who, "rank %d", r);
+        int len = snprintf(who, sizeof who, "rank %d", jobs[r].rank);
         int same = 0;
         for (int q = r + 1; q < n && printed; q++)
             if (finished[q] && jobs[q].failed && strncmp(jobs[q].error, jobs[r].error, head) == 0 &&
                 (jobs[q].error[head] == '\n' || jobs[q].error[head] == '\0')) {
                 printed[q] = true;
-                if (len < (int)sizeof who - 16) len += snprintf(who + len, sizeof who - (size_t)len, ",%d", q);
+                if (len < (int)sizeof who - 16)
+                    len += snprintf(who + len, sizeof who - (size_t)len, ",%d", jobs[q].rank);
                 same++;
             }
         if (same) {
@@ -197,6 +214,41 @@ static void report_errors(const rank_job *jobs, const bool *finished, int n) {
     free(printed);
 }
 
+/* ---------------------------------------------------------------- the MPI backend */
+
+/* This process as one rank of the MPI world: runs the job on this thread; on failure
+ * prints the rank's error and aborts the whole job. */
+static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
+    ms_world *world;
+    ms_status st = ms_mpi_world_new(&world, timeout);
+    if (st) {
+        fprintf(stderr, "moonshard: %s error: %s\n", ms_status_name(st), ms_last_error());
+        if (st == MS_ERR_NOT_BUILT && chosen_by_launcher)
+            fprintf(stderr, "moonshard: started by an MPI launcher; rebuild with MPI found, or pass "
+                            "--backend threads to run each process on its own\n");
+        return 1;
+    }
+#ifdef MOONSHARD_HAVE_MPI
+    MPI_Comm_rank(MPI_COMM_WORLD, &job->rank);
+#endif
+    job->world = world;
+    rank_main(job);
+    if (job->failed) {
+        bool finished = true;
+        fflush(stdout);
+        report_errors(job, &finished, 1);
+        fflush(stderr);
+#ifdef MOONSHARD_HAVE_MPI
+        /* The peers may be waiting for this rank in a collective: end them all now. */
+        MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+        _exit(1);
+    }
+    free(job->error);
+    ms_world_release(world); /* tells the peers this rank finished; MPI_Finalize runs at exit */
+    return job->status;
+}
+
 /* ---------------------------------------------------------------- main */
 
 static int usage_error(const char *fmt, const char *arg) {
@@ -210,10 +262,13 @@ int main(int argc, char **argv) {
     int nranks = 1;
     double timeout = 0;
     const char *code = NULL, *script = NULL;
+    const char *backend = NULL; /* --backend, else MOONSHARD_BACKEND, else by launcher */
+    bool nranks_given = false;
     int i = 1;
     if (argc > 1 && strcmp(argv[1], "plan") == 0) {
         /* The planner is a Lua program: one rank, its arguments passed through. */
         code = "return require('moonshard.plan_cli').main({...})";
+        backend = "threads";
         i = 2;
         goto run;
     }
@@ -234,6 +289,7 @@ int main(int argc, char **argv) {
             if (errno || end == v || *end || n < 1 || n > MAX_RANKS)
                 return usage_error("bad number of ranks '%s' (expected 1 to 4096)", v);
             nranks = (int)n;
+            nranks_given = true;
         } else if (strcmp(a, "-e") == 0) {
             if (i + 1 >= argc) return usage_error("%s needs a chunk of Lua code", a);
             code = argv[++i];
@@ -243,6 +299,11 @@ int main(int argc, char **argv) {
             timeout = strtod(argv[++i], &end);
             if (end == argv[i] || *end || !(timeout > 0))
                 return usage_error("bad timeout '%s' (expected seconds > 0)", argv[i]);
+        } else if (strcmp(a, "--backend") == 0 || strncmp(a, "--backend=", 10) == 0) {
+            backend = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!backend) return usage_error("%s needs a backend (threads or mpi)", a);
+            if (strcmp(backend, "threads") != 0 && strcmp(backend, "mpi") != 0)
+                return usage_error("unknown backend '%s' (expected threads or mpi)", backend);
         } else if (strcmp(a, "--") == 0) {
             i++;
             break;
@@ -260,6 +321,29 @@ run:
             fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script, strerror(errno));
             return 2;
         }
+    }
+
+    bool by_launcher = false;
+    if (!backend) {
+        const char *env = getenv("MOONSHARD_BACKEND");
+        if (env && *env) {
+            if (strcmp(env, "threads") != 0 && strcmp(env, "mpi") != 0)
+                return usage_error("MOONSHARD_BACKEND='%s' is not a backend (expected threads or mpi)", env);
+            backend = env;
+        } else {
+            by_launcher = ms_mpi_launched();
+            backend = by_launcher ? "mpi" : "threads";
+        }
+    }
+    if (strcmp(backend, "mpi") == 0) {
+        if (nranks_given && nranks != 1) {
+            char n[16];
+            snprintf(n, sizeof n, "%d", nranks);
+            return usage_error("-n %s: with the mpi backend each process is one rank; start N ranks with "
+                               "mpirun -np N moonshard ...", n);
+        }
+        rank_job job = {.script = script, .code = code, .argc = argc - i, .argv = argv + i};
+        return run_mpi(&job, timeout, by_launcher);
     }
 
     ms_world *world;

@@ -20,6 +20,9 @@ need_packages() {
   command -v busted >/dev/null || missing+=(lua-busted)
   command -v luajit >/dev/null || missing+=(luajit)
   [ -f /usr/include/luajit-2.1/luajit.h ] || missing+=(libluajit-5.1-dev)
+  # the MPI backend and its suite (tests/mpi): mpirun, mpicc and the headers
+  command -v mpirun >/dev/null || missing+=(openmpi-bin)
+  dpkg-query -W -f='${Status}' libopenmpi-dev 2>/dev/null | grep -q 'ok installed' || missing+=(libopenmpi-dev)
   printf '%s\n' "${missing[@]}"
 }
 

@@ -168,6 +168,13 @@ typedef struct ms_comm ms_comm;
 /* A world of nranks ranks run as threads of this process.  timeout_s <= 0 takes
  * MOONSHARD_TIMEOUT from the environment, else 300 seconds. */
 ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s);
+/* The MPI world this process belongs to, one rank per process (mpirun -np N): MPI is
+ * initialised on first use (MPI_THREAD_MULTIPLE) unless the host did it, and finalised at
+ * exit when moonshard initialised it.  This process's rank is its MPI_COMM_WORLD rank; take
+ * its comm with ms_world_comm.  MS_ERR_NOT_BUILT when moonshard was built without MPI. */
+ms_status ms_mpi_world_new(ms_world **out, double timeout_s);
+/* 1 when this process was started by an MPI launcher (mpirun, srun), else 0. */
+int ms_mpi_launched(void);
 void ms_world_retain(ms_world *w);
 void ms_world_release(ms_world *w);
 int ms_world_size(const ms_world *w);

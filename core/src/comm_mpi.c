@@ -1,0 +1,858 @@
+/*
+ * comm_mpi.c: the MPI backend.  Each process is one rank (`mpirun -np N moonshard ...`);
+ * a group is an MPI communicator made once, when the group is first asked for.
+ *
+ * Threads.  MPI is initialised with MPI_THREAD_MULTIPLE (OpenMPI 4.1 from Debian provides
+ * it): the unit runtime issues a rank's collectives from its communication thread
+ * (comm_async.c) while the rank's own thread may make other MPI calls.  Where the library
+ * gives less (SERIALIZED, FUNNELED, SINGLE), every MPI call of this file is serialised by
+ * one mutex (mpi_lock).  That is weaker: with FUNNELED it is outside the letter of the
+ * standard, and two threads of one rank blocked in collectives on different groups can
+ * then deadlock, since one holds the mutex through its whole data movement.  A host that
+ * initialised MPI below SERIALIZED is refused.  MPI_Finalize runs once, at exit, when this
+ * file initialised MPI (a host that initialised MPI finalises it itself).
+ *
+ * One collective on a group of n ranks, seen from group rank r:
+ *   1. agree: the call's descriptor (kind, dtype, op, root, count) is exchanged with a
+ *      non-blocking MPI_Iallgather, polled until it completes or the world's timeout passes
+ *      (MS_ERR_TIMEOUT; the exchange stays pending, so the group is unusable after).  Every
+ *      rank then compares the n descriptors and returns MS_ERR_MISMATCH with the same
+ *      message as the threads backend on any difference, before any data moves.  A rank
+ *      that released its world posts a "finished" descriptor on every one of its groups,
+ *      so a peer waiting for it fails at once with MS_ERR_PEER, as with threads.  The
+ *      exchange completes only once every member arrived: the barrier is this step alone.
+ *   2. move, with MPI where MPI is good and with our own schedule where OpenMPI is weak:
+ *      all_gather    MPI_Allgather (MPI_IN_PLACE for the in-place form)
+ *      broadcast     MPI_Bcast
+ *      all_to_all    MPI_Alltoall
+ *      reduce_scatter MPI_Alltoallv of the chunks each peer reduces (own chunk skipped),
+ *                    then a local reduction in rank order 0..n-1
+ *      all_reduce    small: MPI_Allgather of the whole buffer and the same local reduction
+ *                    on every rank; large: the reduce_scatter above on n near-equal chunks,
+ *                    then MPI_Allgatherv in place
+ *    Reductions run the threads backend's kernels in the same rank order, accumulating in
+ *    f32 for f32/f16/bf16/fp8, f64 for f64 and in the integer type for integers, so every
+ *    result is bit for bit the threads backend's, on every rank.  Every dtype travels as
+ *    bytes: no MPI datatype or user-defined MPI_Op is needed, not even for bf16 and fp8.
+ *    Large buffers go in pieces (PIECE_BYTES of staging at most); counts above INT_MAX go
+ *    in pieces too, with a resized MPI_BYTE type where the peers' blocks are strided.
+ *
+ * Failures.  The backend's communicators return errors (MPI_ERRORS_RETURN) and a failed
+ * MPI call becomes MS_ERR_PEER with MPI's message.  A peer that dies does not hang the job:
+ * the launcher (OpenMPI's ORTE) ends every process of it, and the moonshard executable
+ * calls MPI_Abort when a rank's script fails.
+ */
+#include "comm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Whether the process was started by an MPI launcher: OpenMPI (OMPI_COMM_WORLD_SIZE), MPICH
+ * and Intel MPI (PMI_SIZE), PMIx launchers such as srun (PMIX_RANK). */
+int ms_mpi_launched(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"};
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return 1;
+    }
+    return 0;
+}
+
+#ifndef MOONSHARD_HAVE_MPI
+
+ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
+    (void)out;
+    (void)timeout_s;
+    return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
+}
+
+#else /* MOONSHARD_HAVE_MPI */
+
+#include <mpi.h>
+
+#include <limits.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <time.h>
+
+enum {
+    PIECE_BYTES = 8 << 20,    /* staging of one reduce_scatter / all_reduce piece */
+    SMALL_ALL_REDUCE = 32768, /* n x buffer bytes up to which all_reduce gathers everything */
+    SPIN_TESTS = 2000,        /* MPI_Test polls before yielding the CPU between polls */
+    YIELD_TESTS = 2000,       /* polls with sched_yield before sleeping between polls */
+    MAX_SLEEP_US = 1000,      /* longest sleep between polls of a slow exchange */
+    FINISHED = -1             /* the descriptor kind of a rank that released its world */
+};
+
+/* ---------------------------------------------------------------- process state */
+
+static struct {
+    pthread_mutex_t lock; /* guards the fields below while a world is being made */
+    bool ready;           /* MPI is initialised and the fields are set */
+    bool ours;            /* this file called MPI_Init_thread: it finalises at exit */
+    int level;            /* the thread level MPI provided */
+    int rank, size;       /* in MPI_COMM_WORLD */
+    int64_t max_bytes;    /* most bytes per peer in one MPI call (INT_MAX; lower in tests) */
+} mpi = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* Serialises MPI calls when the library is not MPI_THREAD_MULTIPLE. */
+static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER;
+static void mpi_lock(void) {
+    if (mpi.level < MPI_THREAD_MULTIPLE) pthread_mutex_lock(&mpi_mu);
+}
+static void mpi_unlock(void) {
+    if (mpi.level < MPI_THREAD_MULTIPLE) pthread_mutex_unlock(&mpi_mu);
+}
+
+static void finalize_at_exit(void) {
+    int done = 0;
+    MPI_Finalized(&done);
+    if (!done) MPI_Finalize();
+}
+
+/* "MPI_Alltoallv: MPI_ERR_TRUNCATE: message truncated" */
+static const char *mpi_error_str(char *buf, size_t cap, const char *fn, int rc) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "error %d", rc);
+    snprintf(buf, cap, "%s: %s", fn, text);
+    return buf;
+}
+
+/* Initialises MPI once per process (unless the host did) and reads the world. */
+static ms_status mpi_start(void) {
+    pthread_mutex_lock(&mpi.lock);
+    ms_status st = MS_OK;
+    if (!mpi.ready) {
+        int inited = 0, finalized = 0;
+        MPI_Initialized(&inited);
+        MPI_Finalized(&finalized);
+        if (finalized) {
+            st = ms__fail(MS_ERR_STATE, "mpi world: MPI was already finalized in this process");
+        } else if (!inited) {
+            int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &mpi.level);
+            if (rc != MPI_SUCCESS) {
+                char e[MPI_MAX_ERROR_STRING + 64];
+                st = ms__fail(MS_ERR_PEER, "mpi world: %s", mpi_error_str(e, sizeof e, "MPI_Init_thread", rc));
+            } else {
+                mpi.ours = true;
+                atexit(finalize_at_exit);
+            }
+        } else {
+            MPI_Query_thread(&mpi.level);
+        }
+        if (!st && mpi.level < MPI_THREAD_SERIALIZED && !mpi.ours) {
+            /* A host's MPI_THREAD_SINGLE/FUNNELED: our communication threads would break it. */
+            st = ms__fail(MS_ERR_STATE, "mpi world: MPI was initialised with thread level %d; moonshard needs "
+                          "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE", mpi.level);
+        }
+        if (!st) {
+            MPI_Comm_rank(MPI_COMM_WORLD, &mpi.rank);
+            MPI_Comm_size(MPI_COMM_WORLD, &mpi.size);
+            mpi.max_bytes = INT_MAX;
+            const char *env = getenv("MOONSHARD_MPI_MAX_BYTES"); /* tests: exercise the pieces */
+            if (env && *env) {
+                char *end;
+                long long v = strtoll(env, &end, 10);
+                if (*end || v < 8 || v > INT_MAX)
+                    st = ms__fail(MS_ERR_ARG, "MOONSHARD_MPI_MAX_BYTES='%s' is not a byte count in 8..%d", env,
+                                  INT_MAX);
+                else
+                    mpi.max_bytes = v;
+            }
+            mpi.ready = !st;
+        }
+    }
+    pthread_mutex_unlock(&mpi.lock);
+    return st;
+}
+
+/* ---------------------------------------------------------------- group state */
+
+/* One rank's call as it travels between the ranks (24 bytes). */
+typedef struct desc {
+    int32_t kind; /* ms_coll_kind, or FINISHED */
+    int32_t dtype, op, root;
+    int64_t count;
+} desc;
+
+typedef struct mgroup {
+    MPI_Comm comm;        /* over g->world_ranks, group rank order */
+    MPI_Comm create_from; /* the whole-world group only: parent of the other groups' comms */
+    int n, rank;          /* group size, this process's group rank */
+    bool is_world;
+    bool pending;         /* an exchange never completed (timeout): comm and descs stay in use */
+    desc mine;            /* (1) what this rank sends in the exchange */
+    desc *descs;          /* (n) what every rank sent */
+    int *sc, *sd, *rc, *rd; /* (n) counts and displacements for the v-collectives, bytes */
+    const void **srcs;    /* (n) reduction sources */
+    void *tmp;            /* (tmp_cap bytes) staging of the reductions, grown on demand */
+    size_t tmp_cap;
+} mgroup;
+
+static void mgroup_free(mgroup *m) {
+    if (m->pending) return; /* MPI may still write into it */
+    free(m->descs);
+    free(m->sc);
+    free(m->sd);
+    free(m->rc);
+    free(m->rd);
+    free(m->srcs);
+    free(m->tmp);
+    free(m);
+}
+
+/* A tag for MPI_Comm_create_group from the member list, so that concurrent creations of
+ * different groups (from different threads) do not mix; 0..32767, the least MPI_TAG_UB. */
+static int group_tag(int n, const int *ranks) {
+    uint32_t h = 2166136261u;
+    for (int i = 0; i < n; i++) h = (h ^ (uint32_t)ranks[i]) * 16777619u;
+    return (int)(h & 0x7fff);
+}
+
+static ms_status mpi_group_init(ms_world *w, ms_group *g) {
+    char list[256], e[MPI_MAX_ERROR_STRING + 64];
+    ms__group_str(list, sizeof list, g->n, g->world_ranks);
+    mgroup *m = calloc(1, sizeof *m);
+    if (!m) return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for group %s", list);
+    m->n = g->n;
+    m->rank = -1;
+    for (int i = 0; i < g->n; i++)
+        if (g->world_ranks[i] == mpi.rank) m->rank = i;
+    m->descs = calloc((size_t)g->n, sizeof *m->descs);
+    m->sc = calloc((size_t)g->n, sizeof(int));
+    m->sd = calloc((size_t)g->n, sizeof(int));
+    m->rc = calloc((size_t)g->n, sizeof(int));
+    m->rd = calloc((size_t)g->n, sizeof(int));
+    m->srcs = calloc((size_t)g->n, sizeof *m->srcs);
+    if (!m->descs || !m->sc || !m->sd || !m->rc || !m->rd || !m->srcs) {
+        mgroup_free(m);
+        return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for group %s", list);
+    }
+    if (m->rank < 0) { /* comm.c only makes groups that hold the calling rank */
+        mgroup_free(m);
+        return ms__fail(MS_ERR_INTERNAL, "mpi backend: group %s does not hold this process's rank %d", list,
+                        mpi.rank);
+    }
+    m->comm = m->create_from = MPI_COMM_NULL;
+    m->is_world = w->groups == NULL; /* the first group registered is the whole world */
+    int rc;
+    const char *fn;
+    mpi_lock();
+    if (m->is_world) {
+        fn = "MPI_Comm_dup";
+        rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
+        if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->create_from);
+    } else {
+        /* Collective over the members only: ranks outside the group never take part. */
+        const mgroup *world = w->groups->impl;
+        MPI_Group all, sub;
+        fn = "MPI_Comm_create_group";
+        rc = MPI_Comm_group(world->create_from, &all);
+        if (rc == MPI_SUCCESS) {
+            rc = MPI_Group_incl(all, g->n, g->world_ranks, &sub);
+            MPI_Group_free(&all);
+        }
+        if (rc == MPI_SUCCESS) {
+            rc = MPI_Comm_create_group(world->create_from, sub, group_tag(g->n, g->world_ranks), &m->comm);
+            MPI_Group_free(&sub);
+        }
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+    int check = -1;
+    if (rc == MPI_SUCCESS) MPI_Comm_rank(m->comm, &check);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) {
+        mgroup_free(m);
+        return ms__fail(MS_ERR_PEER, "mpi backend: group %s: %s", list, mpi_error_str(e, sizeof e, fn, rc));
+    }
+    if (check != m->rank) {
+        int want = m->rank;
+        MPI_Comm_free(&m->comm);
+        if (m->create_from != MPI_COMM_NULL) MPI_Comm_free(&m->create_from);
+        mgroup_free(m);
+        return ms__fail(MS_ERR_INTERNAL, "mpi backend: group %s: MPI gave rank %d, expected %d", list, check, want);
+    }
+    g->impl = m;
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- waiting */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Polls the requests until all complete (MPI_SUCCESS, *done = true) or `deadline` passes
+ * (*done = false): busy at first, then yielding, then sleeping up to MAX_SLEEP_US between
+ * polls, so a rank waiting long for a late peer leaves the CPU to others. */
+static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done) {
+    int flag = 0, rc = MPI_SUCCESS;
+    long sleep_us = 10;
+    for (long i = 0;; i++) {
+        mpi_lock();
+        rc = MPI_Testall(count, reqs, &flag, MPI_STATUSES_IGNORE);
+        mpi_unlock();
+        if (rc != MPI_SUCCESS || flag) break;
+        if (i < SPIN_TESTS) continue;
+        if ((i & 63) == 0 && now_s() >= deadline) break;
+        if (i < SPIN_TESTS + YIELD_TESTS) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, sleep_us * 1000};
+            nanosleep(&ts, NULL);
+            if (sleep_us < MAX_SLEEP_US) sleep_us *= 2;
+        }
+    }
+    *done = flag != 0;
+    return rc;
+}
+
+/* ---------------------------------------------------------------- messages */
+
+typedef struct msg {
+    char s[1024];
+    size_t len;
+} msg;
+
+static void msg_add(msg *m, const char *fmt, ...) MS_PRINTF(2, 3);
+static void msg_add(msg *m, const char *fmt, ...) {
+    if (m->len >= sizeof m->s) return;
+    va_list ap;
+    va_start(ap, fmt);
+    m->len += (size_t)vsnprintf(m->s + m->len, sizeof m->s - m->len, fmt, ap);
+    va_end(ap);
+}
+
+/* "all_reduce on group [0 1 2 3]" */
+static void msg_where(msg *m, const ms_comm *c, ms_coll_kind kind) {
+    char group[256];
+    msg_add(m, "%s on group %s", ms__coll_name(kind),
+            ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
+}
+
+/* A failed MPI call inside a collective. */
+static ms_status mpi_fail(const ms_comm *c, ms_coll_kind kind, const char *fn, int rc) {
+    msg m = {0};
+    char e[MPI_MAX_ERROR_STRING + 64];
+    msg_where(&m, c, kind);
+    return ms__fail(MS_ERR_PEER, "%s: %s", m.s, mpi_error_str(e, sizeof e, fn, rc));
+}
+
+/* ---------------------------------------------------------------- agreement */
+
+static desc desc_of(const ms_coll *call) {
+    return (desc){.kind = call->kind, .dtype = call->dtype, .op = call->op, .root = call->root,
+                  .count = call->count};
+}
+
+static ms_coll coll_of(const desc *d) {
+    return (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
+                     .root = d->root, .count = d->count};
+}
+
+static bool same_desc(const desc *a, const desc *b) {
+    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
+           a->count == b->count;
+}
+
+/* MS_OK when all n descriptors agree.  Otherwise every rank returns the same status and
+ * message, built from the descriptors alone: MS_ERR_PEER naming the ranks that finished
+ * without joining, else MS_ERR_MISMATCH with each distinct call and the ranks that made
+ * it, worded as the threads backend words it. */
+static ms_status agree(const ms_comm *c, const mgroup *mg) {
+    const ms_group *g = c->group;
+    const desc *s = mg->descs;
+    bool same = true, same_kind = true;
+    int first_call = -1;
+    for (int j = 0; j < g->n; j++) {
+        same &= same_desc(&s[j], &s[0]);
+        if (s[j].kind == FINISHED) continue;
+        if (first_call < 0) first_call = j;
+        same_kind &= s[j].kind == s[first_call].kind;
+    }
+    if (same) return MS_OK;
+
+    msg m = {0};
+    char group[256], args[160];
+    if (first_call >= 0 && s[first_call].kind != FINISHED) {
+        bool any_finished = false;
+        for (int j = 0; j < g->n; j++) any_finished |= s[j].kind == FINISHED;
+        if (any_finished) {
+            const char *name = ms__coll_name((ms_coll_kind)s[first_call].kind);
+            msg_where(&m, c, (ms_coll_kind)s[first_call].kind);
+            msg_add(&m, ": ");
+            bool first = true;
+            for (int j = 0; j < g->n; j++)
+                if (s[j].kind == FINISHED) {
+                    msg_add(&m, "%srank %d finished its script without joining %s", first ? "" : "; ",
+                            g->world_ranks[j], name);
+                    first = false;
+                }
+            return ms__fail(MS_ERR_PEER, "%s", m.s);
+        }
+    }
+    if (same_kind) {
+        msg_where(&m, c, (ms_coll_kind)s[0].kind);
+        msg_add(&m, ": ranks disagree: ");
+    } else {
+        msg_add(&m, "collectives on group %s: ranks disagree on the collective: ",
+                ms__group_str(group, sizeof group, g->n, g->world_ranks));
+    }
+    bool first = true;
+    for (int j = 0; j < g->n; j++) {
+        bool seen = false;
+        for (int i = 0; i < j && !seen; i++) seen = same_desc(&s[i], &s[j]);
+        if (seen) continue;
+        int count = 0;
+        for (int i = j; i < g->n; i++) count += same_desc(&s[i], &s[j]);
+        msg_add(&m, "%s%s", first ? "" : "; ", count > 1 ? "ranks" : "rank");
+        for (int i = j; i < g->n; i++)
+            if (same_desc(&s[i], &s[j])) msg_add(&m, " %d", g->world_ranks[i]);
+        ms_coll call = coll_of(&s[j]);
+        ms__coll_str(args, sizeof args, &call);
+        if (same_kind)
+            msg_add(&m, ": %s", args);
+        else
+            msg_add(&m, ": %s%s%s", ms__coll_name(call.kind), *args ? " " : "", args);
+        first = false;
+    }
+    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
+}
+
+/* Exchanges this rank's descriptor with the group and checks that all agree. */
+static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
+    const ms_world *w = c->world;
+    mg->mine = desc_of(call);
+    MPI_Request req;
+    mpi_lock();
+    int rc = MPI_Iallgather(&mg->mine, (int)sizeof(desc), MPI_BYTE, mg->descs, (int)sizeof(desc), MPI_BYTE,
+                            mg->comm, &req);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
+    bool done;
+    rc = wait_until(1, &req, now_s() + w->timeout_s, &done);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
+    if (!done) {
+        mg->pending = true;
+        msg m = {0};
+        msg_where(&m, c, call->kind);
+        return ms__fail(MS_ERR_TIMEOUT, "%s timed out after %g s: not every rank of the group arrived (%s)", m.s,
+                        w->timeout_s, w->timeout_origin);
+    }
+    return agree(c, mg);
+}
+
+/* ---------------------------------------------------------------- reduction kernels
+ *
+ * The kernels and the block loop of comm_threads.c, unchanged: the two backends must round
+ * identically, so a change to one belongs in the other. */
+
+enum { MS_BLOCK = 2048 }; /* elements reduced per block: the accumulator stays in L1 */
+
+typedef struct kernels {
+    void (*first)(void *out, const void *x, const void *y, int64_t m, ms_op op);
+    void (*next)(void *acc, const void *x, int64_t m, ms_op op);
+} kernels;
+
+#define MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
+    switch (op) {                                                                              \
+    case MS_OP_SUM:                                                                            \
+    case MS_OP_AVG:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = (T)((UT)x[i] + (UT)y[i]);                     \
+        break;                                                                                 \
+    case MS_OP_MAX:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = y[i] > x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
+        break;                                                                                 \
+    case MS_OP_MIN:                                                                            \
+        for (int64_t i = 0; i < m; i++) out[i] = y[i] < x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
+        break;                                                                                 \
+    }
+#define MS_FLOAT_NAN(v) ((v) != (v))
+#define MS_INT_NAN(v) 0
+
+#define MS_KERNELS(name, T, UT, IS_NAN, ATTR)                                                  \
+    ATTR static void name##_first(void *out_, const void *x_, const void *y_, int64_t m, ms_op op) { \
+        T *restrict out = out_;                                                                \
+        const T *restrict x = x_, *restrict y = y_;                                            \
+        MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
+    }                                                                                          \
+    ATTR static void name##_next(void *acc_, const void *x_, int64_t m, ms_op op) {            \
+        T *restrict acc = acc_;                                                                \
+        const T *restrict x = x_;                                                              \
+        MS_OP_LOOPS(T, UT, IS_NAN, acc, acc, x)                                                \
+    }
+
+#define MS_KERNEL_SET(SUFFIX, ATTR)                                                            \
+    MS_KERNELS(kf32##SUFFIX, float, float, MS_FLOAT_NAN, ATTR)                                 \
+    MS_KERNELS(kf64##SUFFIX, double, double, MS_FLOAT_NAN, ATTR)                               \
+    MS_KERNELS(ki64##SUFFIX, int64_t, uint64_t, MS_INT_NAN, ATTR)                              \
+    MS_KERNELS(ki32##SUFFIX, int32_t, uint32_t, MS_INT_NAN, ATTR)                              \
+    MS_KERNELS(ki8##SUFFIX, int8_t, uint8_t, MS_INT_NAN, ATTR)                                 \
+    MS_KERNELS(ku8##SUFFIX, uint8_t, uint8_t, MS_INT_NAN, ATTR)                                \
+    static const kernels kernels##SUFFIX[MS_DTYPE_COUNT] = {                                   \
+        [MS_F32] = {kf32##SUFFIX##_first, kf32##SUFFIX##_next},                                \
+        [MS_F64] = {kf64##SUFFIX##_first, kf64##SUFFIX##_next},                                \
+        [MS_I64] = {ki64##SUFFIX##_first, ki64##SUFFIX##_next},                                \
+        [MS_I32] = {ki32##SUFFIX##_first, ki32##SUFFIX##_next},                                \
+        [MS_I8] = {ki8##SUFFIX##_first, ki8##SUFFIX##_next},                                   \
+        [MS_U8] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next},                                   \
+        [MS_BOOL] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next}};
+
+MS_KERNEL_SET(_portable, )
+#if defined(__x86_64__) && defined(__GNUC__)
+MS_KERNEL_SET(_avx2, __attribute__((target("avx2"))))
+#endif
+
+static const kernels *kernels_for(ms_dtype at) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) return &kernels_avx2[at];
+#endif
+    return &kernels_portable[at];
+}
+
+static ms_dtype acc_dtype(ms_dtype d) {
+    switch (d) {
+    case MS_F16:
+    case MS_BF16:
+    case MS_F8E4M3:
+    case MS_F8E5M2: return MS_F32;
+    default: return d;
+    }
+}
+
+static void divide(ms_dtype at, void *acc, int64_t m, int n) {
+    if (at == MS_F64) {
+        double *a = acc;
+        for (int64_t i = 0; i < m; i++) a[i] /= (double)n;
+    } else {
+        float *a = acc;
+        for (int64_t i = 0; i < m; i++) a[i] /= (float)n;
+    }
+}
+
+static const void *widen(void *buf, ms_dtype at, const void *x, ms_dtype dtype, int64_t m) {
+    if (at == dtype) return x;
+    ms__cast_contig(buf, at, x, dtype, m);
+    return buf;
+}
+
+/* dst[i] = srcs[0][i] op ... op srcs[n-1][i] for i < count.  dst may be one of the
+ * sources (each block is read from every source before dst is written). */
+static void reduce(ms_dtype dtype, ms_op op, int n, const void *const *srcs, void *dst, int64_t count) {
+    const ms_dtype at = acc_dtype(dtype);
+    const kernels *k = kernels_for(at);
+    const size_t es = (size_t)ms_dtype_size(dtype), as = (size_t)ms_dtype_size(at);
+    bool direct = at == dtype;
+    for (int j = 0; j < n; j++) direct &= srcs[j] != dst;
+    _Alignas(64) unsigned char acc[MS_BLOCK * sizeof(double)];   /* (m) of at, unless direct */
+    _Alignas(64) unsigned char wide[2][MS_BLOCK * sizeof(float)]; /* (2, m) f32 from narrow floats */
+    for (int64_t off = 0; off < count; off += MS_BLOCK) {
+        const int64_t m = count - off < MS_BLOCK ? count - off : MS_BLOCK;
+        const size_t boff = (size_t)off * es;
+        char *d0 = (char *)dst + boff;
+        void *a = direct ? (void *)d0 : (void *)acc;
+        const void *x = widen(wide[0], at, (const char *)srcs[0] + boff, dtype, m);
+        if (n == 1) memcpy(a, x, (size_t)m * as);
+        else k->first(a, x, widen(wide[1], at, (const char *)srcs[1] + boff, dtype, m), m, op);
+        for (int j = 2; j < n; j++) k->next(a, widen(wide[1], at, (const char *)srcs[j] + boff, dtype, m), m, op);
+        if (op == MS_OP_AVG) divide(at, a, m, n);
+        if (direct) continue;
+        if (at == dtype) memcpy(d0, acc, (size_t)m * es);
+        else ms__cast_contig(d0, dtype, acc, at, m);
+    }
+}
+
+/* ---------------------------------------------------------------- data movement */
+
+/* Staging of at least `bytes`, kept by the group for its next calls. */
+static ms_status staging(const ms_comm *c, ms_coll_kind kind, mgroup *mg, size_t bytes, char **out) {
+    if (bytes > mg->tmp_cap) {
+        void *p = malloc(bytes);
+        if (!p) {
+            msg m = {0};
+            msg_where(&m, c, kind);
+            return ms__fail(MS_ERR_OOM, "%s: out of memory for %zu bytes of staging", m.s, bytes);
+        }
+        free(mg->tmp);
+        mg->tmp = p;
+        mg->tmp_cap = bytes;
+    }
+    *out = mg->tmp;
+    return MS_OK;
+}
+
+/* MPI_BYTE blocks of `bytes` placed `stride` bytes apart: one peer's share of a strided
+ * buffer, for pieces of buffers whose blocks exceed the per-call limit. */
+static int strided_bytes(int64_t bytes, int64_t stride, MPI_Datatype *out) {
+    MPI_Datatype block;
+    int rc = MPI_Type_contiguous((int)bytes, MPI_BYTE, &block);
+    if (rc != MPI_SUCCESS) return rc;
+    rc = MPI_Type_create_resized(block, 0, (MPI_Aint)stride, out);
+    MPI_Type_free(&block);
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(out);
+    return rc;
+}
+
+#define TRY(fn, call)                                                                          \
+    do {                                                                                       \
+        int rc_ = (call);                                                                      \
+        if (rc_ != MPI_SUCCESS) return mpi_fail(c, kind, fn, rc_);                             \
+    } while (0)
+
+/* out (n x B bytes) gets every rank's B-byte send; send may be out + rank x B. */
+static ms_status do_all_gather(ms_comm *c, mgroup *mg, const void *send, char *out, int64_t B) {
+    const ms_coll_kind kind = MS_COLL_ALL_GATHER;
+    const bool in_place = send == out + (size_t)mg->rank * (size_t)B;
+    if (B <= mpi.max_bytes) {
+        TRY("MPI_Allgather", MPI_Allgather(in_place ? MPI_IN_PLACE : send, (int)B, MPI_BYTE, out, (int)B, MPI_BYTE,
+                                           mg->comm));
+        return MS_OK;
+    }
+    for (int64_t off = 0; off < B; off += mpi.max_bytes) {
+        int64_t m = B - off < mpi.max_bytes ? B - off : mpi.max_bytes;
+        MPI_Datatype t;
+        TRY("MPI_Type_create_resized", strided_bytes(m, B, &t));
+        int rc = MPI_Allgather(in_place ? MPI_IN_PLACE : (const char *)send + off, (int)m, MPI_BYTE, out + off, 1, t,
+                               mg->comm);
+        MPI_Type_free(&t);
+        TRY("MPI_Allgather", rc);
+    }
+    return MS_OK;
+}
+
+static ms_status do_broadcast(ms_comm *c, mgroup *mg, char *buf, int64_t bytes, int root) {
+    const ms_coll_kind kind = MS_COLL_BROADCAST;
+    for (int64_t off = 0; off < bytes; off += mpi.max_bytes) {
+        int64_t m = bytes - off < mpi.max_bytes ? bytes - off : mpi.max_bytes;
+        TRY("MPI_Bcast", MPI_Bcast(buf + off, (int)m, MPI_BYTE, root, mg->comm));
+    }
+    return MS_OK;
+}
+
+/* Block j (C bytes) of send goes to rank j; block j of out comes from rank j. */
+static ms_status do_all_to_all(ms_comm *c, mgroup *mg, const char *send, char *out, int64_t C) {
+    const ms_coll_kind kind = MS_COLL_ALL_TO_ALL;
+    if (C <= mpi.max_bytes) {
+        TRY("MPI_Alltoall", MPI_Alltoall(send, (int)C, MPI_BYTE, out, (int)C, MPI_BYTE, mg->comm));
+        return MS_OK;
+    }
+    for (int64_t off = 0; off < C; off += mpi.max_bytes) {
+        int64_t m = C - off < mpi.max_bytes ? C - off : mpi.max_bytes;
+        MPI_Datatype t;
+        TRY("MPI_Type_create_resized", strided_bytes(m, C, &t));
+        int rc = MPI_Alltoall(send + off, 1, t, out + off, 1, t, mg->comm);
+        MPI_Type_free(&t);
+        TRY("MPI_Alltoall", rc);
+    }
+    return MS_OK;
+}
+
+/* out (count elements) = op over ranks j of block `rank` of rank j's send (n x count).  In
+ * pieces of m elements per peer: each rank sends piece p of block j to rank j, receives
+ * piece p of its own block from every peer into staging (n x m), and reduces its own
+ * piece straight from send, so its own block never travels. */
+static ms_status do_reduce_scatter(ms_comm *c, mgroup *mg, const ms_coll *call) {
+    const ms_coll_kind kind = MS_COLL_REDUCE_SCATTER;
+    const int n = mg->n, r = mg->rank;
+    const int64_t es = ms_dtype_size(call->dtype), count = call->count, B = count * es;
+    const char *send = call->send;
+    char *out = call->recv, *tmp = NULL;
+    int64_t m = PIECE_BYTES / (n * es); /* elements per peer per piece */
+    if (m > mpi.max_bytes / es) m = mpi.max_bytes / es;
+    if (m < 1) m = 1;
+    if (m > count) m = count;
+    /* Alltoallv takes int byte displacements: rank j's block starts at j x B. */
+    const bool displaced = (int64_t)(n - 1) * B <= mpi.max_bytes - m * es;
+    ms_status st = staging(c, kind, mg, (size_t)(n * m * es), &tmp);
+    if (st) return st;
+    MPI_Datatype piece_type = MPI_DATATYPE_NULL;
+    int64_t piece_type_m = 0;
+    for (int64_t off = 0; off < count; off += m) {
+        const int64_t len = count - off < m ? count - off : m, lb = len * es;
+        int rc;
+        if (displaced) {
+            for (int j = 0; j < n; j++) {
+                mg->sc[j] = mg->rc[j] = j == r ? 0 : (int)lb;
+                mg->sd[j] = (int)(j * B);
+                mg->rd[j] = (int)(j * lb);
+            }
+            rc = MPI_Alltoallv(send + off * es, mg->sc, mg->sd, MPI_BYTE, tmp, mg->rc, mg->rd, MPI_BYTE, mg->comm);
+        } else {
+            if (piece_type_m != len) {
+                if (piece_type != MPI_DATATYPE_NULL) MPI_Type_free(&piece_type);
+                piece_type_m = len;
+                TRY("MPI_Type_create_resized", strided_bytes(lb, B, &piece_type));
+            }
+            rc = MPI_Alltoall(send + off * es, 1, piece_type, tmp, (int)lb, MPI_BYTE, mg->comm);
+        }
+        if (rc != MPI_SUCCESS) {
+            if (piece_type != MPI_DATATYPE_NULL) MPI_Type_free(&piece_type);
+            return mpi_fail(c, kind, displaced ? "MPI_Alltoallv" : "MPI_Alltoall", rc);
+        }
+        for (int j = 0; j < n; j++) mg->srcs[j] = tmp + j * lb;
+        if (displaced) mg->srcs[r] = send + r * B + off * es;
+        reduce(call->dtype, call->op, n, mg->srcs, out + off * es, len);
+    }
+    if (piece_type != MPI_DATATYPE_NULL) MPI_Type_free(&piece_type);
+    return MS_OK;
+}
+
+/* Elements [*off, *off + *len) of a count-element piece that group rank r reduces. */
+static void all_reduce_chunk(int64_t count, int n, int r, int64_t *off, int64_t *len) {
+    int64_t base = count / n, rem = count % n;
+    *off = base * r + (r < rem ? r : rem);
+    *len = base + (r < rem);
+}
+
+/* buf (count elements) = op over ranks of their buf.  Small buffers: gather all and reduce
+ * everything on every rank.  Large: pieces of PIECE_BYTES, each split in n near-equal
+ * chunks; rank j reduces chunk j of the piece (a reduce_scatter, own chunk untravelled)
+ * and the chunks are gathered back in place. */
+static ms_status do_all_reduce(ms_comm *c, mgroup *mg, const ms_coll *call) {
+    const ms_coll_kind kind = MS_COLL_ALL_REDUCE;
+    const int n = mg->n, r = mg->rank;
+    const int64_t es = ms_dtype_size(call->dtype), count = call->count, T = count * es;
+    char *buf = call->recv, *tmp = NULL;
+    ms_status st;
+    if (T * n <= SMALL_ALL_REDUCE && T <= mpi.max_bytes) {
+        if ((st = staging(c, kind, mg, (size_t)(n * T), &tmp))) return st;
+        TRY("MPI_Allgather", MPI_Allgather(buf, (int)T, MPI_BYTE, tmp, (int)T, MPI_BYTE, mg->comm));
+        for (int j = 0; j < n; j++) mg->srcs[j] = tmp + j * T;
+        reduce(call->dtype, call->op, n, mg->srcs, buf, count);
+        return MS_OK;
+    }
+    int64_t piece = PIECE_BYTES / es; /* elements per piece */
+    if (piece > mpi.max_bytes / es) piece = mpi.max_bytes / es;
+    if (piece < 1) piece = 1;
+    if (piece > count) piece = count;
+    int64_t most, unused; /* the largest chunk: rank 0's */
+    all_reduce_chunk(piece, n, 0, &unused, &most);
+    if ((st = staging(c, kind, mg, (size_t)(n * most * es), &tmp))) return st;
+    for (int64_t poff = 0; poff < count; poff += piece) {
+        const int64_t plen = count - poff < piece ? count - poff : piece;
+        char *p = buf + poff * es;
+        int64_t off_r, len_r;
+        all_reduce_chunk(plen, n, r, &off_r, &len_r);
+        for (int j = 0; j < n; j++) {
+            int64_t off_j, len_j;
+            all_reduce_chunk(plen, n, j, &off_j, &len_j);
+            mg->sc[j] = j == r ? 0 : (int)(len_j * es);
+            mg->sd[j] = (int)(off_j * es);
+            mg->rc[j] = j == r ? 0 : (int)(len_r * es);
+            mg->rd[j] = (int)(j * len_r * es);
+        }
+        TRY("MPI_Alltoallv", MPI_Alltoallv(p, mg->sc, mg->sd, MPI_BYTE, tmp, mg->rc, mg->rd, MPI_BYTE, mg->comm));
+        for (int j = 0; j < n; j++) mg->srcs[j] = j == r ? p + off_r * es : tmp + j * len_r * es;
+        reduce(call->dtype, call->op, n, mg->srcs, p + off_r * es, len_r);
+        for (int j = 0; j < n; j++) { /* every rank's chunk, its count and place in the piece */
+            int64_t off_j, len_j;
+            all_reduce_chunk(plen, n, j, &off_j, &len_j);
+            mg->rc[j] = (int)(len_j * es);
+            mg->rd[j] = (int)(off_j * es);
+        }
+        TRY("MPI_Allgatherv", MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, mg->rc, mg->rd, MPI_BYTE,
+                                             mg->comm));
+    }
+    return MS_OK;
+}
+
+#undef TRY
+
+static ms_status move(ms_comm *c, mgroup *mg, const ms_coll *call) {
+    const int64_t es = ms_dtype_size(call->dtype);
+    if (call->count == 0) return MS_OK;
+    switch (call->kind) {
+    case MS_COLL_ALL_GATHER: return do_all_gather(c, mg, call->send, call->recv, call->count * es);
+    case MS_COLL_REDUCE_SCATTER: return do_reduce_scatter(c, mg, call);
+    case MS_COLL_ALL_REDUCE: return do_all_reduce(c, mg, call);
+    case MS_COLL_BROADCAST: return do_broadcast(c, mg, call->recv, call->count * es, call->root);
+    case MS_COLL_ALL_TO_ALL: return do_all_to_all(c, mg, call->send, call->recv, call->count / mg->n * es);
+    case MS_COLL_BARRIER: return MS_OK; /* the exchange was the barrier */
+    }
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- the backend */
+
+static ms_status mpi_collective(ms_comm *c, const ms_coll *call) {
+    mgroup *mg = c->group->impl;
+    ms_status st = exchange(c, mg, call);
+    if (st) return st;
+    if (mpi.level < MPI_THREAD_MULTIPLE) {
+        mpi_lock();
+        st = move(c, mg, call);
+        mpi_unlock();
+    } else {
+        st = move(c, mg, call);
+    }
+    return st ? st : ms__ok();
+}
+
+/* Posts a FINISHED descriptor on every group of the world (g is the whole-world group, the
+ * head of the registry) so that peers waiting in a collective this rank will never join
+ * fail at once, and waits up to the timeout for the peers to finish too. */
+static void finish_world(ms_group *g) {
+    const ms_world *w = g->comms[0].world;
+    int count = 0;
+    for (ms_group *h = g; h; h = h->next) count += h->impl != NULL;
+    MPI_Request *reqs = calloc((size_t)count, sizeof *reqs);
+    mgroup **owners = calloc((size_t)count, sizeof *owners);
+    if (!reqs || !owners) {
+        free(reqs);
+        free(owners);
+        return;
+    }
+    int posted = 0;
+    mpi_lock();
+    for (ms_group *h = g; h; h = h->next) {
+        mgroup *mg = h->impl;
+        if (!mg || mg->pending) continue; /* after a timeout the comm is unusable anyway */
+        mg->mine = (desc){.kind = FINISHED};
+        if (MPI_Iallgather(&mg->mine, (int)sizeof(desc), MPI_BYTE, mg->descs, (int)sizeof(desc), MPI_BYTE, mg->comm,
+                           &reqs[posted]) == MPI_SUCCESS)
+            owners[posted++] = mg;
+    }
+    mpi_unlock();
+    bool done = false;
+    wait_until(posted, reqs, now_s() + w->timeout_s, &done);
+    if (!done) /* a peer is still running: its exchanges keep our buffers */
+        for (int i = 0; i < posted; i++) owners[i]->pending = true;
+    free(reqs);
+    free(owners);
+}
+
+static void mpi_group_free(ms_group *g) {
+    mgroup *mg = g->impl;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+        if (mg->is_world) finish_world(g);
+        mpi_lock();
+        if (mg->comm != MPI_COMM_NULL) MPI_Comm_free(&mg->comm);
+        if (mg->create_from != MPI_COMM_NULL) MPI_Comm_free(&mg->create_from);
+        mpi_unlock();
+    }
+    mgroup_free(mg);
+    g->impl = NULL;
+}
+
+static const ms_backend mpi_backend = {
+    .name = "mpi",
+    .device = MS_DEVICE_CPU,
+    .group_init = mpi_group_init,
+    .group_free = mpi_group_free,
+    .collective = mpi_collective,
+};
+
+ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
+    if (!out) return ms__fail(MS_ERR_ARG, "mpi world: out is NULL");
+    ms_status st = mpi_start();
+    if (st) return st;
+    return ms__world_new(out, &mpi_backend, mpi.size, timeout_s);
+}
+
+#endif /* MOONSHARD_HAVE_MPI */

@@ -1,0 +1,771 @@
+/*
+ * main.c: moe_trainer, a host program that trains the MoE character LM of model.h through
+ * moonshard shard units chosen by a Lua policy.
+ *
+ *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N --seed S [--config FILE] [--save FILE]
+ *
+ * RANKS ranks run as threads of this process (moonshard's threads world).  Each rank makes
+ * an interpreter (moonshard_embed.h), describes the model parameter by parameter in f32 (the
+ * fp32 master weights of FSDP2 training with a bf16 param_dtype), plans it on the mesh with
+ * the policy, materialises its units and initialises its shards from the seed.  A step:
+ *
+ *   batch    the global batch (batch_size rows of seq_len+1 bytes, the same whatever RANKS
+ *            is) split by rows across the data-parallel ranks
+ *   forward  stage by stage (embed, layer 0..L-1, head): the units holding a stage's
+ *            parameters are unsharded (the next stage's are prefetched), their gathered
+ *            parameters (bf16 or f32, as the policy says) cast to f32 for the kernels, and
+ *            resharded after the last stage that reads them
+ *   backward the stages in reverse, regathering what was resharded; a unit's f32 gradients
+ *            are cast into its unsharded gradients and reduced (reduce_scatter, and the HSDP
+ *            all_reduce) after the first stage that reads it
+ *   update   the loss averaged over the ranks, the gradient norm clipped at 1.0, AdamW on
+ *            every unit's shards
+ *
+ * Rank 0 prints "step K loss L" per step; --records, --memory and --save expose what the
+ * runtime did, for the checks of tests/lua/trainer_spec.lua.
+ */
+#include <moonshard.h>
+#include <moonshard_embed.h>
+
+#include "data.h"
+#include "model.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ----------------------------------------------------------------------------
+// hyperparameters: fixed, so that runs on any number of ranks are comparable
+
+#define LR 3e-3
+#define BETA1 0.9
+#define BETA2 0.95
+#define ADAM_EPS 1e-8
+#define WEIGHT_DECAY 0.0
+#define CLIP_NORM 1.0
+#define DEFAULT_BATCH 8
+#define MAX_RANKS 64
+
+// ----------------------------------------------------------------------------
+// options
+
+typedef struct {
+    int nranks;
+    const char *mesh, *policy, *config, *data, *save;
+    long steps;
+    unsigned long long seed;
+    int records, memory;
+    // from --mesh and --config
+    int dp;         // data-parallel size: dp_replicate * dp_shard * cp = RANKS
+    int batch_size; // B, global rows per step
+    ModelConfig model;
+} Options;
+
+static const char USAGE[] =
+    "usage: moe_trainer -n RANKS --mesh SPEC --policy PATH --steps N --seed S [options]\n"
+    "\n"
+    "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
+    "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
+    "run as threads of this process; rank 0 prints \"step K loss L\" after every step, L the\n"
+    "training loss of the global batch (the mean over the data-parallel ranks).\n"
+    "\n"
+    "required:\n"
+    "  -n RANKS        ranks (threads), 1..64: the product of the mesh sizes\n"
+    "  --mesh SPEC     e.g. dp_shard=4 or dp_replicate=2,dp_shard=2 (axes dp_replicate,\n"
+    "                  dp_shard, cp; pp, tp and ep may be given as 1; unset sizes are 1)\n"
+    "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
+    "  --steps N       optimizer steps (>= 1)\n"
+    "  --seed S        seeds the initial parameters and the batches\n"
+    "options:\n"
+    "  --config FILE   model and batch sizes as key = value lines ('#' starts a comment);\n"
+    "                  keys and defaults: hidden_size 64, num_layers 2, num_experts 4,\n"
+    "                  top_k 2, expert_dim 64, num_shared 1, conv_kernel 4, seq_len 64,\n"
+    "                  batch_size 8 (the vocabulary is the 256 byte values)\n"
+    "  --data FILE     the text to learn (default " DATA_DEFAULT_PATH ")\n"
+    "  --save FILE     after the last step, write every parameter (f32, model.h names) to a\n"
+    "                  safetensors file\n"
+    "  --records       after step 1, print every collective rank 0's units issued in that\n"
+    "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
+    "  --memory        at the end, print per rank the bytes its units allocated for\n"
+    "                  parameters, gradients and optimizer state after the first step,\n"
+    "                  against the planner's figures\n"
+    "  -h, --help      this text\n"
+    "\n"
+    "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
+    "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps 1e-8, no weight decay; gradient\n"
+    "norm clipped at 1.0; e_score_correction_bias is frozen.  Not supported: expert (ep),\n"
+    "pipeline (pp) and tensor (tp) parallelism.\n"
+    "Exit status: 0 trained, 1 a failure while planning or training, 2 a usage error.\n";
+
+// Prints a usage error and returns 2 (the exit status).
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("moe_trainer: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputs("\n(try 'moe_trainer --help')\n", stderr);
+    va_end(ap);
+    return 2;
+}
+
+// A whole-string integer in [lo, hi]; 0, or -1.
+static int parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+// --mesh: the trainer needs the data-parallel size; the planner checks the rest again.
+static int parse_mesh(Options *o) {
+    static const char *const axes[] = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"};
+    long size[6] = {1, 1, 1, 1, 1, 1};
+    char spec[256];
+    if (!*o->mesh || snprintf(spec, sizeof spec, "%s", o->mesh) >= (int)sizeof spec)
+        return usage_error("--mesh '%s': expected sizes like dp_shard=4", o->mesh);
+    for (char *save = NULL, *item = strtok_r(spec, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(item, '=');
+        int a = -1;
+        if (eq) *eq = '\0';
+        for (int k = 0; eq && k < 6; k++)
+            if (!strcmp(item, axes[k])) a = k;
+        if (a < 0 || parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
+            return usage_error("--mesh: '%s%s%s' is not AXIS=SIZE with an axis of pp, dp_replicate, dp_shard, "
+                               "cp, tp, ep and a size 1..%d", item, eq ? "=" : "", eq ? eq + 1 : "", MAX_RANKS);
+    }
+    if (size[5] > 1) return usage_error("--mesh: ep = %ld: expert parallelism is not supported by moe_trainer "
+                                        "(its experts would live outside the shard units)", size[5]);
+    if (size[0] > 1 || size[4] > 1)
+        return usage_error("--mesh: pipeline (pp) and tensor (tp) parallelism are not supported by moe_trainer");
+    long world = size[1] * size[2] * size[3];
+    if (world != o->nranks)
+        return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
+    o->dp = (int)world; // with pp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
+    return 0;
+}
+
+// --config: "key = value" lines of ModelConfig sizes and batch_size.
+static int parse_config(Options *o) {
+    struct { const char *key; int *value; } keys[] = {
+        {"hidden_size", &o->model.hidden_size}, {"num_layers", &o->model.num_layers},
+        {"num_experts", &o->model.num_experts}, {"top_k", &o->model.top_k},
+        {"expert_dim", &o->model.expert_dim},   {"num_shared", &o->model.num_shared},
+        {"conv_kernel", &o->model.conv_kernel}, {"seq_len", &o->model.seq_len},
+        {"batch_size", &o->batch_size},
+    };
+    const int nkeys = sizeof keys / sizeof keys[0];
+    FILE *f = fopen(o->config, "r");
+    if (!f) return usage_error("--config %s: %s", o->config, strerror(errno));
+    char line[512];
+    int status = 0;
+    for (int lineno = 1; !status && fgets(line, sizeof line, f); lineno++) {
+        line[strcspn(line, "#\n")] = '\0';
+        if (line[strspn(line, " \t\r")] == '\0') continue; // blank or comment
+        char key[64] = "", value[64], extra[64];
+        long v;
+        int n = sscanf(line, " %63[a-z_0-9] = %63s %63s", key, value, extra);
+        int k = 0;
+        while (k < nkeys && strcmp(key, keys[k].key)) k++;
+        if (n >= 1 && k == nkeys)
+            status = usage_error("--config %s:%d: unknown key '%s' (keys: hidden_size num_layers num_experts "
+                                 "top_k expert_dim num_shared conv_kernel seq_len batch_size)", o->config, lineno, key);
+        else if (n != 2 || parse_long(value, 1, 1 << 20, &v))
+            status = usage_error("--config %s:%d: expected 'KEY = N' with N a positive integer", o->config, lineno);
+        else
+            *keys[k].value = (int)v;
+    }
+    fclose(f);
+    return status;
+}
+
+// Parses argv into o; 0 to run, -1 after --help (exit 0), 2 on a usage error.
+static int parse_options(int argc, char **argv, Options *o) {
+    memset(o, 0, sizeof *o);
+    model_config_default(&o->model);
+    o->batch_size = DEFAULT_BATCH;
+    const char *n = NULL, *steps = NULL, *seed = NULL;
+    const struct { const char *flag; const char **value; } valued[] = {
+        {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
+        {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
+    };
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        size_t k = 0;
+        while (k < sizeof valued / sizeof valued[0] && strcmp(a, valued[k].flag)) k++;
+        if (k < sizeof valued / sizeof valued[0]) {
+            if (i + 1 == argc) return usage_error("%s needs a value", a);
+            *valued[k].value = argv[++i];
+        } else if (!strcmp(a, "--records")) {
+            o->records = 1;
+        } else if (!strcmp(a, "--memory")) {
+            o->memory = 1;
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(USAGE, stdout);
+            return -1;
+        } else {
+            return usage_error("unexpected argument '%s'", a);
+        }
+    }
+    const char *missing = !n ? "-n RANKS" : !o->mesh ? "--mesh SPEC" : !o->policy ? "--policy PATH"
+                        : !steps ? "--steps N" : !seed ? "--seed S" : NULL;
+    if (missing) return usage_error("missing %s", missing);
+    long v;
+    if (parse_long(n, 1, MAX_RANKS, &v)) return usage_error("-n %s: expected a number of ranks 1..%d", n, MAX_RANKS);
+    o->nranks = (int)v;
+    if (parse_long(steps, 1, 1000000000L, &o->steps)) return usage_error("--steps %s: expected an integer >= 1", steps);
+    char *end;
+    errno = 0;
+    o->seed = strtoull(seed, &end, 10);
+    if (errno || end == seed || *end || *seed == '-') return usage_error("--seed %s: expected an integer >= 0", seed);
+    int st = parse_mesh(o);
+    if (!st && o->config) st = parse_config(o);
+    if (st) return st;
+    char err[256];
+    if (model_config_check(&o->model, err, sizeof err)) return usage_error("%s", err);
+    if (o->batch_size % o->dp)
+        return usage_error("batch_size %d does not divide over the %d data-parallel ranks", o->batch_size, o->dp);
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// one rank
+
+typedef struct {
+    // shared, read-only
+    const Options *opt;
+    const Dataset *data;
+    ms_world *world;
+    int rank;
+    // results
+    ms_status status;
+    char err[2048];
+    int64_t bytes[3], planned[3]; // --memory: params, grads, optimizer: allocated and planned
+} RankArgs;
+
+typedef struct {
+    const Options *opt;
+    const ModelConfig *cfg;
+    RankArgs *args;
+    ms_comm *world;
+    ms_interp *in;
+    int nunits, nparams, nstages; // stages: 0 embed, 1..L the layers, L+1 the head
+    ModelParam *table;            // (nparams) model.h's parameter table
+    ms_unit **units;              // (nunits) borrowed from the interpreter
+    int *unit_of, *index_of;      // (nparams) the unit holding parameter i and its index there
+    int *stage_of;                // (nparams) the stage that reads parameter i
+    int *first_stage, *last_stage;// (nunits) the stages reading a unit's parameters, -1 when none
+    int *gathered;                // (nunits) 1 from unshard until reshard or reduce_grads
+    float *params;                // (P) f32 copies of the gathered parameters, laid out as table
+    float *grads;                 // (P) f32 gradients of this rank's rows
+    float **param_ptrs, **grad_ptrs; // (nparams) into params and grads
+    int rows;                     // B / dp rows of the global batch on this rank
+    int *tokens;                  // (rows, T+1)
+    void *ws;                     // model_workspace_size(cfg, rows) bytes
+} Trainer;
+
+// Records a failure in the rank's message ("WHAT: DETAIL") and returns st.
+static ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...) {
+    char detail[1536];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    snprintf(tr->args->err, sizeof tr->args->err, "%s: %s", what, detail);
+    return st;
+}
+
+// A moonshard call that must succeed; its message explains a failure.
+#define TRY(what, call)                                                                     \
+    do {                                                                                    \
+        ms_status st_ = (call);                                                             \
+        if (st_) return fail(tr, st_, what, "%s", ms_last_error());                         \
+    } while (0)
+// A call of this file that already recorded its failure.
+#define CHECK(call)                                                                         \
+    do {                                                                                    \
+        ms_status st_ = (call);                                                             \
+        if (st_) return st_;                                                                \
+    } while (0)
+// A tensor getter of the unit API: NULL means failure (ms_last_error says why).
+#define GET(var, what, call)                                                                \
+    do {                                                                                    \
+        if (!((var) = (call))) return fail(tr, MS_ERR_STATE, what, "%s", ms_last_error());  \
+    } while (0)
+
+static ms_status all_reduce_one(Trainer *tr, double *v, ms_op op) {
+    ms_tensor *t = NULL;
+    int64_t one = 1;
+    TRY("wrapping a scalar", ms_tensor_wrap(&t, v, 1, &one, MS_F64));
+    ms_status st = ms_all_reduce(tr->world, t, op);
+    ms_tensor_release(t);
+    TRY("all_reduce over the world", st);
+    return MS_OK;
+}
+
+static int param_stage(const ModelConfig *cfg, int i) {
+    if (i == MODEL_EMBED) return 0;
+    if (i < model_final_norm(cfg)) return 1 + (i - 1) / LP_COUNT;
+    return cfg->num_layers + 1;
+}
+
+// ----------------------------------------------------------------------------
+// setup: describe, plan, materialise, initialise
+
+// Module types the policies look for (inkling2's prepare_model needs GroupedExperts).
+static const struct { const char *name, *type; } MODULE_TYPES[] = {
+    {"model", "Inkling2Model"},           {"model.embed_tokens", "Embedding"},
+    {"model.layers", "ModuleList"},       {"model.norm", "RMSNorm"},
+    {"model.output_query", "ResidualQuery"}, {"lm_head", "Linear"},
+};
+// Per decoder layer, relative to model.layers.{i} ("" is the layer itself).
+static const struct { const char *name, *type; } LAYER_TYPES[] = {
+    {"", "Inkling2DecoderLayer"},    {"mlp_query", "ResidualQuery"},
+    {"mlp_norm", "RMSNorm"},         {"mlp_sconv", "ShortConv"},
+    {"mlp", "MoE"},                  {"mlp.gate", "Gate"},
+    {"mlp.experts", "GroupedExperts"}, {"mlp.shared_experts", "MLP"},
+    {"mlp.shared_experts.gate_proj", "Linear"}, {"mlp.shared_experts.up_proj", "Linear"},
+    {"mlp.shared_experts.down_proj", "Linear"},
+};
+
+static ms_status describe_model(Trainer *tr) {
+    for (int i = 0; i < tr->nparams; i++) {
+        const ModelParam *p = &tr->table[i];
+        int64_t shape[3] = {p->shape[0], p->shape[1], p->shape[2]};
+        TRY("describing the model", ms_interp_model_param(tr->in, p->name, p->ndim, shape, MS_F32, p->requires_grad));
+    }
+    for (size_t k = 0; k < sizeof MODULE_TYPES / sizeof MODULE_TYPES[0]; k++)
+        TRY("describing the model", ms_interp_model_module_type(tr->in, MODULE_TYPES[k].name, MODULE_TYPES[k].type));
+    for (int l = 0; l < tr->cfg->num_layers; l++)
+        for (size_t k = 0; k < sizeof LAYER_TYPES / sizeof LAYER_TYPES[0]; k++) {
+            char name[MODEL_NAME_MAX];
+            snprintf(name, sizeof name, "model.layers.%d%s%s", l, *LAYER_TYPES[k].name ? "." : "", LAYER_TYPES[k].name);
+            TRY("describing the model", ms_interp_model_module_type(tr->in, name, LAYER_TYPES[k].type));
+        }
+    return MS_OK;
+}
+
+// Where every parameter lives, and which stages read each unit.
+static ms_status locate_params(Trainer *tr) {
+    for (int u = 0; u < tr->nunits; u++) {
+        tr->units[u] = ms_interp_unit(tr->in, u);
+        tr->first_stage[u] = tr->last_stage[u] = -1;
+    }
+    for (int i = 0; i < tr->nparams; i++) {
+        TRY("locating parameters", ms_interp_find_param(tr->in, tr->table[i].name, &tr->unit_of[i], &tr->index_of[i]));
+        int u = tr->unit_of[i], s = tr->stage_of[i] = param_stage(tr->cfg, i);
+        if (u < 0) return fail(tr, MS_ERR_ARG, "locating parameters", "%s is held outside every shard unit",
+                               tr->table[i].name);
+        if (tr->first_stage[u] < 0 || s < tr->first_stage[u]) tr->first_stage[u] = s;
+        if (s > tr->last_stage[u]) tr->last_stage[u] = s;
+    }
+    return MS_OK;
+}
+
+static ms_status wrap_param(Trainer *tr, int i, float *data, ms_tensor **out) {
+    const ModelParam *p = &tr->table[i];
+    int64_t shape[3] = {p->shape[0], p->shape[1], p->shape[2]};
+    TRY("wrapping a parameter", ms_tensor_wrap(out, data, p->ndim, shape, MS_F32));
+    return MS_OK;
+}
+
+// Every parameter from the seed into a full f32 buffer, then this rank's rows into its unit.
+static ms_status init_params(Trainer *tr) {
+    for (int i = 0; i < tr->nparams; i++) {
+        model_init_param(tr->cfg, i, tr->param_ptrs[i], tr->opt->seed);
+        ms_tensor *full = NULL;
+        ms_status st = wrap_param(tr, i, tr->param_ptrs[i], &full);
+        if (st) return st;
+        st = ms_unit_load_full(tr->units[tr->unit_of[i]], tr->index_of[i], full);
+        ms_tensor_release(full);
+        TRY("initialising the shards", st);
+    }
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// forward and backward by stage
+
+static int uses(const Trainer *tr, int s, int u) {
+    for (int i = 0; i < tr->nparams; i++)
+        if (tr->unit_of[i] == u && tr->stage_of[i] == s) return 1;
+    return 0;
+}
+
+// Starts the all-gather of every unit stage s reads that is not gathered yet.
+static ms_status unshard_stage(Trainer *tr, int s) {
+    for (int u = 0; u < tr->nunits; u++) {
+        if (tr->gathered[u] || !uses(tr, s, u)) continue;
+        TRY("unshard", ms_unit_unshard(tr->units[u]));
+        tr->gathered[u] = 1;
+    }
+    return MS_OK;
+}
+
+// Waits for stage s's units; its parameters, in their gather dtype, cast to f32 for the kernels.
+static ms_status gather_stage(Trainer *tr, int s) {
+    for (int u = 0; u < tr->nunits; u++)
+        if (uses(tr, s, u)) TRY("waiting for an unshard", ms_unit_wait(tr->units[u]));
+    for (int i = 0; i < tr->nparams; i++) {
+        if (tr->stage_of[i] != s) continue;
+        ms_tensor *full;
+        GET(full, "reading a gathered parameter", ms_unit_param_full(tr->units[tr->unit_of[i]], tr->index_of[i]));
+        TRY("casting a gathered parameter", ms_cast(tr->param_ptrs[i], MS_F32, ms_tensor_data(full),
+                                                    ms_tensor_dtype(full), (int64_t)tr->table[i].numel));
+    }
+    return MS_OK;
+}
+
+// Unit u's f32 gradients cast into its unsharded gradients (gather dtype), then reduced.
+static ms_status reduce_unit(Trainer *tr, int u) {
+    for (int i = 0; i < tr->nparams; i++) {
+        if (tr->unit_of[i] != u || !tr->table[i].requires_grad) continue;
+        ms_tensor *g;
+        GET(g, "handing out a gradient", ms_unit_grad_full(tr->units[u], tr->index_of[i]));
+        TRY("casting a gradient", ms_cast(ms_tensor_data(g), ms_tensor_dtype(g), tr->grad_ptrs[i], MS_F32,
+                                          (int64_t)tr->table[i].numel));
+    }
+    TRY("reduce_grads", ms_unit_reduce_grads(tr->units[u]));
+    tr->gathered[u] = 0;
+    return MS_OK;
+}
+
+static ms_status forward(Trainer *tr, float *loss) {
+    const ModelConfig *cfg = tr->cfg;
+    CHECK(unshard_stage(tr, 0));
+    for (int s = 0; s < tr->nstages; s++) {
+        CHECK(gather_stage(tr, s));
+        if (s + 1 < tr->nstages) CHECK(unshard_stage(tr, s + 1)); // prefetch
+        if (s == 0) {
+            if (model_forward_embed(cfg, tr->param_ptrs, tr->tokens, tr->rows, tr->ws))
+                return fail(tr, MS_ERR_ARG, "forward", "a byte of the text is outside the vocabulary");
+        } else if (s <= cfg->num_layers) {
+            model_forward_layer(cfg, s - 1, tr->param_ptrs, tr->ws);
+        } else {
+            *loss = model_forward_head(cfg, tr->param_ptrs, tr->ws);
+        }
+        for (int u = 0; u < tr->nunits; u++) {
+            if (tr->last_stage[u] != s) continue;
+            TRY("reshard", ms_unit_reshard(tr->units[u])); // frees, keeps or k-way shards, as planned
+            tr->gathered[u] = 0;
+        }
+    }
+    return MS_OK;
+}
+
+static ms_status backward(Trainer *tr) {
+    const ModelConfig *cfg = tr->cfg;
+    memset(tr->grads, 0, model_param_numel(cfg) * sizeof(float));
+    CHECK(unshard_stage(tr, tr->nstages - 1));
+    for (int s = tr->nstages - 1; s >= 0; s--) {
+        CHECK(gather_stage(tr, s));
+        if (s > 0) CHECK(unshard_stage(tr, s - 1)); // prefetch
+        if (s == 0) model_backward_embed(cfg, tr->grad_ptrs, tr->ws);
+        else if (s <= cfg->num_layers) model_backward_layer(cfg, s - 1, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        else model_backward_head(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        for (int u = 0; u < tr->nunits; u++)
+            if (tr->first_stage[u] == s) CHECK(reduce_unit(tr, u));
+    }
+    for (int u = 0; u < tr->nunits; u++) TRY("waiting for reduce_grads", ms_unit_wait(tr->units[u]));
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// one step
+
+// Clips the global gradient norm at CLIP_NORM, then AdamW on every unit's shards.
+static ms_status update(Trainer *tr, long step) {
+    double sq = 0.0;
+    for (int u = 0; u < tr->nunits; u++) {
+        double s;
+        TRY("gradient norm", ms_unit_grad_sq_norm(tr->units[u], &s));
+        sq += s;
+    }
+    CHECK(all_reduce_one(tr, &sq, MS_OP_SUM));
+    double norm = sqrt(sq);
+    for (int u = 0; u < tr->nunits; u++) {
+        if (norm > CLIP_NORM) TRY("clipping", ms_unit_scale_grads(tr->units[u], CLIP_NORM / norm));
+        TRY("adamw_step", ms_unit_adamw_step(tr->units[u], LR, BETA1, BETA2, ADAM_EPS, WEIGHT_DECAY, step));
+        TRY("zero_grad", ms_unit_zero_grad(tr->units[u]));
+    }
+    return MS_OK;
+}
+
+static ms_status train_step(Trainer *tr, long step, double *loss) {
+    const int T = tr->cfg->seq_len;
+    if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank * tr->rows, tr->rows, tr->tokens))
+        return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
+    float local = 0.0f;
+    CHECK(forward(tr, &local));
+    CHECK(backward(tr));
+    *loss = local;
+    CHECK(all_reduce_one(tr, loss, MS_OP_AVG)); // the loss of the global batch
+    return update(tr, step);
+}
+
+// ----------------------------------------------------------------------------
+// --records and --memory
+
+static void print_records(const Trainer *tr) {
+    static const char *const kinds[] = {"all_gather", "reduce_scatter", "all_reduce"};
+    for (int u = 0; u < tr->nunits; u++)
+        for (int r = 0; r < ms_unit_record_count(tr->units[u]); r++) {
+            int kind, group;
+            ms_dtype dtype;
+            int64_t bytes;
+            if (ms_unit_record(tr->units[u], r, &kind, &dtype, &group, &bytes) || kind < 0 || kind > 2) continue;
+            const char *name = ms_unit_name(tr->units[u]);
+            printf("unit %s %s %s n=%d bytes=%lld\n", *name ? name : "<root>", kinds[kind], ms_dtype_name(dtype),
+                   group, (long long)bytes);
+        }
+    fflush(stdout);
+}
+
+// The integer after `key` in the plan JSON's memory record of this rank: a minimal scan of
+// '{"rank":R,"params":N,"grads":N,"optimizer":N,...}' (DESIGN.md, plan JSON version 1).
+static int64_t planned_bytes(const char *json, int rank, const char *key) {
+    char anchor[32], k[32];
+    snprintf(anchor, sizeof anchor, "{\"rank\":%d,", rank);
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char *p = strstr(json, "\"per_rank\"");
+    if (p) p = strstr(p, anchor);
+    if (p) p = strstr(p, k);
+    return p ? strtoll(p + strlen(k), NULL, 10) : -1;
+}
+
+static ms_status measure_memory(Trainer *tr) {
+    static const char *const keys[3] = {"params", "grads", "optimizer"};
+    char *json = NULL;
+    TRY("reading the plan JSON", ms_interp_plan_json(tr->in, &json));
+    for (int c = 0; c < 3; c++) {
+        tr->args->bytes[c] = 0;
+        for (int u = 0; u < tr->nunits; u++) tr->args->bytes[c] += ms_unit_bytes(tr->units[u], c);
+        tr->args->planned[c] = planned_bytes(json, tr->args->rank, keys[c]);
+    }
+    free(json);
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// --save: the full f32 parameters in a safetensors file
+
+static void put_le(FILE *f, uint64_t v, int nbytes) {
+    for (int k = 0; k < nbytes; k++) fputc((int)(v >> (8 * k) & 0xff), f);
+}
+
+// The header JSON (names in table order, offsets contiguous, padded with spaces to a
+// multiple of 8 bytes as safetensors writers do), then the data as little-endian f32.
+static int write_safetensors(const char *path, const ModelParam *table, int n, const float *data, size_t numel) {
+    char *header = NULL;
+    size_t len = 0;
+    FILE *h = open_memstream(&header, &len);
+    if (!h) return -1;
+    for (int i = 0; i < n; i++) {
+        const ModelParam *p = &table[i];
+        fprintf(h, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[", i ? "," : "{", p->name);
+        for (int d = 0; d < p->ndim; d++) fprintf(h, "%s%d", d ? "," : "", p->shape[d]);
+        fprintf(h, "],\"data_offsets\":[%zu,%zu]}", 4 * p->offset, 4 * (p->offset + p->numel));
+    }
+    fputc('}', h);
+    while (ftell(h) % 8) fputc(' ', h);
+    FILE *f = fclose(h) == 0 ? fopen(path, "wb") : NULL;
+    int ok = f != NULL;
+    if (ok) {
+        put_le(f, len, 8);
+        fwrite(header, 1, len, f);
+        for (size_t j = 0; j < numel; j++) {
+            uint32_t bits;
+            memcpy(&bits, &data[j], 4);
+            put_le(f, bits, 4);
+        }
+        ok = !ferror(f);
+        ok &= fclose(f) == 0;
+    }
+    free(header);
+    return ok ? 0 : -1;
+}
+
+// The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
+// rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
+// fills it (ranks holding the same element hold the same value).  Where a shard's elements
+// sit in the full tensor is read back from the unit itself: loading a tensor of flat indices
+// (exact in f32 up to 2^24 elements) puts into the shard the index of each of its elements.
+// That overwrites the shards, so this ends the run.
+static ms_status save(Trainer *tr) {
+    const size_t P = model_param_numel(tr->cfg);
+    float *full = tr->grads; // (P) reused: the assembled parameters
+    for (size_t j = 0; j < P; j++) full[j] = -INFINITY;
+    ms_status st = MS_OK;
+    for (int i = 0; !st && i < tr->nparams; i++) {
+        const ModelParam *p = &tr->table[i];
+        if (p->numel > (1u << 24)) return fail(tr, MS_ERR_SHAPE, "--save", "%s has more than 2^24 elements", p->name);
+        ms_unit *u = tr->units[tr->unit_of[i]];
+        ms_tensor *shard, *values = NULL, *where = NULL, *index = NULL;
+        GET(shard, "--save", ms_unit_param_shard(u, tr->index_of[i]));
+        for (size_t j = 0; j < p->numel; j++) tr->param_ptrs[i][j] = (float)j;
+        st = ms_tensor_to(&values, shard, MS_F32);
+        if (!st) st = wrap_param(tr, i, tr->param_ptrs[i], &index);
+        if (!st) st = ms_unit_load_full(u, tr->index_of[i], index);
+        if (!st) st = ms_tensor_to(&where, shard, MS_F32);
+        if (!st) {
+            const float *v = ms_tensor_data(values), *w = ms_tensor_data(where);
+            for (int64_t j = 0; j < ms_tensor_numel(values); j++) full[p->offset + (size_t)w[j]] = v[j];
+        }
+        ms_tensor_release(values);
+        ms_tensor_release(where);
+        ms_tensor_release(index);
+    }
+    TRY("--save: reading the shards", st);
+    ms_tensor *t = NULL;
+    int64_t n = (int64_t)P;
+    TRY("--save", ms_tensor_wrap(&t, full, 1, &n, MS_F32));
+    st = ms_all_reduce(tr->world, t, MS_OP_MAX);
+    ms_tensor_release(t);
+    TRY("--save: all_reduce over the world", st);
+    for (size_t j = 0; j < P; j++)
+        if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
+    if (tr->args->rank == 0 && write_safetensors(tr->opt->save, tr->table, tr->nparams, full, P))
+        return fail(tr, MS_ERR_IO, "--save", "cannot write %s: %s", tr->opt->save, strerror(errno));
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// a rank's life
+
+// Everything indexed by parameter, and the kernels' buffers.
+static ms_status alloc_buffers(Trainer *tr) {
+    const ModelConfig *cfg = tr->cfg;
+    const size_t n = (size_t)tr->nparams, P = model_param_numel(cfg);
+    tr->rows = tr->opt->batch_size / tr->opt->dp;
+    tr->table = calloc(n, sizeof *tr->table);
+    tr->unit_of = calloc(n, sizeof(int));
+    tr->index_of = calloc(n, sizeof(int));
+    tr->stage_of = calloc(n, sizeof(int));
+    tr->params = calloc(P, sizeof(float));
+    tr->grads = calloc(P, sizeof(float));
+    tr->param_ptrs = calloc(n, sizeof(float *));
+    tr->grad_ptrs = calloc(n, sizeof(float *));
+    tr->tokens = calloc((size_t)tr->rows * (cfg->seq_len + 1), sizeof(int));
+    tr->ws = malloc(model_workspace_size(cfg, tr->rows));
+    if (!tr->table || !tr->unit_of || !tr->index_of || !tr->stage_of || !tr->params || !tr->grads ||
+        !tr->param_ptrs || !tr->grad_ptrs || !tr->tokens || !tr->ws)
+        return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    model_params(cfg, tr->table);
+    model_param_pointers(cfg, tr->params, tr->param_ptrs);
+    model_param_pointers(cfg, tr->grads, tr->grad_ptrs);
+    return MS_OK;
+}
+
+// Everything indexed by unit, once the plan says how many there are.
+static ms_status alloc_unit_state(Trainer *tr) {
+    const size_t U = (size_t)tr->nunits;
+    tr->units = calloc(U, sizeof *tr->units);
+    tr->first_stage = calloc(U, sizeof(int));
+    tr->last_stage = calloc(U, sizeof(int));
+    tr->gathered = calloc(U, sizeof(int));
+    if (U && (!tr->units || !tr->first_stage || !tr->last_stage || !tr->gathered))
+        return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    return MS_OK;
+}
+
+static void free_buffers(Trainer *tr) {
+    void *all[] = {tr->table, tr->units, tr->unit_of, tr->index_of, tr->stage_of, tr->first_stage, tr->last_stage,
+                   tr->gathered, tr->params, tr->grads, tr->param_ptrs, tr->grad_ptrs, tr->tokens, tr->ws};
+    for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
+}
+
+static ms_status train(Trainer *tr) {
+    const Options *opt = tr->opt;
+    tr->nparams = model_param_count(tr->cfg);
+    tr->nstages = tr->cfg->num_layers + 2;
+    CHECK(alloc_buffers(tr));
+    TRY("joining the world", ms_world_comm(tr->args->world, tr->args->rank, &tr->world));
+    TRY("making the interpreter", ms_interp_new(&tr->in, tr->world));
+    CHECK(describe_model(tr));
+    TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
+    TRY("materialising the plan", ms_interp_materialize(tr->in));
+    CHECK(alloc_unit_state(tr));
+    CHECK(locate_params(tr));
+    CHECK(init_params(tr));
+    for (long step = 1; step <= opt->steps; step++) {
+        double loss;
+        CHECK(train_step(tr, step, &loss));
+        if (tr->args->rank == 0) {
+            printf("step %ld loss %.9g\n", step, loss);
+            fflush(stdout);
+            if (step == 1 && opt->records) print_records(tr);
+        }
+        if (step == 1 && opt->memory) CHECK(measure_memory(tr));
+        for (int u = 0; u < tr->nunits; u++) ms_unit_clear_records(tr->units[u]); // one step's worth at a time
+    }
+    return opt->save ? save(tr) : MS_OK;
+}
+
+static void *rank_main(void *p) {
+    RankArgs *a = p;
+    Trainer tr = {.opt = a->opt, .cfg = &a->opt->model, .args = a};
+    a->status = train(&tr);
+    if (a->status && !a->err[0]) snprintf(a->err, sizeof a->err, "%s", ms_last_error());
+    free_buffers(&tr);
+    ms_interp_free(tr.in);
+    ms_world_rank_done(a->world, a->rank, a->status != MS_OK);
+    ms_comm_release(tr.world);
+    return NULL;
+}
+
+// ----------------------------------------------------------------------------
+// main
+
+int main(int argc, char **argv) {
+    Options opt;
+    int st = parse_options(argc, argv, &opt);
+    if (st) return st < 0 ? 0 : st;
+    Dataset data;
+    char err[512];
+    if (dataset_open(&data, opt.data, err, sizeof err)) {
+        fprintf(stderr, "moe_trainer: %s\n", err);
+        return 1;
+    }
+    ms_world *world = NULL;
+    if (ms_threads_world_new(&world, opt.nranks, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        dataset_close(&data);
+        return 1;
+    }
+    pthread_t tid[MAX_RANKS];
+    int started[MAX_RANKS];
+    static RankArgs args[MAX_RANKS];
+    for (int r = 0; r < opt.nranks; r++) {
+        args[r] = (RankArgs){.opt = &opt, .data = &data, .world = world, .rank = r};
+        started[r] = pthread_create(&tid[r], NULL, rank_main, &args[r]) == 0;
+        if (!started[r]) { // the others must not wait for it
+            args[r].status = MS_ERR_OOM;
+            snprintf(args[r].err, sizeof args[r].err, "cannot start its thread");
+            ms_world_rank_done(world, r, 1);
+        }
+    }
+    for (int r = 0; r < opt.nranks; r++)
+        if (started[r]) pthread_join(tid[r], NULL);
+    // The first failure that is not a peer's echo of another rank's failure.
+    int failed = -1;
+    for (int r = opt.nranks - 1; r >= 0; r--)
+        if (args[r].status && (failed < 0 || args[r].status != MS_ERR_PEER)) failed = r;
+    if (failed >= 0) {
+        fprintf(stderr, "moe_trainer: rank %d: %s\n", failed, args[failed].err);
+    } else if (opt.memory) {
+        static const char *const cats[3] = {"params", "grads", "optimizer"};
+        for (int r = 0; r < opt.nranks; r++)
+            for (int c = 0; c < 3; c++)
+                printf("memory rank %d %s allocated=%lld planned=%lld ratio=%.6f\n", r, cats[c],
+                       (long long)args[r].bytes[c], (long long)args[r].planned[c],
+                       args[r].planned[c] > 0 ? (double)args[r].bytes[c] / (double)args[r].planned[c] : 0.0);
+    }
+    ms_world_release(world);
+    dataset_close(&data);
+    return failed >= 0 ? 1 : 0;
+}

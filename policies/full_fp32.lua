@@ -1,0 +1,27 @@
+-- full_fp32.lua: every unit gathers, computes and reduces in fp32 (no mixed precision).
+--
+-- The reference for parity checks: with nothing rounded to a narrower dtype, a run on N
+-- ranks differs from the 1-rank run only by the order of fp32 sums (moe_trainer's parity
+-- spec, tests/lua/trainer_spec.lua).  Units as Automodel's defaults make them for a model
+-- with an untied head: each decoder layer (reshard after forward but the last), then
+-- embed_tokens, lm_head and the root, which owns what is left (the final norm and
+-- output_query) and never reshards after forward.
+
+local M = {}
+
+M.fp32 = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
+M.prefetch = { forward = 1, backward = 2 }
+
+function M.parallelize(ctx)
+  local layers = ctx:module("model.layers")
+  local n = #layers.child_order
+  for k, i in ipairs(layers.child_order) do
+    ctx:fully_shard(layers.children[i], { mp_policy = M.fp32, reshard_after_forward = k < n })
+  end
+  for _, name in ipairs({ "model.embed_tokens", "lm_head" }) do
+    if ctx.model:get(name) then ctx:fully_shard(name, { mp_policy = M.fp32 }) end
+  end
+  ctx:fully_shard(ctx.model, { mp_policy = M.fp32 })
+end
+
+return M

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# tests/mpi/run.sh [BUILD_DIR]: the MPI backend end to end, 4 ranks as processes under
+# mpirun (oversubscribed on small machines, allowed as root), checking every rank's output
+# and the job's exit status:
+#   - collectives.lua (every collective x dtype x op on the world and every mesh group) on
+#     2, 3 and 4 ranks, the same check counts as the threads backend; again with tiny MPI
+#     calls (MOONSHARD_MPI_MAX_BYTES=16) so the piecewise and above-INT_MAX paths run;
+#     a 20 MiB all_reduce and reduce_scatter (big.lua) in several pieces
+#   - the same reductions of inexact values bit for bit equal to the threads backend's
+#   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
+#   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
+#   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
+#     that never arrives (timeout) and a killed rank each end the whole job non-zero within
+#     seconds, with the rank-prefixed message
+# Exits 0 only when every check holds.  MPIEXEC overrides the launcher (default mpirun).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+BUILD_DIR=${1:-build}
+BIN=$BUILD_DIR/moonshard
+MPIEXEC=${MPIEXEC:-mpirun}
+# --oversubscribe: more ranks than cores; --allow-run-as-root: CI containers run as root.
+LAUNCH=("$MPIEXEC" --allow-run-as-root --oversubscribe)
+LIMIT=60 # seconds any one job may take before it counts as hung
+
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+passed=0
+failed=0
+
+ok() { echo "ok   - $1"; passed=$((passed + 1)); }
+fail() {
+  echo "FAIL - $1"
+  shift
+  for f in "$@"; do [ -s "$f" ] && sed 's/^/       | /' "$f" | head -40; done
+  failed=$((failed + 1))
+}
+
+# job NAME NP [VAR=VALUE...] -- ARGS...: runs moonshard on NP ranks; sets $code, $ms, $secs and
+# leaves the output in $TMP/NAME.out and $TMP/NAME.err.
+job() {
+  local name=$1 np=$2
+  shift 2
+  local envs=() fwd=()
+  while [ "$1" != -- ]; do
+    envs+=("$1")
+    fwd+=(-x "${1%%=*}")
+    shift
+  done
+  shift
+  local t0
+  t0=$(date +%s%N)
+  env "${envs[@]}" timeout -k 5 "$LIMIT" "${LAUNCH[@]}" "${fwd[@]}" -np "$np" "$BIN" "$@" \
+    >"$TMP/$name.out" 2>"$TMP/$name.err" </dev/null
+  code=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  secs=$((ms / 1000)).$((ms % 1000 / 100))
+}
+
+# has FILE PATTERN (extended regex)
+has() { grep -Eq -- "$2" "$1"; }
+
+# every_rank NAME NP REGEX_WITH_R: each rank r in 0..NP-1 printed the line (R replaced by r).
+every_rank() {
+  local name=$1 np=$2 re=$3
+  for ((r = 0; r < np; r++)); do has "$TMP/$name.out" "${re//R/$r}" || return 1; done
+}
+
+[ -x "$BIN" ] || { echo "FAIL - $BIN is not built"; exit 1; }
+command -v "$MPIEXEC" >/dev/null || { echo "FAIL - no $MPIEXEC"; exit 1; }
+echo "# MPI suite: $BIN under $("$MPIEXEC" --version 2>/dev/null | head -1)"
+
+# ---------------------------------------------------------------- collectives, every rank
+for np in 2 3 4; do
+  "$BIN" -n "$np" tests/lua/scripts/collectives.lua >"$TMP/threads$np.out" 2>&1
+  want=$(grep -Eo '[0-9]+ checks ok' "$TMP/threads$np.out" | head -1)
+  job "coll$np" "$np" -- tests/lua/scripts/collectives.lua
+  if [ "$code" = 0 ] && [ -n "$want" ] && every_rank "coll$np" "$np" "^rank R: $want\$" &&
+    [ "$(grep -c 'checks ok' "$TMP/coll$np.out")" = "$np" ]; then
+    ok "collectives.lua on $np ranks: every rank '$want' (as the threads backend)"
+  else
+    fail "collectives.lua on $np ranks (exit $code, want '$want' per rank)" "$TMP/coll$np.out" "$TMP/coll$np.err"
+  fi
+done
+
+job coll_pieces 4 MOONSHARD_MPI_MAX_BYTES=16 -- tests/lua/scripts/collectives.lua
+if [ "$code" = 0 ] && every_rank coll_pieces 4 "^rank R: $want\$"; then
+  ok "collectives.lua on 4 ranks in 16-byte MPI calls (pieces, strided types): every rank '$want'"
+else
+  fail "collectives.lua in 16-byte MPI calls (exit $code)" "$TMP/coll_pieces.out" "$TMP/coll_pieces.err"
+fi
+
+job big 4 -- tests/mpi/big.lua
+if [ "$code" = 0 ] && every_rank big 4 "^rank R: big ok\$"; then
+  ok "big.lua on 4 ranks: 20 MiB all_reduce f32 and reduce_scatter bf16 in 8 MiB pieces"
+else
+  fail "big.lua on 4 ranks (exit $code)" "$TMP/big.out" "$TMP/big.err"
+fi
+
+# ---------------------------------------------------------------- bit for bit as threads
+"$BIN" -n 4 tests/mpi/same_bits.lua "$TMP/bits_threads" >/dev/null 2>"$TMP/bits_threads.err"
+cat "$TMP"/bits_threads.[0-3] 2>/dev/null | sort >"$TMP/bits_threads.txt"
+nlines=$(wc -l <"$TMP/bits_threads.txt")
+for max in default 16; do
+  envs=()
+  [ "$max" = 16 ] && envs=(MOONSHARD_MPI_MAX_BYTES=16)
+  job "bits$max" 4 "${envs[@]}" -- tests/mpi/same_bits.lua "$TMP/bits_mpi$max"
+  cat "$TMP/bits_mpi$max".[0-3] 2>/dev/null | sort >"$TMP/bits_mpi$max.txt"
+  if [ "$code" = 0 ] && [ "$nlines" -gt 800 ] && cmp -s "$TMP/bits_threads.txt" "$TMP/bits_mpi$max.txt"; then
+    ok "same_bits.lua: $nlines reductions (f32 bf16 f16 fp8 f64; 7 and 3001 elements) bit for bit equal to threads (MPI calls: $max bytes)"
+  else
+    diff "$TMP/bits_threads.txt" "$TMP/bits_mpi$max.txt" >"$TMP/bits$max.diff"
+    fail "same_bits.lua differs from the threads backend (exit $code, MPI calls: $max bytes)" \
+      "$TMP/bits$max.diff" "$TMP/bits$max.err"
+  fi
+done
+
+# ---------------------------------------------------------------- the quickstart, units
+job quickstart 4 -- examples/quickstart.lua
+if [ "$code" = 0 ] && has "$TMP/quickstart.out" "4 ranks .*backend mpi" &&
+  every_rank quickstart 4 "rank R ok: .*54/54 bits exact, grad max diff 0"; then
+  ok "quickstart.lua on 4 ranks: backend mpi, every rank ok, bf16 gather bit-exact"
+else
+  fail "quickstart.lua on 4 ranks (exit $code)" "$TMP/quickstart.out" "$TMP/quickstart.err"
+fi
+
+for mesh in dp_shard=4 dp_replicate=2,dp_shard=2; do
+  job "units_$mesh" 4 -- tests/lua/scripts/units.lua "$mesh"
+  if [ "$code" = 0 ] && every_rank "units_$mesh" 4 "^rank R: units ok"; then
+    ok "units.lua $mesh on 4 ranks (collectives from the communication threads): every rank ok"
+  else
+    fail "units.lua $mesh (exit $code)" "$TMP/units_$mesh.out" "$TMP/units_$mesh.err"
+  fi
+done
+
+# ---------------------------------------------------------------- the backend choice
+who='local ms = require "moonshard"; print(ms.backend(), ms.rank(), ms.world_size())'
+job who 3 -- -e "$who"
+if [ "$code" = 0 ] && every_rank who 3 "^mpi	R	3\$"; then
+  ok "under mpirun: ms.backend() is mpi, ranks 0..2 of 3"
+else
+  fail "backend under mpirun (exit $code)" "$TMP/who.out" "$TMP/who.err"
+fi
+job who_flag 2 -- --backend threads -e "$who"
+if [ "$code" = 0 ] && [ "$(grep -c '^threads	0	1$' "$TMP/who_flag.out")" = 2 ]; then
+  ok "--backend threads under mpirun: each process its own threads world"
+else
+  fail "--backend threads under mpirun (exit $code)" "$TMP/who_flag.out" "$TMP/who_flag.err"
+fi
+job who_env 2 MOONSHARD_BACKEND=threads -- -e "$who"
+if [ "$code" = 0 ] && [ "$(grep -c '^threads	0	1$' "$TMP/who_env.out")" = 2 ]; then
+  ok "MOONSHARD_BACKEND=threads under mpirun: threads"
+else
+  fail "MOONSHARD_BACKEND=threads under mpirun (exit $code)" "$TMP/who_env.out" "$TMP/who_env.err"
+fi
+job n_refused 2 -- -n 2 -e "$who"
+if [ "$code" = 2 ] && has "$TMP/n_refused.err" "-n 2: with the mpi backend each process is one rank"; then
+  ok "-n 2 under mpirun: usage error, exit 2"
+else
+  fail "-n 2 under mpirun (exit $code)" "$TMP/n_refused.out" "$TMP/n_refused.err"
+fi
+timeout "$LIMIT" "$BIN" --backend mpi -e "$who" >"$TMP/single.out" 2>"$TMP/single.err"
+code=$?
+if [ "$code" = 0 ] && has "$TMP/single.out" "^mpi	0	1\$"; then
+  ok "--backend mpi without a launcher: a world of one rank"
+else
+  fail "--backend mpi without a launcher (exit $code)" "$TMP/single.out" "$TMP/single.err"
+fi
+
+# ---------------------------------------------------------------- failures end the job
+group='local ms = require "moonshard"; local g = ms.mesh({{"dp", 4}}):group("dp")'
+quick=10 # seconds within which a failed job must have ended
+
+job error 4 -- -e "$group
+if ms.rank() == 2 then error('boom on purpose') end
+g:all_reduce(ms.tensor({8}))
+print('rank', ms.rank(), 'passed')"
+if [ "$code" != 0 ] && has "$TMP/error.err" "^\[rank 2\] \(command line\):2: boom on purpose" &&
+  has "$TMP/error.err" "^\[rank 2\] stack traceback:" && ! has "$TMP/error.out" passed &&
+  ((ms < quick * 1000)); then
+  ok "a rank's error: '[rank 2] ... boom on purpose', the job aborted (exit $code) in $secs s"
+else
+  fail "a rank's error (exit $code, $secs s)" "$TMP/error.out" "$TMP/error.err"
+fi
+
+job mismatch 4 -- -e "$group
+g:all_reduce(ms.tensor({ms.rank() == 1 and 4 or 8}))"
+if [ "$code" != 0 ] &&
+  has "$TMP/mismatch.err" "^\[rank [0-3]\] .*moonshard mismatch error: all_reduce on group \[0 1 2 3\]: ranks disagree: ranks 0 2 3: 8 x f32 sum; rank 1: 4 x f32 sum" &&
+  ((ms < quick * 1000)); then
+  ok "a mismatch: 'ranks disagree: ranks 0 2 3: 8 x f32 sum; rank 1: 4 x f32 sum', exit $code in $secs s"
+else
+  fail "a mismatch (exit $code, $secs s)" "$TMP/mismatch.out" "$TMP/mismatch.err"
+fi
+
+job finished 4 MOONSHARD_TIMEOUT=60 -- -e "$group
+if ms.rank() ~= 3 then g:barrier() end"
+if [ "$code" != 0 ] && has "$TMP/finished.err" "peer_failed error: barrier on group \[0 1 2 3\]: rank 3 finished its script without joining barrier" &&
+  ((ms < quick * 1000)); then
+  ok "a rank that finishes without joining: peers fail at once ('rank 3 finished its script without joining barrier') in $secs s"
+else
+  fail "a rank that finishes without joining (exit $code, $secs s)" "$TMP/finished.out" "$TMP/finished.err"
+fi
+
+job timeout 4 MOONSHARD_TIMEOUT=2 -- -e "$group
+if ms.rank() == 2 then local t = os.time(); while os.time() - t < 30 do end else g:all_reduce(ms.tensor({8})) end"
+if [ "$code" != 0 ] && has "$TMP/timeout.err" "timeout error: all_reduce on group \[0 1 2 3\] timed out after 2 s" &&
+  ((ms < (2 + quick) * 1000)); then
+  ok "a rank that never arrives: MOONSHARD_TIMEOUT=2 ends the job (exit $code) in $secs s, not 30"
+else
+  fail "a rank that never arrives (exit $code, $secs s)" "$TMP/timeout.out" "$TMP/timeout.err"
+fi
+
+job killed 4 -- -e "$group
+if ms.rank() == 1 then os.execute('kill -9 \$PPID') end
+g:barrier()"
+if [ "$code" != 0 ] && has "$TMP/killed.err" "rank 1 .*(signal 9|Killed)" && ((ms < quick * 1000)); then
+  ok "a killed rank (SIGKILL): the launcher ends the job (exit $code) in $secs s"
+else
+  fail "a killed rank (exit $code, $secs s)" "$TMP/killed.out" "$TMP/killed.err"
+fi
+
+echo "# MPI suite: $passed passed, $failed failed"
+[ "$failed" = 0 ]
