@@ -94,6 +94,7 @@ static struct {
     int level;            /* the thread level MPI provided */
     int rank, size;       /* in MPI_COMM_WORLD */
     int64_t max_bytes;    /* most bytes per peer in one MPI call (INT_MAX; lower in tests) */
+    atomic_bool failing;  /* a peer waits in a collective this rank left without joining */
 } mpi = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* Serialises MPI calls when the library is not MPI_THREAD_MULTIPLE. */
@@ -105,10 +106,14 @@ static void mpi_unlock(void) {
     if (mpi.level < MPI_THREAD_MULTIPLE) pthread_mutex_unlock(&mpi_mu);
 }
 
+/* MPI_Finalize waits for every rank.  When this rank finished while a peer waited for it in
+ * a collective (the peer fails, and its launcher then ends the job), the wait would race the
+ * job's teardown, which OpenMPI 4.1's mpirun does not survive (it crashes or hangs in
+ * PMIx_server_finalize): the process then leaves without it, as a failed rank would. */
 static void finalize_at_exit(void) {
     int done = 0;
     MPI_Finalized(&done);
-    if (!done) MPI_Finalize();
+    if (!done && !atomic_load(&mpi.failing)) MPI_Finalize();
 }
 
 /* "MPI_Alltoallv: MPI_ERR_TRUNCATE: message truncated" */
@@ -821,6 +826,9 @@ static void finish_world(ms_group *g) {
     wait_until(posted, reqs, now_s() + w->timeout_s, &done);
     if (!done) /* a peer is still running: its exchanges keep our buffers */
         for (int i = 0; i < posted; i++) owners[i]->pending = true;
+    for (int i = 0; done && i < posted; i++)
+        for (int j = 0; j < owners[i]->n; j++)
+            if (owners[i]->descs[j].kind != FINISHED) atomic_store(&mpi.failing, true);
     free(reqs);
     free(owners);
 }
