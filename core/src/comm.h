@@ -139,4 +139,12 @@ ms_status ms__async_wait(ms_ticket *t);
  * a reference to w through its caller).  Called when the world is freed. */
 void ms__async_world_stop(ms_world *w);
 
+/* reduce.c: dsts[d][i] = srcs[0][i] op ... op srcs[n-1][i] for i < count and each of the ndst
+ * destinations, in rank order, accumulated in f32 for 8- and 16-bit floats (f64 for f64)
+ * and rounded once; avg divides by n before rounding.  A destination may be one of the
+ * sources (each block is read from every source before any destination is written). */
+enum { MS_REDUCE_BLOCK = 2048 }; /* elements per block: the accumulator stays in L1 */
+void ms__reduce(ms_dtype dtype, ms_op op, int n, const void *const *srcs, void *const *dsts, int ndst,
+                int64_t count);
+
 #endif /* MS_COMM_H */

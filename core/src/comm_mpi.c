@@ -451,126 +451,6 @@ static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
     return agree(c, mg);
 }
 
-/* ---------------------------------------------------------------- reduction kernels
- *
- * The kernels and the block loop of comm_threads.c, unchanged: the two backends must round
- * identically, so a change to one belongs in the other. */
-
-enum { MS_BLOCK = 2048 }; /* elements reduced per block: the accumulator stays in L1 */
-
-typedef struct kernels {
-    void (*first)(void *out, const void *x, const void *y, int64_t m, ms_op op);
-    void (*next)(void *acc, const void *x, int64_t m, ms_op op);
-} kernels;
-
-#define MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
-    switch (op) {                                                                              \
-    case MS_OP_SUM:                                                                            \
-    case MS_OP_AVG:                                                                            \
-        for (int64_t i = 0; i < m; i++) out[i] = (T)((UT)x[i] + (UT)y[i]);                     \
-        break;                                                                                 \
-    case MS_OP_MAX:                                                                            \
-        for (int64_t i = 0; i < m; i++) out[i] = y[i] > x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
-        break;                                                                                 \
-    case MS_OP_MIN:                                                                            \
-        for (int64_t i = 0; i < m; i++) out[i] = y[i] < x[i] || IS_NAN(y[i]) ? y[i] : x[i];    \
-        break;                                                                                 \
-    }
-#define MS_FLOAT_NAN(v) ((v) != (v))
-#define MS_INT_NAN(v) 0
-
-#define MS_KERNELS(name, T, UT, IS_NAN, ATTR)                                                  \
-    ATTR static void name##_first(void *out_, const void *x_, const void *y_, int64_t m, ms_op op) { \
-        T *restrict out = out_;                                                                \
-        const T *restrict x = x_, *restrict y = y_;                                            \
-        MS_OP_LOOPS(T, UT, IS_NAN, out, x, y)                                                  \
-    }                                                                                          \
-    ATTR static void name##_next(void *acc_, const void *x_, int64_t m, ms_op op) {            \
-        T *restrict acc = acc_;                                                                \
-        const T *restrict x = x_;                                                              \
-        MS_OP_LOOPS(T, UT, IS_NAN, acc, acc, x)                                                \
-    }
-
-#define MS_KERNEL_SET(SUFFIX, ATTR)                                                            \
-    MS_KERNELS(kf32##SUFFIX, float, float, MS_FLOAT_NAN, ATTR)                                 \
-    MS_KERNELS(kf64##SUFFIX, double, double, MS_FLOAT_NAN, ATTR)                               \
-    MS_KERNELS(ki64##SUFFIX, int64_t, uint64_t, MS_INT_NAN, ATTR)                              \
-    MS_KERNELS(ki32##SUFFIX, int32_t, uint32_t, MS_INT_NAN, ATTR)                              \
-    MS_KERNELS(ki8##SUFFIX, int8_t, uint8_t, MS_INT_NAN, ATTR)                                 \
-    MS_KERNELS(ku8##SUFFIX, uint8_t, uint8_t, MS_INT_NAN, ATTR)                                \
-    static const kernels kernels##SUFFIX[MS_DTYPE_COUNT] = {                                   \
-        [MS_F32] = {kf32##SUFFIX##_first, kf32##SUFFIX##_next},                                \
-        [MS_F64] = {kf64##SUFFIX##_first, kf64##SUFFIX##_next},                                \
-        [MS_I64] = {ki64##SUFFIX##_first, ki64##SUFFIX##_next},                                \
-        [MS_I32] = {ki32##SUFFIX##_first, ki32##SUFFIX##_next},                                \
-        [MS_I8] = {ki8##SUFFIX##_first, ki8##SUFFIX##_next},                                   \
-        [MS_U8] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next},                                   \
-        [MS_BOOL] = {ku8##SUFFIX##_first, ku8##SUFFIX##_next}};
-
-MS_KERNEL_SET(_portable, )
-#if defined(__x86_64__) && defined(__GNUC__)
-MS_KERNEL_SET(_avx2, __attribute__((target("avx2"))))
-#endif
-
-static const kernels *kernels_for(ms_dtype at) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) return &kernels_avx2[at];
-#endif
-    return &kernels_portable[at];
-}
-
-static ms_dtype acc_dtype(ms_dtype d) {
-    switch (d) {
-    case MS_F16:
-    case MS_BF16:
-    case MS_F8E4M3:
-    case MS_F8E5M2: return MS_F32;
-    default: return d;
-    }
-}
-
-static void divide(ms_dtype at, void *acc, int64_t m, int n) {
-    if (at == MS_F64) {
-        double *a = acc;
-        for (int64_t i = 0; i < m; i++) a[i] /= (double)n;
-    } else {
-        float *a = acc;
-        for (int64_t i = 0; i < m; i++) a[i] /= (float)n;
-    }
-}
-
-static const void *widen(void *buf, ms_dtype at, const void *x, ms_dtype dtype, int64_t m) {
-    if (at == dtype) return x;
-    ms__cast_contig(buf, at, x, dtype, m);
-    return buf;
-}
-
-/* dst[i] = srcs[0][i] op ... op srcs[n-1][i] for i < count.  dst may be one of the
- * sources (each block is read from every source before dst is written). */
-static void reduce(ms_dtype dtype, ms_op op, int n, const void *const *srcs, void *dst, int64_t count) {
-    const ms_dtype at = acc_dtype(dtype);
-    const kernels *k = kernels_for(at);
-    const size_t es = (size_t)ms_dtype_size(dtype), as = (size_t)ms_dtype_size(at);
-    bool direct = at == dtype;
-    for (int j = 0; j < n; j++) direct &= srcs[j] != dst;
-    _Alignas(64) unsigned char acc[MS_BLOCK * sizeof(double)];   /* (m) of at, unless direct */
-    _Alignas(64) unsigned char wide[2][MS_BLOCK * sizeof(float)]; /* (2, m) f32 from narrow floats */
-    for (int64_t off = 0; off < count; off += MS_BLOCK) {
-        const int64_t m = count - off < MS_BLOCK ? count - off : MS_BLOCK;
-        const size_t boff = (size_t)off * es;
-        char *d0 = (char *)dst + boff;
-        void *a = direct ? (void *)d0 : (void *)acc;
-        const void *x = widen(wide[0], at, (const char *)srcs[0] + boff, dtype, m);
-        if (n == 1) memcpy(a, x, (size_t)m * as);
-        else k->first(a, x, widen(wide[1], at, (const char *)srcs[1] + boff, dtype, m), m, op);
-        for (int j = 2; j < n; j++) k->next(a, widen(wide[1], at, (const char *)srcs[j] + boff, dtype, m), m, op);
-        if (op == MS_OP_AVG) divide(at, a, m, n);
-        if (direct) continue;
-        if (at == dtype) memcpy(d0, acc, (size_t)m * es);
-        else ms__cast_contig(d0, dtype, acc, at, m);
-    }
-}
-
 /* ---------------------------------------------------------------- data movement */
 
 /* Staging of at least `bytes`, kept by the group for its next calls. */
@@ -700,7 +580,7 @@ static ms_status do_reduce_scatter(ms_comm *c, mgroup *mg, const ms_coll *call) 
         }
         for (int j = 0; j < n; j++) mg->srcs[j] = tmp + j * lb;
         if (displaced) mg->srcs[r] = send + r * B + off * es;
-        reduce(call->dtype, call->op, n, mg->srcs, out + off * es, len);
+        ms__reduce(call->dtype, call->op, n, mg->srcs, (void *const[]){out + off * es}, 1, len);
     }
     if (piece_type != MPI_DATATYPE_NULL) MPI_Type_free(&piece_type);
     return MS_OK;
@@ -727,7 +607,7 @@ static ms_status do_all_reduce(ms_comm *c, mgroup *mg, const ms_coll *call) {
         if ((st = staging(c, kind, mg, (size_t)(n * T), &tmp))) return st;
         TRY("MPI_Allgather", MPI_Allgather(buf, (int)T, MPI_BYTE, tmp, (int)T, MPI_BYTE, mg->comm));
         for (int j = 0; j < n; j++) mg->srcs[j] = tmp + j * T;
-        reduce(call->dtype, call->op, n, mg->srcs, buf, count);
+        ms__reduce(call->dtype, call->op, n, mg->srcs, (void *const[]){buf}, 1, count);
         return MS_OK;
     }
     int64_t piece = PIECE_BYTES / es; /* elements per piece */
@@ -752,7 +632,7 @@ static ms_status do_all_reduce(ms_comm *c, mgroup *mg, const ms_coll *call) {
         }
         TRY("MPI_Alltoallv", MPI_Alltoallv(p, mg->sc, mg->sd, MPI_BYTE, tmp, mg->rc, mg->rd, MPI_BYTE, mg->comm));
         for (int j = 0; j < n; j++) mg->srcs[j] = j == r ? p + off_r * es : tmp + j * len_r * es;
-        reduce(call->dtype, call->op, n, mg->srcs, p + off_r * es, len_r);
+        ms__reduce(call->dtype, call->op, n, mg->srcs, (void *const[]){p + off_r * es}, 1, len_r);
         for (int j = 0; j < n; j++) { /* every rank's chunk, its count and place in the piece */
             int64_t off_j, len_j;
             all_reduce_chunk(plen, n, j, &off_j, &len_j);
