@@ -29,8 +29,13 @@ function S.run(args, env)
   local t0 = os.time()
   local ok, how, code = os.execute("env " .. cmd)
   local r = { out = slurp(out), err = slurp(err), seconds = os.time() - t0 }
-  r.code = (how == "exit") and code or 128 + (code or 0)
-  if ok == true then r.code = 0 end
+  if type(ok) == "number" then
+    -- Lua 5.1 / LuaJIT without 5.2 compatibility: the raw wait status
+    r.code = ok % 256 == 0 and math.floor(ok / 256) or 128 + ok % 128
+  else
+    r.code = (how == "exit") and code or 128 + (code or 0)
+    if ok == true then r.code = 0 end
+  end
   return r
 end
 
