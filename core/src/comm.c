@@ -12,9 +12,11 @@
 #include "comm.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---------------------------------------------------------------- names for messages */
 
@@ -45,6 +47,72 @@ const char *ms__group_str(char *buf, size_t cap, int n, const int *world_ranks) 
         len += (size_t)snprintf(buf + len, cap - len, i ? " %d" : "%d", world_ranks[i]);
     if (len < cap) snprintf(buf + len, cap - len, "]");
     return buf;
+}
+
+/* ---------------------------------------------------------------- messages and agreement */
+
+void ms__msg_add(ms_msg *m, const char *fmt, ...) {
+    if (m->len >= sizeof m->s) return;
+    va_list ap;
+    va_start(ap, fmt);
+    m->len += (size_t)vsnprintf(m->s + m->len, sizeof m->s - m->len, fmt, ap);
+    va_end(ap);
+}
+
+void ms__msg_where(ms_msg *m, const ms_comm *c, ms_coll_kind kind) {
+    char group[256];
+    ms__msg_add(m, "%s on group %s", ms__coll_name(kind),
+                ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
+}
+
+double ms__now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static bool same_call(const ms_coll *a, const ms_coll *b) {
+    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
+           a->count == b->count;
+}
+
+ms_status ms__calls_agree(const ms_comm *c, const ms_coll *calls, size_t stride) {
+    const ms_group *g = c->group;
+#define CALL(i) ((const ms_coll *)((const char *)calls + (size_t)(i) * stride))
+    bool same = true, same_kind = true;
+    for (int j = 1; j < g->n; j++) {
+        same &= same_call(CALL(j), CALL(0));
+        same_kind &= CALL(j)->kind == CALL(0)->kind;
+    }
+    if (same) return MS_OK;
+    ms_msg m = {0};
+    char group[256], args[160];
+    if (same_kind) {
+        ms__msg_where(&m, c, CALL(0)->kind);
+        ms__msg_add(&m, ": ranks disagree: ");
+    } else {
+        ms__msg_add(&m, "collectives on group %s: ranks disagree on the collective: ",
+                    ms__group_str(group, sizeof group, g->n, g->world_ranks));
+    }
+    bool first = true;
+    for (int j = 0; j < g->n; j++) {
+        bool seen = false;
+        for (int i = 0; i < j && !seen; i++) seen = same_call(CALL(i), CALL(j));
+        if (seen) continue;
+        int count = 0;
+        for (int i = j; i < g->n; i++) count += same_call(CALL(i), CALL(j));
+        ms__msg_add(&m, "%s%s", first ? "" : "; ", count > 1 ? "ranks" : "rank");
+        for (int i = j; i < g->n; i++)
+            if (same_call(CALL(i), CALL(j))) ms__msg_add(&m, " %d", g->world_ranks[i]);
+        ms__coll_str(args, sizeof args, CALL(j));
+        if (same_kind)
+            ms__msg_add(&m, ": %s", args);
+        else
+            ms__msg_add(&m, ": %s%s%s", ms__coll_name(CALL(j)->kind), *args ? " " : "", args);
+        first = false;
+    }
+#undef CALL
+    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
 }
 
 static const char *const device_name[] = {[MS_DEVICE_CPU] = "cpu", [MS_DEVICE_META] = "meta",

@@ -139,6 +139,22 @@ ms_status ms__async_wait(ms_ticket *t);
  * a reference to w through its caller).  Called when the world is freed. */
 void ms__async_world_stop(ms_world *w);
 
+/* Messages built piece by piece (cut at 1 KiB), shared by the backends. */
+typedef struct ms_msg {
+    char s[1024];
+    size_t len;
+} ms_msg;
+void ms__msg_add(ms_msg *m, const char *fmt, ...) MS_PRINTF(2, 3);
+/* "all_reduce on group [0 1 2 3]" */
+void ms__msg_where(ms_msg *m, const ms_comm *c, ms_coll_kind kind);
+/* Seconds on the monotonic clock. */
+double ms__now_s(void);
+/* MS_OK when the group's calls (calls[i] is group rank i's, `stride` bytes apart) agree;
+ * else MS_ERR_MISMATCH with a message built from the calls alone, so every rank returns the
+ * same one: each distinct call with the ranks that made it, e.g. "all_reduce on group
+ * [0 1 2 3]: ranks disagree: ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum". */
+ms_status ms__calls_agree(const ms_comm *c, const ms_coll *calls, size_t stride);
+
 /* reduce.c: dsts[d][i] = srcs[0][i] op ... op srcs[n-1][i] for i < count and each of the ndst
  * destinations, in rank order, accumulated in f32 for 8- and 16-bit floats (f64 for f64)
  * and rounded once; avg divides by n before rounding.  A destination may be one of the

@@ -72,7 +72,6 @@ ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
 
 #include <limits.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <time.h>
 
@@ -190,6 +189,7 @@ typedef struct mgroup {
     bool pending;         /* an exchange never completed (timeout): comm and descs stay in use */
     desc mine;            /* (1) what this rank sends in the exchange */
     desc *descs;          /* (n) what every rank sent */
+    ms_coll *calls;       /* (n) the descriptors as calls, for the agreement message */
     int *sc, *sd, *rc, *rd; /* (n) counts and displacements for the v-collectives, bytes */
     const void **srcs;    /* (n) reduction sources */
     void *tmp;            /* (tmp_cap bytes) staging of the reductions, grown on demand */
@@ -199,6 +199,7 @@ typedef struct mgroup {
 static void mgroup_free(mgroup *m) {
     if (m->pending) return; /* MPI may still write into it */
     free(m->descs);
+    free(m->calls);
     free(m->sc);
     free(m->sd);
     free(m->rc);
@@ -226,12 +227,13 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
     for (int i = 0; i < g->n; i++)
         if (g->world_ranks[i] == mpi.rank) m->rank = i;
     m->descs = calloc((size_t)g->n, sizeof *m->descs);
+    m->calls = calloc((size_t)g->n, sizeof *m->calls);
     m->sc = calloc((size_t)g->n, sizeof(int));
     m->sd = calloc((size_t)g->n, sizeof(int));
     m->rc = calloc((size_t)g->n, sizeof(int));
     m->rd = calloc((size_t)g->n, sizeof(int));
     m->srcs = calloc((size_t)g->n, sizeof *m->srcs);
-    if (!m->descs || !m->sc || !m->sd || !m->rc || !m->rd || !m->srcs) {
+    if (!m->descs || !m->calls || !m->sc || !m->sd || !m->rc || !m->rd || !m->srcs) {
         mgroup_free(m);
         return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for group %s", list);
     }
@@ -285,12 +287,6 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
 
 /* ---------------------------------------------------------------- waiting */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Polls the requests until all complete (MPI_SUCCESS, *done = true) or `deadline` passes
  * (*done = false): busy at first, then yielding, then sleeping up to MAX_SLEEP_US between
  * polls, so a rank waiting long for a late peer leaves the CPU to others. */
@@ -303,7 +299,7 @@ static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done)
         mpi_unlock();
         if (rc != MPI_SUCCESS || flag) break;
         if (i < SPIN_TESTS) continue;
-        if ((i & 63) == 0 && now_s() >= deadline) break;
+        if ((i & 63) == 0 && ms__now_s() >= deadline) break;
         if (i < SPIN_TESTS + YIELD_TESTS) {
             sched_yield();
         } else {
@@ -318,32 +314,11 @@ static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done)
 
 /* ---------------------------------------------------------------- messages */
 
-typedef struct msg {
-    char s[1024];
-    size_t len;
-} msg;
-
-static void msg_add(msg *m, const char *fmt, ...) MS_PRINTF(2, 3);
-static void msg_add(msg *m, const char *fmt, ...) {
-    if (m->len >= sizeof m->s) return;
-    va_list ap;
-    va_start(ap, fmt);
-    m->len += (size_t)vsnprintf(m->s + m->len, sizeof m->s - m->len, fmt, ap);
-    va_end(ap);
-}
-
-/* "all_reduce on group [0 1 2 3]" */
-static void msg_where(msg *m, const ms_comm *c, ms_coll_kind kind) {
-    char group[256];
-    msg_add(m, "%s on group %s", ms__coll_name(kind),
-            ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
-}
-
 /* A failed MPI call inside a collective. */
 static ms_status mpi_fail(const ms_comm *c, ms_coll_kind kind, const char *fn, int rc) {
-    msg m = {0};
+    ms_msg m = {0};
     char e[MPI_MAX_ERROR_STRING + 64];
-    msg_where(&m, c, kind);
+    ms__msg_where(&m, c, kind);
     return ms__fail(MS_ERR_PEER, "%s: %s", m.s, mpi_error_str(e, sizeof e, fn, rc));
 }
 
@@ -359,73 +334,34 @@ static ms_coll coll_of(const desc *d) {
                      .root = d->root, .count = d->count};
 }
 
-static bool same_desc(const desc *a, const desc *b) {
-    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
-           a->count == b->count;
-}
-
 /* MS_OK when all n descriptors agree.  Otherwise every rank returns the same status and
  * message, built from the descriptors alone: MS_ERR_PEER naming the ranks that finished
- * without joining, else MS_ERR_MISMATCH with each distinct call and the ranks that made
- * it, worded as the threads backend words it. */
+ * without joining, else the MS_ERR_MISMATCH of ms__calls_agree (as the threads backend). */
 static ms_status agree(const ms_comm *c, const mgroup *mg) {
     const ms_group *g = c->group;
     const desc *s = mg->descs;
-    bool same = true, same_kind = true;
     int first_call = -1;
+    bool any_finished = false;
     for (int j = 0; j < g->n; j++) {
-        same &= same_desc(&s[j], &s[0]);
-        if (s[j].kind == FINISHED) continue;
-        if (first_call < 0) first_call = j;
-        same_kind &= s[j].kind == s[first_call].kind;
+        if (s[j].kind == FINISHED) any_finished = true;
+        else if (first_call < 0) first_call = j;
     }
-    if (same) return MS_OK;
-
-    msg m = {0};
-    char group[256], args[160];
-    if (first_call >= 0 && s[first_call].kind != FINISHED) {
-        bool any_finished = false;
-        for (int j = 0; j < g->n; j++) any_finished |= s[j].kind == FINISHED;
-        if (any_finished) {
-            const char *name = ms__coll_name((ms_coll_kind)s[first_call].kind);
-            msg_where(&m, c, (ms_coll_kind)s[first_call].kind);
-            msg_add(&m, ": ");
-            bool first = true;
-            for (int j = 0; j < g->n; j++)
-                if (s[j].kind == FINISHED) {
-                    msg_add(&m, "%srank %d finished its script without joining %s", first ? "" : "; ",
+    if (any_finished && first_call >= 0) {
+        ms_msg m = {0};
+        const char *name = ms__coll_name((ms_coll_kind)s[first_call].kind);
+        ms__msg_where(&m, c, (ms_coll_kind)s[first_call].kind);
+        ms__msg_add(&m, ": ");
+        bool first = true;
+        for (int j = 0; j < g->n; j++)
+            if (s[j].kind == FINISHED) {
+                ms__msg_add(&m, "%srank %d finished its script without joining %s", first ? "" : "; ",
                             g->world_ranks[j], name);
-                    first = false;
-                }
-            return ms__fail(MS_ERR_PEER, "%s", m.s);
-        }
+                first = false;
+            }
+        return ms__fail(MS_ERR_PEER, "%s", m.s);
     }
-    if (same_kind) {
-        msg_where(&m, c, (ms_coll_kind)s[0].kind);
-        msg_add(&m, ": ranks disagree: ");
-    } else {
-        msg_add(&m, "collectives on group %s: ranks disagree on the collective: ",
-                ms__group_str(group, sizeof group, g->n, g->world_ranks));
-    }
-    bool first = true;
-    for (int j = 0; j < g->n; j++) {
-        bool seen = false;
-        for (int i = 0; i < j && !seen; i++) seen = same_desc(&s[i], &s[j]);
-        if (seen) continue;
-        int count = 0;
-        for (int i = j; i < g->n; i++) count += same_desc(&s[i], &s[j]);
-        msg_add(&m, "%s%s", first ? "" : "; ", count > 1 ? "ranks" : "rank");
-        for (int i = j; i < g->n; i++)
-            if (same_desc(&s[i], &s[j])) msg_add(&m, " %d", g->world_ranks[i]);
-        ms_coll call = coll_of(&s[j]);
-        ms__coll_str(args, sizeof args, &call);
-        if (same_kind)
-            msg_add(&m, ": %s", args);
-        else
-            msg_add(&m, ": %s%s%s", ms__coll_name(call.kind), *args ? " " : "", args);
-        first = false;
-    }
-    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
+    for (int j = 0; j < g->n; j++) mg->calls[j] = coll_of(&s[j]);
+    return ms__calls_agree(c, mg->calls, sizeof mg->calls[0]);
 }
 
 /* Exchanges this rank's descriptor with the group and checks that all agree. */
@@ -439,12 +375,12 @@ static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
     mpi_unlock();
     if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
     bool done;
-    rc = wait_until(1, &req, now_s() + w->timeout_s, &done);
+    rc = wait_until(1, &req, ms__now_s() + w->timeout_s, &done);
     if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
     if (!done) {
         mg->pending = true;
-        msg m = {0};
-        msg_where(&m, c, call->kind);
+        ms_msg m = {0};
+        ms__msg_where(&m, c, call->kind);
         return ms__fail(MS_ERR_TIMEOUT, "%s timed out after %g s: not every rank of the group arrived (%s)", m.s,
                         w->timeout_s, w->timeout_origin);
     }
@@ -458,8 +394,8 @@ static ms_status staging(const ms_comm *c, ms_coll_kind kind, mgroup *mg, size_t
     if (bytes > mg->tmp_cap) {
         void *p = malloc(bytes);
         if (!p) {
-            msg m = {0};
-            msg_where(&m, c, kind);
+            ms_msg m = {0};
+            ms__msg_where(&m, c, kind);
             return ms__fail(MS_ERR_OOM, "%s: out of memory for %zu bytes of staging", m.s, bytes);
         }
         free(mg->tmp);
@@ -703,7 +639,7 @@ static void finish_world(ms_group *g) {
     }
     mpi_unlock();
     bool done = false;
-    wait_until(posted, reqs, now_s() + w->timeout_s, &done);
+    wait_until(posted, reqs, ms__now_s() + w->timeout_s, &done);
     if (!done) /* a peer is still running: its exchanges keep our buffers */
         for (int i = 0; i < posted; i++) owners[i]->pending = true;
     for (int i = 0; done && i < posted; i++)

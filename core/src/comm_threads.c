@@ -30,7 +30,6 @@
 #include "comm.h"
 
 #include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,36 +118,7 @@ static ms_status threads_group_init(ms_world *w, ms_group *g) {
     return MS_OK;
 }
 
-/* ---------------------------------------------------------------- messages */
-
-typedef struct msg {
-    char s[1024];
-    size_t len;
-} msg;
-
-static void msg_add(msg *m, const char *fmt, ...) MS_PRINTF(2, 3);
-static void msg_add(msg *m, const char *fmt, ...) {
-    if (m->len >= sizeof m->s) return;
-    va_list ap;
-    va_start(ap, fmt);
-    m->len += (size_t)vsnprintf(m->s + m->len, sizeof m->s - m->len, fmt, ap);
-    va_end(ap);
-}
-
-/* "all_reduce on group [0 1 2 3]" */
-static void msg_where(msg *m, const ms_comm *c, ms_coll_kind kind) {
-    char group[256];
-    msg_add(m, "%s on group %s", ms__coll_name(kind),
-            ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
-}
-
 /* ---------------------------------------------------------------- waiting */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -206,26 +176,26 @@ static ms_status poisoned_error(tgroup *t) {
 static void try_poison(const ms_comm *c, tgroup *t, const ms_coll *call, long long k, bool timed_out) {
     const ms_world *w = c->world;
     const ms_group *g = c->group;
-    msg m = {0}, missing = {0}, done = {0};
+    ms_msg m = {0}, missing = {0}, done = {0};
     int nmissing = 0;
     for (int j = 0; j < g->n; j++) {
         if (atomic_load(&t->slots[j].arrivals) > k) continue;
         int wr = g->world_ranks[j];
         nmissing++;
-        msg_add(&missing, " %d", wr);
+        ms__msg_add(&missing, " %d", wr);
         int state = atomic_load(&w->rank_state[wr]);
         if (state == MS_RANK_FINISHED)
-            msg_add(&done, "%srank %d finished its script without joining %s", done.len ? "; " : "", wr,
+            ms__msg_add(&done, "%srank %d finished its script without joining %s", done.len ? "; " : "", wr,
                     ms__coll_name(call->kind));
         else if (state == MS_RANK_FAILED)
-            msg_add(&done, "%srank %d failed", done.len ? "; " : "", wr);
+            ms__msg_add(&done, "%srank %d failed", done.len ? "; " : "", wr);
     }
-    msg_where(&m, c, call->kind);
+    ms__msg_where(&m, c, call->kind);
     if (done.len) {
-        msg_add(&m, ": %s", done.s);
+        ms__msg_add(&m, ": %s", done.s);
         t->poison_status = MS_ERR_PEER;
     } else if (timed_out) {
-        msg_add(&m, " timed out after %g s: rank%s%s did not arrive (%s)", w->timeout_s, nmissing > 1 ? "s" : "",
+        ms__msg_add(&m, " timed out after %g s: rank%s%s did not arrive (%s)", w->timeout_s, nmissing > 1 ? "s" : "",
                 missing.s, w->timeout_origin);
         t->poison_status = MS_ERR_TIMEOUT;
     } else {
@@ -241,7 +211,7 @@ static void try_poison(const ms_comm *c, tgroup *t, const ms_coll *call, long lo
 static ms_status arrive(ms_comm *c, tgroup *t, const ms_coll *call, long long k) {
     slot *me = &t->slots[c->rank];
     const long long target = (long long)c->group->n * (k + 1);
-    const double deadline = now_s() + c->world->timeout_s;
+    const double deadline = ms__now_s() + c->world->timeout_s;
 
     me->call = *call;
     atomic_store(&me->arrivals, k + 1);
@@ -254,7 +224,7 @@ static ms_status arrive(ms_comm *c, tgroup *t, const ms_coll *call, long long k)
     if (!spin_until(t, &t->arrived, target)) {
         pthread_mutex_lock(&t->lock);
         while (atomic_load(&t->arrived) < target) {
-            double now = now_s(), slice = now + MS_SLICE_MS * 1e-3;
+            double now = ms__now_s(), slice = now + MS_SLICE_MS * 1e-3;
             try_poison(c, t, call, k, now >= deadline);
             sleep_until(t, &t->arrived, target, slice < deadline ? slice : deadline);
         }
@@ -271,57 +241,15 @@ static void depart(ms_comm *c, tgroup *t, long long k) {
     wake_sleepers(t);
     if (spin_until(t, &t->departed, target)) return;
     pthread_mutex_lock(&t->lock);
-    while (atomic_load(&t->departed) < target) sleep_until(t, &t->departed, target, now_s() + MS_SLICE_MS * 1e-3);
+    while (atomic_load(&t->departed) < target) sleep_until(t, &t->departed, target, ms__now_s() + MS_SLICE_MS * 1e-3);
     pthread_mutex_unlock(&t->lock);
 }
 
 /* ---------------------------------------------------------------- agreement */
 
-static bool same_call(const ms_coll *a, const ms_coll *b) {
-    return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
-           a->count == b->count;
-}
-
-/* MS_ERR_MISMATCH unless all posted calls agree.  The message depends only on the posted
- * calls, so every rank returns the same one: each distinct call with the ranks that posted
- * it, e.g. "ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum". */
+/* MS_ERR_MISMATCH unless all posted calls agree (the same message on every rank). */
 static ms_status agree(const ms_comm *c, const tgroup *t) {
-    const ms_group *g = c->group;
-    const slot *s = t->slots;
-    bool same = true, same_kind = true;
-    for (int j = 1; j < g->n; j++) {
-        same &= same_call(&s[j].call, &s[0].call);
-        same_kind &= s[j].call.kind == s[0].call.kind;
-    }
-    if (same) return MS_OK;
-
-    msg m = {0};
-    char group[256], args[160];
-    if (same_kind) {
-        msg_where(&m, c, s[0].call.kind);
-        msg_add(&m, ": ranks disagree: ");
-    } else {
-        msg_add(&m, "collectives on group %s: ranks disagree on the collective: ",
-                ms__group_str(group, sizeof group, g->n, g->world_ranks));
-    }
-    bool first = true;
-    for (int j = 0; j < g->n; j++) {
-        bool seen = false;
-        for (int i = 0; i < j && !seen; i++) seen = same_call(&s[i].call, &s[j].call);
-        if (seen) continue;
-        int count = 0;
-        for (int i = j; i < g->n; i++) count += same_call(&s[i].call, &s[j].call);
-        msg_add(&m, "%s%s", first ? "" : "; ", count > 1 ? "ranks" : "rank");
-        for (int i = j; i < g->n; i++)
-            if (same_call(&s[i].call, &s[j].call)) msg_add(&m, " %d", g->world_ranks[i]);
-        ms__coll_str(args, sizeof args, &s[j].call);
-        if (same_kind)
-            msg_add(&m, ": %s", args);
-        else
-            msg_add(&m, ": %s%s%s", ms__coll_name(s[j].call.kind), *args ? " " : "", args);
-        first = false;
-    }
-    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
+    return ms__calls_agree(c, &t->slots[0].call, sizeof t->slots[0]);
 }
 
 /* ---------------------------------------------------------------- data movement */
