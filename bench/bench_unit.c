@@ -11,6 +11,15 @@
  * The hand-written reference runs the same collectives synchronously on the rank's thread
  * over buffers allocated once: all_gather from the shard into the (W, S) buffer, the kernel
  * on it, reduce_scatter (avg) of the gradient and its accumulation into the gradient shard.
+ * That is all a trainer written by hand for one flat parameter per unit does: it gathers
+ * straight into the buffer the kernel reads and reduces straight from the buffer the kernel
+ * writes, with no copy and no zeroing (the kernel overwrites the gradient).  The units run
+ * the same collectives in the same dtype (f32 throughout: no casts on either side); a unit
+ * of one dim-0 parameter works in place, so they copy no more either; on top they do what
+ * their API promises (the unsharded gradient handed out zeroed, state checks, the
+ * collectives handed to the communication thread, buffers from the rank's cache).  Their
+ * reduce_grads is asynchronous and waited for at the end of the step, so even with prefetch
+ * off it overlaps the next unit's backward kernel: the ratio may exceed 1.
  *   ratio   t_hand / t_units per trial (below 1: the units' overhead; above: overlap wins)
  *   hidden  1 - exposed_on / exposed_off, exposed = t_step - t_compute, t_compute the
  *           kernels of one step alone: the share of communication time prefetch hides

@@ -66,8 +66,8 @@ for k = 1, #want do max_diff = math.max(max_diff, math.abs(got[k] - want[k])) en
 -- 4. The report: rank 0 describes the step, then each rank says how it went, in order.
 local function bus_bytes(kind, buffer_bytes, n)
   -- nccl-tests bus bytes: what one rank moves
-  if kind == "all_reduce" then return 2 * buffer_bytes * (n - 1) // n end
-  return buffer_bytes * (n - 1) // n
+  if kind == "all_reduce" then return math.floor(2 * buffer_bytes * (n - 1) / n) end
+  return math.floor(buffer_bytes * (n - 1) / n)
 end
 
 local world_group = ms.mesh({ { "world", world } }):group("world")

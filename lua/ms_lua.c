@@ -17,10 +17,6 @@
 #include <lua.h>
 #include <lualib.h>
 
-#include <dlfcn.h>
-#include <limits.h>
-#include <unistd.h>
-
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -215,7 +211,7 @@ static int l_from_table(lua_State *L) {
     /* Integers travel as int64 so that values above 2^53 stay exact; floats as f64. */
     bool as_int = !ms_dtype_is_float(dt);
     void *stage = malloc((size_t)(n ? n : 1) * 8);
-    if (!stage) return luaL_error(L, "moonshard out_of_memory error: from_table: %lld values", (long long)n);
+    if (!stage) return luaL_error(L, "moonshard out_of_memory error: from_table: %I values", (lua_Integer)n);
     for (int64_t i = 0; i < n; i++) {
         lua_geti(L, 1, i + 1);
         int ok = 1;
@@ -235,8 +231,8 @@ static int l_from_table(lua_State *L) {
         }
         if (!ok) {
             free(stage);
-            return luaL_error(L, "moonshard: from_table: values[%lld] is %s, expected a number",
-                              (long long)(i + 1), luaL_typename(L, -1));
+            return luaL_error(L, "moonshard: from_table: values[%I] is %s, expected a number", (lua_Integer)(i + 1),
+                              luaL_typename(L, -1));
         }
         lua_pop(L, 1);
     }
@@ -558,8 +554,9 @@ static int m_group_ranks(lua_State *L) {
     int n = check_axes(L, m, 2, axes);
     int64_t count = 1;
     for (int i = 0; i < n; i++) count *= ms_mesh_axis_size(m, axes[i]);
+    int64_t rank = opt_rank(L, m, 3); /* before the scratch userdata takes slot 3 */
     int64_t *ranks = lua_newuserdatauv(L, (size_t)count * sizeof *ranks, 0);
-    CHECK(L, ms_mesh_group_ranks(m, n, axes, opt_rank(L, m, 3), ranks, &count));
+    CHECK(L, ms_mesh_group_ranks(m, n, axes, rank, ranks, &count));
     push_int_list(L, ranks, (int)count);
     return 1;
 }
@@ -798,6 +795,19 @@ static int u_load_full(lua_State *L) {
     return 1;
 }
 
+/* unit:param_offset(i) -> offset, rows, dim: this rank's shard of parameter i is rows
+ * [offset, offset + rows) of the full parameter's dim `dim` (0-based, like add_param's) */
+static int u_param_offset(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    int dim;
+    int64_t offset, rows;
+    CHECK(L, ms_unit_param_offset(u, param_index(L, u, 2), &dim, &offset, &rows));
+    lua_pushinteger(L, (lua_Integer)offset);
+    lua_pushinteger(L, (lua_Integer)rows);
+    lua_pushinteger(L, dim);
+    return 3;
+}
+
 static int u_set_sync(lua_State *L) {
     CHECK(L, ms_unit_set_requires_gradient_sync(check_unit(L, 1), lua_toboolean(L, 2)));
     lua_settop(L, 1);
@@ -847,12 +857,12 @@ static int u_adamw_step(lua_State *L) {
     return 1;
 }
 
-/* unit:bytes() -> {params=, grads=, optimizer=, unsharded=} */
+/* unit:bytes() -> {params=, grads=, optimizer=, unsharded=, cached=} */
 static int u_bytes(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
-    static const char *const names[] = {"params", "grads", "optimizer", "unsharded"};
-    lua_createtable(L, 0, 4);
-    for (int c = 0; c < 4; c++) {
+    static const char *const names[] = {"params", "grads", "optimizer", "unsharded", "cached"};
+    lua_createtable(L, 0, 5);
+    for (int c = 0; c < 5; c++) {
         lua_pushinteger(L, (lua_Integer)ms_unit_bytes(u, c));
         lua_setfield(L, -2, names[c]);
     }
@@ -935,43 +945,6 @@ static int l_cast_impl(lua_State *L) {
 
 /* ---------------------------------------------------------------- states for ranks and hosts */
 
-static bool is_dir_with_init(const char *dir) {
-    char path[PATH_MAX + 32];
-    if (snprintf(path, sizeof path, "%s/moonshard/init.lua", dir) >= (int)sizeof path) return false;
-    return access(path, R_OK) == 0;
-}
-
-/* dir/../share/lua/5.4 or dir/../../share/lua/5.4 (multiarch libdir) when it holds init.lua */
-static const char *share_near(char *buf, size_t cap, const char *file) {
-    char dir[PATH_MAX];
-    snprintf(dir, sizeof dir, "%s", file);
-    char *slash = strrchr(dir, '/');
-    if (!slash) return NULL;
-    *slash = '\0';
-    static const char *const rel[] = {"/../share/lua/5.4", "/../../share/lua/5.4"};
-    for (int i = 0; i < 2; i++)
-        if (snprintf(buf, cap, "%s%s", dir, rel[i]) < (int)cap && is_dir_with_init(buf)) return buf;
-    return NULL;
-}
-
-const char *ms_lua_dir(void) {
-    static _Thread_local char dir[PATH_MAX + 32];
-    const char *env = getenv("MOONSHARD_LUA_DIR");
-    if (env && *env) return env;
-    /* next to the library or module this code was loaded from (an installed host's case) */
-    Dl_info info;
-    if (dladdr((void *)ms_lua_dir, &info) && info.dli_fname && share_near(dir, sizeof dir, info.dli_fname)) return dir;
-    /* next to the executable (an installed moonshard) */
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n > 0) {
-        exe[n] = '\0';
-        if (share_near(dir, sizeof dir, exe)) return dir;
-    }
-    if (is_dir_with_init(MOONSHARD_INSTALL_LUA_DIR)) return MOONSHARD_INSTALL_LUA_DIR;
-    return MOONSHARD_SOURCE_LUA_DIR;
-}
-
 void ms_lua_setup(lua_State *L, ms_comm *world) {
     luaL_openlibs(L);
     lua_getglobal(L, "package");
@@ -1039,6 +1012,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"add_param", u_add_param}, {"finalize", u_finalize}, {"count", u_count}, {"name", u_name},
         {"fqn", u_fqn}, {"param_shard", u_param_shard}, {"grad_shard", u_grad_shard},
         {"param_full", u_param_full}, {"grad_full", u_grad_full}, {"load_full", u_load_full},
+        {"param_offset", u_param_offset},
         {"unshard", u_unshard}, {"wait", u_wait}, {"reshard", u_reshard},
         {"reduce_grads", u_reduce_grads}, {"set_requires_gradient_sync", u_set_sync},
         {"set_gradient_divide_factor", u_set_divide_factor},

@@ -5,6 +5,7 @@
 #define MS_LUA_H
 
 #include "moonshard.h"
+#include "ms_luadir.h" /* ms_lua_dir */
 
 #include <lua.h>
 
@@ -15,9 +16,6 @@ void ms_lua_set_world(lua_State *L, ms_comm *world);
 /* Opens the standard libraries, puts moonshard's Lua files first on package.path, links
  * moonshard.core in and sets the world: a Lua state ready for a rank's script. */
 void ms_lua_setup(lua_State *L, ms_comm *world);
-/* Where moonshard/init.lua lives: $MOONSHARD_LUA_DIR, the install tree next to the running
- * executable, the configured install prefix, else the source tree. */
-const char *ms_lua_dir(void);
 /* The unit a Lua value at idx holds (borrowed), or NULL when it is not a unit. */
 ms_unit *ms_lua_to_unit(lua_State *L, int idx);
 

@@ -16,12 +16,25 @@
  * MOONSHARD_BACKEND): the process is one rank of the MPI world.  A rank whose script fails
  * prints its error the same way and then calls MPI_Abort, so the launcher ends the other
  * ranks instead of leaving them waiting in a collective.
+ *
+ * One source, two executables: moonshard runs each rank on a Lua 5.4 state with the C
+ * binding (ms_lua.c); moonshard-jit, built with MOONSHARD_LUAJIT, on a LuaJIT state that
+ * reaches the same core through the FFI (ms_luajit.c).  Both provide ms_lua_setup.
  */
 #include "moonshard.h"
 #include "ms_lua.h"
 
 #include <lauxlib.h>
 #include <lua.h>
+
+#ifdef MOONSHARD_LUAJIT
+#include <luajit.h>
+#define PROG "moonshard-jit"
+#define INTERPRETER LUAJIT_VERSION
+#else
+#define PROG "moonshard"
+#define INTERPRETER LUA_RELEASE
+#endif
 
 #ifdef MOONSHARD_HAVE_MPI
 #include <mpi.h>
@@ -43,13 +56,13 @@ enum {
 };
 
 static const char *usage_text =
-    "usage: moonshard [options] script.lua [args...]\n"
-    "       moonshard [options] -e CODE [args...]\n"
-    "       moonshard plan --help        plan a model's sharding on a mesh (no GPUs)\n"
+    "usage: " PROG " [options] script.lua [args...]\n"
+    "       " PROG " [options] -e CODE [args...]\n"
+    "       " PROG " plan --help        plan a model's sharding on a mesh (no GPUs)\n"
     "\n"
     "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
     "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
-    "real data through shared memory.\n"
+    "real data through shared memory.  Interpreter: " INTERPRETER ".\n"
     "\n"
     "options:\n"
     "  -n N, --ranks N   number of ranks (default 1, at most 4096)\n"
@@ -57,7 +70,7 @@ static const char *usage_text =
     "  --timeout S       seconds a collective waits for a missing rank before failing\n"
     "                    (default: $MOONSHARD_TIMEOUT, else 300)\n"
     "  --backend B       threads: N ranks as threads of this process; mpi: this process is\n"
-    "                    one rank of an MPI job (mpirun -np N moonshard ...; -n must then be\n"
+    "                    one rank of an MPI job (mpirun -np N " PROG " ...; -n must then be\n"
     "                    1 or absent).  Default: mpi when started by an MPI launcher, else\n"
     "                    threads\n"
     "  --version         print the version and exit\n"
@@ -90,6 +103,32 @@ static pthread_mutex_t done_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
 static int ranks_done;
 
+/* ---------------------------------------------------------------- Lua 5.4 / LuaJIT (5.1 API) */
+
+#if LUA_VERSION_NUM >= 503
+#define push_as_string(L, i) ((void)luaL_tolstring(L, i, NULL))
+#else
+/* Lua 5.1 has no luaL_tolstring; its print converts with the global tostring, as here. */
+static void push_as_string(lua_State *L, int i) {
+    lua_getglobal(L, "tostring");
+    lua_pushvalue(L, i);
+    lua_call(L, 1, 1);
+    if (!lua_isstring(L, -1)) luaL_error(L, "'tostring' must return a string to 'print'");
+}
+#endif
+
+/* Sets *status to the integer the script returned, when it returned one. */
+static void take_exit_status(lua_State *L, int idx, int *status) {
+#if LUA_VERSION_NUM >= 503
+    if (lua_isinteger(L, idx)) *status = (int)lua_tointeger(L, idx);
+#else /* numbers are doubles: an integral one counts */
+    lua_Number v = lua_tonumber(L, idx);
+    if (lua_type(L, idx) == LUA_TNUMBER && v >= INT_MIN && v <= INT_MAX && (lua_Number)(int)v == v) *status = (int)v;
+#endif
+}
+
+/* ---------------------------------------------------------------- a rank's state */
+
 /* print() that writes each line in one piece, so ranks' lines do not interleave. */
 static int l_print(lua_State *L) {
     int n = lua_gettop(L);
@@ -97,7 +136,7 @@ static int l_print(lua_State *L) {
     luaL_buffinit(L, &b);
     for (int i = 1; i <= n; i++) {
         if (i > 1) luaL_addchar(&b, '\t');
-        luaL_tolstring(L, i, NULL);
+        push_as_string(L, i);
         luaL_addvalue(&b);
     }
     luaL_addchar(&b, '\n');
@@ -146,7 +185,7 @@ static char *run_rank(rank_job *job, ms_comm *world) {
     if (st == LUA_OK) {
         for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
         st = lua_pcall(L, job->argc, 1, 1);
-        if (st == LUA_OK && lua_isinteger(L, -1)) job->status = (int)lua_tointeger(L, -1);
+        if (st == LUA_OK) take_exit_status(L, -1, &job->status);
     }
     char *err = NULL;
     if (st != LUA_OK) {
@@ -254,7 +293,7 @@ static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
 static int usage_error(const char *fmt, const char *arg) {
     fprintf(stderr, "moonshard: ");
     fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\n(try 'moonshard --help')\n");
+    fprintf(stderr, "\n(try '" PROG " --help')\n");
     return 2;
 }
 
@@ -278,7 +317,7 @@ int main(int argc, char **argv) {
             fputs(usage_text, stdout);
             return 0;
         } else if (strcmp(a, "--version") == 0) {
-            printf("moonshard %s (%s, libmoonshard %s)\n", MOONSHARD_VERSION, LUA_RELEASE, ms_version());
+            printf(PROG " %s (%s, libmoonshard %s)\n", MOONSHARD_VERSION, INTERPRETER, ms_version());
             return 0;
         } else if (strcmp(a, "-n") == 0 || strcmp(a, "--ranks") == 0 || strncmp(a, "-n", 2) == 0) {
             const char *v = a[1] == 'n' && a[2] ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
@@ -315,7 +354,7 @@ int main(int argc, char **argv) {
     }
 run:
     if (!code) {
-        if (i >= argc) return usage_error("%s", "no script given (moonshard [-n N] script.lua, or -e CODE)");
+        if (i >= argc) return usage_error("%s", "no script given (" PROG " [-n N] script.lua, or -e CODE)");
         script = argv[i++];
         if (access(script, R_OK) != 0) {
             fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script, strerror(errno));
@@ -340,7 +379,7 @@ run:
             char n[16];
             snprintf(n, sizeof n, "%d", nranks);
             return usage_error("-n %s: with the mpi backend each process is one rank; start N ranks with "
-                               "mpirun -np N moonshard ...", n);
+                               "mpirun -np N " PROG " ...", n);
         }
         rank_job job = {.script = script, .code = code, .argc = argc - i, .argv = argv + i};
         return run_mpi(&job, timeout, by_launcher);

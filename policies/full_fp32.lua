@@ -6,6 +6,10 @@
 -- with an untied head: each decoder layer (reshard after forward but the last), then
 -- embed_tokens, lm_head and the root, which owns what is left (the final norm and
 -- output_query) and never reshards after forward.
+--
+-- With expert parallelism (ep > 1) the routed experts' tensors are given to it first (each
+-- rank holds E/ep experts); when ep_shard > 1 each layer's experts are also a unit of their
+-- own on ep_shard, and the layer's unit ignores them (Automodel's MoE parallelizer).
 
 local M = {}
 
@@ -15,13 +19,24 @@ M.prefetch = { forward = 1, backward = 2 }
 function M.parallelize(ctx)
   local layers = ctx:module("model.layers")
   local n = #layers.child_order
+  local use_ep, ep_shard = ctx.mesh:size("ep") > 1, ctx.mesh:size("ep_shard") > 1
+  local ignored = {}
   for k, i in ipairs(layers.child_order) do
-    ctx:fully_shard(layers.children[i], { mp_policy = M.fp32, reshard_after_forward = k < n })
+    local layer = layers.children[i]
+    local experts = use_ep and layer:get("mlp.experts")
+    if experts then
+      local owned = ctx:expert_parallel(experts)
+      for _, p in ipairs(owned) do ignored[#ignored + 1] = p end
+      if ep_shard then
+        ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.fp32, reshard_after_forward = k < n })
+      end
+    end
+    ctx:fully_shard(layer, { mp_policy = M.fp32, reshard_after_forward = k < n, ignored_params = ignored })
   end
   for _, name in ipairs({ "model.embed_tokens", "lm_head" }) do
     if ctx.model:get(name) then ctx:fully_shard(name, { mp_policy = M.fp32 }) end
   end
-  ctx:fully_shard(ctx.model, { mp_policy = M.fp32 })
+  ctx:fully_shard(ctx.model, { mp_policy = M.fp32, ignored_params = ignored })
 end
 
 return M

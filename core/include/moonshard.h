@@ -196,6 +196,12 @@ const char *ms_comm_backend(const ms_comm *c);
 /* The group of the given world ranks (strictly increasing, including this rank) seen from
  * this rank.  Every member must ask for the same list; asking again returns the same group. */
 ms_status ms_comm_group(ms_comm *world, int n, const int *world_ranks, ms_comm **out);
+/* The same with a tag 0..MS_GROUP_TAG_MAX: groups over the same ranks with different tags
+ * are separate communicators whose collectives are matched independently, so two threads
+ * of a rank may use them at the same time (a host's all_to_all beside the collectives a
+ * unit runs on its communication thread).  ms_comm_group is tag 0. */
+enum { MS_GROUP_TAG_MAX = 1023 };
+ms_status ms_comm_group_tagged(ms_comm *world, int n, const int *world_ranks, int tag, ms_comm **out);
 
 /* Collectives.  Tensors are contiguous, on the comm's device, equal dtype; every rank of
  * the group must make the same call with the same counts, dtype and op, else every rank
@@ -303,8 +309,10 @@ void ms_unit_release(ms_unit *u);
 ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape,
                             ms_dtype dtype, int dim, int requires_grad);
 /* Fixes the flat layout (S = sum of the padded shard numels) and the effective dtypes; no
- * parameter may be added after.  The gather and reduce buffers are allocated by each
- * unshard and reduce_grads and freed when they complete. */
+ * parameter may be added after.  The gather and reduce buffers, the unsharded parameters
+ * and gradients are taken when needed and given back when done, to a cache of free buffers
+ * that the units of a rank share, so that a steady-state step allocates nothing (category 4
+ * of ms_unit_bytes; ms_unit_release_unsharded frees a unit's part). */
 ms_status ms_unit_finalize(ms_unit *u);
 int ms_unit_param_count(const ms_unit *u);
 const char *ms_unit_name(const ms_unit *u);
@@ -319,6 +327,11 @@ ms_tensor *ms_unit_grad_shard(ms_unit *u, int i);
 /* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i, with a
  * cast; before finalize or while sharded. */
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full);
+/* Where shard i sits in the full parameter: its shard dim (normalised, 0 unless a
+ * shard_placement_fn said otherwise) and this rank's rows of that dim, [offset, offset +
+ * rows) (torch.chunk: rows may be 0, with offset the dim's size); the shard is the full
+ * parameter narrowed to them.  In any state. */
+ms_status ms_unit_param_offset(const ms_unit *u, int i, int *dim, int64_t *offset, int64_t *rows);
 
 /* Starts the all-gather of the unit's parameters in the param dtype (asynchronous: the
  * collective runs on the rank's communication thread); ms_unit_wait completes it. */
@@ -348,8 +361,9 @@ ms_status ms_unit_reduce_grads(ms_unit *u);
 ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync);
 /* 0 = the default divide factor (shard x replicate size); else a custom factor. */
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor);
-/* Frees the unsharded parameters and gradients whatever the reshard rule (end of step);
- * the sync-off accumulator is kept for the next synchronised reduce. */
+/* Frees the unsharded parameters and gradients whatever the reshard rule (end of step),
+ * and the free buffers the unit left in the rank's cache; the sync-off accumulator is kept
+ * for the next synchronised reduce. */
 ms_status ms_unit_release_unsharded(ms_unit *u);
 /* Zeroes the sharded gradients. */
 ms_status ms_unit_zero_grad(ms_unit *u);
@@ -365,10 +379,13 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale);
  * weight decay; step counts from 1. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
-/* Bytes this rank holds for the unit now, by category (0 padded shards, 1 padded gradient
- * shards, 2 optimizer state incl. master weights, 3 unsharded parameters and gradients, the
- * sync-off accumulator, the k-way shard and the flat buffer of a pending collective); -1
- * for another category. */
+/* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient
+ * shards, 2 optimizer state incl. master weights, 3 unsharded parameters and gradients (for
+ * a unit of one dim-0 parameter, the padded all-gather and reduce-scatter buffers they are
+ * views of), the sync-off accumulator, the k-way shard and the flat buffer of a pending
+ * collective, 4 the free buffers the unit gave back to the rank's cache, kept for reuse by
+ * any unit of the rank.  -1 for another category.  Summed over the units of a rank, the
+ * categories count everything the rank holds for them. */
 int64_t ms_unit_bytes(const ms_unit *u, int category);
 
 /* The collectives a unit has issued, for audits: kind 0 all_gather, 1 reduce_scatter,

@@ -41,13 +41,17 @@ ms_status ms_interp_model_config(ms_interp *in, const char *config_path);
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units);
 /* The plan JSON (DESIGN.md, version 1); *json is malloc'd: the host frees it. */
 ms_status ms_interp_plan_json(ms_interp *in, char **json);
-/* Builds this rank's units from the plan. */
+/* Builds this rank's units from the plan: the plan's units in plan order, then one
+ * "ep-local" unit per experts module whose expert parameters no planned unit shards
+ * (ep_shard = 1; named "<module>[ep]", on a one-rank group, in the stored dtype).  Expert
+ * parameters hold this rank's experts (ep-local shapes); units reducing them divide by the
+ * whole data-parallel size (moonshard/runtime.lua explains why). */
 ms_status ms_interp_materialize(ms_interp *in);
+/* Units this rank holds (the plan's and the ep-local ones); 0 before materialize. */
 int ms_interp_unit_count(ms_interp *in);
-/* Unit i of the plan (borrowed: valid while the interpreter lives), or NULL. */
+/* Unit i (borrowed: valid while the interpreter lives), or NULL. */
 ms_unit *ms_interp_unit(ms_interp *in, int i);
-/* The unit and parameter index of a parameter by its name (host or plan name); both -1
- * when expert parallelism holds it outside every unit. */
+/* The unit and parameter index of a parameter by its name (host or plan name). */
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index);
 
 /* MS_API_END */

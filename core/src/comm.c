@@ -165,10 +165,11 @@ static void group_free(const ms_backend *backend, ms_group *g) {
 
 /* A new group of the given world ranks with its backend state; the caller holds w->lock
  * (or owns w alone) and links it into the registry. */
-static ms_status group_new(ms_world *w, int n, const int *world_ranks, ms_group **out) {
+static ms_status group_new(ms_world *w, int n, const int *world_ranks, int tag, ms_group **out) {
     ms_group *g = calloc(1, sizeof *g);
     if (!g) return ms__fail(MS_ERR_OOM, "out of memory creating a group of %d ranks", n);
     g->n = n;
+    g->tag = tag;
     g->world_ranks = malloc((size_t)n * sizeof *g->world_ranks);
     g->comms = calloc((size_t)n, sizeof *g->comms);
     if (!g->world_ranks || !g->comms) {
@@ -215,7 +216,7 @@ ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, d
             all[i] = i;
             atomic_init(&w->rank_state[i], MS_RANK_RUNNING);
         }
-        st = group_new(w, nranks, all, &w->groups);
+        st = group_new(w, nranks, all, 0, &w->groups);
     }
     free(all);
     if (st) {
@@ -292,8 +293,10 @@ static ms_status check_members(const ms_world *w, int me, int n, const int *rank
     return MS_OK;
 }
 
-ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out) {
+ms_status ms_comm_group_tagged(ms_comm *c, int n, const int *world_ranks, int tag, ms_comm **out) {
     if (!c || !world_ranks || !out) return ms__fail(MS_ERR_ARG, "comm_group: NULL argument");
+    if (tag < 0 || tag > MS_GROUP_TAG_MAX)
+        return ms__fail(MS_ERR_ARG, "comm_group: tag %d is outside 0..%d", tag, MS_GROUP_TAG_MAX);
     ms_world *w = c->world;
     int me = c->group->world_ranks[c->rank];
     ms_status st = check_members(w, me, n, world_ranks);
@@ -302,8 +305,9 @@ ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out
     pthread_mutex_lock(&w->lock);
     ms_group *g = w->groups, *last = NULL;
     for (; g; last = g, g = g->next)
-        if (g->n == n && !memcmp(g->world_ranks, world_ranks, (size_t)n * sizeof *world_ranks)) break;
-    if (!g && !(st = group_new(w, n, world_ranks, &g))) last->next = g;
+        if (g->n == n && g->tag == tag && !memcmp(g->world_ranks, world_ranks, (size_t)n * sizeof *world_ranks))
+            break;
+    if (!g && !(st = group_new(w, n, world_ranks, tag, &g))) last->next = g;
     pthread_mutex_unlock(&w->lock);
     if (st) return st;
 
@@ -312,6 +316,10 @@ ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out
     ms_world_retain(w);
     *out = &g->comms[rank];
     return ms__ok();
+}
+
+ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out) {
+    return ms_comm_group_tagged(c, n, world_ranks, 0, out);
 }
 
 /* ---------------------------------------------------------------- argument checks */

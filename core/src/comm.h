@@ -89,6 +89,7 @@ struct ms_world {
 struct ms_group {
     int n;
     int *world_ranks; /* (n) strictly increasing */
+    int tag;          /* groups over the same ranks with different tags are separate */
     ms_comm *comms;   /* (n) comms[i] is group rank i's handle */
     void *impl;       /* backend state shared by the members in this process */
     ms_group *next;

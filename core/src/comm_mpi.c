@@ -211,8 +211,8 @@ static void mgroup_free(mgroup *m) {
 
 /* A tag for MPI_Comm_create_group from the member list, so that concurrent creations of
  * different groups (from different threads) do not mix; 0..32767, the least MPI_TAG_UB. */
-static int group_tag(int n, const int *ranks) {
-    uint32_t h = 2166136261u;
+static int group_tag(int n, const int *ranks, int tag) {
+    uint32_t h = (2166136261u ^ (uint32_t)tag) * 16777619u;
     for (int i = 0; i < n; i++) h = (h ^ (uint32_t)ranks[i]) * 16777619u;
     return (int)(h & 0x7fff);
 }
@@ -262,7 +262,7 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
             MPI_Group_free(&all);
         }
         if (rc == MPI_SUCCESS) {
-            rc = MPI_Comm_create_group(world->create_from, sub, group_tag(g->n, g->world_ranks), &m->comm);
+            rc = MPI_Comm_create_group(world->create_from, sub, group_tag(g->n, g->world_ranks, g->tag), &m->comm);
             MPI_Group_free(&sub);
         }
     }

@@ -17,10 +17,44 @@
  *            zero), pre-scaled, reduce_scatter in place, all_reduce over the replicate group
  *            (HSDP); ms_unit_wait post-divides, casts to the stored dtype and accumulates
  *            into the gradient shards.
+ *   in place A unit of one parameter with nothing before its shard dim (a dim-0 shard, the
+ *            common case of a unit per weight) has a (W, S) layout that is its full tensor
+ *            as is, padding rows at the end: the unsharded parameter is a view of the gather
+ *            buffer (no copy-out), and when the reduce dtype is the gather dtype the
+ *            unsharded gradient is a view of the zeroed reduce_scatter input (no packing).
  *
  * Every buffer the unit allocates goes through buf_new / buf_free, which keep the byte
  * counts of ms_unit_bytes exact.  All unit state belongs to the rank's thread; while an op
  * is pending, the communication thread touches only that op's tensors (unit_op).
+ *
+ * The buffer cache.  A step makes and drops the same transient buffers again and again:
+ * the flat gather and reduce buffers, the unsharded parameters and gradients, the k-way
+ * shard, the sync-off accumulator (all of category unsharded; the shards, gradient shards
+ * and optimizer states are made once and stay).  Fresh memory costs a page fault and a
+ * kernel zero-fill per page, which on a CPU rank cost as much as the collectives
+ * themselves, so buf_free keeps freed transient buffers in a cache for buf_new to hand out
+ * again: a steady-state step allocates nothing.
+ *   - One cache per (world, world rank), shared by all units of the rank and created with
+ *     the first of them: a buffer freed by unit i is reused by unit i+1, as a caching device
+ *     allocator would, so the cache holds about the rank's peak of live transient buffers
+ *     (one or two units' worth), not an unsharded copy of every unit.  It has its own lock
+ *     (units of a rank may be driven from several threads, one at a time each).
+ *   - Buffers are matched by (dtype, numel) exactly and handed out as a view of the wanted
+ *     shape; the last freed is reused first (warm in cache).  The number of buffers of one
+ *     size never exceeds the most that were live at once, so the cache is bounded.
+ *   - Only a buffer nothing else references is kept: if a caller still holds the tensor or
+ *     a view of it (ms_tensor_retain on a borrowed tensor), it is released as before and
+ *     lives on in the caller's hands; the cache never hands out memory someone can reach.
+ *     The state rules are unchanged: after reshard, param_full is an error whether the
+ *     memory went to the cache or back to the allocator.
+ *   - A reused buffer is not zeroed unless the unit needs zeros: the gather buffer and the
+ *     unsharded parameters are overwritten whole, packed buffers get their padding rows
+ *     zeroed (move_block), the unsharded gradients and the sync-off accumulator are zeroed.
+ *   - Accounting: a cached buffer is no longer counted under params, grads, optimizer or
+ *     unsharded; it is counted under category 4 (cached) of the unit that freed it (taking it
+ *     moves it to the taker's live category), so summing ms_unit_bytes over the units of a
+ *     rank gives everything the rank holds.  ms_unit_release_unsharded and ms_unit_release
+ *     free the unit's cached buffers.
  */
 #include "comm.h"
 
@@ -31,8 +65,9 @@
 
 /* ---------------------------------------------------------------- types */
 
-/* ms_unit_bytes categories. */
-enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_COUNT = 4 };
+/* ms_unit_bytes categories: the buffers the unit holds, then the free buffers it left in the
+ * rank's cache. */
+enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_CACHED = 4, CAT_COUNT = 5 };
 
 /* Record kinds of ms_unit_record. */
 enum { REC_ALL_GATHER = 0, REC_REDUCE_SCATTER = 1, REC_ALL_REDUCE = 2 };
@@ -81,8 +116,11 @@ typedef struct unit_param {
     ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
     ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
     ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
-    ms_tensor *full;        /* (shape) gather dtype: the unsharded parameter; CAT_UNSHARDED */
-    ms_tensor *grad_full;   /* (shape) gather dtype: this backward's gradient; CAT_UNSHARDED */
+    /* (shape) gather dtype: the unsharded parameter and this backward's gradient;
+     * CAT_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
+    ms_tensor *full, *grad_full;
+    ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; CAT_UNSHARDED */
+    ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; CAT_UNSHARDED */
     ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; CAT_UNSHARDED */
 } unit_param;
 
@@ -97,6 +135,8 @@ typedef struct unit_op {
     ms_op replicate_op;
     double post_divide; /* reduce: slice /= post_divide on wait */
 } unit_op;
+
+typedef struct buf_cache buf_cache;
 
 typedef struct unit_record {
     int kind;
@@ -120,29 +160,198 @@ struct ms_unit {
     unit_param *params; /* (nparams), capacity cap */
     int nparams, cap;
     int64_t S;          /* elements of one rank's gather chunk */
+    bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
     unit_op op;
     bool sync;            /* requires_gradient_sync */
     double divide_factor; /* 0 = default (W * R) */
-    int64_t bytes[CAT_COUNT];
+    buf_cache *cache;     /* the rank's buffer cache, shared with its other units */
+    int64_t bytes[CAT_CACHED]; /* the categories held; the cache counts CAT_CACHED */
     unit_record *records; /* (nrecords), capacity rcap */
     int nrecords, rcap;
 };
 
+/* ---------------------------------------------------------------- the rank's buffer cache */
+
+/* A free buffer: a contiguous tensor whose storage only the cache references, and the unit
+ * that freed it (ms_unit_bytes counts it there). */
+typedef struct cache_entry {
+    ms_tensor *t;
+    const ms_unit *owner;
+} cache_entry;
+
+/* The free buffers of one dtype and numel: a stack, the last freed reused first. */
+typedef struct cache_bin {
+    ms_dtype dtype;
+    int64_t numel;
+    cache_entry *entries; /* (n), capacity cap */
+    int n, cap;
+} cache_bin;
+
+struct buf_cache {
+    ms_world *world;      /* the key: a world (kept alive by the comms of the units using the cache) */
+    int rank;             /* and a world rank */
+    int users;            /* units using the cache; under cache_registry_lock */
+    pthread_mutex_t lock; /* guards the bins */
+    cache_bin *bins;      /* (nbins), capacity bcap; a bin stays when it empties */
+    int nbins, bcap;
+    buf_cache *next;      /* registry link */
+};
+
+static pthread_mutex_t cache_registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static buf_cache *cache_registry; /* every cache in use */
+
+/* The cache of (w, rank), created if needed; the caller uses it until cache_release. */
+static ms_status cache_acquire(ms_world *w, int rank, buf_cache **out) {
+    pthread_mutex_lock(&cache_registry_lock);
+    buf_cache *c = cache_registry;
+    while (c && (c->world != w || c->rank != rank)) c = c->next;
+    if (!c && (c = calloc(1, sizeof *c))) {
+        c->world = w;
+        c->rank = rank;
+        pthread_mutex_init(&c->lock, NULL);
+        c->next = cache_registry;
+        cache_registry = c;
+    }
+    if (c) c->users++;
+    pthread_mutex_unlock(&cache_registry_lock);
+    *out = c;
+    return c ? MS_OK : ms__fail(MS_ERR_OOM, "out of memory creating the buffer cache of rank %d", rank);
+}
+
+/* Ends a use of c; the last frees it with whatever it still holds. */
+static void cache_release(buf_cache *c) {
+    if (!c) return;
+    pthread_mutex_lock(&cache_registry_lock);
+    const bool last = --c->users == 0;
+    if (last) {
+        buf_cache **link = &cache_registry;
+        while (*link != c) link = &(*link)->next;
+        *link = c->next;
+    }
+    pthread_mutex_unlock(&cache_registry_lock);
+    if (!last) return;
+    for (int b = 0; b < c->nbins; b++) {
+        for (int i = 0; i < c->bins[b].n; i++) ms_tensor_release(c->bins[b].entries[i].t);
+        free(c->bins[b].entries);
+    }
+    free(c->bins);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+/* A free buffer of (dtype, numel) out of c, or NULL. */
+static ms_tensor *cache_take(buf_cache *c, ms_dtype dtype, int64_t numel) {
+    ms_tensor *t = NULL;
+    if (!c) return NULL;
+    pthread_mutex_lock(&c->lock);
+    for (int b = 0; b < c->nbins && !t; b++) {
+        cache_bin *bin = &c->bins[b];
+        if (bin->dtype == dtype && bin->numel == numel && bin->n) t = bin->entries[--bin->n].t;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return t;
+}
+
+/* items (capacity *cap elements of `size` bytes) with room for more than n of them: items
+ * itself, or a larger copy and *cap its capacity; NULL when out of memory (items intact). */
+static void *grow(void *items, int *cap, int n, size_t size) {
+    if (n < *cap) return items;
+    const int want = *cap ? 2 * *cap : 8;
+    void *p = realloc(items, (size_t)want * size);
+    if (p) *cap = want;
+    return p;
+}
+
+/* Keeps t, freed by `owner`, for reuse and takes over the caller's reference; false when t
+ * is shared (another reference to it or to its storage: a caller's view, which must keep
+ * its memory), empty, or there is no memory to track it: the caller releases it then. */
+static bool cache_put(buf_cache *c, ms_tensor *t, const ms_unit *owner) {
+    if (!c || ms_tensor_nbytes(t) == 0 || atomic_load(&t->refcount) != 1 || atomic_load(&t->storage->refcount) != 1)
+        return false;
+    const ms_dtype dtype = ms_tensor_dtype(t);
+    const int64_t numel = ms_tensor_numel(t);
+    bool kept = false;
+    pthread_mutex_lock(&c->lock);
+    int b = 0;
+    while (b < c->nbins && (c->bins[b].dtype != dtype || c->bins[b].numel != numel)) b++;
+    if (b == c->nbins) {
+        cache_bin *bins = grow(c->bins, &c->bcap, c->nbins, sizeof *bins);
+        if (bins) {
+            c->bins = bins;
+            c->bins[c->nbins++] = (cache_bin){.dtype = dtype, .numel = numel};
+        }
+    }
+    if (b < c->nbins) {
+        cache_bin *bin = &c->bins[b];
+        cache_entry *entries = grow(bin->entries, &bin->cap, bin->n, sizeof *entries);
+        if (entries) {
+            bin->entries = entries;
+            bin->entries[bin->n++] = (cache_entry){t, owner};
+            kept = true;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return kept;
+}
+
+/* Frees the buffers `owner` left in c. */
+static void cache_drop(buf_cache *c, const ms_unit *owner) {
+    if (!c) return;
+    pthread_mutex_lock(&c->lock);
+    for (int b = 0; b < c->nbins; b++) {
+        cache_bin *bin = &c->bins[b];
+        int kept = 0;
+        for (int i = 0; i < bin->n; i++) {
+            if (bin->entries[i].owner == owner) ms_tensor_release(bin->entries[i].t);
+            else bin->entries[kept++] = bin->entries[i];
+        }
+        bin->n = kept;
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Bytes of the buffers `owner` left in c. */
+static int64_t cache_bytes(buf_cache *c, const ms_unit *owner) {
+    int64_t bytes = 0;
+    if (!c) return 0;
+    pthread_mutex_lock(&c->lock);
+    for (int b = 0; b < c->nbins; b++)
+        for (int i = 0; i < c->bins[b].n; i++)
+            if (c->bins[b].entries[i].owner == owner) bytes += ms_tensor_nbytes(c->bins[b].entries[i].t);
+    pthread_mutex_unlock(&c->lock);
+    return bytes;
+}
+
 /* ---------------------------------------------------------------- buffers and states */
 
-static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype) {
-    ms_status st = ms_tensor_new(out, ndim, shape, dtype, MS_DEVICE_CPU, 0);
+/* A contiguous buffer of category cat for u: for a transient (unsharded) one, a free one of
+ * the same dtype and numel from the rank's cache, holding what it held (zero-filled when
+ * `zero`); else a new zero-filled one. */
+static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype,
+                         bool zero) {
+    int64_t numel;
+    ms_status st = ms__check_shape(ndim, shape, &numel);
+    ms_tensor *cached = st || !numel || cat != CAT_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
+    if (cached) {
+        st = ms_tensor_view(out, cached, ndim, shape); /* the view holds the storage alone */
+        ms_tensor_release(cached);
+        if (!st && zero) memset(ms_tensor_data(*out), 0, (size_t)ms_tensor_nbytes(*out));
+    } else if (!st) {
+        st = ms_tensor_new(out, ndim, shape, dtype, MS_DEVICE_CPU, 0);
+    }
     if (st) return ms__wrap(st, "unit '%s'", u->name);
     u->bytes[cat] += ms_tensor_nbytes(*out);
     return MS_OK;
 }
 
+/* Drops u's reference to a buffer of category cat: a transient (unsharded) one goes into
+ * the rank's cache unless it is shared. */
 static void buf_free(ms_unit *u, int cat, ms_tensor **t) {
     if (!*t) return;
     u->bytes[cat] -= ms_tensor_nbytes(*t);
-    ms_tensor_release(*t);
+    if (cat != CAT_UNSHARDED || !cache_put(u->cache, *t, u)) ms_tensor_release(*t);
     *t = NULL;
 }
 
@@ -168,7 +377,7 @@ static ms_status check_state(const ms_unit *u, const char *call, unsigned allowe
                     state_name[u->state]);
 }
 
-static ms_status param_at(ms_unit *u, const char *call, int i, unit_param **out) {
+static ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_%s: unit is NULL", call);
     if (i < 0 || i >= u->nparams)
         return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", u->name,
@@ -177,11 +386,22 @@ static ms_status param_at(ms_unit *u, const char *call, int i, unit_param **out)
     return MS_OK;
 }
 
+/* Drops *t, an unsharded buffer of u or, when *flat is set, a view of *flat, dropped too. */
+static void unsharded_free(ms_unit *u, ms_tensor **t, ms_tensor **flat) {
+    if (*flat) {
+        view_free(t);
+        buf_free(u, CAT_UNSHARDED, flat);
+    } else {
+        buf_free(u, CAT_UNSHARDED, t);
+    }
+}
+
 /* The unsharded parameters, their gradients of this backward and the k-way shard. */
 static void free_unsharded(ms_unit *u) {
     for (int i = 0; i < u->nparams; i++) {
-        buf_free(u, CAT_UNSHARDED, &u->params[i].full);
-        buf_free(u, CAT_UNSHARDED, &u->params[i].grad_full);
+        unit_param *p = &u->params[i];
+        unsharded_free(u, &p->full, &p->full_flat);
+        unsharded_free(u, &p->grad_full, &p->grad_flat);
     }
     buf_free(u, CAT_UNSHARDED, &u->kept);
 }
@@ -329,7 +549,8 @@ ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *
     u->policy_reduce = reduce_dtype;
     u->state = ST_BUILDING;
     u->sync = true;
-    if (k >= 2 && (st = make_kgroup(u))) {
+    st = cache_acquire(shard->world, ms_comm_world_rank(shard, u->rank), &u->cache);
+    if (st || (k >= 2 && (st = make_kgroup(u)))) {
         ms_unit_release(u);
         return st;
     }
@@ -349,8 +570,8 @@ static void param_free(ms_unit *u, unit_param *p) {
     buf_free(u, CAT_OPTIM, &p->exp_avg);
     buf_free(u, CAT_OPTIM, &p->exp_avg_sq);
     buf_free(u, CAT_OPTIM, &p->master);
-    buf_free(u, CAT_UNSHARDED, &p->full);
-    buf_free(u, CAT_UNSHARDED, &p->grad_full);
+    unsharded_free(u, &p->full, &p->full_flat);
+    unsharded_free(u, &p->grad_full, &p->grad_flat);
     buf_free(u, CAT_UNSHARDED, &p->grad_acc);
     free(p->fqn);
 }
@@ -361,6 +582,8 @@ void ms_unit_release(ms_unit *u) {
     op_clear(u);
     buf_free(u, CAT_UNSHARDED, &u->kept);
     for (int i = 0; i < u->nparams; i++) param_free(u, &u->params[i]);
+    cache_drop(u->cache, u);
+    cache_release(u->cache);
     ms_comm_release(u->kgroup);
     ms_comm_release(u->replicate);
     ms_comm_release(u->shard);
@@ -405,7 +628,7 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     p->padded_numel = 1;
     for (int d = 0; d < ndim; d++) p->padded_numel *= padded[d];
     if (!(p->fqn = strdup(fqn))) st = ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", u->name, fqn);
-    if (!st) st = buf_new(u, CAT_PARAMS, &p->padded, ndim, padded, dtype);
+    if (!st) st = buf_new(u, CAT_PARAMS, &p->padded, ndim, padded, dtype, true);
     if (!st) st = ms_tensor_narrow(&p->shard, p->padded, p->dim, 0, local[p->dim]);
     if (st) {
         param_free(u, p);
@@ -439,6 +662,16 @@ ms_status ms_unit_finalize(ms_unit *u) {
         return ms__fail(MS_ERR_OVERFLOW, "unit '%s': the all-gather buffer of %d x %lld elements overflows int64",
                         u->name, u->W, (long long)S);
     u->S = S;
+    /* One parameter with nothing before its shard dim (dim 0, or leading dims of size 1):
+     * rank q's block is rows [q*c, q*c + len_q) of the shard dim, so the blocks follow each
+     * other in the full tensor's row-major order with all padding rows at the end, and the
+     * gather and reduce buffers hold the full parameter and gradient as they are. */
+    if (u->nparams == 1 && S > 0) {
+        const unit_param *p = &u->params[0];
+        int64_t outer = 1;
+        for (int d = 0; d < p->dim; d++) outer *= p->shape[d];
+        u->in_place = outer == 1;
+    }
     u->state = ST_SHARDED;
     return ms__ok();
 }
@@ -471,6 +704,17 @@ static void rank_rows(const ms_unit *u, const unit_param *p, int q, int64_t *len
     ms_chunk_extent(p->shape[p->dim], u->W, q, len, off);
 }
 
+ms_status ms_unit_param_offset(const ms_unit *u, int i, int *dim, int64_t *offset, int64_t *rows) {
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "param_offset", i, &p);
+    if (st) return st;
+    if (!dim || !offset || !rows)
+        return ms__fail(MS_ERR_ARG, "unit '%s': param_offset '%s': NULL output", u->name, p->fqn);
+    *dim = p->dim;
+    rank_rows(u, p, u->rank, rows, offset);
+    return ms__ok();
+}
+
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
     unit_param *p = NULL;
     ms_status st = param_at(u, "load_full", i, &p);
@@ -496,12 +740,16 @@ ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
 
 /* Moves shard rank q's block of p between `full` (global shape) and `flat`, a 1-D buffer
  * holding q's padded block of p from element `at_elem`: full -> flat when to_flat, else
- * flat -> full, casting between their dtypes.  Only q's real rows move: the padding rows of
- * flat keep what they hold (zeros, in every buffer the unit packs). */
+ * flat -> full, casting between their dtypes.  Only q's real rows move; packing (to_flat)
+ * zeroes the padding rows after them in flat (only dim 0 pads, so they are the block's
+ * tail), unpacking leaves them alone. */
 static ms_status move_block(const ms_unit *u, const unit_param *p, int q, ms_tensor *full, ms_tensor *flat,
                             int64_t at_elem, bool to_flat) {
     int64_t len, off;
     rank_rows(u, p, q, &len, &off);
+    const int64_t real = len ? p->padded_numel / p->padded_shape[p->dim] * len : 0;
+    if (to_flat && real < p->padded_numel)
+        memset(at(flat, at_elem + real), 0, (size_t)((p->padded_numel - real) * ms_dtype_size(ms_tensor_dtype(flat))));
     ms_tensor *block = NULL, *shaped = NULL, *packed = NULL, *region = NULL;
     ms_status st = ms_tensor_narrow(&block, flat, 0, at_elem, p->padded_numel);
     if (!st) st = ms_tensor_view(&shaped, block, p->ndim, p->padded_shape);
@@ -512,6 +760,17 @@ static ms_status move_block(const ms_unit *u, const unit_param *p, int q, ms_ten
     ms_tensor_release(packed);
     ms_tensor_release(shaped);
     ms_tensor_release(block);
+    return st;
+}
+
+/* *out = the first elements of flat viewed as p's full tensor (in_place units). */
+static ms_status full_view(const unit_param *p, ms_tensor *flat, ms_tensor **out) {
+    int64_t numel = 1;
+    for (int d = 0; d < p->ndim; d++) numel *= p->shape[d];
+    ms_tensor *head = NULL;
+    ms_status st = ms_tensor_narrow(&head, flat, 0, 0, numel);
+    if (!st) st = ms_tensor_view(out, head, p->ndim, p->shape);
+    ms_tensor_release(head);
     return st;
 }
 
@@ -544,7 +803,7 @@ static ms_status op_submit(ms_unit *u, ms_async_fn fn, unit_state pending) {
  * the k-way shard); u->op the in-place all_gather that fills the rest. */
 static ms_status prepare_gather(ms_unit *u) {
     const int64_t es = ms_dtype_size(u->gather), total = u->W * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->gather);
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->gather, false);
     if (st) return st;
     u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat};
     ms_comm *group = u->op.comm;
@@ -583,13 +842,23 @@ ms_status ms_unit_unshard(ms_unit *u) {
     return ms__ok();
 }
 
-/* Copy-out: the (W, S) buffer split by rank and parameter into the unsharded parameters. */
+/* Copy-out: the (W, S) buffer split by rank and parameter into the unsharded parameters;
+ * an in_place unit's parameter views the buffer instead, which it keeps. */
 static ms_status finish_unshard(ms_unit *u) {
     ms_status st = MS_OK;
-    for (int i = 0; !st && i < u->nparams; i++) {
-        unit_param *p = &u->params[i];
-        st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, u->gather);
-        for (int q = 0; !st && q < u->W; q++) st = move_block(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, false);
+    if (u->in_place) {
+        unit_param *p = &u->params[0];
+        if (!(st = full_view(p, u->flat, &p->full))) {
+            p->full_flat = u->flat; /* its bytes stay counted as unsharded */
+            u->flat = NULL;
+        }
+    } else {
+        for (int i = 0; !st && i < u->nparams; i++) {
+            unit_param *p = &u->params[i];
+            st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, u->gather, false);
+            for (int q = 0; !st && q < u->W; q++)
+                st = move_block(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, false);
+        }
     }
     if (st) return st;
     op_clear(u);
@@ -602,7 +871,7 @@ static ms_status finish_unshard(ms_unit *u) {
 static ms_status keep_kway(ms_unit *u) {
     const int per = u->W / u->k, first = u->rank % u->k * per;
     const int64_t n = per * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather);
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather, false);
     for (int q = first; !st && q < first + per; q++)
         for (int i = 0; !st && i < u->nparams; i++) {
             unit_param *p = &u->params[i];
@@ -621,7 +890,7 @@ ms_status ms_unit_reshard(ms_unit *u) {
         return ms__ok();
     }
     if (u->k >= 2 && (st = keep_kway(u))) return ms__wrap(st, "unit '%s': reshard", u->name);
-    for (int i = 0; i < u->nparams; i++) buf_free(u, CAT_UNSHARDED, &u->params[i].full);
+    for (int i = 0; i < u->nparams; i++) unsharded_free(u, &u->params[i].full, &u->params[i].full_flat);
     u->state = u->k >= 2 ? ST_KWAY : ST_SHARDED;
     return ms__ok();
 }
@@ -631,6 +900,7 @@ ms_status ms_unit_release_unsharded(ms_unit *u) {
     ms_status st = check_state(u, "release_unsharded", ST_IDLE);
     if (st) return st;
     free_unsharded(u);
+    cache_drop(u->cache, u);
     u->state = ST_SHARDED;
     return ms__ok();
 }
@@ -652,7 +922,17 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
                  u->name, p->fqn);
         return NULL;
     }
-    if (!p->grad_full && buf_new(u, CAT_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather)) return NULL;
+    if (!p->grad_full) {
+        ms_status st;
+        if (u->in_place && u->reduce == u->gather) { /* written straight into the reduce_scatter input */
+            const int64_t total = u->W * u->S;
+            st = buf_new(u, CAT_UNSHARDED, &p->grad_flat, 1, &total, u->gather, true);
+            if (!st && (st = full_view(p, p->grad_flat, &p->grad_full))) buf_free(u, CAT_UNSHARDED, &p->grad_flat);
+        } else {
+            st = buf_new(u, CAT_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather, true);
+        }
+        if (st) return NULL;
+    }
     ms__ok();
     return p->grad_full;
 }
@@ -700,18 +980,19 @@ static divide_plan divide_factors(const ms_unit *u) {
  * freed. */
 static ms_status accumulate(ms_unit *u, unit_param *p) {
     if (!p->grad_acc) {
-        ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce);
+        ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
         if (st) return st;
     }
     ew(EW_ADD, ms_tensor_data(p->grad_acc), u->reduce, 0, ms_tensor_data(p->grad_full), u->gather, false,
        ms_tensor_numel(p->grad_full));
-    buf_free(u, CAT_UNSHARDED, &p->grad_full);
+    unsharded_free(u, &p->grad_full, &p->grad_flat);
     return MS_OK;
 }
 
 /* u->flat = the (W, S_r) reduce_scatter input: for every shard rank q, the padded blocks of
  * the gradients of this step (accumulator + this backward's gradient when sync was off),
- * pre-scaled; u->op the in-place reduce_scatter and HSDP all_reduce. */
+ * pre-scaled (an in_place unit's gradient was written there by the caller); u->op the
+ * in-place reduce_scatter and HSDP all_reduce. */
 static ms_status prepare_reduce(ms_unit *u) {
     int64_t sr = 0;
     ms_status st = MS_OK;
@@ -724,8 +1005,15 @@ static ms_status prepare_reduce(ms_unit *u) {
         if (!st && p->grad_full && p->grad_acc) st = accumulate(u, p);
     }
     const int64_t total = u->W * sr, es = ms_dtype_size(u->reduce);
-    if (!st) st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->reduce);
-    for (int q = 0; !st && q < u->W; q++)
+    unit_param *const in_place = !st && u->in_place && u->params[0].grad_flat ? &u->params[0] : NULL;
+    if (in_place) { /* the gradient was written into its (W, S) layout: nothing to pack */
+        view_free(&in_place->grad_full);
+        u->flat = in_place->grad_flat;
+        in_place->grad_flat = NULL;
+    } else if (!st) {
+        st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->reduce, false);
+    }
+    for (int q = 0; !st && !in_place && q < u->W; q++)
         for (int i = 0; !st && i < u->nparams; i++) {
             unit_param *p = &u->params[i];
             if (p->in_reduce)
@@ -786,7 +1074,7 @@ static ms_status finish_reduce(ms_unit *u) {
         if (!p->grad_padded) {
             int64_t len, off;
             rank_rows(u, p, u->rank, &len, &off);
-            ms_status st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored);
+            ms_status st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
             if (st) return st;
         }
@@ -864,9 +1152,9 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const adamw_hyper *h) {
     const int64_t n = ms_tensor_numel(p->shard);
     ms_status st = MS_OK;
     if (!p->exp_avg) {
-        st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32);
-        if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32);
-        if (!st && u->stored != MS_F32 && !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32)) && n)
+        st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32, true);
+        if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32, true);
+        if (!st && u->stored != MS_F32 && !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
             ms__cast_contig(ms_tensor_data(p->master), MS_F32, ms_tensor_data(p->padded), u->stored, n);
         if (st) return st;
     }
@@ -913,7 +1201,8 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
 /* ---------------------------------------------------------------- audits */
 
 int64_t ms_unit_bytes(const ms_unit *u, int category) {
-    return u && category >= 0 && category < CAT_COUNT ? u->bytes[category] : -1;
+    if (!u || category < 0 || category >= CAT_COUNT) return -1;
+    return category == CAT_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
 }
 
 int ms_unit_record_count(const ms_unit *u) { return u ? u->nrecords : 0; }

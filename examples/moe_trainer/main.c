@@ -21,6 +21,11 @@
  *   update   the loss averaged over the ranks, the gradient norm clipped at 1.0, AdamW on
  *            every unit's shards
  *
+ * With expert parallelism (ep > 1) a rank holds E/ep experts of each layer; a layer's
+ * routed experts run between its two halves, their tokens sent to the experts' ranks and
+ * the results brought back with all_to_all on the rank's ep group (README.md, "Expert
+ * parallelism").
+ *
  * Rank 0 prints "step K loss L" per step; --records, --memory and --save expose what the
  * runtime did, for the checks of tests/lua/trainer_spec.lua.
  */
@@ -61,6 +66,7 @@ typedef struct {
     int records, memory;
     // from --mesh and --config
     int dp;         // data-parallel size: dp_replicate * dp_shard * cp = RANKS
+    int ep;         // expert-parallel size: experts split over groups of ep ranks
     int batch_size; // B, global rows per step
     ModelConfig model;
 } Options;
@@ -75,8 +81,9 @@ static const char USAGE[] =
     "\n"
     "required:\n"
     "  -n RANKS        ranks (threads), 1..64: the product of the mesh sizes\n"
-    "  --mesh SPEC     e.g. dp_shard=4 or dp_replicate=2,dp_shard=2 (axes dp_replicate,\n"
-    "                  dp_shard, cp; pp, tp and ep may be given as 1; unset sizes are 1)\n"
+    "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 or dp_shard=4,ep=2 (axes\n"
+    "                  dp_replicate, dp_shard, cp and ep; pp and tp may be given as 1;\n"
+    "                  unset sizes are 1)\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 1)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
@@ -97,8 +104,14 @@ static const char USAGE[] =
     "\n"
     "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
     "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps 1e-8, no weight decay; gradient\n"
-    "norm clipped at 1.0; e_score_correction_bias is frozen.  Not supported: expert (ep),\n"
-    "pipeline (pp) and tensor (tp) parallelism.\n"
+    "norm clipped at 1.0; e_score_correction_bias is frozen.\n"
+    "\n"
+    "Expert parallelism (ep > 1): the ranks form groups of ep consecutive ranks; rank r\n"
+    "holds experts [(r mod ep) E/ep, (r mod ep + 1) E/ep) of every layer, and each layer\n"
+    "sends its tokens to the experts' ranks and the results back with all_to_all on that\n"
+    "group (gradients likewise in backward).  The planner's MoE mesh decides the rest:\n"
+    "with ep_shard = RANKS/ep > 1 the experts are also FSDP-sharded over ep_shard.\n"
+    "Not supported: pipeline (pp) and tensor (tp) parallelism.\n"
     "Exit status: 0 trained, 1 a failure while planning or training, 2 a usage error.\n";
 
 // Prints a usage error and returns 2 (the exit status).
@@ -139,14 +152,15 @@ static int parse_mesh(Options *o) {
             return usage_error("--mesh: '%s%s%s' is not AXIS=SIZE with an axis of pp, dp_replicate, dp_shard, "
                                "cp, tp, ep and a size 1..%d", item, eq ? "=" : "", eq ? eq + 1 : "", MAX_RANKS);
     }
-    if (size[5] > 1) return usage_error("--mesh: ep = %ld: expert parallelism is not supported by moe_trainer "
-                                        "(its experts would live outside the shard units)", size[5]);
     if (size[0] > 1 || size[4] > 1)
         return usage_error("--mesh: pipeline (pp) and tensor (tp) parallelism are not supported by moe_trainer");
     long world = size[1] * size[2] * size[3];
     if (world != o->nranks)
         return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
     o->dp = (int)world; // with pp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
+    o->ep = (int)size[5];
+    if (world % o->ep)
+        return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, world);
     return 0;
 }
 
@@ -230,6 +244,8 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (model_config_check(&o->model, err, sizeof err)) return usage_error("%s", err);
     if (o->batch_size % o->dp)
         return usage_error("batch_size %d does not divide over the %d data-parallel ranks", o->batch_size, o->dp);
+    if (o->model.num_experts % o->ep)
+        return usage_error("num_experts %d does not divide over ep = %d", o->model.num_experts, o->ep);
     return 0;
 }
 
@@ -247,6 +263,19 @@ typedef struct {
     char err[2048];
     int64_t bytes[3], planned[3]; // --memory: params, grads, optimizer: allocated and planned
 } RankArgs;
+
+// One layer's routed experts under expert parallelism, kept from forward to backward.  The
+// pairs (position, slot) of this rank go to the ranks of its ep group that hold their
+// experts, in chunks of `cap` rows (the largest count any rank sends any peer).
+typedef struct {
+    int cap;                  // rows a chunk holds in this layer's exchanges
+    int *send_count;          // (ep) pairs sent to each peer
+    int *recv_count;          // (ep) rows received from each peer
+    int *order;               // (BT*K) this rank's pairs, grouped by destination
+    int nrecv;                // rows received in all, computed here
+    int *ids;                 // (nrecv) local expert of each received row
+    float *x, *gu, *act;      // (nrecv, H), (nrecv, 2I), (nrecv, I): inputs and saved activations
+} EpLayer;
 
 typedef struct {
     const Options *opt;
@@ -267,6 +296,12 @@ typedef struct {
     int rows;                     // B / dp rows of the global batch on this rank
     int *tokens;                  // (rows, T+1)
     void *ws;                     // model_workspace_size(cfg, rows) bytes
+    // expert parallelism: this rank holds experts [ep_base, ep_base + ep_local) of each layer
+    int ep, ep_local, ep_base;
+    ms_comm *ep_group;            // this rank's ep group, tag 1: apart from the units' groups
+    EpLayer *ep_layers;           // (L)
+    float *ep_send, *ep_recv;     // exchange buffers, ep_cap floats each
+    size_t ep_cap;
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st.
@@ -306,6 +341,29 @@ static ms_status all_reduce_one(Trainer *tr, double *v, ms_op op) {
     ms_tensor_release(t);
     TRY("all_reduce over the world", st);
     return MS_OK;
+}
+
+// 1 for the routed experts' tensors, which expert parallelism splits by expert (dim 0).
+static int is_expert_param(const ModelConfig *cfg, int i) {
+    if (i < 1 || i >= model_final_norm(cfg)) return 0;
+    int k = (i - 1) % LP_COUNT;
+    return k == LP_EXPERTS_GATE_UP || k == LP_EXPERTS_DOWN;
+}
+
+// The part of parameter i this rank's units hold: the whole tensor, or under expert
+// parallelism the experts [ep_base, ep_base + ep_local) of an expert tensor.  Returns the
+// offset in floats; *numel and shape (the part's) are filled.
+static size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
+    const ModelParam *p = &tr->table[i];
+    for (int d = 0; d < 3; d++) shape[d] = p->shape[d];
+    if (tr->ep == 1 || !is_expert_param(tr->cfg, i)) {
+        *numel = p->numel;
+        return 0;
+    }
+    size_t per_expert = p->numel / (size_t)p->shape[0];
+    shape[0] = tr->ep_local;
+    *numel = per_expert * (size_t)tr->ep_local;
+    return per_expert * (size_t)tr->ep_base;
 }
 
 static int param_stage(const ModelConfig *cfg, int i) {
@@ -367,14 +425,17 @@ static ms_status locate_params(Trainer *tr) {
     return MS_OK;
 }
 
+// Wraps this rank's part (param_part) of parameter i in the full buffer `data`.
 static ms_status wrap_param(Trainer *tr, int i, float *data, ms_tensor **out) {
-    const ModelParam *p = &tr->table[i];
-    int64_t shape[3] = {p->shape[0], p->shape[1], p->shape[2]};
-    TRY("wrapping a parameter", ms_tensor_wrap(out, data, p->ndim, shape, MS_F32));
+    size_t numel;
+    int64_t shape[3];
+    size_t off = param_part(tr, i, &numel, shape);
+    TRY("wrapping a parameter", ms_tensor_wrap(out, data + off, tr->table[i].ndim, shape, MS_F32));
     return MS_OK;
 }
 
-// Every parameter from the seed into a full f32 buffer, then this rank's rows into its unit.
+// Every parameter from the seed into a full f32 buffer, then this rank's part into its unit
+// (which keeps its own rows of it).
 static ms_status init_params(Trainer *tr) {
     for (int i = 0; i < tr->nparams; i++) {
         model_init_param(tr->cfg, i, tr->param_ptrs[i], tr->opt->seed);
@@ -383,6 +444,10 @@ static ms_status init_params(Trainer *tr) {
         if (st) return st;
         st = ms_unit_load_full(tr->units[tr->unit_of[i]], tr->index_of[i], full);
         ms_tensor_release(full);
+        if (st && tr->ep > 1 && is_expert_param(tr->cfg, i))
+            return fail(tr, st, "initialising the shards", "%s (with ep = %d a rank holds %d of the %d experts: "
+                        "does the policy give them to expert parallelism with ctx:expert_parallel?)",
+                        ms_last_error(), tr->ep, tr->ep_local, tr->cfg->num_experts);
         TRY("initialising the shards", st);
     }
     return MS_OK;
@@ -414,9 +479,12 @@ static ms_status gather_stage(Trainer *tr, int s) {
     for (int i = 0; i < tr->nparams; i++) {
         if (tr->stage_of[i] != s) continue;
         ms_tensor *full;
+        size_t numel;
+        int64_t shape[3];
+        size_t off = param_part(tr, i, &numel, shape);
         GET(full, "reading a gathered parameter", ms_unit_param_full(tr->units[tr->unit_of[i]], tr->index_of[i]));
-        TRY("casting a gathered parameter", ms_cast(tr->param_ptrs[i], MS_F32, ms_tensor_data(full),
-                                                    ms_tensor_dtype(full), (int64_t)tr->table[i].numel));
+        TRY("casting a gathered parameter", ms_cast(tr->param_ptrs[i] + off, MS_F32, ms_tensor_data(full),
+                                                    ms_tensor_dtype(full), (int64_t)numel));
     }
     return MS_OK;
 }
@@ -426,12 +494,207 @@ static ms_status reduce_unit(Trainer *tr, int u) {
     for (int i = 0; i < tr->nparams; i++) {
         if (tr->unit_of[i] != u || !tr->table[i].requires_grad) continue;
         ms_tensor *g;
+        size_t numel;
+        int64_t shape[3];
+        size_t off = param_part(tr, i, &numel, shape);
         GET(g, "handing out a gradient", ms_unit_grad_full(tr->units[u], tr->index_of[i]));
-        TRY("casting a gradient", ms_cast(ms_tensor_data(g), ms_tensor_dtype(g), tr->grad_ptrs[i], MS_F32,
-                                          (int64_t)tr->table[i].numel));
+        TRY("casting a gradient", ms_cast(ms_tensor_data(g), ms_tensor_dtype(g), tr->grad_ptrs[i] + off, MS_F32,
+                                          (int64_t)numel));
     }
     TRY("reduce_grads", ms_unit_reduce_grads(tr->units[u]));
     tr->gathered[u] = 0;
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// expert parallelism: tokens to the experts' ranks and back with all_to_all
+
+// At least n floats in each exchange buffer.
+static ms_status ep_reserve(Trainer *tr, size_t n) {
+    if (n <= tr->ep_cap) return MS_OK;
+    float *a = realloc(tr->ep_send, n * sizeof(float)), *b = a ? realloc(tr->ep_recv, n * sizeof(float)) : NULL;
+    if (a) tr->ep_send = a;
+    if (b) tr->ep_recv = b;
+    if (!a || !b) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory for %zu floats", n);
+    tr->ep_cap = n;
+    return MS_OK;
+}
+
+// all_to_all on the ep group of chunks of `cap` rows of `width` floats (ep_send -> ep_recv).
+static ms_status ep_exchange(Trainer *tr, int cap, int width) {
+    int64_t n = (int64_t)tr->ep * cap * width;
+    ms_tensor *in = NULL, *out = NULL;
+    ms_status st = ms_tensor_wrap(&in, tr->ep_send, 1, &n, MS_F32);
+    if (!st) st = ms_tensor_wrap(&out, tr->ep_recv, 1, &n, MS_F32);
+    if (!st) st = ms_all_to_all(tr->ep_group, out, in);
+    ms_tensor_release(in);
+    ms_tensor_release(out);
+    TRY("all_to_all on the ep group", st);
+    return MS_OK;
+}
+
+// Routes layer l's pairs: who gets which, how many each peer sends here, the chunk size.
+static ms_status ep_route(Trainer *tr, int l, EpLayer *el) {
+    const int P = tr->rows * tr->cfg->seq_len * tr->cfg->top_k, ep = tr->ep;
+    const int *choice = model_routing(tr->cfg, l, tr->ws);
+    memset(el->send_count, 0, (size_t)ep * sizeof(int));
+    for (int p = 0; p < P; p++) el->send_count[choice[p] / tr->ep_local]++;
+    int *next = el->recv_count; // scratch: where each destination's pairs go in `order`
+    for (int j = 0, at = 0; j < ep; at += el->send_count[j], j++) next[j] = at;
+    for (int p = 0; p < P; p++) el->order[next[choice[p] / tr->ep_local]++] = p;
+    // counts to every peer (one row of one float each), then the largest over the group
+    CHECK(ep_reserve(tr, (size_t)ep));
+    int most = 0;
+    for (int j = 0; j < ep; j++) {
+        tr->ep_send[j] = (float)el->send_count[j];
+        if (el->send_count[j] > most) most = el->send_count[j];
+    }
+    CHECK(ep_exchange(tr, 1, 1));
+    el->nrecv = 0;
+    for (int j = 0; j < ep; j++) el->nrecv += el->recv_count[j] = (int)tr->ep_recv[j];
+    double cap = most;
+    ms_tensor *t = NULL;
+    int64_t one = 1;
+    TRY("wrapping a scalar", ms_tensor_wrap(&t, &cap, 1, &one, MS_F64));
+    ms_status st = ms_all_reduce(tr->ep_group, t, MS_OP_MAX);
+    ms_tensor_release(t);
+    TRY("all_reduce on the ep group", st);
+    el->cap = (int)cap;
+    return MS_OK;
+}
+
+// Sends rows of `width` floats, one per pair of this rank (row(p) gives pair p's), to the
+// experts' ranks: on return ep_recv holds chunk j from peer j.
+typedef const float *(*pair_row_fn)(Trainer *tr, int l, int p);
+static ms_status ep_send_pairs(Trainer *tr, int l, EpLayer *el, int width, pair_row_fn row, int with_id) {
+    const int stride = width + with_id;
+    CHECK(ep_reserve(tr, (size_t)tr->ep * el->cap * stride));
+    const int *choice = model_routing(tr->cfg, l, tr->ws);
+    for (int j = 0, at = 0; j < tr->ep; at += el->send_count[j], j++)
+        for (int s = 0; s < el->send_count[j]; s++) {
+            int p = el->order[at + s];
+            float *dst = tr->ep_send + ((size_t)j * el->cap + s) * stride;
+            memcpy(dst, row(tr, l, p), (size_t)width * sizeof(float));
+            if (with_id) dst[width] = (float)(choice[p] - j * tr->ep_local); // the owner's local expert
+        }
+    return ep_exchange(tr, el->cap, stride);
+}
+
+// The reverse: rows (width floats) of the rows received, in the order received, go back to
+// their senders; each arrives in out + p * width of its pair p.
+static ms_status ep_return_rows(Trainer *tr, EpLayer *el, const float *rows, int width, float *out) {
+    CHECK(ep_reserve(tr, (size_t)tr->ep * el->cap * width));
+    for (int j = 0, r = 0; j < tr->ep; j++)
+        for (int s = 0; s < el->recv_count[j]; s++, r++)
+            memcpy(tr->ep_send + ((size_t)j * el->cap + s) * width, rows + (size_t)r * width,
+                   (size_t)width * sizeof(float));
+    CHECK(ep_exchange(tr, el->cap, width));
+    for (int j = 0, at = 0; j < tr->ep; at += el->send_count[j], j++)
+        for (int s = 0; s < el->send_count[j]; s++)
+            memcpy(out + (size_t)el->order[at + s] * width, tr->ep_recv + ((size_t)j * el->cap + s) * width,
+                   (size_t)width * sizeof(float));
+    return MS_OK;
+}
+
+// The rows received (chunks of rows of `stride` floats) packed: their first `width` floats
+// into rows, and with ids the float after them (the local expert) into ids.
+static void ep_unpack(const Trainer *tr, const EpLayer *el, int stride, int width, float *rows, int *ids) {
+    for (int j = 0, r = 0; j < tr->ep; j++)
+        for (int s = 0; s < el->recv_count[j]; s++, r++) {
+            const float *src = tr->ep_recv + ((size_t)j * el->cap + s) * stride;
+            memcpy(rows + (size_t)r * width, src, (size_t)width * sizeof(float));
+            if (ids) ids[r] = (int)src[width];
+        }
+}
+
+// Grows a layer's per-row buffers to hold nrecv rows.
+static ms_status ep_layer_reserve(Trainer *tr, EpLayer *el) {
+    const size_t n = (size_t)(el->nrecv ? el->nrecv : 1), H = tr->cfg->hidden_size, I = tr->cfg->expert_dim;
+    int *ids = realloc(el->ids, n * sizeof(int));
+    if (ids) el->ids = ids;
+    float **bufs[3] = {&el->x, &el->gu, &el->act};
+    const size_t width[3] = {H, 2 * I, I};
+    int ok = ids != NULL;
+    for (int k = 0; ok && k < 3; k++) {
+        float *b = realloc(*bufs[k], n * width[k] * sizeof(float));
+        if (b) *bufs[k] = b;
+        ok = b != NULL;
+    }
+    return ok ? MS_OK : fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory for %d rows", el->nrecv);
+}
+
+static const float *pair_input(Trainer *tr, int l, int p) {
+    return model_layer_moe_input(tr->cfg, l, tr->ws) + (size_t)(p / tr->cfg->top_k) * tr->cfg->hidden_size;
+}
+static const float *pair_dout(Trainer *tr, int l, int p) {
+    (void)l;
+    return model_layer_expert_dout(tr->cfg, tr->ws) + (size_t)p * tr->cfg->hidden_size;
+}
+
+// This rank's slice of an expert tensor of layer l (its experts, local index 0..ep_local).
+static float *local_experts(const Trainer *tr, float *const *ptrs, int l, int k) {
+    int i = model_layer_param(tr->cfg, l, k);
+    size_t numel;
+    int64_t shape[3];
+    return ptrs[i] + param_part(tr, i, &numel, shape);
+}
+
+// Layer l's routed experts, forward: pairs out, experts run here on what arrives, back.
+static ms_status ep_forward(Trainer *tr, int l) {
+    EpLayer *el = &tr->ep_layers[l];
+    const int H = tr->cfg->hidden_size;
+    CHECK(ep_route(tr, l, el));
+    CHECK(ep_send_pairs(tr, l, el, H, pair_input, 1));
+    CHECK(ep_layer_reserve(tr, el));
+    ep_unpack(tr, el, H + 1, H, el->x, el->ids);
+    float *out = malloc((size_t)(el->nrecv ? el->nrecv : 1) * H * sizeof(float));
+    if (!out) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory");
+    model_experts_forward(tr->cfg, local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_GATE_UP),
+                          local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_DOWN), el->ids, el->x, 1, el->nrecv,
+                          out, el->gu, el->act);
+    ms_status st = ep_return_rows(tr, el, out, H, model_layer_expert_out(tr->cfg, l, tr->ws));
+    free(out);
+    return st;
+}
+
+// Layer l's routed experts, backward: d output of each pair to the expert's rank, the
+// expert gradients accumulated there, d input of each pair back.
+static ms_status ep_backward(Trainer *tr, int l) {
+    EpLayer *el = &tr->ep_layers[l];
+    const int H = tr->cfg->hidden_size;
+    CHECK(ep_send_pairs(tr, l, el, H, pair_dout, 0));
+    float *dout = malloc((size_t)(el->nrecv ? el->nrecv : 1) * 2 * H * sizeof(float));
+    if (!dout) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory");
+    float *dx = dout + (size_t)(el->nrecv ? el->nrecv : 1) * H;
+    ep_unpack(tr, el, H, H, dout, NULL);
+    model_experts_backward(tr->cfg, local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_GATE_UP),
+                           local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_DOWN), el->ids, el->x, 1, el->nrecv,
+                           el->gu, el->act, dout, dx, local_experts(tr, tr->grad_ptrs, l, LP_EXPERTS_GATE_UP),
+                           local_experts(tr, tr->grad_ptrs, l, LP_EXPERTS_DOWN), tr->ws);
+    ms_status st = ep_return_rows(tr, el, dx, H, model_layer_expert_dh(tr->cfg, tr->ws));
+    free(dout);
+    return st;
+}
+
+static ms_status forward_layer(Trainer *tr, int l) {
+    if (tr->ep == 1) {
+        model_forward_layer(tr->cfg, l, tr->param_ptrs, tr->ws);
+        return MS_OK;
+    }
+    model_forward_layer_begin(tr->cfg, l, tr->param_ptrs, tr->ws);
+    CHECK(ep_forward(tr, l));
+    model_forward_layer_end(tr->cfg, l, tr->param_ptrs, tr->ws);
+    return MS_OK;
+}
+
+static ms_status backward_layer(Trainer *tr, int l) {
+    if (tr->ep == 1) {
+        model_backward_layer(tr->cfg, l, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        return MS_OK;
+    }
+    model_backward_layer_begin(tr->cfg, l, tr->ws);
+    CHECK(ep_backward(tr, l));
+    model_backward_layer_end(tr->cfg, l, tr->param_ptrs, tr->grad_ptrs, tr->ws);
     return MS_OK;
 }
 
@@ -445,7 +708,7 @@ static ms_status forward(Trainer *tr, float *loss) {
             if (model_forward_embed(cfg, tr->param_ptrs, tr->tokens, tr->rows, tr->ws))
                 return fail(tr, MS_ERR_ARG, "forward", "a byte of the text is outside the vocabulary");
         } else if (s <= cfg->num_layers) {
-            model_forward_layer(cfg, s - 1, tr->param_ptrs, tr->ws);
+            CHECK(forward_layer(tr, s - 1));
         } else {
             *loss = model_forward_head(cfg, tr->param_ptrs, tr->ws);
         }
@@ -466,7 +729,7 @@ static ms_status backward(Trainer *tr) {
         CHECK(gather_stage(tr, s));
         if (s > 0) CHECK(unshard_stage(tr, s - 1)); // prefetch
         if (s == 0) model_backward_embed(cfg, tr->grad_ptrs, tr->ws);
-        else if (s <= cfg->num_layers) model_backward_layer(cfg, s - 1, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        else if (s <= cfg->num_layers) CHECK(backward_layer(tr, s - 1));
         else model_backward_head(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
         for (int u = 0; u < tr->nunits; u++)
             if (tr->first_stage[u] == s) CHECK(reduce_unit(tr, u));
@@ -592,39 +855,44 @@ static int write_safetensors(const char *path, const ModelParam *table, int n, c
 
 // The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
 // rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
-// fills it (ranks holding the same element hold the same value).  Where a shard's elements
-// sit in the full tensor is read back from the unit itself: loading a tensor of flat indices
-// (exact in f32 up to 2^24 elements) puts into the shard the index of each of its elements.
-// That overwrites the shards, so this ends the run.
+// fills it (ranks holding the same element hold the same value).  A shard is the rows
+// [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
+// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
 static ms_status save(Trainer *tr) {
     const size_t P = model_param_numel(tr->cfg);
     float *full = tr->grads; // (P) reused: the assembled parameters
     for (size_t j = 0; j < P; j++) full[j] = -INFINITY;
-    ms_status st = MS_OK;
-    for (int i = 0; !st && i < tr->nparams; i++) {
+    for (int i = 0; i < tr->nparams; i++) {
         const ModelParam *p = &tr->table[i];
-        if (p->numel > (1u << 24)) return fail(tr, MS_ERR_SHAPE, "--save", "%s has more than 2^24 elements", p->name);
         ms_unit *u = tr->units[tr->unit_of[i]];
-        ms_tensor *shard, *values = NULL, *where = NULL, *index = NULL;
+        size_t numel;
+        int64_t shape[3], offset, rows;
+        int dim;
+        const size_t part = param_part(tr, i, &numel, shape);
+        ms_tensor *shard, *values = NULL;
+        TRY("--save", ms_unit_param_offset(u, tr->index_of[i], &dim, &offset, &rows));
         GET(shard, "--save", ms_unit_param_shard(u, tr->index_of[i]));
-        for (size_t j = 0; j < p->numel; j++) tr->param_ptrs[i][j] = (float)j;
-        st = ms_tensor_to(&values, shard, MS_F32);
-        if (!st) st = wrap_param(tr, i, tr->param_ptrs[i], &index);
-        if (!st) st = ms_unit_load_full(u, tr->index_of[i], index);
-        if (!st) st = ms_tensor_to(&where, shard, MS_F32);
-        if (!st) {
-            const float *v = ms_tensor_data(values), *w = ms_tensor_data(where);
-            for (int64_t j = 0; j < ms_tensor_numel(values); j++) full[p->offset + (size_t)w[j]] = v[j];
-        }
+        TRY("--save: reading a shard", ms_tensor_to(&values, shard, MS_F32));
+        // values: the part's (outer, shape[dim], inner) narrowed to (outer, rows, inner)
+        size_t outer = 1, inner = 1;
+        for (int d = 0; d < dim; d++) outer *= (size_t)shape[d];
+        for (int d = dim + 1; d < p->ndim; d++) inner *= (size_t)shape[d];
+        const size_t run = (size_t)rows * inner;
+        const float *v = ms_tensor_data(values);
+        float *dst = full + p->offset + part;
+        const int fits =
+            (size_t)ms_tensor_numel(values) == outer * run && outer * (size_t)shape[dim] * inner == numel;
+        for (size_t o = 0; fits && run && o < outer; o++)
+            memcpy(dst + (o * (size_t)shape[dim] + (size_t)offset) * inner, v + o * run, run * sizeof *v);
         ms_tensor_release(values);
-        ms_tensor_release(where);
-        ms_tensor_release(index);
+        if (!fits)
+            return fail(tr, MS_ERR_INTERNAL, "--save", "the shard of %s does not match its part of the parameter",
+                        p->name);
     }
-    TRY("--save: reading the shards", st);
     ms_tensor *t = NULL;
     int64_t n = (int64_t)P;
     TRY("--save", ms_tensor_wrap(&t, full, 1, &n, MS_F32));
-    st = ms_all_reduce(tr->world, t, MS_OP_MAX);
+    ms_status st = ms_all_reduce(tr->world, t, MS_OP_MAX);
     ms_tensor_release(t);
     TRY("--save: all_reduce over the world", st);
     for (size_t j = 0; j < P; j++)
@@ -673,7 +941,40 @@ static ms_status alloc_unit_state(Trainer *tr) {
     return MS_OK;
 }
 
+// The ep group (tag 1, so that its all_to_alls never pair up with a unit's collectives on
+// the same ranks) and each layer's routing state.
+static ms_status setup_expert_parallel(Trainer *tr) {
+    const int ep = tr->opt->ep, L = tr->cfg->num_layers, rank = tr->args->rank;
+    tr->ep = ep;
+    tr->ep_local = tr->cfg->num_experts / ep;
+    tr->ep_base = rank % ep * tr->ep_local;
+    if (ep == 1) return MS_OK;
+    int members[MAX_RANKS];
+    for (int j = 0; j < ep; j++) members[j] = rank / ep * ep + j;
+    TRY("making the ep group", ms_comm_group_tagged(tr->world, ep, members, 1, &tr->ep_group));
+    tr->ep_layers = calloc((size_t)L, sizeof *tr->ep_layers);
+    if (!tr->ep_layers) return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    const size_t P = (size_t)tr->rows * tr->cfg->seq_len * tr->cfg->top_k;
+    for (int l = 0; l < L; l++) {
+        EpLayer *el = &tr->ep_layers[l];
+        el->send_count = calloc((size_t)ep, sizeof(int));
+        el->recv_count = calloc((size_t)ep, sizeof(int));
+        el->order = calloc(P, sizeof(int));
+        if (!el->send_count || !el->recv_count || !el->order) return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    }
+    return MS_OK;
+}
+
 static void free_buffers(Trainer *tr) {
+    for (int l = 0; tr->ep_layers && l < tr->cfg->num_layers; l++) {
+        EpLayer *el = &tr->ep_layers[l];
+        void *bufs[] = {el->send_count, el->recv_count, el->order, el->ids, el->x, el->gu, el->act};
+        for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) free(bufs[k]);
+    }
+    free(tr->ep_layers);
+    free(tr->ep_send);
+    free(tr->ep_recv);
+    ms_comm_release(tr->ep_group);
     void *all[] = {tr->table, tr->units, tr->unit_of, tr->index_of, tr->stage_of, tr->first_stage, tr->last_stage,
                    tr->gathered, tr->params, tr->grads, tr->param_ptrs, tr->grad_ptrs, tr->tokens, tr->ws};
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
@@ -689,7 +990,9 @@ static ms_status train(Trainer *tr) {
     CHECK(describe_model(tr));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
+    tr->nunits = ms_interp_unit_count(tr->in); // the plan's and the ep-local ones
     CHECK(alloc_unit_state(tr));
+    CHECK(setup_expert_parallel(tr));
     CHECK(locate_params(tr));
     CHECK(init_params(tr));
     for (long step = 1; step <= opt->steps; step++) {

@@ -219,6 +219,9 @@ typedef struct {
     float *deact;    // (I)
     float *degu;     // (2I)
     float *dweight;  // (K)
+    float *edw;      // (BT, K) d loss / d routing weight, of the layer being run backward
+    float *edout;    // (BT, K, H) d loss / d expert output of each pair, same layer
+    float *edh;      // (BT, K, H) d loss / d h through each pair's expert, same layer
 } Acts;
 
 enum { WS_ALIGN = 64 };
@@ -265,6 +268,9 @@ static size_t acts_layout(const ModelConfig *c, int B, char *base, Acts *a) {
     a->deact = take(base, &off, I * f);
     a->degu = take(base, &off, 2 * I * f);
     a->dweight = take(base, &off, K * f);
+    a->edw = take(base, &off, BT * K * f);
+    a->edout = take(base, &off, BT * K * H * f);
+    a->edh = take(base, &off, BT * K * H * f);
     return off;
 }
 
@@ -431,62 +437,126 @@ static void router_forward(float *score, int *choice, float *weight, const float
     for (int k = 0; k < K; k++) weight[k] = score[choice[k]] / sum;
 }
 
-// One expert on one position: gu (2I) = h @ Wgu (H, 2I), act (I), out (H) = act @ Wd (I, H).
-static void expert_forward(float *out, float *gu, float *act, const float *h, const float *wgu,
+// One expert on one row: gu (2I) = x @ Wgu (H, 2I), act (I), out (H) = act @ Wd (I, H).
+static void expert_forward(float *out, float *gu, float *act, const float *x, const float *wgu,
                            const float *wd, int H, int I) {
     memset(gu, 0, 2 * (size_t)I * sizeof(float));
-    for (int c = 0; c < H; c++) axpy(gu, h[c], wgu + (size_t)c * 2 * I, 2 * I);
+    for (int c = 0; c < H; c++) axpy(gu, x[c], wgu + (size_t)c * 2 * I, 2 * I);
     swiglu_forward(act, gu, I);
     memset(out, 0, (size_t)H * sizeof(float));
     for (int i = 0; i < I; i++) axpy(out, act[i], wd + (size_t)i * H, H);
 }
 
-void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+void model_experts_forward(const ModelConfig *cfg, const float *wgu, const float *wd,
+                           const int *ids, const float *x, int rep, int n, float *out, float *gu,
+                           float *act) {
+    int H = cfg->hidden_size, I = cfg->expert_dim;
+    for (int j = 0; j < n; j++) {
+        size_t e = (size_t)ids[j];
+        expert_forward(out + (size_t)j * H, gu + (size_t)j * 2 * I, act + (size_t)j * I,
+                       x + (size_t)(j / rep) * H, wgu + e * H * 2 * I, wd + e * I * H, H, I);
+    }
+}
+
+void model_experts_backward(const ModelConfig *cfg, const float *wgu, const float *wd,
+                            const int *ids, const float *x, int rep, int n, const float *gu,
+                            const float *act, const float *dout, float *dx, float *dwgu,
+                            float *dwd, void *ws) {
+    int H = cfg->hidden_size, I = cfg->expert_dim;
+    Acts a;
+    acts_of(cfg, ws, &a);
+    for (int j = 0; j < n; j++) {
+        size_t e = (size_t)ids[j];
+        const float *wgu_e = wgu + e * H * 2 * I, *wd_e = wd + e * I * H;
+        const float *dy = dout + (size_t)j * H, *xj = x + (size_t)(j / rep) * H;
+        const float *gu_j = gu + (size_t)j * 2 * I, *act_j = act + (size_t)j * I;
+        float *dxj = dx + (size_t)j * H;
+        for (int i = 0; i < I; i++) {
+            a.deact[i] = dot(wd_e + (size_t)i * H, dy, H);
+            axpy(dwd + e * I * H + (size_t)i * H, act_j[i], dy, H);
+        }
+        swiglu_backward(a.degu, a.deact, gu_j, I);
+        for (int c = 0; c < H; c++) {
+            dxj[c] = dot(wgu_e + (size_t)c * 2 * I, a.degu, 2 * I);
+            axpy(dwgu + e * H * 2 * I + (size_t)c * 2 * I, xj[c], a.degu, 2 * I);
+        }
+    }
+}
+
+// The layer's parameters by role.
+typedef struct {
+    const float *query, *norm, *sconv;    // (H), (H), (H, 1, Kc)
+    const float *gate, *bias;             // (E, H), (E)
+    const float *wgu, *wd;                // (E, H, 2I), (E, I, H)
+    const float *sg, *su, *sd;            // (Is, H), (Is, H), (H, Is)
+} LayerParams;
+
+static LayerParams layer_params(const ModelConfig *cfg, int l, float *const *params) {
+    float *const *p = params + model_layer_param(cfg, l, 0);
+    return (LayerParams){p[LP_MLP_QUERY], p[LP_MLP_NORM], p[LP_MLP_SCONV], p[LP_GATE],
+                         p[LP_GATE_BIAS], p[LP_EXPERTS_GATE_UP], p[LP_EXPERTS_DOWN],
+                         p[LP_SHARED_GATE], p[LP_SHARED_UP], p[LP_SHARED_DOWN]};
+}
+
+void model_forward_layer_begin(const ModelConfig *cfg, int l, float *const *params, void *ws) {
     int T = cfg->seq_len, H = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
-    int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
-    float *const *p = params + model_layer_param(cfg, l, 0);
-    const float *query = p[LP_MLP_QUERY];   // (H)
-    const float *norm = p[LP_MLP_NORM];     // (H)
-    const float *gate = p[LP_GATE];         // (E, H)
-    const float *bias = p[LP_GATE_BIAS];    // (E)
-    const float *wgu = p[LP_EXPERTS_GATE_UP]; // (E, H, 2I)
-    const float *wd = p[LP_EXPERTS_DOWN];   // (E, I, H)
-    const float *sg = p[LP_SHARED_GATE];    // (Is, H)
-    const float *su = p[LP_SHARED_UP];      // (Is, H)
-    const float *sd = p[LP_SHARED_DOWN];    // (H, Is)
-
+    LayerParams lp = layer_params(cfg, l, params);
     for (int n = 0; n < BT; n++)
-        query_norm_forward(la.hnorm + (size_t)n * H, la.rstd + n, la.x + (size_t)n * H, query,
-                           norm, H);
-    sconv_forward(la.h, la.hnorm, p[LP_MLP_SCONV], B, T, H, cfg->conv_kernel);
+        query_norm_forward(la.hnorm + (size_t)n * H, la.rstd + n, la.x + (size_t)n * H, lp.query,
+                           lp.norm, H);
+    sconv_forward(la.h, la.hnorm, lp.sconv, B, T, H, cfg->conv_kernel);
+    for (int n = 0; n < BT; n++)
+        router_forward(la.score + (size_t)n * E, la.choice + (size_t)n * K,
+                       la.weight + (size_t)n * K, la.h + (size_t)n * H, lp.gate, lp.bias, E, K, H);
+}
 
+void model_forward_layer_end(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
+    int Is = cfg->expert_dim * cfg->num_shared;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    LayerParams lp = layer_params(cfg, l, params);
     for (int n = 0; n < BT; n++) {
         const float *h = la.h + (size_t)n * H;
         float *xnext = la.xnext + (size_t)n * H;
-        int *choice = la.choice + (size_t)n * K;
-        float *weight = la.weight + (size_t)n * K;
         memcpy(xnext, la.x + (size_t)n * H, H * sizeof(float));
-
-        router_forward(la.score + (size_t)n * E, choice, weight, h, gate, bias, E, K, H);
-        for (int k = 0; k < K; k++) {
-            size_t nk = (size_t)n * K + k, e = choice[k];
-            float *out = la.eout + nk * H;
-            expert_forward(out, la.egu + nk * 2 * I, la.eact + nk * I, h, wgu + e * H * 2 * I,
-                           wd + e * I * H, H, I);
-            axpy(xnext, weight[k], out, H);
-        }
-
+        for (int k = 0; k < K; k++)
+            axpy(xnext, la.weight[(size_t)n * K + k], la.eout + ((size_t)n * K + k) * H, H);
         float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
         for (int i = 0; i < Is; i++) {
-            sgu[i] = dot(h, sg + (size_t)i * H, H);
-            sgu[Is + i] = dot(h, su + (size_t)i * H, H);
+            sgu[i] = dot(h, lp.sg + (size_t)i * H, H);
+            sgu[Is + i] = dot(h, lp.su + (size_t)i * H, H);
         }
         swiglu_forward(sact, sgu, Is);
-        for (int c = 0; c < H; c++) xnext[c] += dot(sact, sd + (size_t)c * Is, Is);
+        for (int c = 0; c < H; c++) xnext[c] += dot(sact, lp.sd + (size_t)c * Is, Is);
     }
+}
+
+float *model_layer_moe_input(const ModelConfig *cfg, int l, void *ws) {
+    Acts a;
+    int B = acts_of(cfg, ws, &a);
+    return layer_acts(cfg, &a, B, l).h;
+}
+
+float *model_layer_expert_out(const ModelConfig *cfg, int l, void *ws) {
+    Acts a;
+    int B = acts_of(cfg, ws, &a);
+    return layer_acts(cfg, &a, B, l).eout;
+}
+
+void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    Acts a;
+    int B = acts_of(cfg, ws, &a), n = B * cfg->seq_len * cfg->top_k;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    LayerParams lp = layer_params(cfg, l, params);
+    model_forward_layer_begin(cfg, l, params, ws);
+    model_experts_forward(cfg, lp.wgu, lp.wd, la.choice, la.h, cfg->top_k, n, la.eout, la.egu,
+                          la.eact);
+    model_forward_layer_end(cfg, l, params, ws);
 }
 
 float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws) {
@@ -580,24 +650,48 @@ static void sconv_backward(float *dhn, float *dw, const float *dh, const float *
             }
 }
 
-void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
-                          float *const *grads, void *ws) {
+void model_backward_layer_begin(const ModelConfig *cfg, int l, void *ws) {
     int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
-    int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
-    int base = model_layer_param(cfg, l, 0);
-    float *const *p = params + base, *const *g = grads + base;
-    const float *gate = p[LP_GATE], *wgu = p[LP_EXPERTS_GATE_UP], *wd = p[LP_EXPERTS_DOWN];
-    const float *sg = p[LP_SHARED_GATE], *su = p[LP_SHARED_UP], *sd = p[LP_SHARED_DOWN];
-    float *dgate = g[LP_GATE];            // (E, H)
-    float *dwgu = g[LP_EXPERTS_GATE_UP];  // (E, H, 2I)
-    float *dwd = g[LP_EXPERTS_DOWN];      // (E, I, H)
-    float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is, H)
-    float *dsd = g[LP_SHARED_DOWN];       // (H, Is)
+    // dresid holds d loss / d xnext, which is also d loss / d (routed + shared).
+    for (int n = 0; n < BT; n++) {
+        const float *dy = a.dresid + (size_t)n * H;
+        for (int k = 0; k < K; k++) {
+            size_t nk = (size_t)n * K + k;
+            a.edw[nk] = dot(dy, la.eout + nk * H, H);
+            float *dout = a.edout + nk * H;
+            for (int c = 0; c < H; c++) dout[c] = la.weight[nk] * dy[c];
+        }
+    }
+}
 
-    // MoE block: dresid holds d loss / d xnext, which is also d loss / d (routed + shared).
+float *model_layer_expert_dout(const ModelConfig *cfg, void *ws) {
+    Acts a;
+    acts_of(cfg, ws, &a);
+    return a.edout;
+}
+
+float *model_layer_expert_dh(const ModelConfig *cfg, void *ws) {
+    Acts a;
+    acts_of(cfg, ws, &a);
+    return a.edh;
+}
+
+void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *params,
+                              float *const *grads, void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
+    int Is = cfg->expert_dim * cfg->num_shared;
+    Acts a;
+    int B = acts_of(cfg, ws, &a), BT = B * T;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    LayerParams lp = layer_params(cfg, l, params);
+    float *const *g = grads + model_layer_param(cfg, l, 0);
+    float *dgate = g[LP_GATE];                               // (E, H)
+    float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is, H)
+    float *dsd = g[LP_SHARED_DOWN];                          // (H, Is)
+
     memset(a.dh, 0, (size_t)BT * H * sizeof(float));
     for (int n = 0; n < BT; n++) {
         const float *dy = a.dresid + (size_t)n * H, *h = la.h + (size_t)n * H;
@@ -606,56 +700,55 @@ void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
         const float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
         memset(a.dsact, 0, (size_t)Is * sizeof(float));
         for (int c = 0; c < H; c++) {
-            axpy(a.dsact, dy[c], sd + (size_t)c * Is, Is);
+            axpy(a.dsact, dy[c], lp.sd + (size_t)c * Is, Is);
             axpy(dsd + (size_t)c * Is, dy[c], sact, Is);
         }
         swiglu_backward(a.dsgu, a.dsact, sgu, Is);
         for (int i = 0; i < Is; i++) {
             axpy(dsg + (size_t)i * H, a.dsgu[i], h, H);
-            axpy(dh, a.dsgu[i], sg + (size_t)i * H, H);
+            axpy(dh, a.dsgu[i], lp.sg + (size_t)i * H, H);
             axpy(dsu + (size_t)i * H, a.dsgu[Is + i], h, H);
-            axpy(dh, a.dsgu[Is + i], su + (size_t)i * H, H);
+            axpy(dh, a.dsgu[Is + i], lp.su + (size_t)i * H, H);
         }
-
-        const int *choice = la.choice + (size_t)n * K;
-        const float *weight = la.weight + (size_t)n * K, *score = la.score + (size_t)n * cfg->num_experts;
-        for (int k = 0; k < K; k++) {
-            size_t nk = (size_t)n * K + k, e = choice[k];
-            const float *gu = la.egu + nk * 2 * I, *act = la.eact + nk * I;
-            const float *wgu_e = wgu + e * H * 2 * I, *wd_e = wd + e * I * H;
-            a.dweight[k] = dot(dy, la.eout + nk * H, H);
-            for (int i = 0; i < I; i++) {
-                a.deact[i] = weight[k] * dot(wd_e + (size_t)i * H, dy, H);
-                axpy(dwd + e * I * H + (size_t)i * H, weight[k] * act[i], dy, H);
-            }
-            swiglu_backward(a.degu, a.deact, gu, I);
-            for (int c = 0; c < H; c++) {
-                dh[c] += dot(wgu_e + (size_t)c * 2 * I, a.degu, 2 * I);
-                axpy(dwgu + e * H * 2 * I + (size_t)c * 2 * I, h[c], a.degu, 2 * I);
-            }
-        }
+        for (int k = 0; k < K; k++) axpy(dh, 1.0f, a.edh + ((size_t)n * K + k) * H, H);
 
         // w_k = s_k / S: d s_k = (d w_k - sum_j w_j d w_j) / S; d logit = d s * s (1 - s).
+        const int *choice = la.choice + (size_t)n * K;
+        const float *weight = la.weight + (size_t)n * K, *score = la.score + (size_t)n * cfg->num_experts;
+        const float *dweight = a.edw + (size_t)n * K;
         float sum = 0.0f, wdw = 0.0f;
         for (int k = 0; k < K; k++) {
             sum += score[choice[k]];
-            wdw += weight[k] * a.dweight[k];
+            wdw += weight[k] * dweight[k];
         }
         for (int k = 0; k < K; k++) {
             float s = score[choice[k]];
-            float dlogit = (a.dweight[k] - wdw) / sum * s * (1.0f - s);
+            float dlogit = (dweight[k] - wdw) / sum * s * (1.0f - s);
             axpy(dgate + (size_t)choice[k] * H, dlogit, h, H);
-            axpy(dh, dlogit, gate + (size_t)choice[k] * H, H);
+            axpy(dh, dlogit, lp.gate + (size_t)choice[k] * H, H);
         }
     }
 
-    sconv_backward(a.dhnorm, g[LP_MLP_SCONV], a.dh, la.hnorm, p[LP_MLP_SCONV], B, T, H,
+    sconv_backward(a.dhnorm, g[LP_MLP_SCONV], a.dh, la.hnorm, lp.sconv, B, T, H,
                    cfg->conv_kernel);
     // x feeds both xnext (identity: dresid already holds it) and the norm.
     for (int n = 0; n < BT; n++)
         query_norm_backward(a.dresid + (size_t)n * H, g[LP_MLP_QUERY], g[LP_MLP_NORM],
-                            a.dhnorm + (size_t)n * H, la.x + (size_t)n * H, p[LP_MLP_QUERY],
-                            p[LP_MLP_NORM], la.rstd[n], H);
+                            a.dhnorm + (size_t)n * H, la.x + (size_t)n * H, lp.query, lp.norm,
+                            la.rstd[n], H);
+}
+
+void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
+                          float *const *grads, void *ws) {
+    Acts a;
+    int B = acts_of(cfg, ws, &a), n = B * cfg->seq_len * cfg->top_k;
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    LayerParams lp = layer_params(cfg, l, params);
+    float *const *g = grads + model_layer_param(cfg, l, 0);
+    model_backward_layer_begin(cfg, l, ws);
+    model_experts_backward(cfg, lp.wgu, lp.wd, la.choice, la.h, cfg->top_k, n, la.egu, la.eact,
+                           a.edout, a.edh, g[LP_EXPERTS_GATE_UP], g[LP_EXPERTS_DOWN], ws);
+    model_backward_layer_end(cfg, l, params, grads, ws);
 }
 
 void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws) {

@@ -147,4 +147,43 @@ void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws)
 // of selection. Borrowed from ws.
 const int *model_routing(const ModelConfig *cfg, int l, const void *ws);
 
+// ----------------------------------------------------------------------------
+// routed experts run elsewhere (expert parallelism)
+//
+// A layer's routed experts work on BT*K pairs: pair p = n*K + k sends the MoE input row
+// h[n] (model_layer_moe_input) to expert model_routing(...)[p] and gets one output row
+// back.  A host whose experts live on other ranks runs a layer in parts around them:
+//   forward:  model_forward_layer_begin (norm, conv, router); fill the (BT*K, H) rows of
+//             model_layer_expert_out with model_experts_forward run where each expert
+//             lives; model_forward_layer_end (weighted sum of the pairs, shared experts).
+//   backward: model_backward_layer_begin (fills model_layer_expert_dout: d loss / d output
+//             of each pair); model_experts_backward where each expert lives, writing d loss
+//             / d h of each pair into model_layer_expert_dh; model_backward_layer_end
+//             (shared experts, router, conv, norm; layer l's dense gradients).
+// model_forward_layer and model_backward_layer are exactly these with every expert local,
+// so an expert-parallel run computes every pair with the same arithmetic.
+
+void model_forward_layer_begin(const ModelConfig *cfg, int l, float *const *params, void *ws);
+float *model_layer_moe_input(const ModelConfig *cfg, int l, void *ws);  // (BT, H)
+float *model_layer_expert_out(const ModelConfig *cfg, int l, void *ws); // (BT*K, H)
+void model_forward_layer_end(const ModelConfig *cfg, int l, float *const *params, void *ws);
+void model_backward_layer_begin(const ModelConfig *cfg, int l, void *ws);
+float *model_layer_expert_dout(const ModelConfig *cfg, void *ws); // (BT*K, H), current layer
+float *model_layer_expert_dh(const ModelConfig *cfg, void *ws);   // (BT*K, H), current layer
+void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *params,
+                              float *const *grads, void *ws);
+
+// n rows through experts: row j is x + (j / rep) * H (rep = K walks a layer's pairs, 1 a
+// packed list) through expert ids[j] of wgu (E', H, 2I) and wd (E', I, H), E' the experts
+// this caller holds.  Writes out (n, H) and keeps gu (n, 2I) and act (n, I) for backward.
+void model_experts_forward(const ModelConfig *cfg, const float *wgu, const float *wd,
+                           const int *ids, const float *x, int rep, int n, float *out, float *gu,
+                           float *act);
+// Backward of the same rows: dout (n, H) gives dx (n, H) (written) and adds into dwgu and
+// dwd (shaped as wgu and wd).  ws: any workspace of this config (scratch rows).
+void model_experts_backward(const ModelConfig *cfg, const float *wgu, const float *wd,
+                            const int *ids, const float *x, int rep, int n, const float *gu,
+                            const float *act, const float *dout, float *dx, float *dwgu,
+                            float *dwd, void *ws);
+
 #endif

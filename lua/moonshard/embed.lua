@@ -66,10 +66,11 @@ function M.materialize()
   -- renames them in the plan, so both names are found.
   local strip = require("moonshard.module").strip_checkpoint
   state.where = {}
-  for ui, pu in ipairs(state.plan.units) do
-    for pi, e in ipairs(pu.entries) do
-      state.where[e.fqn] = { ui - 1, pi - 1 }
-      state.where[strip(e.fqn)] = { ui - 1, pi - 1 }
+  for ui, u in ipairs(state.rank.units) do
+    for pi = 0, u:count() - 1 do
+      local fqn = u:fqn(pi)
+      state.where[fqn] = { ui - 1, pi }
+      state.where[strip(fqn)] = { ui - 1, pi }
     end
   end
   return #state.rank.units
@@ -88,12 +89,12 @@ function M.unit(i)
   return u
 end
 
---- unit index, parameter index (0-based) of a parameter; -1, -1 when no unit holds it.
+--- unit index, parameter index (0-based) of a parameter (expert parameters included: the
+-- runtime puts the unsharded ones in ep-local units).
 function M.find(fqn)
   if not state.rank then error("moonshard: embed: materialise the plan first", 0) end
   local w = state.where[fqn]
   if w then return w[1], w[2] end
-  if state.rank.local_params[fqn] then return -1, -1 end
   error("moonshard: embed: the plan has no parameter '" .. fqn .. "'", 0)
 end
 

@@ -1,10 +1,12 @@
 -- moonshard: the Lua face of libmoonshard.
 --
 -- `local ms = require "moonshard"` gives the contract of DESIGN.md: ranks, tensors, meshes,
--- groups and collectives come from the C binding (moonshard.core); placements and the
--- layout helpers that take them are here.  Dims, ranks, coordinates and offsets are 0-based.
+-- groups and collectives come from the binding of libmoonshard: the C binding
+-- (moonshard.core) under Lua 5.4, the FFI binding (moonshard.core_ffi) under LuaJIT, with
+-- the same functions and messages; placements and the layout helpers that take them are
+-- here.  Dims, ranks, coordinates and offsets are 0-based.
 
-local core = require "moonshard.core"
+local core = require(type(jit) == "table" and "moonshard.core_ffi" or "moonshard.core")
 
 local M = {}
 for k, v in pairs(core) do M[k] = v end
@@ -57,7 +59,8 @@ local kind_code = { replicate = 0, shard = 1, partial = 2 }
 -- returns) when mesh_shape is a mesh.
 function M.local_shape(global_shape, placements, mesh_shape, coords)
   local sizes, crd = mesh_shape, coords
-  if type(mesh_shape) == "userdata" then
+  local kind = type(mesh_shape)
+  if kind == "userdata" or kind == "cdata" then -- a mesh (C binding or FFI binding)
     sizes, crd = {}, {}
     for i, name in ipairs(mesh_shape:axes()) do
       sizes[i] = mesh_shape:size(name)
@@ -80,7 +83,9 @@ function M.local_shape(global_shape, placements, mesh_shape, coords)
     kinds[i] = kind_code[p.kind]
     dims[i] = p.dim or 0
   end
-  return core.local_shape(global_shape, kinds, dims, sizes, crd)
+  -- not a tail call: the binding's errors name this line under both interpreters
+  local shape, offset = core.local_shape(global_shape, kinds, dims, sizes, crd)
+  return shape, offset
 end
 
 return M

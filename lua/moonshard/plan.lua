@@ -503,7 +503,7 @@ function M.plan(model, mesh, policy, opts)
     local e = ctx.ep[p]
     local fqn = fqn_of[p]
     owned[#owned + 1] = { fqn = fqn, by = e.by, shape = p.shape, dtype = p.dtype, placements = e.placements,
-      local_shape = e.local_shape, unit = ctx.owner[p] and ctx.owner[p].name or nil }
+      local_shape = e.local_shape, requires_grad = p.requires_grad, unit = ctx.owner[p] and ctx.owner[p].name or nil }
     if not ctx.owner[p] then
       local ln = numel_of(e.local_shape)
       mem.params = mem.params + ln * DTYPE_SIZE[p.dtype]

@@ -84,10 +84,10 @@ function M.render(plan)
     local x, avail = MARGIN + label_w, W - 2 * MARGIN - label_w - 4 * #boxes
     for _, b in ipairs(boxes) do
       local w = math.max(4, avail * math.sqrt(b.size) / total)
-      put(string.format('<g><title>%s</title><rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s" rx="3"/>',
-        esc(b.tip), x, y + 4, w, ROW_H - 8, b.colour))
+      put(string.format('<g><title>%s</title><rect x="%s" y="%d" width="%s" height="%d" fill="%s" rx="3"/>',
+        esc(b.tip), util.fixed1(x), y + 4, util.fixed1(w), ROW_H - 8, b.colour))
       if w > 7 * #b.label then
-        put(string.format('<text x="%.1f" y="%d" fill="white">%s</text>', x + 4, y + 21, esc(b.label)))
+        put(string.format('<text x="%s" y="%d" fill="white">%s</text>', util.fixed1(x + 4), y + 21, esc(b.label)))
       end
       put("</g>")
       x = x + w + 4
@@ -111,7 +111,8 @@ function M.render(plan)
     local x = MARGIN + 70
     for _, c in ipairs(MEM) do
       local w = m[c[1]] * scale
-      put(string.format('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"/>', x, y, w, BAR_H, c[2]))
+      put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="%s"/>', util.fixed1(x), y, util.fixed1(w),
+        BAR_H, c[2]))
       x = x + w
     end
   end

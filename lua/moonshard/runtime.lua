@@ -3,9 +3,18 @@
 -- materialize(plan) builds the meshes of the plan's MeshContext on the running world (the
 -- root mesh (pp, dp_replicate, dp_shard, cp, tp) and the MoE mesh (pp, ep_shard, ep)),
 -- then one shard unit per planned unit, in plan order, over the groups of its mesh axes,
--- with the unit's precision and reshard rule and its parameters in plan order.  Parameters
--- owned by expert parallelism and by no unit get a plain local tensor of their ep-local
--- shape: the runtime leaves them alone.
+-- with the unit's precision and reshard rule and its parameters in plan order.
+--
+-- Expert parallelism: an expert parameter holds the experts of this rank's ep coordinate
+-- (Shard(0) over ep; the host moves tokens to them with all_to_all on the ep group).  Its
+-- gradient on a rank already sums the contributions of every rank of the ep group, so the
+-- unit that reduces it over ep_shard divides by the whole data-parallel size
+-- (ep_shard * ep), not by ep_shard alone: the result is the gradient of the mean loss, as
+-- for the dense units.  Expert parameters that no planned unit holds (ep_shard = 1) are not
+-- sharded at all; they still need gradients and optimizer state, so each experts module
+-- gets an "ep-local" unit on the one-rank ep_shard group, named "<module>[ep]", holding
+-- them in their stored dtype (what a parameter outside FSDP computes in), with the same
+-- divide factor.  Its collectives are one-rank copies that move no bytes between ranks.
 
 local ms = require "moonshard"
 
@@ -23,7 +32,8 @@ local FLATTENED = {
 local Rank = {}
 Rank.__index = Rank
 
---- materialize(plan) -> rank state {units = {...}, by_name = {}, local_params = {fqn -> tensor}}
+--- materialize(plan) -> rank state {units = {...} (the plan's, then the ep-local ones), by_name = {},
+-- ep_local = {the ep-local units}}
 function M.materialize(plan)
   local mc = plan.mesh
   if ms.world_size() ~= mc.world then
@@ -38,33 +48,56 @@ function M.materialize(plan)
     if axis == "ep_shard" or axis == "ep" then return moe:group(axis) end
     return root:group(FLATTENED[axis] or axis)
   end
-  local state = setmetatable({ units = {}, by_name = {}, local_params = {}, mesh = root, moe_mesh = moe,
+  local state = setmetatable({ units = {}, by_name = {}, ep_local = {}, mesh = root, moe_mesh = moe,
     plan = plan }, Rank)
+  local dp = mc:size("ep_shard") * mc:size("ep")
+  local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor)
+    local u = ms.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
+    for _, p in ipairs(params) do u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad) end
+    u:finalize()
+    if factor then u:set_gradient_divide_factor(factor) end
+    state.units[#state.units + 1] = u
+    state.by_name[name] = u
+    return u
+  end
   for _, pu in ipairs(plan.units) do
     local axes_u = pu.mesh_axes
-    local shard = group(axes_u[#axes_u])
-    local replicate = #axes_u == 2 and group(axes_u[1]) or nil
-    local u = ms.unit(pu.name, shard, replicate, pu.mp.param_dtype, pu.mp.reduce_dtype, pu.reshard)
+    local params = {}
     for _, e in ipairs(pu.entries) do
-      u:add_param(e.fqn, e.shape, e.param.dtype, e.dim, e.param.requires_grad)
+      params[#params + 1] = { fqn = e.fqn, shape = e.shape, dtype = e.param.dtype, dim = e.dim,
+        requires_grad = e.param.requires_grad }
     end
-    u:finalize()
-    state.units[#state.units + 1] = u
-    state.by_name[pu.name] = u
+    local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
+    add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
+      pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil)
   end
+  -- ep-local units: the unsharded expert parameters of each module, in plan order
+  local modules, by_module = {}, {}
   for _, o in ipairs(plan.owned) do
-    if not o.unit then state.local_params[o.fqn] = ms.tensor(o.local_shape, o.dtype) end
+    if not o.unit then
+      local module = o.fqn:match("^(.*)%.[^.]+$") or ""
+      if not by_module[module] then
+        by_module[module] = {}
+        modules[#modules + 1] = module
+      end
+      table.insert(by_module[module], { fqn = o.fqn, shape = o.local_shape, dtype = o.dtype, dim = 0,
+        requires_grad = o.requires_grad })
+    end
+  end
+  for _, module in ipairs(modules) do
+    local params = by_module[module]
+    local u = add_unit(module .. "[ep]", group("ep_shard"), nil, params[1].dtype, params[1].dtype, true, params, dp)
+    state.ep_local[#state.ep_local + 1] = u
   end
   return state
 end
 
 --- Bytes this rank holds in every unit and local parameter, by category.
 function Rank:bytes()
-  local total = { params = 0, grads = 0, optimizer = 0, unsharded = 0 }
+  local total = { params = 0, grads = 0, optimizer = 0, unsharded = 0, cached = 0 }
   for _, u in ipairs(self.units) do
     for k, v in pairs(u:bytes()) do total[k] = total[k] + v end
   end
-  for _, t in pairs(self.local_params) do total.params = total.params + t:nbytes() end
   return total
 end
 

@@ -27,13 +27,25 @@ function M.copy(t)
   return c
 end
 
+--- string.format("%.1f", v) as C prints it (ties to even) under both interpreters: LuaJIT's
+-- own formatter rounds exact binary ties (a multiple of 1/4 ending in .25 or .75) away from
+-- zero, so "512.25" would print 512.3 there and 512.2 under Lua 5.4.
+function M.fixed1(v)
+  if v * 4 % 1 == 0 then -- only quarters can be ties at one decimal
+    local t = v * 10     -- exact for them
+    local r = math.floor(t)
+    if t - r == 0.5 then v = (r % 2 == 0 and r or r + 1) / 10 end
+  end
+  return string.format("%.1f", v)
+end
+
 --- "1.5 GiB", "312 KiB", "17 B"
 function M.bytes(n)
   local units = { "B", "KiB", "MiB", "GiB", "TiB", "PiB" }
   local u, v = 1, n
   while v >= 1024 and u < #units do v, u = v / 1024, u + 1 end
   if u == 1 then return string.format("%d B", n) end
-  return string.format("%.1f %s", v, units[u])
+  return M.fixed1(v) .. " " .. units[u]
 end
 
 --- "8,030,261,248"

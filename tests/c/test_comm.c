@@ -462,6 +462,54 @@ static void handles_rank(rank_ctx *ctx) {
     ms_comm_release(again);
 }
 
+/* ---------------------------------------------------------------- tagged groups */
+
+enum { TAG_ROUNDS = 300 };
+
+typedef struct tagged_loop {
+    ms_comm *c;
+    float value; /* this rank's contribution; the sum over 4 ranks is 10 * value / (rank + 1) */
+    int rank, wrong;
+} tagged_loop;
+
+/* TAG_ROUNDS all_reduces on one comm; counts results that are not the exact sum. */
+static void *tagged_all_reduces(void *p) {
+    tagged_loop *l = p;
+    float sum = 10.0f * l->value / (float)(l->rank + 1);
+    for (int i = 0; i < TAG_ROUNDS; i++) {
+        int64_t one = 1;
+        float v = l->value;
+        ms_tensor *t = NULL;
+        if (ms_tensor_wrap(&t, &v, 1, &one, MS_F32) || ms_all_reduce(l->c, t, MS_OP_SUM) || v != sum) l->wrong++;
+        ms_tensor_release(t);
+    }
+    return NULL;
+}
+
+/* A tag-1 group over the same ranks as the world is a separate communicator: a second
+ * thread of every rank runs all_reduces on it while the first runs them on the world,
+ * with no order between the two, and every result is right. */
+static void tags_rank(rank_ctx *ctx) {
+    int everyone[4] = {0, 1, 2, 3};
+    ms_comm *tagged = NULL, *again = NULL, *none = NULL;
+    CHECK_OK(ms_comm_group_tagged(ctx->world, 4, everyone, 1, &tagged));
+    CHECK_OK(ms_comm_group_tagged(ctx->world, 4, everyone, 1, &again));
+    CHECK(tagged && tagged != ctx->world && tagged == again, "(tag 1 is its own group, found again)");
+    CHECK_ST(ms_comm_group_tagged(ctx->world, 4, everyone, MS_GROUP_TAG_MAX + 1, &none), MS_ERR_ARG,
+              "tag 1024 is outside 0..1023");
+    if (!tagged) return;
+    tagged_loop world = {ctx->world, (float)(ctx->rank + 1), ctx->rank, 0};
+    tagged_loop side = {tagged, 100.0f * (float)(ctx->rank + 1), ctx->rank, 0};
+    pthread_t tid;
+    pthread_create(&tid, NULL, tagged_all_reduces, &side);
+    tagged_all_reduces(&world);
+    pthread_join(tid, NULL);
+    CHECK(world.wrong == 0 && side.wrong == 0, "(rank %d: %d + %d wrong sums of %d)", ctx->rank, world.wrong,
+          side.wrong, TAG_ROUNDS);
+    ms_comm_release(again);
+    ms_comm_release(tagged);
+}
+
 /* ---------------------------------------------------------------- mismatch */
 
 typedef struct mismatch_case {
@@ -697,6 +745,7 @@ static void test_args(void) {
     CHECK_ST(ms_threads_world_new(&w, 0, 1), MS_ERR_ARG, "threads world: nranks must be >= 1, got 0");
     run_ranks(2, 30, args_rank, NULL);
     run_ranks(4, 30, handles_rank, NULL);
+    run_ranks(4, 30, tags_rank, NULL);
 }
 
 int main(void) {

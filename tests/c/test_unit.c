@@ -12,7 +12,11 @@
  * unsharded parameters bit for bit, the gradient shards after one and two steps, gradient
  * accumulation with sync off, the reshard modes 0, 1 and k, AdamW with fp32 master weights,
  * the gradient norm, the collective records, the bytes held, state errors by message and a
- * failed collective.  Max differences are printed per scenario.
+ * failed collective.  Units of one parameter (in place where the layout allows) must give
+ * the same bits as the parameter inside the full unit; the rank's buffer cache must serve a
+ * steady-state step without allocating, be shared by the units of a rank and never reuse a
+ * tensor a caller still holds; ms_unit_param_offset must place every shard as torch.chunk
+ * does for W = 1..8.  Max differences are printed per scenario.
  */
 #include "check.h"
 
@@ -53,7 +57,7 @@ static pthread_mutex_t check_lock = PTHREAD_MUTEX_INITIALIZER;
         LOCKED(CHECK_ERR(s_, want, needle); if (s_ != (want)) fprintf(stderr, "  %s\n", #call)); \
     } while (0)
 
-enum { MAX_RANKS = 4 };
+enum { MAX_RANKS = 8 };
 
 typedef struct rank_ctx {
     int rank, nranks;
@@ -147,6 +151,7 @@ static const param_spec specs[] = {
     {"layers.0.proj", 2, {3, 12}, -1, 1}, /* Shard(1), given as -1 */
     {"layers.0.frozen", 2, {5, 3}, 0, 0},
     {"layers.0.conv", 3, {4, 3, 2}, 0, 1},
+    {"layers.0.gain", 2, {1, 12}, 1, 1}, /* Shard(1) behind a dim of size 1 */
 };
 enum { NSPEC = sizeof specs / sizeof specs[0] };
 
@@ -272,22 +277,29 @@ typedef struct scenario {
     const policy *pol;
 } scenario;
 
-/* A unit of all specs under pol, loaded with param_value. */
-static ms_unit *build_unit(const char *name, const policy *pol, ms_comm *shard, ms_comm *replicate, int reshard) {
+/* A unit of the n specs from `first` under pol (unit parameter i is spec first + i), loaded
+ * with param_value. */
+static ms_unit *build_unit_of(const char *name, const policy *pol, ms_comm *shard, ms_comm *replicate, int reshard,
+                              int first, int n) {
     ms_unit *u = NULL;
     R_OK(ms_unit_new(&u, name, shard, replicate, pol->param_dtype, pol->reduce_dtype, reshard));
     if (!u) return NULL;
-    for (int i = 0; i < NSPEC; i++)
+    for (int i = first; i < first + n; i++)
         R_OK(ms_unit_add_param(u, specs[i].fqn, specs[i].ndim, specs[i].shape, pol->stored, specs[i].dim,
                                specs[i].requires_grad));
     R_OK(ms_unit_finalize(u));
     if (pol->factor) R_OK(ms_unit_set_gradient_divide_factor(u, pol->factor));
-    for (int i = 0; i < NSPEC; i++) {
+    for (int i = first; i < first + n; i++) {
         ms_tensor *full = full_of(i, param_value);
-        R_OK(ms_unit_load_full(u, i, full));
+        R_OK(ms_unit_load_full(u, i - first, full));
         ms_tensor_release(full);
     }
     return u;
+}
+
+/* A unit of all specs. */
+static ms_unit *build_unit(const char *name, const policy *pol, ms_comm *shard, ms_comm *replicate, int reshard) {
+    return build_unit_of(name, pol, shard, replicate, reshard, 0, NSPEC);
 }
 
 /* ---------------------------------------------------------------- checks */
@@ -314,20 +326,23 @@ static double check_params_full(ms_unit *u, const policy *pol) {
     return worst;
 }
 
+/* Writes data-parallel rank r's gradient of `step` of spec pid into unit parameter ui. */
+static void write_grad(ms_unit *u, int ui, int pid, int step, int r) {
+    ms_tensor *g = ms_unit_grad_full(u, ui);
+    R_CHECK(g != NULL);
+    if (!g) return;
+    ms_tensor *src = NULL;
+    R_OK(ms_tensor_new(&src, specs[pid].ndim, specs[pid].shape, MS_F64, MS_DEVICE_CPU, 0));
+    double *d = ms_tensor_data(src);
+    for (int64_t e = 0; d && e < spec_numel(&specs[pid]); e++) d[e] = grad_value(step, r, pid, e);
+    R_OK(ms_tensor_copy(g, src));
+    ms_tensor_release(src);
+}
+
 /* Writes data-parallel rank r's gradients of `step` into the trainable parameters. */
 static void write_grads(ms_unit *u, int step, int r) {
-    for (int i = 0; i < NSPEC; i++) {
-        if (!specs[i].requires_grad) continue;
-        ms_tensor *g = ms_unit_grad_full(u, i);
-        R_CHECK(g != NULL);
-        if (!g) continue;
-        ms_tensor *src = NULL;
-        R_OK(ms_tensor_new(&src, specs[i].ndim, specs[i].shape, MS_F64, MS_DEVICE_CPU, 0));
-        double *d = ms_tensor_data(src);
-        for (int64_t e = 0; d && e < spec_numel(&specs[i]); e++) d[e] = grad_value(step, r, i, e);
-        R_OK(ms_tensor_copy(g, src));
-        ms_tensor_release(src);
-    }
+    for (int i = 0; i < NSPEC; i++)
+        if (specs[i].requires_grad) write_grad(u, i, i, step, r);
 }
 
 /* Element e of parameter pid's gradient after reducing the gradients of `steps` (summed
@@ -694,6 +709,214 @@ static void adamw(rank_ctx *c) {
     ms_comm_release(replicate);
 }
 
+/* ---------------------------------------------------------------- scenario: one parameter per unit */
+
+/* Spec j with nothing before its shard dim: alone in a unit, it works in place. */
+static bool in_place_spec(int j) {
+    int64_t outer = 1;
+    for (int d = 0; d < spec_dim(&specs[j]); d++) outer *= specs[j].shape[d];
+    return outer == 1;
+}
+
+/* The same bits in a and b (any dtype, compared as their f64 copies). */
+static bool same_bits(const ms_tensor *a, const ms_tensor *b) {
+    if (!a || !b || ms_tensor_dtype(a) != ms_tensor_dtype(b) || ms_tensor_numel(a) != ms_tensor_numel(b)) return false;
+    ms_tensor *x = as_f64(a), *y = as_f64(b);
+    const void *dx = ms_tensor_data(x), *dy = ms_tensor_data(y);
+    const bool same = !dx || !memcmp(dx, dy, (size_t)ms_tensor_nbytes(x));
+    ms_tensor_release(x);
+    ms_tensor_release(y);
+    return same;
+}
+
+/* A unit of spec j alone against the unit of all specs, step for step: a parameter with
+ * nothing before its shard dim alone in a unit works in place (the unsharded parameter, and
+ * the gradient when the reduce dtype is the gather dtype, are views of the padded flat
+ * buffers), the others copy as usual; the unsharded parameters and the gradient shards must
+ * be the same bits, through a regather, two reduces and a sync-off accumulation.  The
+ * single units reshard with k = 2 on W = 4, keep (0) on W = 2, free (1) otherwise. */
+static void one_param(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, k = W == 4 ? 2 : W == 2 ? 0 : 1;
+    const ms_dtype g = gather_dtype(pol);
+    const int64_t ges = ms_dtype_size(g);
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    int64_t wrong = 0;
+    for (int j = 0; j < NSPEC; j++) {
+        ms_unit *all = build_unit("all", pol, shard, replicate, 1), *one = build_unit_of("one", pol, shard, replicate,
+                                                                                       k, j, 1);
+        if (!all || !one) return;
+        const bool place = in_place_spec(j), train = specs[j].requires_grad;
+        const int64_t pbytes = (place ? W * padded_numel(&specs[j], W) : spec_numel(&specs[j])) * ges;
+        const int64_t gbytes = (place && reduce_dtype(pol) == g ? W * padded_numel(&specs[j], W)
+                                                                 : spec_numel(&specs[j])) * ges;
+        for (int pass = 0; pass < 2; pass++) { /* forward, then the backward regather */
+            R_OK(ms_unit_unshard(all));
+            R_OK(ms_unit_unshard(one));
+            R_OK(ms_unit_wait(all));
+            R_OK(ms_unit_wait(one));
+            wrong += !same_bits(ms_unit_param_full(one, 0), ms_unit_param_full(all, j));
+            R_CHECK(ms_unit_bytes(one, 3) == pbytes);
+            if (pass) break;
+            R_OK(ms_unit_reshard(all));
+            R_OK(ms_unit_reshard(one));
+            R_CHECK((ms_unit_param_full(one, 0) != NULL) == (k == 0)); /* freed views stay state errors */
+        }
+        /* step 1; steps 2 (sync off) and 3 accumulated into one reduce */
+        for (int step = 1; step <= 3; step++) {
+            if (step > 1) {
+                R_OK(ms_unit_set_requires_gradient_sync(all, step == 3));
+                R_OK(ms_unit_set_requires_gradient_sync(one, step == 3));
+                R_OK(ms_unit_unshard(all));
+                R_OK(ms_unit_unshard(one));
+                R_OK(ms_unit_wait(all));
+                R_OK(ms_unit_wait(one));
+            }
+            write_grads(all, step, c->rank);
+            if (train) {
+                write_grad(one, 0, j, step, c->rank);
+                R_CHECK(step == 3 || ms_unit_bytes(one, 3) == pbytes + gbytes); /* 3: + the accumulator */
+            }
+            R_OK(ms_unit_reduce_grads(all));
+            R_OK(ms_unit_reduce_grads(one));
+            R_OK(ms_unit_wait(all));
+            R_OK(ms_unit_wait(one));
+            if (step != 2) wrong += train && !same_bits(ms_unit_grad_shard(one, 0), ms_unit_grad_shard(all, j));
+        }
+        R_CHECK(ms_unit_bytes(one, 3) == 0);
+        ms_unit_release(all);
+        ms_unit_release(one);
+    }
+    R_CHECK(wrong == 0);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %-38s each parameter alone (in place where it can be) == in the full unit\n", W, sc->l.R,
+               pol->name);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
+/* ---------------------------------------------------------------- scenario: buffer cache */
+
+/* One step: forward gather, reshard, backward regather, gradients, reduce. */
+static void unit_step(ms_unit *u, int step, int r, int first, int n) {
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    R_OK(ms_unit_reshard(u));
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    for (int i = first; i < first + n; i++)
+        if (specs[i].requires_grad) write_grad(u, i - first, i, step, r);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+}
+
+/* The rank's buffer cache: a step leaves its transient buffers cached (category 4), the next
+ * step takes them all back (allocates nothing), another unit of the rank takes them over,
+ * release_unsharded frees a unit's part, and a tensor the caller still holds is never
+ * cached nor reused. */
+static void cache(rank_ctx *c) {
+    const policy *pol = &policies[0]; /* f32 stored, bf16 gather, f32 reduce */
+    const int W = c->nranks;
+    const int64_t ges = ms_dtype_size(gather_dtype(pol)), res = ms_dtype_size(reduce_dtype(pol));
+    const int64_t flat = W * sum_padded(W, false) * ges, rflat = W * sum_padded(W, true) * res;
+    const int64_t full = sum_full(false) * ges, gfull = sum_full(true) * ges;
+    ms_unit *a = build_unit("a", pol, c->world, NULL, 1), *b = build_unit("b", pol, c->world, NULL, 1);
+    ms_unit *w = build_unit_of("w", &policies[3], c->world, NULL, 1, 0, 1); /* f32 throughout: in place */
+    if (!a || !b || !w) return;
+    R_CHECK(ms_unit_bytes(a, 4) == 0);
+
+    /* a step leaves the gather buffer, the unsharded parameters and gradients and the reduce
+     * buffer cached; the next step reuses every one of them */
+    for (int step = 1; step <= 2; step++) {
+        unit_step(a, step, c->rank, 0, NSPEC);
+        R_CHECK(ms_unit_bytes(a, 3) == 0 && ms_unit_bytes(a, 4) == flat + full + gfull + rflat);
+    }
+    int64_t steady = -1;
+    for (int step = 1; step <= 3; step++) {
+        unit_step(w, step, c->rank, 0, 1);
+        R_CHECK(ms_unit_bytes(w, 3) == 0 && ms_unit_bytes(w, 4) > 0);
+        if (step > 1) R_CHECK(ms_unit_bytes(w, 4) == steady);
+        steady = ms_unit_bytes(w, 4);
+    }
+
+    /* b (the same layout) takes a's buffers: the gather buffer and one of each shape */
+    R_OK(ms_unit_unshard(b));
+    R_OK(ms_unit_wait(b));
+    R_CHECK(ms_unit_bytes(b, 3) == full && ms_unit_bytes(b, 4) == flat);
+    R_CHECK(ms_unit_bytes(a, 4) == gfull + rflat);
+    R_OK(ms_unit_release_unsharded(a));
+    R_CHECK(ms_unit_bytes(a, 4) == 0 && ms_unit_bytes(b, 4) == flat);
+
+    /* a parameter the caller holds on to keeps its memory: it is not cached when b reshards,
+     * and a's gather does not write into it */
+    ms_tensor *held = ms_unit_param_full(b, 0);
+    ms_tensor_retain(held);
+    ms_tensor *before = NULL;
+    R_OK(ms_tensor_to(&before, held, ms_tensor_dtype(held)));
+    const int64_t held_bytes = ms_tensor_nbytes(held);
+    R_OK(ms_unit_reshard(b));
+    R_CHECK(ms_unit_bytes(b, 3) == 0 && ms_unit_bytes(b, 4) == flat + full - held_bytes);
+    R_OK(ms_unit_unshard(a));
+    R_OK(ms_unit_wait(a));
+    R_CHECK(ms_tensor_data(ms_unit_param_full(a, 0)) != ms_tensor_data(held));
+    R_OK(ms_tensor_fill(ms_unit_param_full(a, 0), 0));
+    R_CHECK(same_bits(held, before));
+    R_CHECK(ms_unit_param_full(b, 0) == NULL); /* the state rule stands */
+    ms_tensor_release(before);
+    ms_tensor_release(held);
+
+    ms_unit_release(a);
+    ms_unit_release(b);
+    ms_unit_release(w);
+    if (c->rank == 0) printf("  W=%d      steady state allocates nothing; shared, released and held buffers\n", W);
+}
+
+/* ---------------------------------------------------------------- scenario: shard offsets */
+
+/* Unit parameter ui (spec spec_of[ui]) placed as torch.chunk written out and ms_fsdp_shard
+ * say, its shard as many rows long; counts the empty shards into *empty. */
+static void check_offsets(ms_unit *u, const int *spec_of, int n, int W, int q, int64_t *empty) {
+    for (int ui = 0; ui < n; ui++) {
+        const param_spec *p = &specs[spec_of[ui]];
+        const int d = spec_dim(p);
+        int dim = -1;
+        int64_t off = -1, rows = -1, len, o, foff = -1, local[3], padded[3];
+        R_OK(ms_unit_param_offset(u, ui, &dim, &off, &rows));
+        chunk(p->shape[d], W, q, &len, &o);
+        R_OK(ms_fsdp_shard(p->ndim, p->shape, W, q, p->dim, local, &foff, padded));
+        R_CHECK(dim == d && off == o && rows == len && off == foff && rows == local[d]);
+        R_CHECK(ms_tensor_size(ms_unit_param_shard(u, ui), d) == rows);
+        *empty += rows == 0;
+    }
+}
+
+/* ms_unit_param_offset for every spec that W allows (uneven and empty dim-0 shards,
+ * Shard(1)), while building and after finalize, and its errors. */
+static void param_offsets(rank_ctx *c) {
+    const int W = c->nranks, q = c->rank;
+    ms_unit *u = NULL;
+    R_OK(ms_unit_new(&u, "offsets", c->world, NULL, -1, -1, 1));
+    if (!u) return;
+    int spec_of[NSPEC], n = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        const param_spec *p = &specs[i];
+        if (spec_dim(p) != 0 && p->shape[spec_dim(p)] % W) continue; /* Shard(1) needs W | size */
+        R_OK(ms_unit_add_param(u, p->fqn, p->ndim, p->shape, MS_F32, p->dim, p->requires_grad));
+        spec_of[n++] = i;
+    }
+    int64_t empty = 0;
+    check_offsets(u, spec_of, n, W, q, &empty);
+    R_OK(ms_unit_finalize(u));
+    check_offsets(u, spec_of, n, W, q, &empty);
+    R_ERR(ms_unit_param_offset(u, n, &(int){0}, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "no parameter");
+    R_ERR(ms_unit_param_offset(u, 0, NULL, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "NULL output");
+    const double empties = world_sum(c, (double)empty) / 2;
+    if (c->rank == 0) printf("  W=%d  shard offsets of %d parameters, %.0f empty shards\n", W, n, empties);
+    ms_unit_release(u);
+}
+
 /* ---------------------------------------------------------------- scenario: errors */
 
 static void errors(rank_ctx *c) {
@@ -777,6 +1000,16 @@ int main(void) {
     printf("AdamW (f):\n");
     const scenario adam[] = {{{3, 1}, &policies[1]}, {{2, 2}, &policies[1]}, {{2, 1}, &policies[0]}};
     for (int i = 0; i < 3; i++) run_ranks(adam[i].l.W * adam[i].l.R, adamw, &adam[i]);
+    printf("one parameter per unit, in place:\n");
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
+        for (int p = 0; p < NPOLICY; p++) {
+            const scenario sc = {layouts[l], &policies[p]};
+            run_ranks(layouts[l].W * layouts[l].R, one_param, &sc);
+        }
+    printf("buffer cache:\n");
+    for (int n = 1; n <= 3; n++) run_ranks(n, cache, NULL);
+    printf("shard offsets:\n");
+    for (int n = 1; n <= MAX_RANKS; n++) run_ranks(n, param_offsets, NULL);
     printf("errors (h):\n");
     run_ranks(2, errors, NULL);
     run_ranks(2, failed_collective, NULL);

@@ -18,6 +18,17 @@ out=$(cd / && LUA_PATH="$prefix/share/lua/5.4/?.lua;$prefix/share/lua/5.4/?/init
       lua5.4 -e 'local ms = require "moonshard"; print(ms.world_size(), ms.from_table({1/3}, "bf16"):bits()[1])')
 [ "$out" = $'1\t16043' ] || { echo "stock lua5.4 printed: $out"; exit 1; }
 
+# LuaJIT: the installed moonshard-jit, and `require "moonshard"` from a stock luajit through
+# the FFI (the library found next to the installed cdef.lua; no LUA_CPATH)
+if [ -x "$prefix/bin/moonshard-jit" ]; then
+  out=$("$prefix/bin/moonshard-jit" -n 2 -e 'local ms = require "moonshard"; print(ms.rank(), jit.version)' | sort)
+  v=$(luajit -e 'io.write(jit.version)')
+  [ "$out" = "0	$v"$'\n'"1	$v" ] || { echo "installed moonshard-jit printed: $out"; exit 1; }
+  out=$(cd / && LUA_PATH="$prefix/share/lua/5.4/?.lua;$prefix/share/lua/5.4/?/init.lua;;" \
+        luajit -e 'local ms = require "moonshard"; print(ms.world_size(), ms.from_table({1/3}, "bf16"):bits()[1])')
+  [ "$out" = $'1\t16043' ] || { echo "stock luajit printed: $out"; exit 1; }
+fi
+
 cat >"$prefix/host.c" <<'C'
 #include <moonshard.h>
 #include <stdio.h>

@@ -26,6 +26,7 @@ describe("meshes", function()
     assert.matches("dp_replicate=2 x dp_shard=4 has 8 ranks but the world has 1", err)
     local m = ms.mesh({ { "dp", 1 } })
     assert.equal(0, m:rank())
+    assert.same({ 0 }, m:group_ranks("dp")) -- the rank defaults to this rank's
     local g = m:group("dp")
     assert.equal(1, g:size())
     assert.equal(0, g:rank())

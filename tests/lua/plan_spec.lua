@@ -21,6 +21,17 @@ local function small_tree(dtype)
   return root
 end
 
+describe("util", function()
+  it("formats one decimal as C does (ties to even) under both interpreters", function()
+    local util = require "moonshard.util"
+    -- exact binary ties: C's printf rounds them to even, LuaJIT's formatter would not
+    assert.same({ "512.2", "512.8", "-0.2", "-0.8", "0.1", "3.0" },
+      { util.fixed1(512.25), util.fixed1(512.75), util.fixed1(-0.25), util.fixed1(-0.75), util.fixed1(0.05),
+        util.fixed1(3) })
+    assert.equal("512.2 KiB", util.bytes(512.25 * 1024))
+  end)
+end)
+
 describe("MeshContext", function()
   it("chooses the FSDP mesh like Automodel", function()
     assert.same({ "dp_shard" }, mesh_context.new("dp_shard=8").fsdp_axes)

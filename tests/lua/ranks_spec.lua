@@ -77,11 +77,11 @@ describe("the moonshard command line", function()
   it("tells the truth in --help and --version", function()
     local r = S.run({ "--help" })
     assert.equal(0, r.code)
-    assert.matches("usage: moonshard %[options%] script.lua", r.out)
+    assert.matches("usage: moonshard[%w-]* %[options%] script.lua", r.out) -- moonshard or moonshard-jit
     assert.matches("MOONSHARD_TIMEOUT", r.out)
     r = S.run({ "--version" })
     assert.equal(0, r.code)
-    assert.matches("^moonshard %d+%.%d+%.%d+", r.out)
+    assert.matches("^moonshard[%w-]* %d+%.%d+%.%d+", r.out)
   end)
 
   it("rejects bad usage with exit status 2", function()

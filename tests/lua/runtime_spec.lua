@@ -5,14 +5,17 @@ local S = require "support"
 
 describe("materialised plans", function()
   -- dp_shard=3 leaves rank 2 without rows of the 4-expert tensors (torch.chunk: 2, 2, 0)
-  for _, case in ipairs({ { 4, "dp_shard=4" }, { 4, "dp_replicate=2,dp_shard=2" }, { 3, "dp_shard=3" } }) do
-    local n, mesh = case[1], case[2]
+  -- ep = 2: the experts of each of the 2 layers are a unit of their own on ep_shard = 2 (17
+  -- units); ep = 4: ep_shard = 1, so the runtime adds an ep-local unit per layer (15 + 2).
+  for _, case in ipairs({ { 4, "dp_shard=4", 15 }, { 4, "dp_replicate=2,dp_shard=2", 15 }, { 3, "dp_shard=3", 15 },
+    { 4, "dp_shard=4,ep=2", 17 }, { 4, "dp_shard=4,ep=4", 17 } }) do
+    local n, mesh, units = case[1], case[2], case[3]
     it("gather, reduce and allocate as planned on " .. mesh, function()
       local r = S.run({ "-n", tostring(n), "tests/lua/scripts/units.lua", mesh })
       assert.equal("", r.err)
       assert.equal(0, r.code)
       for rank = 0, n - 1 do
-        assert.matches("rank " .. rank .. ": units ok %(15 units, gradient max diff 0,", r.out)
+        assert.matches("rank " .. rank .. ": units ok %(" .. units .. " units, gradient max diff 0,", r.out)
       end
     end)
   end

@@ -4,6 +4,17 @@ local S = {}
 
 S.bin = os.getenv("MOONSHARD_BIN") or "build/moonshard"
 
+local function readable(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- Both executables, whichever one S.bin is (for specs that compare them): moonshard on
+-- Lua 5.4, and moonshard-jit on LuaJIT (nil when it was not built).
+S.lua54_bin = os.getenv("MOONSHARD_LUA54_BIN") or "build/moonshard"
+S.jit_bin = os.getenv("MOONSHARD_JIT_BIN") or (readable("build/moonshard-jit") and "build/moonshard-jit") or nil
+
 local function slurp(path)
   local f = assert(io.open(path, "rb"))
   local s = f:read("a")
@@ -17,12 +28,12 @@ local function shell_quote(s)
 end
 S.quote = shell_quote
 
---- run(args, env?) -> {code = exit status, out = stdout, err = stderr, seconds = wall time}
--- args: a list of arguments to moonshard; env: table of environment variables to set.
-function S.run(args, env)
+--- run_with(bin, args, env?) -> {code = exit status, out = stdout, err = stderr, seconds = wall time}
+-- bin: the executable; args: a list of its arguments; env: table of environment variables to set.
+function S.run_with(bin, args, env)
   local parts = {}
   for k, v in pairs(env or {}) do parts[#parts + 1] = k .. "=" .. shell_quote(v) end
-  parts[#parts + 1] = shell_quote(S.bin)
+  parts[#parts + 1] = shell_quote(bin)
   for _, a in ipairs(args) do parts[#parts + 1] = shell_quote(a) end
   local out, err = os.tmpname(), os.tmpname()
   local cmd = table.concat(parts, " ") .. " >" .. out .. " 2>" .. err .. " </dev/null"
@@ -37,6 +48,11 @@ function S.run(args, env)
     if ok == true then r.code = 0 end
   end
   return r
+end
+
+--- run(args, env?): run_with(S.bin, args, env), the moonshard executable under test
+function S.run(args, env)
+  return S.run_with(S.bin, args, env)
 end
 
 --- runs a Lua chunk on n ranks; returns the run() result

@@ -79,9 +79,10 @@ local function read_params(path)
 end
 
 describe("moe_trainer", function()
-  it("trains the same model on 1 rank, FSDP over 4 and HSDP 2x2 with the all-fp32 policy", function()
+  it("trains the same model on 1 rank, FSDP over 4, HSDP 2x2 and with expert parallelism, all-fp32 policy", function()
     local runs = {}
-    for _, case in ipairs({ { 1, "dp_shard=1" }, { 4, "dp_shard=4" }, { 4, "dp_replicate=2,dp_shard=2" } }) do
+    for _, case in ipairs({ { 1, "dp_shard=1" }, { 4, "dp_shard=4" }, { 4, "dp_replicate=2,dp_shard=2" },
+      { 4, "dp_shard=4,ep=2" }, { 4, "dp_shard=4,ep=4" }, { 4, "dp_replicate=2,dp_shard=2,ep=2" } }) do
       local save = os.tmpname()
       local r = trainer({ "-n", tostring(case[1]), "--mesh", case[2], "--policy", "policies/full_fp32.lua",
         "--steps", "20", "--seed", "7", "--config", small_config, "--save", save })
@@ -205,19 +206,47 @@ describe("moe_trainer", function()
     end
   end)
 
-  it("allocates on every rank what the planner says, for parameters, gradients and optimizer state", function()
-    local r = trainer({ "-n", "4", "--mesh", "dp_shard=4", "--policy", "policies/inkling2", "--steps", "1",
-      "--seed", "7", "--memory" })
+  for _, mesh in ipairs({ "dp_shard=4", "dp_shard=4,ep=2", "dp_shard=4,ep=4" }) do
+    it("allocates on every rank what the planner says for parameters, gradients and optimizer state: " .. mesh,
+      function()
+        local r = trainer({ "-n", "4", "--mesh", mesh, "--policy", "policies/inkling2", "--steps", "1",
+          "--seed", "7", "--memory" })
+        assert.equal("", r.err)
+        assert.equal(0, r.code)
+        local seen = 0
+        for rank, cat, alloc, planned in r.out:gmatch("memory rank (%d+) (%S+) allocated=(%d+) planned=(%d+)") do
+          alloc, planned = tonumber(alloc), tonumber(planned)
+          assert.is_true(planned > 0 and math.abs(alloc - planned) <= 0.01 * planned,
+            string.format("rank %s %s: %d bytes allocated, %d planned", rank, cat, alloc, planned))
+          seen = seen + 1
+        end
+        assert.equal(12, seen)
+      end)
+  end
+
+  it("keeps each rank's experts on it with expert parallelism: the experts' unit gathers over ep_shard", function()
+    -- dp_shard=4, ep=2: experts [0, 2) on ranks 0 and 2, [2, 4) on ranks 1 and 3, each
+    -- layer's two expert tensors (2 x H x 2I and 2 x I x H) a bf16 unit over ep_shard = 2.
+    local r = trainer({ "-n", "4", "--mesh", "dp_shard=4,ep=2", "--policy", "policies/inkling2", "--steps", "1",
+      "--seed", "7", "--records", "--config", small_config })
     assert.equal("", r.err)
     assert.equal(0, r.code)
-    local seen = 0
-    for rank, cat, alloc, planned in r.out:gmatch("memory rank (%d+) (%S+) allocated=(%d+) planned=(%d+)") do
-      alloc, planned = tonumber(alloc), tonumber(planned)
-      assert.is_true(planned > 0 and math.abs(alloc - planned) <= 0.01 * planned,
-        string.format("rank %s %s: %d bytes allocated, %d planned", rank, cat, alloc, planned))
-      seen = seen + 1
+    local recs = records(r.out)
+    local H, I = SMALL.hidden_size, SMALL.expert_dim
+    local experts = 2 * (H * 2 * I + I * H)
+    for _, l in ipairs({ "0", "1" }) do
+      local unit = recs["model.layers." .. l .. "._checkpoint_wrapped_module.mlp.experts"]
+      assert.is_truthy(unit, "layer " .. l .. "'s experts unit issued no collective")
+      for _, rec in ipairs(unit) do
+        assert.equal(2, rec.n)
+        assert.equal(rec.kind == "all_gather" and "bf16" or "f32", rec.dtype)
+        assert.equal(experts * (rec.kind == "all_gather" and 2 or 4), rec.bytes)
+      end
+      -- the layer's own unit no longer holds them
+      for _, rec in ipairs(recs["model.layers." .. l] or {}) do
+        if rec.kind == "all_gather" then assert.is_true(rec.bytes < experts * 2) end
+      end
     end
-    assert.equal(12, seen)
   end)
 
   describe("errors", function()
@@ -232,7 +261,10 @@ describe("moe_trainer", function()
     for _, case in ipairs({
       { "no -n", {}, "missing %-n RANKS" },
       { "a mesh of another size", { "-n", "2", "--mesh", "dp_shard=4" }, "%-%-mesh dp_shard=4 has 4 ranks but %-n is 2" },
-      { "ep > 1", { "-n", "4", "--mesh", "dp_shard=2,ep=2" }, "ep = 2: expert parallelism is not supported by moe_trainer" },
+      { "an ep that does not divide the ranks", { "-n", "4", "--mesh", "dp_shard=4,ep=3" },
+        "ep = 3 does not divide the 4 data%-parallel ranks" },
+      { "experts that do not split over ep", { "-n", "8", "--mesh", "dp_shard=8,ep=8" },
+        "num_experts 4 does not divide over ep = 8" },
       { "tp > 1", { "-n", "2", "--mesh", "tp=2" }, "tensor %(tp%) parallelism are not supported" },
       { "a bad mesh item", { "-n", "4", "--mesh", "dp_shard=4x" }, "'dp_shard=4x' is not AXIS=SIZE" },
       { "a batch that does not split", { "-n", "3", "--mesh", "dp_shard=3" },

@@ -12,7 +12,7 @@ local rs = ms.tensor({N}, "bf16")
 g:reduce_scatter(rs, rs_in, "sum")
 local want = n * (n + 1) / 2
 local bad = 0
-for _, i in ipairs({0, 1, N // 3, N // 2, 2 * 2^20 + 1, N - 2, N - 1}) do
+for _, i in ipairs({0, 1, math.floor(N / 3), math.floor(N / 2), 2 * 2^20 + 1, N - 2, N - 1}) do
   if t:narrow(0, i, 1):totable()[1] ~= want then bad = bad + 1 end
   if rs:narrow(0, i, 1):totable()[1] ~= want then bad = bad + 1 end
 end

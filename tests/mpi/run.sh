@@ -124,7 +124,7 @@ else
   fail "quickstart.lua on 4 ranks (exit $code)" "$TMP/quickstart.out" "$TMP/quickstart.err"
 fi
 
-for mesh in dp_shard=4 dp_replicate=2,dp_shard=2; do
+for mesh in dp_shard=4 dp_replicate=2,dp_shard=2 dp_shard=4,ep=2; do
   job "units_$mesh" 4 -- tests/lua/scripts/units.lua "$mesh"
   if [ "$code" = 0 ] && every_rank "units_$mesh" 4 "^rank R: units ok"; then
     ok "units.lua $mesh on 4 ranks (collectives from the communication threads): every rank ok"
@@ -132,6 +132,21 @@ for mesh in dp_shard=4 dp_replicate=2,dp_shard=2; do
     fail "units.lua $mesh (exit $code)" "$TMP/units_$mesh.out" "$TMP/units_$mesh.err"
   fi
 done
+
+# ---------------------------------------------------------------- LuaJIT ranks over MPI
+if [ -x "$BUILD_DIR/moonshard-jit" ]; then
+  BIN=$BUILD_DIR/moonshard-jit job jit_who 2 -- -e 'print((jit and jit.version or "not LuaJIT") .. " " ..
+    require("moonshard").backend())'
+  jit_code=$code
+  BIN=$BUILD_DIR/moonshard-jit job quickstart_jit 4 -- examples/quickstart.lua
+  if [ "$jit_code" = 0 ] && has "$TMP/jit_who.out" "^LuaJIT .* mpi$" && [ "$code" = 0 ] &&
+    has "$TMP/quickstart_jit.out" "4 ranks .*backend mpi" &&
+    every_rank quickstart_jit 4 "rank R ok: .*54/54 bits exact, grad max diff 0"; then
+    ok "moonshard-jit: quickstart.lua on 4 MPI ranks, each a LuaJIT state: every rank ok"
+  else
+    fail "moonshard-jit quickstart.lua on 4 MPI ranks (exit $code)" "$TMP/quickstart_jit.out" "$TMP/quickstart_jit.err"
+  fi
+fi
 
 # ---------------------------------------------------------------- the backend choice
 who='local ms = require "moonshard"; print(ms.backend(), ms.rank(), ms.world_size())'

@@ -10,10 +10,11 @@ local ms = require "moonshard"
 
 local rank, world = ms.rank(), ms.world_size()
 
--- FNV-1a over the bit patterns: equal only when every bit is.
+-- A polynomial hash of the bit patterns modulo 2^32 (no bit operators, so that LuaJIT runs
+-- it too; every step stays below 2^53): equal only when every bit is, but for collisions.
 local function hash(t)
-  local h = 2166136261
-  for _, b in ipairs(t:bits()) do h = ((h ~ b) * 16777619) & 0xffffffff end
+  local h = 0
+  for _, b in ipairs(t:bits()) do h = (h * 65599 + b) % 4294967296 end
   return string.format("%08x", h)
 end
 

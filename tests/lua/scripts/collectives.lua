@@ -117,7 +117,7 @@ end
 local m = ms.mesh({ { "world", world } })
 run_group("world", m:group("world"))
 if world % 2 == 0 and world > 2 then
-  local m2 = ms.mesh({ { "a", 2 }, { "b", world // 2 } })
+  local m2 = ms.mesh({ { "a", 2 }, { "b", math.floor(world / 2) } })
   run_group("a", m2:group("a"))
   run_group("b", m2:group("b"))
   run_group("ab", m2:group({ "a", "b" }))

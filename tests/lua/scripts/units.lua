@@ -35,27 +35,61 @@ local function full_tensor(shape, fn)
   return ms.from_table(vals, "f64", shape), n
 end
 
-local k = 0
+-- Every unit this rank holds, with what a check needs: its entries (fqn, shape, dim, gather
+-- and reduce dtypes, param), the shard group's size and this rank's coordinate on it, the
+-- ranks whose gradients its reduction sums and the factor it divides by.  Dense units shard
+-- over dp_shard and average over every data-parallel rank; expert units (on ep_shard, and
+-- the ep-local units of the runtime) sum the ranks holding the same experts and divide by
+-- the whole data-parallel size, since each expert's gradient already holds the tokens of
+-- its whole ep group.
+local ep, ep_shard = mesh:size("ep"), mesh:size("ep_shard")
+local function range(from, to, step)
+  local t = {}
+  for q = from, to, step do t[#t + 1] = q end
+  return t
+end
+local work = {}
 for ui, pu in ipairs(plan.units) do
-  local u = rank_state.units[ui]
-  for i, e in ipairs(pu.entries) do
+  local on_ep = pu.mesh_axes[#pu.mesh_axes] == "ep_shard" and ep * ep_shard > 1
+  work[#work + 1] = { unit = rank_state.units[ui], name = pu.name, entries = pu.entries, reduce = pu.reduce_dtype_eff,
+    shard_size = on_ep and ep_shard or mesh:size("dp_shard"),
+    coord = on_ep and math.floor(rank / ep) or rank % mesh:size("dp_shard"),
+    peers = on_ep and range(rank % ep, mesh.world - 1, ep) or range(0, dp - 1, 1),
+    factor = on_ep and ep * ep_shard or dp }
+end
+local owned = {}
+for _, o in ipairs(plan.owned) do owned[o.fqn] = o end
+for _, u in ipairs(rank_state.ep_local) do
+  local entries = {}
+  for i = 0, u:count() - 1 do
+    local o = owned[u:fqn(i)]
+    entries[#entries + 1] = { fqn = o.fqn, shape = o.local_shape, dim = 0, gather = o.dtype, reduce = o.dtype,
+      param = { dtype = o.dtype, requires_grad = o.requires_grad } }
+  end
+  work[#work + 1] = { unit = u, name = u:name(), entries = entries, reduce = entries[1].reduce, shard_size = 1,
+    coord = 0, peers = { rank }, factor = ep * ep_shard }
+end
+check(#work == #rank_state.units, string.format("%d units checked of %d", #work, #rank_state.units))
+
+local k = 0
+for _, w in ipairs(work) do
+  for i, e in ipairs(w.entries) do
     k = k + 1
     local kk = k
-    u:load_full(i - 1, (full_tensor(e.shape, function(j) return value(kk, j) end)))
+    w.unit:load_full(i - 1, (full_tensor(e.shape, function(j) return value(kk, j) end)))
   end
 end
 
 -- unshard every unit; the gathered parameters are the full values in the gather dtype
 k = 0
-for ui, pu in ipairs(plan.units) do
-  local u = rank_state.units[ui]
-  u:unshard()
-  u:wait()
-  for i, e in ipairs(pu.entries) do
+for _, w in ipairs(work) do
+  w.unit:unshard()
+  w.unit:wait()
+  for i, e in ipairs(w.entries) do
     k = k + 1
     local kk = k
     local ref = full_tensor(e.shape, function(j) return value(kk, j) end)
-    local got = u:param_full(i - 1)
+    local got = w.unit:param_full(i - 1)
     check(got:dtype() == e.gather, e.fqn .. " gathered in " .. got:dtype() .. ", planned " .. e.gather)
     local want_bits, got_bits = ref:to(e.gather):bits(), got:bits()
     local bad = 0
@@ -64,13 +98,14 @@ for ui, pu in ipairs(plan.units) do
   end
 end
 
--- backward: rank r's gradient of every parameter, then reduce; the shard holds the mean
+-- backward: rank r's gradient of every parameter, then reduce; the shard holds the sum
+-- over the unit's peers divided by its factor (the mean for dense units)
 local max_diff = 0
 k = 0
-for ui, pu in ipairs(plan.units) do
-  local u = rank_state.units[ui]
+for _, w in ipairs(work) do
+  local u = w.unit
   local kk0 = k
-  for i, e in ipairs(pu.entries) do
+  for i, e in ipairs(w.entries) do
     local kk = kk0 + i
     if e.param.requires_grad then
       u:grad_full(i - 1):copy_((full_tensor(e.shape, function(j) return grad_value(rank, kk, j) end)))
@@ -78,18 +113,17 @@ for ui, pu in ipairs(plan.units) do
   end
   u:reduce_grads()
   u:wait()
-  for i, e in ipairs(pu.entries) do
+  for i, e in ipairs(w.entries) do
     k = k + 1
     local kk = k
     if e.param.requires_grad then
       local shard = u:grad_shard(i - 1)
       local rows = shard:shape()[e.dim + 1]
-      -- this rank's rows: its dp_shard coordinate (the last mesh axis) times the padded rows
-      local lo = (rank % mesh:size("dp_shard")) * math.ceil(e.shape[e.dim + 1] / mesh:size("dp_shard"))
+      local lo = w.coord * math.ceil(e.shape[e.dim + 1] / w.shard_size)
       local ref = full_tensor(e.shape, function(j)
         local s = 0
-        for q = 0, dp - 1 do s = s + grad_value(q, kk, j) end
-        return s / dp
+        for _, q in ipairs(w.peers) do s = s + grad_value(q, kk, j) end
+        return s / w.factor
       end)
       if rows > 0 then
         local want = ref:narrow(e.dim, lo, rows):to(e.reduce):to(e.param.dtype):totable()
@@ -102,12 +136,12 @@ end
 check(max_diff <= 1e-6, string.format("gradient shards differ from the mean by up to %g", max_diff))
 
 -- the records: islands gather and reduce in f32, the layers gather in bf16 and reduce in f32
-for ui, pu in ipairs(plan.units) do
-  for _, r in ipairs(rank_state.units[ui]:records()) do
+for _, w in ipairs(work) do
+  for _, r in ipairs(w.unit:records()) do
     if r.kind == "all_gather" then
-      check(r.dtype == pu.entries[1].gather, pu.name .. " gathered in " .. r.dtype)
+      check(r.dtype == w.entries[1].gather, w.name .. " gathered in " .. r.dtype)
     elseif r.kind == "reduce_scatter" then
-      check(r.dtype == pu.reduce_dtype_eff, pu.name .. " reduced in " .. r.dtype)
+      check(r.dtype == w.reduce, w.name .. " reduced in " .. r.dtype)
     end
   end
 end
@@ -122,4 +156,4 @@ end
 
 if #wrong > 0 then error(string.format("rank %d: %d checks failed:\n  %s", rank, #wrong, table.concat(wrong, "\n  ")), 0) end
 print(string.format("rank %d: units ok (%d units, gradient max diff %g, params %d B, grads %d B)", rank,
-  #plan.units, max_diff, bytes.params, bytes.grads))
+  #work, max_diff, bytes.params, bytes.grads))

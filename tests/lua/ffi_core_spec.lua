@@ -1,0 +1,209 @@
+-- ffi_core_spec.lua: what the two bindings of libmoonshard must agree on beyond the API
+-- specs: int64 sizes exact past 2^53 (Lua integers under 5.4; numbers when exact, else
+-- int64_t cdata, under LuaJIT's FFI binding), handles released by the collector and by
+-- release(), the binding's error messages word for word, and how the FFI binding finds
+-- libmoonshard.  Runs under both interpreters.
+local ms = require "moonshard"
+local S = require "support"
+
+local LUAJIT = type(jit) == "table"
+
+-- An integer given by its digits, exactly: a Lua integer under 5.4; under LuaJIT a number
+-- when it is exact as one, else an int64_t cdata (what the binding returns).
+local function exact(digits)
+  if math.tointeger then return math.tointeger(tonumber(digits)) end
+  local v = assert(load("return " .. digits .. "LL"))()
+  if v >= -2 ^ 53 and v <= 2 ^ 53 then return tonumber(v) end
+  return v
+end
+
+-- the error a call raises
+local function err_of(f, ...)
+  local ok, e = pcall(f, ...)
+  assert.is_false(ok)
+  return e
+end
+
+describe("int64 sizes", function()
+  it("stay exact above 2^53", function()
+    local t = ms.tensor({ 2 ^ 40, 2 ^ 20 + 1 }, "bf16", "meta")
+    assert.equal(exact("1152922604118474752"), t:numel()) -- 2^60 + 2^40
+    assert.equal(exact("2305845208236949504"), t:nbytes())
+    assert.same({ 2 ^ 40, 2 ^ 20 + 1 }, t:shape())
+    assert.equal("tensor([1099511627776, 1048577], bf16, meta)", tostring(t))
+    -- the bits of f64 -1 (0xBFF0000000000000) as a signed integer
+    assert.same({ exact("-4616189618054758400") }, ms.from_table({ -1 }, "f64"):bits())
+  end)
+
+  it("are plain numbers up to 2^53 and integers (5.4) or int64 cdata (LuaJIT) beyond", function()
+    local n = ms.tensor({ 2 ^ 26, 2 ^ 27 }, "u8", "meta"):numel()
+    assert.equal("number", type(n))
+    assert.equal(2 ^ 53, n)
+    local big = ms.tensor({ 2 ^ 26, 2 ^ 27 + 1 }, "u8", "meta"):numel()
+    if LUAJIT then
+      assert.is_true(require("ffi").istype("int64_t", big))
+    else
+      assert.equal("integer", math.type(big))
+    end
+    assert.equal(exact("9007199321849856"), big) -- 2^53 + 2^26
+  end)
+
+  it("are accepted as arguments (int64 cdata under LuaJIT)", function()
+    local n = exact("9007199254740993") -- 2^53 + 1
+    local t = ms.tensor({ n, 2 }, "u8", "meta")
+    assert.same({ n, 2 }, t:shape())
+    assert.equal(exact("18014398509481986"), t:numel())
+    local shape, offset, padded = ms.fsdp_shard({ n }, 2, 1)
+    assert.same({ exact("4503599627370496") }, shape)
+    assert.equal(exact("4503599627370497"), offset)
+    assert.same({ exact("4503599627370497") }, padded)
+    local len, off = ms.chunk_extent(n, 2, 0)
+    assert.equal(exact("4503599627370497"), len)
+    assert.equal(0, off)
+    assert.same({ n, exact("-9223372036854775807") }, ms.from_table({ n, exact("-9223372036854775807") }, "i64"):totable())
+  end)
+end)
+
+describe("handles", function()
+  -- resident bytes of this process
+  local function rss()
+    local f = io.open("/proc/self/statm")
+    if not f then return nil end
+    local pages = tonumber(f:read("*l"):match("^%d+%s+(%d+)"))
+    f:close()
+    return pages * 4096
+  end
+  local MiB = 2 ^ 20
+
+  it("are released by the garbage collector and at once by release()", function()
+    collectgarbage()
+    local before = rss()
+    if not before then return pending("no /proc/self/statm to measure memory with") end
+    local t = ms.tensor({ 2 ^ 26 }, "f32"):fill_(1) -- 256 MiB, touched
+    assert.is_true(rss() > before + 200 * MiB)
+    t = nil -- luacheck: ignore
+    collectgarbage()
+    collectgarbage()
+    assert.is_true(rss() < before + 50 * MiB)
+    t = ms.tensor({ 2 ^ 26 }, "f32"):fill_(1)
+    t:release()
+    assert.is_true(rss() < before + 50 * MiB)
+    assert.matches("attempt to use a released tensor", err_of(t.numel, t))
+  end)
+
+  it("lent by a unit or viewed outlive their owner", function()
+    local g = ms.mesh({ { "dp", 1 } }):group("dp")
+    local u = ms.unit("u", g, nil, nil, nil, true)
+    u:add_param("w", { 3 }, "f32")
+    u:finalize()
+    local shard = u:param_shard(0):fill_(2)
+    local t = ms.from_table({ 1, 2, 3, 4 })
+    local view = t:narrow(0, 1, 2)
+    u, t = nil, nil
+    collectgarbage()
+    collectgarbage()
+    assert.same({ 2, 2, 2 }, shard:totable())
+    assert.same({ 2, 3 }, view:totable())
+  end)
+end)
+
+describe("units", function()
+  it("tell where a rank's shard sits in the full parameter", function()
+    local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
+    u:add_param("w", { 5, 3 }, "f32")
+    u:add_param("v", { 4, 6 }, "f32", -1)
+    assert.same({ 0, 5, 0 }, { u:param_offset(0) })
+    assert.same({ 0, 6, 1 }, { u:param_offset(1) })
+    assert.equal("moonshard: unit u has no parameter 2 (it has 2, numbered from 0)", err_of(u.param_offset, u, 2))
+  end)
+end)
+
+describe("binding errors", function()
+  local t = ms.tensor({ 3, 4 })
+  local m = ms.mesh({ { "dp", 1 } })
+  local here = "^[^\n]*ffi_core_spec%.lua:%d+: "
+
+  it("name the argument as luaL_argerror does, with the caller's line", function()
+    assert.matches(here .. "bad argument #1 to 'narrow' %(number has no integer representation%)$",
+      err_of(function() local v = t:narrow(1.5, 0, 1); return v end))
+    assert.matches(here .. "bad argument #2 to 'narrow' %(number expected, got string%)$",
+      err_of(function() local v = t.narrow(t, "x", 0, 1); return v end))
+    assert.matches(here .. "calling 'numel' on bad self %(moonshard.Tensor expected, got table%)$",
+      err_of(function() local o = { numel = t.numel }; local v = o:numel(); return v end))
+    assert.matches(here .. "bad argument #1 to 'copy_' %(moonshard.Tensor expected, got moonshard.Mesh%)$",
+      err_of(function() local v = t:copy_(m); return v end))
+    assert.matches(here .. "bad argument #1 to 'group' %(table expected, got boolean%)$",
+      err_of(function() local v = m:group(true); return v end))
+  end)
+
+  it("carry the core's status and message, and no position when called from C", function()
+    assert.equal("moonshard shape error: size of dim 1 is -3; sizes must be >= 0", err_of(ms.tensor, { 2, -3 }))
+    assert.equal("moonshard: shape[2] is string, expected an integer", err_of(ms.tensor, { 2, "x" }))
+    assert.equal("moonshard: shape has 9 entries, at most 8 allowed", err_of(ms.tensor, { 1, 1, 1, 1, 1, 1, 1, 1, 1 }))
+    assert.equal("moonshard shape error: from_table: 3 values do not fill a shape of 4 elements",
+      err_of(ms.from_table, { 1, 2, 3 }, "f32", { 2, 2 }))
+    assert.equal("moonshard: mesh has no axis 'tp' (axes: dp)", err_of(m.group, m, "tp"))
+    assert.equal("moonshard: mesh: axis 1 is string, expected {name, size}", err_of(ms.mesh, { "dp" }))
+    assert.equal("moonshard: cast_impl: 'sse' is not auto, portable or avx2", err_of(ms.cast_impl, "sse"))
+    assert.equal("moonshard device error: totable/bits: a meta tensor holds no data",
+      err_of(t.totable, ms.tensor({ 2 }, "f32", "meta")))
+    local u = ms.unit("u0", m:group("dp"))
+    u:add_param("w", { 4 }, "f32")
+    assert.equal("moonshard: unit u0 has no parameter 1 (it has 1, numbered from 0)", err_of(u.fqn, u, 1))
+    assert.equal("moonshard state error: unit 'u0': param_full: not allowed while the unit is building (not finalized)",
+      err_of(u.param_full, u, 0))
+    u:release()
+    assert.equal("moonshard: attempt to use a released unit", err_of(u.count, u))
+    assert.equal("unit (released)", tostring(u))
+  end)
+end)
+
+describe("the LuaJIT binding", function()
+  local luajit = io.popen("command -v luajit 2>/dev/null"):read("*l")
+  local cdef = package.searchpath("moonshard.cdef", package.path)
+  local lib = cdef and cdef:match("^(.*)/lua/moonshard/cdef%.lua$")
+  lib = lib and lib .. "/libmoonshard.so"
+
+  -- runs `luajit -e code` with moonshard's sources and `dir`/lua (or a share/lua/5.4 tree) on
+  -- LUA_PATH and the given environment; returns its output and exit status
+  local function run_luajit(lua_dir, env, code)
+    local cmd = string.format("env -u MOONSHARD_LIB -u LD_LIBRARY_PATH %s LUA_PATH=%s %s -e %s 2>&1; echo \"rc=$?\"",
+      env, S.quote("lua/?.lua;lua/?/init.lua;" .. lua_dir .. "/?.lua"), luajit, S.quote(code))
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    return out:match("^(.-)rc=(%d+)%s*$")
+  end
+
+  -- a scratch directory holding layout/moonshard/cdef.lua
+  local function tree(layout)
+    local dir = os.tmpname()
+    os.remove(dir)
+    local moonshard = S.quote(dir .. "/" .. layout .. "/moonshard")
+    assert(os.execute("mkdir -p " .. moonshard .. " && cp " .. S.quote(cdef) .. " " .. moonshard))
+    return dir
+  end
+
+  local PROBE = 'local ms = require "moonshard"; io.write(ms.world_size(), " ", ms.backend())'
+
+  it("finds libmoonshard by MOONSHARD_LIB, beside cdef.lua, or says where it looked", function()
+    if not (luajit and lib) then return pending("needs luajit and a build tree's cdef.lua") end
+    local dir = tree("lua")
+    local out, rc = run_luajit(dir .. "/lua", "", PROBE)
+    assert.equal("1", rc)
+    assert.matches("moonshard: cannot find libmoonshard; looked in ffi.C %(no ms_%* symbols in this process%), " ..
+      "%$MOONSHARD_LIB %(not set%), " .. dir:gsub("%p", "%%%0") .. "/libmoonshard.so, ", out)
+    assert.matches("; set MOONSHARD_LIB to its path", out)
+    out, rc = run_luajit(dir .. "/lua", "MOONSHARD_LIB=" .. S.quote(lib), PROBE)
+    assert.equal("1 threads", out)
+    assert.equal("0", rc)
+    assert(os.execute("cp -L " .. S.quote(lib) .. " " .. S.quote(dir .. "/libmoonshard.so")))
+    assert.equal("1 threads", (run_luajit(dir .. "/lua", "", PROBE)))
+    -- an install: PREFIX/share/lua/5.4/moonshard/cdef.lua and PREFIX/lib/libmoonshard.so
+    local prefix = tree("share/lua/5.4")
+    assert(os.execute("mkdir -p " .. S.quote(prefix .. "/lib") .. " && cp -L " .. S.quote(lib) .. " " ..
+      S.quote(prefix .. "/lib/libmoonshard.so")))
+    assert.equal("1 threads", (run_luajit(prefix .. "/share/lua/5.4", "", PROBE)))
+    os.execute("rm -rf " .. S.quote(dir) .. " " .. S.quote(prefix))
+  end)
+end)
