@@ -10,6 +10,7 @@
  *   speedup = portable time / AVX2 time
  * Usage: bench_cast [MiB of source, default 64] [only pairs named like "f32->bf16"]
  */
+#include "bench.h"
 #include "ms_internal.h"
 
 #include <stdio.h>
@@ -18,23 +19,6 @@
 #include <time.h>
 
 enum { TRIALS = 7 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Sorts v in place; returns the median. */
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return v[n / 2];
-}
 
 static void *xmalloc(size_t n) {
     void *p = malloc(n);

@@ -14,6 +14,7 @@
  * usage: bench_collectives [-s MiB,MiB,...] [-n ranks,ranks,...] [-t trials]
  *        defaults: -s 1,64 -n 2,4 -t 7
  */
+#include "bench.h"
 #include "moonshard.h"
 
 #include <pthread.h>
@@ -23,12 +24,6 @@
 #include <time.h>
 
 enum { MAX_RANKS = 16, MAX_LIST = 8, MAX_TRIALS = 64 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---------------------------------------------------------------- the local sum reference */
 
@@ -158,11 +153,6 @@ static double timed(bench *b, job j, int iters) {
 }
 
 /* ---------------------------------------------------------------- statistics and report */
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 typedef struct spread {
     double min, med, max;

@@ -17,6 +17,7 @@
  *   mpirun --allow-run-as-root -np 2 build/bench/bench_mpi [-s MiB,MiB,...] [-t trials]
  *   defaults: -s 1,64 -t 7
  */
+#include "bench.h"
 #include "moonshard.h"
 
 #include <stdio.h>
@@ -145,16 +146,6 @@ static double timed(ms_comm *c, bufs *b, op o, side s, int iters) {
     double t = (MPI_Wtime() - t0) / iters, slowest;
     MPI_Allreduce(&t, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     return slowest;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* The bytes of the whole buffer and the busbw factor of o (PERF.md). */

@@ -30,6 +30,7 @@
  * usage: bench_unit [-n ranks] [-u units] [-m MiB per unit] [-k fma per element] [-t trials]
  *        defaults: -n 2 -u 4 -m 4 -k 48 -t 7
  */
+#include "bench.h"
 #include "moonshard.h"
 
 #include <pthread.h>
@@ -40,12 +41,6 @@
 #include <time.h>
 
 enum { MAX_RANKS = 16, MAX_UNITS = 64, MAX_TRIALS = 64, COLS = 1024, KBLOCK = 256 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void must(ms_status st, const char *what) {
     if (st == MS_OK) return;
@@ -196,11 +191,6 @@ static void *rank_main(void *p) {
 }
 
 /* ---------------------------------------------------------------- statistics and report */
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* "min a med b max c" of v[0..k) into buf. */
 static const char *spread(char *buf, size_t cap, const double *v, int k, const char *fmt) {

@@ -294,12 +294,16 @@ static int t_device(lua_State *L) {
     return 1;
 }
 
+/* t:to(dtype) casts; t:to("cpu" | "cuda:N") moves to another device. */
 static int t_to(lua_State *L) {
     ms_tensor *t = check_tensor(L, 1);
-    ms_dtype dt = opt_dtype(L, 2, ms_tensor_dtype(t));
+    ms_device_type dev;
+    int idx;
+    bool move = lua_type(L, 2) == LUA_TSTRING && ms_device_parse(lua_tostring(L, 2), &dev, &idx) == MS_OK;
+    ms_dtype dt = move ? ms_tensor_dtype(t) : opt_dtype(L, 2, ms_tensor_dtype(t));
     box *b = box_new(L, TENSOR_MT);
     ms_tensor *r;
-    CHECK(L, ms_tensor_to(&r, t, dt));
+    CHECK(L, move ? ms_tensor_to_device(&r, t, dev, idx) : ms_tensor_to(&r, t, dt));
     b->h = r;
     return 1;
 }
@@ -353,11 +357,17 @@ static int t_chunk(lua_State *L) {
 }
 
 /* Reads t as a contiguous buffer of `as` (a private copy); returns the owning tensor. */
+/* A cpu copy of t in dtype `as` (a cuda tensor comes to the host first), kept alive (and
+ * freed) by a box on the Lua stack. */
 static ms_tensor *read_as(lua_State *L, ms_tensor *t, ms_dtype as) {
-    if (ms_tensor_device(t) != MS_DEVICE_CPU)
-        luaL_error(L, "moonshard device error: totable/bits: a %s tensor holds no data",
-                   ms_tensor_device(t) == MS_DEVICE_META ? "meta" : "device");
-    box *b = box_new(L, TENSOR_MT); /* keeps the copy alive (and freed) on the Lua stack */
+    if (ms_tensor_device(t) == MS_DEVICE_META)
+        luaL_error(L, "moonshard device error: totable/bits: a meta tensor holds no data");
+    if (ms_tensor_device(t) != MS_DEVICE_CPU) {
+        box *host = box_new(L, TENSOR_MT);
+        CHECK(L, ms_tensor_to_device((ms_tensor **)&host->h, t, MS_DEVICE_CPU, 0));
+        t = host->h;
+    }
+    box *b = box_new(L, TENSOR_MT);
     ms_tensor *r;
     ms_status st = ms_tensor_to(&r, t, as);
     if (st) ms_lua_fail(L, st);
@@ -924,6 +934,18 @@ static int u_tostring(lua_State *L) {
 
 /* ---------------------------------------------------------------- misc */
 
+/* cuda_device_count() -> n, and when n is 0 the reason (not built, no driver, no device) */
+static int l_cuda_device_count(lua_State *L) {
+    int n = 0;
+    if (ms_cuda_device_count(&n) == MS_OK) {
+        lua_pushinteger(L, n);
+        return 1;
+    }
+    lua_pushinteger(L, 0);
+    lua_pushstring(L, ms_last_error());
+    return 2;
+}
+
 static int l_dtype_size(lua_State *L) {
     lua_pushinteger(L, ms_dtype_size(opt_dtype(L, 1, MS_F32)));
     return 1;
@@ -1004,7 +1026,8 @@ int luaopen_moonshard_core(lua_State *L) {
         {"tensor", l_tensor}, {"from_table", l_from_table}, {"mesh", l_mesh},
         {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
         {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},
-        {"cast_impl", l_cast_impl}, {"unit", l_unit}, {NULL, NULL}};
+        {"cast_impl", l_cast_impl}, {"unit", l_unit}, {"cuda_device_count", l_cuda_device_count},
+        {NULL, NULL}};
     new_class(L, TENSOR_MT, tensor_methods, tensor_gc, t_tostring);
     new_class(L, MESH_MT, mesh_methods, mesh_gc, m_tostring);
     new_class(L, GROUP_MT, group_methods, group_gc, g_tostring);

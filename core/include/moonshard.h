@@ -152,6 +152,12 @@ ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src);
 ms_status ms_tensor_fill(ms_tensor *t, double value);
 /* A new contiguous tensor holding t cast to dtype. */
 ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype);
+/* A new contiguous tensor holding t on another device (same dtype): cpu <-> cuda:N, or
+ * between CUDA devices.  A meta tensor has no data to move (MS_ERR_DEVICE). */
+ms_status ms_tensor_to_device(ms_tensor **out, const ms_tensor *t, ms_device_type device, int device_index);
+/* The number of CUDA devices: MS_ERR_NOT_BUILT when moonshard was built without CUDA,
+ * MS_ERR_DEVICE (with the driver's reason, *out = 0) when there is none. */
+ms_status ms_cuda_device_count(int *out);
 
 /* ---------------------------------------------------------------- collectives */
 

@@ -15,7 +15,8 @@
  *    included ("satfinite"); the sign of zero and of an underflow is kept; NaN -> the NaN
  *    above.  fp8 -> f32 is exact: e4m3 NaN -> sign | 0x7FC00000; e5m2 as f16 (b << 8).
  *  - f64 <-> bf16/f16/fp8 go through f32 (double rounding, as PyTorch does for double ->
- *    half and bfloat16).  f64 <-> f32 are plain C casts.
+ *    half and bfloat16).  f64 <-> f32 are C casts; a NaN keeps its sign and the top of
+ *    its payload and is made quiet, as x86 does (cast_scalar.h spells it out for the GPU).
  *  - integer or bool -> f32: one C cast from int64 (one rounding); -> f64: direct;
  *    -> narrower floats: through that f32.
  *  - float -> integer: truncate toward zero, NaN -> 0, saturate to the target's range.
@@ -53,87 +54,7 @@ enum { MS_STREAM_BYTES = 8 << 20 };
 /* Stack block for pairs that pass through a hub type: 8 KiB stays in L1. */
 enum { MS_STAGE_BYTES = 8 << 10 };
 
-/* ---------------------------------------------------------------- scalar rules */
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float f32_from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Rounds a (the magnitude bits of an f32, not NaN) to nearest even in a float format with
- * `mbits` mantissa bits and exponent bias `bias` (< 127).  Returns the format's bits without
- * the sign, unclamped: a value past the largest finite comes out above its code, and the
- * caller clamps to inf or to the largest finite.  The AVX2 twin is round_narrow8. */
-static inline uint32_t round_narrow(uint32_t a, uint32_t bias, uint32_t mbits) {
-    const uint32_t shift = 23 - mbits;
-    if (a >= (128 - bias) << 23) { /* normal in the target: rebias, round off `shift` bits */
-        uint32_t r = a - ((127 - bias) << 23);
-        return (r + (1u << (shift - 1)) - 1 + ((r >> shift) & 1)) >> shift; /* carry may bump the exponent */
-    }
-    /* Subnormal in the target: add the f32 whose ulp is the target's smallest subnormal,
-     * 2^(1 - bias - mbits); the float add rounds to nearest even (the default FP environment,
-     * which every float cast assumes), and the bits above the magic's count the subnormals,
-     * up to 2^mbits, the smallest normal. */
-    const float magic = f32_from_bits((151 - bias - mbits) << 23);
-    return f32_bits(f32_from_bits(a) + magic) - f32_bits(magic);
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f32_bits(f);
-    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x0040);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000, a = u & 0x7FFFFFFF;
-    if (a > 0x7F800000) return (uint16_t)(sign | 0x7E00 | ((a >> 13) & 0x3FF));
-    uint32_t code = round_narrow(a, 15, 10);
-    return (uint16_t)(sign | (code < 0x7C00 ? code : 0x7C00));
-}
-
-/* A finite value of a narrow float format (sign already at bit 31) as f32, exactly. */
-static inline float widen_finite(uint32_t sign, uint32_t e, uint32_t m, uint32_t bias, uint32_t mbits) {
-    if (e == 0) /* m * 2^(1 - bias - mbits): an exact product, every result is an f32 normal */
-        return f32_from_bits(sign | f32_bits((float)m * f32_from_bits((128 - bias - mbits) << 23)));
-    return f32_from_bits(sign | ((e + 127 - bias) << 23) | (m << (23 - mbits)));
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    if (e == 0x1F) /* inf, or NaN quieted with its payload, as vcvtph2ps */
-        return f32_from_bits(sign | 0x7F800000 | (m ? 0x400000 | (m << 13) : 0));
-    return widen_finite(sign, e, m, 15, 10);
-}
-
-/* f32 -> fp8, satfinite.  `maxcode` is the largest finite code, `nancode` the NaN made. */
-static inline uint8_t f32_to_fp8(float f, uint32_t bias, uint32_t mbits, uint32_t maxcode,
-                                 uint32_t nancode) {
-    uint32_t u = f32_bits(f), sign = (u >> 24) & 0x80, a = u & 0x7FFFFFFF;
-    if (a > 0x7F800000) return (uint8_t)(sign | nancode);
-    uint32_t code = round_narrow(a, bias, mbits);
-    return (uint8_t)(sign | (code < maxcode ? code : maxcode));
-}
-
-static inline uint8_t f32_to_e4m3(float f) { return f32_to_fp8(f, 7, 3, 0x7E, 0x7F); }
-static inline uint8_t f32_to_e5m2(float f) { return f32_to_fp8(f, 15, 2, 0x7B, 0x7E); }
-
-static inline float e4m3_to_f32(uint8_t b) {
-    uint32_t sign = (uint32_t)(b & 0x80) << 24;
-    if ((b & 0x7F) == 0x7F) return f32_from_bits(sign | 0x7FC00000);
-    return widen_finite(sign, (b >> 3) & 0xF, b & 0x7, 7, 3);
-}
-
-/* e5m2 is the top byte of an f16, so the f16 rules (inf, NaN quieting) carry over. */
-static inline float e5m2_to_f32(uint8_t b) { return f16_to_f32((uint16_t)(b << 8)); }
+#include "cast_scalar.h"
 
 /* The exported scalars (ms_internal.h); the kernels below use the inline versions, which a
  * shared library's exported functions could not be inlined as. */
@@ -145,15 +66,6 @@ uint8_t ms__f32_to_e4m3(float f) { return f32_to_e4m3(f); }
 float ms__e4m3_to_f32(uint8_t b) { return e4m3_to_f32(b); }
 uint8_t ms__f32_to_e5m2(float f) { return f32_to_e5m2(f); }
 float ms__e5m2_to_f32(uint8_t b) { return e5m2_to_f32(b); }
-
-/* float -> integer: truncate, NaN -> 0, saturate to [lo, hi].  (double)INT64_MAX is 2^63,
- * so x >= it saturates and every x that reaches the cast fits. */
-static inline int64_t sat_trunc(double x, int64_t lo, int64_t hi) {
-    if (x != x) return 0;
-    if (x <= (double)lo) return lo;
-    if (x >= (double)hi) return hi;
-    return (int64_t)x;
-}
 
 /* ---------------------------------------------------------------- portable kernels */
 
@@ -181,8 +93,8 @@ CAST_LOOP(port_e4m3_to_f32, uint8_t, float, e4m3_to_f32(x))
 CAST_LOOP(port_f32_to_e4m3, float, uint8_t, f32_to_e4m3(x))
 CAST_LOOP(port_e5m2_to_f32, uint8_t, float, e5m2_to_f32(x))
 CAST_LOOP(port_f32_to_e5m2, float, uint8_t, f32_to_e5m2(x))
-CAST_LOOP(f64_to_f32, double, float, x)
-CAST_LOOP(f32_to_f64, float, double, x)
+CAST_LOOP(f64_to_f32_k, double, float, f64_to_f32(x))
+CAST_LOOP(f32_to_f64_k, float, double, f32_to_f64(x))
 CAST_LOOP(bool_to_f32, uint8_t, float, x != 0)
 CAST_LOOP(f32_to_bool, float, uint8_t, x != 0)
 CAST_LOOP(f64_to_bool, double, uint8_t, x != 0)
@@ -414,10 +326,10 @@ typedef struct cast_hub {
 
 /* The f32 hub's kernels that both paths share. */
 #define F32_HUB_SHARED_TO                                                                     \
-    [MS_F64] = f64_to_f32, [MS_I64] = i64_to_f32, [MS_I32] = i32_to_f32, [MS_I8] = i8_to_f32, \
+    [MS_F64] = f64_to_f32_k, [MS_I64] = i64_to_f32, [MS_I32] = i32_to_f32, [MS_I8] = i8_to_f32, \
     [MS_U8] = u8_to_f32, [MS_BOOL] = bool_to_f32
 #define F32_HUB_SHARED_FROM                                                                   \
-    [MS_F64] = f32_to_f64, [MS_I64] = f32_to_i64, [MS_I32] = f32_to_i32, [MS_I8] = f32_to_i8, \
+    [MS_F64] = f32_to_f64_k, [MS_I64] = f32_to_i64, [MS_I32] = f32_to_i32, [MS_I8] = f32_to_i8, \
     [MS_U8] = f32_to_u8, [MS_BOOL] = f32_to_bool
 
 static const cast_hub f32_hub_portable = {

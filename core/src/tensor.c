@@ -1,13 +1,18 @@
 /*
- * tensor.c: refcounted storage and tensors (cpu, meta), views, copy with cast, fill.
+ * tensor.c: refcounted storage and tensors (cpu, meta, cuda), views, copy with cast, fill.
  *
  * A tensor is (storage, element offset, shape, strides, dtype).  Views (narrow, view,
  * chunk) make a new tensor over the same storage, which they retain; the storage is freed
  * when the last tensor on it is released, unless it wraps memory the caller owns.
  * Meta tensors have a storage with no memory: every shape rule applies, no data moves.
+ * CUDA tensors hold device memory (cuda.h): copies and fills on them run as kernels (the
+ * casts with the CPU's scalar rules), and a copy between devices goes through one plain
+ * memcpy of the source's bytes, the cast done on the destination's side.
  */
+#include "cuda.h"
 #include "ms_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,9 +47,14 @@ static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride) 
 
 /* ---------------------------------------------------------------- lifetime */
 
+static void free_data(ms_device_type device, int device_index, void *data) {
+    if (device == MS_DEVICE_CUDA) ms__cuda_free(device_index, data);
+    else free(data);
+}
+
 static void storage_release(ms_storage *s) {
     if (s && atomic_fetch_sub(&s->refcount, 1) == 1) {
-        if (s->owned) free(s->data);
+        if (s->owned) free_data(s->device, s->device_index, s->data);
         free(s);
     }
 }
@@ -85,7 +95,7 @@ static ms_status new_with_storage(ms_tensor **out, void *data, int64_t nbytes, b
     ms_storage *s = NULL;
     ms_status st = storage_new(&s, data, nbytes, owned, device, device_index);
     if (st) {
-        if (owned) free(data);
+        if (owned) free_data(device, device_index, data);
         return st;
     }
     atomic_fetch_add(&s->refcount, 1); /* held while the tensor is made */
@@ -140,9 +150,13 @@ ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtyp
         }
         return new_with_storage(out, data, nbytes, true, device, 0, ndim, shape, dtype);
     }
-    case MS_DEVICE_CUDA:
-        return ms__fail(MS_ERR_NOT_BUILT, "tensor_new: device cuda:%d: moonshard was built without CUDA",
-                        device_index);
+    case MS_DEVICE_CUDA: {
+        void *data = NULL;
+        if (device_index < 0) return ms__fail(MS_ERR_DEVICE, "tensor_new: device index %d < 0", device_index);
+        if (nbytes > 0 && (st = ms__cuda_alloc(device_index, nbytes, &data)))
+            return ms__wrap(st, "tensor_new: %s on cuda:%d", ms_dtype_name(dtype), device_index);
+        return new_with_storage(out, data, nbytes, true, device, device_index, ndim, shape, dtype);
+    }
     }
     return ms__fail(MS_ERR_DEVICE, "tensor_new: invalid device %d", (int)device);
 }
@@ -345,13 +359,45 @@ static void for_each_run(const ms_tensor *a, const ms_tensor *b, run_fn fn, void
     }
 }
 
-typedef struct { const ms_tensor *dst, *src; } copy_ctx;
+typedef struct { const ms_tensor *dst, *src; ms_status st; } copy_ctx;
 
 static void copy_run(void *p, int64_t od, int64_t os, int64_t n) {
     copy_ctx *c = p;
     char *d = (char *)c->dst->storage->data + od * ms_dtype_size(c->dst->dtype);
     const char *s = (const char *)c->src->storage->data + os * ms_dtype_size(c->src->dtype);
-    ms__cast_contig(d, c->dst->dtype, s, c->src->dtype, n);
+    if (c->dst->storage->device != MS_DEVICE_CUDA) ms__cast_contig(d, c->dst->dtype, s, c->src->dtype, n);
+    else if (!c->st) c->st = ms__cuda_cast(c->dst->storage->device_index, d, c->dst->dtype, s, c->src->dtype, n);
+}
+
+/* "cpu", "meta", "cuda:1" */
+static const char *device_str(char *buf, size_t cap, const ms_tensor *t) {
+    static const char *const names[] = {[MS_DEVICE_CPU] = "cpu", [MS_DEVICE_META] = "meta", [MS_DEVICE_CUDA] = "cuda"};
+    if (t->storage->device == MS_DEVICE_CUDA) snprintf(buf, cap, "cuda:%d", t->storage->device_index);
+    else snprintf(buf, cap, "%s", names[t->storage->device]);
+    return buf;
+}
+
+static bool same_device(const ms_tensor *a, const ms_tensor *b) {
+    return a->storage->device == b->storage->device && a->storage->device_index == b->storage->device_index;
+}
+
+/* dst <- src on another device: src's bytes, made contiguous on its own device, cross in
+ * one memcpy; the cast and the strided placement, if any, happen on dst's side. */
+static ms_status copy_across(ms_tensor *dst, const ms_tensor *src) {
+    ms_tensor *s = NULL, *m = NULL;
+    ms_status st = MS_OK;
+    if (ms_tensor_is_contiguous(src)) ms_tensor_retain(s = (ms_tensor *)src);
+    else if ((st = ms_tensor_to(&s, src, src->dtype))) return st;
+    if (dst->dtype == src->dtype && ms_tensor_is_contiguous(dst)) {
+        st = ms__cuda_memcpy(ms_tensor_data(dst), ms_tensor_data(s), ms_tensor_nbytes(s));
+    } else {
+        st = ms_tensor_new(&m, src->ndim, src->shape, src->dtype, dst->storage->device, dst->storage->device_index);
+        if (!st) st = ms__cuda_memcpy(ms_tensor_data(m), ms_tensor_data(s), ms_tensor_nbytes(s));
+        if (!st) st = ms_tensor_copy(dst, m);
+    }
+    ms_tensor_release(s);
+    ms_tensor_release(m);
+    return st ? st : ms__ok();
 }
 
 static bool same_shape(const ms_tensor *a, const ms_tensor *b) {
@@ -370,10 +416,13 @@ ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src) {
                         ms__shape_str(b, sizeof b, src->ndim, src->shape));
     }
     ms_device_type dd = dst->storage->device, sd = src->storage->device;
-    if (dd != sd)
-        return ms__fail(MS_ERR_DEVICE, "copy: from a %s tensor to a %s tensor is not supported",
-                        sd == MS_DEVICE_META ? "meta" : "cpu", dd == MS_DEVICE_META ? "meta" : "cpu");
+    if ((dd == MS_DEVICE_META) != (sd == MS_DEVICE_META)) {
+        char a[32], b[32];
+        return ms__fail(MS_ERR_DEVICE, "copy: from a %s tensor to a %s tensor: a meta tensor holds no data",
+                        device_str(a, sizeof a, src), device_str(b, sizeof b, dst));
+    }
     if (dd == MS_DEVICE_META || ms_tensor_numel(dst) == 0) return ms__ok();
+    if (!same_device(dst, src)) return copy_across(dst, src);
     if (dst->storage == src->storage && dst->offset == src->offset && dst->dtype == src->dtype &&
         !memcmp(dst->stride, src->stride, sizeof dst->stride))
         return ms__ok(); /* copy onto itself */
@@ -386,18 +435,22 @@ ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src) {
         ms_tensor_release(tmp);
         return st;
     }
-    copy_ctx c = {dst, src};
+    copy_ctx c = {dst, src, MS_OK};
     for_each_run(dst, src, copy_run, &c);
-    return ms__ok();
+    return c.st ? ms__wrap(c.st, "copy") : ms__ok();
 }
 
-typedef struct { const ms_tensor *t; unsigned char value[8]; } fill_ctx;
+typedef struct { const ms_tensor *t; unsigned char value[8]; ms_status st; } fill_ctx;
 
 static void fill_run(void *p, int64_t off, int64_t unused, int64_t n) {
     (void)unused;
     fill_ctx *c = p;
     size_t es = (size_t)ms_dtype_size(c->t->dtype);
     char *d = (char *)c->t->storage->data + off * (int64_t)es;
+    if (c->t->storage->device == MS_DEVICE_CUDA) {
+        if (!c->st) c->st = ms__cuda_fill(c->t->storage->device_index, d, n, c->value, (int)es);
+        return;
+    }
     bool zero = true;
     for (size_t i = 0; i < es; i++) zero &= c->value[i] == 0;
     if (zero) {
@@ -420,13 +473,26 @@ ms_status ms_tensor_fill(ms_tensor *t, double value) {
     fill_ctx c = {.t = t};
     ms__cast_contig(c.value, t->dtype, &value, MS_F64, 1);
     for_each_run(t, NULL, fill_run, &c);
-    return ms__ok();
+    return c.st ? ms__wrap(c.st, "fill") : ms__ok();
 }
 
 ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype) {
     if (!out || !t) return ms__fail(MS_ERR_ARG, "to: NULL argument");
     ms_tensor *r;
     ms_status st = ms_tensor_new(&r, t->ndim, t->shape, dtype, t->storage->device, t->storage->device_index);
+    if (st) return st;
+    if ((st = ms_tensor_copy(r, t))) {
+        ms_tensor_release(r);
+        return st;
+    }
+    *out = r;
+    return ms__ok();
+}
+
+ms_status ms_tensor_to_device(ms_tensor **out, const ms_tensor *t, ms_device_type device, int device_index) {
+    if (!out || !t) return ms__fail(MS_ERR_ARG, "to_device: NULL argument");
+    ms_tensor *r;
+    ms_status st = ms_tensor_new(&r, t->ndim, t->shape, t->dtype, device, device_index);
     if (st) return st;
     if ((st = ms_tensor_copy(r, t))) {
         ms_tensor_release(r);

@@ -463,8 +463,12 @@ end
 
 function tensor_methods.device(self) return device_name(check_tensor(self, 1)) end
 
+-- t:to(dtype) casts; t:to("cpu" | "cuda:N") moves to another device.
 function tensor_methods.to(self, dtype)
   local t = check_tensor(self, 1)
+  if type(dtype) == "string" and C.ms_device_parse(dtype, device_out, int_out) == C.MS_OK then
+    return made_tensor(C.ms_tensor_to_device(tensor_out, t, device_out[0], int_out[0]))
+  end
   return made_tensor(C.ms_tensor_to(tensor_out, t, opt_dtype(dtype, 2, dtype_of(t))))
 end
 
@@ -501,13 +505,17 @@ end
 
 -- The elements of t as a contiguous buffer of dtype `as`: a pointer of type ptr to t's own
 -- data when it already is one, else to a private copy, returned second to be released.
+-- A pointer to t's elements in dtype `as` on the host, and the copy holding them if one
+-- was made (a cuda tensor comes to the host first).
 local function read_as(t, as, ptr)
+  if device_of(t) == META then raise("moonshard device error: totable/bits: a meta tensor holds no data") end
+  local host
   if device_of(t) ~= CPU then
-    raise("moonshard device error: totable/bits: a %s tensor holds no data",
-      device_of(t) == META and "meta" or "device")
+    host = made_tensor(C.ms_tensor_to_device(tensor_out, t, CPU, 0))
+    t = host.h
   end
   if dtype_of(t) == as and C.ms_tensor_is_contiguous(t) ~= 0 then
-    return ffi.cast(ptr, C.ms_tensor_data(t)), nil
+    return ffi.cast(ptr, C.ms_tensor_data(t)), host
   end
   local copy = made_tensor(C.ms_tensor_to(tensor_out, t, as))
   return ffi.cast(ptr, C.ms_tensor_data(copy.h)), copy
@@ -914,6 +922,12 @@ check_unit = class(Unit, "moonshard.Unit", "unit", C.ms_unit_release, unit_metho
 -- ---------------------------------------------------------------- misc
 
 function M.dtype_size(dtype) return C.ms_dtype_size(opt_dtype(dtype, 1, F32)) end
+
+-- cuda_device_count() -> n, and when n is 0 the reason (not built, no driver, no device)
+function M.cuda_device_count()
+  if C.ms_cuda_device_count(int_out) == C.MS_OK then return tonumber(int_out[0]) end
+  return 0, ffi.string(C.ms_last_error())
+end
 
 local CAST_IMPLS = { auto = C.MS_CAST_AUTO, portable = C.MS_CAST_PORTABLE, avx2 = C.MS_CAST_AVX2 }
 

@@ -97,6 +97,21 @@ describe("tensors", function()
     end
   end)
 
+  it("move between the host and a CUDA device when there is one", function()
+    local ndev, why = ms.cuda_device_count()
+    if ndev == 0 then
+      pending(why)
+      return
+    end
+    local h = ms.from_table({ 1, -2.5, 1 / 3, 65520 }, "f32")
+    local d = h:to("cuda:0")
+    assert.equal("cuda:0", d:device())
+    assert.same(h:to("bf16"):bits(), d:to("bf16"):bits()) -- cast on the device, read back
+    assert.same(h:totable(), d:to("cpu"):totable())
+    d:fill_(0.5)
+    assert.same({ 0.5, 0.5, 0.5, 0.5 }, d:totable())
+  end)
+
   it("report bad input by name and value", function()
     local function err(f, ...)
       local ok, e = pcall(f, ...)
@@ -106,7 +121,14 @@ describe("tensors", function()
     assert.matches("unknown dtype 'f12'", err(ms.tensor, { 2 }, "f12"))
     assert.matches("moonshard shape error: size of dim 1 is %-3", err(ms.tensor, { 2, -3 }))
     assert.matches("shape%[2%] is string, expected an integer", err(ms.tensor, { 2, "x" }))
-    assert.matches("built without CUDA", err(ms.tensor, { 2 }, "f32", "cuda:0"))
+    -- cuda:N: not built, or no device (with the driver's reason), or a device past the last
+    local ndev, why = ms.cuda_device_count()
+    if ndev == 0 then
+      assert.matches(why:match("built without CUDA") and "built without CUDA" or "device cuda:0: ",
+        err(ms.tensor, { 2 }, "f32", "cuda:0"))
+    else
+      assert.matches("device cuda:" .. ndev .. ": .*CUDA device", err(ms.tensor, { 2 }, "f32", "cuda:" .. ndev))
+    end
     local t = ms.tensor({ 3, 4 })
     assert.matches("start 2 and length 3 do not fit dim 1 of size 4", err(t.narrow, t, 1, 2, 3))
     assert.matches("destination shape %[3, 4%] differs from source shape %[4%]", err(t.copy_, t, ms.tensor({ 4 })))
