@@ -129,6 +129,13 @@ static int l_backend(lua_State *L) {
     return 1;
 }
 
+/* device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu" */
+static int l_device(lua_State *L) {
+    if (strcmp(ms_comm_backend(get_world(L)), "nccl") == 0) lua_pushfstring(L, "cuda:%d", ms_nccl_device());
+    else lua_pushliteral(L, "cpu");
+    return 1;
+}
+
 /* ---------------------------------------------------------------- argument helpers */
 
 static ms_dtype opt_dtype(lua_State *L, int idx, ms_dtype def) {
@@ -1022,7 +1029,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"broadcast", g_broadcast}, {"all_to_all", g_all_to_all}, {"barrier", g_barrier},
         {"release", group_gc}, {NULL, NULL}};
     static const luaL_Reg funcs[] = {
-        {"rank", l_rank}, {"world_size", l_world_size}, {"backend", l_backend},
+        {"rank", l_rank}, {"world_size", l_world_size}, {"backend", l_backend}, {"device", l_device},
         {"tensor", l_tensor}, {"from_table", l_from_table}, {"mesh", l_mesh},
         {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
         {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},

@@ -71,14 +71,18 @@ static const char *usage_text =
     "                    (default: $MOONSHARD_TIMEOUT, else 300)\n"
     "  --backend B       threads: N ranks as threads of this process; mpi: this process is\n"
     "                    one rank of an MPI job (mpirun -np N " PROG " ...; -n must then be\n"
-    "                    1 or absent).  Default: mpi when started by an MPI launcher, else\n"
-    "                    threads\n"
+    "                    1 or absent); nccl: this process is one rank on one GPU, its rank\n"
+    "                    from MPI (mpirun) or from RANK, WORLD_SIZE, MASTER_ADDR and\n"
+    "                    MASTER_PORT (torchrun style), else a world of one; collectives take\n"
+    "                    cuda tensors (cpu tensors are staged through the GPU).  Default: mpi\n"
+    "                    when started by an MPI launcher, else threads\n"
     "  --version         print the version and exit\n"
     "  -h, --help        print this help and exit\n"
     "\n"
     "environment:\n"
     "  MOONSHARD_TIMEOUT   collective timeout in seconds (default 300)\n"
-    "  MOONSHARD_BACKEND   threads or mpi, as --backend (the option wins)\n"
+    "  MOONSHARD_BACKEND   threads, mpi or nccl, as --backend (the option wins)\n"
+    "  LOCAL_RANK          nccl: this rank's GPU (default: rank mod the GPUs)\n"
     "  MOONSHARD_LUA_DIR   directory holding moonshard/init.lua (default: the installed\n"
     "                      Lua files, else the source tree this binary was built from)\n"
     "\n"
@@ -253,13 +257,15 @@ static void report_errors(const rank_job *jobs, const bool *finished, int n) {
     free(printed);
 }
 
-/* ---------------------------------------------------------------- the MPI backend */
+/* ---------------------------------------------------------------- one rank a process: MPI, NCCL */
 
-/* This process as one rank of the MPI world: runs the job on this thread; on failure
- * prints the rank's error and aborts the whole job. */
-static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
+/* This process as one rank of the MPI or the NCCL world: runs the job on this thread; on
+ * failure prints the rank's error and ends the whole job (MPI_Abort under an MPI launcher;
+ * else the exit status, on which torchrun-style launchers end the others). */
+static int run_process_rank(rank_job *job, double timeout, const char *backend, bool chosen_by_launcher) {
     ms_world *world;
-    ms_status st = ms_mpi_world_new(&world, timeout);
+    bool nccl = strcmp(backend, "nccl") == 0;
+    ms_status st = nccl ? ms_nccl_world_new(&world, timeout, &job->rank) : ms_mpi_world_new(&world, timeout);
     if (st) {
         fprintf(stderr, "moonshard: %s error: %s\n", ms_status_name(st), ms_last_error());
         if (st == MS_ERR_NOT_BUILT && chosen_by_launcher)
@@ -268,7 +274,7 @@ static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
         return 1;
     }
 #ifdef MOONSHARD_HAVE_MPI
-    MPI_Comm_rank(MPI_COMM_WORLD, &job->rank);
+    if (!nccl) MPI_Comm_rank(MPI_COMM_WORLD, &job->rank);
 #endif
     job->world = world;
     rank_main(job);
@@ -279,7 +285,7 @@ static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
         fflush(stderr);
 #ifdef MOONSHARD_HAVE_MPI
         /* The peers may be waiting for this rank in a collective: end them all now. */
-        MPI_Abort(MPI_COMM_WORLD, 1);
+        if (ms_mpi_launched()) MPI_Abort(MPI_COMM_WORLD, 1);
 #endif
         _exit(1);
     }
@@ -289,6 +295,10 @@ static int run_mpi(rank_job *job, double timeout, bool chosen_by_launcher) {
 }
 
 /* ---------------------------------------------------------------- main */
+
+static bool known_backend(const char *b) {
+    return strcmp(b, "threads") == 0 || strcmp(b, "mpi") == 0 || strcmp(b, "nccl") == 0;
+}
 
 static int usage_error(const char *fmt, const char *arg) {
     fprintf(stderr, "moonshard: ");
@@ -340,9 +350,9 @@ int main(int argc, char **argv) {
                 return usage_error("bad timeout '%s' (expected seconds > 0)", argv[i]);
         } else if (strcmp(a, "--backend") == 0 || strncmp(a, "--backend=", 10) == 0) {
             backend = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
-            if (!backend) return usage_error("%s needs a backend (threads or mpi)", a);
-            if (strcmp(backend, "threads") != 0 && strcmp(backend, "mpi") != 0)
-                return usage_error("unknown backend '%s' (expected threads or mpi)", backend);
+            if (!backend) return usage_error("%s needs a backend (threads, mpi or nccl)", a);
+            if (!known_backend(backend))
+                return usage_error("unknown backend '%s' (expected threads, mpi or nccl)", backend);
         } else if (strcmp(a, "--") == 0) {
             i++;
             break;
@@ -366,23 +376,27 @@ run:
     if (!backend) {
         const char *env = getenv("MOONSHARD_BACKEND");
         if (env && *env) {
-            if (strcmp(env, "threads") != 0 && strcmp(env, "mpi") != 0)
-                return usage_error("MOONSHARD_BACKEND='%s' is not a backend (expected threads or mpi)", env);
+            if (!known_backend(env))
+                return usage_error("MOONSHARD_BACKEND='%s' is not a backend (expected threads, mpi or nccl)", env);
             backend = env;
         } else {
             by_launcher = ms_mpi_launched();
             backend = by_launcher ? "mpi" : "threads";
         }
     }
-    if (strcmp(backend, "mpi") == 0) {
+    if (strcmp(backend, "threads") != 0) {
         if (nranks_given && nranks != 1) {
             char n[16];
             snprintf(n, sizeof n, "%d", nranks);
-            return usage_error("-n %s: with the mpi backend each process is one rank; start N ranks with "
-                               "mpirun -np N " PROG " ...", n);
+            return usage_error(strcmp(backend, "mpi") == 0
+                                   ? "-n %s: with the mpi backend each process is one rank; start N ranks with "
+                                     "mpirun -np N " PROG " ..."
+                                   : "-n %s: with the nccl backend each process is one rank on one GPU; start N "
+                                     "ranks with mpirun -np N or a launcher that sets RANK and WORLD_SIZE",
+                               n);
         }
         rank_job job = {.script = script, .code = code, .argc = argc - i, .argv = argv + i};
-        return run_mpi(&job, timeout, by_launcher);
+        return run_process_rank(&job, timeout, backend, by_launcher);
     }
 
     ms_world *world;

@@ -179,6 +179,16 @@ ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s);
  * exit when moonshard initialised it.  This process's rank is its MPI_COMM_WORLD rank; take
  * its comm with ms_world_comm.  MS_ERR_NOT_BUILT when moonshard was built without MPI. */
 ms_status ms_mpi_world_new(ms_world **out, double timeout_s);
+/* The NCCL world this process belongs to: one rank per process and GPU.  The rank and the
+ * size come from MPI when an MPI launcher started the process, else from RANK, WORLD_SIZE,
+ * MASTER_ADDR and MASTER_PORT (a TCP rendezvous served by rank 0), else it is a world of
+ * one.  The rank's GPU is LOCAL_RANK when set, else rank mod the number of GPUs.  *rank gets
+ * this process's rank (take its comm with ms_world_comm).  Collectives take cuda tensors of
+ * that GPU, and cpu tensors (staged through it); a group is made with ncclCommSplit, so every
+ * rank asks for its group of a partition at the same point.  MS_ERR_NOT_BUILT without NCCL. */
+ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank);
+/* This process's GPU in the NCCL world, -1 before ms_nccl_world_new (or without NCCL). */
+int ms_nccl_device(void);
 /* 1 when this process was started by an MPI launcher (mpirun, srun), else 0. */
 int ms_mpi_launched(void);
 void ms_world_retain(ms_world *w);
@@ -302,7 +312,8 @@ typedef struct ms_unit ms_unit;
  * dtype).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
  * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
  * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
- * retains the comms; cpu tensors only (threads and mpi backends). */
+ * retains the comms.  Its tensors are cpu tensors; on the nccl backend its collectives go
+ * through the GPU (staged), not yet on cuda tensors. */
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
                       int param_dtype, int reduce_dtype, int reshard_after_forward);
 void ms_unit_retain(ms_unit *u);

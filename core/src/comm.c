@@ -343,7 +343,7 @@ static ms_status check_tensor(const ms_comm *c, const char *where, const char *n
     ms_device_type device = ms_tensor_device(t);
     if (device == MS_DEVICE_META)
         return ms__fail(MS_ERR_DEVICE, "%s: %s %s is a meta tensor; meta tensors hold no data", where, name, desc);
-    if (device != c->world->backend->device)
+    if (device != c->world->backend->device && !(device == MS_DEVICE_CPU && c->world->backend->takes_cpu))
         return ms__fail(MS_ERR_DEVICE, "%s: %s %s is a %s tensor; the %s backend moves %s tensors", where, name,
                         desc, device_name[device], c->world->backend->name, device_name[c->world->backend->device]);
     if (!ms_tensor_is_contiguous(t)) {

@@ -60,6 +60,7 @@ typedef struct ms_group ms_group;
 typedef struct ms_backend {
     const char *name;      /* "threads", "mpi", "nccl" */
     ms_device_type device; /* where its tensors live */
+    bool takes_cpu;        /* cpu tensors too (staged through the device by the backend) */
     /* Creates g->impl, the state the members of g in this process share.  Called once per
      * group, by its first member to ask, with the world's lock held. */
     ms_status (*group_init)(ms_world *w, ms_group *g);
@@ -107,6 +108,12 @@ struct ms_comm {
 /* A world of nranks ranks connected by backend (registers the whole-world group).
  * timeout_s <= 0 reads MOONSHARD_TIMEOUT, else 300 s. */
 ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s);
+
+/* comm_mpi.c, for other backends that bootstrap over MPI (comm_nccl.c): this process's
+ * rank and the world size (initialising MPI), and bytes from world rank root to every
+ * process.  MS_ERR_NOT_BUILT without MPI. */
+ms_status ms__mpi_rank_size(int *rank, int *size);
+ms_status ms__mpi_bcast(void *buf, int bytes, int root);
 
 /* ---------------------------------------------------------------- comm_async.c
  *

@@ -66,6 +66,16 @@ ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
 }
 
+ms_status ms__mpi_rank_size(int *rank, int *size) {
+    (void)rank, (void)size;
+    return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
+}
+
+ms_status ms__mpi_bcast(void *buf, int bytes, int root) {
+    (void)buf, (void)bytes, (void)root;
+    return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
+}
+
 #else /* MOONSHARD_HAVE_MPI */
 
 #include <mpi.h>
@@ -677,6 +687,25 @@ ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
     ms_status st = mpi_start();
     if (st) return st;
     return ms__world_new(out, &mpi_backend, mpi.size, timeout_s);
+}
+
+ms_status ms__mpi_rank_size(int *rank, int *size) {
+    ms_status st = mpi_start();
+    if (st) return st;
+    *rank = mpi.rank;
+    *size = mpi.size;
+    return MS_OK;
+}
+
+ms_status ms__mpi_bcast(void *buf, int bytes, int root) {
+    ms_status st = mpi_start();
+    if (st) return st;
+    mpi_lock();
+    int rc = MPI_Bcast(buf, bytes, MPI_BYTE, root, MPI_COMM_WORLD);
+    mpi_unlock();
+    if (rc == MPI_SUCCESS) return MS_OK;
+    char e[MPI_MAX_ERROR_STRING + 64];
+    return ms__fail(MS_ERR_PEER, "%s", mpi_error_str(e, sizeof e, "MPI_Bcast", rc));
 }
 
 #endif /* MOONSHARD_HAVE_MPI */

@@ -516,7 +516,7 @@ ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *
                       int reduce_dtype, int reshard_after_forward) {
     if (!out || !name || !shard) return ms__fail(MS_ERR_ARG, "unit_new: out, name and shard are required");
     const ms_backend *be = shard->world->backend;
-    if (be->device != MS_DEVICE_CPU)
+    if (be->device != MS_DEVICE_CPU && !be->takes_cpu)
         return ms__fail(MS_ERR_NOT_BUILT, "unit '%s': the unit runtime moves cpu tensors; the %s backend moves device "
                         "tensors", name, be->name);
     if (replicate && replicate->world != shard->world)

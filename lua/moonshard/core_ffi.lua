@@ -374,6 +374,12 @@ function M.world_size() return C.ms_comm_size(get_world()) end
 
 function M.backend() return ffi.string(C.ms_comm_backend(get_world())) end
 
+-- device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu"
+function M.device()
+  if M.backend() == "nccl" then return "cuda:" .. C.ms_nccl_device() end
+  return "cpu"
+end
+
 -- ---------------------------------------------------------------- tensors
 
 -- The tensor a core call made into tensor_out, boxed.

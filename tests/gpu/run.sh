@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # run.sh: the GPU checks, one prepared script for a machine with a CUDA device (a few
 # minutes on one H200).  Builds with CUDA into build-gpu (Release, the Lua parts when Lua
-# 5.4 is there), runs the tests labelled gpu (tests/gpu/test_cuda.c: casts on the device bit
-# for bit against the CPU on every f32, every dtype pair, tensors between host and device),
-# the tensor spec's device case under Lua when built, and bench_cuda (the casts' bandwidth
-# as a fraction of a device-to-device copy's, same run).
+# 5.4 is there), runs the tests labelled gpu: tests/gpu/test_cuda.c (casts on the device bit
+# for bit against the CPU on every f32, every dtype pair, tensors between host and device)
+# and tests/gpu/test_nccl.c (the NCCL backend on a one-GPU world: every collective and
+# dtype on cuda and staged cpu tensors, tagged groups, a shard unit); under Lua the tensor
+# spec's device case and collectives.lua with --backend nccl; with two GPUs or more,
+# collectives.lua on 2 NCCL ranks started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR,
+# MASTER_PORT) and with mpirun; then bench_cuda (the casts' bandwidth as a fraction of a
+# device-to-device copy's, same run).  Any step that fails stops the script.
 #   bash tests/gpu/run.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,16 +22,41 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOONSHARD_CUDA=ON -DMOONSHAR
   { cat "$build/configure.log"; exit 1; }
 grep "moonshard: MPI" "$build/configure.log"
 grep -q "CUDA ON" "$build/configure.log" || { echo "FAIL - CUDA was not found: no GPU build"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target test_cuda bench_cuda $([ $lua = ON ] && echo moonshard_exe moonshard_lua)
+cmake --build "$build" -j"$(nproc)" --target test_cuda test_nccl bench_cuda \
+  $([ $lua = ON ] && echo moonshard_exe moonshard_lua)
 echo "== tests labelled gpu (ctest -L gpu), run here directly: a skip is a failure on a GPU machine"
-rc=0
-"$build/test_cuda" || rc=$?
-[ $rc = 77 ] && { echo "FAIL - test_cuda skipped: this machine has no usable CUDA device"; exit 1; }
-[ $rc = 0 ] || { echo "FAIL - test_cuda (exit $rc)"; exit 1; }
+for t in test_cuda test_nccl; do
+  rc=0
+  "$build/$t" || rc=$?
+  [ $rc = 77 ] && { echo "FAIL - $t skipped: this machine has no usable CUDA device or no NCCL"; exit 1; }
+  [ $rc = 0 ] || { echo "FAIL - $t (exit $rc)"; exit 1; }
+done
 if [ $lua = ON ]; then
   echo "== Lua: tensors on cuda:0"
   MOONSHARD_BIN=$build/moonshard LUA_PATH="lua/?.lua;lua/?/init.lua;tests/lua/?.lua;$build/lua/?.lua;;" \
     LUA_CPATH="$build/lua/?.so;;" lua5.4 "$(command -v busted)" tests/lua/tensor_spec.lua
+  echo "== Lua: collectives.lua on the NCCL backend, one rank"
+  "$build/moonshard" --backend nccl -e 'local ms = require "moonshard"; assert(ms.backend() == "nccl")'
+  "$build/moonshard" --backend nccl tests/lua/scripts/collectives.lua
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$gpus" -ge 2 ]; then
+    echo "== 2 NCCL ranks, torchrun-style rendezvous"
+    pids=()
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
+        "$build/moonshard" --backend nccl tests/lua/scripts/collectives.lua >"$build/nccl$r.out" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || { cat "$build"/nccl*.out; echo "FAIL - 2 NCCL ranks"; exit 1; }; done
+    cat "$build"/nccl*.out
+    if command -v mpirun >/dev/null; then
+      echo "== 2 NCCL ranks under mpirun"
+      mpirun --allow-run-as-root --oversubscribe -np 2 "$build/moonshard" --backend nccl \
+        tests/lua/scripts/collectives.lua
+    fi
+  else
+    echo "== one GPU: the multi-rank NCCL runs need two (NCCL refuses two ranks on one GPU)"
+  fi
 fi
 echo "== bench_cuda"
 "$build/bench/bench_cuda"

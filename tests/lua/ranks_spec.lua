@@ -93,6 +93,23 @@ describe("the moonshard command line", function()
     assert.matches("bad number of ranks '0'", S.run({ "-n", "0", "x.lua" }).err)
     assert.matches("unknown option '%-%-frobnicate'", S.run({ "--frobnicate" }).err)
     assert.matches("cannot read script 'no/such/script.lua'", S.run({ "no/such/script.lua" }).err)
+    assert.matches("unknown backend 'gloo' %(expected threads, mpi or nccl%)", S.run({ "--backend", "gloo", "-e", "" }).err)
+    assert.matches("with the nccl backend each process is one rank on one GPU",
+      S.run({ "--backend", "nccl", "-n", "2", "-e", "" }).err)
+  end)
+
+  it("runs on the NCCL backend only where there is a GPU, and says why not", function()
+    local core = require "moonshard"
+    local r = S.run({ "--backend", "nccl", "-e", "print(require('moonshard').backend())" })
+    if core.cuda_device_count() == 0 then
+      assert.equal(1, r.code)
+      -- built without NCCL, or no device (with the driver's reason)
+      assert.is_truthy(r.err:match("built without NCCL") or r.err:match("nccl world: rank 0 has no CUDA device %(.+%)"),
+        r.err)
+    else
+      assert.equal(0, r.code, r.err)
+      assert.equal("nccl\n", r.out)
+    end
   end)
 
   it("runs the quickstart on 4 ranks and prints its report", function()

@@ -98,6 +98,7 @@ describe("tensors", function()
   end)
 
   it("move between the host and a CUDA device when there is one", function()
+    assert.equal("cpu", ms.device()) -- a threads rank's tensors live on the host
     local ndev, why = ms.cuda_device_count()
     if ndev == 0 then
       pending(why)

@@ -1,0 +1,432 @@
+/*
+ * comm_nccl.c: the NCCL backend.  One rank per process and GPU, collectives on CUDA tensors.
+ *
+ * The world.  A process learns its rank and the world size from MPI when an MPI launcher
+ * started it (ms_mpi_launched), else from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+ * (torchrun and friends; store.c's TCP store, served by rank 0, is the rendezvous), else it
+ * is a world of one.  Its GPU is LOCAL_RANK when set, else rank mod the number of devices.
+ * Rank 0 makes the NCCL unique id and hands it to the others (MPI_Bcast, or the store's
+ * key "moonshard/nccl/world"); ncclCommInitRank makes the world's communicator.
+ *
+ * Groups.  Every other group is made with ncclCommSplit of the world's communicator, the
+ * group's lowest world rank as the colour: a split is collective over the whole world, so
+ * every rank must ask for its group of the same partition at the same point of its program
+ * (a mesh's group(axis) on every rank does exactly that; groups asked for by only some ranks
+ * are not possible with NCCL).  Tags make separate communicators as with the other backends.
+ *
+ * One collective: the call's descriptor is all-gathered first (a 24-byte ncclAllGather), so
+ * that ranks that disagree get the same MS_ERR_MISMATCH as with threads and MPI instead of
+ * a hang or garbage; then the NCCL collective (all_to_all: grouped ncclSend/ncclRecv; barrier:
+ * a one-element all-reduce) on the group's own stream.  The calling thread waits for the
+ * stream, polling, up to the world's timeout: a rank that never arrives gives MS_ERR_TIMEOUT
+ * and the group's communicator is aborted (ncclCommAbort), so nothing hangs; an error NCCL
+ * reports asynchronously is MS_ERR_PEER.  The shard units already run their collectives on
+ * the rank's communication thread (comm_async.c), so they overlap compute.
+ *
+ * Tensors.  CUDA tensors on the rank's device go to NCCL as they are; cpu tensors are staged
+ * through device buffers of the group (so a script written for the threads backend runs
+ * unchanged, if slower).  Reductions are NCCL's own: bf16, f16 and fp8 are summed in their
+ * dtype along NCCL's ring or tree (not accumulated in f32 and rounded once as the threads and
+ * MPI backends do), so results may differ from theirs in the last bits.  bool reduces as u8.
+ */
+#include "comm.h"
+#include "cuda.h"
+#include "store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifndef MOONSHARD_HAVE_NCCL
+
+ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank) {
+    (void)out, (void)timeout_s;
+    if (rank) *rank = -1;
+    return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without NCCL (the CUDA toolkit or libnccl was not "
+                                      "found when it was configured)");
+}
+
+int ms_nccl_device(void) { return -1; }
+
+#else /* MOONSHARD_HAVE_NCCL */
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+typedef enum { VIA_NONE, VIA_MPI, VIA_STORE } bootstrap;
+
+/* The process's place in the NCCL world, set once by nccl_start. */
+static struct {
+    pthread_mutex_t lock;
+    bool ready;
+    int rank, size, device;
+    bootstrap via;
+    ms_store *store;
+} nccl = {.lock = PTHREAD_MUTEX_INITIALIZER, .device = -1};
+
+static ms_status cuda_err(cudaError_t e, const char *what) {
+    cudaGetLastError();
+    return ms__fail(e == cudaErrorMemoryAllocation ? MS_ERR_OOM : MS_ERR_DEVICE, "nccl backend: %s: %s: %s", what,
+                    cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+static ms_status nccl_err(ncclResult_t r, const char *what) {
+    return ms__fail(r == ncclInvalidArgument || r == ncclInvalidUsage ? MS_ERR_ARG : MS_ERR_PEER,
+                    "nccl backend: %s: %s", what, ncclGetErrorString(r));
+}
+
+#define CUDA_OK(what, call)                              \
+    do {                                                 \
+        cudaError_t e_ = (call);                         \
+        if (e_ != cudaSuccess) return cuda_err(e_, what); \
+    } while (0)
+#define NCCL_OK(what, call)                               \
+    do {                                                  \
+        ncclResult_t r_ = (call);                         \
+        if (r_ != ncclSuccess) return nccl_err(r_, what); \
+    } while (0)
+
+/* A non-negative integer environment variable, or -1 when unset; *bad when malformed. */
+static long env_int(const char *name, bool *bad) {
+    const char *v = getenv(name);
+    if (!v || !*v) return -1;
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < 0) *bad = true;
+    return x;
+}
+
+/* The rank's GPU: LOCAL_RANK, else rank mod the device count. */
+static ms_status pick_device(void) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        return ms__fail(MS_ERR_DEVICE, "nccl world: rank %d has no CUDA device (%s)", nccl.rank,
+                        e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    }
+    bool bad = false;
+    long local = env_int("LOCAL_RANK", &bad);
+    if (bad) return ms__fail(MS_ERR_ARG, "nccl world: LOCAL_RANK='%s' is not a device number", getenv("LOCAL_RANK"));
+    if (local >= count)
+        return ms__fail(MS_ERR_DEVICE, "nccl world: LOCAL_RANK=%ld but this machine has %d CUDA device%s", local,
+                        count, count == 1 ? "" : "s");
+    nccl.device = local >= 0 ? (int)local : nccl.rank % count;
+    CUDA_OK("cudaSetDevice", cudaSetDevice(nccl.device));
+    return MS_OK;
+}
+
+static ms_status nccl_start(double timeout_s) {
+    pthread_mutex_lock(&nccl.lock);
+    ms_status st = MS_OK;
+    if (!nccl.ready) {
+        nccl.rank = 0, nccl.size = 1, nccl.via = VIA_NONE;
+        if (ms_mpi_launched()) {
+            st = ms__mpi_rank_size(&nccl.rank, &nccl.size);
+            nccl.via = VIA_MPI;
+        } else if (getenv("WORLD_SIZE") || getenv("MASTER_ADDR")) {
+            st = ms__store_open_env(&nccl.store, timeout_s > 0 ? timeout_s : 300);
+            if (!st) nccl.rank = ms__store_rank(nccl.store), nccl.size = ms__store_world(nccl.store);
+            nccl.via = VIA_STORE;
+        }
+        if (!st) st = pick_device();
+        nccl.ready = !st;
+    }
+    pthread_mutex_unlock(&nccl.lock);
+    return st;
+}
+
+/* Rank 0's unique id on every rank. */
+static ms_status share_world_id(ncclUniqueId *id) {
+    if (nccl.rank == 0) NCCL_OK("ncclGetUniqueId", ncclGetUniqueId(id));
+    size_t len = 0;
+    switch (nccl.via) {
+    case VIA_MPI: return ms__mpi_bcast(id, (int)sizeof *id, 0);
+    case VIA_STORE:
+        if (nccl.rank == 0) return ms__store_set(nccl.store, "moonshard/nccl/world", id, sizeof *id);
+        return ms__store_get(nccl.store, "moonshard/nccl/world", id, sizeof *id, &len);
+    case VIA_NONE: return MS_OK;
+    }
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------- groups */
+
+/* One rank's call as the group exchanges it (as comm_mpi.c's). */
+typedef struct desc {
+    int32_t kind, dtype, op, root;
+    int64_t count;
+} desc;
+
+typedef struct ngroup {
+    ncclComm_t comm; /* NULL once aborted */
+    cudaStream_t stream;
+    int n, rank;
+    desc *descs_dev;  /* (n) the exchange's device buffer */
+    desc *descs;      /* (n) host copy */
+    ms_coll *calls;   /* (n) the descriptors as calls, for the agreement */
+    void *stage;      /* device staging for cpu tensors and the barrier, stage_cap bytes */
+    size_t stage_cap;
+} ngroup;
+
+static void ngroup_free(ngroup *ng) {
+    if (!ng) return;
+    if (ng->comm) ncclCommDestroy(ng->comm);
+    if (ng->stream) cudaStreamDestroy(ng->stream);
+    cudaFree(ng->descs_dev);
+    cudaFree(ng->stage);
+    free(ng->descs);
+    free(ng->calls);
+    free(ng);
+}
+
+static ms_status make_comm(ms_world *w, ms_group *g, ngroup *ng) {
+    if (!w->groups) { /* the whole world, made by ms__world_new before anything else */
+        ncclUniqueId id;
+        ms_status st = share_world_id(&id);
+        if (st) return ms__wrap(st, "nccl world: sharing the unique id");
+        NCCL_OK("ncclCommInitRank", ncclCommInitRank(&ng->comm, ng->n, id, ng->rank));
+        return MS_OK;
+    }
+    const ngroup *world = w->groups->impl;
+    if (!world->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the world's communicator was aborted");
+    /* the tag keeps groups over the same ranks apart; ranks order by world rank (the key) */
+    NCCL_OK("ncclCommSplit", ncclCommSplit(world->comm, g->world_ranks[0] + g->tag * w->size, nccl.rank,
+                                           &ng->comm, NULL));
+    return MS_OK;
+}
+
+static ms_status nccl_group_init(ms_world *w, ms_group *g) {
+    ngroup *ng = calloc(1, sizeof *ng);
+    if (!ng) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
+    ng->n = g->n;
+    while (ng->rank < g->n && g->world_ranks[ng->rank] != nccl.rank) ng->rank++;
+    ng->descs = calloc((size_t)g->n, sizeof *ng->descs);
+    ng->calls = calloc((size_t)g->n, sizeof *ng->calls);
+    ms_status st = ng->descs && ng->calls ? MS_OK : ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
+    cudaError_t e = cudaSuccess;
+    if (!st && (e = cudaSetDevice(nccl.device)) == cudaSuccess &&
+        (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess)
+        e = cudaMalloc((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc));
+    if (!st && e != cudaSuccess) st = cuda_err(e, "making a group");
+    if (!st) st = make_comm(w, g, ng);
+    if (st) {
+        ngroup_free(ng);
+        return st;
+    }
+    g->impl = ng;
+    return MS_OK;
+}
+
+static void nccl_group_free(ms_group *g) {
+    ngroup_free(g->impl);
+    g->impl = NULL;
+}
+
+/* ---------------------------------------------------------------- one collective */
+
+static ncclDataType_t nccl_type(ms_dtype d) {
+    switch (d) {
+    case MS_F16: return ncclFloat16;
+    case MS_BF16: return ncclBfloat16;
+    case MS_F8E4M3: return ncclFloat8e4m3;
+    case MS_F8E5M2: return ncclFloat8e5m2;
+    case MS_F64: return ncclFloat64;
+    case MS_I64: return ncclInt64;
+    case MS_I32: return ncclInt32;
+    case MS_I8: return ncclInt8;
+    case MS_U8:
+    case MS_BOOL: return ncclUint8;
+    default: return ncclFloat32;
+    }
+}
+
+static ncclRedOp_t nccl_op(ms_op op) {
+    switch (op) {
+    case MS_OP_AVG: return ncclAvg;
+    case MS_OP_MAX: return ncclMax;
+    case MS_OP_MIN: return ncclMin;
+    default: return ncclSum;
+    }
+}
+
+/* Waits for the group's stream up to the world's timeout; on a timeout the communicator is
+ * aborted (a collective that never completes cannot be taken back). */
+static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
+    const double deadline = ms__now_s() + c->world->timeout_s;
+    ms_msg m = {0};
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(ng->stream);
+        if (e == cudaSuccess) return MS_OK;
+        if (e != cudaErrorNotReady) return cuda_err(e, "waiting for a collective");
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(ng->comm, &async);
+        if (async != ncclSuccess && async != ncclInProgress) {
+            ms__msg_where(&m, c, kind);
+            return ms__fail(MS_ERR_PEER, "%s: NCCL: %s", m.s, ncclGetErrorString(async));
+        }
+        if (ms__now_s() > deadline) {
+            ncclCommAbort(ng->comm);
+            ng->comm = NULL;
+            ms__msg_where(&m, c, kind);
+            return ms__fail(MS_ERR_TIMEOUT, "%s: not every rank arrived within %g s (%s); the group's NCCL "
+                            "communicator was aborted", m.s, c->world->timeout_s, c->world->timeout_origin);
+        }
+        nanosleep(&(struct timespec){0, 20000}, NULL);
+    }
+}
+
+/* The group's calls, all-gathered; MS_ERR_MISMATCH (the same message on every rank) unless
+ * they agree. */
+static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
+    desc mine = {call->kind, call->dtype, call->op, call->root, call->count};
+    CUDA_OK("staging the call's descriptor",
+            cudaMemcpyAsync(ng->descs_dev + ng->rank, &mine, sizeof mine, cudaMemcpyHostToDevice, ng->stream));
+    NCCL_OK("ncclAllGather (the call's descriptor)", ncclAllGather(ng->descs_dev + ng->rank, ng->descs_dev,
+                                                                   sizeof(desc), ncclUint8, ng->comm, ng->stream));
+    CUDA_OK("reading the descriptors", cudaMemcpyAsync(ng->descs, ng->descs_dev, (size_t)ng->n * sizeof(desc),
+                                                       cudaMemcpyDeviceToHost, ng->stream));
+    ms_status st = wait_stream(c, ng, (ms_coll_kind)call->kind);
+    if (st) return st;
+    for (int i = 0; i < ng->n; i++) {
+        const desc *d = &ng->descs[i];
+        ng->calls[i] = (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
+                                 .root = d->root, .count = d->count};
+    }
+    return ms__calls_agree(c, ng->calls, sizeof(ms_coll));
+}
+
+/* Elements the call sends and receives on this rank (comm.h's table). */
+static void extents(const ms_coll *call, int n, int64_t *send, int64_t *recv) {
+    switch (call->kind) {
+    case MS_COLL_ALL_GATHER: *send = call->count, *recv = n * call->count; break;
+    case MS_COLL_REDUCE_SCATTER: *send = n * call->count, *recv = call->count; break;
+    case MS_COLL_BARRIER: *send = *recv = 0; break;
+    default: *send = *recv = call->count; break; /* all_reduce, broadcast (in place), all_to_all */
+    }
+}
+
+/* 1 when p is memory of this rank's device, 0 when it is host memory; MS_ERR_DEVICE for
+ * another device's. */
+static ms_status on_device(const ms_comm *c, const void *p, ms_coll_kind kind, int *yes) {
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        *yes = 0;
+        return MS_OK;
+    }
+    *yes = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    if (*yes && a.device != nccl.device) {
+        ms_msg m = {0};
+        ms__msg_where(&m, c, kind);
+        return ms__fail(MS_ERR_DEVICE, "%s: a tensor on cuda:%d, but this rank's device is cuda:%d", m.s, a.device,
+                        nccl.device);
+    }
+    return MS_OK;
+}
+
+/* Device addresses for the call's buffers: the tensors themselves, or the group's staging
+ * (cpu tensors) filled from them. */
+static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *call, const void **send, void **recv,
+                                bool *staged) {
+    const size_t es = (size_t)ms_dtype_size(call->dtype);
+    int64_t ns, nr;
+    extents(call, ng->n, &ns, &nr);
+    int s_dev = 1, r_dev = 1;
+    ms_status st = MS_OK;
+    if (call->send && (st = on_device(c, call->send, (ms_coll_kind)call->kind, &s_dev))) return st;
+    if (call->recv && (st = on_device(c, call->recv, (ms_coll_kind)call->kind, &r_dev))) return st;
+    *send = call->send, *recv = call->recv, *staged = false;
+    size_t need = ((size_t)ns + (size_t)nr) * es + 8; /* + the barrier's element */
+    if (s_dev && r_dev && call->kind != MS_COLL_BARRIER) return MS_OK;
+    if (need > ng->stage_cap) {
+        cudaFree(ng->stage);
+        ng->stage = NULL, ng->stage_cap = 0;
+        CUDA_OK("allocating the staging of cpu tensors", cudaMalloc(&ng->stage, need));
+        ng->stage_cap = need;
+    }
+    char *stage = ng->stage;
+    *recv = stage, *send = stage + (size_t)nr * es, *staged = call->kind != MS_COLL_BARRIER;
+    if (call->kind == MS_COLL_BARRIER) return MS_OK;
+    if (call->send)
+        CUDA_OK("staging a cpu tensor", cudaMemcpyAsync((void *)*send, call->send, (size_t)ns * es,
+                                                         cudaMemcpyHostToDevice, ng->stream));
+    if (call->recv && (call->kind == MS_COLL_ALL_REDUCE || call->kind == MS_COLL_BROADCAST))
+        CUDA_OK("staging a cpu tensor",
+                cudaMemcpyAsync(*recv, call->recv, (size_t)nr * es, cudaMemcpyHostToDevice, ng->stream));
+    return MS_OK;
+}
+
+static ms_status enqueue(ngroup *ng, const ms_coll *call, const void *send, void *recv) {
+    const ncclDataType_t t = nccl_type(call->dtype);
+    const size_t count = (size_t)call->count;
+    switch (call->kind) {
+    case MS_COLL_ALL_GATHER: NCCL_OK("ncclAllGather", ncclAllGather(send, recv, count, t, ng->comm, ng->stream)); break;
+    case MS_COLL_REDUCE_SCATTER:
+        NCCL_OK("ncclReduceScatter",
+                ncclReduceScatter(send, recv, count, t, nccl_op(call->op), ng->comm, ng->stream));
+        break;
+    case MS_COLL_ALL_REDUCE:
+        NCCL_OK("ncclAllReduce", ncclAllReduce(recv, recv, count, t, nccl_op(call->op), ng->comm, ng->stream));
+        break;
+    case MS_COLL_BROADCAST:
+        NCCL_OK("ncclBroadcast", ncclBroadcast(recv, recv, count, t, call->root, ng->comm, ng->stream));
+        break;
+    case MS_COLL_ALL_TO_ALL: {
+        const size_t chunk = count / (size_t)ng->n, bytes = chunk * (size_t)ms_dtype_size(call->dtype);
+        NCCL_OK("ncclGroupStart", ncclGroupStart());
+        for (int p = 0; p < ng->n; p++) {
+            ncclSend((const char *)send + p * bytes, chunk, t, p, ng->comm, ng->stream);
+            ncclRecv((char *)recv + p * bytes, chunk, t, p, ng->comm, ng->stream);
+        }
+        NCCL_OK("ncclGroupEnd (all_to_all)", ncclGroupEnd());
+        break;
+    }
+    case MS_COLL_BARRIER:
+        NCCL_OK("ncclAllReduce (barrier)", ncclAllReduce(recv, recv, 1, ncclUint8, ncclMax, ng->comm, ng->stream));
+        break;
+    }
+    return MS_OK;
+}
+
+static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
+    ngroup *ng = c->group->impl;
+    if (!ng->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the group's communicator was aborted");
+    CUDA_OK("cudaSetDevice", cudaSetDevice(nccl.device));
+    ms_status st = agree(c, ng, call);
+    if (st) return st;
+    const void *send;
+    void *recv;
+    bool staged;
+    if ((st = device_buffers(c, ng, call, &send, &recv, &staged))) return st;
+    if ((st = enqueue(ng, call, send, recv))) return st;
+    if (staged && call->recv) {
+        int64_t ns, nr;
+        extents(call, ng->n, &ns, &nr);
+        CUDA_OK("copying a result to a cpu tensor", cudaMemcpyAsync(call->recv, recv, (size_t)nr * ms_dtype_size(call->dtype),
+                                                                    cudaMemcpyDeviceToHost, ng->stream));
+    }
+    return wait_stream(c, ng, (ms_coll_kind)call->kind);
+}
+
+static const ms_backend nccl_backend = {
+    .name = "nccl",
+    .device = MS_DEVICE_CUDA,
+    .takes_cpu = true,
+    .group_init = nccl_group_init,
+    .group_free = nccl_group_free,
+    .collective = nccl_collective,
+};
+
+ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank) {
+    if (!out || !rank) return ms__fail(MS_ERR_ARG, "nccl world: NULL argument");
+    ms_status st = nccl_start(timeout_s);
+    if (st) return st;
+    *rank = nccl.rank;
+    return ms__world_new(out, &nccl_backend, nccl.size, timeout_s);
+}
+
+int ms_nccl_device(void) { return nccl.ready ? nccl.device : -1; }
+
+#endif /* MOONSHARD_HAVE_NCCL */
