@@ -143,6 +143,16 @@ ms_status ms_interp_plan_json(ms_interp *in, char **json) {
     return *json ? MS_OK : ms__fail(MS_ERR_OOM, "interp_plan_json: out of memory");
 }
 
+ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward) {
+    if (!in || !forward || !backward) return ms__fail(MS_ERR_ARG, "interp_prefetch: NULL argument");
+    ms_status st = call(in, "prefetch", 0, 2);
+    if (st) return st;
+    *forward = (int)lua_tointeger(in->L, -2);
+    *backward = (int)lua_tointeger(in->L, -1);
+    lua_pop(in->L, 2);
+    return MS_OK;
+}
+
 ms_status ms_interp_materialize(ms_interp *in) {
     if (!in) return ms__fail(MS_ERR_ARG, "interp_materialize: NULL interpreter");
     ms_status st = call(in, "materialize", 0, 1);

@@ -39,6 +39,9 @@ ms_status ms_interp_model_config(ms_interp *in, const char *config_path);
 /* Plans the model on a mesh ("dp_replicate=2,dp_shard=2") with a policy directory or file;
  * *units gets the number of units (may be NULL). */
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units);
+/* How many units ahead the policy prefetches: in forward (its prefetch.forward, default 1)
+ * and in backward (prefetch.backward, default 2), as the planner counted them. */
+ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward);
 /* The plan JSON (DESIGN.md, version 1); *json is malloc'd: the host frees it. */
 ms_status ms_interp_plan_json(ms_interp *in, char **json);
 /* Builds this rank's units from the plan: the plan's units in plan order, then one

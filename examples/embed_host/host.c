@@ -54,10 +54,11 @@ static void *rank_main(void *p) {
         for (int k = 0; k < ms_unit_param_count(u); k++) gathered += ms_tensor_numel(ms_unit_param_full(u, k));
         TRY(ms_unit_release_unsharded(u));
     }
-    int ui, pi;
+    int ui, pi, ahead_fwd, ahead_bwd;
     TRY(ms_interp_find_param(in, "model.layers.0.mlp.gate.weight", &ui, &pi));
-    printf("rank %d: %d units, %lld parameters gathered, mlp.gate of layer 0 in unit %d (%s)\n", a->rank, units,
-           (long long)gathered, ui, ms_unit_name(ms_interp_unit(in, ui)));
+    TRY(ms_interp_prefetch(in, &ahead_fwd, &ahead_bwd));
+    printf("rank %d: %d units, %lld parameters gathered, mlp.gate of layer 0 in unit %d (%s), prefetch %d/%d\n",
+           a->rank, units, (long long)gathered, ui, ms_unit_name(ms_interp_unit(in, ui)), ahead_fwd, ahead_bwd);
     a->ok = 1;
 done:
     ms_interp_free(in);

@@ -12,7 +12,8 @@
  *   batch    the global batch (batch_size rows of seq_len+1 bytes, the same whatever RANKS
  *            is) split by rows across the data-parallel ranks
  *   forward  stage by stage (embed, layer 0..L-1, head): the units holding a stage's
- *            parameters are unsharded (the next stage's are prefetched), their gathered
+ *            parameters are unsharded (the next stages' are prefetched, as many as the
+ *            policy's prefetch.forward; in backward prefetch.backward), their gathered
  *            parameters (bf16 or f32, as the policy says) cast to f32 for the kernels, and
  *            resharded after the last stage that reads them
  *   backward the stages in reverse, regathering what was resharded; a unit's f32 gradients
@@ -284,6 +285,7 @@ typedef struct {
     ms_comm *world;
     ms_interp *in;
     int nunits, nparams, nstages; // stages: 0 embed, 1..L the layers, L+1 the head
+    int prefetch_fwd, prefetch_bwd; // stages gathered ahead, as the policy prefetches units
     ModelParam *table;            // (nparams) model.h's parameter table
     ms_unit **units;              // (nunits) borrowed from the interpreter
     int *unit_of, *index_of;      // (nparams) the unit holding parameter i and its index there
@@ -703,7 +705,7 @@ static ms_status forward(Trainer *tr, float *loss) {
     CHECK(unshard_stage(tr, 0));
     for (int s = 0; s < tr->nstages; s++) {
         CHECK(gather_stage(tr, s));
-        if (s + 1 < tr->nstages) CHECK(unshard_stage(tr, s + 1)); // prefetch
+        for (int p = s + 1; p <= s + tr->prefetch_fwd && p < tr->nstages; p++) CHECK(unshard_stage(tr, p));
         if (s == 0) {
             if (model_forward_embed(cfg, tr->param_ptrs, tr->tokens, tr->rows, tr->ws))
                 return fail(tr, MS_ERR_ARG, "forward", "a byte of the text is outside the vocabulary");
@@ -727,7 +729,7 @@ static ms_status backward(Trainer *tr) {
     CHECK(unshard_stage(tr, tr->nstages - 1));
     for (int s = tr->nstages - 1; s >= 0; s--) {
         CHECK(gather_stage(tr, s));
-        if (s > 0) CHECK(unshard_stage(tr, s - 1)); // prefetch
+        for (int p = s - 1; p >= s - tr->prefetch_bwd && p >= 0; p--) CHECK(unshard_stage(tr, p));
         if (s == 0) model_backward_embed(cfg, tr->grad_ptrs, tr->ws);
         else if (s <= cfg->num_layers) CHECK(backward_layer(tr, s - 1));
         else model_backward_head(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
@@ -989,6 +991,7 @@ static ms_status train(Trainer *tr) {
     TRY("making the interpreter", ms_interp_new(&tr->in, tr->world));
     CHECK(describe_model(tr));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
+    TRY("reading the policy's prefetch", ms_interp_prefetch(tr->in, &tr->prefetch_fwd, &tr->prefetch_bwd));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
     tr->nunits = ms_interp_unit_count(tr->in); // the plan's and the ep-local ones
     CHECK(alloc_unit_state(tr));

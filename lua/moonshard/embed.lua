@@ -54,6 +54,12 @@ function M.plan(mesh, policy_path)
   return #state.plan.units
 end
 
+--- The policy's prefetch depths: forward, backward (units ahead).
+function M.prefetch()
+  if not state.plan then error("moonshard: embed: no plan yet", 0) end
+  return state.plan.prefetch.forward, state.plan.prefetch.backward
+end
+
 function M.plan_json()
   if not state.plan then error("moonshard: embed: no plan yet", 0) end
   return require("moonshard.plan_report").to_json(state.plan)
