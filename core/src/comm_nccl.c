@@ -164,7 +164,8 @@ typedef struct ngroup {
     cudaStream_t stream;
     int n, rank;
     desc *descs_dev;  /* (n) the exchange's device buffer */
-    desc *descs;      /* (n) host copy */
+    desc *descs;      /* (n) host copy, pinned: copies into it stay asynchronous, so a rank
+                       * that never arrives is caught by the polling, not a blocked memcpy */
     ms_coll *calls;   /* (n) the descriptors as calls, for the agreement */
     void *stage;      /* device staging for cpu tensors and the barrier, stage_cap bytes */
     size_t stage_cap;
@@ -176,7 +177,7 @@ static void ngroup_free(ngroup *ng) {
     if (ng->stream) cudaStreamDestroy(ng->stream);
     cudaFree(ng->descs_dev);
     cudaFree(ng->stage);
-    free(ng->descs);
+    cudaFreeHost(ng->descs);
     free(ng->calls);
     free(ng);
 }
@@ -202,12 +203,12 @@ static ms_status nccl_group_init(ms_world *w, ms_group *g) {
     if (!ng) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
     ng->n = g->n;
     while (ng->rank < g->n && g->world_ranks[ng->rank] != nccl.rank) ng->rank++;
-    ng->descs = calloc((size_t)g->n, sizeof *ng->descs);
     ng->calls = calloc((size_t)g->n, sizeof *ng->calls);
-    ms_status st = ng->descs && ng->calls ? MS_OK : ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
+    ms_status st = ng->calls ? MS_OK : ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
     cudaError_t e = cudaSuccess;
     if (!st && (e = cudaSetDevice(nccl.device)) == cudaSuccess &&
-        (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess)
+        (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess &&
+        (e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc))) == cudaSuccess)
         e = cudaMalloc((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc));
     if (!st && e != cudaSuccess) st = cuda_err(e, "making a group");
     if (!st) st = make_comm(w, g, ng);
@@ -350,11 +351,11 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     *recv = stage, *send = stage + (size_t)nr * es, *staged = call->kind != MS_COLL_BARRIER;
     if (call->kind == MS_COLL_BARRIER) return MS_OK;
     if (call->send)
-        CUDA_OK("staging a cpu tensor", cudaMemcpyAsync((void *)*send, call->send, (size_t)ns * es,
-                                                         cudaMemcpyHostToDevice, ng->stream));
-    if (call->recv && (call->kind == MS_COLL_ALL_REDUCE || call->kind == MS_COLL_BROADCAST))
         CUDA_OK("staging a cpu tensor",
-                cudaMemcpyAsync(*recv, call->recv, (size_t)nr * es, cudaMemcpyHostToDevice, ng->stream));
+                cudaMemcpyAsync((void *)*send, call->send, (size_t)ns * es, cudaMemcpyDefault, ng->stream));
+    if (call->recv && (call->kind == MS_COLL_ALL_REDUCE || call->kind == MS_COLL_BROADCAST))
+        CUDA_OK("staging a cpu tensor", cudaMemcpyAsync(*recv, call->recv, (size_t)nr * es, cudaMemcpyDefault,
+                                                        ng->stream));
     return MS_OK;
 }
 
@@ -401,13 +402,14 @@ static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
     bool staged;
     if ((st = device_buffers(c, ng, call, &send, &recv, &staged))) return st;
     if ((st = enqueue(ng, call, send, recv))) return st;
-    if (staged && call->recv) {
+    if ((st = wait_stream(c, ng, (ms_coll_kind)call->kind))) return st;
+    if (staged && call->recv) { /* after the wait: a copy into pageable memory would block on the stream */
         int64_t ns, nr;
         extents(call, ng->n, &ns, &nr);
-        CUDA_OK("copying a result to a cpu tensor", cudaMemcpyAsync(call->recv, recv, (size_t)nr * ms_dtype_size(call->dtype),
-                                                                    cudaMemcpyDeviceToHost, ng->stream));
+        CUDA_OK("copying a result to a cpu tensor",
+                cudaMemcpy(call->recv, recv, (size_t)nr * ms_dtype_size(call->dtype), cudaMemcpyDefault));
     }
-    return wait_stream(c, ng, (ms_coll_kind)call->kind);
+    return MS_OK;
 }
 
 static const ms_backend nccl_backend = {

@@ -38,7 +38,7 @@ if [ $lua = ON ]; then
   echo "== Lua: collectives.lua on the NCCL backend, one rank"
   "$build/moonshard" --backend nccl -e 'local ms = require "moonshard"; assert(ms.backend() == "nccl")'
   "$build/moonshard" --backend nccl tests/lua/scripts/collectives.lua
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
   if [ "$gpus" -ge 2 ]; then
     echo "== 2 NCCL ranks, torchrun-style rendezvous"
     pids=()

@@ -23,14 +23,20 @@
 
 enum { N = 1000 };
 
+/* n values of dt from seed: multiples of 1/2 in [-5.5, 5.5] (finite and exact in every
+ * float dtype, so no NaN payload can be rewritten by a reduction over one rank), 0/1 for
+ * bool, small integers for the others. */
 static ms_tensor *filled(ms_dtype dt, int64_t n, ms_device_type dev, uint32_t seed) {
-    ms_tensor *h = NULL, *t = NULL;
-    CHECK_OK(ms_tensor_new(&h, 1, &n, dt, MS_DEVICE_CPU, 0));
-    unsigned char *p = ms_tensor_data(h);
-    const int es = ms_dtype_size(dt);
-    for (int64_t i = 0; i < n * es; i++) p[i] = (unsigned char)((i * 2654435761u + seed) >> 7);
-    if (dt == MS_BOOL)
-        for (int64_t i = 0; i < n; i++) p[i] &= 1;
+    ms_tensor *f = NULL, *h = NULL, *t = NULL;
+    CHECK_OK(ms_tensor_new(&f, 1, &n, MS_F64, MS_DEVICE_CPU, 0));
+    double *v = ms_tensor_data(f);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k = (i * 7 + seed) % 23;
+        v[i] = dt == MS_BOOL ? (double)(k % 2) : dt == MS_U8 ? (double)k : (double)(k - 11) / 2;
+        if (!ms_dtype_is_float(dt) && dt != MS_BOOL) v[i] = (double)(dt == MS_U8 ? k : k - 11);
+    }
+    CHECK_OK(ms_tensor_to(&h, f, dt));
+    ms_tensor_release(f);
     if (dev == MS_DEVICE_CPU) return h;
     CHECK_OK(ms_tensor_to_device(&t, h, dev, ms_nccl_device()));
     ms_tensor_release(h);
