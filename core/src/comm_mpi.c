@@ -13,9 +13,10 @@
  * file initialised MPI (a host that initialised MPI finalises it itself).
  *
  * One collective on a group of n ranks, seen from group rank r:
- *   1. agree: the call's descriptor (kind, dtype, op, root, count) is exchanged with a
- *      non-blocking MPI_Iallgather, polled until it completes or the world's timeout passes
- *      (MS_ERR_TIMEOUT; the exchange stays pending, so the group is unusable after).  Every
+ *   1. agree: the call's descriptor (kind, dtype, op, root, count) goes to every peer and
+ *      theirs come back (non-blocking MPI_Isend / MPI_Irecv, tag AGREE_TAG), polled until
+ *      all complete or the world's timeout passes: then MS_ERR_TIMEOUT names the ranks whose
+ *      descriptor never came (the exchange stays pending, so the group is unusable after).  Every
  *      rank then compares the n descriptors and returns MS_ERR_MISMATCH with the same
  *      message as the threads backend on any difference, before any data moves.  A rank
  *      that released its world posts a "finished" descriptor on every one of its groups,
@@ -89,6 +90,7 @@ enum {
     PIECE_BYTES = 8 << 20,    /* staging of one reduce_scatter / all_reduce piece */
     SMALL_ALL_REDUCE = 32768, /* n x buffer bytes up to which all_reduce gathers everything */
     SPIN_TESTS = 2000,        /* MPI_Test polls before yielding the CPU between polls */
+    AGREE_TAG = 0x6d73,       /* the descriptor exchange's messages */
     YIELD_TESTS = 2000,       /* polls with sched_yield before sleeping between polls */
     MAX_SLEEP_US = 1000,      /* longest sleep between polls of a slow exchange */
     FINISHED = -1             /* the descriptor kind of a rank that released its world */
@@ -199,6 +201,7 @@ typedef struct mgroup {
     bool pending;         /* an exchange never completed (timeout): comm and descs stay in use */
     desc mine;            /* (1) what this rank sends in the exchange */
     desc *descs;          /* (n) what every rank sent */
+    MPI_Request *reqs;    /* (2n) the exchange's receives (one a peer, in group order), then sends */
     ms_coll *calls;       /* (n) the descriptors as calls, for the agreement message */
     int *sc, *sd, *rc, *rd; /* (n) counts and displacements for the v-collectives, bytes */
     const void **srcs;    /* (n) reduction sources */
@@ -209,6 +212,7 @@ typedef struct mgroup {
 static void mgroup_free(mgroup *m) {
     if (m->pending) return; /* MPI may still write into it */
     free(m->descs);
+    free(m->reqs);
     free(m->calls);
     free(m->sc);
     free(m->sd);
@@ -237,13 +241,14 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
     for (int i = 0; i < g->n; i++)
         if (g->world_ranks[i] == mpi.rank) m->rank = i;
     m->descs = calloc((size_t)g->n, sizeof *m->descs);
+    m->reqs = calloc(2 * (size_t)g->n, sizeof *m->reqs);
     m->calls = calloc((size_t)g->n, sizeof *m->calls);
     m->sc = calloc((size_t)g->n, sizeof(int));
     m->sd = calloc((size_t)g->n, sizeof(int));
     m->rc = calloc((size_t)g->n, sizeof(int));
     m->rd = calloc((size_t)g->n, sizeof(int));
     m->srcs = calloc((size_t)g->n, sizeof *m->srcs);
-    if (!m->descs || !m->calls || !m->sc || !m->sd || !m->rc || !m->rd || !m->srcs) {
+    if (!m->descs || !m->reqs || !m->calls || !m->sc || !m->sd || !m->rc || !m->rd || !m->srcs) {
         mgroup_free(m);
         return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for group %s", list);
     }
@@ -374,25 +379,53 @@ static ms_status agree(const ms_comm *c, const mgroup *mg) {
     return ms__calls_agree(c, mg->calls, sizeof mg->calls[0]);
 }
 
+/* Posts the exchange of mg->mine: a receive from every peer into descs (reqs[0..n-2], peers
+ * in group order), then a send to every peer (reqs[n-1..2n-3]).  The caller holds mpi_lock. */
+static int post_exchange(mgroup *mg) {
+    mg->descs[mg->rank] = mg->mine;
+    int k = 0, rc = MPI_SUCCESS;
+    for (int j = 0; j < mg->n && rc == MPI_SUCCESS; j++)
+        if (j != mg->rank)
+            rc = MPI_Irecv(&mg->descs[j], (int)sizeof(desc), MPI_BYTE, j, AGREE_TAG, mg->comm, &mg->reqs[k++]);
+    for (int j = 0; j < mg->n && rc == MPI_SUCCESS; j++)
+        if (j != mg->rank)
+            rc = MPI_Isend(&mg->mine, (int)sizeof(desc), MPI_BYTE, j, AGREE_TAG, mg->comm, &mg->reqs[k++]);
+    return rc;
+}
+
+/* After a timeout: the world ranks whose descriptor never came, into m. */
+static void name_missing(ms_msg *m, const ms_comm *c, mgroup *mg) {
+    int k = 0, missing = 0;
+    mpi_lock();
+    for (int j = 0; j < mg->n; j++) {
+        if (j == mg->rank) continue;
+        int flag = 0;
+        MPI_Test(&mg->reqs[k++], &flag, MPI_STATUS_IGNORE);
+        if (!flag) ms__msg_add(m, "%s %d", missing++ ? "," : "", c->group->world_ranks[j]);
+    }
+    mpi_unlock();
+    if (!missing) ms__msg_add(m, " none (their descriptors came late)");
+}
+
 /* Exchanges this rank's descriptor with the group and checks that all agree. */
 static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
     const ms_world *w = c->world;
     mg->mine = desc_of(call);
-    MPI_Request req;
     mpi_lock();
-    int rc = MPI_Iallgather(&mg->mine, (int)sizeof(desc), MPI_BYTE, mg->descs, (int)sizeof(desc), MPI_BYTE,
-                            mg->comm, &req);
+    int rc = post_exchange(mg);
     mpi_unlock();
-    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Isend/MPI_Irecv", rc);
     bool done;
-    rc = wait_until(1, &req, ms__now_s() + w->timeout_s, &done);
-    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Iallgather", rc);
+    rc = wait_until(2 * (mg->n - 1), mg->reqs, ms__now_s() + w->timeout_s, &done);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, call->kind, "MPI_Isend/MPI_Irecv", rc);
     if (!done) {
         mg->pending = true;
         ms_msg m = {0};
         ms__msg_where(&m, c, call->kind);
-        return ms__fail(MS_ERR_TIMEOUT, "%s timed out after %g s: not every rank of the group arrived (%s)", m.s,
-                        w->timeout_s, w->timeout_origin);
+        ms__msg_add(&m, " timed out after %g s: ranks that did not arrive:", w->timeout_s);
+        name_missing(&m, c, mg);
+        ms__msg_add(&m, " (%s)", w->timeout_origin);
+        return ms__fail(MS_ERR_TIMEOUT, "%s", m.s);
     }
     return agree(c, mg);
 }
@@ -628,34 +661,30 @@ static ms_status mpi_collective(ms_comm *c, const ms_coll *call) {
  * fail at once, and waits up to the timeout for the peers to finish too. */
 static void finish_world(ms_group *g) {
     const ms_world *w = g->comms[0].world;
+    const double deadline = ms__now_s() + w->timeout_s;
     int count = 0;
     for (ms_group *h = g; h; h = h->next) count += h->impl != NULL;
-    MPI_Request *reqs = calloc((size_t)count, sizeof *reqs);
     mgroup **owners = calloc((size_t)count, sizeof *owners);
-    if (!reqs || !owners) {
-        free(reqs);
-        free(owners);
-        return;
-    }
+    if (!owners) return;
     int posted = 0;
     mpi_lock();
     for (ms_group *h = g; h; h = h->next) {
         mgroup *mg = h->impl;
         if (!mg || mg->pending) continue; /* after a timeout the comm is unusable anyway */
         mg->mine = (desc){.kind = FINISHED};
-        if (MPI_Iallgather(&mg->mine, (int)sizeof(desc), MPI_BYTE, mg->descs, (int)sizeof(desc), MPI_BYTE, mg->comm,
-                           &reqs[posted]) == MPI_SUCCESS)
-            owners[posted++] = mg;
+        if (post_exchange(mg) == MPI_SUCCESS) owners[posted++] = mg;
     }
     mpi_unlock();
-    bool done = false;
-    wait_until(posted, reqs, ms__now_s() + w->timeout_s, &done);
-    if (!done) /* a peer is still running: its exchanges keep our buffers */
-        for (int i = 0; i < posted; i++) owners[i]->pending = true;
-    for (int i = 0; done && i < posted; i++)
+    for (int i = 0; i < posted; i++) {
+        bool done = false;
+        wait_until(2 * (owners[i]->n - 1), owners[i]->reqs, deadline, &done);
+        if (!done) { /* a peer is still running: its exchanges keep our buffers */
+            owners[i]->pending = true;
+            continue;
+        }
         for (int j = 0; j < owners[i]->n; j++)
             if (owners[i]->descs[j].kind != FINISHED) atomic_store(&mpi.failing, true);
-    free(reqs);
+    }
     free(owners);
 }
 
