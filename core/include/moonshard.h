@@ -312,8 +312,9 @@ typedef struct ms_unit ms_unit;
  * dtype).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
  * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
  * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
- * retains the comms.  Its tensors are cpu tensors; on the nccl backend its collectives go
- * through the GPU (staged), not yet on cuda tensors. */
+ * retains the comms.  On the nccl backend the unsharded parameters and gradients, and the
+ * gather and reduce buffers, are cuda tensors on the rank's GPU, while the shards, gradient
+ * shards and optimizer state stay cpu tensors (as FSDP2's CPU offload). */
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
                       int param_dtype, int reduce_dtype, int reshard_after_forward);
 void ms_unit_retain(ms_unit *u);

@@ -55,6 +55,14 @@
  *     moves it to the taker's live category), so summing ms_unit_bytes over the units of a
  *     rank gives everything the rank holds.  ms_unit_release_unsharded and ms_unit_release
  *     free the unit's cached buffers.
+ *
+ * On a CUDA backend (nccl) the transient buffers live on the rank's GPU: the gather and
+ * reduce buffers, the unsharded parameters and gradients the host computes with are cuda
+ * tensors, so the collectives move device memory.  The shards, gradient shards and optimizer
+ * state stay on the host, as with FSDP2's CPU offload: unshard casts each shard into the
+ * device chunk (ms_tensor_copy across devices), the reduced chunk comes back to the host
+ * before the post-divide and the accumulation, and the element-wise steps on device buffers
+ * (the pre-scale, the sync-off accumulation) run on a host copy with the CPU's arithmetic.
  */
 #include "comm.h"
 
@@ -161,6 +169,7 @@ struct ms_unit {
     int nparams, cap;
     int64_t S;          /* elements of one rank's gather chunk */
     bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
+    int device;         /* the CUDA device of the transient buffers, or -1 for the host */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
     unit_op op;
@@ -326,6 +335,24 @@ static int64_t cache_bytes(buf_cache *c, const ms_unit *owner) {
 
 /* ---------------------------------------------------------------- buffers and states */
 
+/* Elements [off, off + n) of a contiguous buffer set to zero, on the host or the device. */
+static ms_status zero_elems(ms_tensor *t, int64_t off, int64_t n) {
+    if (n <= 0) return MS_OK;
+    if (ms_tensor_device(t) == MS_DEVICE_CPU) {
+        const int64_t es = ms_dtype_size(ms_tensor_dtype(t));
+        memset((char *)ms_tensor_data(t) + off * es, 0, (size_t)(n * es));
+        return MS_OK;
+    }
+    ms_tensor *flat = NULL, *part = NULL;
+    const int64_t all = ms_tensor_numel(t);
+    ms_status st = ms_tensor_view(&flat, t, 1, &all);
+    if (!st) st = ms_tensor_narrow(&part, flat, 0, off, n);
+    if (!st) st = ms_tensor_fill(part, 0);
+    ms_tensor_release(part);
+    ms_tensor_release(flat);
+    return st;
+}
+
 /* A contiguous buffer of category cat for u: for a transient (unsharded) one, a free one of
  * the same dtype and numel from the rank's cache, holding what it held (zero-filled when
  * `zero`); else a new zero-filled one. */
@@ -334,12 +361,14 @@ static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const i
     int64_t numel;
     ms_status st = ms__check_shape(ndim, shape, &numel);
     ms_tensor *cached = st || !numel || cat != CAT_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
+    const bool on_device = cat == CAT_UNSHARDED && u->device >= 0;
     if (cached) {
         st = ms_tensor_view(out, cached, ndim, shape); /* the view holds the storage alone */
         ms_tensor_release(cached);
-        if (!st && zero) memset(ms_tensor_data(*out), 0, (size_t)ms_tensor_nbytes(*out));
+        if (!st && zero) st = zero_elems(*out, 0, numel);
     } else if (!st) {
-        st = ms_tensor_new(out, ndim, shape, dtype, MS_DEVICE_CPU, 0);
+        st = ms_tensor_new(out, ndim, shape, dtype, on_device ? MS_DEVICE_CUDA : MS_DEVICE_CPU,
+                           on_device ? u->device : 0);
     }
     if (st) return ms__wrap(st, "unit '%s'", u->name);
     u->bytes[cat] += ms_tensor_nbytes(*out);
@@ -494,6 +523,27 @@ static double sum_sq(const void *x, ms_dtype dt, int64_t n) {
     return s;
 }
 
+/* ew on tensors (src may be NULL): in place on the host, or for device tensors on a host
+ * copy written back, so the arithmetic is the same. */
+static ms_status ew_tensor(ew_op op, ms_tensor *dst, double s, ms_tensor *src, bool round_src) {
+    const int64_t n = ms_tensor_numel(dst);
+    const ms_dtype dd = ms_tensor_dtype(dst), sd = src ? ms_tensor_dtype(src) : dd;
+    if (ms_tensor_device(dst) == MS_DEVICE_CPU && (!src || ms_tensor_device(src) == MS_DEVICE_CPU)) {
+        ew(op, ms_tensor_data(dst), dd, s, src ? ms_tensor_data(src) : NULL, sd, round_src, n);
+        return MS_OK;
+    }
+    ms_tensor *hd = NULL, *hs = NULL;
+    ms_status st = ms_tensor_to_device(&hd, dst, MS_DEVICE_CPU, 0);
+    if (!st && src) st = ms_tensor_to_device(&hs, src, MS_DEVICE_CPU, 0);
+    if (!st) {
+        ew(op, ms_tensor_data(hd), dd, s, hs ? ms_tensor_data(hs) : NULL, sd, round_src, n);
+        st = ms_tensor_copy(dst, hd);
+    }
+    ms_tensor_release(hs);
+    ms_tensor_release(hd);
+    return st;
+}
+
 /* ---------------------------------------------------------------- lifecycle */
 
 static ms_status check_policy_dtype(const char *unit, const char *what, int d) {
@@ -549,6 +599,7 @@ ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *
     u->policy_reduce = reduce_dtype;
     u->state = ST_BUILDING;
     u->sync = true;
+    u->device = be->device == MS_DEVICE_CUDA ? ms_nccl_device() : -1;
     st = cache_acquire(shard->world, ms_comm_world_rank(shard, u->rank), &u->cache);
     if (st || (k >= 2 && (st = make_kgroup(u)))) {
         ms_unit_release(u);
@@ -748,10 +799,9 @@ static ms_status move_block(const ms_unit *u, const unit_param *p, int q, ms_ten
     int64_t len, off;
     rank_rows(u, p, q, &len, &off);
     const int64_t real = len ? p->padded_numel / p->padded_shape[p->dim] * len : 0;
-    if (to_flat && real < p->padded_numel)
-        memset(at(flat, at_elem + real), 0, (size_t)((p->padded_numel - real) * ms_dtype_size(ms_tensor_dtype(flat))));
+    ms_status st = to_flat ? zero_elems(flat, at_elem + real, p->padded_numel - real) : MS_OK;
     ms_tensor *block = NULL, *shaped = NULL, *packed = NULL, *region = NULL;
-    ms_status st = ms_tensor_narrow(&block, flat, 0, at_elem, p->padded_numel);
+    if (!st) st = ms_tensor_narrow(&block, flat, 0, at_elem, p->padded_numel);
     if (!st) st = ms_tensor_view(&shaped, block, p->ndim, p->padded_shape);
     if (!st) st = ms_tensor_narrow(&packed, shaped, p->dim, 0, len);
     if (!st) st = ms_tensor_narrow(&region, full, p->dim, off, len);
@@ -799,6 +849,18 @@ static ms_status op_submit(ms_unit *u, ms_async_fn fn, unit_state pending) {
 
 /* ---------------------------------------------------------------- unshard and reshard */
 
+/* flat[at, at + numel(src)) <- src (contiguous, any device), cast to flat's dtype. */
+static ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src) {
+    const int64_t n = ms_tensor_numel(src);
+    ms_tensor *part = NULL, *line = NULL;
+    ms_status st = ms_tensor_narrow(&part, flat, 0, at, n);
+    if (!st) st = ms_tensor_view(&line, src, 1, &n);
+    if (!st) st = ms_tensor_copy(part, line);
+    ms_tensor_release(line);
+    ms_tensor_release(part);
+    return st;
+}
+
 /* u->flat = the (W, S) gather buffer holding this rank's chunk (from its shards, or from
  * the k-way shard); u->op the in-place all_gather that fills the rest. */
 static ms_status prepare_gather(ms_unit *u) {
@@ -815,9 +877,12 @@ static ms_status prepare_gather(ms_unit *u) {
         st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * u->S, u->S);
         for (int i = 0; !st && i < u->nparams; i++) {
             const unit_param *p = &u->params[i];
-            if (p->padded_numel)
+            if (!p->padded_numel) continue;
+            if (u->device < 0)
                 ms__cast_contig(at(u->flat, u->rank * u->S + p->flat_offset), u->gather, ms_tensor_data(p->padded),
                                 u->stored, p->padded_numel);
+            else
+                st = copy_into_flat(u->flat, u->rank * u->S + p->flat_offset, p->padded);
         }
     }
     if (!st) st = record(u, REC_ALL_GATHER, u->gather, ms_comm_size(group), total * es);
@@ -983,8 +1048,8 @@ static ms_status accumulate(ms_unit *u, unit_param *p) {
         ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
         if (st) return st;
     }
-    ew(EW_ADD, ms_tensor_data(p->grad_acc), u->reduce, 0, ms_tensor_data(p->grad_full), u->gather, false,
-       ms_tensor_numel(p->grad_full));
+    ms_status st = ew_tensor(EW_ADD, p->grad_acc, 0, p->grad_full, false);
+    if (st) return st;
     unsharded_free(u, &p->grad_full, &p->grad_flat);
     return MS_OK;
 }
@@ -1022,7 +1087,7 @@ static ms_status prepare_reduce(ms_unit *u) {
         }
     if (st) return st;
     const divide_plan d = divide_factors(u);
-    if (d.premul != 1) ew(EW_MUL, ms_tensor_data(u->flat), u->reduce, d.premul, NULL, u->reduce, false, total);
+    if (d.premul != 1 && (st = ew_tensor(EW_MUL, u->flat, d.premul, NULL, false))) return st;
     u->op = (unit_op){.comm = u->shard, .flat = u->flat, .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};
     st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
@@ -1065,7 +1130,12 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
  * zero-filled by the first reduce). */
 static ms_status finish_reduce(ms_unit *u) {
     const int64_t es = ms_dtype_size(u->reduce);
-    char *out = ms_tensor_data(u->op.slice);
+    ms_tensor *host = NULL; /* a device unit's reduced chunk, brought to the host shards */
+    if (u->device >= 0) {
+        ms_status st = ms_tensor_to_device(&host, u->op.slice, MS_DEVICE_CPU, 0);
+        if (st) return st;
+    }
+    char *out = ms_tensor_data(host ? host : u->op.slice);
     if (u->op.post_divide != 1)
         ew(EW_DIV, out, u->reduce, u->op.post_divide, NULL, u->reduce, false, ms_tensor_numel(u->op.slice));
     for (int i = 0; i < u->nparams; i++) {
@@ -1076,13 +1146,17 @@ static ms_status finish_reduce(ms_unit *u) {
             rank_rows(u, p, u->rank, &len, &off);
             ms_status st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
-            if (st) return st;
+            if (st) {
+                ms_tensor_release(host);
+                return st;
+            }
         }
         if (p->padded_numel)
             ew(EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es, u->reduce, true,
                p->padded_numel);
         p->in_reduce = false;
     }
+    ms_tensor_release(host);
     op_clear(u);
     u->state = ST_SHARDED;
     return MS_OK;

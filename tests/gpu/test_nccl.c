@@ -6,9 +6,10 @@
  *     (staged through the GPU): a one-rank group leaves the values as they are, so every
  *     result is checked against its input bit for bit, read back to the host;
  *  2. groups: a mesh group, a tagged group over the same rank, the in-place forms;
- *  3. a shard unit on the NCCL world: load, unshard (all-gather through NCCL), the gathered
- *     parameter equal to what was loaded, gradients reduced (reduce-scatter through NCCL)
- *     into the shard, AdamW.
+ *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed):
+ *     the unsharded parameters and gradients are cuda tensors, the shards stay on the host;
+ *     load, unshard (all-gather through NCCL) equal to what was loaded in bf16, gradients
+ *     filled on the device reduced (reduce-scatter through NCCL) into the host shards, AdamW.
  *
  * Exit 77 (ctest: skipped) without NCCL in the build or without a CUDA device.  Multi-GPU
  * runs (mpirun -np 2 moonshard --backend nccl ...) are in tests/gpu/run.sh when the machine
@@ -111,35 +112,45 @@ static void groups(ms_comm *world) {
     printf("groups: a tagged group, the in-place forms: checked\n");
 }
 
-static void unit(ms_comm *world) {
+/* A unit of nparams parameters of shape {6, 4} (and {3, 5}) gathered in bf16, reduced in f32. */
+static void unit(ms_comm *world, int nparams) {
     ms_unit *u = NULL;
     CHECK_OK(ms_unit_new(&u, "layer", world, NULL, MS_BF16, MS_F32, 1));
     if (!u) return;
-    const int64_t shape[2] = {6, 4};
-    CHECK_OK(ms_unit_add_param(u, "layer.weight", 2, shape, MS_F32, 0, 1));
+    const int64_t shapes[2][2] = {{6, 4}, {3, 5}};
+    for (int i = 0; i < nparams; i++) CHECK_OK(ms_unit_add_param(u, i ? "layer.bias" : "layer.weight", 2, shapes[i],
+                                                                 MS_F32, 0, 1));
     CHECK_OK(ms_unit_finalize(u));
-    ms_tensor *full = NULL;
-    CHECK_OK(ms_tensor_new(&full, 2, shape, MS_F32, MS_DEVICE_CPU, 0));
-    for (int i = 0; i < 24; i++) ((float *)ms_tensor_data(full))[i] = (float)i / 8; /* exact in bf16 */
-    CHECK_OK(ms_unit_load_full(u, 0, full));
+    ms_tensor *full[2] = {NULL, NULL};
+    for (int i = 0; i < nparams; i++) {
+        CHECK_OK(ms_tensor_new(&full[i], 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
+        for (int e = 0; e < ms_tensor_numel(full[i]); e++) ((float *)ms_tensor_data(full[i]))[e] = (float)(e + i) / 8;
+        CHECK_OK(ms_unit_load_full(u, i, full[i]));
+    }
     CHECK_OK(ms_unit_unshard(u));
     CHECK_OK(ms_unit_wait(u));
-    ms_tensor *p = ms_unit_param_full(u, 0), *as_bf16 = NULL;
-    CHECK_OK(ms_tensor_to(&as_bf16, full, MS_BF16));
-    CHECK(p && same_bits(p, as_bf16));
-    ms_tensor *g = ms_unit_grad_full(u, 0);
-    if (g) CHECK_OK(ms_tensor_fill(g, 0.25));
+    int ok = 1;
+    for (int i = 0; i < nparams; i++) {
+        ms_tensor *p = ms_unit_param_full(u, i), *as_bf16 = NULL;
+        CHECK_OK(ms_tensor_to(&as_bf16, full[i], MS_BF16));
+        ok &= p && ms_tensor_device(p) == MS_DEVICE_CUDA && same_bits(p, as_bf16);
+        ms_tensor_release(as_bf16);
+        ms_tensor *g = ms_unit_grad_full(u, i);
+        ok &= g && ms_tensor_device(g) == MS_DEVICE_CUDA;
+        if (g) CHECK_OK(ms_tensor_fill(g, 0.25 * (i + 1)));
+    }
     CHECK_OK(ms_unit_reduce_grads(u));
     CHECK_OK(ms_unit_wait(u));
-    ms_tensor *gs = ms_unit_grad_shard(u, 0);
-    int ok = gs != NULL;
-    for (int i = 0; ok && i < 24; i++) ok = ((float *)ms_tensor_data(gs))[i] == 0.25f;
-    CHECK(ok);
+    for (int i = 0; i < nparams; i++) {
+        ms_tensor *gs = ms_unit_grad_shard(u, i);
+        ok &= gs && ms_tensor_device(gs) == MS_DEVICE_CPU;
+        for (int e = 0; gs && e < ms_tensor_numel(gs); e++) ok &= ((float *)ms_tensor_data(gs))[e] == 0.25f * (i + 1);
+    }
     CHECK_OK(ms_unit_adamw_step(u, 1e-2, 0.9, 0.95, 1e-8, 0.0, 1));
-    printf("a shard unit on the NCCL world: gathered in bf16 bit-exact, gradient reduced, AdamW: %s\n",
-           ok ? "ok" : "WRONG");
-    ms_tensor_release(as_bf16);
-    ms_tensor_release(full);
+    CHECK(ok);
+    printf("a shard unit of %d parameter%s on the NCCL world: cuda unsharded tensors, gathered in bf16 bit-exact, "
+           "gradients reduced into the host shards, AdamW: %s\n", nparams, nparams == 1 ? "" : "s", ok ? "ok" : "WRONG");
+    for (int i = 0; i < nparams; i++) ms_tensor_release(full[i]);
     ms_unit_release(u);
 }
 
@@ -161,7 +172,8 @@ int main(void) {
         collectives(c, MS_DEVICE_CUDA);
         collectives(c, MS_DEVICE_CPU);
         groups(c);
-        unit(c);
+        unit(c, 1);
+        unit(c, 2);
     }
     ms_comm_release(c);
     ms_world_release(w);
