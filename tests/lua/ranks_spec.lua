@@ -110,6 +110,11 @@ describe("the moonshard command line", function()
       assert.equal(0, r.code, r.err)
       assert.equal("nccl\n", r.out)
     end
+    -- a torchrun-style launch with MASTER_PORT missing: refused before anything waits
+    r = S.run({ "--backend", "nccl", "-e", "" }, { RANK = "0", WORLD_SIZE = "2", MASTER_ADDR = "127.0.0.1" })
+    assert.equal(1, r.code)
+    assert.is_truthy(r.err:match("built without NCCL") or
+      r.err:match("MASTER_PORT is not set %(expected the port of rank 0's store"), r.err)
   end)
 
   it("runs the quickstart on 4 ranks and prints its report", function()
