@@ -11,6 +11,7 @@
  * (MS_ERR_TIMEOUT), ranks reported done (MS_ERR_PEER), comms unusable afterwards
  * (MS_ERR_STATE), and argument errors, all by their messages.
  */
+#include "check_mt.h"
 #include "ms_internal.h"
 
 #include <math.h>
@@ -21,45 +22,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-/* ---------------------------------------------------------------- harness (thread-safe) */
-
-static atomic_int passed, failed;
-
-static void fail_at(int line, const char *what, const char *fmt, ...) MS_PRINTF(3, 4);
-static void fail_at(int line, const char *what, const char *fmt, ...) {
-    char buf[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "test_comm.c:%d: %s%s\n", line, what, buf);
-    atomic_fetch_add(&failed, 1);
-}
-
-/* CHECK(cond) or CHECK(cond, "(context %d)", x): counts, and prints cond and the context. */
-#define CHECK(cond, ...)                                                 \
-    do {                                                                 \
-        if (cond) atomic_fetch_add(&passed, 1);                          \
-        else fail_at(__LINE__, "CHECK failed: " #cond, " " __VA_ARGS__); \
-    } while (0)
-
-/* The call returns `want` and its message contains `needle`. */
-#define CHECK_ST(call, want, needle)                                                          \
-    do {                                                                                      \
-        ms_status st_ = (call);                                                               \
-        if (st_ == (want) && strstr(ms_last_error(), (needle))) atomic_fetch_add(&passed, 1); \
-        else fail_at(__LINE__, #call, ": expected %s with \"%s\", got %s: \"%s\"",            \
-                     ms_status_name(want), (needle), ms_status_name(st_), ms_last_error());   \
-    } while (0)
-
-#define CHECK_OK(call) CHECK_ST(call, MS_OK, "")
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 enum { MAX_RANKS = 4 };
 

@@ -22,6 +22,8 @@
  */
 #include "store.h"
 
+#include "check_mt.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -34,44 +36,6 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-
-/* ---------------------------------------------------------------- harness (thread-safe) */
-
-static atomic_int passed, failed;
-
-static void fail_at(int line, const char *fmt, ...) MS_PRINTF(2, 3);
-static void fail_at(int line, const char *fmt, ...) {
-    char buf[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "test_store.c:%d: [pid %d] %s\n", line, (int)getpid(), buf);
-    atomic_fetch_add(&failed, 1);
-}
-
-#define CHECK(cond)                                                \
-    do {                                                           \
-        if (cond) atomic_fetch_add(&passed, 1);                    \
-        else fail_at(__LINE__, "CHECK failed: %s", #cond);         \
-    } while (0)
-
-/* The call returns `want` and its message contains `needle`. */
-#define CHECK_ST(call, want, needle)                                                          \
-    do {                                                                                      \
-        ms_status st_ = (call);                                                               \
-        if (st_ == (want) && strstr(ms_last_error(), (needle))) atomic_fetch_add(&passed, 1); \
-        else fail_at(__LINE__, "%s: expected %s with \"%s\", got %s: \"%s\"", #call,          \
-                     ms_status_name(want), (needle), ms_status_name(st_), ms_last_error());   \
-    } while (0)
-
-#define CHECK_OK(call) CHECK_ST(call, MS_OK, "")
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void sleep_ms(int ms) {
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -139,7 +103,7 @@ static void check_child(pid_t pid, const char *what) {
     if (pid <= 0) return;
     CHECK(waitpid(pid, &status, 0) == pid);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        fail_at(__LINE__, "%s (pid %d) failed: status 0x%x", what, (int)pid, status);
+        fail_at(__LINE__, what, " (pid %d) failed: status 0x%x", (int)pid, status);
     else atomic_fetch_add(&passed, 1);
 }
 

@@ -55,15 +55,7 @@ EOF
 chmod +x "$TMP/agent.sh"
 printf 'h1 slots=2\nh2 slots=2\n' >"$TMP/hosts"
 
-passed=0
-failed=0
-ok() { echo "ok   - $1"; passed=$((passed + 1)); }
-fail() {
-  echo "FAIL - $1"
-  shift
-  for f in "$@"; do [ -s "$f" ] && sed 's/^/       | /' "$f" | head -30; done
-  failed=$((failed + 1))
-}
+source tests/mpi/report.sh
 
 tx_bytes() { ip -n "$NS-h1" -s link show "${NS}a" | awk '/TX:/ { getline; print $1; exit }'; }
 

@@ -25,16 +25,7 @@ LIMIT=60 # seconds any one job may take before it counts as hung
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
-
-ok() { echo "ok   - $1"; passed=$((passed + 1)); }
-fail() {
-  echo "FAIL - $1"
-  shift
-  for f in "$@"; do [ -s "$f" ] && sed 's/^/       | /' "$f" | head -40; done
-  failed=$((failed + 1))
-}
+source tests/mpi/report.sh
 
 # job NAME NP [VAR=VALUE...] -- ARGS...: runs moonshard on NP ranks; sets $code, $ms, $secs and
 # leaves the output in $TMP/NAME.out and $TMP/NAME.err.
