@@ -831,6 +831,13 @@ static int u_set_sync(lua_State *L) {
     return 1;
 }
 
+/* unit:set_cpu_offload(offload): FSDP2's CPUOffloadPolicy, before the first add_param */
+static int u_set_cpu_offload(lua_State *L) {
+    CHECK(L, ms_unit_set_cpu_offload(check_unit(L, 1), lua_toboolean(L, 2)));
+    lua_settop(L, 1);
+    return 1;
+}
+
 static int u_set_divide_factor(lua_State *L) {
     CHECK(L, ms_unit_set_gradient_divide_factor(check_unit(L, 1), luaL_checknumber(L, 2)));
     lua_settop(L, 1);
@@ -1045,7 +1052,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"param_offset", u_param_offset},
         {"unshard", u_unshard}, {"wait", u_wait}, {"reshard", u_reshard},
         {"reduce_grads", u_reduce_grads}, {"set_requires_gradient_sync", u_set_sync},
-        {"set_gradient_divide_factor", u_set_divide_factor},
+        {"set_gradient_divide_factor", u_set_divide_factor}, {"set_cpu_offload", u_set_cpu_offload},
         {"release_unsharded", u_release_unsharded}, {"zero_grad", u_zero_grad},
         {"grad_sq_norm", u_grad_sq_norm}, {"scale_grads", u_scale_grads},
         {"adamw_step", u_adamw_step}, {"bytes", u_bytes}, {"records", u_records},

@@ -6,7 +6,7 @@
 -- (when untied), embed_norm (when the model has one), lm_head (with the FP32 policy when
 -- the head is stored in FP32), and the root.  reshard_after_forward is the override below
 -- when set, else false under pipeline parallelism, else true for every layer but the last;
--- the root never reshards after forward.
+-- the root never reshards after forward.  offload_policy is passed to every unit.
 
 local by_dtype = require "by_dtype"
 
@@ -15,6 +15,7 @@ local M = {}
 M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }
 M.fp32 = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
 M.reshard_after_forward = nil -- true, false or an integer to override the rule above
+M.offload_policy = nil -- "cpu" for FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory
 M.activation_checkpointing = false
 M.prefetch = { forward = 1, backward = 2 }
 
@@ -51,12 +52,13 @@ function M.parallelize(ctx)
         local experts = experts_of(layer)
         if experts and mesh:size("ep_shard") > 1 then
           ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
-            shard_placement_fn = function() return 1 end })
+            shard_placement_fn = function() return 1 end, offload_policy = M.offload_policy })
         end
         by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
-          ignored_params = ignored })
+          ignored_params = ignored, offload_policy = M.offload_policy })
       else
-        ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf })
+        ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf,
+          offload_policy = M.offload_policy })
       end
     end
   end
@@ -64,16 +66,16 @@ function M.parallelize(ctx)
   if moe then
     local embed, head = ctx.model:get("model.embed_tokens"), ctx.model:get("lm_head")
     if embed and not (head and head.params.weight == embed.params.weight) then
-      ctx:fully_shard(embed, { mp_policy = M.precision })
+      ctx:fully_shard(embed, { mp_policy = M.precision, offload_policy = M.offload_policy })
     end
     local embed_norm = ctx.model:get("model.embed_norm")
-    if embed_norm then ctx:fully_shard(embed_norm, { mp_policy = M.precision }) end
+    if embed_norm then ctx:fully_shard(embed_norm, { mp_policy = M.precision, offload_policy = M.offload_policy }) end
     if head and not (embed and head.params.weight == embed.params.weight) then
       local fp32_head = head.params.weight and head.params.weight.dtype == "f32"
-      ctx:fully_shard(head, { mp_policy = fp32_head and M.fp32 or M.precision })
+      ctx:fully_shard(head, { mp_policy = fp32_head and M.fp32 or M.precision, offload_policy = M.offload_policy })
     end
   end
-  ctx:fully_shard(ctx.model, { mp_policy = M.precision, ignored_params = ignored })
+  ctx:fully_shard(ctx.model, { mp_policy = M.precision, ignored_params = ignored, offload_policy = M.offload_policy })
 end
 
 return M

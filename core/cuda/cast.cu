@@ -11,12 +11,11 @@
 #include "kernels.h"
 
 #include "cast_element.h"
+#include "launch.h"
 
 #include <cuda_runtime.h>
 
 namespace {
-
-constexpr int kThreads = 256;
 
 __global__ void cast_generic(void *dst, int dt, const void *src, int sdt, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -58,16 +57,11 @@ __device__ float from_f16(uint16_t x) { return f16_to_f32(x); }
 __device__ float from_e4m3(uint8_t x) { return e4m3_to_f32(x); }
 __device__ float from_e5m2(uint8_t x) { return e5m2_to_f32(x); }
 
-int blocks_for(int64_t n) {
-    int64_t b = (n + kThreads - 1) / kThreads;
-    return (int)(b < 1 ? 1 : b > 65535 * 4 ? 65535 * 4 : b);
-}
-
 template <typename S, typename D, D (*F)(S)>
 void launch_pair(void *dst, const void *src, int64_t n) {
     const bool vec4 = ((uintptr_t)dst % (4 * sizeof(D))) == 0 && ((uintptr_t)src % (4 * sizeof(S))) == 0;
-    cast_pair<S, D, F><<<blocks_for(vec4 ? (n + 3) / 4 : n), kThreads>>>(static_cast<D *>(dst),
-                                                                          static_cast<const S *>(src), n, vec4);
+    cast_pair<S, D, F><<<blocks_for(vec4 ? (n + 3) / 4 : n), kThreads, 0, cudaStreamPerThread>>>(
+        static_cast<D *>(dst), static_cast<const S *>(src), n, vec4);
 }
 
 // ---------------------------------------------------------------- fill
@@ -75,6 +69,10 @@ void launch_pair(void *dst, const void *src, int64_t n) {
 template <typename T> __global__ void fill_kernel(T *dst, int64_t n, T v) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = v;
+}
+
+template <typename T> void launch_fill(void *dst, int64_t n, uint64_t value) {
+    fill_kernel<<<blocks_for(n), kThreads, 0, cudaStreamPerThread>>>(static_cast<T *>(dst), n, (T)value);
 }
 
 } // namespace
@@ -98,17 +96,17 @@ extern "C" int ms__cuda_launch_cast(void *dst, int dst_dtype, const void *src, i
         default: break;
         }
     }
-    cast_generic<<<blocks_for(n), kThreads>>>(dst, dst_dtype, src, src_dtype, n);
+    cast_generic<<<blocks_for(n), kThreads, 0, cudaStreamPerThread>>>(dst, dst_dtype, src, src_dtype, n);
     return (int)cudaGetLastError();
 }
 
 extern "C" int ms__cuda_launch_fill(void *dst, int64_t n, uint64_t value, int elem_size) {
     if (n <= 0) return 0;
     switch (elem_size) {
-    case 1: fill_kernel<<<blocks_for(n), kThreads>>>(static_cast<uint8_t *>(dst), n, (uint8_t)value); break;
-    case 2: fill_kernel<<<blocks_for(n), kThreads>>>(static_cast<uint16_t *>(dst), n, (uint16_t)value); break;
-    case 4: fill_kernel<<<blocks_for(n), kThreads>>>(static_cast<uint32_t *>(dst), n, (uint32_t)value); break;
-    default: fill_kernel<<<blocks_for(n), kThreads>>>(static_cast<uint64_t *>(dst), n, value); break;
+    case 1: launch_fill<uint8_t>(dst, n, value); break;
+    case 2: launch_fill<uint16_t>(dst, n, value); break;
+    case 4: launch_fill<uint32_t>(dst, n, value); break;
+    default: launch_fill<uint64_t>(dst, n, value); break;
     }
     return (int)cudaGetLastError();
 }

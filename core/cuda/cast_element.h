@@ -85,11 +85,16 @@ MS_HD static inline void ms_store_i64(void *p, int64_t i, int t, int64_t x) {
     }
 }
 
-/* dst[i] (dtype dt) <- src[i] (dtype st), dt != st, as ms_cast does it. */
+/* dst[di] (dtype dt) <- src[si] (dtype st), dt != st, as ms_cast does it. */
+MS_HD static inline void ms_cast_element_at(void *dst, int64_t di, int dt, const void *src, int st, int64_t si) {
+    if (ms_in_f32_family(st) || ms_in_f32_family(dt)) ms_store_f32(dst, di, dt, ms_load_f32(src, si, st));
+    else if (st == MS_F64) ms_store_from_f64(dst, di, dt, ((const double *)src)[si]);
+    else ms_store_i64(dst, di, dt, ms_load_i64(src, si, st));
+}
+
+/* dst[i] (dtype dt) <- src[i] (dtype st), dt != st. */
 MS_HD static inline void ms_cast_element(void *dst, int dt, const void *src, int st, int64_t i) {
-    if (ms_in_f32_family(st) || ms_in_f32_family(dt)) ms_store_f32(dst, i, dt, ms_load_f32(src, i, st));
-    else if (st == MS_F64) ms_store_from_f64(dst, i, dt, ((const double *)src)[i]);
-    else ms_store_i64(dst, i, dt, ms_load_i64(src, i, st));
+    ms_cast_element_at(dst, i, dt, src, st, i);
 }
 
 #endif /* MS_CAST_ELEMENT_H */

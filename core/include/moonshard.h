@@ -312,13 +312,19 @@ typedef struct ms_unit ms_unit;
  * dtype).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
  * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
  * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
- * retains the comms.  On the nccl backend the unsharded parameters and gradients, and the
- * gather and reduce buffers, are cuda tensors on the rank's GPU, while the shards, gradient
- * shards and optimizer state stay cpu tensors (as FSDP2's CPU offload). */
+ * retains the comms.  On the nccl backend every buffer of the unit is a cuda tensor on the
+ * rank's GPU (shards, gradient shards, optimizer state, the unsharded parameters and
+ * gradients, the gather and reduce buffers), unless ms_unit_set_cpu_offload. */
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
                       int param_dtype, int reduce_dtype, int reshard_after_forward);
 void ms_unit_retain(ms_unit *u);
 void ms_unit_release(ms_unit *u);
+/* FSDP2's CPUOffloadPolicy: with offload = 1 the shards, gradient shards and optimizer state
+ * are cpu tensors (the optimizer runs on the host) while the unsharded parameters and
+ * gradients and the collectives stay on the GPU; unshard copies the shards in, the reduced
+ * gradients come back to the host.  Only before the first ms_unit_add_param (MS_ERR_STATE
+ * after).  Without a GPU (threads, mpi) every buffer is on the host either way. */
+ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload);
 /* Adds a parameter of global `shape` (1 to 8 dims) stored in `dtype`, sharded on `dim`
  * (0 unless a shard_placement_fn says otherwise; negative dims count from the end; another
  * dim than 0 must divide by W).  The rank's padded shard is allocated zero-filled;

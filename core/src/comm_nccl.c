@@ -6,22 +6,41 @@
  * (torchrun and friends; store.c's TCP store, served by rank 0, is the rendezvous), else it
  * is a world of one.  Its GPU is LOCAL_RANK when set, else rank mod the number of devices.
  * Rank 0 makes the NCCL unique id and hands it to the others (MPI_Bcast, or the store's
- * key "moonshard/nccl/world"); ncclCommInitRank makes the world's communicator.
+ * key "moonshard/nccl/world"); ncclCommInitRankConfig makes the world's communicator.
+ *
+ * Nonblocking communicators.  Every communicator is nonblocking (ncclConfig_t blocking = 0),
+ * so that the NCCL calls that wait for other ranks return at once: a call may return
+ * ncclInProgress, its work going on in the background, and the calling thread then polls
+ * the communicator's state (ncclCommGetAsyncError) until it is no longer ncclInProgress,
+ * up to the world's timeout, before it calls NCCL or touches the stream again, as NCCL
+ * requires.  That bounds the creation of the world's communicator, the splits, and the
+ * enqueueing of every collective (ncclGroupEnd included): past the timeout the call fails
+ * with MS_ERR_TIMEOUT ("rank(s) missing or unreachable") and the communicator is aborted
+ * (ncclCommAbort, which NCCL allows at any point).  A communicator goes away with
+ * ncclCommFinalize, polled the same way, then ncclCommDestroy; with ncclCommAbort when the
+ * finalization fails or does not complete in time.
  *
  * Groups.  Every other group is made with ncclCommSplit of the world's communicator, the
  * group's lowest world rank as the colour: a split is collective over the whole world, so
  * every rank must ask for its group of the same partition at the same point of its program
  * (a mesh's group(axis) on every rank does exactly that; groups asked for by only some ranks
  * are not possible with NCCL).  Tags make separate communicators as with the other backends.
+ * The new communicator inherits the world's configuration (nonblocking); NCCL reports the
+ * split's progress as the world communicator's state and hands out the new one only when
+ * the split completes.  A split that fails or does not complete in time aborts both, the
+ * world's communicator too: no group can be made after that.
  *
  * One collective: the call's descriptor is all-gathered first (a 24-byte ncclAllGather), so
  * that ranks that disagree get the same MS_ERR_MISMATCH as with threads and MPI instead of
  * a hang or garbage; then the NCCL collective (all_to_all: grouped ncclSend/ncclRecv; barrier:
- * a one-element all-reduce) on the group's own stream.  The calling thread waits for the
- * stream, polling, up to the world's timeout: a rank that never arrives gives MS_ERR_TIMEOUT
- * and the group's communicator is aborted (ncclCommAbort), so nothing hangs; an error NCCL
- * reports asynchronously is MS_ERR_PEER.  The shard units already run their collectives on
- * the rank's communication thread (comm_async.c), so they overlap compute.
+ * a one-element all-reduce) on the group's own stream.  The calling thread waits for each of
+ * the two (the descriptors copied back to the host, then the collective) through the group's
+ * completion event, a cudaEvent_t made with cudaEventDisableTiming: recorded on the stream
+ * once the work is enqueued, polled (cudaEventQuery) up to the world's timeout.  A rank that
+ * never arrives gives MS_ERR_TIMEOUT and the group's communicator is aborted
+ * (ncclCommAbort), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER.
+ * The shard units already run their collectives on the rank's communication thread
+ * (comm_async.c), so they overlap compute.
  *
  * Tensors.  CUDA tensors on the rank's device go to NCCL as they are; cpu tensors are staged
  * through device buffers of the group (so a script written for the threads backend runs
@@ -71,9 +90,10 @@ static ms_status cuda_err(cudaError_t e, const char *what) {
                     cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
+/* what: "nccl backend: ncclAllReduce", the call with its context. */
 static ms_status nccl_err(ncclResult_t r, const char *what) {
-    return ms__fail(r == ncclInvalidArgument || r == ncclInvalidUsage ? MS_ERR_ARG : MS_ERR_PEER,
-                    "nccl backend: %s: %s", what, ncclGetErrorString(r));
+    return ms__fail(r == ncclInvalidArgument || r == ncclInvalidUsage ? MS_ERR_ARG : MS_ERR_PEER, "%s: %s", what,
+                    ncclGetErrorString(r));
 }
 
 #define CUDA_OK(what, call)                              \
@@ -81,11 +101,45 @@ static ms_status nccl_err(ncclResult_t r, const char *what) {
         cudaError_t e_ = (call);                         \
         if (e_ != cudaSuccess) return cuda_err(e_, what); \
     } while (0)
-#define NCCL_OK(what, call)                               \
-    do {                                                  \
-        ncclResult_t r_ = (call);                         \
-        if (r_ != ncclSuccess) return nccl_err(r_, what); \
+#define NCCL_OK(what, call)                                                \
+    do {                                                                   \
+        ncclResult_t r_ = (call);                                          \
+        if (r_ != ncclSuccess) return nccl_err(r_, "nccl backend: " what); \
     } while (0)
+
+static bool nccl_failed(ncclResult_t r) { return r != ncclSuccess && r != ncclInProgress; }
+
+static void abort_comm(ncclComm_t *comm) {
+    if (*comm) ncclCommAbort(*comm);
+    *comm = NULL;
+}
+
+/* The outcome of a call on comm that returned r.  On a nonblocking communicator a call may
+ * return before its work is done (ncclInProgress; or ncclSuccess from ncclCommSplit, whose
+ * progress is its parent's state), so unless the call failed, comm's state is polled until
+ * it is no longer ncclInProgress: ncclInProgress when deadline passes first. */
+static ncclResult_t settle(ncclComm_t comm, ncclResult_t r, double deadline) {
+    if (nccl_failed(r)) return r;
+    for (;;) {
+        ncclResult_t e = ncclCommGetAsyncError(comm, &r);
+        if (e != ncclSuccess) return e;
+        if (r != ncclInProgress || ms__now_s() > deadline) return r;
+        nanosleep(&(struct timespec){0, 20000}, NULL);
+    }
+}
+
+/* settle() up to the world's timeout, as a status; what names the call in messages.  A call
+ * that does not complete in time leaves nothing to do but ncclCommAbort: *comm is aborted
+ * and set to NULL, MS_ERR_TIMEOUT. */
+static ms_status nccl_wait(const ms_world *w, ncclComm_t *comm, ncclResult_t r, const char *what) {
+    r = settle(*comm, r, ms__now_s() + w->timeout_s);
+    if (r != ncclInProgress) return r == ncclSuccess ? MS_OK : nccl_err(r, what);
+    abort_comm(comm);
+    return ms__fail(MS_ERR_TIMEOUT,
+                    "%s did not complete within %g s (%s): rank(s) missing or unreachable; the communicator was "
+                    "aborted",
+                    what, w->timeout_s, w->timeout_origin);
+}
 
 /* A non-negative integer environment variable, or -1 when unset; *bad when malformed. */
 static long env_int(const char *name, bool *bad) {
@@ -160,8 +214,10 @@ typedef struct desc {
 } desc;
 
 typedef struct ngroup {
-    ncclComm_t comm; /* NULL once aborted */
+    ncclComm_t comm;  /* nonblocking; NULL once aborted */
     cudaStream_t stream;
+    cudaEvent_t done; /* recorded on stream after the enqueued work, polled by wait_stream */
+    double timeout_s; /* the world's: bounds the finalization in ngroup_free */
     int n, rank;
     desc *descs_dev;  /* (n) the exchange's device buffer */
     desc *descs;      /* (n) host copy, pinned: copies into it stay asynchronous, so a rank
@@ -173,7 +229,13 @@ typedef struct ngroup {
 
 static void ngroup_free(ngroup *ng) {
     if (!ng) return;
-    if (ng->comm) ncclCommDestroy(ng->comm);
+    if (ng->comm) { /* finalized, then destroyed; aborted when the finalization fails or hangs */
+        if (settle(ng->comm, ncclCommFinalize(ng->comm), ms__now_s() + ng->timeout_s) == ncclSuccess)
+            ncclCommDestroy(ng->comm);
+        else
+            ncclCommAbort(ng->comm);
+    }
+    if (ng->done) cudaEventDestroy(ng->done);
     if (ng->stream) cudaStreamDestroy(ng->stream);
     cudaFree(ng->descs_dev);
     cudaFree(ng->stage);
@@ -183,31 +245,45 @@ static void ngroup_free(ngroup *ng) {
 }
 
 static ms_status make_comm(ms_world *w, ms_group *g, ngroup *ng) {
+    ms_status st;
     if (!w->groups) { /* the whole world, made by ms__world_new before anything else */
         ncclUniqueId id;
-        ms_status st = share_world_id(&id);
-        if (st) return ms__wrap(st, "nccl world: sharing the unique id");
-        NCCL_OK("ncclCommInitRank", ncclCommInitRank(&ng->comm, ng->n, id, ng->rank));
-        return MS_OK;
+        if ((st = share_world_id(&id))) return ms__wrap(st, "nccl world: sharing the unique id");
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        st = nccl_wait(w, &ng->comm, ncclCommInitRankConfig(&ng->comm, ng->n, id, ng->rank, &config),
+                       "nccl world: ncclCommInitRank");
+        if (st) abort_comm(&ng->comm);
+        return st;
     }
-    const ngroup *world = w->groups->impl;
+    ngroup *world = w->groups->impl;
     if (!world->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the world's communicator was aborted");
-    /* the tag keeps groups over the same ranks apart; ranks order by world rank (the key) */
-    NCCL_OK("ncclCommSplit", ncclCommSplit(world->comm, g->world_ranks[0] + g->tag * w->size, nccl.rank,
-                                           &ng->comm, NULL));
-    return MS_OK;
+    /* the tag keeps groups over the same ranks apart; ranks order by world rank (the key); a
+     * NULL config: the new communicator inherits the world's, nonblocking.  NCCL reports the
+     * split's progress as the world communicator's state and sets ng->comm once it is done. */
+    st = nccl_wait(w, &world->comm,
+                   ncclCommSplit(world->comm, g->world_ranks[0] + g->tag * w->size, nccl.rank, &ng->comm, NULL),
+                   "nccl backend: ncclCommSplit of the world's communicator");
+    if (!st) st = nccl_wait(w, &ng->comm, ncclSuccess, "nccl backend: ncclCommSplit");
+    if (st) { /* as NCCL's fault tolerance example does: the parent, then the child if any */
+        abort_comm(&world->comm);
+        abort_comm(&ng->comm);
+    }
+    return st;
 }
 
 static ms_status nccl_group_init(ms_world *w, ms_group *g) {
     ngroup *ng = calloc(1, sizeof *ng);
     if (!ng) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
     ng->n = g->n;
+    ng->timeout_s = w->timeout_s;
     while (ng->rank < g->n && g->world_ranks[ng->rank] != nccl.rank) ng->rank++;
     ng->calls = calloc((size_t)g->n, sizeof *ng->calls);
     ms_status st = ng->calls ? MS_OK : ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
     cudaError_t e = cudaSuccess;
     if (!st && (e = cudaSetDevice(nccl.device)) == cudaSuccess &&
         (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess &&
+        (e = cudaEventCreateWithFlags(&ng->done, cudaEventDisableTiming)) == cudaSuccess &&
         (e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc))) == cudaSuccess)
         e = cudaMalloc((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc));
     if (!st && e != cudaSuccess) st = cuda_err(e, "making a group");
@@ -252,13 +328,15 @@ static ncclRedOp_t nccl_op(ms_op op) {
     }
 }
 
-/* Waits for the group's stream up to the world's timeout; on a timeout the communicator is
- * aborted (a collective that never completes cannot be taken back). */
+/* Waits for the work enqueued on the group's stream (its completion event, recorded here)
+ * up to the world's timeout; on a timeout the communicator is aborted (a collective that
+ * never completes cannot be taken back). */
 static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
+    CUDA_OK("recording the completion event", cudaEventRecord(ng->done, ng->stream));
     const double deadline = ms__now_s() + c->world->timeout_s;
     ms_msg m = {0};
     for (;;) {
-        cudaError_t e = cudaStreamQuery(ng->stream);
+        cudaError_t e = cudaEventQuery(ng->done);
         if (e == cudaSuccess) return MS_OK;
         if (e != cudaErrorNotReady) return cuda_err(e, "waiting for a collective");
         ncclResult_t async = ncclSuccess;
@@ -268,8 +346,7 @@ static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
             return ms__fail(MS_ERR_PEER, "%s: NCCL: %s", m.s, ncclGetErrorString(async));
         }
         if (ms__now_s() > deadline) {
-            ncclCommAbort(ng->comm);
-            ng->comm = NULL;
+            abort_comm(&ng->comm);
             ms__msg_where(&m, c, kind);
             return ms__fail(MS_ERR_TIMEOUT, "%s: not every rank arrived within %g s (%s); the group's NCCL "
                             "communicator was aborted", m.s, c->world->timeout_s, c->world->timeout_origin);
@@ -284,12 +361,14 @@ static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
     desc mine = {call->kind, call->dtype, call->op, call->root, call->count};
     CUDA_OK("staging the call's descriptor",
             cudaMemcpyAsync(ng->descs_dev + ng->rank, &mine, sizeof mine, cudaMemcpyHostToDevice, ng->stream));
-    NCCL_OK("ncclAllGather (the call's descriptor)", ncclAllGather(ng->descs_dev + ng->rank, ng->descs_dev,
-                                                                   sizeof(desc), ncclUint8, ng->comm, ng->stream));
+    ms_status st = nccl_wait(c->world, &ng->comm,
+                             ncclAllGather(ng->descs_dev + ng->rank, ng->descs_dev, sizeof(desc), ncclUint8,
+                                           ng->comm, ng->stream),
+                             "nccl backend: ncclAllGather (the call's descriptor)");
+    if (st) return st;
     CUDA_OK("reading the descriptors", cudaMemcpyAsync(ng->descs, ng->descs_dev, (size_t)ng->n * sizeof(desc),
                                                        cudaMemcpyDeviceToHost, ng->stream));
-    ms_status st = wait_stream(c, ng, (ms_coll_kind)call->kind);
-    if (st) return st;
+    if ((st = wait_stream(c, ng, (ms_coll_kind)call->kind))) return st;
     for (int i = 0; i < ng->n; i++) {
         const desc *d = &ng->descs[i];
         ng->calls[i] = (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
@@ -359,36 +438,47 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     return MS_OK;
 }
 
-static ms_status enqueue(ngroup *ng, const ms_coll *call, const void *send, void *recv) {
+static ms_status enqueue(const ms_world *w, ngroup *ng, const ms_coll *call, const void *send, void *recv) {
     const ncclDataType_t t = nccl_type(call->dtype);
     const size_t count = (size_t)call->count;
+    ncclResult_t r = ncclSuccess;
+    const char *what = "";
     switch (call->kind) {
-    case MS_COLL_ALL_GATHER: NCCL_OK("ncclAllGather", ncclAllGather(send, recv, count, t, ng->comm, ng->stream)); break;
+    case MS_COLL_ALL_GATHER:
+        what = "nccl backend: ncclAllGather";
+        r = ncclAllGather(send, recv, count, t, ng->comm, ng->stream);
+        break;
     case MS_COLL_REDUCE_SCATTER:
-        NCCL_OK("ncclReduceScatter",
-                ncclReduceScatter(send, recv, count, t, nccl_op(call->op), ng->comm, ng->stream));
+        what = "nccl backend: ncclReduceScatter";
+        r = ncclReduceScatter(send, recv, count, t, nccl_op(call->op), ng->comm, ng->stream);
         break;
     case MS_COLL_ALL_REDUCE:
-        NCCL_OK("ncclAllReduce", ncclAllReduce(recv, recv, count, t, nccl_op(call->op), ng->comm, ng->stream));
+        what = "nccl backend: ncclAllReduce";
+        r = ncclAllReduce(recv, recv, count, t, nccl_op(call->op), ng->comm, ng->stream);
         break;
     case MS_COLL_BROADCAST:
-        NCCL_OK("ncclBroadcast", ncclBroadcast(recv, recv, count, t, call->root, ng->comm, ng->stream));
+        what = "nccl backend: ncclBroadcast";
+        r = ncclBroadcast(recv, recv, count, t, call->root, ng->comm, ng->stream);
         break;
     case MS_COLL_ALL_TO_ALL: {
         const size_t chunk = count / (size_t)ng->n, bytes = chunk * (size_t)ms_dtype_size(call->dtype);
         NCCL_OK("ncclGroupStart", ncclGroupStart());
-        for (int p = 0; p < ng->n; p++) {
-            ncclSend((const char *)send + p * bytes, chunk, t, p, ng->comm, ng->stream);
-            ncclRecv((char *)recv + p * bytes, chunk, t, p, ng->comm, ng->stream);
+        ncclResult_t in_group = ncclSuccess; /* the group's first failed call */
+        for (int p = 0; p < ng->n && !nccl_failed(in_group); p++) {
+            in_group = ncclSend((const char *)send + p * bytes, chunk, t, p, ng->comm, ng->stream);
+            if (!nccl_failed(in_group))
+                in_group = ncclRecv((char *)recv + p * bytes, chunk, t, p, ng->comm, ng->stream);
         }
-        NCCL_OK("ncclGroupEnd (all_to_all)", ncclGroupEnd());
-        break;
+        /* the group is ended, and its end settled, whatever happened in it */
+        ms_status st = nccl_wait(w, &ng->comm, ncclGroupEnd(), "nccl backend: ncclGroupEnd (all_to_all)");
+        return nccl_failed(in_group) ? nccl_err(in_group, "nccl backend: ncclSend/ncclRecv (all_to_all)") : st;
     }
     case MS_COLL_BARRIER:
-        NCCL_OK("ncclAllReduce (barrier)", ncclAllReduce(recv, recv, 1, ncclUint8, ncclMax, ng->comm, ng->stream));
+        what = "nccl backend: ncclAllReduce (barrier)";
+        r = ncclAllReduce(recv, recv, 1, ncclUint8, ncclMax, ng->comm, ng->stream);
         break;
     }
-    return MS_OK;
+    return nccl_wait(w, &ng->comm, r, what);
 }
 
 static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
@@ -401,7 +491,7 @@ static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
     void *recv;
     bool staged;
     if ((st = device_buffers(c, ng, call, &send, &recv, &staged))) return st;
-    if ((st = enqueue(ng, call, send, recv))) return st;
+    if ((st = enqueue(c->world, ng, call, send, recv))) return st;
     if ((st = wait_stream(c, ng, (ms_coll_kind)call->kind))) return st;
     if (staged && call->recv) { /* after the wait: a copy into pageable memory would block on the stream */
         int64_t ns, nr;

@@ -1,6 +1,10 @@
 /*
- * cuda.c: device memory, copies, casts and fills through the CUDA runtime (cuda.h), and
- * ms_cuda_device_count.  Without CUDA every call says that moonshard was built without it.
+ * cuda.c: device memory, copies, casts, fills and the shard units' arithmetic through the
+ * CUDA runtime (cuda.h), and ms_cuda_device_count.  Every call runs on the calling thread's
+ * stream (cudaStreamPerThread) and synchronizes that stream alone before it returns: it
+ * does not wait for the NCCL backend's communication streams, so a collective in flight on
+ * another thread neither blocks it nor is blocked by it.  Without CUDA every call says that
+ * moonshard was built without it.
  */
 #include "cuda.h"
 
@@ -63,8 +67,8 @@ ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
                         "cannot allocate %lld bytes on cuda:%d: %s: %s", (long long)nbytes, device,
                         cudaGetErrorName(e), cudaGetErrorString(e));
     }
-    e = cudaMemset(p, 0, (size_t)nbytes);
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    e = cudaMemsetAsync(p, 0, (size_t)nbytes, cudaStreamPerThread);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
     if (e != cudaSuccess) {
         cudaFree(p);
         return cuda_fail(e, "zeroing new device memory");
@@ -80,8 +84,9 @@ void ms__cuda_free(int device, void *p) {
 
 ms_status ms__cuda_memcpy(void *dst, const void *src, int64_t nbytes) {
     if (nbytes <= 0) return MS_OK;
-    CUDA_TRY("copying between host and device", cudaMemcpy(dst, src, (size_t)nbytes, cudaMemcpyDefault));
-    CUDA_TRY("copying between host and device", cudaDeviceSynchronize()); /* device to device */
+    CUDA_TRY("copying between host and device",
+             cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDefault, cudaStreamPerThread));
+    CUDA_TRY("copying between host and device", cudaStreamSynchronize(cudaStreamPerThread));
     return MS_OK;
 }
 
@@ -91,15 +96,15 @@ ms_status ms__cuda_cast(int device, void *dst, ms_dtype dst_dtype, const void *s
     ms_status st = use_device(device);
     if (st) return st;
     if (dst_dtype == src_dtype) {
-        if (dst != src) { /* a device-to-device memcpy does not wait for itself: synchronize */
-            CUDA_TRY("copying on the device",
-                     cudaMemcpy(dst, src, (size_t)(n * ms_dtype_size(dst_dtype)), cudaMemcpyDeviceToDevice));
-            CUDA_TRY("copying on the device", cudaDeviceSynchronize());
+        if (dst != src) {
+            CUDA_TRY("copying on the device", cudaMemcpyAsync(dst, src, (size_t)(n * ms_dtype_size(dst_dtype)),
+                                                              cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+            CUDA_TRY("copying on the device", cudaStreamSynchronize(cudaStreamPerThread));
         }
         return MS_OK;
     }
     CUDA_TRY("launching a cast kernel", (cudaError_t)ms__cuda_launch_cast(dst, dst_dtype, src, src_dtype, n));
-    CUDA_TRY("running a cast kernel", cudaDeviceSynchronize());
+    CUDA_TRY("running a cast kernel", cudaStreamSynchronize(cudaStreamPerThread));
     return MS_OK;
 }
 
@@ -110,7 +115,47 @@ ms_status ms__cuda_fill(int device, void *dst, int64_t n, const void *value, int
     uint64_t v = 0;
     memcpy(&v, value, (size_t)elem_size); /* little-endian: the element's bytes are v's low bytes */
     CUDA_TRY("launching a fill kernel", (cudaError_t)ms__cuda_launch_fill(dst, n, v, elem_size));
-    CUDA_TRY("running a fill kernel", cudaDeviceSynchronize());
+    CUDA_TRY("running a fill kernel", cudaStreamSynchronize(cudaStreamPerThread));
+    return MS_OK;
+}
+
+ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd,
+                      bool round_src, int64_t n) {
+    if (n <= 0) return MS_OK;
+    ms_status st = use_device(device);
+    if (st) return st;
+    CUDA_TRY("launching an element-wise kernel",
+             (cudaError_t)ms__cuda_launch_ew((int)op, dst, (int)dd, s, src, (int)sd, round_src, n));
+    CUDA_TRY("running an element-wise kernel", cudaStreamSynchronize(cudaStreamPerThread));
+    return MS_OK;
+}
+
+ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, double *out) {
+    *out = 0;
+    if (n <= 0) return MS_OK;
+    ms_status st = use_device(device);
+    if (st) return st;
+    double *partials = NULL, host[MS_CUDA_SUM_BLOCKS];
+    const size_t bytes = sizeof host;
+    CUDA_TRY("allocating the partial sums", cudaMallocAsync((void **)&partials, bytes, cudaStreamPerThread));
+    cudaError_t e = (cudaError_t)ms__cuda_launch_sum_sq(x, (int)dt, n, partials);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, partials, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread);
+    cudaError_t f = cudaFreeAsync(partials, cudaStreamPerThread);
+    if (e == cudaSuccess) e = f;
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
+    if (e != cudaSuccess) return cuda_fail(e, "summing squares on the device");
+    for (int b = 0; b < MS_CUDA_SUM_BLOCKS; b++) *out += host[b];
+    return MS_OK;
+}
+
+ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *grad, ms_dtype gdt, void *stored_out,
+                         ms_dtype sdt, int64_t n, const ms_adamw_hyper *h) {
+    if (n <= 0) return MS_OK;
+    ms_status st = use_device(device);
+    if (st) return st;
+    CUDA_TRY("launching the AdamW kernel",
+             (cudaError_t)ms__cuda_launch_adamw(w, m, v, grad, (int)gdt, stored_out, (int)sdt, n, h));
+    CUDA_TRY("running the AdamW kernel", cudaStreamSynchronize(cudaStreamPerThread));
     return MS_OK;
 }
 
@@ -146,6 +191,24 @@ ms_status ms__cuda_cast(int device, void *dst, ms_dtype dst_dtype, const void *s
 
 ms_status ms__cuda_fill(int device, void *dst, int64_t n, const void *value, int elem_size) {
     (void)device, (void)dst, (void)n, (void)value, (void)elem_size;
+    return not_built();
+}
+
+ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd,
+                      bool round_src, int64_t n) {
+    (void)device, (void)op, (void)dst, (void)dd, (void)s, (void)src, (void)sd, (void)round_src, (void)n;
+    return not_built();
+}
+
+ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, double *out) {
+    (void)device, (void)x, (void)dt, (void)n;
+    *out = 0;
+    return not_built();
+}
+
+ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *grad, ms_dtype gdt, void *stored_out,
+                         ms_dtype sdt, int64_t n, const ms_adamw_hyper *h) {
+    (void)device, (void)w, (void)m, (void)v, (void)grad, (void)gdt, (void)stored_out, (void)sdt, (void)n, (void)h;
     return not_built();
 }
 

@@ -4,13 +4,15 @@
  * Built with CUDA (MOONSHARD_HAVE_CUDA) these call the CUDA runtime; built without it
  * every call fails with MS_ERR_NOT_BUILT, saying so.  Device pointers are plain pointers
  * (unified addressing): a copy finds out by itself which side each pointer is on.  Every
- * call is synchronous on the device's default stream, so a tensor's memory is ready when
- * a call returns.
+ * call runs on the calling thread's stream (cudaStreamPerThread) and waits for it, so a
+ * tensor's memory is ready when a call returns; none waits for another thread's work or
+ * for the communication streams.
  */
 #ifndef MS_CUDA_H
 #define MS_CUDA_H
 
 #include "ms_internal.h"
+#include "unit_math.h"
 
 /* Zeroed device memory of nbytes (> 0) on device `device`. */
 ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out);
@@ -23,5 +25,13 @@ ms_status ms__cuda_cast(int device, void *dst, ms_dtype dst_dtype, const void *s
                         int64_t n);
 /* n elements of elem_size (1, 2, 4 or 8) bytes at dst set to the bytes at value (host). */
 ms_status ms__cuda_fill(int device, void *dst, int64_t n, const void *value, int elem_size);
+/* The shard units' arithmetic on device memory of `device`, with the rules of the host's
+ * ms__ew, ms__sum_sq and ms__adamw (unit_math.h).  The sum of squares adds in its own fixed
+ * order. */
+ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd,
+                      bool round_src, int64_t n);
+ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, double *out);
+ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *grad, ms_dtype gdt, void *stored_out,
+                         ms_dtype sdt, int64_t n, const ms_adamw_hyper *h);
 
 #endif /* MS_CUDA_H */

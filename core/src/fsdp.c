@@ -56,15 +56,19 @@
  *     rank gives everything the rank holds.  ms_unit_release_unsharded and ms_unit_release
  *     free the unit's cached buffers.
  *
- * On a CUDA backend (nccl) the transient buffers live on the rank's GPU: the gather and
- * reduce buffers, the unsharded parameters and gradients the host computes with are cuda
- * tensors, so the collectives move device memory.  The shards, gradient shards and optimizer
- * state stay on the host, as with FSDP2's CPU offload: unshard casts each shard into the
- * device chunk (ms_tensor_copy across devices), the reduced chunk comes back to the host
- * before the post-divide and the accumulation, and the element-wise steps on device buffers
- * (the pre-scale, the sync-off accumulation) run on a host copy with the CPU's arithmetic.
+ * On a CUDA backend (nccl) every buffer lives on the rank's GPU: the shards, gradient
+ * shards and optimizer state, the gather and reduce buffers, the unsharded parameters and
+ * gradients, so the collectives move device memory and the element-wise steps (pre-scale,
+ * sync-off accumulation, post-divide and accumulation into the gradient shards, norm,
+ * clipping, AdamW) run as kernels (cuda.h) computing the host's bits (unit_math.h).  With
+ * ms_unit_set_cpu_offload (FSDP2's CPUOffloadPolicy) the shards, gradient shards and
+ * optimizer state stay on the host: unshard casts each shard into the device chunk
+ * (ms_tensor_copy across devices), the reduced chunk comes back to the host before the
+ * post-divide and the accumulation, and the optimizer runs on the host.
  */
 #include "comm.h"
+#include "cuda.h"
+#include "unit_math.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -170,6 +174,7 @@ struct ms_unit {
     int64_t S;          /* elements of one rank's gather chunk */
     bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
     int device;         /* the CUDA device of the transient buffers, or -1 for the host */
+    bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
     unit_op op;
@@ -361,7 +366,7 @@ static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const i
     int64_t numel;
     ms_status st = ms__check_shape(ndim, shape, &numel);
     ms_tensor *cached = st || !numel || cat != CAT_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
-    const bool on_device = cat == CAT_UNSHARDED && u->device >= 0;
+    const bool on_device = u->device >= 0 && (cat == CAT_UNSHARDED || !u->offload);
     if (cached) {
         st = ms_tensor_view(out, cached, ndim, shape); /* the view holds the storage alone */
         ms_tensor_release(cached);
@@ -388,6 +393,9 @@ static void view_free(ms_tensor **t) {
     ms_tensor_release(*t);
     *t = NULL;
 }
+
+/* The shards, gradient shards and optimizer state are on the unit's GPU. */
+static bool shards_on_device(const ms_unit *u) { return u->device >= 0 && !u->offload; }
 
 /* Element i of a contiguous buffer (NULL stays NULL: empty tensors have no data). */
 static void *at(ms_tensor *t, int64_t i) {
@@ -467,80 +475,29 @@ static ms_status record(ms_unit *u, int kind, ms_dtype dtype, int group_size, in
 /* ---------------------------------------------------------------- element-wise kernels */
 
 /* Elements per block: the opmath blocks (8 KiB each as f64) stay in L1. */
-enum { EW_BLOCK = 1024 };
-
-typedef enum ew_op {
-    EW_MUL, /* dst *= s */
-    EW_DIV, /* dst /= s */
-    EW_ADD  /* dst += src (src first rounded to dst's dtype when round_src) */
-} ew_op;
-
-/* n elements of dst (float dtype dd) updated in PyTorch's opmath: f64 when dst or src is
- * f64, else f32 (so 16-bit values compute in f32 and round once into dst). */
-static void ew(ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd, bool round_src, int64_t n) {
-    const bool wide = dd == MS_F64 || (op == EW_ADD && sd == MS_F64);
-    const ms_dtype ot = wide ? MS_F64 : MS_F32;
-    const int64_t des = ms_dtype_size(dd), ses = op == EW_ADD ? ms_dtype_size(sd) : 0;
-    const float sf = (float)s;
-    union {
-        float f[EW_BLOCK];
-        double d[EW_BLOCK];
-    } a, b;                                       /* (m) opmath: dst, src */
-    _Alignas(8) unsigned char rounded[EW_BLOCK * 8]; /* (m) src rounded to dd */
-    for (int64_t off = 0; off < n; off += EW_BLOCK) {
-        const int64_t m = n - off < EW_BLOCK ? n - off : EW_BLOCK;
-        char *d = (char *)dst + off * des;
-        ms__cast_contig(&a, ot, d, dd, m);
-        if (op == EW_ADD) {
-            const void *x = (const char *)src + off * ses;
-            ms_dtype xt = sd;
-            if (round_src && sd != dd) {
-                ms__cast_contig(rounded, dd, x, sd, m);
-                x = rounded;
-                xt = dd;
-            }
-            ms__cast_contig(&b, ot, x, xt, m);
-            if (wide) for (int64_t i = 0; i < m; i++) a.d[i] += b.d[i];
-            else for (int64_t i = 0; i < m; i++) a.f[i] += b.f[i];
-        } else if (wide) {
-            for (int64_t i = 0; i < m; i++) a.d[i] = op == EW_MUL ? a.d[i] * s : a.d[i] / s;
-        } else {
-            for (int64_t i = 0; i < m; i++) a.f[i] = op == EW_MUL ? a.f[i] * sf : a.f[i] / sf;
-        }
-        ms__cast_contig(d, dd, &a, ot, m);
-    }
+/* The element-wise step on n elements of raw buffers, on the unit's GPU (on_device) or on
+ * the host, with the same rules (unit_math.h). */
+static ms_status ew(const ms_unit *u, bool on_device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src,
+                    ms_dtype sd, bool round_src, int64_t n) {
+    if (on_device) return ms__cuda_ew(u->device, op, dst, dd, s, src, sd, round_src, n);
+    ms__ew(op, dst, dd, s, src, sd, round_src, n);
+    return MS_OK;
 }
 
-/* Sum of squares of n elements of a float dtype, in f64. */
-static double sum_sq(const void *x, ms_dtype dt, int64_t n) {
-    double a[EW_BLOCK], s = 0; /* (m) x widened */
-    const int64_t es = ms_dtype_size(dt);
-    for (int64_t off = 0; off < n; off += EW_BLOCK) {
-        const int64_t m = n - off < EW_BLOCK ? n - off : EW_BLOCK;
-        ms__cast_contig(a, MS_F64, (const char *)x + off * es, dt, m);
-        for (int64_t i = 0; i < m; i++) s += a[i] * a[i];
+/* ew on contiguous tensors of u (src may be NULL), where dst is: a src on the other side is
+ * brought over first. */
+static ms_status ew_tensor(const ms_unit *u, ms_ew_op op, ms_tensor *dst, double s, ms_tensor *src, bool round_src) {
+    const bool dev = ms_tensor_device(dst) == MS_DEVICE_CUDA;
+    ms_tensor *moved = NULL;
+    ms_status st = MS_OK;
+    if (src && (ms_tensor_device(src) == MS_DEVICE_CUDA) != dev) {
+        st = ms_tensor_to_device(&moved, src, ms_tensor_device(dst), dev ? u->device : 0);
+        src = moved;
     }
-    return s;
-}
-
-/* ew on tensors (src may be NULL): in place on the host, or for device tensors on a host
- * copy written back, so the arithmetic is the same. */
-static ms_status ew_tensor(ew_op op, ms_tensor *dst, double s, ms_tensor *src, bool round_src) {
-    const int64_t n = ms_tensor_numel(dst);
-    const ms_dtype dd = ms_tensor_dtype(dst), sd = src ? ms_tensor_dtype(src) : dd;
-    if (ms_tensor_device(dst) == MS_DEVICE_CPU && (!src || ms_tensor_device(src) == MS_DEVICE_CPU)) {
-        ew(op, ms_tensor_data(dst), dd, s, src ? ms_tensor_data(src) : NULL, sd, round_src, n);
-        return MS_OK;
-    }
-    ms_tensor *hd = NULL, *hs = NULL;
-    ms_status st = ms_tensor_to_device(&hd, dst, MS_DEVICE_CPU, 0);
-    if (!st && src) st = ms_tensor_to_device(&hs, src, MS_DEVICE_CPU, 0);
-    if (!st) {
-        ew(op, ms_tensor_data(hd), dd, s, hs ? ms_tensor_data(hs) : NULL, sd, round_src, n);
-        st = ms_tensor_copy(dst, hd);
-    }
-    ms_tensor_release(hs);
-    ms_tensor_release(hd);
+    if (!st)
+        st = ew(u, dev, op, ms_tensor_data(dst), ms_tensor_dtype(dst), s, src ? ms_tensor_data(src) : NULL,
+                src ? ms_tensor_dtype(src) : ms_tensor_dtype(dst), round_src, ms_tensor_numel(dst));
+    ms_tensor_release(moved);
     return st;
 }
 
@@ -1008,6 +965,15 @@ ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync) {
     return ms__ok();
 }
 
+ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_cpu_offload: unit is NULL");
+    if (u->nparams || u->state != ST_BUILDING)
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_cpu_offload: the unit already holds parameters; choose where "
+                        "its shards live before the first ms_unit_add_param", u->name);
+    u->offload = offload != 0;
+    return ms__ok();
+}
+
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_set_gradient_divide_factor: unit is NULL");
     if (!(factor == 0 || (isfinite(factor) && factor > 0)))
@@ -1048,7 +1014,7 @@ static ms_status accumulate(ms_unit *u, unit_param *p) {
         ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
         if (st) return st;
     }
-    ms_status st = ew_tensor(EW_ADD, p->grad_acc, 0, p->grad_full, false);
+    ms_status st = ew_tensor(u, MS_EW_ADD, p->grad_acc, 0, p->grad_full, false);
     if (st) return st;
     unsharded_free(u, &p->grad_full, &p->grad_flat);
     return MS_OK;
@@ -1087,7 +1053,7 @@ static ms_status prepare_reduce(ms_unit *u) {
         }
     if (st) return st;
     const divide_plan d = divide_factors(u);
-    if (d.premul != 1 && (st = ew_tensor(EW_MUL, u->flat, d.premul, NULL, false))) return st;
+    if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, u->flat, d.premul, NULL, false))) return st;
     u->op = (unit_op){.comm = u->shard, .flat = u->flat, .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};
     st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
@@ -1127,36 +1093,32 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
 }
 
 /* Post-divide, cast to the stored dtype and accumulate into the gradient shards (allocated
- * zero-filled by the first reduce). */
+ * zero-filled by the first reduce), where the shards are: an offloaded unit brings the
+ * reduced chunk to the host first. */
 static ms_status finish_reduce(ms_unit *u) {
-    const int64_t es = ms_dtype_size(u->reduce);
-    ms_tensor *host = NULL; /* a device unit's reduced chunk, brought to the host shards */
-    if (u->device >= 0) {
-        ms_status st = ms_tensor_to_device(&host, u->op.slice, MS_DEVICE_CPU, 0);
-        if (st) return st;
-    }
+    const int64_t es = ms_dtype_size(u->reduce), n = ms_tensor_numel(u->op.slice);
+    const bool dev = shards_on_device(u);
+    ms_tensor *host = NULL; /* an offloaded unit's reduced chunk on the host */
+    ms_status st = u->device >= 0 && !dev ? ms_tensor_to_device(&host, u->op.slice, MS_DEVICE_CPU, 0) : MS_OK;
     char *out = ms_tensor_data(host ? host : u->op.slice);
-    if (u->op.post_divide != 1)
-        ew(EW_DIV, out, u->reduce, u->op.post_divide, NULL, u->reduce, false, ms_tensor_numel(u->op.slice));
-    for (int i = 0; i < u->nparams; i++) {
+    if (!st && u->op.post_divide != 1)
+        st = ew(u, dev, MS_EW_DIV, out, u->reduce, u->op.post_divide, NULL, u->reduce, false, n);
+    for (int i = 0; !st && i < u->nparams; i++) {
         unit_param *p = &u->params[i];
         if (!p->in_reduce) continue;
         if (!p->grad_padded) {
             int64_t len, off;
             rank_rows(u, p, u->rank, &len, &off);
-            ms_status st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
+            st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
-            if (st) {
-                ms_tensor_release(host);
-                return st;
-            }
         }
-        if (p->padded_numel)
-            ew(EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es, u->reduce, true,
-               p->padded_numel);
+        if (!st && p->padded_numel)
+            st = ew(u, dev, MS_EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es,
+                    u->reduce, true, p->padded_numel);
         p->in_reduce = false;
     }
     ms_tensor_release(host);
+    if (st) return st;
     op_clear(u);
     u->state = ST_SHARDED;
     return MS_OK;
@@ -1193,7 +1155,13 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
     double s = 0;
     for (int i = 0; i < u->nparams; i++) {
         const unit_param *p = &u->params[i];
-        if (p->grad_shard) s += sum_sq(ms_tensor_data(p->grad_padded), u->stored, ms_tensor_numel(p->grad_shard));
+        if (!p->grad_shard) continue;
+        const void *g = ms_tensor_data(p->grad_padded);
+        const int64_t n = ms_tensor_numel(p->grad_shard);
+        double part = 0;
+        if (!shards_on_device(u)) part = ms__sum_sq(g, u->stored, n);
+        else if ((st = ms__cuda_sum_sq(u->device, g, u->stored, n, &part))) return ms__wrap(st, "unit '%s'", u->name);
+        s += part;
     }
     *out = s / u->R; /* the R replicas hold the same shard */
     return ms__ok();
@@ -1203,53 +1171,34 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_scale_grads: unit is NULL");
     ms_status st = check_state(u, "scale_grads", ST_GRADS);
     if (st) return st;
-    for (int i = 0; i < u->nparams; i++) {
+    for (int i = 0; i < u->nparams && !st; i++) {
         const unit_param *p = &u->params[i];
         if (p->grad_shard)
-            ew(EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL, u->stored, false,
-               ms_tensor_numel(p->grad_shard));
+            st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL,
+                    u->stored, false, ms_tensor_numel(p->grad_shard));
     }
-    return ms__ok();
+    return st ? ms__wrap(st, "unit '%s': scale_grads", u->name) : ms__ok();
 }
 
-typedef struct adamw_hyper {
-    float decay;     /* 1 - lr * weight_decay */
-    float b1, b2;    /* beta1, beta2 */
-    float c1, c2;    /* 1 - beta1, 1 - beta2, rounded from double as PyTorch's scalars are */
-    float step_size; /* lr / (1 - beta1^step) */
-    float bc2_sqrt;  /* sqrt(1 - beta2^step) */
-    float eps;
-} adamw_hyper;
-
-/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer). */
-static ms_status adamw_param(ms_unit *u, unit_param *p, const adamw_hyper *h) {
+/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
+ * the shard is. */
+static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h) {
     const int64_t n = ms_tensor_numel(p->shard);
     ms_status st = MS_OK;
     if (!p->exp_avg) {
         st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32, true);
         if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32, true);
         if (!st && u->stored != MS_F32 && !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
-            ms__cast_contig(ms_tensor_data(p->master), MS_F32, ms_tensor_data(p->padded), u->stored, n);
+            st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
         if (st) return st;
     }
     if (!n) return MS_OK;
     float *w = ms_tensor_data(p->master ? p->master : p->padded);
     float *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
-    const char *grad = ms_tensor_data(p->grad_padded);
-    const int64_t ges = ms_dtype_size(u->stored);
-    float g[EW_BLOCK]; /* (b) the gradient widened to f32 */
-    for (int64_t off = 0; off < n; off += EW_BLOCK) {
-        const int64_t b = n - off < EW_BLOCK ? n - off : EW_BLOCK;
-        ms__cast_contig(g, MS_F32, grad + off * ges, u->stored, b);
-        for (int64_t i = 0; i < b; i++) {
-            const int64_t j = off + i;
-            w[j] *= h->decay;
-            m[j] = h->b1 * m[j] + h->c1 * g[i];
-            v[j] = h->b2 * v[j] + h->c2 * g[i] * g[i];
-            w[j] -= h->step_size * m[j] / (sqrtf(v[j]) / h->bc2_sqrt + h->eps);
-        }
-    }
-    if (p->master) ms__cast_contig(ms_tensor_data(p->padded), u->stored, w, MS_F32, n);
+    const void *grad = ms_tensor_data(p->grad_padded);
+    void *stored = p->master ? ms_tensor_data(p->padded) : NULL;
+    if (shards_on_device(u)) return ms__cuda_adamw(u->device, w, m, v, grad, u->stored, stored, u->stored, n, h);
+    ms__adamw(w, m, v, grad, u->stored, stored, u->stored, n, h);
     return MS_OK;
 }
 
@@ -1263,7 +1212,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
         return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
                         "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", u->name, lr, beta1, beta2,
                         eps, weight_decay, (long long)step);
-    const adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
+    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
                            .c1 = (float)(1 - beta1), .c2 = (float)(1 - beta2),
                            .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
                            .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};

@@ -855,6 +855,12 @@ function unit_methods.set_requires_gradient_sync(self, sync)
   return self
 end
 
+-- unit:set_cpu_offload(offload): FSDP2's CPUOffloadPolicy, before the first add_param
+function unit_methods.set_cpu_offload(self, offload)
+  check(C.ms_unit_set_cpu_offload(check_unit(self, 1), (offload ~= nil and offload ~= false) and 1 or 0))
+  return self
+end
+
 function unit_methods.set_gradient_divide_factor(self, factor)
   check(C.ms_unit_set_gradient_divide_factor(check_unit(self, 1), check_number(factor, 2)))
   return self

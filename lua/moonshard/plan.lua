@@ -172,7 +172,8 @@ local RESHARD_OK = { [true] = true, [false] = true }
 -- reduce_dtype, output_dtype, cast_forward_inputs}, reshard_after_forward (true, false,
 -- an integer, or nil for the default), ignored_params (params or fqns), shard_placement_fn
 -- (fqn, param) -> dim or nil, kind ("fp32_island", "module" or "root"; default "root" for
--- the model's root, else "module").
+-- the model's root, else "module"), offload_policy ("cpu": the shards, gradient shards and
+-- optimizer state live in host memory; "none" or nil: on the device).
 function Ctx:fully_shard(module, opts)
   opts = opts or {}
   module = self:module(module)
@@ -193,6 +194,13 @@ function Ctx:fully_shard(module, opts)
     fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
       display(name), tostring(raf)))
   end
+  -- "cpu" is FSDP2's CPUOffloadPolicy; "none" (or nil) its default OffloadPolicy, which
+  -- keeps everything on the device
+  local offload = opts.offload_policy
+  if offload ~= nil and offload ~= "cpu" and offload ~= "none" then
+    fail(string.format("offload_policy of unit %s is %s; expected \"cpu\" (CPUOffloadPolicy), \"none\" or nil",
+      display(name), type(offload) == "string" and "'" .. offload .. "'" or tostring(offload)))
+  end
   local ignored = as_param_set(self, opts.ignored_params)
   local unit = {
     name = name, module = module, mesh_axes = axes,
@@ -200,7 +208,7 @@ function Ctx:fully_shard(module, opts)
     mp = { param_dtype = mp.param_dtype, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
       cast_forward_inputs = mp.cast_forward_inputs ~= false },
     reshard_after_forward = raf, raf_explicit = raf ~= nil,
-    shard_placement_fn = opts.shard_placement_fn,
+    shard_placement_fn = opts.shard_placement_fn, offload = offload == "cpu" and "cpu" or nil,
     params = {}, ignored = {}, index = #self.units + 1,
   }
   for _, np in ipairs(self:params_of(module)) do
@@ -462,17 +470,20 @@ function M.plan(model, mesh, policy, opts)
   -- Memory per rank.  Parameters and gradients live in padded shards, equal on every rank;
   -- AdamW state is kept for the rows a rank really holds (as the runtime and PyTorch do), so
   -- it depends on the rank's coordinate along each unit's shard axis: summed per coordinate
-  -- with a difference array per axis, O(parameters + axis size).
+  -- with a difference array per axis, O(parameters + axis size).  The units with
+  -- offload_policy "cpu" keep their part of params, grads and optimizer in host memory:
+  -- `offloaded` sums it the same way, with difference arrays of its own.
   local adam = opts.optimizer ~= "none"
   local mem = { params = 0, grads = 0, optimizer = 0 }
+  local host = { params = 0, grads = 0 } -- the offloaded units' shares of mem.params, mem.grads
   local function state_bytes(stored) return adam and (8 + (stored == "f32" and 0 or 4)) or 0 end
-  local by_coord = {} -- shard axis -> difference array over its coordinates (1-based)
-  local function add_rows(axis, W, n, per_row, bytes)
-    local diff = by_coord[axis]
+  local by_coord, host_by_coord = {}, {} -- shard axis -> difference array over its coordinates (1-based)
+  local function add_rows(arrays, axis, W, n, per_row, bytes)
+    local diff = arrays[axis]
     if not diff then
       diff = {}
       for c = 1, W + 1 do diff[c] = 0 end
-      by_coord[axis] = diff
+      arrays[axis] = diff
     end
     local c = util.ceil_div(n, W)
     if n % W == 0 then c = util.idiv(n, W) end
@@ -486,17 +497,21 @@ function M.plan(model, mesh, policy, opts)
     end
   end
   for _, u in ipairs(ctx.units) do
-    mem.params = mem.params + u.param_shard_bytes
+    local grads = 0
     for _, e in ipairs(u.entries) do
       if e.param.requires_grad and FLOAT[e.param.dtype] then
-        mem.grads = mem.grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
+        grads = grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
         local n = e.shape[e.dim + 1]
         if n > 0 then
-          add_rows(u.mesh_axes[#u.mesh_axes], u.shard_size, n, util.idiv(numel_of(e.shape), n),
-            state_bytes(e.param.dtype))
+          local axis, per_row, bytes = u.mesh_axes[#u.mesh_axes], util.idiv(numel_of(e.shape), n),
+            state_bytes(e.param.dtype)
+          add_rows(by_coord, axis, u.shard_size, n, per_row, bytes)
+          if u.offload then add_rows(host_by_coord, axis, u.shard_size, n, per_row, bytes) end
         end
       end
     end
+    mem.params, mem.grads = mem.params + u.param_shard_bytes, mem.grads + grads
+    if u.offload then host.params, host.grads = host.params + u.param_shard_bytes, host.grads + grads end
   end
   local owned = {}
   for _, p in ipairs(ctx.ep_order) do
@@ -514,21 +529,27 @@ function M.plan(model, mesh, policy, opts)
     end
   end
   -- prefix sums: bytes at each coordinate of each shard axis
-  for _, diff in pairs(by_coord) do
-    for c = 2, #diff do diff[c] = diff[c] + diff[c - 1] end
+  for _, arrays in ipairs({ by_coord, host_by_coord }) do
+    for _, diff in pairs(arrays) do
+      for c = 2, #diff do diff[c] = diff[c] + diff[c - 1] end
+    end
+  end
+  local function at_rank(arrays, r, bytes)
+    for axis, at in pairs(arrays) do bytes = bytes + at[mesh:coord(axis, r) + 1] end
+    return bytes
   end
   local even_optimizer = mem.optimizer
   mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
   local per_rank = {}
   for r = 0, mesh.world - 1 do
-    local optimizer = even_optimizer
-    for axis, at in pairs(by_coord) do optimizer = optimizer + at[mesh:coord(axis, r) + 1] end
+    local optimizer = at_rank(by_coord, r, even_optimizer)
     per_rank[r + 1] = { rank = r, params = mem.params, grads = mem.grads, optimizer = optimizer,
       peak_unsharded = mem.peak_unsharded,
-      total = mem.params + mem.grads + optimizer + mem.peak_unsharded }
+      total = mem.params + mem.grads + optimizer + mem.peak_unsharded,
+      offloaded = at_rank(host_by_coord, r, host.params + host.grads) }
   end
   -- the summary figures are rank 0's; per_rank has every rank's
-  mem.optimizer, mem.total = per_rank[1].optimizer, per_rank[1].total
+  mem.optimizer, mem.total, mem.offloaded = per_rank[1].optimizer, per_rank[1].total, per_rank[1].offloaded
   mem.per_rank = per_rank
 
   -- Communication per step.

@@ -77,7 +77,7 @@ local function unit_json(u)
     })
   end
   local raf = u.reshard
-  return "    {" .. table.concat({
+  local fields = {
     jstr("name") .. ":" .. jstr(u.name),
     jstr("kind") .. ":" .. jstr(u.kind),
     jstr("mesh_axes") .. ":" .. jstrs(u.mesh_axes),
@@ -86,11 +86,15 @@ local function unit_json(u)
     jstr("output_dtype") .. ":" .. jstr(u.mp.output_dtype),
     jstr("cast_forward_inputs") .. ":" .. jbool(u.mp.cast_forward_inputs),
     jstr("reshard_after_forward") .. ":" .. (type(raf) == "boolean" and jbool(raf) or jnum(raf)),
-    jstr("params") .. ":[" .. (#params > 0 and "\n" .. table.concat(params, ",\n") .. "\n    " or "") .. "]",
-    jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes),
-    jstr("reduce_scatter_bytes") .. ":" .. jnum(u.reduce_scatter_bytes),
-    jstr("all_reduce_bytes") .. ":" .. jnum(u.all_reduce_bytes),
-  }, ",") .. "}"
+  }
+  -- only offloading units carry the key, so plans without offload read as before
+  if u.offload then fields[#fields + 1] = jstr("offload_policy") .. ":" .. jstr(u.offload) end
+  fields[#fields + 1] = jstr("params") .. ":[" ..
+    (#params > 0 and "\n" .. table.concat(params, ",\n") .. "\n    " or "") .. "]"
+  fields[#fields + 1] = jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes)
+  fields[#fields + 1] = jstr("reduce_scatter_bytes") .. ":" .. jnum(u.reduce_scatter_bytes)
+  fields[#fields + 1] = jstr("all_reduce_bytes") .. ":" .. jnum(u.all_reduce_bytes)
+  return "    {" .. table.concat(fields, ",") .. "}"
 end
 
 --- The plan JSON (DESIGN.md, version 1), with "audit" added when opts.audit is set.
@@ -120,11 +124,11 @@ function M.to_json(plan, opts)
   -- ranks with the same figures share one encoded tail
   local tails, ranks = {}, {}
   for i, m in ipairs(plan.memory.per_rank) do
-    local key = m.optimizer
+    local key = jnum(m.optimizer) .. "/" .. jnum(m.offloaded)
     if not tails[key] then
       tails[key] = "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
         jstr("optimizer") .. ":" .. jnum(m.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
-        jstr("total") .. ":" .. jnum(m.total) }, ",") .. "}"
+        jstr("total") .. ":" .. jnum(m.total), jstr("offloaded") .. ":" .. jnum(m.offloaded) }, ",") .. "}"
     end
     ranks[i] = '{"rank":' .. m.rank .. tails[key]
   end
@@ -171,20 +175,22 @@ function M.to_text(plan, opts)
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
   if opts.policy then add("policy  " .. opts.policy) end
   add("")
-  local nw, mw = 12, 4
+  local nw, mw, offload = 12, 4, false
   for _, u in ipairs(plan.units) do
     nw = math.max(nw, #(u.name == "" and "<root>" or u.name))
     mw = math.max(mw, #table.concat(u.mesh_axes, ","))
+    offload = offload or u.offload ~= nil
   end
+  -- the offload column only when some unit offloads, so other plans read as before
   add(string.format("%4s  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", pad("mesh", mw),
-    "params", "gather", "reduce", "reshard", "AG/step", "RS/step"))
+    "params", "gather", "reduce", "reshard", "AG/step", "RS/step") .. (offload and "  offload" or ""))
   for i, u in ipairs(plan.units) do
     local g, r = dtypes_str(u)
     local raf = u.reshard
     add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
       u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
       type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
-      util.bytes(u.reduce_scatter_bytes + u.all_reduce_bytes)))
+      util.bytes(u.reduce_scatter_bytes + u.all_reduce_bytes)) .. (offload and "  " .. (u.offload or "-") or ""))
   end
   if #plan.owned > 0 then
     local n, bytes = 0, 0
@@ -208,6 +214,10 @@ function M.to_text(plan, opts)
   if lo ~= hi then
     add(string.format("  optimizer state ranges from %s to %s across ranks (AdamW keeps rows a rank holds)",
       util.bytes(lo), util.bytes(hi)))
+  end
+  if m.offloaded > 0 then
+    add(string.format("  offloaded to host memory (offload_policy cpu): %s of the params, grads and optimizer " ..
+      "state; on the device: %s", util.bytes(m.offloaded), util.bytes(m.total - m.offloaded)))
   end
   add("communication per step and rank (bus bytes):")
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do

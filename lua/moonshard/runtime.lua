@@ -15,6 +15,11 @@
 -- gets an "ep-local" unit on the one-rank ep_shard group, named "<module>[ep]", holding
 -- them in their stored dtype (what a parameter outside FSDP computes in), with the same
 -- divide factor.  Its collectives are one-rank copies that move no bytes between ranks.
+--
+-- A unit planned with offload_policy "cpu" keeps its shards, gradient shards and optimizer
+-- state in host memory (ms_unit_set_cpu_offload; on the threads and MPI backends everything
+-- is there already).  The ep-local units never offload: their parameters are outside FSDP,
+-- where CPUOffloadPolicy does not reach, and the plan counts them on the device.
 
 local ms = require "moonshard"
 
@@ -51,8 +56,10 @@ function M.materialize(plan)
   local state = setmetatable({ units = {}, by_name = {}, ep_local = {}, mesh = root, moe_mesh = moe,
     plan = plan }, Rank)
   local dp = mc:size("ep_shard") * mc:size("ep")
-  local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor)
+  local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor, offload)
     local u = ms.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
+    -- where the shards live is fixed before the first parameter is allocated
+    if offload then u:set_cpu_offload(true) end
     for _, p in ipairs(params) do u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad) end
     u:finalize()
     if factor then u:set_gradient_divide_factor(factor) end
@@ -69,7 +76,7 @@ function M.materialize(plan)
     end
     local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
     add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
-      pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil)
+      pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu")
   end
   -- ep-local units: the unsharded expert parameters of each module, in plan order
   local modules, by_module = {}, {}

@@ -21,6 +21,10 @@ M.activation_checkpointing = true
 -- Prefetch depth in forward and backward (Automodel's defaults).
 M.prefetch = { forward = 1, backward = 2 }
 
+-- The offload policy of every unit: nil (or "none") keeps everything on the device; "cpu"
+-- is FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory.
+M.offload_policy = nil
+
 local CHECKPOINT = "_checkpoint_wrapped_module"
 
 local function strip_checkpoint(name)
@@ -67,25 +71,26 @@ end
 
 --- Makes `module` one unit of its remaining parameters; the owned parameters inside it are
 -- passed on as ignored.
-function M.shard(ctx, module, mesh, mp_policy, reshard_after_forward, owned, kind)
+function M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, kind)
   local ignored = {}
   for _, np in ipairs(ctx:params_of(module)) do
     if owned[np[2]] then ignored[#ignored + 1] = np[2] end
   end
-  return ctx:fully_shard(module, { mesh = mesh, mp_policy = mp_policy, kind = kind,
+  return ctx:fully_shard(module, { mesh = mesh, mp_policy = mp_policy, kind = kind, offload_policy = offload_policy,
     reshard_after_forward = reshard_after_forward, ignored_params = ignored })
 end
 
 --- Shards every FP32 island below `module` as its own unit with the FP32 policy, adding its
--- parameters to the owned set, then shards `module` with `mp_policy`.
-function M.fully_shard_module(ctx, module, mesh, mp_policy, reshard_after_forward, ignored_params)
+-- parameters to the owned set, then shards `module` with `mp_policy`; every unit gets
+-- `offload_policy`.
+function M.fully_shard_module(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, ignored_params)
   local owned = {}
   for _, p in ipairs(ignored_params or {}) do owned[p] = true end
   for _, island in ipairs(M.iter_fp32_islands(ctx, module, owned)) do
-    M.shard(ctx, island, mesh, precision.fp32, reshard_after_forward, owned, "fp32_island")
+    M.shard(ctx, island, mesh, precision.fp32, offload_policy, reshard_after_forward, owned, "fp32_island")
     for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
   end
-  return M.shard(ctx, module, mesh, mp_policy, reshard_after_forward, owned)
+  return M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned)
 end
 
 --- Checks the text topology before anything is sharded: decoder layers whose MoE blocks
@@ -151,17 +156,19 @@ function M.parallelize(ctx)
     local experts = layer:get(CHECKPOINT .. ".mlp.experts") or layer:get("mlp.experts")
     if use_ep and experts and mesh:size("ep_shard") > 1 then
       ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = precision.compute,
-        reshard_after_forward = reshard, shard_placement_fn = function() return 1 end })
+        reshard_after_forward = reshard, shard_placement_fn = function() return 1 end,
+        offload_policy = M.offload_policy })
     end
-    M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, reshard, ignored)
+    M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, M.offload_policy, reshard, ignored)
   end
 
-  ctx:fully_shard("model.embed_tokens", { mesh = fsdp_mesh, mp_policy = precision.compute })
+  ctx:fully_shard("model.embed_tokens", { mesh = fsdp_mesh, mp_policy = precision.compute,
+    offload_policy = M.offload_policy })
   local head_fp32 = M.is_fp32_module_name("lm_head")
   ctx:fully_shard("lm_head", { mesh = fsdp_mesh, mp_policy = head_fp32 and precision.fp32 or precision.compute,
-    kind = head_fp32 and "fp32_island" or nil })
+    kind = head_fp32 and "fp32_island" or nil, offload_policy = M.offload_policy })
   -- The root never reshards after forward (its reshard_after_forward default).
-  M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, nil, ignored)
+  M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, M.offload_policy, nil, ignored)
 end
 
 return M

@@ -947,7 +947,9 @@ static void errors(rank_ctx *c) {
     ms_unit_release(u);
 
     R_OK(ms_unit_new(&x, "mixed", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_set_cpu_offload(x, 1)); /* accepted on the host: every buffer is there already */
     R_OK(ms_unit_add_param(x, "a.weight", 2, shape, MS_F32, 0, 1));
+    R_ERR(ms_unit_set_cpu_offload(x, 0), MS_ERR_STATE, "'mixed': set_cpu_offload: the unit already holds parameters");
     R_ERR(ms_unit_add_param(x, "b.weight", 2, shape, MS_BF16, 0, 1), MS_ERR_DTYPE,
           "'b.weight' is stored in bf16 but 'a.weight' is stored in f32");
     R_ERR(ms_unit_add_param(x, "a.weight", 2, shape, MS_F32, 0, 1), MS_ERR_ARG, "already in the unit");

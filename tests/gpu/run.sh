@@ -4,7 +4,8 @@
 # 5.4 is there), runs the tests labelled gpu: tests/gpu/test_cuda.c (casts on the device bit
 # for bit against the CPU on every f32, every dtype pair, tensors between host and device)
 # and tests/gpu/test_nccl.c (the NCCL backend on a one-GPU world: every collective and
-# dtype on cuda and staged cpu tensors, tagged groups, a shard unit); under Lua the tensor
+# dtype on cuda and staged cpu tensors, tagged groups, shard units trained on the GPU and
+# offloaded, bit for bit against the CPU's arithmetic); under Lua the tensor
 # spec's device case and collectives.lua with --backend nccl; with two GPUs or more,
 # collectives.lua on 2 NCCL ranks started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR,
 # MASTER_PORT) and with mpirun; then bench_cuda (the casts' bandwidth as a fraction of a

@@ -6,10 +6,12 @@
  *     (staged through the GPU): a one-rank group leaves the values as they are, so every
  *     result is checked against its input bit for bit, read back to the host;
  *  2. groups: a mesh group, a tagged group over the same rank, the in-place forms;
- *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed):
- *     the unsharded parameters and gradients are cuda tensors, the shards stay on the host;
- *     load, unshard (all-gather through NCCL) equal to what was loaded in bf16, gradients
- *     filled on the device reduced (reduce-scatter through NCCL) into the host shards, AdamW.
+ *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed),
+ *     in four dtype configurations, with their shards on the GPU and offloaded to the host:
+ *     three training steps of two micro-batches (sync off, then on), gradient norm,
+ *     clipping and AdamW, against the same on a one-rank threads world: the shards must be
+ *     bit-identical to the CPU's (the device kernels compute the host's bits), every tensor
+ *     on the device it belongs to.
  *
  * Exit 77 (ctest: skipped) without NCCL in the build or without a CUDA device.  Multi-GPU
  * runs (mpirun -np 2 moonshard --backend nccl ...) are in tests/gpu/run.sh when the machine
@@ -112,46 +114,124 @@ static void groups(ms_comm *world) {
     printf("groups: a tagged group, the in-place forms: checked\n");
 }
 
-/* A unit of nparams parameters of shape {6, 4} (and {3, 5}) gathered in bf16, reduced in f32. */
-static void unit(ms_comm *world, int nparams) {
-    ms_unit *u = NULL;
-    CHECK_OK(ms_unit_new(&u, "layer", world, NULL, MS_BF16, MS_F32, 1));
-    if (!u) return;
+/* A unit's configuration for train(). */
+typedef struct unit_cfg {
+    const char *what;
+    int nparams;                    /* 1: the in-place layout; 2: packed */
+    ms_dtype stored, gather, reduce;
+    double divide;                  /* a custom gradient divide factor */
+} unit_cfg;
+
+/* Parameters {6, 4} (and {3, 5}) of k on comm, `steps` training steps: unshard, two
+ * micro-batches (the first with gradient sync off, accumulated), reduce, the squared
+ * gradient norm, clipping by 1/2, AdamW with weight decay.  Gradients are written from
+ * the host into whatever grad_full hands out.  *where_ok: every tensor on the device it
+ * should be (unsharded on the comm's device; shards there too unless offload);
+ * *gathered_ok: every gathered parameter is its shard in the gather dtype (one rank).
+ * Returns host copies of the final shards and the last norm. */
+static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tensor *shards[2], double *norm,
+                  int *where_ok, int *gathered_ok) {
     const int64_t shapes[2][2] = {{6, 4}, {3, 5}};
-    for (int i = 0; i < nparams; i++) CHECK_OK(ms_unit_add_param(u, i ? "layer.bias" : "layer.weight", 2, shapes[i],
-                                                                 MS_F32, 0, 1));
+    const int gpu = !strcmp(ms_comm_backend(c), "nccl");
+    const ms_device_type shard_dev = gpu && !offload ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
+    const ms_device_type full_dev = gpu ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
+    ms_unit *u = NULL;
+    CHECK_OK(ms_unit_new(&u, "layer", c, NULL, (int)k->gather, (int)k->reduce, 1));
+    if (!u) return;
+    CHECK_OK(ms_unit_set_cpu_offload(u, offload));
+    CHECK_OK(ms_unit_set_gradient_divide_factor(u, k->divide));
+    for (int i = 0; i < k->nparams; i++)
+        CHECK_OK(ms_unit_add_param(u, i ? "layer.bias" : "layer.weight", 2, shapes[i], k->stored, 0, 1));
+    CHECK_ERR(ms_unit_set_cpu_offload(u, 1), MS_ERR_STATE, "before the first ms_unit_add_param");
     CHECK_OK(ms_unit_finalize(u));
-    ms_tensor *full[2] = {NULL, NULL};
-    for (int i = 0; i < nparams; i++) {
-        CHECK_OK(ms_tensor_new(&full[i], 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
-        for (int e = 0; e < ms_tensor_numel(full[i]); e++) ((float *)ms_tensor_data(full[i]))[e] = (float)(e + i) / 8;
-        CHECK_OK(ms_unit_load_full(u, i, full[i]));
+    for (int i = 0; i < k->nparams; i++) {
+        ms_tensor *full = NULL;
+        CHECK_OK(ms_tensor_new(&full, 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
+        for (int e = 0; e < ms_tensor_numel(full); e++) ((float *)ms_tensor_data(full))[e] = (float)(e + i) / 8 - 1;
+        CHECK_OK(ms_unit_load_full(u, i, full));
+        *where_ok &= ms_tensor_device(ms_unit_param_shard(u, i)) == shard_dev;
+        ms_tensor_release(full);
     }
-    CHECK_OK(ms_unit_unshard(u));
-    CHECK_OK(ms_unit_wait(u));
-    int ok = 1;
-    for (int i = 0; i < nparams; i++) {
-        ms_tensor *p = ms_unit_param_full(u, i), *as_bf16 = NULL;
-        CHECK_OK(ms_tensor_to(&as_bf16, full[i], MS_BF16));
-        ok &= p && ms_tensor_device(p) == MS_DEVICE_CUDA && same_bits(p, as_bf16);
-        ms_tensor_release(as_bf16);
-        ms_tensor *g = ms_unit_grad_full(u, i);
-        ok &= g && ms_tensor_device(g) == MS_DEVICE_CUDA;
-        if (g) CHECK_OK(ms_tensor_fill(g, 0.25 * (i + 1)));
+    for (int step = 1; step <= steps; step++) {
+        for (int micro = 0; micro < 2; micro++) {
+            CHECK_OK(ms_unit_set_requires_gradient_sync(u, micro == 1));
+            CHECK_OK(ms_unit_unshard(u));
+            CHECK_OK(ms_unit_wait(u));
+            for (int i = 0; i < k->nparams; i++) {
+                ms_tensor *p = ms_unit_param_full(u, i), *g = ms_unit_grad_full(u, i), *h = NULL;
+                *where_ok &= p && g && ms_tensor_device(p) == full_dev && ms_tensor_device(g) == full_dev;
+                if (!p || !g) continue;
+                ms_tensor *shard = NULL, *want = NULL; /* one rank: the gathered parameter is its shard */
+                CHECK_OK(ms_tensor_to_device(&shard, ms_unit_param_shard(u, i), MS_DEVICE_CPU, 0));
+                CHECK_OK(ms_tensor_to(&want, shard, k->gather));
+                *gathered_ok &= want && same_bits(p, want);
+                ms_tensor_release(want);
+                ms_tensor_release(shard);
+                CHECK_OK(ms_tensor_new(&h, 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
+                for (int e = 0; e < ms_tensor_numel(h); e++)
+                    ((float *)ms_tensor_data(h))[e] = (float)((e * 5 + i * 3 + step * 7 + micro) % 17 - 8) / 16;
+                CHECK_OK(ms_tensor_copy(g, h));
+                ms_tensor_release(h);
+            }
+            CHECK_OK(ms_unit_reduce_grads(u));
+            CHECK_OK(ms_unit_wait(u));
+        }
+        for (int i = 0; i < k->nparams; i++) {
+            ms_tensor *gs = ms_unit_grad_shard(u, i);
+            *where_ok &= gs && ms_tensor_device(gs) == shard_dev;
+        }
+        CHECK_OK(ms_unit_grad_sq_norm(u, norm));
+        CHECK_OK(ms_unit_scale_grads(u, 0.5));
+        CHECK_OK(ms_unit_adamw_step(u, 1e-2, 0.9, 0.95, 1e-8, 0.1, step));
+        CHECK_OK(ms_unit_zero_grad(u));
     }
-    CHECK_OK(ms_unit_reduce_grads(u));
-    CHECK_OK(ms_unit_wait(u));
-    for (int i = 0; i < nparams; i++) {
-        ms_tensor *gs = ms_unit_grad_shard(u, i);
-        ok &= gs && ms_tensor_device(gs) == MS_DEVICE_CPU;
-        for (int e = 0; gs && e < ms_tensor_numel(gs); e++) ok &= ((float *)ms_tensor_data(gs))[e] == 0.25f * (i + 1);
-    }
-    CHECK_OK(ms_unit_adamw_step(u, 1e-2, 0.9, 0.95, 1e-8, 0.0, 1));
-    CHECK(ok);
-    printf("a shard unit of %d parameter%s on the NCCL world: cuda unsharded tensors, gathered in bf16 bit-exact, "
-           "gradients reduced into the host shards, AdamW: %s\n", nparams, nparams == 1 ? "" : "s", ok ? "ok" : "WRONG");
-    for (int i = 0; i < nparams; i++) ms_tensor_release(full[i]);
+    for (int i = 0; i < k->nparams; i++)
+        CHECK_OK(ms_tensor_to_device(&shards[i], ms_unit_param_shard(u, i), MS_DEVICE_CPU, 0));
     ms_unit_release(u);
+}
+
+/* The configurations of train() on the NCCL world, with the shards on the GPU and offloaded
+ * to the host, against the same on a one-rank threads world (the CPU's arithmetic): the
+ * shards equal bit for bit after 3 steps, the gradient norms to 1e-12 (the device sums
+ * squares in another order). */
+static void units(ms_comm *c) {
+    static const unit_cfg cfgs[] = {
+        {"f32 stored, bf16 gather, f32 reduce, one parameter", 1, MS_F32, MS_BF16, MS_F32, 4},
+        {"f32 stored, bf16 gather, f32 reduce, two parameters", 2, MS_F32, MS_BF16, MS_F32, 4},
+        {"bf16 stored (f32 master), f16 reduce (pre- and post-divide)", 2, MS_BF16, MS_BF16, MS_F16, 6},
+        {"f32 everywhere, one parameter", 1, MS_F32, MS_F32, MS_F32, 3},
+    };
+    ms_world *tw = NULL;
+    ms_comm *cpu = NULL;
+    CHECK_OK(ms_threads_world_new(&tw, 1, 60));
+    CHECK_OK(ms_world_comm(tw, 0, &cpu));
+    for (size_t k = 0; cpu && k < sizeof cfgs / sizeof cfgs[0]; k++) {
+        ms_tensor *ref[2] = {NULL, NULL}, *got[2] = {NULL, NULL};
+        double ref_norm = 0, worst = 0;
+        int where = 1, same = 1, gathered = 1;
+        train(cpu, &cfgs[k], 0, 3, ref, &ref_norm, &where, &gathered);
+        for (int offload = 0; offload <= 1; offload++) {
+            double norm = 0;
+            train(c, &cfgs[k], offload, 3, got, &norm, &where, &gathered);
+            for (int i = 0; i < cfgs[k].nparams; i++) {
+                same &= ref[i] && got[i] && same_bits(ref[i], got[i]);
+                ms_tensor_release(got[i]);
+                got[i] = NULL;
+            }
+            const double d = norm > ref_norm ? norm - ref_norm : ref_norm - norm;
+            if (d > worst) worst = d;
+        }
+        CHECK(where);
+        CHECK(gathered);
+        CHECK(same);
+        CHECK(worst <= 1e-12 * ref_norm);
+        printf("unit, %s: on the GPU and offloaded, shards %s the CPU's after 3 steps, |norm^2 - CPU's| <= %.3g "
+               "(of %.6g), gathered = shards: %s, tensors on their devices: %s\n", cfgs[k].what,
+               same ? "bit-identical to" : "DIFFER from", worst, ref_norm, gathered ? "yes" : "NO", where ? "yes" : "NO");
+        for (int i = 0; i < 2; i++) ms_tensor_release(ref[i]);
+    }
+    ms_comm_release(cpu);
+    ms_world_release(tw);
 }
 
 int main(void) {
@@ -172,8 +252,7 @@ int main(void) {
         collectives(c, MS_DEVICE_CUDA);
         collectives(c, MS_DEVICE_CPU);
         groups(c);
-        unit(c, 1);
-        unit(c, 2);
+        units(c);
     }
     ms_comm_release(c);
     ms_world_release(w);

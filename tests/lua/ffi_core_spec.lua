@@ -116,6 +116,18 @@ describe("units", function()
     assert.same({ 0, 6, 1 }, { u:param_offset(1) })
     assert.equal("moonshard: unit u has no parameter 2 (it has 2, numbered from 0)", err_of(u.param_offset, u, 2))
   end)
+
+  it("choose host memory (set_cpu_offload) before their first parameter, not after", function()
+    local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
+    assert.equal(u, u:set_cpu_offload(false))
+    assert.equal(u, u:set_cpu_offload(true))
+    u:add_param("w", { 5, 3 }, "f32")
+    u:finalize()
+    -- on the threads backend every buffer is on the host, offloaded or not
+    assert.equal("cpu", u:param_shard(0):device())
+    assert.equal("moonshard state error: unit 'u': set_cpu_offload: the unit already holds parameters; choose " ..
+      "where its shards live before the first ms_unit_add_param", err_of(u.set_cpu_offload, u, false))
+  end)
 end)
 
 describe("binding errors", function()

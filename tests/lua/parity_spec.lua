@@ -86,6 +86,26 @@ describe("plans under Lua 5.4 and LuaJIT", function()
     end)
   end
 
+  -- `moonshard plan` has no offload option: the policy's knob is set by a script
+  it("are the same bytes with every unit offloaded to the host (offload_policy)", function()
+    local code = [[
+      local json = require "moonshard.json"
+      local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
+      local config = json.decode(f:read("a"))
+      f:close()
+      local policy = require("moonshard.policy").load("policies/inkling2")
+      policy.shard_units.offload_policy = "cpu"
+      local plan = require("moonshard.plan").plan(require("moonshard.models").from_config(config, "tiny"),
+        require("moonshard.mesh_context").new("dp_replicate=2,dp_shard=3"), policy.shard_units)
+      local report = require "moonshard.plan_report"
+      io.write(report.to_json(plan), report.to_text(plan))
+    ]]
+    local r = same_under_both({ "-e", code })
+    assert.equal(0, r.code, r.err)
+    assert.matches('"offload_policy":"cpu"', r.out)
+    assert.matches("offloaded to host memory", r.out)
+  end)
+
   it("draw the same SVG", function()
     local files = { os.tmpname(), os.tmpname() }
     for i, bin in ipairs({ S.lua54_bin, S.jit_bin }) do

@@ -262,3 +262,72 @@ describe("mixed precision", function()
     assert.same({ "f32", "f32", "f32" }, { rows["p"].stored, rows["p"].gathered, rows["p"].reduced })
   end)
 end)
+
+describe("CPU offload (FSDP2's CPUOffloadPolicy)", function()
+  local S = require "support"
+  local report = require "moonshard.plan_report"
+  local json = require "moonshard.json"
+
+  -- a.w [10,4] f32 and b.w [6] bf16 offloaded, the root (p [3] f32) not, on
+  -- dp_replicate=2 x dp_shard=4: the dp_shard coordinate of rank r is r % 4
+  local function offload_plan(offload)
+    local tree = small_tree()
+    tree.children.b.params.w.dtype = "bf16"
+    return planner.plan(tree, mesh_context.new("dp_replicate=2,dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a", { offload_policy = offload })
+      ctx:fully_shard("b", { offload_policy = offload })
+      ctx:fully_shard(ctx.model, { offload_policy = "none" })
+    end))
+  end
+
+  it("counts the offloaded units' params, grads and optimizer state in host memory, per rank", function()
+    local plan = offload_plan("cpu")
+    assert.same({ "cpu", "cpu" }, { plan.units[1].offload, plan.units[2].offload })
+    assert.is_nil(plan.units[3].offload)
+    -- a.w: padded [3,4] = 12 elements: params 48 B, grads 48 B, AdamW 8 B per element held:
+    -- rows 3, 3, 3, 1 -> 96, 96, 96, 32.  b.w: padded [2] bf16: params 4 B, grads 4 B,
+    -- moments and master weight 12 B per element held: rows 2, 2, 2, 0 -> 24, 24, 24, 0.
+    -- Host: 48 + 48 + 96 + 4 + 4 + 24 = 224 on coordinates 0-2, 48 + 48 + 32 + 8 = 136 on 3.
+    local want = { 224, 224, 224, 136, 224, 224, 224, 136 }
+    local got = {}
+    for i, m in ipairs(plan.memory.per_rank) do got[i] = m.offloaded end
+    assert.same(want, got)
+    assert.same(want, S.offloaded_bytes(plan))
+    assert.equal(224, plan.memory.offloaded) -- the summary is rank 0's
+    -- the rest of the memory figures count every byte a rank holds, wherever it lives
+    local kept = offload_plan(nil)
+    for _, k in ipairs({ "params", "grads", "optimizer", "peak_unsharded", "total" }) do
+      assert.equal(kept.memory[k], plan.memory[k], k)
+      for r = 1, 8 do assert.equal(kept.memory.per_rank[r][k], plan.memory.per_rank[r][k], k) end
+    end
+    assert.equal(0, kept.memory.offloaded)
+    for r = 1, 8 do assert.equal(0, kept.memory.per_rank[r].offloaded) end
+  end)
+
+  it("writes offload_policy on offloaded units only, and offloaded per rank, into the JSON", function()
+    local text = report.to_json(offload_plan("cpu"))
+    local doc = json.decode(text, "plan JSON")
+    assert.same({ "cpu", "cpu" }, { doc.units[1].offload_policy, doc.units[2].offload_policy })
+    assert.equal(2, select(2, text:gsub('"offload_policy"', "")))
+    for r, m in ipairs(doc.memory.per_rank) do assert.equal(r % 4 == 0 and 136 or 224, m.offloaded) end
+    local kept = report.to_json(offload_plan(nil))
+    assert.is_nil(kept:find('"offload_policy"', 1, true))
+    for _, m in ipairs(json.decode(kept, "plan JSON").memory.per_rank) do assert.equal(0, m.offloaded) end
+  end)
+
+  it("shows the offloaded units and bytes in the table only when something offloads", function()
+    local text = report.to_text(offload_plan("cpu"))
+    assert.matches("RS/step  offload\n", text)
+    assert.matches("\n   1  a .-  cpu\n   2  b .-  cpu\n   3  <root> .-  %-\n", text)
+    assert.matches("offloaded to host memory %(offload_policy cpu%): 224 B of the params, grads and optimizer " ..
+      "state; on the device: ", text)
+    local kept = report.to_text(offload_plan(nil))
+    assert.is_nil(kept:find("offload", 1, true))
+  end)
+
+  it("refuses an offload_policy other than \"cpu\", \"none\" or nil, naming the unit", function()
+    assert.matches([[offload_policy of unit a is 'gpu'; expected "cpu" %(CPUOffloadPolicy%), "none" or nil]],
+      errmsg(offload_plan, "gpu"))
+    assert.matches("offload_policy of unit a is true; expected", errmsg(offload_plan, true))
+  end)
+end)

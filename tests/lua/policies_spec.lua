@@ -139,6 +139,53 @@ describe("the inkling2 policy", function()
   end)
 end)
 
+-- Plans `config` on `mesh` with the policy at `path` after setting its offload_policy knob
+-- (nil: left as shipped); checks every unit got the knob's value and returns the plan.
+local function plan_with_offload(cfg, mesh, path, offload)
+  local p = policy.load(path)
+  entry(p).offload_policy = offload
+  local plan = planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), entry(p))
+  for _, u in ipairs(plan.units) do assert.equal(offload, u.offload, u.name) end
+  return plan
+end
+
+describe("the offload_policy knob", function()
+  it("is unset in the shipped policies, so nothing offloads", function()
+    for _, path in ipairs({ "policies/inkling2", "policies/fsdp2_default.lua" }) do
+      assert.is_nil(entry(policy.load(path)).offload_policy, path)
+    end
+    local plan = plan_with_offload(config("tests/lua/configs/inkling2_tiny.json"), "dp_shard=4", "policies/inkling2")
+    assert.equal(0, plan.memory.offloaded)
+  end)
+
+  -- dp_shard=3: uneven shards; ep=2: expert units on ep_shard; ep=4: expert parameters left
+  -- to ep-local units, which hold them on the device
+  for _, mesh in ipairs({ "dp_shard=3", "dp_replicate=2,dp_shard=2", "dp_shard=4,ep=2", "dp_shard=4,ep=4" }) do
+    it("reaches every inkling2 unit and moves its bytes to the host on " .. mesh, function()
+      local cfg = config("tests/lua/configs/inkling2_tiny.json")
+      local plan = plan_with_offload(cfg, mesh, "policies/inkling2", "cpu")
+      local kept = plan_with_offload(cfg, mesh, "policies/inkling2", nil)
+      assert.equal(#kept.units, #plan.units)
+      local got = {}
+      for r, m in ipairs(plan.memory.per_rank) do
+        got[r] = m.offloaded
+        assert.equal(kept.memory.per_rank[r].total, m.total)
+      end
+      assert.same(S.offloaded_bytes(plan), got)
+    end)
+  end
+
+  it("reaches every fsdp2_default unit, through fully_shard_by_dtype too", function()
+    local plan = plan_with_offload(config("examples/configs/mixtral_8x7b.json"), "dp_shard=4,ep=2",
+      "policies/fsdp2_default.lua", "cpu")
+    -- 32 layers, each: experts on ep_shard = 2, then the layer; then embed, head, root
+    assert.equal(32 * 2 + 3, #plan.units)
+    local got = {}
+    for r, m in ipairs(plan.memory.per_rank) do got[r] = m.offloaded end
+    assert.same(S.offloaded_bytes(plan), got)
+  end)
+end)
+
 describe("by_dtype", function()
   local by_dtype = policy.load("policies/by_dtype.lua").main
 

@@ -1,6 +1,7 @@
 -- runtime_spec.lua: plans made real: the inkling2 plan of a tiny config with uneven shards
 -- materialised on every rank, gathered and reduced, checked on every rank against values
--- computed in the script, with the bytes each rank allocated against the planner's.
+-- computed in the script, with the bytes each rank allocated against the planner's; and
+-- the same plan with its units offloaded to the host, run one step.
 local S = require "support"
 
 describe("materialised plans", function()
@@ -16,6 +17,67 @@ describe("materialised plans", function()
       assert.equal(0, r.code)
       for rank = 0, n - 1 do
         assert.matches("rank " .. rank .. ": units ok %(" .. units .. " units, gradient max diff 0,", r.out)
+      end
+    end)
+  end
+
+  -- The inkling2 plan with every unit offloaded (offload_policy "cpu"), made real and run
+  -- one step (gather, gradients of ones, reduce, AdamW); on the threads backend the buffers
+  -- are on the host either way, so the units must accept the offload and hold the bytes the
+  -- planner counted, offloaded and in all.
+  local OFFLOAD_STEP = [[
+    local ms = require "moonshard"
+    local json = require "moonshard.json"
+    local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
+    local config = json.decode(f:read("a"))
+    f:close()
+    local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
+    local mesh = require("moonshard.mesh_context").new(arg[1])
+    local policy = require("moonshard.policy").load("policies/inkling2")
+    policy.shard_units.offload_policy = "cpu"
+    local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units)
+    local state = require("moonshard.runtime").materialize(plan)
+    local moved = 0
+    for _, u in ipairs(state.units) do
+      u:unshard()
+      u:wait()
+      for i = 0, u:count() - 1 do
+        local g = u:grad_full(i)
+        if g then g:fill_(1) end
+      end
+      u:reduce_grads()
+      u:wait()
+      u:adamw_step({ lr = 0.01, step = 1 })
+      for i = 0, u:count() - 1 do
+        for _, v in ipairs(u:param_shard(i):totable()) do if v ~= 0 then moved = moved + 1 end end
+      end
+    end
+    local planned, held, offloaded = plan.memory.per_rank[ms.rank() + 1], state:bytes(), 0
+    for i, pu in ipairs(plan.units) do
+      if pu.offload then
+        local b = state.units[i]:bytes()
+        offloaded = offloaded + b.params + b.grads + b.optimizer
+      end
+    end
+    print(string.format("rank %d: moved %s, offloaded %d of %d planned, params %d of %d, grads %d of %d, " ..
+      "optimizer %d of %d", ms.rank(), tostring(moved > 0), offloaded, planned.offloaded, held.params, planned.params,
+      held.grads, planned.grads, held.optimizer, planned.optimizer))
+  ]]
+  for _, case in ipairs({ { 3, "dp_shard=3" }, { 4, "dp_replicate=2,dp_shard=2" }, { 4, "dp_shard=4,ep=4" } }) do
+    local n, mesh = case[1], case[2]
+    it("offload to the host as planned and train a step on " .. mesh, function()
+      local r = S.run({ "-n", tostring(n), "-e", OFFLOAD_STEP, mesh })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      for rank = 0, n - 1 do
+        local line = r.out:match("rank " .. rank .. ": [^\n]*")
+        assert.is_string(line)
+        assert.matches("moved true", line)
+        for _, what in ipairs({ "offloaded", "params", "grads", "optimizer" }) do
+          local held, planned = line:match(what .. " (%d+) of (%d+)")
+          assert.equal(planned, held, line)
+        end
+        assert.is_nil(line:match("offloaded 0 "), line)
       end
     end)
   end

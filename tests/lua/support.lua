@@ -96,4 +96,41 @@ function S.write_safetensors(path, tensors, metadata)
   header.__metadata__ = metadata
   return S.write_raw(path, header, offset)
 end
+
+-- Bytes per element of the planner's dtypes; nil marks the ones without gradients.
+local STORED = { f32 = 4, f16 = 2, bf16 = 2, f8e4m3 = 1, f8e5m2 = 1, f64 = 8, i64 = 8, i32 = 4, i8 = 1, u8 = 1, bool = 1 }
+local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+
+--- offloaded_bytes(plan) -> a list, per rank (1-based), of what the units planned with
+-- offload_policy "cpu" keep in host memory, worked out from the units' own entries rather
+-- than by the planner's code: every parameter's padded shard and, when it trains, its
+-- padded gradient shard (both in the stored dtype) and AdamW's two f32 moments, plus an
+-- f32 master weight when it is not stored in f32, for the rows torch.chunk gives the
+-- rank's coordinate on the unit's shard axis.
+function S.offloaded_bytes(plan)
+  local out = {}
+  for r = 0, plan.mesh.world - 1 do
+    local bytes = 0
+    for _, u in ipairs(plan.units) do
+      if u.offload == "cpu" then
+        local c = plan.mesh:coord(u.mesh_axes[#u.mesh_axes], r)
+        for _, e in ipairs(u.entries) do
+          local dtype, padded, per_row = e.param.dtype, 1, 1
+          for _, s in ipairs(e.padded) do padded = padded * s end
+          for d, s in ipairs(e.shape) do if d ~= e.dim + 1 then per_row = per_row * s end end
+          bytes = bytes + padded * STORED[dtype]
+          if e.param.requires_grad and FLOATING[dtype] then
+            local n = e.shape[e.dim + 1]
+            local chunk = math.ceil(n / u.shard_size)
+            local rows = math.max(0, math.min(chunk, n - c * chunk))
+            bytes = bytes + padded * STORED[dtype] + rows * per_row * (dtype == "f32" and 8 or 12)
+          end
+        end
+      end
+    end
+    out[r + 1] = bytes
+  end
+  return out
+end
+
 return S
