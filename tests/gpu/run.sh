@@ -6,9 +6,10 @@
 # and tests/gpu/test_nccl.c (the NCCL backend on a one-GPU world: every collective and
 # dtype on cuda and staged cpu tensors, tagged groups, shard units trained on the GPU and
 # offloaded, bit for bit against the CPU's arithmetic); under Lua the tensor
-# spec's device case and collectives.lua with --backend nccl; with two GPUs or more,
-# collectives.lua on 2 NCCL ranks started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR,
-# MASTER_PORT) and with mpirun; then bench_cuda (the casts' bandwidth as a fraction of a
+# spec's device case, collectives.lua and units.lua (the inkling2 plan's units, on the GPU
+# and offloaded) with --backend nccl; with two GPUs or more, the same on 2 NCCL ranks
+# started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and collectives.lua
+# with mpirun; then bench_cuda (the casts' bandwidth as a fraction of a
 # device-to-device copy's, same run).  Any step that fails stops the script.
 #   bash tests/gpu/run.sh [BUILD_DIR]
 set -euo pipefail
@@ -39,17 +40,27 @@ if [ $lua = ON ]; then
   echo "== Lua: collectives.lua on the NCCL backend, one rank"
   "$build/moonshard" --backend nccl -e 'local ms = require "moonshard"; assert(ms.backend() == "nccl")'
   "$build/moonshard" --backend nccl tests/lua/scripts/collectives.lua
+  echo "== Lua: the inkling2 plan's units on the NCCL backend, one rank: shards on the GPU, then offloaded"
+  "$build/moonshard" --backend nccl tests/lua/scripts/units.lua dp_shard=1
+  "$build/moonshard" --backend nccl tests/lua/scripts/units.lua dp_shard=1 tests/lua/configs/inkling2_tiny.json offload
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
   if [ "$gpus" -ge 2 ]; then
-    echo "== 2 NCCL ranks, torchrun-style rendezvous"
-    pids=()
-    for r in 0 1; do
-      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
-        "$build/moonshard" --backend nccl tests/lua/scripts/collectives.lua >"$build/nccl$r.out" 2>&1 &
-      pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p" || { cat "$build"/nccl*.out; echo "FAIL - 2 NCCL ranks"; exit 1; }; done
-    cat "$build"/nccl*.out
+    # torchrun2 NAME ARGS...: moonshard ARGS on 2 NCCL ranks started torchrun-style
+    torchrun2() {
+      local name=$1 pids=() r p
+      shift
+      for r in 0 1; do
+        RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
+          "$build/moonshard" --backend nccl "$@" >"$build/$name$r.out" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || { cat "$build/$name"*.out; echo "FAIL - $name on 2 NCCL ranks"; exit 1; }; done
+      cat "$build/$name"*.out
+    }
+    echo "== 2 NCCL ranks, torchrun-style rendezvous: collectives, units on the GPUs and offloaded"
+    torchrun2 collectives tests/lua/scripts/collectives.lua
+    torchrun2 units tests/lua/scripts/units.lua dp_shard=2
+    torchrun2 units_offload tests/lua/scripts/units.lua dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
     if command -v mpirun >/dev/null; then
       echo "== 2 NCCL ranks under mpirun"
       mpirun --allow-run-as-root --oversubscribe -np 2 "$build/moonshard" --backend nccl \

@@ -21,6 +21,14 @@ describe("materialised plans", function()
     end)
   end
 
+  it("gather, reduce and allocate as planned with every unit offloaded (dp_shard=4,ep=2)", function()
+    local r = S.run({ "-n", "4", "tests/lua/scripts/units.lua", "dp_shard=4,ep=2", "tests/lua/configs/inkling2_tiny.json",
+      "offload" })
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    for rank = 0, 3 do assert.matches("rank " .. rank .. ": units ok %(17 units, gradient max diff 0,", r.out) end
+  end)
+
   -- The inkling2 plan with every unit offloaded (offload_policy "cpu"), made real and run
   -- one step (gather, gradients of ones, reduce, AdamW); on the threads backend the buffers
   -- are on the host either way, so the units must accept the offload and hold the bytes the

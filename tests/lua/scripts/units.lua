@@ -1,8 +1,11 @@
 -- units.lua: the inkling2 plan of a config made real on every rank
--- (moonshard -n 4 units.lua MESH [CONFIG], CONFIG default tests/lua/configs/inkling2_tiny.json): parameters gathered in each unit's param dtype and
--- checked against the full values computed here, gradients reduced and checked against
--- the mean computed here, the collectives each unit recorded, and the bytes each rank
--- allocated against the planner's figures.  Prints "rank R: units ok ..." per rank.
+-- (moonshard -n 4 units.lua MESH [CONFIG [offload]], CONFIG default
+-- tests/lua/configs/inkling2_tiny.json; "offload": the policy's offload_policy = "cpu"):
+-- parameters gathered in each unit's param dtype and checked against the full values
+-- computed here, gradients reduced and checked against the mean computed here, the
+-- collectives each unit recorded, the bytes each rank allocated against the planner's
+-- figures, and where the shards live (on the nccl backend the rank's GPU, unless offloaded
+-- to the host).  Prints "rank R: units ok ..." per rank.
 local ms = require "moonshard"
 local json = require "moonshard.json"
 
@@ -13,6 +16,8 @@ f:close()
 local tree = require("moonshard.models").from_config(config, arg[2] or "inkling2_tiny")
 local mesh = require("moonshard.mesh_context").new(mesh_spec)
 local policy = require("moonshard.policy").load("policies/inkling2")
+local offload = arg[3] == "offload"
+if offload then policy.shard_units.offload_policy = "cpu" end
 local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units)
 local rank_state = require("moonshard.runtime").materialize(plan)
 local rank = ms.rank()
@@ -70,6 +75,18 @@ for _, u in ipairs(rank_state.ep_local) do
     coord = 0, peers = { rank }, factor = ep * ep_shard }
 end
 check(#work == #rank_state.units, string.format("%d units checked of %d", #work, #rank_state.units))
+
+-- where the shards live: the rank's device, or the host for units planned with offload (the
+-- ep-local units never offload); unsharded tensors are always on the rank's device
+for ui, w in ipairs(work) do
+  local pu = plan.units[ui]
+  local want = pu and pu.offload == "cpu" and "cpu" or ms.device()
+  check(not offload or not pu or pu.offload == "cpu", w.name .. " was not planned with offload_policy cpu")
+  for i = 0, w.unit:count() - 1 do
+    local got = w.unit:param_shard(i):device()
+    check(got == want, string.format("%s: shard %d on %s, expected %s", w.name, i, got, want))
+  end
+end
 
 local k = 0
 for _, w in ipairs(work) do
