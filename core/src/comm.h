@@ -143,6 +143,10 @@ typedef struct ms_ticket {
 ms_status ms__async_submit(ms_world *w, int world_rank, ms_ticket *t, ms_async_fn fn, void *arg);
 /* Waits until t has run; returns fn's status with fn's message as this thread's message. */
 ms_status ms__async_wait(ms_ticket *t);
+/* fn(arg) on the communication thread of world rank `world_rank` of w, after what is queued
+ * there, and waits for it: at once when called from that thread.  Backends whose
+ * communicators must not be used by two threads at once (nccl) run everything through it. */
+ms_status ms__async_run(ms_world *w, int world_rank, ms_async_fn fn, void *arg);
 /* Stops and joins the communication threads of w (its queues are empty: every ticket holds
  * a reference to w through its caller).  Called when the world is freed. */
 void ms__async_world_stop(ms_world *w);

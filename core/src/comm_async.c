@@ -31,11 +31,13 @@ struct ms_async_worker {
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static ms_async_worker *registry; /* every running worker of every world */
+static _Thread_local const ms_async_worker *current; /* the worker this thread is, if any */
 
 /* ---------------------------------------------------------------- the worker thread */
 
 static void *worker_main(void *p) {
     ms_async_worker *wk = p;
+    current = wk;
     pthread_mutex_lock(&wk->lock);
     for (;;) {
         while (!wk->head && !wk->stop) pthread_cond_wait(&wk->work, &wk->lock);
@@ -119,6 +121,13 @@ ms_status ms__async_wait(ms_ticket *t) {
     while (!t->done) pthread_cond_wait(&wk->done, &wk->lock);
     pthread_mutex_unlock(&wk->lock);
     return t->status ? ms__fail(t->status, "%s", t->message) : ms__ok();
+}
+
+ms_status ms__async_run(ms_world *w, int world_rank, ms_async_fn fn, void *arg) {
+    if (current && current->world == w && current->rank == world_rank) return fn(arg);
+    ms_ticket t;
+    ms_status st = ms__async_submit(w, world_rank, &t, fn, arg);
+    return st ? st : ms__async_wait(&t);
 }
 
 void ms__async_world_stop(ms_world *w) {

@@ -6,7 +6,8 @@
  * (torchrun and friends; store.c's TCP store, served by rank 0, is the rendezvous), else it
  * is a world of one.  Its GPU is LOCAL_RANK when set, else rank mod the number of devices.
  * Rank 0 makes the NCCL unique id and hands it to the others (MPI_Bcast, or the store's
- * key "moonshard/nccl/world"); ncclCommInitRankConfig makes the world's communicator.
+ * key "moonshard/nccl/world/N" of the process's N-th world); ncclCommInitRankConfig makes
+ * the world's communicator.
  *
  * Nonblocking communicators.  Every communicator is nonblocking (ncclConfig_t blocking = 0),
  * so that the NCCL calls that wait for other ranks return at once: a call may return
@@ -38,9 +39,15 @@
  * completion event, a cudaEvent_t made with cudaEventDisableTiming: recorded on the stream
  * once the work is enqueued, polled (cudaEventQuery) up to the world's timeout.  A rank that
  * never arrives gives MS_ERR_TIMEOUT and the group's communicator is aborted
- * (ncclCommAbort), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER.
- * The shard units already run their collectives on the rank's communication thread
- * (comm_async.c), so they overlap compute.
+ * (ncclCommAbort), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER
+ * and aborts the communicator too (nothing can be assumed of its work after that).
+ *
+ * One thread.  NCCL forbids using communicators of one device from several threads at once
+ * and wants the operations of different communicators issued in the same order on every
+ * rank.  So every collective and every split runs on the rank's communication thread
+ * (comm_async.c, ms__async_run), in the order the rank queued them: the shard units queue
+ * theirs there anyway (they overlap the rank's compute); a collective or a new group asked
+ * for on any other thread is queued behind them and waited for.
  *
  * Tensors.  CUDA tensors on the rank's device go to NCCL as they are; cpu tensors are staged
  * through device buffers of the group (so a script written for the threads backend runs
@@ -129,11 +136,17 @@ static ncclResult_t settle(ncclComm_t comm, ncclResult_t r, double deadline) {
 }
 
 /* settle() up to the world's timeout, as a status; what names the call in messages.  A call
- * that does not complete in time leaves nothing to do but ncclCommAbort: *comm is aborted
- * and set to NULL, MS_ERR_TIMEOUT. */
+ * that does not complete in time (MS_ERR_TIMEOUT), or fails otherwise than by a bad
+ * argument, leaves nothing to do but ncclCommAbort: *comm is aborted and set to NULL. */
 static ms_status nccl_wait(const ms_world *w, ncclComm_t *comm, ncclResult_t r, const char *what) {
     r = settle(*comm, r, ms__now_s() + w->timeout_s);
-    if (r != ncclInProgress) return r == ncclSuccess ? MS_OK : nccl_err(r, what);
+    if (r == ncclSuccess) return MS_OK;
+    if (r != ncclInProgress) {
+        /* a bad argument leaves the communicator as it was; any other error leaves nothing
+         * to assume about the work it had (NCCL: abort it) */
+        if (r != ncclInvalidArgument && r != ncclInvalidUsage) abort_comm(comm);
+        return nccl_err(r, what);
+    }
     abort_comm(comm);
     return ms__fail(MS_ERR_TIMEOUT,
                     "%s did not complete within %g s (%s): rank(s) missing or unreachable; the communicator was "
@@ -191,15 +204,20 @@ static ms_status nccl_start(double timeout_s) {
     return st;
 }
 
-/* Rank 0's unique id on every rank. */
+/* Rank 0's unique id on every rank.  Each world the process makes has its own key in the
+ * store ("moonshard/nccl/world/N", N counting the worlds made), so that a later world never
+ * reads an earlier one's id; every rank makes its worlds in the same order. */
 static ms_status share_world_id(ncclUniqueId *id) {
+    static int worlds;
     if (nccl.rank == 0) NCCL_OK("ncclGetUniqueId", ncclGetUniqueId(id));
     size_t len = 0;
+    char key[64];
+    snprintf(key, sizeof key, "moonshard/nccl/world/%d", worlds++);
     switch (nccl.via) {
     case VIA_MPI: return ms__mpi_bcast(id, (int)sizeof *id, 0);
     case VIA_STORE:
-        if (nccl.rank == 0) return ms__store_set(nccl.store, "moonshard/nccl/world", id, sizeof *id);
-        return ms__store_get(nccl.store, "moonshard/nccl/world", id, sizeof *id, &len);
+        if (nccl.rank == 0) return ms__store_set(nccl.store, key, id, sizeof *id);
+        return ms__store_get(nccl.store, key, id, sizeof *id, &len);
     case VIA_NONE: return MS_OK;
     }
     return MS_OK;
@@ -229,6 +247,7 @@ typedef struct ngroup {
 
 static void ngroup_free(ngroup *ng) {
     if (!ng) return;
+    if (cudaSetDevice(nccl.device) != cudaSuccess) cudaGetLastError();
     if (ng->comm) { /* finalized, then destroyed; aborted when the finalization fails or hangs */
         if (settle(ng->comm, ncclCommFinalize(ng->comm), ms__now_s() + ng->timeout_s) == ncclSuccess)
             ncclCommDestroy(ng->comm);
@@ -236,10 +255,14 @@ static void ngroup_free(ngroup *ng) {
             ncclCommAbort(ng->comm);
     }
     if (ng->done) cudaEventDestroy(ng->done);
-    if (ng->stream) cudaStreamDestroy(ng->stream);
-    cudaFree(ng->descs_dev);
-    cudaFree(ng->stage);
+    if (ng->stream) { /* the device buffers go back to the pool in the stream's order */
+        if (ng->descs_dev) cudaFreeAsync(ng->descs_dev, ng->stream);
+        if (ng->stage) cudaFreeAsync(ng->stage, ng->stream);
+        cudaStreamSynchronize(ng->stream);
+        cudaStreamDestroy(ng->stream);
+    }
     cudaFreeHost(ng->descs);
+    cudaGetLastError(); /* nothing left to report to */
     free(ng->calls);
     free(ng);
 }
@@ -272,7 +295,10 @@ static ms_status make_comm(ms_world *w, ms_group *g, ngroup *ng) {
     return st;
 }
 
-static ms_status nccl_group_init(ms_world *w, ms_group *g) {
+/* A group's communicator, stream, event and buffers, on the rank's communication thread
+ * (nccl_group_init).  Device memory comes from the stream-ordered pool on the group's stream:
+ * cudaMalloc and cudaFree would synchronize the whole device. */
+static ms_status group_init_here(ms_world *w, ms_group *g) {
     ngroup *ng = calloc(1, sizeof *ng);
     if (!ng) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
     ng->n = g->n;
@@ -284,8 +310,9 @@ static ms_status nccl_group_init(ms_world *w, ms_group *g) {
     if (!st && (e = cudaSetDevice(nccl.device)) == cudaSuccess &&
         (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess &&
         (e = cudaEventCreateWithFlags(&ng->done, cudaEventDisableTiming)) == cudaSuccess &&
-        (e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc))) == cudaSuccess)
-        e = cudaMalloc((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc));
+        (e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc))) == cudaSuccess &&
+        (e = cudaMallocAsync((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc), ng->stream)) == cudaSuccess)
+        e = cudaStreamSynchronize(ng->stream);
     if (!st && e != cudaSuccess) st = cuda_err(e, "making a group");
     if (!st) st = make_comm(w, g, ng);
     if (st) {
@@ -294,6 +321,25 @@ static ms_status nccl_group_init(ms_world *w, ms_group *g) {
     }
     g->impl = ng;
     return MS_OK;
+}
+
+typedef struct group_call {
+    ms_world *w;
+    ms_group *g;
+} group_call;
+
+static ms_status run_group_init(void *arg) {
+    group_call *a = arg;
+    return group_init_here(a->w, a->g);
+}
+
+/* The world's group is made before anything else, on the creating thread; every other
+ * group's split runs on the rank's communication thread, after the collectives queued there
+ * (the world's communicator must not be used by two threads at once). */
+static ms_status nccl_group_init(ms_world *w, ms_group *g) {
+    if (!w->groups) return group_init_here(w, g);
+    group_call a = {w, g};
+    return ms__async_run(w, nccl.rank, run_group_init, &a);
 }
 
 static void nccl_group_free(ms_group *g) {
@@ -341,7 +387,8 @@ static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
         if (e != cudaErrorNotReady) return cuda_err(e, "waiting for a collective");
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(ng->comm, &async);
-        if (async != ncclSuccess && async != ncclInProgress) {
+        if (async != ncclSuccess && async != ncclInProgress) { /* nothing can be assumed of its work: abort */
+            abort_comm(&ng->comm);
             ms__msg_where(&m, c, kind);
             return ms__fail(MS_ERR_PEER, "%s: NCCL: %s", m.s, ncclGetErrorString(async));
         }
@@ -421,9 +468,9 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     size_t need = ((size_t)ns + (size_t)nr) * es + 8; /* + the barrier's element */
     if (s_dev && r_dev && call->kind != MS_COLL_BARRIER) return MS_OK;
     if (need > ng->stage_cap) {
-        cudaFree(ng->stage);
+        if (ng->stage) cudaFreeAsync(ng->stage, ng->stream);
         ng->stage = NULL, ng->stage_cap = 0;
-        CUDA_OK("allocating the staging of cpu tensors", cudaMalloc(&ng->stage, need));
+        CUDA_OK("allocating the staging of cpu tensors", cudaMallocAsync(&ng->stage, need, ng->stream));
         ng->stage_cap = need;
     }
     char *stage = ng->stage;
@@ -481,7 +528,8 @@ static ms_status enqueue(const ms_world *w, ngroup *ng, const ms_coll *call, con
     return nccl_wait(w, &ng->comm, r, what);
 }
 
-static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
+/* One collective, on the rank's communication thread (nccl_collective). */
+static ms_status collective_here(ms_comm *c, const ms_coll *call) {
     ngroup *ng = c->group->impl;
     if (!ng->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the group's communicator was aborted");
     CUDA_OK("cudaSetDevice", cudaSetDevice(nccl.device));
@@ -496,10 +544,31 @@ static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
     if (staged && call->recv) { /* after the wait: a copy into pageable memory would block on the stream */
         int64_t ns, nr;
         extents(call, ng->n, &ns, &nr);
+        const size_t bytes = (size_t)nr * (size_t)ms_dtype_size(call->dtype);
         CUDA_OK("copying a result to a cpu tensor",
-                cudaMemcpy(call->recv, recv, (size_t)nr * ms_dtype_size(call->dtype), cudaMemcpyDefault));
+                cudaMemcpyAsync(call->recv, recv, bytes, cudaMemcpyDefault, ng->stream));
+        CUDA_OK("copying a result to a cpu tensor", cudaStreamSynchronize(ng->stream));
     }
     return MS_OK;
+}
+
+typedef struct coll_call {
+    ms_comm *c;
+    const ms_coll *call;
+} coll_call;
+
+static ms_status run_collective(void *arg) {
+    coll_call *a = arg;
+    return collective_here(a->c, a->call);
+}
+
+/* NCCL forbids using communicators of one device from two threads at once, and wants the
+ * collectives of different communicators issued in the same order on every rank: every
+ * collective of the process runs on its rank's communication thread, in the order they were
+ * queued (the shard units' in the order they were started, the others' after them). */
+static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
+    coll_call a = {c, call};
+    return ms__async_run(c->world, nccl.rank, run_collective, &a);
 }
 
 static const ms_backend nccl_backend = {

@@ -15,9 +15,12 @@
 #include "../cuda/kernels.h"
 
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 
-/* "what: cudaErrorX: the runtime's message" */
+/* "what: cudaErrorX: the runtime's message"; the thread's last error is cleared, so that
+ * the next launch's cudaGetLastError reports that launch alone. */
 static ms_status cuda_fail(cudaError_t e, const char *what) {
+    cudaGetLastError();
     return ms__fail(e == cudaErrorMemoryAllocation ? MS_ERR_OOM : MS_ERR_DEVICE, "%s: %s: %s", what,
                     cudaGetErrorName(e), cudaGetErrorString(e));
 }
@@ -27,6 +30,8 @@ static ms_status cuda_fail(cudaError_t e, const char *what) {
         cudaError_t e_ = (call);                    \
         if (e_ != cudaSuccess) return cuda_fail(e_, what); \
     } while (0)
+
+#define SYNC(what) CUDA_TRY(what, cudaStreamSynchronize(cudaStreamPerThread))
 
 ms_status ms_cuda_device_count(int *out) {
     if (!out) return ms__fail(MS_ERR_ARG, "cuda_device_count: out is NULL");
@@ -56,11 +61,36 @@ static ms_status use_device(int device) {
                     cudaGetErrorName(e), cudaGetErrorString(e), n, n == 1 ? "" : "s");
 }
 
+/* Device memory comes from the device's stream-ordered pool (cudaMallocAsync: ordinary
+ * device memory, not managed), because cudaMalloc and cudaFree synchronize the whole device,
+ * communication streams included: a free while a collective waits for another rank would
+ * wait with it.  The pool keeps what is freed (release threshold: unlimited) instead of
+ * handing it back to the driver at every synchronization. */
+enum { POOL_DEVICES = 64 };
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool pool_ready[POOL_DEVICES];
+
+static ms_status pool_setup(int device) {
+    if (device >= POOL_DEVICES) return MS_OK; /* the driver's default threshold: still correct */
+    pthread_mutex_lock(&pool_lock);
+    cudaError_t e = cudaSuccess;
+    if (!pool_ready[device]) {
+        cudaMemPool_t pool;
+        uint64_t keep = UINT64_MAX;
+        e = cudaDeviceGetDefaultMemPool(&pool, device);
+        if (e == cudaSuccess) e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+        pool_ready[device] = e == cudaSuccess;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return e == cudaSuccess ? MS_OK : cuda_fail(e, "setting up the device's memory pool");
+}
+
 ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
     ms_status st = use_device(device);
+    if (!st) st = pool_setup(device);
     if (st) return st;
     void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, (size_t)nbytes);
+    cudaError_t e = cudaMallocAsync(&p, (size_t)nbytes, cudaStreamPerThread);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return ms__fail(e == cudaErrorMemoryAllocation ? MS_ERR_OOM : MS_ERR_DEVICE,
@@ -70,23 +100,26 @@ ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
     e = cudaMemsetAsync(p, 0, (size_t)nbytes, cudaStreamPerThread);
     if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
     if (e != cudaSuccess) {
-        cudaFree(p);
+        cudaFreeAsync(p, cudaStreamPerThread);
         return cuda_fail(e, "zeroing new device memory");
     }
     *out = p;
     return MS_OK;
 }
 
+/* Every use of the memory has completed (each call synchronizes), so the free needs no wait. */
 void ms__cuda_free(int device, void *p) {
     if (!p || use_device(device)) return;
-    cudaFree(p);
+    if (cudaFreeAsync(p, cudaStreamPerThread) != cudaSuccess) cudaGetLastError();
 }
 
-ms_status ms__cuda_memcpy(void *dst, const void *src, int64_t nbytes) {
+ms_status ms__cuda_memcpy(int device, void *dst, const void *src, int64_t nbytes) {
     if (nbytes <= 0) return MS_OK;
+    ms_status st = use_device(device);
+    if (st) return st;
     CUDA_TRY("copying between host and device",
              cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDefault, cudaStreamPerThread));
-    CUDA_TRY("copying between host and device", cudaStreamSynchronize(cudaStreamPerThread));
+    SYNC("copying between host and device");
     return MS_OK;
 }
 
@@ -96,15 +129,12 @@ ms_status ms__cuda_cast(int device, void *dst, ms_dtype dst_dtype, const void *s
     ms_status st = use_device(device);
     if (st) return st;
     if (dst_dtype == src_dtype) {
-        if (dst != src) {
+        if (dst != src)
             CUDA_TRY("copying on the device", cudaMemcpyAsync(dst, src, (size_t)(n * ms_dtype_size(dst_dtype)),
                                                               cudaMemcpyDeviceToDevice, cudaStreamPerThread));
-            CUDA_TRY("copying on the device", cudaStreamSynchronize(cudaStreamPerThread));
-        }
         return MS_OK;
     }
     CUDA_TRY("launching a cast kernel", (cudaError_t)ms__cuda_launch_cast(dst, dst_dtype, src, src_dtype, n));
-    CUDA_TRY("running a cast kernel", cudaStreamSynchronize(cudaStreamPerThread));
     return MS_OK;
 }
 
@@ -115,7 +145,13 @@ ms_status ms__cuda_fill(int device, void *dst, int64_t n, const void *value, int
     uint64_t v = 0;
     memcpy(&v, value, (size_t)elem_size); /* little-endian: the element's bytes are v's low bytes */
     CUDA_TRY("launching a fill kernel", (cudaError_t)ms__cuda_launch_fill(dst, n, v, elem_size));
-    CUDA_TRY("running a fill kernel", cudaStreamSynchronize(cudaStreamPerThread));
+    return MS_OK;
+}
+
+ms_status ms__cuda_sync(int device) {
+    ms_status st = use_device(device);
+    if (st) return st;
+    SYNC("running a copy, cast or fill on the device");
     return MS_OK;
 }
 
@@ -126,7 +162,7 @@ ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s,
     if (st) return st;
     CUDA_TRY("launching an element-wise kernel",
              (cudaError_t)ms__cuda_launch_ew((int)op, dst, (int)dd, s, src, (int)sd, round_src, n));
-    CUDA_TRY("running an element-wise kernel", cudaStreamSynchronize(cudaStreamPerThread));
+    SYNC("running an element-wise kernel");
     return MS_OK;
 }
 
@@ -155,7 +191,7 @@ ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *g
     if (st) return st;
     CUDA_TRY("launching the AdamW kernel",
              (cudaError_t)ms__cuda_launch_adamw(w, m, v, grad, (int)gdt, stored_out, (int)sdt, n, h));
-    CUDA_TRY("running the AdamW kernel", cudaStreamSynchronize(cudaStreamPerThread));
+    SYNC("running the AdamW kernel");
     return MS_OK;
 }
 
@@ -178,8 +214,8 @@ ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
 
 void ms__cuda_free(int device, void *p) { (void)device, (void)p; }
 
-ms_status ms__cuda_memcpy(void *dst, const void *src, int64_t nbytes) {
-    (void)dst, (void)src, (void)nbytes;
+ms_status ms__cuda_memcpy(int device, void *dst, const void *src, int64_t nbytes) {
+    (void)device, (void)dst, (void)src, (void)nbytes;
     return not_built();
 }
 
@@ -191,6 +227,11 @@ ms_status ms__cuda_cast(int device, void *dst, ms_dtype dst_dtype, const void *s
 
 ms_status ms__cuda_fill(int device, void *dst, int64_t n, const void *value, int elem_size) {
     (void)device, (void)dst, (void)n, (void)value, (void)elem_size;
+    return not_built();
+}
+
+ms_status ms__cuda_sync(int device) {
+    (void)device;
     return not_built();
 }
 

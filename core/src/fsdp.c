@@ -1143,9 +1143,9 @@ ms_status ms_unit_zero_grad(ms_unit *u) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_zero_grad: unit is NULL");
     ms_status st = check_state(u, "zero_grad", ST_GRADS);
     if (st) return st;
-    for (int i = 0; i < u->nparams; i++)
-        if (u->params[i].grad_padded) ms_tensor_fill(u->params[i].grad_padded, 0);
-    return ms__ok();
+    for (int i = 0; i < u->nparams && !st; i++)
+        if (u->params[i].grad_padded) st = ms_tensor_fill(u->params[i].grad_padded, 0);
+    return st ? ms__wrap(st, "unit '%s': zero_grad", u->name) : ms__ok();
 }
 
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {

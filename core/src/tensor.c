@@ -386,13 +386,14 @@ static bool same_device(const ms_tensor *a, const ms_tensor *b) {
 static ms_status copy_across(ms_tensor *dst, const ms_tensor *src) {
     ms_tensor *s = NULL, *m = NULL;
     ms_status st = MS_OK;
+    const int device = dst->storage->device == MS_DEVICE_CUDA ? dst->storage->device_index : src->storage->device_index;
     if (ms_tensor_is_contiguous(src)) ms_tensor_retain(s = (ms_tensor *)src);
     else if ((st = ms_tensor_to(&s, src, src->dtype))) return st;
     if (dst->dtype == src->dtype && ms_tensor_is_contiguous(dst)) {
-        st = ms__cuda_memcpy(ms_tensor_data(dst), ms_tensor_data(s), ms_tensor_nbytes(s));
+        st = ms__cuda_memcpy(device, ms_tensor_data(dst), ms_tensor_data(s), ms_tensor_nbytes(s));
     } else {
         st = ms_tensor_new(&m, src->ndim, src->shape, src->dtype, dst->storage->device, dst->storage->device_index);
-        if (!st) st = ms__cuda_memcpy(ms_tensor_data(m), ms_tensor_data(s), ms_tensor_nbytes(s));
+        if (!st) st = ms__cuda_memcpy(device, ms_tensor_data(m), ms_tensor_data(s), ms_tensor_nbytes(s));
         if (!st) st = ms_tensor_copy(dst, m);
     }
     ms_tensor_release(s);
@@ -437,6 +438,7 @@ ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src) {
     }
     copy_ctx c = {dst, src, MS_OK};
     for_each_run(dst, src, copy_run, &c);
+    if (!c.st && dd == MS_DEVICE_CUDA) c.st = ms__cuda_sync(dst->storage->device_index); /* the runs, enqueued */
     return c.st ? ms__wrap(c.st, "copy") : ms__ok();
 }
 
@@ -473,6 +475,7 @@ ms_status ms_tensor_fill(ms_tensor *t, double value) {
     fill_ctx c = {.t = t};
     ms__cast_contig(c.value, t->dtype, &value, MS_F64, 1);
     for_each_run(t, NULL, fill_run, &c);
+    if (!c.st && t->storage->device == MS_DEVICE_CUDA) c.st = ms__cuda_sync(t->storage->device_index);
     return c.st ? ms__wrap(c.st, "fill") : ms__ok();
 }
 

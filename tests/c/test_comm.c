@@ -9,10 +9,12 @@
  * difference is printed.  Then the failure paths, each in a fresh world: ranks that
  * disagree (MS_ERR_MISMATCH on every rank, data untouched), a rank that never arrives
  * (MS_ERR_TIMEOUT), ranks reported done (MS_ERR_PEER), comms unusable afterwards
- * (MS_ERR_STATE), and argument errors, all by their messages.
+ * (MS_ERR_STATE), and argument errors, all by their messages.  Also ms__async_run, which the
+ * nccl backend sends every collective through: it runs on the rank's communication thread
+ * after what is queued there, inline when already on that thread, and passes failures back.
  */
 #include "check_mt.h"
-#include "ms_internal.h"
+#include "comm.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -710,8 +712,56 @@ static void test_args(void) {
     run_ranks(4, 30, tags_rank, NULL);
 }
 
+/* ---------------------------------------------------------------- ms__async_run */
+
+typedef struct run_probe {
+    ms_world *w;
+    pthread_t thread, nested_thread; /* where the job and the job it ran ran */
+    atomic_int queued_done;          /* the job queued before: finished first */
+    bool saw_queued_done;
+} run_probe;
+
+static ms_status slow_job(void *p) {
+    run_probe *r = p;
+    nanosleep(&(struct timespec){0, 50000000}, NULL);
+    atomic_store(&r->queued_done, 1);
+    return MS_OK;
+}
+
+static ms_status nested_job(void *p) {
+    ((run_probe *)p)->nested_thread = pthread_self();
+    return MS_OK;
+}
+
+static ms_status outer_job(void *p) {
+    run_probe *r = p;
+    r->thread = pthread_self();
+    r->saw_queued_done = atomic_load(&r->queued_done);
+    return ms__async_run(r->w, 0, nested_job, r); /* from the worker itself: inline, no deadlock */
+}
+
+static ms_status failing_job(void *p) {
+    (void)p;
+    return ms__fail(MS_ERR_PEER, "the job failed on purpose");
+}
+
+static void test_async_run(void) {
+    run_probe r = {0};
+    CHECK_OK(ms_threads_world_new(&r.w, 2, 5));
+    ms_ticket first;
+    CHECK_OK(ms__async_submit(r.w, 0, &first, slow_job, &r));
+    CHECK_OK(ms__async_run(r.w, 0, outer_job, &r));
+    CHECK_OK(ms__async_wait(&first));
+    CHECK(!pthread_equal(r.thread, pthread_self()), "(the job ran on the calling thread)");
+    CHECK(pthread_equal(r.nested_thread, r.thread), "(the nested job ran on another thread)");
+    CHECK(r.saw_queued_done, "(the job ran before the one queued ahead of it finished)");
+    CHECK_ST(ms__async_run(r.w, 1, failing_job, NULL), MS_ERR_PEER, "the job failed on purpose");
+    ms_world_release(r.w);
+}
+
 int main(void) {
     double t0 = now_s();
+    test_async_run();
     test_args();
     test_mismatch();
     test_timeout();

@@ -20,7 +20,16 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 mkdir -p "$build"
 lua=OFF
 pkg-config --exists lua5.4 2>/dev/null && command -v busted >/dev/null && lua=ON
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOONSHARD_CUDA=ON -DMOONSHARD_LUA=$lua >"$build/configure.log" 2>&1 ||
+[ $lua = ON ] || echo "== no Lua 5.4 (pkg-config lua5.4) or no busted here: the Lua checks are left out"
+# NCCL: the system's, else the nvidia-nccl wheel of this machine's python3 (GPU images often
+# carry only that: libnccl.so.2 and nccl.h under nvidia/nccl)
+nccl_root=${NCCL_HOME:-}
+if [ -z "$nccl_root" ] && ! ls /usr/include/nccl.h /usr/local/cuda/include/nccl.h >/dev/null 2>&1; then
+  nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+  [ -n "$nccl_root" ] && echo "== NCCL from the python wheel: $nccl_root"
+fi
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOONSHARD_CUDA=ON -DMOONSHARD_LUA=$lua \
+  ${nccl_root:+-DMOONSHARD_NCCL_ROOT="$nccl_root"} >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
 grep "moonshard: MPI" "$build/configure.log"
 grep -q "CUDA ON" "$build/configure.log" || { echo "FAIL - CUDA was not found: no GPU build"; exit 1; }

@@ -5,7 +5,9 @@
  *  1. every collective, every dtype and op it takes, on cuda tensors and on cpu tensors
  *     (staged through the GPU): a one-rank group leaves the values as they are, so every
  *     result is checked against its input bit for bit, read back to the host;
- *  2. groups: a mesh group, a tagged group over the same rank, the in-place forms;
+ *  2. groups: a mesh group, a tagged group over the same rank, the in-place forms; a
+ *     collective and a split asked for while a unit's all-gather is pending (all of them
+ *     run on the rank's communication thread, in order);
  *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed),
  *     in four dtype configurations, with their shards on the GPU and offloaded to the host:
  *     three training steps of two micro-batches (sync off, then on), gradient norm,
@@ -112,6 +114,34 @@ static void groups(ms_comm *world) {
     ms_tensor_release(ref);
     ms_comm_release(tagged);
     printf("groups: a tagged group, the in-place forms: checked\n");
+}
+
+/* A collective and a new group asked for on this thread while a unit's all-gather is queued
+ * on the rank's communication thread: NCCL allows one thread at a time, so both are queued
+ * behind it there; all three complete, with the right values. */
+static void queued(ms_comm *world) {
+    ms_unit *u = NULL;
+    const int64_t shape[2] = {256, 64};
+    CHECK_OK(ms_unit_new(&u, "queued", world, NULL, MS_BF16, -1, 1));
+    if (!u) return;
+    CHECK_OK(ms_unit_add_param(u, "w", 2, shape, MS_F32, 0, 1));
+    CHECK_OK(ms_unit_finalize(u));
+    CHECK_OK(ms_unit_unshard(u)); /* pending on the communication thread */
+    ms_tensor *t = filled(MS_F32, N, MS_DEVICE_CUDA, 9), *ref = filled(MS_F32, N, MS_DEVICE_CUDA, 9);
+    CHECK_OK(ms_all_reduce(world, t, MS_OP_MAX));
+    int me = 0;
+    ms_comm *fresh = NULL;
+    CHECK_OK(ms_comm_group_tagged(world, 1, &me, 4, &fresh));
+    if (fresh) CHECK_OK(ms_all_reduce(fresh, t, MS_OP_SUM));
+    CHECK_OK(ms_unit_wait(u));
+    ms_tensor *p = ms_unit_param_full(u, 0);
+    CHECK(p && ms_tensor_device(p) == MS_DEVICE_CUDA && ms_tensor_numel(p) == 256 * 64);
+    CHECK(same_bits(t, ref));
+    ms_comm_release(fresh);
+    ms_tensor_release(t);
+    ms_tensor_release(ref);
+    ms_unit_release(u);
+    printf("a collective and a split queued behind a unit's pending all-gather: checked\n");
 }
 
 /* A unit's configuration for train(). */
@@ -227,7 +257,8 @@ static void units(ms_comm *c) {
         CHECK(worst <= 1e-12 * ref_norm);
         printf("unit, %s: on the GPU and offloaded, shards %s the CPU's after 3 steps, |norm^2 - CPU's| <= %.3g "
                "(of %.6g), gathered = shards: %s, tensors on their devices: %s\n", cfgs[k].what,
-               same ? "bit-identical to" : "DIFFER from", worst, ref_norm, gathered ? "yes" : "NO", where ? "yes" : "NO");
+               same ? "bit-identical to" : "DIFFER from", worst, ref_norm, gathered ? "yes" : "NO",
+               where ? "yes" : "NO");
         for (int i = 0; i < 2; i++) ms_tensor_release(ref[i]);
     }
     ms_comm_release(cpu);
@@ -252,6 +283,7 @@ int main(void) {
         collectives(c, MS_DEVICE_CUDA);
         collectives(c, MS_DEVICE_CPU);
         groups(c);
+        queued(c);
         units(c);
     }
     ms_comm_release(c);
