@@ -1,10 +1,11 @@
 /*
  * cuda.c: device memory, copies, casts, fills and the shard units' arithmetic through the
  * CUDA runtime (cuda.h), and ms_cuda_device_count.  Every call runs on the calling thread's
- * stream (cudaStreamPerThread) and synchronizes that stream alone before it returns: it
- * does not wait for the NCCL backend's communication streams, so a collective in flight on
- * another thread neither blocks it nor is blocked by it.  Without CUDA every call says that
- * moonshard was built without it.
+ * stream (cudaStreamPerThread) and synchronizes that stream alone before it returns (the
+ * enqueue-only cast and fill leave that to ms__cuda_sync): it does not wait for the NCCL
+ * backend's communication streams, so a collective in flight on another thread neither
+ * blocks it nor is blocked by it.  Without CUDA every call says that moonshard was built
+ * without it.
  */
 #include "cuda.h"
 

@@ -474,7 +474,6 @@ static ms_status record(ms_unit *u, int kind, ms_dtype dtype, int group_size, in
 
 /* ---------------------------------------------------------------- element-wise kernels */
 
-/* Elements per block: the opmath blocks (8 KiB each as f64) stay in L1. */
 /* The element-wise step on n elements of raw buffers, on the unit's GPU (on_device) or on
  * the host, with the same rules (unit_math.h). */
 static ms_status ew(const ms_unit *u, bool on_device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src,

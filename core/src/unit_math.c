@@ -7,6 +7,7 @@
 #include "ms_internal.h"
 #include "unit_math.h"
 
+/* Elements per block: the opmath blocks (8 KiB each as f64) stay in L1. */
 enum { EW_BLOCK = 1024 };
 
 void ms__ew(ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd, bool round_src, int64_t n) {
