@@ -9,11 +9,11 @@
  *     collective and a split asked for while a unit's all-gather is pending (all of them
  *     run on the rank's communication thread, in order);
  *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed),
- *     in four dtype configurations, with their shards on the GPU and offloaded to the host:
- *     three training steps of two micro-batches (sync off, then on), gradient norm,
- *     clipping and AdamW, against the same on a one-rank threads world: the shards must be
- *     bit-identical to the CPU's (the device kernels compute the host's bits), every tensor
- *     on the device it belongs to.
+ *     in five configurations (dtypes, layouts, one of 2^22 elements), with their shards on
+ *     the GPU and offloaded to the host: three training steps of two micro-batches (sync
+ *     off, then on), gradient norm, clipping and AdamW, against the same on a one-rank
+ *     threads world: the shards must be bit-identical to the CPU's (the device kernels
+ *     compute the host's bits), every tensor on the device it belongs to.
  *
  * Exit 77 (ctest: skipped) without NCCL in the build or without a CUDA device.  Multi-GPU
  * runs (mpirun -np 2 moonshard --backend nccl ...) are in tests/gpu/run.sh when the machine
