@@ -43,6 +43,8 @@ summary() {
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "== $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'no nvcc'); $(cmake --version | head -1);" \
+  "$(cc --version 2>/dev/null | head -1 || echo 'no cc'); mpirun: $(command -v mpirun || echo none)"
 mkdir -p "$build"
 
 # Lua 5.4: pkg-config's, else the carried copy
