@@ -19,7 +19,8 @@
  * with MS_ERR_TIMEOUT ("rank(s) missing or unreachable") and the communicator is aborted
  * (ncclCommAbort, which NCCL allows at any point).  A communicator goes away with
  * ncclCommFinalize, polled the same way, then ncclCommDestroy; with ncclCommAbort when the
- * finalization fails or does not complete in time.
+ * finalization fails or does not complete in time, and at once when another communicator
+ * of the process was aborted (a peer is gone, and a finalization might wait for it).
  *
  * Groups.  Every other group is made with ncclCommSplit of the world's communicator, the
  * group's lowest world rank as the colour: a split is collective over the whole world, so
@@ -89,6 +90,7 @@ static struct {
     int rank, size, device;
     bootstrap via;
     ms_store *store;
+    atomic_bool aborted; /* some communicator was aborted: the others are not finalized either */
 } nccl = {.lock = PTHREAD_MUTEX_INITIALIZER, .device = -1};
 
 static ms_status cuda_err(cudaError_t e, const char *what) {
@@ -119,6 +121,7 @@ static bool nccl_failed(ncclResult_t r) { return r != ncclSuccess && r != ncclIn
 static void abort_comm(ncclComm_t *comm) {
     if (*comm) ncclCommAbort(*comm);
     *comm = NULL;
+    atomic_store(&nccl.aborted, true);
 }
 
 /* The outcome of a call on comm that returned r.  On a nonblocking communicator a call may
@@ -248,11 +251,14 @@ typedef struct ngroup {
 static void ngroup_free(ngroup *ng) {
     if (!ng) return;
     if (cudaSetDevice(nccl.device) != cudaSuccess) cudaGetLastError();
-    if (ng->comm) { /* finalized, then destroyed; aborted when the finalization fails or hangs */
-        if (settle(ng->comm, ncclCommFinalize(ng->comm), ms__now_s() + ng->timeout_s) == ncclSuccess)
+    /* finalized, then destroyed; aborted when the finalization fails or hangs, and at once
+     * once another communicator was aborted (a peer is gone: finalizing would wait for it) */
+    if (ng->comm) {
+        if (!atomic_load(&nccl.aborted) &&
+            settle(ng->comm, ncclCommFinalize(ng->comm), ms__now_s() + ng->timeout_s) == ncclSuccess)
             ncclCommDestroy(ng->comm);
         else
-            ncclCommAbort(ng->comm);
+            abort_comm(&ng->comm);
     }
     if (ng->done) cudaEventDestroy(ng->done);
     if (ng->stream) { /* the device buffers go back to the pool in the stream's order */
