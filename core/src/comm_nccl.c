@@ -261,12 +261,12 @@ static void ngroup_free(ngroup *ng) {
             abort_comm(&ng->comm);
     }
     if (ng->done) cudaEventDestroy(ng->done);
-    if (ng->stream) { /* the device buffers go back to the pool in the stream's order */
-        if (ng->descs_dev) cudaFreeAsync(ng->descs_dev, ng->stream);
-        if (ng->stage) cudaFreeAsync(ng->stage, ng->stream);
-        cudaStreamSynchronize(ng->stream);
+    if (ng->stream) {
+        cudaStreamSynchronize(ng->stream); /* nothing may still use the buffers */
         cudaStreamDestroy(ng->stream);
     }
+    ms__cuda_free(nccl.device, ng->descs_dev);
+    ms__cuda_free(nccl.device, ng->stage);
     cudaFreeHost(ng->descs);
     cudaGetLastError(); /* nothing left to report to */
     free(ng->calls);
@@ -302,8 +302,7 @@ static ms_status make_comm(ms_world *w, ms_group *g, ngroup *ng) {
 }
 
 /* A group's communicator, stream, event and buffers, on the rank's communication thread
- * (nccl_group_init).  Device memory comes from the stream-ordered pool on the group's stream:
- * cudaMalloc and cudaFree would synchronize the whole device. */
+ * (nccl_group_init); device memory from cuda.c (its stream-ordered pool). */
 static ms_status group_init_here(ms_world *w, ms_group *g) {
     ngroup *ng = calloc(1, sizeof *ng);
     if (!ng) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory");
@@ -315,11 +314,10 @@ static ms_status group_init_here(ms_world *w, ms_group *g) {
     cudaError_t e = cudaSuccess;
     if (!st && (e = cudaSetDevice(nccl.device)) == cudaSuccess &&
         (e = cudaStreamCreateWithFlags(&ng->stream, cudaStreamNonBlocking)) == cudaSuccess &&
-        (e = cudaEventCreateWithFlags(&ng->done, cudaEventDisableTiming)) == cudaSuccess &&
-        (e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc))) == cudaSuccess &&
-        (e = cudaMallocAsync((void **)&ng->descs_dev, (size_t)g->n * sizeof(desc), ng->stream)) == cudaSuccess)
-        e = cudaStreamSynchronize(ng->stream);
+        (e = cudaEventCreateWithFlags(&ng->done, cudaEventDisableTiming)) == cudaSuccess)
+        e = cudaMallocHost((void **)&ng->descs, (size_t)g->n * sizeof(desc));
     if (!st && e != cudaSuccess) st = cuda_err(e, "making a group");
+    if (!st) st = ms__cuda_alloc(nccl.device, (int64_t)((size_t)g->n * sizeof(desc)), (void **)&ng->descs_dev);
     if (!st) st = make_comm(w, g, ng);
     if (st) {
         ngroup_free(ng);
@@ -474,9 +472,10 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     size_t need = ((size_t)ns + (size_t)nr) * es + 8; /* + the barrier's element */
     if (s_dev && r_dev && call->kind != MS_COLL_BARRIER) return MS_OK;
     if (need > ng->stage_cap) {
-        if (ng->stage) cudaFreeAsync(ng->stage, ng->stream);
+        ms__cuda_free(nccl.device, ng->stage); /* the stream is idle: the last call was waited for */
         ng->stage = NULL, ng->stage_cap = 0;
-        CUDA_OK("allocating the staging of cpu tensors", cudaMallocAsync(&ng->stage, need, ng->stream));
+        if ((st = ms__cuda_alloc(nccl.device, (int64_t)need, &ng->stage)))
+            return ms__wrap(st, "nccl backend: the staging of cpu tensors");
         ng->stage_cap = need;
     }
     char *stage = ng->stage;

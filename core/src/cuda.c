@@ -66,32 +66,41 @@ static ms_status use_device(int device) {
  * device memory, not managed), because cudaMalloc and cudaFree synchronize the whole device,
  * communication streams included: a free while a collective waits for another rank would
  * wait with it.  The pool keeps what is freed (release threshold: unlimited) instead of
- * handing it back to the driver at every synchronization. */
+ * handing it back to the driver at every synchronization.  A device or driver without
+ * memory pools (cudaDevAttrMemoryPoolsSupported 0), and a device numbered past POOL_DEVICES,
+ * use cudaMalloc and cudaFree. */
 enum { POOL_DEVICES = 64 };
+typedef enum { POOL_UNKNOWN = 0, POOL_YES, POOL_NO } pool_state;
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool pool_ready[POOL_DEVICES];
+static pool_state pools[POOL_DEVICES];
 
-static ms_status pool_setup(int device) {
-    if (device >= POOL_DEVICES) return MS_OK; /* the driver's default threshold: still correct */
+/* Whether `device` (current on this thread) allocates from its pool, set up on first use. */
+static ms_status use_pool(int device, bool *yes) {
+    *yes = false;
+    if (device >= POOL_DEVICES) return MS_OK;
     pthread_mutex_lock(&pool_lock);
     cudaError_t e = cudaSuccess;
-    if (!pool_ready[device]) {
+    if (pools[device] == POOL_UNKNOWN) {
+        int supported = 0;
         cudaMemPool_t pool;
         uint64_t keep = UINT64_MAX;
-        e = cudaDeviceGetDefaultMemPool(&pool, device);
-        if (e == cudaSuccess) e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-        pool_ready[device] = e == cudaSuccess;
+        e = cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device);
+        if (e == cudaSuccess && supported && (e = cudaDeviceGetDefaultMemPool(&pool, device)) == cudaSuccess)
+            e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+        if (e == cudaSuccess) pools[device] = supported ? POOL_YES : POOL_NO;
     }
+    *yes = pools[device] == POOL_YES;
     pthread_mutex_unlock(&pool_lock);
     return e == cudaSuccess ? MS_OK : cuda_fail(e, "setting up the device's memory pool");
 }
 
 ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
+    bool pool = false;
     ms_status st = use_device(device);
-    if (!st) st = pool_setup(device);
+    if (!st) st = use_pool(device, &pool);
     if (st) return st;
     void *p = NULL;
-    cudaError_t e = cudaMallocAsync(&p, (size_t)nbytes, cudaStreamPerThread);
+    cudaError_t e = pool ? cudaMallocAsync(&p, (size_t)nbytes, cudaStreamPerThread) : cudaMalloc(&p, (size_t)nbytes);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return ms__fail(e == cudaErrorMemoryAllocation ? MS_ERR_OOM : MS_ERR_DEVICE,
@@ -101,7 +110,7 @@ ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
     e = cudaMemsetAsync(p, 0, (size_t)nbytes, cudaStreamPerThread);
     if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
     if (e != cudaSuccess) {
-        cudaFreeAsync(p, cudaStreamPerThread);
+        ms__cuda_free(device, p);
         return cuda_fail(e, "zeroing new device memory");
     }
     *out = p;
@@ -110,8 +119,9 @@ ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out) {
 
 /* Every use of the memory has completed (each call synchronizes), so the free needs no wait. */
 void ms__cuda_free(int device, void *p) {
-    if (!p || use_device(device)) return;
-    if (cudaFreeAsync(p, cudaStreamPerThread) != cudaSuccess) cudaGetLastError();
+    bool pool = false;
+    if (!p || use_device(device) || use_pool(device, &pool)) return;
+    if ((pool ? cudaFreeAsync(p, cudaStreamPerThread) : cudaFree(p)) != cudaSuccess) cudaGetLastError();
 }
 
 ms_status ms__cuda_memcpy(int device, void *dst, const void *src, int64_t nbytes) {
@@ -174,12 +184,11 @@ ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, dou
     if (st) return st;
     double *partials = NULL, host[MS_CUDA_SUM_BLOCKS];
     const size_t bytes = sizeof host;
-    CUDA_TRY("allocating the partial sums", cudaMallocAsync((void **)&partials, bytes, cudaStreamPerThread));
+    if ((st = ms__cuda_alloc(device, (int64_t)bytes, (void **)&partials))) return st;
     cudaError_t e = (cudaError_t)ms__cuda_launch_sum_sq(x, (int)dt, n, partials);
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, partials, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread);
-    cudaError_t f = cudaFreeAsync(partials, cudaStreamPerThread);
-    if (e == cudaSuccess) e = f;
     if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
+    ms__cuda_free(device, partials);
     if (e != cudaSuccess) return cuda_fail(e, "summing squares on the device");
     for (int b = 0; b < MS_CUDA_SUM_BLOCKS; b++) *out += host[b];
     return MS_OK;
