@@ -12,6 +12,7 @@ need_packages() {
   local missing=()
   command -v cmake >/dev/null || missing+=(cmake)
   command -v cc >/dev/null || missing+=(gcc)
+  command -v g++ >/dev/null || missing+=(g++) # tests/sim (the simulated device) is C++
   [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
   command -v make >/dev/null || missing+=(make)
   command -v pkg-config >/dev/null || missing+=(pkg-config)

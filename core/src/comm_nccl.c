@@ -125,8 +125,8 @@ static void abort_comm(ncclComm_t *comm) {
 }
 
 /* The outcome of a call on comm that returned r.  On a nonblocking communicator a call may
- * return before its work is done (ncclInProgress; or ncclSuccess from ncclCommSplit, whose
- * progress is its parent's state), so unless the call failed, comm's state is polled until
+ * return before its work is done (ncclInProgress; a split's progress is its parent's
+ * state, whatever ncclCommSplit returned), so unless the call failed, comm's state is polled until
  * it is no longer ncclInProgress: ncclInProgress when deadline passes first. */
 static ncclResult_t settle(ncclComm_t comm, ncclResult_t r, double deadline) {
     if (nccl_failed(r)) return r;
@@ -139,15 +139,17 @@ static ncclResult_t settle(ncclComm_t comm, ncclResult_t r, double deadline) {
 }
 
 /* settle() up to the world's timeout, as a status; what names the call in messages.  A call
- * that does not complete in time (MS_ERR_TIMEOUT), or fails otherwise than by a bad
- * argument, leaves nothing to do but ncclCommAbort: *comm is aborted and set to NULL. */
+ * that fails or does not complete in time (MS_ERR_TIMEOUT) leaves nothing to do but
+ * ncclCommAbort: *comm is aborted and set to NULL.  Bad arguments included: NCCL's user guide
+ * asks for an abort after ncclInvalidUsage, and on a nonblocking communicator NCCL 2.28 keeps
+ * even ncclInvalidArgument as the communicator's state, so every later call would fail with
+ * it (the collectives' arguments are checked before they reach NCCL, so this is a bug of
+ * ours, not a user's mistake). */
 static ms_status nccl_wait(const ms_world *w, ncclComm_t *comm, ncclResult_t r, const char *what) {
     r = settle(*comm, r, ms__now_s() + w->timeout_s);
     if (r == ncclSuccess) return MS_OK;
     if (r != ncclInProgress) {
-        /* a bad argument leaves the communicator as it was; any other error leaves nothing
-         * to assume about the work it had (NCCL: abort it) */
-        if (r != ncclInvalidArgument && r != ncclInvalidUsage) abort_comm(comm);
+        abort_comm(comm);
         return nccl_err(r, what);
     }
     abort_comm(comm);

@@ -17,10 +17,16 @@
 #     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and collectives.lua under mpirun;
 #   - bench_cuda: the casts' bandwidth as a fraction of a device-to-device copy's (same run).
 # A test that skips (exit 77: no device, or no NCCL in the build) is a failure here.
-#   bash tests/gpu/run.sh [BUILD_DIR]
+#   [CMAKE_ARGS="-D..."] bash tests/gpu/run.sh [BUILD_DIR]
+# MOONSHARD_CUDA_SIM=1 runs the same checks on a machine without a GPU, against tests/sim (a
+# host simulation of the CUDA runtime and NCCL: -DMOONSHARD_CUDA_SIM=ON, default BUILD_DIR
+# build-sim), leaving out bench_cuda: it checks the device code paths' plumbing (pointers,
+# sizes, streams, events, ordering, errors) and the kernels' code run on the host, never a
+# GPU.  The test command (tools/test.sh) runs it that way.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-build=${1:-build-gpu}
+sim=${MOONSHARD_CUDA_SIM:-0}
+if [ "$sim" = 1 ]; then build=${1:-build-sim}; else build=${1:-build-gpu}; fi
 t0=$(date +%s)
 failed=()
 
@@ -42,7 +48,10 @@ summary() {
   exit 1
 }
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ "$sim" = 1 ] && echo "== simulated device (tests/sim): the plumbing of the device paths, on the host; not a GPU"
+if [ "$sim" != 1 ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
 echo "== $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'no nvcc'); $(cmake --version | head -1);" \
   "$(cc --version 2>/dev/null | head -1 || echo 'no cc'); mpirun: $(command -v mpirun || echo none)"
 mkdir -p "$build"
@@ -64,7 +73,10 @@ if [ -z "$nccl_root" ] && ! ls /usr/include/nccl.h /usr/local/cuda/include/nccl.
   nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
   [ -n "$nccl_root" ] && echo "== NCCL from the python wheel: $nccl_root"
 fi
-if ! cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOONSHARD_CUDA=ON -DMOONSHARD_LUA=$lua \
+cuda_args=(-DMOONSHARD_CUDA=ON) want="CUDA ON"
+[ "$sim" = 1 ] && cuda_args=(-DMOONSHARD_CUDA=OFF -DMOONSHARD_CUDA_SIM=ON -DMOONSHARD_BENCH=OFF) want="CUDA SIMULATED"
+# shellcheck disable=SC2086 # CMAKE_ARGS: more -D options, split on spaces (-DMOONSHARD_ASAN=ON)
+if ! cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" -DMOONSHARD_LUA=$lua ${CMAKE_ARGS:-} \
   -DMOONSHARD_LUA_SPECS=OFF ${lua_prefix:+-DCMAKE_PREFIX_PATH="$lua_prefix"} \
   ${nccl_root:+-DMOONSHARD_NCCL_ROOT="$nccl_root"} >"$build/configure.log" 2>&1; then
   cat "$build/configure.log"
@@ -72,8 +84,8 @@ if ! cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOONSHARD_CUDA=ON -DMOO
   summary
 fi
 grep "moonshard: MPI" "$build/configure.log"
-grep -q "CUDA ON" "$build/configure.log" || { failed+=("CUDA was not found: no GPU build"); summary; }
-step "build" cmake --build "$build" -j"$(nproc)" --target test_cuda test_nccl bench_cuda \
+grep -q "$want" "$build/configure.log" || { failed+=("CUDA was not found: no GPU build"); summary; }
+step "build" cmake --build "$build" -j"$(nproc)" --target test_cuda test_nccl $([ "$sim" = 1 ] || echo bench_cuda) \
   $([ $lua = ON ] && echo moonshard_exe moonshard_lua)
 
 step "test_cuda" "$build/test_cuda"
@@ -81,7 +93,12 @@ step "test_nccl" "$build/test_nccl"
 if [ $lua = ON ]; then
   ms=$build/moonshard
   if command -v busted >/dev/null && command -v lua5.4 >/dev/null; then
-    step "Lua: tensors on cuda:0 (tensor_spec)" env MOONSHARD_BIN="$ms" \
+    lua_env=() # a stock lua5.4 loading a sanitized core.so needs the runtimes first
+    case "${CMAKE_ARGS:-}" in *MOONSHARD_ASAN=ON*)
+      lua_env=("LD_PRELOAD=$(cc -print-file-name=libasan.so):$(cc -print-file-name=libubsan.so)"
+        ASAN_OPTIONS=detect_leaks=0) ;;
+    esac
+    step "Lua: tensors on cuda:0 (tensor_spec)" env "${lua_env[@]}" MOONSHARD_BIN="$ms" \
       LUA_PATH="lua/?.lua;lua/?/init.lua;tests/lua/?.lua;$build/lua/?.lua;;" LUA_CPATH="$build/lua/?.so;;" \
       lua5.4 "$(command -v busted)" tests/lua/tensor_spec.lua
   else
@@ -93,7 +110,8 @@ if [ $lua = ON ]; then
     dp_shard=1
   step "Lua: the inkling2 units on one NCCL rank, offloaded" "$ms" --backend nccl tests/lua/scripts/units.lua \
     dp_shard=1 tests/lua/configs/inkling2_tiny.json offload
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true) # the simulation: one rank a communicator
+  [ "$sim" = 1 ] && gpus=1
   if [ "${gpus:-0}" -ge 2 ]; then
     # torchrun2 NAME ARGS...: moonshard ARGS on 2 NCCL ranks started torchrun-style
     torchrun2() {
@@ -120,5 +138,40 @@ if [ $lua = ON ]; then
     echo "== one GPU: the multi-rank NCCL runs need two (NCCL refuses two ranks on one GPU)"
   fi
 fi
-step "bench_cuda" "$build/bench/bench_cuda"
+if [ "$sim" = 1 ] && [ $lua = ON ]; then
+  # The NCCL backend's failure paths, through the simulation's fault switches (nccl_sim.cc):
+  # each must end in its error, named, within the --timeout of 2 s, never hang.
+  errors_lua='local ms = require "moonshard"
+local g = ms.mesh{{"dp", 1}}:group("dp")
+local t = ms.tensor({8}, "f32", ms.device())
+g:all_reduce(t, "sum")
+local ok, e = pcall(g.all_reduce, g, t, "sum")
+assert(not ok and e:find("peer_failed error: all_reduce on group %[0%]: NCCL: "), tostring(e))
+ok, e = pcall(g.barrier, g)
+assert(not ok and e:find("unusable after an earlier failure"), tostring(e))
+print("the failed collective and the next call: errors as expected")'
+  # expect_error PATTERN COMMAND...: COMMAND fails, within a minute, saying PATTERN
+  expect_error() {
+    local pattern=$1 out rc=0
+    shift
+    out=$(timeout 60 "$@" 2>&1) || rc=$?
+    grep -m1 -- "$pattern" <<<"$out" || { printf '%s\n' "$out" | tail -5; return 1; }
+    [ $rc != 0 ] && [ $rc != 124 ]
+  }
+  nccl2s=("$ms" --backend nccl --timeout 2)
+  step "sim faults: a collective that never completes" expect_error \
+    "ncclAllGather (the call's descriptor) did not complete within 2 s" \
+    env MS_SIM_NCCL_HANG=3 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
+  step "sim faults: the world's communicator never made" expect_error \
+    "ncclCommInitRank did not complete within 2 s" \
+    env MS_SIM_NCCL_HANG_INIT=1 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
+  step "sim faults: an error while enqueueing" expect_error \
+    "peer_failed error: nccl backend: ncclAllGather (the call's descriptor): remote process exited" \
+    env MS_SIM_NCCL_ENQUEUE_ERROR=3 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
+  step "sim faults: an asynchronous error, then the group is unusable" \
+    env MS_SIM_NCCL_ASYNC_ERROR=4 "${nccl2s[@]}" -e "$errors_lua"
+  step "sim faults: a finalization that never completes (aborted after 2 s)" \
+    env MS_SIM_NCCL_HANG_FINALIZE=1 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
+fi
+[ "$sim" = 1 ] || step "bench_cuda" "$build/bench/bench_cuda"
 summary
