@@ -14,7 +14,8 @@
 #   - under Lua: the tensor spec's device case (when busted is there), collectives.lua and
 #     units.lua (the inkling2 plan's units, on the GPU and offloaded) with --backend nccl;
 #     with two GPUs or more the same on 2 NCCL ranks started torchrun-style (RANK,
-#     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and collectives.lua under mpirun;
+#     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a rank that leaves mid-run (the other's next
+#     collective must end in the timeout), and collectives.lua under mpirun;
 #   - bench_cuda: the casts' bandwidth as a fraction of a device-to-device copy's (same run).
 # A test that skips (exit 77: no device, or no NCCL in the build) is a failure here.
 #   [CMAKE_ARGS="-D..."] bash tests/gpu/run.sh [BUILD_DIR]
@@ -22,7 +23,9 @@
 # host simulation of the CUDA runtime and NCCL: -DMOONSHARD_CUDA_SIM=ON, default BUILD_DIR
 # build-sim), leaving out bench_cuda: it checks the device code paths' plumbing (pointers,
 # sizes, streams, events, ordering, errors) and the kernels' code run on the host, never a
-# GPU.  The test command (tools/test.sh) runs it that way.
+# GPU; its ranks are processes of this machine, each with 2 simulated devices, so the 2-rank
+# runs are made too, and the NCCL backend's failure paths are run through the simulation's
+# fault switches.  The test command (tools/test.sh) runs it that way.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 sim=${MOONSHARD_CUDA_SIM:-0}
@@ -110,15 +113,20 @@ if [ $lua = ON ]; then
     dp_shard=1
   step "Lua: the inkling2 units on one NCCL rank, offloaded" "$ms" --backend nccl tests/lua/scripts/units.lua \
     dp_shard=1 tests/lua/configs/inkling2_tiny.json offload
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true) # the simulation: one rank a communicator
-  [ "$sim" = 1 ] && gpus=1
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+  # the simulation: ranks are processes meeting in shared memory, each with 2 simulated
+  # devices (LOCAL_RANK, or rank mod 2, picks one)
+  sim_env=()
+  [ "$sim" = 1 ] && gpus=2 sim_env=(MS_SIM_DEVICES=2)
+  mpi_env=("${sim_env[@]}") # Open MPI leaks at exit (its plugins): LeakSanitizer would fail the step
+  [ "$sim" = 1 ] && case "${CMAKE_ARGS:-}" in *MOONSHARD_ASAN=ON*) mpi_env+=(ASAN_OPTIONS=detect_leaks=0) ;; esac
   if [ "${gpus:-0}" -ge 2 ]; then
     # torchrun2 NAME ARGS...: moonshard ARGS on 2 NCCL ranks started torchrun-style
     torchrun2() {
       local name=$1 pids=() r p rc=0
       shift
       for r in 0 1; do
-        RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
+        env "${sim_env[@]}" RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
           timeout 300 "$ms" --backend nccl "$@" >"$build/$name$r.out" 2>&1 &
         pids+=($!)
       done
@@ -130,9 +138,21 @@ if [ $lua = ON ]; then
     step "2 NCCL ranks torchrun-style: units on the GPUs" torchrun2 units tests/lua/scripts/units.lua dp_shard=2
     step "2 NCCL ranks torchrun-style: units offloaded" torchrun2 units_offload tests/lua/scripts/units.lua \
       dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
+    # rank 1 leaves after the first collective: rank 0's next one ends in the timeout (2 s)
+    rank_dies() {
+      torchrun2 rank_dies --timeout 2 -e 'local ms = require "moonshard"
+local g = ms.mesh{{"dp", 2}}:group("dp")
+local t = ms.tensor({8}, "f32", ms.device())
+g:all_reduce(t, "sum")
+if ms.rank() == 1 then os.exit(3) end
+g:all_reduce(t, "sum")
+print("rank 0: the all_reduce without rank 1 returned")'
+      grep -q "all_reduce on group \[0 1\]: not every rank arrived within 2 s" "$build/rank_dies0.out"
+    }
+    step "2 NCCL ranks torchrun-style: rank 1 dies, rank 0 times out" rank_dies
     if command -v mpirun >/dev/null; then
-      step "2 NCCL ranks under mpirun: collectives.lua" mpirun --allow-run-as-root --oversubscribe -np 2 "$ms" \
-        --backend nccl tests/lua/scripts/collectives.lua
+      step "2 NCCL ranks under mpirun: collectives.lua" env "${mpi_env[@]}" mpirun --allow-run-as-root \
+        --oversubscribe -np 2 "$ms" --backend nccl tests/lua/scripts/collectives.lua
     fi
   else
     echo "== one GPU: the multi-rank NCCL runs need two (NCCL refuses two ranks on one GPU)"
@@ -160,7 +180,7 @@ print("the failed collective and the next call: errors as expected")'
   }
   nccl2s=("$ms" --backend nccl --timeout 2)
   step "sim faults: a collective that never completes" expect_error \
-    "ncclAllGather (the call's descriptor) did not complete within 2 s" \
+    "all_gather on group \[0\]: not every rank arrived within 2 s" \
     env MS_SIM_NCCL_HANG=3 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
   step "sim faults: the world's communicator never made" expect_error \
     "ncclCommInitRank did not complete within 2 s" \

@@ -25,6 +25,11 @@
  * is running waits for that thread's progress instead of taking the stream over: a wait
  * ends as soon as the operations it waits for have run, whoever ran them (so two streams
  * that wait for each other's earlier events cannot deadlock, as they cannot on a GPU).
+ * A gated operation (mssim::enqueue_gated; NCCL's collectives, cudaStreamWaitEvent's wait)
+ * stops the stream until its try_run says it is done: a blocking wait tries it again after
+ * short sleeps (20 us, doubling up to 1 ms), a query tries it once and answers
+ * cudaErrorNotReady; a query also answers cudaErrorNotReady, without waiting, while another
+ * thread is running the stream (that thread may be waiting at a gated operation itself).
  * Stream 0, cudaStreamLegacy and cudaStreamPerThread are all the calling thread's own stream
  * for its current device (the per-thread default stream: there is no legacy stream that
  * synchronizes with the others); the thread's streams run when it exits.
@@ -38,7 +43,9 @@
  * Events.  cudaEventRecord enqueues a marker.  cudaEventQuery on an event whose marker has
  * not run says cudaErrorNotReady the first time it is asked, and the next query runs the
  * stream up to the marker and says cudaSuccess, so that a caller's polling loop goes round
- * at least once, deterministically.  A stream's cudaStreamQuery does the same.
+ * at least once, deterministically; unless a gated operation before the marker is not done
+ * (or another thread runs the stream): then cudaErrorNotReady again, and each later query
+ * tries once more.  A stream's cudaStreamQuery does the same.
  *
  * Errors.  A failed call sets the calling thread's last error (cudaGetLastError returns and
  * clears it; cudaErrorNotReady is an answer, not an error, and is not recorded).  A fault
@@ -57,6 +64,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
@@ -246,25 +254,33 @@ bool where(const void *p, size_t n, Where *w) {
 
 /* ---------------------------------------------------------------- streams */
 
+/* One operation of a stream: run (a plain operation: it completes when it returns) or
+ * try_run (a gated one: the stream's progress stops at it until a call returns true). */
+struct StreamOp {
+    std::function<void()> run;
+    std::function<bool()> try_run;
+};
+
 struct Stream {
     int device;
     unsigned flags;
     bool per_thread;
     std::mutex m; /* everything below; never held while an operation runs */
-    std::condition_variable cv; /* completed moved */
-    std::deque<std::function<void()>> ops; /* not yet started, in order */
+    std::condition_variable cv; /* completed moved, or running ended */
+    std::deque<StreamOp> ops; /* not yet completed (a gated one that was tried stays first) */
     uint64_t enqueued = 0, completed = 0;  /* operations so far: sequence numbers 1, 2, ... */
-    bool running = false;                  /* an operation has started and not completed */
+    bool running = false;                  /* an operation has started and not returned */
     std::thread::id runner;
     bool asked = false; /* cudaStreamQuery said cudaErrorNotReady and has not run it since */
 
     Stream(int d, unsigned f, bool pt) : device(d), flags(f), per_thread(pt) {}
 
-    uint64_t push(std::function<void()> op) {
+    uint64_t push(StreamOp op) {
         std::lock_guard<std::mutex> lk(m);
         ops.push_back(std::move(op));
         return ++enqueued;
     }
+    uint64_t push(std::function<void()> op) { return push(StreamOp{std::move(op), nullptr}); }
 
     uint64_t tail() {
         std::lock_guard<std::mutex> lk(m);
@@ -276,10 +292,32 @@ struct Stream {
         return completed >= target;
     }
 
+    /* Runs the first operation (lk held on entry and on return, released meanwhile); false
+     * when it is a gated operation that could not complete yet: it stays first. */
+    bool step(std::unique_lock<std::mutex> &lk) {
+        StreamOp op = std::move(ops.front());
+        ops.pop_front();
+        running = true, runner = std::this_thread::get_id();
+        lk.unlock();
+        bool done = true;
+        if (op.try_run) done = op.try_run();
+        else op.run();
+        if (done) op = StreamOp{}; /* what it held (a staging buffer) goes now */
+        lk.lock();
+        if (done) completed++;
+        else ops.push_front(std::move(op));
+        running = false, runner = std::thread::id();
+        cv.notify_all();
+        return done;
+    }
+
     /* Runs the stream until its first `target` operations have completed: on this thread
-     * while no other runs it, else waiting for the one that does. */
+     * while no other runs it, else waiting for the one that does.  Blocking: a gated
+     * operation that cannot complete is tried again after a short sleep (growing to 1 ms),
+     * for as long as it takes (forever, if it never can: a GPU would spin as long). */
     void run_until(uint64_t target) {
         std::unique_lock<std::mutex> lk(m);
+        long sleep_us = 20;
         while (completed < target) {
             if (running) {
                 if (runner == std::this_thread::get_id())
@@ -287,16 +325,33 @@ struct Stream {
                 cv.wait(lk);
                 continue;
             }
-            std::function<void()> op = std::move(ops.front());
-            ops.pop_front();
-            running = true, runner = std::this_thread::get_id();
+            if (step(lk)) {
+                sleep_us = 20;
+                continue;
+            }
             lk.unlock();
-            op();
-            op = nullptr; /* what it held (a staging buffer) goes now */
+            std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+            sleep_us = std::min(sleep_us * 2, 1000L);
             lk.lock();
-            completed++, running = false, runner = std::thread::id();
-            cv.notify_all();
         }
+    }
+
+    /* Non-blocking: runs the stream towards `target` on this thread (plain operations run to
+     * their end, as before) and says whether it got there; false, at once, when a gated
+     * operation cannot complete yet (tried once) or another thread is running the stream
+     * (that thread makes the progress; a query must not wait for it, since it may be
+     * waiting for a gated operation itself). */
+    bool try_until(uint64_t target) {
+        std::unique_lock<std::mutex> lk(m);
+        while (completed < target) {
+            if (running) {
+                if (runner == std::this_thread::get_id())
+                    fatal("an operation of a stream waits for a later operation of the same stream");
+                return false;
+            }
+            if (!step(lk)) return false;
+        }
+        return true;
     }
 
     void run_all() { run_until(tail()); }
@@ -744,6 +799,13 @@ cudaError_t enqueue(cudaStream_t s, std::function<void()> op) {
     return cudaSuccess;
 }
 
+cudaError_t enqueue_gated(cudaStream_t s, std::function<bool()> try_run) {
+    std::shared_ptr<Stream> st = resolve(s);
+    if (!st) return cudaErrorInvalidResourceHandle;
+    st->push(StreamOp{nullptr, std::move(try_run)});
+    return cudaSuccess;
+}
+
 cudaError_t drain(cudaStream_t s) {
     std::shared_ptr<Stream> st = resolve(s);
     if (!st) return cudaErrorInvalidResourceHandle;
@@ -1127,8 +1189,9 @@ cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream) {
     return cudaSuccess;
 }
 
-/* cudaErrorNotReady the first time it is asked while work is pending; the next time the
- * stream runs and the answer is cudaSuccess. */
+/* cudaErrorNotReady the first time it is asked while work is pending; from the next time
+ * on the stream runs (try_until) and the answer is cudaSuccess once it got through,
+ * cudaErrorNotReady while a gated operation holds it up (tried once a query). */
 cudaError_t CUDARTAPI cudaStreamQuery(cudaStream_t stream) {
     if (no_device()) return fail(cudaErrorNoDevice);
     std::shared_ptr<Stream> s = resolve(stream);
@@ -1141,10 +1204,11 @@ cudaError_t CUDARTAPI cudaStreamQuery(cudaStream_t stream) {
             s->asked = true;
             return cudaErrorNotReady;
         }
-        s->asked = false;
         target = s->enqueued;
     }
-    s->run_until(target);
+    if (!s->try_until(target)) return cudaErrorNotReady;
+    std::lock_guard<std::mutex> lk(s->m);
+    s->asked = false;
     return cudaSuccess;
 }
 
@@ -1162,7 +1226,8 @@ cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event
         std::lock_guard<std::mutex> lk(ev->m);
         on = ev->stream, target = ev->target;
     }
-    if (on && on != s) s->push([on, target] { on->run_until(target); });
+    /* gated, so that a query of s never blocks on the other stream's gated operations */
+    if (on && on != s) s->push(StreamOp{nullptr, [on, target] { return on->try_until(target); }});
     return cudaSuccess;
 }
 
@@ -1196,8 +1261,10 @@ cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     return cudaSuccess;
 }
 
-/* cudaErrorNotReady the first time it is asked about a record whose marker has not run; the
- * next time the stream runs up to the marker and the answer is cudaSuccess. */
+/* cudaErrorNotReady the first time it is asked about a record whose marker has not run; from
+ * the next time on the stream runs towards the marker (try_until): cudaSuccess once it got
+ * there, cudaErrorNotReady while a gated operation before the marker holds it up (tried
+ * once a query), as a GPU still spinning in a collective would answer. */
 cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
     std::shared_ptr<Event> ev = find_event(event);
     if (!ev) return fail(cudaErrorInvalidResourceHandle);
@@ -1212,8 +1279,7 @@ cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
         }
         s = ev->stream, target = ev->target;
     }
-    s->run_until(target);
-    return cudaSuccess;
+    return s->try_until(target) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {

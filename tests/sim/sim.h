@@ -14,7 +14,13 @@
  *    order.  A result read before the wait that orders it reads stale data.
  *  - Kernels (the .cu files of core/cuda compiled as C++ with cuda_sim_device.h) run on the
  *    host when their stream runs: every block, every thread, __syncthreads through fibers.
- *  - NCCL: communicators of one rank (the one-GPU world), nonblocking as configured.
+ *  - Gated stream operations (enqueue_gated): the stream's progress stops at one until it
+ *    says it is done; a query (cudaEventQuery, cudaStreamQuery) tries it once and says
+ *    cudaErrorNotReady while it is not, a blocking wait tries it again after short sleeps.
+ *    That is how a collective waits for its peers without blocking a polling host thread,
+ *    as a GPU spinning in a kernel would not.
+ *  - NCCL: communicators of one or several ranks, one rank a process of the same machine
+ *    (their data through POSIX shared memory), nonblocking as configured.
  *
  * Internal to tests/sim: what the runtime (cudart_sim.cc) offers NCCL (nccl_sim.cc) and the
  * kernel launcher (cuda_sim_device.h).
@@ -55,6 +61,16 @@ int current_device();
 // the last error); it may drain other streams (as cudaStreamWaitEvent's operation does), but
 // never wait for a later operation of its own stream.
 cudaError_t enqueue(cudaStream_t s, std::function<void()> op);
+
+// Enqueues a gated operation on s: when the stream reaches it, try_run is called (on the
+// thread that waits for the stream, as op above) until it returns true; meanwhile nothing
+// after it on s runs.  cudaEventQuery and cudaStreamQuery call it once a query and answer
+// cudaErrorNotReady while it returns false; blocking waits (cudaStreamSynchronize,
+// cudaEventSynchronize, synchronous copies, cudaFree, ...) call it again after a short sleep
+// until it returns true (forever, if it never does).  try_run must not block: it looks,
+// perhaps does part of its work, and says whether it is done; it keeps its own state between
+// calls.  Same rules as op otherwise; cudaErrorInvalidResourceHandle as enqueue.
+cudaError_t enqueue_gated(cudaStream_t s, std::function<bool()> try_run);
 
 // Runs every operation enqueued on s so far (what cudaStreamSynchronize does).
 // cudaErrorInvalidResourceHandle (not set as the last error) for a stream that is not live.
