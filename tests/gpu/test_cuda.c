@@ -177,6 +177,21 @@ static void tensors(int ndev) {
     CHECK_OK(ms_tensor_copy(hb, band));
     CHECK(((uint16_t *)ms_tensor_data(hb))[4] == 0x4088); /* row 1, col 1: 4.25 in bf16 */
 
+    /* device -> another device (cuda:0's strided view, in bf16 on cuda:1), then to the host:
+     * the bits of the host copy above */
+    if (ndev >= 2) {
+        ms_tensor *other = NULL, *back = NULL;
+        CHECK_OK(ms_tensor_new(&other, 2, bshape, MS_BF16, MS_DEVICE_CUDA, 1));
+        if (other) {
+            CHECK_OK(ms_tensor_copy(other, band));
+            back = to_dev(other, MS_DEVICE_CPU);
+            CHECK(back && !memcmp(ms_tensor_data(back), ms_tensor_data(hb), (size_t)ms_tensor_nbytes(hb)));
+            ms_tensor_release(back);
+            ms_tensor_release(other);
+        }
+        printf("tensors: cuda:0 -> cuda:1 (strided, f32 -> bf16): checked\n");
+    }
+
     /* a meta tensor has nothing to move; a device that is not there says so */
     ms_tensor *m = new_tensor(2, shape, MS_F32, MS_DEVICE_META), *none = NULL;
     CHECK_ERR(ms_tensor_copy(d, m), MS_ERR_DEVICE, "a meta tensor holds no data");
