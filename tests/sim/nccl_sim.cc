@@ -1191,12 +1191,6 @@ ncclResult_t init_rank(ncclComm_t *comm, int nranks, const ncclUniqueId &id, int
 
 extern "C" {
 
-ncclResult_t ncclGetVersion(int *version) {
-    if (!version) return ncclInvalidArgument;
-    *version = NCCL_VERSION_CODE;
-    return ncclSuccess;
-}
-
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
     if (!uniqueId) {
         std::lock_guard<std::mutex> g(lock_);
@@ -1359,36 +1353,6 @@ const char *ncclGetLastError(ncclComm_t comm) {
     return copy;
 }
 
-ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
-    std::lock_guard<std::mutex> g(lock_);
-    ncclResult_t r = check_comm(comm, "CommCount");
-    if (r == ncclSuccess && !count) r = fail(ncclInvalidArgument, "CommCount : count argument is NULL");
-    if (r == ncclSuccess) r = ensure_ready(comm, "CommCount");
-    if (r == ncclSuccess) *count = comm->nranks;
-    return r;
-}
-
-ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device) {
-    std::lock_guard<std::mutex> g(lock_);
-    ncclResult_t r = check_comm(comm, "CommCuDevice");
-    if (r == ncclSuccess && !device) r = fail(ncclInvalidArgument, "CommCuDevice : devid argument is NULL");
-    if (r == ncclSuccess) r = ensure_ready(comm, "CommCuDevice");
-    if (r == ncclSuccess) *device = comm->device;
-    return r;
-}
-
-ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
-    std::lock_guard<std::mutex> g(lock_);
-    ncclResult_t r = check_comm(comm, "CommUserRank");
-    if (r == ncclSuccess && !rank) r = fail(ncclInvalidArgument, "CommUserRank : rank argument is NULL");
-    if (r == ncclSuccess) r = ensure_ready(comm, "CommUserRank");
-    if (r == ncclSuccess) *rank = comm->rank;
-    return r;
-}
-
-/* The collectives, one rank each: the element counts NCCL's header gives them.  The rank is
- * always 0 (so rank * count offsets vanish), nranks always 1. */
-
 /* The collectives: the element counts NCCL's header gives them. */
 
 ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype,
@@ -1410,11 +1374,6 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, n
 ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
     return collective(Op::kBroadcast, "Broadcast", sendbuff, recvbuff, count, datatype, ncclSum, root, comm, stream);
-}
-
-ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
-                       cudaStream_t stream) {
-    return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
 }
 
 ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
