@@ -52,9 +52,12 @@
  *
  * Tensors.  CUDA tensors on the rank's device go to NCCL as they are; cpu tensors are staged
  * through device buffers of the group (so a script written for the threads backend runs
- * unchanged, if slower).  Reductions are NCCL's own: bf16, f16 and fp8 are summed in their
- * dtype along NCCL's ring or tree (not accumulated in f32 and rounded once as the threads and
- * MPI backends do), so results may differ from theirs in the last bits.  bool reduces as u8.
+ * unchanged, if slower).  Reductions are NCCL's own: floating types are summed in their
+ * dtype along NCCL's ring or tree, every partial sum rounded (not accumulated in f32 and
+ * rounded once as the threads and MPI backends do), and ncclAvg multiplies every value by
+ * 1/n rounded to the dtype first (PreMulSum), so with 3 ranks or more results may differ
+ * from theirs in the last bits (fp8 averages: by up to a rounding of the dtype, 1/n itself
+ * being rounded to fp8).  bool reduces as u8.
  */
 #include "comm.h"
 #include "cuda.h"

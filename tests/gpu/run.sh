@@ -15,7 +15,9 @@
 #     units.lua (the inkling2 plan's units, on the GPU and offloaded) with --backend nccl;
 #     with two GPUs or more the same on 2 NCCL ranks started torchrun-style (RANK,
 #     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a rank that leaves mid-run (the other's next
-#     collective must end in the timeout), and collectives.lua under mpirun;
+#     collective must end in the timeout), and collectives.lua under mpirun; with 3 GPUs
+#     and with 4, collectives.lua and units.lua on 3 and 4 ranks (NCCL's rounding in bf16,
+#     f16 and fp8 reductions, uneven shards, groups of mesh axes, expert-parallel units);
 #   - bench_cuda: the casts' bandwidth as a fraction of a device-to-device copy's (same run).
 # A test that skips (exit 77: no device, or no NCCL in the build) is a failure here.
 #   [CMAKE_ARGS="-D..."] bash tests/gpu/run.sh [BUILD_DIR]
@@ -23,8 +25,8 @@
 # host simulation of the CUDA runtime and NCCL: -DMOONSHARD_CUDA_SIM=ON, default BUILD_DIR
 # build-sim), leaving out bench_cuda: it checks the device code paths' plumbing (pointers,
 # sizes, streams, events, ordering, errors) and the kernels' code run on the host, never a
-# GPU; its ranks are processes of this machine, each with 2 simulated devices, so the 2-rank
-# runs are made too, and the NCCL backend's failure paths are run through the simulation's
+# GPU; its ranks are processes of this machine, each with 4 simulated devices, so the runs
+# on 2, 3 and 4 ranks are made too (reducing in NCCL's arithmetic), and the NCCL backend's failure paths are run through the simulation's
 # fault switches.  The test command (tools/test.sh) runs it that way.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -118,33 +120,33 @@ if [ $lua = ON ]; then
   step "Lua: the inkling2 units on one NCCL rank, offloaded" "$ms" --backend nccl tests/lua/scripts/units.lua \
     dp_shard=1 tests/lua/configs/inkling2_tiny.json offload
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  # the simulation: ranks are processes meeting in shared memory, each with 2 simulated
-  # devices (LOCAL_RANK, or rank mod 2, picks one)
+  # the simulation: ranks are processes meeting in shared memory, each with 4 simulated
+  # devices (LOCAL_RANK, or rank mod 4, picks one)
   sim_env=()
-  [ "$sim" = 1 ] && gpus=2 sim_env=(MS_SIM_DEVICES=2)
+  [ "$sim" = 1 ] && gpus=4 sim_env=(MS_SIM_DEVICES=4)
   mpi_env=("${sim_env[@]}") # Open MPI leaks at exit (its plugins): LeakSanitizer would fail the step
   [ "$sim" = 1 ] && case "${CMAKE_ARGS:-}" in *MOONSHARD_ASAN=ON*) mpi_env+=(ASAN_OPTIONS=detect_leaks=0) ;; esac
   if [ "${gpus:-0}" -ge 2 ]; then
-    # torchrun2 NAME ARGS...: moonshard ARGS on 2 NCCL ranks started torchrun-style
-    torchrun2() {
-      local name=$1 pids=() r p rc=0
-      shift
-      for r in 0 1; do
-        env "${sim_env[@]}" RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
+    # torchrun N NAME ARGS...: moonshard ARGS on N NCCL ranks started torchrun-style
+    torchrun() {
+      local n=$1 name=$2 pids=() r p rc=0
+      shift 2
+      for ((r = 0; r < n; r++)); do
+        env "${sim_env[@]}" RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29571 \
           timeout 300 "$ms" --backend nccl "$@" >"$build/$name$r.out" 2>&1 &
         pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p" || rc=1; done
-      cat "$build/$name"*.out
+      for ((r = 0; r < n; r++)); do cat "$build/$name$r.out"; done
       return $rc
     }
-    step "2 NCCL ranks torchrun-style: collectives.lua" torchrun2 collectives tests/lua/scripts/collectives.lua
-    step "2 NCCL ranks torchrun-style: units on the GPUs" torchrun2 units tests/lua/scripts/units.lua dp_shard=2
-    step "2 NCCL ranks torchrun-style: units offloaded" torchrun2 units_offload tests/lua/scripts/units.lua \
+    step "2 NCCL ranks torchrun-style: collectives.lua" torchrun 2 collectives tests/lua/scripts/collectives.lua
+    step "2 NCCL ranks torchrun-style: units on the GPUs" torchrun 2 units tests/lua/scripts/units.lua dp_shard=2
+    step "2 NCCL ranks torchrun-style: units offloaded" torchrun 2 units_offload tests/lua/scripts/units.lua \
       dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
     # rank 1 leaves after the first collective: rank 0's next one ends in the timeout (2 s)
     rank_dies() {
-      torchrun2 rank_dies --timeout 2 -e 'local ms = require "moonshard"
+      torchrun 2 rank_dies --timeout 2 -e 'local ms = require "moonshard"
 local g = ms.mesh{{"dp", 2}}:group("dp")
 local t = ms.tensor({8}, "f32", ms.device())
 g:all_reduce(t, "sum")
@@ -160,6 +162,19 @@ print("rank 0: the all_reduce without rank 1 returned")'
     fi
   else
     echo "== one GPU: the multi-rank NCCL runs need two (NCCL refuses two ranks on one GPU)"
+  fi
+  # 3 ranks: averages multiply by 1/3 rounded to the dtype, uneven shards (torch.chunk 2, 2, 0);
+  # 4 ranks: groups of mesh axes (ncclCommSplit), expert-parallel units
+  if [ "${gpus:-0}" -ge 3 ]; then
+    step "3 NCCL ranks torchrun-style: collectives.lua" torchrun 3 collectives3 tests/lua/scripts/collectives.lua
+    step "3 NCCL ranks torchrun-style: units on the GPUs" torchrun 3 units3 tests/lua/scripts/units.lua dp_shard=3
+  fi
+  if [ "${gpus:-0}" -ge 4 ]; then
+    step "4 NCCL ranks torchrun-style: collectives.lua" torchrun 4 collectives4 tests/lua/scripts/collectives.lua
+    step "4 NCCL ranks torchrun-style: expert-parallel units on the GPUs" torchrun 4 units4 \
+      tests/lua/scripts/units.lua dp_shard=4,ep=2
+    step "4 NCCL ranks torchrun-style: expert-parallel units offloaded" torchrun 4 units4_offload \
+      tests/lua/scripts/units.lua dp_shard=4,ep=2 tests/lua/configs/inkling2_tiny.json offload
   fi
 fi
 if [ "$sim" = 1 ] && [ $lua = ON ]; then

@@ -37,11 +37,14 @@
  *  - A group's sends and receives on one communicator are one gated operation: every send
  *    published at once ("p<from>.<to>.<k>", the k-th from one to the other), every receive
  *    copied when its send shows up.
- * Reductions: integers in their type, wrapping; every floating type accumulated in double,
- * over the ranks in rank order, and rounded once to its type (to nearest, ties to even;
- * beyond the largest finite: inf, NaN for e4m3); avg divides the sum by nranks before that
- * rounding (integers: truncating).  Results for moonshard's test values (small integers) are
- * exact in every dtype, or the one rounding the tests expect.
+ * Reductions, in NCCL's arithmetic: integers in their type, wrapping (avg: the sum divided,
+ * truncating, NCCL's SumPostDiv); floating types in their own type, every partial result
+ * rounded to it (to nearest, ties to even; beyond the largest finite: inf, NaN for e4m3),
+ * the ranks taken around a ring that starts at a different rank for each element (NCCL's
+ * ring or tree sets the order; the tests may not depend on it); avg is NCCL's PreMulSum:
+ * every rank's value multiplied by 1/nranks rounded to the type, then summed that way.
+ * So bf16, f16 and fp8 results may differ in their last bits from one rounding of the
+ * exact value once there are 3 ranks or more, as NCCL's do.
  * Peer death: a dead peer's contributions never come, so the survivors' streams stay not
  * ready and their timeouts fire; ncclCommAbort returns at once, makes the communicator's
  * pending stream operations complete without effect (the streams go on, as NCCL's abort
@@ -560,11 +563,7 @@ size_t type_size(ncclDataType_t t) {
 
 bool per_thread_stream(cudaStream_t s) { return !s || s == cudaStreamPerThread || s == cudaStreamLegacy; }
 
-/* ---- reductions: integers in their type (wrapping, as NCCL's), every floating type
- * accumulated in double over the ranks in rank order and rounded once to its type (to
- * nearest, ties to even); avg divides the sum by nranks before that rounding (integers:
- * truncating, as NCCL's SumPostDiv).  For the small integers of moonshard's tests every
- * dtype's result is then exact, or the one rounding the tests expect. */
+/* ---- reductions, in NCCL's arithmetic (the header's "Reductions") */
 
 /* A binary floating format narrower than float: bits of exponent and mantissa, bias, and
  * whether the all-ones exponent is inf/NaN (IEEE) or, as in e4m3 ("fn"), only S.1111.111
@@ -632,6 +631,13 @@ void store_float(ncclDataType_t t, char *p, double v) {
     }
 }
 
+/* v rounded to type t (through its bits). */
+double round_to(ncclDataType_t t, double v) {
+    char b[8];
+    store_float(t, b, v);
+    return load_float(t, b);
+}
+
 template <class T> void reduce_int(int op, const std::vector<const char *> &in, char *out, size_t count) {
     using U = std::make_unsigned_t<T>; /* wrapping arithmetic, no signed overflow */
     const size_t n = in.size();
@@ -666,18 +672,24 @@ void reduce(ncclDataType_t t, int op, const std::vector<const char *> &in, char 
     default: break;
     }
     const size_t es = type_size(t), n = in.size();
+    const double scale = op == ncclAvg ? round_to(t, 1.0 / (double)n) : 1.0; /* PreMulSum's scalar */
     for (size_t i = 0; i < count; i++) {
-        double acc = load_float(t, in[0] + i * es);
-        for (size_t q = 1; q < n; q++) {
-            const double v = load_float(t, in[q] + i * es);
+        const size_t first = i % n; /* the ring's start for this element */
+        double acc = 0;
+        for (size_t k = 0; k < n; k++) {
+            double v = load_float(t, in[(first + k) % n] + i * es);
+            if (op == ncclAvg) v = round_to(t, v * scale);
+            if (k == 0) {
+                acc = v;
+                continue;
+            }
             switch (op) {
-            case ncclProd: acc *= v; break;
+            case ncclProd: acc = round_to(t, acc * v); break;
             case ncclMax: acc = v > acc ? v : acc; break;
             case ncclMin: acc = v < acc ? v : acc; break;
-            default: acc += v; break;
+            default: acc = round_to(t, acc + v); break; /* sum, avg */
             }
         }
-        if (op == ncclAvg) acc /= (double)n;
         store_float(t, out + i * es, acc);
     }
 }
