@@ -9,9 +9,11 @@
  *   shows what the agreement on arguments costs each call)
  *   bf16 reduce_scatter: moonshard only (MPI has no bf16), busbw
  * S is the collective's whole buffer: the all_gather output, the reduce_scatter input, the
- * all_reduce buffer.  The two sides alternate (A B, B A, A B, ...) over the trials; a trial's
- * time is the slowest rank's; the ratio of each trial is t_OpenMPI / t_moonshard (above 1:
- * moonshard is faster), printed as min / median / max with the targets of the MPI backend.
+ * all_reduce buffer.  The two sides alternate: for the large buffers call by call within
+ * each trial (A B B A A B ..., every call started by a barrier and timed alone, a side's
+ * time the slowest rank's sum), for the latencies trial by trial (A B, B A, ...); the ratio
+ * of each trial is t_OpenMPI / t_moonshard (above 1: moonshard is faster), printed as
+ * min / median / max with the targets of the MPI backend.
  * Run on 2 ranks for ratios on this 2-core machine (4 oversubscribe it):
  *
  *   mpirun --allow-run-as-root -np 2 build/bench/bench_mpi [-s MiB,MiB,...] [-t trials]
@@ -160,20 +162,40 @@ static void sizes_of(const bufs *b, op o, double *S, double *factor) {
     }
 }
 
+/* Large buffers: `iters` pairs of calls, the two sides alternating call by call (A B, B A,
+ * ...) so that the machine's slow drifts fall on both alike, each call started together
+ * (a barrier) and timed alone; seconds per call of each side, the slowest rank's sum. */
+static void timed_pairs(ms_comm *c, bufs *b, op o, int iters, double *ours, double *ref) {
+    double sum[2] = {0, 0}, slowest[2];
+    for (int i = 0; i < 2 * iters; i++) {
+        const side s = (i / 2 + i) % 2 ? OPENMPI : OURS; /* A B B A A B B A ... */
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = MPI_Wtime();
+        run_once(c, b, o, s);
+        sum[s] += MPI_Wtime() - t0;
+    }
+    MPI_Allreduce(sum, slowest, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    *ours = slowest[OURS] / iters, *ref = slowest[OPENMPI] / iters;
+}
+
 static void bench_op(ms_comm *c, bufs *b, op o, int trials, bool print_size) {
     const bool pair = o != REDUCE_SCATTER_BF16;
     const bool small = o >= SMALL_ALL_GATHER;
-    /* iterations per trial: about 50 ms of work on this machine */
+    /* iterations per trial and side: about 50 ms of work on this machine */
     int iters = small ? 2000 : (int)(256.0 * (1 << 20) / (double)b->S);
     if (iters < 2) iters = 2;
     run_once(c, b, o, OURS); /* warm: groups, staging, pages */
     if (pair) run_once(c, b, o, OPENMPI);
     double ours[MAX_TRIALS], ref[MAX_TRIALS], ratio[MAX_TRIALS];
-    for (int t = 0; t < trials; t++) { /* A B, B A, A B, ...: neither side always goes first */
-        if (pair && t % 2) ref[t] = timed(c, b, o, OPENMPI, iters);
-        ours[t] = timed(c, b, o, OURS, iters);
-        if (pair && !(t % 2)) ref[t] = timed(c, b, o, OPENMPI, iters);
-        if (!pair) ref[t] = 0;
+    for (int t = 0; t < trials; t++) {
+        if (pair && !small) {
+            timed_pairs(c, b, o, iters, &ours[t], &ref[t]);
+        } else { /* A B, B A, A B, ...: neither side always goes first */
+            if (pair && t % 2) ref[t] = timed(c, b, o, OPENMPI, iters);
+            ours[t] = timed(c, b, o, OURS, iters);
+            if (pair && !(t % 2)) ref[t] = timed(c, b, o, OPENMPI, iters);
+            if (!pair) ref[t] = 0;
+        }
         ratio[t] = ref[t] / ours[t];
     }
     if (rank != 0) return;
