@@ -736,6 +736,8 @@ struct ms_store {
     double timeout_s;
     char where[WHERE_MAX]; /* "host:port" */
     server *srv;           /* rank 0: the server it runs */
+    bool torch;            /* a client of torchrun's own store (PyTorch's TCPStore protocol) */
+    char prefix[160];      /* torch: what every key is prefixed with */
     const char *doing;     /* the call in progress, for messages: "join", "get \"k\"" */
     bool broken;           /* the connection failed: later calls repeat broken_msg */
     char broken_msg[1024];
@@ -953,6 +955,122 @@ ms_status ms__store_open(ms_store **out, const char *host, int port, int rank, i
     return ms__ok();
 }
 
+/* ---------------------------------------------------------------- torchrun's store
+ *
+ * torchrun (torch.distributed.run) serves a store of its own on MASTER_ADDR:MASTER_PORT
+ * from its agent and tells the workers so with TORCHELASTIC_USE_AGENT_STORE=True: there
+ * rank 0 cannot serve ours (the port is taken), so every rank is a client of the agent's
+ * store instead, in PyTorch's TCPStore protocol (torch/csrc/distributed/c10d/
+ * TCPStoreBackend.hpp), of which moonshard needs four messages, every integer in the
+ * host's byte order (little-endian here, as PyTorch sends it):
+ *   VALIDATE  u8 0, u32 0x3C85F7CE                         first, once; no reply
+ *   SET       u8 1, u64 key length, key, u64 length, value  no reply
+ *   GET       u8 3, u64 key length, key                     u64 length, value
+ *   WAIT      u8 6, u64 1, u64 key length, key              u8 0 once the key is set
+ * Keys are prefixed with "moonshard/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/",
+ * since the agent's store outlives a restart of the workers.  What that store does not do:
+ * refuse a second SET of a key (it overwrites), and tell a waiting rank that a peer died (a
+ * get waits out the timeout instead). */
+
+enum { T_VALIDATE = 0, T_SET = 1, T_GET = 3, T_WAIT = 6 };
+static const uint32_t TORCH_MAGIC = 0x3C85F7CEu;
+
+static size_t put_le(uint8_t *p, uint64_t v, size_t bytes) {
+    for (size_t i = 0; i < bytes; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return bytes;
+}
+
+static uint64_t get_le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+/* One torch message: op, then (when key) the key's length and the prefixed key, then (when
+ * `with_value`) the value's length and the value; WAIT carries its key count first. */
+static ms_status torch_send(ms_store *s, uint8_t op, const char *key, const void *value, size_t len,
+                            bool with_value, double deadline) {
+    char full[sizeof s->prefix + MS_STORE_KEY_MAX + 1];
+    size_t klen = key ? (size_t)snprintf(full, sizeof full, "%s%s", s->prefix, key) : 0;
+    uint8_t head[1 + 8 + 8], tail[8];
+    size_t h = put_le(head, op, 1);
+    if (op == T_WAIT) h += put_le(head + h, 1, 8);
+    if (key) h += put_le(head + h, klen, 8);
+    put_le(tail, len, 8);
+    struct iovec iov[4] = {{head, h}, {full, klen}, {tail, with_value ? 8 : 0},
+                           {(void *)value, with_value ? len : 0}};
+    return send_all(s, iov, 4, deadline);
+}
+
+static ms_status torch_set(ms_store *s, const char *key, const void *value, size_t len) {
+    s->doing = "set";
+    return torch_send(s, T_SET, key, value, len, true, ms__now_s() + s->timeout_s);
+}
+
+static ms_status torch_get(ms_store *s, const char *key, void *value, size_t cap, size_t *len,
+                           double deadline) {
+    char what[300];
+    snprintf(what, sizeof what, "get \"%s\"", key);
+    s->doing = what;
+    uint8_t ready = 1, n[8];
+    ms_status st = torch_send(s, T_WAIT, key, NULL, 0, false, deadline);
+    if (st == MS_OK) st = recv_all(s, &ready, 1, 1, deadline);
+    if (st == MS_ERR_TIMEOUT) /* io_failed's message says "no answer from the server" */
+        return conn_failed(s, MS_ERR_TIMEOUT, "the key was not set within %.1f s (torchrun's store cannot tell "
+                           "whether the rank that sets it died)", s->timeout_s);
+    if (st == MS_OK && ready != 0)
+        return conn_failed(s, MS_ERR_IO, "unexpected answer %u to a wait: not PyTorch's TCPStore?", ready);
+    if (st == MS_OK) st = torch_send(s, T_GET, key, NULL, 0, false, deadline + REPLY_GRACE_S);
+    if (st == MS_OK) st = recv_all(s, n, 8, 8, deadline + REPLY_GRACE_S);
+    if (st != MS_OK) return st;
+    uint64_t got = get_le64(n);
+    if (got > MS_STORE_VALUE_MAX)
+        return conn_failed(s, MS_ERR_IO, "a value of %llu bytes (at most %d): not PyTorch's TCPStore?",
+                           (unsigned long long)got, MS_STORE_VALUE_MAX);
+    *len = (size_t)got;
+    st = recv_all(s, value, cap, (size_t)got, deadline + REPLY_GRACE_S);
+    return st == MS_OK ? ms__ok() : st;
+}
+
+/* Joins torchrun's store at host:port as `rank` of `world`: connects (retrying until the
+ * timeout) and validates; `run` and `restart` make the key prefix. */
+static ms_status torch_open(ms_store **out, const char *host, int port, int rank, int world, double timeout_s,
+                            const char *run, const char *restart) {
+    ms_store *s = calloc(1, sizeof *s);
+    if (!s) return ms__fail(MS_ERR_OOM, "ms__store_open: no memory");
+    *s = (ms_store){.fd = -1, .rank = rank, .world = world, .timeout_s = timeout_s, .torch = true};
+    snprintf(s->where, sizeof s->where, strchr(host, ':') ? "[%s]:%d (torchrun's)" : "%s:%d (torchrun's)", host,
+             port);
+    snprintf(s->prefix, sizeof s->prefix, "moonshard/%.100s/%.20s/", run, restart);
+    const double start = ms__now_s(), deadline = start + timeout_s;
+    char why[256] = "no attempt made";
+    for (double pause = RETRY_FIRST_S; s->fd < 0; pause = fmin(2 * pause, RETRY_MAX_S)) {
+        s->fd = connect_once(host, port, deadline, why, sizeof why);
+        double left = deadline - ms__now_s();
+        if (s->fd >= 0) break;
+        if (left <= 0) {
+            ms_status st = ms__fail(MS_ERR_TIMEOUT, WHO_FMT ": could not connect within %.1f s (last try: %s)",
+                                    WHO(s), ms__now_s() - start, why);
+            store_free(s, true);
+            return st;
+        }
+        sleep_s(fmin(pause, left));
+    }
+    set_nodelay(s->fd);
+    s->doing = "join";
+    uint8_t hello[5];
+    put_le(hello, T_VALIDATE, 1);
+    put_le(hello + 1, TORCH_MAGIC, 4);
+    struct iovec iov[1] = {{hello, sizeof hello}};
+    ms_status st = send_all(s, iov, 1, deadline);
+    if (st != MS_OK) {
+        store_free(s, true);
+        return st;
+    }
+    *out = s;
+    return ms__ok();
+}
+
 /* ---------------------------------------------------------------- from the environment */
 
 /* Parses variable `name` as an integer in [lo, hi]; problems go to m. */
@@ -991,6 +1109,15 @@ ms_status ms__store_open_env(ms_store **out, double timeout_s) {
         ms__msg_add(&m, "%sRANK=%ld is not below WORLD_SIZE=%ld (expected 0 <= RANK < WORLD_SIZE)",
                     m.len ? "; " : "", rank, world);
     if (m.len) return ms__fail(MS_ERR_ARG, "store from the environment: %s", m.s);
+    const char *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    if (agent && strcmp(agent, "True") == 0) { /* torchrun serves its own store there */
+        if (!(timeout_s > 0) || !isfinite(timeout_s))
+            return ms__fail(MS_ERR_ARG, "ms__store_open: timeout %g s is not a positive number of seconds",
+                            timeout_s);
+        const char *run = getenv("TORCHELASTIC_RUN_ID"), *restart = getenv("TORCHELASTIC_RESTART_COUNT");
+        return torch_open(out, addr, (int)port, (int)rank, (int)world, timeout_s, run && *run ? run : "none",
+                          restart && *restart ? restart : "0");
+    }
     return ms__store_open(out, addr, (int)port, (int)rank, (int)world, timeout_s);
 }
 
@@ -1017,6 +1144,9 @@ ms_status ms__store_set(ms_store *s, const char *key, const void *value, size_t 
         return ms__fail(MS_ERR_ARG,
                         WHO_FMT ": set \"%s\": the value has %zu bytes at %p (at most %d, not NULL)",
                         WHO(s), key, len, value, MS_STORE_VALUE_MAX);
+    if (s->torch) return s->broken ? ms__fail(MS_ERR_STATE, WHO_FMT ": set: unusable after an earlier failure: %s",
+                                              WHO(s), s->broken_msg)
+                               : torch_set(s, key, value, len);
     double deadline = ms__now_s() + s->timeout_s;
     request rq = {.op = OP_SET, .key = key, .value = value, .value_len = len, .send_by = deadline,
                   .reply_by = deadline};
@@ -1034,6 +1164,10 @@ static uint32_t ms_until(double deadline) {
 /* GET with the server's wait ending at `deadline`. */
 static ms_status get_until(ms_store *s, const char *key, void *value, size_t cap, size_t *len,
                            double deadline) {
+    if (s->torch && s->broken)
+        return ms__fail(MS_ERR_STATE, WHO_FMT ": get \"%s\": unusable after an earlier failure: %s", WHO(s), key,
+                        s->broken_msg);
+    if (s->torch) return torch_get(s, key, value, cap, len, deadline);
     request rq = {.op = OP_GET, .key = key, .arg = ms_until(deadline), .send_by = deadline,
                   .reply_by = deadline + REPLY_GRACE_S};
     char what[300];
@@ -1075,7 +1209,7 @@ void ms__store_close(ms_store *s) {
     snprintf(saved, sizeof saved, "%s", ms_last_error());
     double deadline = ms__now_s() + s->timeout_s;
     request rq = {.op = OP_BYE, .send_by = deadline, .reply_by = deadline};
-    bool said_bye = s->fd >= 0 && call(s, &rq, "close", NULL, 0, NULL) == MS_OK;
+    bool said_bye = s->fd >= 0 && !s->torch && call(s, &rq, "close", NULL, 0, NULL) == MS_OK;
     store_free(s, !said_bye);
     ms__fail(MS_OK, "%s", saved);
 }

@@ -41,7 +41,11 @@ ms_status ms__store_open(ms_store **out, const char *host, int port, int rank, i
                          double timeout_s);
 /* The same from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.  Every
  * missing or malformed variable is named in the error, with the value seen and what is
- * expected. */
+ * expected.  Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the store at
+ * MASTER_ADDR:MASTER_PORT is torchrun's own: every rank joins it as a client, in PyTorch's
+ * TCPStore protocol, its keys under "moonshard/<TORCHELASTIC_RUN_ID>/<restart count>/";
+ * there a second set of a key overwrites it, and a dead peer shows as a timeout (store.c,
+ * "torchrun's store"). */
 ms_status ms__store_open_env(ms_store **out, double timeout_s);
 
 int ms__store_rank(const ms_store *s);

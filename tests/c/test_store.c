@@ -16,6 +16,11 @@
  *                (one rank) carries on
  *   server dies  rank 0's process exits while rank 1 waits in a get: peer_failed at once,
  *                and every later call refused with that failure
+ *   torchrun     with TORCHELASTIC_USE_AGENT_STORE=True, 2 forked ranks are clients of a
+ *                store in PyTorch's TCPStore protocol (a stand-in served here, from the
+ *                messages as PyTorch's TCPStoreBackend.hpp and TCPStoreLibUvBackend.cpp
+ *                define them): validated first, keys under the run's prefix, a 1 MiB value
+ *                waited for and got whole, a missing key timing out with its message
  * Errors are checked by status and message.  Forked children count their failures with
  * the same checks and report them through their exit status.  Ports come from binding port
  * 0 on 127.0.0.1.
@@ -29,6 +34,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -445,6 +451,196 @@ static void test_server_dies(void) {
     check_child(kid, "rank 0 (dying)");
 }
 
+/* ---------------------------------------------------------------- torchrun's store */
+
+/* A stand-in for torchrun's agent store: PyTorch's TCPStore messages VALIDATE, SET, GET
+ * and WAIT (one key), little-endian, one thread per connection.  What a client sent that
+ * PyTorch's server would refuse is counted in agent.bad. */
+enum { AGENT_KEYS = 8, AGENT_CONNS = 2 };
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char key[AGENT_KEYS][300];
+    unsigned char *val[AGENT_KEYS];
+    size_t len[AGENT_KEYS];
+    int nkeys, bad, validated, listen_fd;
+    char last_key[300];
+} agent = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static bool read_full(int fd, void *buf, size_t n) {
+    for (size_t got = 0; got < n;) {
+        ssize_t k = read(fd, (char *)buf + got, n - got);
+        if (k <= 0) return false;
+        got += (size_t)k;
+    }
+    return true;
+}
+
+static bool read_u64(int fd, uint64_t *v) {
+    unsigned char b[8];
+    if (!read_full(fd, b, 8)) return false;
+    *v = 0;
+    for (int i = 7; i >= 0; i--) *v = *v << 8 | b[i];
+    return true;
+}
+
+static void write_u64(int fd, uint64_t v) {
+    unsigned char b[8];
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
+    CHECK(write(fd, b, 8) == 8);
+}
+
+static bool read_key(int fd, char *key) {
+    uint64_t n;
+    if (!read_u64(fd, &n) || n == 0 || n >= 300 || !read_full(fd, key, (size_t)n)) return false;
+    key[n] = '\0';
+    return true;
+}
+
+static int agent_find(const char *key) {
+    for (int i = 0; i < agent.nkeys; i++)
+        if (strcmp(agent.key[i], key) == 0) return i;
+    return -1;
+}
+
+static void *agent_conn(void *arg) {
+    int fd = (int)(intptr_t)arg;
+    unsigned char op, magic[4];
+    bool valid = false;
+    char key[300];
+    while (read_full(fd, &op, 1)) {
+        pthread_mutex_lock(&agent.mu);
+        bool ok = valid || op == 0;
+        pthread_mutex_unlock(&agent.mu);
+        if (!ok) break; /* PyTorch's server ignores a client until it validates */
+        if (op == 0) { /* VALIDATE */
+            ok = read_full(fd, magic, 4) && magic[0] == 0xCE && magic[1] == 0xF7 && magic[2] == 0x85 &&
+                 magic[3] == 0x3C;
+            valid = ok;
+            pthread_mutex_lock(&agent.mu);
+            agent.validated += ok;
+            pthread_mutex_unlock(&agent.mu);
+        } else if (op == 1) { /* SET */
+            uint64_t n = 0;
+            ok = read_key(fd, key) && read_u64(fd, &n) && n <= (8u << 20);
+            unsigned char *v = ok ? malloc(n ? (size_t)n : 1) : NULL;
+            ok = ok && v && read_full(fd, v, (size_t)n);
+            pthread_mutex_lock(&agent.mu);
+            if (ok && agent.nkeys < AGENT_KEYS) {
+                int i = agent.nkeys++;
+                snprintf(agent.key[i], sizeof agent.key[i], "%s", key);
+                agent.val[i] = v, agent.len[i] = (size_t)n, v = NULL;
+                snprintf(agent.last_key, sizeof agent.last_key, "%s", key);
+                pthread_cond_broadcast(&agent.cv);
+            }
+            pthread_mutex_unlock(&agent.mu);
+            free(v);
+        } else if (op == 6) { /* WAIT for 1 key */
+            uint64_t count = 0;
+            ok = read_u64(fd, &count) && count == 1 && read_key(fd, key);
+            pthread_mutex_lock(&agent.mu);
+            while (ok && agent_find(key) < 0 && agent.listen_fd >= 0) pthread_cond_wait(&agent.cv, &agent.mu);
+            pthread_mutex_unlock(&agent.mu);
+            unsigned char stop = 0;
+            if (ok) CHECK(write(fd, &stop, 1) == 1);
+        } else if (op == 3) { /* GET */
+            ok = read_key(fd, key);
+            pthread_mutex_lock(&agent.mu);
+            int i = ok ? agent_find(key) : -1;
+            ok = i >= 0; /* a GET before the key is set: PyTorch's client never sends one */
+            if (ok) {
+                write_u64(fd, agent.len[i]);
+                CHECK(write(fd, agent.val[i], agent.len[i]) == (ssize_t)agent.len[i]);
+            }
+            pthread_mutex_unlock(&agent.mu);
+        } else ok = false;
+        if (!ok) {
+            pthread_mutex_lock(&agent.mu);
+            agent.bad++;
+            pthread_mutex_unlock(&agent.mu);
+            break;
+        }
+    }
+    close(fd);
+    return NULL;
+}
+
+static void *agent_accept(void *arg) {
+    pthread_t *conns = arg;
+    for (int i = 0; i < AGENT_CONNS; i++) {
+        int fd = accept(agent.listen_fd, NULL, NULL);
+        CHECK(fd >= 0);
+        if (fd >= 0) pthread_create(&conns[i], NULL, agent_conn, (void *)(intptr_t)fd);
+    }
+    return NULL;
+}
+
+static void torch_env(int rank, int port) {
+    set_env(rank, 2, "127.0.0.1", port);
+    setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+    setenv("TORCHELASTIC_RUN_ID", "r7", 1);
+    setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+}
+
+/* Rank 0 sets a 1 MiB value late; rank 1 waits for it, gets it whole, then times out on a
+ * key nobody sets, after which the connection is refused with that failure. */
+static void torch_rank(int rank, int port) {
+    torch_env(rank, port);
+    ms_store *s = NULL;
+    CHECK_OK(ms__store_open_env(&s, 1.0));
+    if (!s) return;
+    CHECK(ms__store_rank(s) == rank && ms__store_world(s) == 2);
+    static unsigned char big[MS_STORE_VALUE_MAX];
+    if (rank == 0) {
+        for (size_t i = 0; i < sizeof big; i++) big[i] = big_byte(i);
+        sleep_ms(200);
+        CHECK_OK(ms__store_set(s, "nccl/world/0", big, sizeof big));
+    } else {
+        size_t len = 0;
+        CHECK_OK(ms__store_get(s, "nccl/world/0", big, sizeof big, &len));
+        CHECK(len == sizeof big);
+        size_t wrong = 0;
+        for (size_t i = 0; i < len; i++) wrong += big[i] != big_byte(i);
+        CHECK(wrong == 0);
+        double t0 = now_s();
+        CHECK_ST(ms__store_get(s, "never", big, 8, &len), MS_ERR_TIMEOUT,
+                 "(torchrun's) (rank 1 of 2): get \"never\": the key was not set within 1.0 s");
+        CHECK(now_s() - t0 < 3.0);
+        CHECK_ST(ms__store_set(s, "late", "x", 1), MS_ERR_STATE, "unusable after an earlier failure");
+    }
+    ms__store_close(s);
+}
+
+static void test_torchrun(void) {
+    agent.listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof sa;
+    CHECK(bind(agent.listen_fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(agent.listen_fd, 8) == 0 &&
+          getsockname(agent.listen_fd, (struct sockaddr *)&sa, &len) == 0);
+    int port = ntohs(sa.sin_port);
+    pthread_t acceptor, conns[AGENT_CONNS];
+    pthread_create(&acceptor, NULL, agent_accept, conns);
+    pid_t kids[2] = {fork_rank(torch_rank, 0, port), fork_rank(torch_rank, 1, port)};
+    check_child(kids[0], "torchrun rank 0");
+    check_child(kids[1], "torchrun rank 1");
+    pthread_join(acceptor, NULL);
+    pthread_mutex_lock(&agent.mu);
+    int fd = agent.listen_fd;
+    agent.listen_fd = -1; /* ends the wait for "never" */
+    pthread_cond_broadcast(&agent.cv);
+    pthread_mutex_unlock(&agent.mu);
+    for (int i = 0; i < AGENT_CONNS; i++) pthread_join(conns[i], NULL);
+    close(fd);
+    CHECK(agent.validated == 2);
+    CHECK(agent.bad == 0);
+    CHECK(agent.nkeys == 1 && strcmp(agent.key[0], "moonshard/r7/2/nccl/world/0") == 0);
+    for (int i = 0; i < agent.nkeys; i++) free(agent.val[i]);
+    unset_env();
+    unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+    unsetenv("TORCHELASTIC_RUN_ID");
+    unsetenv("TORCHELASTIC_RESTART_COUNT");
+}
+
 int main(void) {
     struct {
         const char *name;
@@ -456,7 +652,8 @@ int main(void) {
                  {"processes", test_processes},
                  {"dead rank", test_dead_rank},
                  {"stray clients", test_stray_clients},
-                 {"server dies", test_server_dies}};
+                 {"server dies", test_server_dies},
+                 {"torchrun", test_torchrun}};
     double start = now_s();
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         double t0 = now_s();

@@ -15,7 +15,8 @@
 #     units.lua (the inkling2 plan's units, on the GPU and offloaded) with --backend nccl;
 #     with two GPUs or more the same on 2 NCCL ranks started torchrun-style (RANK,
 #     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a rank that leaves mid-run (the other's next
-#     collective must end in the timeout), and collectives.lua under mpirun; with 3 GPUs
+#     collective must end in the timeout), and collectives.lua under mpirun and under
+#     torchrun (through torchrun's own store; when PyTorch is installed); with 3 GPUs
 #     and with 4, collectives.lua and units.lua on 3 and 4 ranks (NCCL's rounding in bf16,
 #     f16 and fp8 reductions, uneven shards, groups of mesh axes, expert-parallel units);
 #   - bench_cuda: the casts' bandwidth as a fraction of a device-to-device copy's (same run).
@@ -156,6 +157,14 @@ print("rank 0: the all_reduce without rank 1 returned")'
       grep -q "all_reduce on group \[0 1\]: not every rank arrived within 2 s" "$build/rank_dies0.out"
     }
     step "2 NCCL ranks torchrun-style: rank 1 dies, rank 0 times out" rank_dies
+    # torchrun itself serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+    # the ranks must rendezvous through it (when PyTorch is installed here)
+    if command -v torchrun >/dev/null; then
+      step "2 NCCL ranks under torchrun: collectives.lua" env "${sim_env[@]}" timeout 300 torchrun --no-python \
+        --nproc_per_node 2 --master_port 29573 "$ms" --backend nccl tests/lua/scripts/collectives.lua
+    else
+      echo "== no torchrun here: the run under torchrun is left out"
+    fi
     if command -v mpirun >/dev/null; then
       step "2 NCCL ranks under mpirun: collectives.lua" env "${mpi_env[@]}" mpirun --allow-run-as-root \
         --oversubscribe -np 2 "$ms" --backend nccl tests/lua/scripts/collectives.lua
