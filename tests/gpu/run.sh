@@ -128,8 +128,8 @@ if [ $lua = ON ]; then
   mpi_env=("${sim_env[@]}") # Open MPI leaks at exit (its plugins): LeakSanitizer would fail the step
   [ "$sim" = 1 ] && case "${CMAKE_ARGS:-}" in *MOONSHARD_ASAN=ON*) mpi_env+=(ASAN_OPTIONS=detect_leaks=0) ;; esac
   if [ "${gpus:-0}" -ge 2 ]; then
-    # torchrun N NAME ARGS...: moonshard ARGS on N NCCL ranks started torchrun-style
-    torchrun() {
+    # launch_ranks N NAME ARGS...: moonshard ARGS on N NCCL ranks started torchrun-style
+    launch_ranks() {
       local n=$1 name=$2 pids=() r p rc=0
       shift 2
       for ((r = 0; r < n; r++)); do
@@ -141,13 +141,13 @@ if [ $lua = ON ]; then
       for ((r = 0; r < n; r++)); do cat "$build/$name$r.out"; done
       return $rc
     }
-    step "2 NCCL ranks torchrun-style: collectives.lua" torchrun 2 collectives tests/lua/scripts/collectives.lua
-    step "2 NCCL ranks torchrun-style: units on the GPUs" torchrun 2 units tests/lua/scripts/units.lua dp_shard=2
-    step "2 NCCL ranks torchrun-style: units offloaded" torchrun 2 units_offload tests/lua/scripts/units.lua \
+    step "2 NCCL ranks torchrun-style: collectives.lua" launch_ranks 2 collectives tests/lua/scripts/collectives.lua
+    step "2 NCCL ranks torchrun-style: units on the GPUs" launch_ranks 2 units tests/lua/scripts/units.lua dp_shard=2
+    step "2 NCCL ranks torchrun-style: units offloaded" launch_ranks 2 units_offload tests/lua/scripts/units.lua \
       dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
     # rank 1 leaves after the first collective: rank 0's next one ends in the timeout (2 s)
     rank_dies() {
-      torchrun 2 rank_dies --timeout 2 -e 'local ms = require "moonshard"
+      launch_ranks 2 rank_dies --timeout 2 -e 'local ms = require "moonshard"
 local g = ms.mesh{{"dp", 2}}:group("dp")
 local t = ms.tensor({8}, "f32", ms.device())
 g:all_reduce(t, "sum")
@@ -159,7 +159,7 @@ print("rank 0: the all_reduce without rank 1 returned")'
     step "2 NCCL ranks torchrun-style: rank 1 dies, rank 0 times out" rank_dies
     # torchrun itself serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
     # the ranks must rendezvous through it (when PyTorch is installed here)
-    if command -v torchrun >/dev/null; then
+    if type -P torchrun >/dev/null; then
       step "2 NCCL ranks under torchrun: collectives.lua" env "${sim_env[@]}" timeout 300 torchrun --no-python \
         --nproc_per_node 2 --master_port 29573 "$ms" --backend nccl tests/lua/scripts/collectives.lua
     else
@@ -175,14 +175,14 @@ print("rank 0: the all_reduce without rank 1 returned")'
   # 3 ranks: averages multiply by 1/3 rounded to the dtype, uneven shards (torch.chunk 2, 2, 0);
   # 4 ranks: groups of mesh axes (ncclCommSplit), expert-parallel units
   if [ "${gpus:-0}" -ge 3 ]; then
-    step "3 NCCL ranks torchrun-style: collectives.lua" torchrun 3 collectives3 tests/lua/scripts/collectives.lua
-    step "3 NCCL ranks torchrun-style: units on the GPUs" torchrun 3 units3 tests/lua/scripts/units.lua dp_shard=3
+    step "3 NCCL ranks torchrun-style: collectives.lua" launch_ranks 3 collectives3 tests/lua/scripts/collectives.lua
+    step "3 NCCL ranks torchrun-style: units on the GPUs" launch_ranks 3 units3 tests/lua/scripts/units.lua dp_shard=3
   fi
   if [ "${gpus:-0}" -ge 4 ]; then
-    step "4 NCCL ranks torchrun-style: collectives.lua" torchrun 4 collectives4 tests/lua/scripts/collectives.lua
-    step "4 NCCL ranks torchrun-style: expert-parallel units on the GPUs" torchrun 4 units4 \
+    step "4 NCCL ranks torchrun-style: collectives.lua" launch_ranks 4 collectives4 tests/lua/scripts/collectives.lua
+    step "4 NCCL ranks torchrun-style: expert-parallel units on the GPUs" launch_ranks 4 units4 \
       tests/lua/scripts/units.lua dp_shard=4,ep=2
-    step "4 NCCL ranks torchrun-style: expert-parallel units offloaded" torchrun 4 units4_offload \
+    step "4 NCCL ranks torchrun-style: expert-parallel units offloaded" launch_ranks 4 units4_offload \
       tests/lua/scripts/units.lua dp_shard=4,ep=2 tests/lua/configs/inkling2_tiny.json offload
   fi
 fi
