@@ -898,8 +898,8 @@ static int connect_once(const char *host, int port, double deadline, char *why, 
     return fd;
 }
 
-/* Connects (retrying until the deadline: the server may not be up yet) and says HELLO. */
-static ms_status join(ms_store *s, const char *host, int port, double start, double deadline) {
+/* Connects s->fd, retrying until the deadline (the server may not be up yet). */
+static ms_status connect_retry(ms_store *s, const char *host, int port, double start, double deadline) {
     char why[256] = "no attempt made";
     for (double pause = RETRY_FIRST_S; s->fd < 0; pause = fmin(2 * pause, RETRY_MAX_S)) {
         s->fd = connect_once(host, port, deadline, why, sizeof why);
@@ -911,6 +911,13 @@ static ms_status join(ms_store *s, const char *host, int port, double start, dou
         sleep_s(fmin(pause, left));
     }
     set_nodelay(s->fd);
+    return MS_OK;
+}
+
+/* Connects and says HELLO. */
+static ms_status join(ms_store *s, const char *host, int port, double start, double deadline) {
+    ms_status st = connect_retry(s, host, port, start, deadline);
+    if (st != MS_OK) return st;
     uint8_t world[4];
     put_u32(world, (uint32_t)s->world);
     request rq = {.op = OP_HELLO, .arg = (uint32_t)s->rank, .value = world, .value_len = 4,
@@ -1043,26 +1050,13 @@ static ms_status torch_open(ms_store **out, const char *host, int port, int rank
              port);
     snprintf(s->prefix, sizeof s->prefix, "moonshard/%.100s/%.20s/", run, restart);
     const double start = ms__now_s(), deadline = start + timeout_s;
-    char why[256] = "no attempt made";
-    for (double pause = RETRY_FIRST_S; s->fd < 0; pause = fmin(2 * pause, RETRY_MAX_S)) {
-        s->fd = connect_once(host, port, deadline, why, sizeof why);
-        double left = deadline - ms__now_s();
-        if (s->fd >= 0) break;
-        if (left <= 0) {
-            ms_status st = ms__fail(MS_ERR_TIMEOUT, WHO_FMT ": could not connect within %.1f s (last try: %s)",
-                                    WHO(s), ms__now_s() - start, why);
-            store_free(s, true);
-            return st;
-        }
-        sleep_s(fmin(pause, left));
-    }
-    set_nodelay(s->fd);
     s->doing = "join";
     uint8_t hello[5];
     put_le(hello, T_VALIDATE, 1);
     put_le(hello + 1, TORCH_MAGIC, 4);
     struct iovec iov[1] = {{hello, sizeof hello}};
-    ms_status st = send_all(s, iov, 1, deadline);
+    ms_status st = connect_retry(s, host, port, start, deadline);
+    if (st == MS_OK) st = send_all(s, iov, 1, deadline);
     if (st != MS_OK) {
         store_free(s, true);
         return st;
