@@ -593,6 +593,16 @@ function M.plan(model, mesh, policy, opts)
     warnings[#warnings + 1] = string.format("%d unit%s pad more than %d%% of their gathered elements: %s",
       #padded, #padded == 1 and "" or "s", math.floor(100 * M.PADDING_WASTE + 0.5), listing(padded))
   end
+  -- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
+  -- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends
+  -- on the tokens per batch and where the router sends them, which a plan does not know: the
+  -- count leaves it out, and says so rather than letting 0 stand for it.
+  if mesh:size("ep") > 1 and #owned > 0 then
+    comm.all_to_all.uncounted_ep = mesh:size("ep")
+    warnings[#warnings + 1] = string.format("all_to_all counts none of expert parallelism's token traffic " ..
+      "(ep = %d): every MoE layer sends its routed tokens to the experts' ranks and back, forward and backward, " ..
+      "and how much depends on the batch and the router, which a plan does not know", mesh:size("ep"))
+  end
 
   return {
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,

@@ -222,7 +222,9 @@ function M.to_text(plan, opts)
   add("communication per step and rank (bus bytes):")
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     local c = plan.comm[k]
-    add(string.format("  %-15s %5d x  %s", k, c.count, util.bytes(c.bytes)))
+    add(string.format("  %-15s %5d x  %s%s", k, c.count, util.bytes(c.bytes),
+      c.uncounted_ep and string.format("  (+ expert parallelism's tokens over ep = %d, not counted)",
+        c.uncounted_ep) or ""))
   end
   if #plan.warnings > 0 then
     add("")

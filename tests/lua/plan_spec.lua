@@ -202,6 +202,16 @@ describe("shard units", function()
     assert.same({ "Shard(0)" }, plan.owned[1].placements)
     -- memory: gate [8,16] f32 padded [2,16] = 32 elements; experts 2x16x32 = 1024 bf16 local
     assert.equal(32 * 4 + 1024 * 2, plan.memory.params)
+    -- the tokens' all_to_all is not a parameter's: not counted, and said so
+    assert.same({ count = 0, bytes = 0, uncounted_ep = 4 }, plan.comm.all_to_all)
+    assert.matches("all_to_all counts none of expert parallelism's token traffic %(ep = 4%)",
+      plan.warnings[#plan.warnings])
+    local no_ep = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("moe.gate")
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.is_nil(no_ep.comm.all_to_all.uncounted_ep)
+    for _, w in ipairs(no_ep.warnings) do assert.not_matches("all_to_all", w) end
     local msg = errmsg(planner.plan, root, mesh, policy(function(ctx)
       ctx:expert_parallel("moe.experts")
       ctx:fully_shard(ctx.model)
