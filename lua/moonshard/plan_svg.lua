@@ -122,7 +122,8 @@ function M.render(plan)
   local parts = {}
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     local c = plan.comm[k]
-    parts[#parts + 1] = string.format("%s %d x %s", k, c.count, util.bytes(c.bytes))
+    parts[#parts + 1] = string.format("%s %d x %s%s", k, c.count, util.bytes(c.bytes),
+      c.uncounted_ep and " (+ ep's tokens, not counted)" or "")
   end
   put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "  |  "))))
   put("</svg>")
