@@ -597,11 +597,12 @@ function M.plan(model, mesh, policy, opts)
   -- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends
   -- on the tokens per batch and where the router sends them, which a plan does not know: the
   -- count leaves it out, and says so rather than letting 0 stand for it.
-  if mesh:size("ep") > 1 and #owned > 0 then
-    comm.all_to_all.uncounted_ep = mesh:size("ep")
+  local ep = mesh:size("ep")
+  if ep > 1 and #owned > 0 then
+    comm.all_to_all.uncounted_ep = ep
     warnings[#warnings + 1] = string.format("all_to_all counts none of expert parallelism's token traffic " ..
       "(ep = %d): every MoE layer sends its routed tokens to the experts' ranks and back, forward and backward, " ..
-      "and how much depends on the batch and the router, which a plan does not know", mesh:size("ep"))
+      "and how much depends on the batch and the router, which a plan does not know", ep)
   end
 
   return {
