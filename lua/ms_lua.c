@@ -17,6 +17,8 @@
 #include <lua.h>
 #include <lualib.h>
 
+#include <limits.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,7 +57,7 @@ static void *box_new(lua_State *L, const char *mt) {
 
 static void *box_get(lua_State *L, int idx, const char *mt, const char *what) {
     box *b = luaL_checkudata(L, idx, mt);
-    if (!b->h) luaL_error(L, "moonshard: attempt to use a released %s", what);
+    if (!b->h) luaL_error(L, "moonshard state error: attempt to use a released %s", what);
     return b->h;
 }
 
@@ -150,18 +152,30 @@ static ms_dtype opt_dtype(lua_State *L, int idx, ms_dtype def) {
 static int check_int_list(lua_State *L, int idx, const char *what, int64_t *out, int cap) {
     luaL_checktype(L, idx, LUA_TTABLE);
     int n = (int)luaL_len(L, idx);
-    if (n > cap) luaL_error(L, "moonshard: %s has %d entries, at most %d allowed", what, n, cap);
+    if (n > cap) luaL_error(L, "moonshard invalid_argument error: %s has %d entries, at most %d allowed", what, n, cap);
     for (int i = 0; i < n; i++) {
         lua_geti(L, idx, i + 1);
         int ok;
         lua_Integer v = lua_tointegerx(L, -1, &ok);
         if (!ok)
-            luaL_error(L, "moonshard: %s[%d] is %s, expected an integer", what, i + 1,
+            luaL_error(L, "moonshard invalid_argument error: %s[%d] is %s, expected an integer", what, i + 1,
                        luaL_typename(L, -1));
         out[i] = (int64_t)v;
         lua_pop(L, 1);
     }
     return n;
+}
+
+/* An integer argument that the core takes as a C int (a dim, a root): a value outside int's
+ * range is refused by name instead of being cut down to another, valid-looking one. */
+static int check_int(lua_State *L, int idx, const char *what) {
+    lua_Integer v = luaL_checkinteger(L, idx);
+    if (v < INT_MIN || v > INT_MAX) luaL_error(L, "moonshard invalid_argument error: %s %I is out of range", what, v);
+    return (int)v;
+}
+
+static int opt_int(lua_State *L, int idx, const char *what, int def) {
+    return lua_isnoneornil(L, idx) ? def : check_int(L, idx, what);
 }
 
 static void push_int_list(lua_State *L, const int64_t *v, int n) {
@@ -196,6 +210,56 @@ static int l_tensor(lua_State *L) {
     return 1;
 }
 
+/* The range of integers an integer dtype holds. */
+static void int_range(ms_dtype dt, int64_t *lo, int64_t *hi) {
+    switch (dt) {
+    case MS_I32: *lo = INT32_MIN, *hi = INT32_MAX; break;
+    case MS_I8: *lo = INT8_MIN, *hi = INT8_MAX; break;
+    case MS_U8: *lo = 0, *hi = UINT8_MAX; break;
+    default: *lo = INT64_MIN, *hi = INT64_MAX; break;
+    }
+}
+
+/* The number (or boolean) at idx as an element of the integer dtype dt, for from_table and
+ * fill_: integers exact, floats truncated toward zero, booleans 0 / 1; bool takes any number
+ * (nonzero is true).  A value dt cannot hold is an error, as in PyTorch
+ * (torch.tensor([300], dtype=torch.int8)), where a cast (t:to) would saturate.  `what` names
+ * the value ("fill_: " or "from_table: values[3] = ").  Returns 0 and sets *out, or -1 with
+ * the error message pushed. */
+static int int_element(lua_State *L, int idx, ms_dtype dt, const char *what, int64_t *out) {
+    if (lua_isboolean(L, idx)) {
+        *out = lua_toboolean(L, idx);
+        return 0;
+    }
+    bool is_int = lua_isinteger(L, idx);
+    lua_Integer iv = is_int ? lua_tointeger(L, idx) : 0;
+    lua_Number fv = is_int ? 0 : lua_tonumber(L, idx);
+    if (dt == MS_BOOL) {
+        *out = is_int ? iv != 0 : fv != 0; /* NaN is true, as bool(nan) is */
+        return 0;
+    }
+    int64_t lo, hi;
+    int_range(dt, &lo, &hi);
+    bool fits;
+    if (is_int) {
+        fits = iv >= lo && iv <= hi;
+        *out = (int64_t)iv;
+    } else {
+        double t = trunc(fv); /* NaN fails both comparisons */
+        fits = t >= -0x1p63 && t < 0x1p63 && (int64_t)t >= lo && (int64_t)t <= hi;
+        if (fits) *out = (int64_t)t;
+    }
+    if (fits) return 0;
+    char num[32]; /* %.14g as both interpreters print numbers, "nan" for every NaN */
+    if (is_int) snprintf(num, sizeof num, "%lld", (long long)iv);
+    else if (isnan(fv)) snprintf(num, sizeof num, "nan");
+    else snprintf(num, sizeof num, "%.14g", (double)fv);
+    lua_pushfstring(L, "%s%s", what, num);
+    lua_pushfstring(L, "moonshard invalid_argument error: %s is out of range for %s (%I to %I)", lua_tostring(L, -1),
+                    ms_dtype_name(dt), (lua_Integer)lo, (lua_Integer)hi);
+    return -1;
+}
+
 /* from_table(values, dtype?, shape?): values is a flat sequence of numbers (or booleans). */
 static int l_from_table(lua_State *L) {
     luaL_checktype(L, 1, LUA_TTABLE);
@@ -221,25 +285,22 @@ static int l_from_table(lua_State *L) {
     if (!stage) return luaL_error(L, "moonshard out_of_memory error: from_table: %I values", (lua_Integer)n);
     for (int64_t i = 0; i < n; i++) {
         lua_geti(L, 1, i + 1);
-        int ok = 1;
-        if (lua_isboolean(L, -1)) {
-            int v = lua_toboolean(L, -1);
-            if (as_int) ((int64_t *)stage)[i] = v;
-            else ((double *)stage)[i] = v;
-        } else if (as_int && lua_isinteger(L, -1)) {
-            ((int64_t *)stage)[i] = (int64_t)lua_tointeger(L, -1);
-        } else {
-            lua_Number v = lua_tonumberx(L, -1, &ok);
-            if (as_int) {
-                ms_cast(&((int64_t *)stage)[i], MS_I64, &v, MS_F64, 1);
-            } else {
-                ((double *)stage)[i] = v;
-            }
-        }
+        int ok = lua_isboolean(L, -1);
+        if (!ok) lua_tonumberx(L, -1, &ok);
         if (!ok) {
             free(stage);
-            return luaL_error(L, "moonshard: from_table: values[%I] is %s, expected a number", (lua_Integer)(i + 1),
-                              luaL_typename(L, -1));
+            return luaL_error(L, "moonshard invalid_argument error: from_table: values[%I] is %s, expected a number",
+                              (lua_Integer)(i + 1), luaL_typename(L, -1));
+        }
+        if (as_int) {
+            lua_pushfstring(L, "from_table: values[%I] = ", (lua_Integer)(i + 1));
+            if (int_element(L, -2, dt, lua_tostring(L, -1), &((int64_t *)stage)[i])) {
+                free(stage);
+                return luaL_error(L, "%s", lua_tostring(L, -1));
+            }
+            lua_pop(L, 1);
+        } else {
+            ((double *)stage)[i] = lua_isboolean(L, -1) ? lua_toboolean(L, -1) : lua_tonumber(L, -1);
         }
         lua_pop(L, 1);
     }
@@ -323,15 +384,22 @@ static int t_copy_(lua_State *L) {
 
 static int t_fill_(lua_State *L) {
     ms_tensor *t = check_tensor(L, 1);
-    double v = lua_isboolean(L, 2) ? lua_toboolean(L, 2) : luaL_checknumber(L, 2);
-    CHECK(L, ms_tensor_fill(t, v));
+    if (!lua_isboolean(L, 2)) luaL_checknumber(L, 2);
+    ms_dtype dt = ms_tensor_dtype(t);
+    if (ms_dtype_is_float(dt)) {
+        CHECK(L, ms_tensor_fill(t, lua_isboolean(L, 2) ? lua_toboolean(L, 2) : lua_tonumber(L, 2)));
+    } else {
+        int64_t v;
+        if (int_element(L, 2, dt, "fill_: ", &v)) return luaL_error(L, "%s", lua_tostring(L, -1));
+        CHECK(L, ms_tensor_fill_int(t, v));
+    }
     lua_settop(L, 1);
     return 1;
 }
 
 static int t_narrow(lua_State *L) {
     ms_tensor *t = check_tensor(L, 1);
-    int dim = (int)luaL_checkinteger(L, 2);
+    int dim = check_int(L, 2, "narrow: dim");
     int64_t start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
     box *b = box_new(L, TENSOR_MT);
     ms_tensor *r;
@@ -355,7 +423,7 @@ static int t_view(lua_State *L) {
 static int t_chunk(lua_State *L) {
     ms_tensor *t = check_tensor(L, 1);
     int64_t chunks = luaL_checkinteger(L, 2), index = luaL_checkinteger(L, 3);
-    int dim = (int)luaL_optinteger(L, 4, 0);
+    int dim = opt_int(L, 4, "chunk: dim", 0);
     box *b = box_new(L, TENSOR_MT);
     ms_tensor *r;
     CHECK(L, ms_tensor_chunk(&r, t, chunks, index, dim));
@@ -445,20 +513,20 @@ static int l_mesh(lua_State *L) {
     luaL_checktype(L, 1, LUA_TTABLE);
     int n = (int)luaL_len(L, 1);
     if (n < 1 || n > MS_MAX_DIMS)
-        return luaL_error(L, "moonshard: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MS_MAX_DIMS, n);
+        return luaL_error(L, "moonshard invalid_argument error: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MS_MAX_DIMS, n);
     const char *names[MS_MAX_DIMS];
     int64_t sizes[MS_MAX_DIMS];
     for (int i = 0; i < n; i++) {
         lua_geti(L, 1, i + 1);
         if (!lua_istable(L, -1))
-            return luaL_error(L, "moonshard: mesh: axis %d is %s, expected {name, size}", i + 1, luaL_typename(L, -1));
+            return luaL_error(L, "moonshard invalid_argument error: mesh: axis %d is %s, expected {name, size}", i + 1, luaL_typename(L, -1));
         lua_geti(L, -1, 1);
         lua_geti(L, -2, 2);
         int ok;
-        names[i] = lua_tostring(L, -2);
+        names[i] = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
         sizes[i] = (int64_t)lua_tointegerx(L, -1, &ok);
-        if (!names[i] || lua_type(L, -2) != LUA_TSTRING || !ok)
-            return luaL_error(L, "moonshard: mesh: axis %d must be {name, size} with a string and an integer", i + 1);
+        if (!names[i] || !ok)
+            return luaL_error(L, "moonshard invalid_argument error: mesh: axis %d must be {name, size} with a string and an integer", i + 1);
         lua_pop(L, 2); /* names[i] stays alive: the axis table is kept on the stack */
     }
     bool shape_only = false;
@@ -486,7 +554,7 @@ static int axis_index(lua_State *L, ms_mesh *m, int idx) {
             luaL_addstring(&buf, ms_mesh_axis_name(m, i));
         }
         luaL_pushresult(&buf);
-        luaL_error(L, "moonshard: mesh has no axis '%s' (axes: %s)", name, lua_tostring(L, -1));
+        luaL_error(L, "moonshard invalid_argument error: mesh has no axis '%s' (axes: %s)", name, lua_tostring(L, -1));
     }
     return a;
 }
@@ -511,7 +579,7 @@ static int m_axes(lua_State *L) {
 static int64_t opt_rank(lua_State *L, ms_mesh *m, int idx) {
     if (!lua_isnoneornil(L, idx)) return luaL_checkinteger(L, idx);
     int64_t r = ms_mesh_rank(m);
-    if (r < 0) luaL_error(L, "moonshard: a shape-only mesh has no rank of its own; pass a rank");
+    if (r < 0) luaL_error(L, "moonshard invalid_argument error: a shape-only mesh has no rank of its own; pass a rank");
     return r;
 }
 
@@ -544,7 +612,7 @@ static int check_axes(lua_State *L, ms_mesh *m, int idx, int *axes) {
     luaL_checktype(L, idx, LUA_TTABLE);
     int n = (int)luaL_len(L, idx);
     if (n < 1 || n > ms_mesh_ndim(m))
-        luaL_error(L, "moonshard: mesh group: expected 1 to %d axis names, got %d", ms_mesh_ndim(m), n);
+        luaL_error(L, "moonshard invalid_argument error: mesh group: expected 1 to %d axis names, got %d", ms_mesh_ndim(m), n);
     for (int i = 0; i < n; i++) {
         lua_geti(L, idx, i + 1);
         axes[i] = axis_index(L, m, lua_gettop(L));
@@ -634,7 +702,7 @@ static int g_all_reduce(lua_State *L) {
     return 1;
 }
 static int g_broadcast(lua_State *L) {
-    CHECK(L, ms_broadcast(check_group(L, 1), check_tensor(L, 2), (int)luaL_checkinteger(L, 3)));
+    CHECK(L, ms_broadcast(check_group(L, 1), check_tensor(L, 2), check_int(L, 3, "broadcast: root")));
     lua_settop(L, 2);
     return 1;
 }
@@ -680,11 +748,14 @@ static int l_local_shape(lua_State *L) {
     int nm = check_int_list(L, 4, "mesh_shape", sizes, MS_MAX_DIMS);
     int nc = check_int_list(L, 5, "coords", coords, MS_MAX_DIMS);
     if (nk != nm || ndims != nm || nc != nm)
-        return luaL_error(L, "moonshard: local_shape: %d placements and %d coordinates for a mesh of %d dims "
+        return luaL_error(L, "moonshard invalid_argument error: local_shape: %d placements and %d coordinates for a mesh of %d dims "
                           "(one of each per mesh dim)", nk, nc, nm);
     int kinds[MS_MAX_DIMS], dims[MS_MAX_DIMS];
     for (int i = 0; i < nm; i++) {
-        kinds[i] = (int)kinds64[i];
+        if (dims64[i] < INT_MIN || dims64[i] > INT_MAX)
+            return luaL_error(L, "moonshard invalid_argument error: local_shape: placement dim %I is out of range",
+                              (lua_Integer)dims64[i]);
+        kinds[i] = kinds64[i] >= 0 && kinds64[i] <= 2 ? (int)kinds64[i] : -1; /* the core refuses -1 */
         dims[i] = (int)dims64[i];
     }
     int64_t local[MS_MAX_DIMS], offset[MS_MAX_DIMS];
@@ -698,7 +769,7 @@ static int l_fsdp_shard(lua_State *L) {
     int64_t shape[MS_MAX_DIMS];
     int nd = check_int_list(L, 1, "global_shape", shape, MS_MAX_DIMS);
     int64_t world = luaL_checkinteger(L, 2), rank = luaL_checkinteger(L, 3);
-    int dim = (int)luaL_optinteger(L, 4, 0);
+    int dim = opt_int(L, 4, "fsdp_shard: dim", 0);
     int64_t local[MS_MAX_DIMS], padded[MS_MAX_DIMS], offset;
     CHECK(L, ms_fsdp_shard(nd, shape, world, rank, dim, local, &offset, padded));
     push_int_list(L, local, nd);
@@ -733,8 +804,8 @@ static int l_unit(lua_State *L) {
     int raf = 1;
     if (lua_isboolean(L, 6)) raf = lua_toboolean(L, 6);
     else if (!lua_isnoneornil(L, 6)) {
-        lua_Integer k = luaL_checkinteger(L, 6);
-        raf = k == 1 ? 0 : (int)k;
+        int k = check_int(L, 6, "unit: reshard_after_forward");
+        raf = k == 1 ? 0 : k;
     }
     box *b = box_new(L, UNIT_MT);
     ms_unit *u;
@@ -750,7 +821,7 @@ static int u_add_param(lua_State *L) {
     int64_t shape[MS_MAX_DIMS];
     int nd = check_int_list(L, 3, "shape", shape, MS_MAX_DIMS);
     ms_dtype dt = opt_dtype(L, 4, MS_F32);
-    int dim = (int)luaL_optinteger(L, 5, 0);
+    int dim = opt_int(L, 5, "add_param: dim", 0);
     int requires_grad = lua_isnoneornil(L, 6) ? 1 : lua_toboolean(L, 6);
     CHECK(L, ms_unit_add_param(u, fqn, nd, shape, dt, dim, requires_grad));
     lua_pushinteger(L, ms_unit_param_count(u) - 1);
@@ -760,7 +831,7 @@ static int u_add_param(lua_State *L) {
 static int param_index(lua_State *L, ms_unit *u, int idx) {
     lua_Integer i = luaL_checkinteger(L, idx);
     if (i < 0 || i >= ms_unit_param_count(u))
-        luaL_error(L, "moonshard: unit %s has no parameter %d (it has %d, numbered from 0)", ms_unit_name(u), (int)i,
+        luaL_error(L, "moonshard invalid_argument error: unit %s has no parameter %I (it has %d, numbered from 0)", ms_unit_name(u), i,
                    ms_unit_param_count(u));
     return (int)i;
 }
@@ -972,7 +1043,7 @@ static int l_cast_impl(lua_State *L) {
                    : strcmp(name, "avx2") == 0   ? MS_CAST_AVX2
                    : strcmp(name, "auto") == 0   ? MS_CAST_AUTO
                                                  : -1;
-        if (impl < 0) return luaL_error(L, "moonshard: cast_impl: '%s' is not auto, portable or avx2", name);
+        if (impl < 0) return luaL_error(L, "moonshard invalid_argument error: cast_impl: '%s' is not auto, portable or avx2", name);
         CHECK(L, ms_cast_set_impl((ms_cast_impl)impl));
     }
     lua_pushstring(L, ms_cast_get_impl() == MS_CAST_AVX2 ? "avx2" : "portable");

@@ -150,6 +150,8 @@ ms_status ms_tensor_chunk(ms_tensor **out, ms_tensor *t, int64_t chunks, int64_t
 ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src);
 /* Every element of t set to value (cast to t's dtype with the rules of ms_cast). */
 ms_status ms_tensor_fill(ms_tensor *t, double value);
+/* The same from an integer, exact for i64 (a double holds integers up to 2^53 only). */
+ms_status ms_tensor_fill_int(ms_tensor *t, int64_t value);
 /* A new contiguous tensor holding t cast to dtype. */
 ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype);
 /* A new contiguous tensor holding t on another device (same dtype): cpu <-> cuda:N, or

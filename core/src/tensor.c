@@ -469,15 +469,20 @@ static void fill_run(void *p, int64_t off, int64_t unused, int64_t n) {
     }
 }
 
-ms_status ms_tensor_fill(ms_tensor *t, double value) {
+/* Every element of t set to the scalar at value, of dtype vt (f64 or i64). */
+static ms_status fill_scalar(ms_tensor *t, const void *value, ms_dtype vt) {
     if (!t) return ms__fail(MS_ERR_ARG, "fill: NULL tensor");
     if (t->storage->device == MS_DEVICE_META || ms_tensor_numel(t) == 0) return ms__ok();
     fill_ctx c = {.t = t};
-    ms__cast_contig(c.value, t->dtype, &value, MS_F64, 1);
+    ms__cast_contig(c.value, t->dtype, value, vt, 1);
     for_each_run(t, NULL, fill_run, &c);
     if (!c.st && t->storage->device == MS_DEVICE_CUDA) c.st = ms__cuda_sync(t->storage->device_index);
     return c.st ? ms__wrap(c.st, "fill") : ms__ok();
 }
+
+ms_status ms_tensor_fill(ms_tensor *t, double value) { return fill_scalar(t, &value, MS_F64); }
+
+ms_status ms_tensor_fill_int(ms_tensor *t, int64_t value) { return fill_scalar(t, &value, MS_I64); }
 
 ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype) {
     if (!out || !t) return ms__fail(MS_ERR_ARG, "to: NULL argument");

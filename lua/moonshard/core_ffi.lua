@@ -256,6 +256,21 @@ local function optional(check_value)
 end
 local opt_integer, opt_number = optional(check_integer), optional(check_number)
 
+local INT_MIN, INT_MAX = -2 ^ 31, 2 ^ 31 - 1
+
+-- An integer argument the core takes as a C int (a dim, a root): a value outside int's range
+-- is refused by name instead of being cut down to another, valid-looking one.
+local function check_int(v, arg, what)
+  local i = check_integer(v, arg)
+  if i < INT_MIN or i > INT_MAX then raise("moonshard invalid_argument error: %s %d is out of range", what, i) end
+  return tonumber(i)
+end
+
+local function opt_int(v, arg, what, def)
+  if v == nil then return def end
+  return check_int(v, arg, what)
+end
+
 -- luaL_checkstring
 local function check_string(v, arg)
   local t = type(v)
@@ -279,11 +294,11 @@ end
 local function check_int_list(list, arg, what, buf)
   check_table(list, arg)
   local n = #list
-  if n > MAX_DIMS then raise("moonshard: %s has %d entries, at most %d allowed", what, n, MAX_DIMS) end
+  if n > MAX_DIMS then raise("moonshard invalid_argument error: %s has %d entries, at most %d allowed", what, n, MAX_DIMS) end
   for i = 1, n do
     local v = list[i]
     local iv = to_integer(v)
-    if not iv then raise("moonshard: %s[%d] is %s, expected an integer", what, i, type(v)) end
+    if not iv then raise("moonshard invalid_argument error: %s[%d] is %s, expected an integer", what, i, type(v)) end
     buf[i - 1] = iv
   end
   return n
@@ -316,7 +331,7 @@ local function class(ctype, name, what, release_handle, methods, tostring_live)
   local function check_box(v, arg)
     if not istype(ctype, v) then type_error(arg, name, v) end
     local h = v.h
-    if h == nil then raise("moonshard: attempt to use a released %s", what) end
+    if h == nil then raise("moonshard state error: attempt to use a released %s", what) end
     return h
   end
   local function release(self)
@@ -399,19 +414,51 @@ function M.tensor(shape, dtype, device)
   return made_tensor(C.ms_tensor_new(tensor_out, nd, shape_a, dt, dev, idx))
 end
 
--- The value of values[i] staged for from_table: int64 (exact) for integer dtypes, else f64.
-local function stage_value(v, i, as_int)
-  local t = type(v)
-  if t == "boolean" then return v and 1 or 0 end
-  if as_int and t == "cdata" and is_int64_cdata(v) then return v end
-  local n = tonumber(v)
-  if not n then raise("moonshard: from_table: values[%d] is %s, expected a number", i, t) end
-  if as_int and not is_int64(n) then
-    double_out[0] = n -- saturate and truncate like the core's casts
-    C.ms_cast(int64_out, I64, double_out, F64, 1)
-    return int64_out[0]
+-- The integers an integer dtype holds: {lo, hi} as numbers (exact) and as int64 cdata.
+local INT_RANGE = {}
+do
+  local lo64 = int64_t(-TWO63)
+  INT_RANGE[tonumber(C.MS_I64)] = { -TWO63, TWO63, lo64, -(lo64 + 1) }
+  for _, r in ipairs { { C.MS_I32, -2 ^ 31, 2 ^ 31 - 1 }, { C.MS_I8, -128, 127 }, { C.MS_U8, 0, 255 } } do
+    INT_RANGE[tonumber(r[1])] = { r[2], r[3], int64_t(r[2]), int64_t(r[3]) }
   end
-  return n
+end
+local BOOL = tonumber(C.MS_BOOL)
+local INT64_MAX_U = ffi.cast(uint64_t, TWO63) - 1
+
+-- v (a number, an int64 cdata or a boolean) as an element of the integer dtype dt, for
+-- from_table and fill_, as int_element in ms_lua.c: integers exact, floats truncated toward
+-- zero, booleans 0 / 1; bool takes any number (nonzero is true).  A value dt cannot hold is
+-- an error, as in PyTorch, where a cast (t:to) would saturate.  `what` names the value.
+local function int_element(v, dt, what)
+  if type(v) == "boolean" then return v and 1 or 0 end
+  local cd = type(v) == "cdata" and is_int64_cdata(v)
+  local n = cd and v or tonumber(v)
+  if dt == BOOL then return n ~= 0 and 1 or 0 end -- NaN is true, as bool(nan) is
+  local r = INT_RANGE[dt]
+  if cd then
+    if not (istype(uint64_t, v) and v > INT64_MAX_U) then
+      local iv = ffi.cast(int64_t, v)
+      if iv >= r[3] and iv <= r[4] then return iv end
+    end
+  else
+    local t = n >= 0 and floor(n) or -floor(-n) -- NaN fails every comparison below
+    if t >= -TWO63 and t < TWO63 and t >= r[1] and t <= r[2] then return t end
+  end
+  local text = cd and format("%d", v) or n ~= n and "nan" or format("%.14g", n)
+  raise("moonshard invalid_argument error: %s%s is out of range for %s (%d to %d)", what, text,
+    ffi.string(C.ms_dtype_name(dt)), r[3], r[4])
+end
+
+-- The value of values[i] staged for from_table: int64 (exact) for integer dtypes, else f64.
+local function stage_value(v, i, dt, as_int)
+  local t = type(v)
+  if t ~= "boolean" and not (t == "cdata" and is_int64_cdata(v)) and not tonumber(v) then
+    raise("moonshard invalid_argument error: from_table: values[%d] is %s, expected a number", i, t)
+  end
+  if as_int then return int_element(v, dt, format("from_table: values[%d] = ", i)) end
+  if t == "boolean" then return v and 1 or 0 end
+  return tonumber(v)
 end
 
 -- from_table(values, dtype?, shape?): values is a flat sequence of numbers (or booleans).
@@ -433,7 +480,7 @@ function M.from_table(values, dtype, shape)
   local direct = dt == stage_type -- a fresh contiguous tensor: write into it
   local buffer = not direct and (as_int and Int64s(n) or ffi.new("double[?]", n)) or nil -- kept alive here
   local stage = ffi.cast(as_int and i64_ptr or f64_ptr, buffer or C.ms_tensor_data(t.h))
-  for i = 1, n do stage[i - 1] = stage_value(values[i], i, as_int) end
+  for i = 1, n do stage[i - 1] = stage_value(values[i], i, dt, as_int) end
   if buffer then check(C.ms_cast(C.ms_tensor_data(t.h), dt, buffer, stage_type, n)) end
   return t
 end
@@ -485,14 +532,19 @@ end
 
 function tensor_methods.fill_(self, v)
   local t = check_tensor(self, 1)
-  if type(v) == "boolean" then v = v and 1 or 0 else v = check_number(v, 2) end
-  check(C.ms_tensor_fill(t, v))
+  if type(v) ~= "boolean" and not (type(v) == "cdata" and is_int64_cdata(v)) then check_number(v, 2) end
+  local dt = dtype_of(t)
+  if C.ms_dtype_is_float(dt) ~= 0 then
+    check(C.ms_tensor_fill(t, type(v) == "boolean" and (v and 1 or 0) or tonumber(v)))
+  else
+    check(C.ms_tensor_fill_int(t, int_element(v, dt, "fill_: ")))
+  end
   return self
 end
 
 function tensor_methods.narrow(self, dim, start, len)
   local t = check_tensor(self, 1)
-  dim, start, len = check_integer(dim, 2), check_integer(start, 3), check_integer(len, 4)
+  dim, start, len = check_int(dim, 2, "narrow: dim"), check_integer(start, 3), check_integer(len, 4)
   return made_tensor(C.ms_tensor_narrow(tensor_out, t, dim, start, len))
 end
 
@@ -505,7 +557,7 @@ end
 -- t:chunk(chunks, index, dim?) -- piece `index` (0-based) of torch.chunk
 function tensor_methods.chunk(self, chunks, index, dim)
   local t = check_tensor(self, 1)
-  chunks, index, dim = check_integer(chunks, 2), check_integer(index, 3), opt_integer(dim, 4, 0)
+  chunks, index, dim = check_integer(chunks, 2), check_integer(index, 3), opt_int(dim, 4, "chunk: dim", 0)
   return made_tensor(C.ms_tensor_chunk(tensor_out, t, chunks, index, dim))
 end
 
@@ -569,16 +621,15 @@ function M.mesh(axes, opts)
   check_table(axes, 1)
   local n = #axes
   if n < 1 or n > MAX_DIMS then
-    raise("moonshard: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MAX_DIMS, n)
+    raise("moonshard invalid_argument error: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MAX_DIMS, n)
   end
   local names = {} -- keeps the strings names_a points to alive
   for i = 1, n do
     local axis = axes[i]
-    if type(axis) ~= "table" then raise("moonshard: mesh: axis %d is %s, expected {name, size}", i, type(axis)) end
+    if type(axis) ~= "table" then raise("moonshard invalid_argument error: mesh: axis %d is %s, expected {name, size}", i, type(axis)) end
     local name, size = axis[1], to_integer(axis[2])
-    if type(name) == "number" then name = tostring(name) end -- lua_tostring converts numbers
     if type(name) ~= "string" or not size then
-      raise("moonshard: mesh: axis %d must be {name, size} with a string and an integer", i)
+      raise("moonshard invalid_argument error: mesh: axis %d must be {name, size} with a string and an integer", i)
     end
     names[i], names_a[i - 1], shape_a[i - 1] = name, name, size
   end
@@ -597,7 +648,7 @@ end
 local function axis_index(m, name, arg)
   name = check_string(name, arg)
   local a = C.ms_mesh_axis_index(m, name)
-  if a < 0 then raise("moonshard: mesh has no axis '%s' (axes: %s)", name, table.concat(axis_names(m), ", ")) end
+  if a < 0 then raise("moonshard invalid_argument error: mesh has no axis '%s' (axes: %s)", name, table.concat(axis_names(m), ", ")) end
   return a
 end
 
@@ -612,7 +663,7 @@ function mesh_methods.axes(self) return axis_names(check_mesh(self, 1)) end
 local function opt_rank(m, rank, arg)
   if rank ~= nil then return check_integer(rank, arg) end
   local r = C.ms_mesh_rank(m)
-  if r < 0 then raise("moonshard: a shape-only mesh has no rank of its own; pass a rank") end
+  if r < 0 then raise("moonshard invalid_argument error: a shape-only mesh has no rank of its own; pass a rank") end
   return r
 end
 
@@ -639,7 +690,7 @@ local function check_axes(m, axes, arg, item_arg)
   end
   check_table(axes, arg)
   local n, ndim = #axes, C.ms_mesh_ndim(m)
-  if n < 1 or n > ndim then raise("moonshard: mesh group: expected 1 to %d axis names, got %d", ndim, n) end
+  if n < 1 or n > ndim then raise("moonshard invalid_argument error: mesh group: expected 1 to %d axis names, got %d", ndim, n) end
   for i = 1, n do ints_a[i - 1] = axis_index(m, axes[i], item_arg) end
   return n
 end
@@ -701,7 +752,7 @@ function group_methods.all_reduce(self, t, op)
 end
 
 function group_methods.broadcast(self, t, root)
-  check(C.ms_broadcast(check_group(self, 1), check_tensor(t, 2), check_integer(root, 3)))
+  check(C.ms_broadcast(check_group(self, 1), check_tensor(t, 2), check_int(root, 3, "broadcast: root")))
   return t
 end
 
@@ -734,17 +785,23 @@ function M.local_shape(global_shape, kinds, dims, mesh_shape, coords)
   local nm = check_int_list(mesh_shape, 4, "mesh_shape", shape_d)
   local nc = check_int_list(coords, 5, "coords", shape_e)
   if nk ~= nm or ndims ~= nm or nc ~= nm then
-    raise("moonshard: local_shape: %d placements and %d coordinates for a mesh of %d dims " ..
+    raise("moonshard invalid_argument error: local_shape: %d placements and %d coordinates for a mesh of %d dims " ..
       "(one of each per mesh dim)", nk, nc, nm)
   end
-  for i = 0, nm - 1 do ints_a[i], ints_b[i] = shape_b[i], shape_c[i] end
+  for i = 0, nm - 1 do
+    local kind, dim = shape_b[i], shape_c[i]
+    if dim < INT_MIN or dim > INT_MAX then
+      raise("moonshard invalid_argument error: local_shape: placement dim %d is out of range", dim)
+    end
+    ints_a[i], ints_b[i] = (kind >= 0 and kind <= 2) and kind or -1, dim -- the core refuses -1
+  end
   check(C.ms_local_shape(nd, shape_a, nm, ints_a, ints_b, shape_d, shape_e, shape_b, shape_c))
   return int_list(shape_b, nd), int_list(shape_c, nd)
 end
 
 function M.fsdp_shard(global_shape, world, rank, dim)
   local nd = check_int_list(global_shape, 1, "global_shape", shape_a)
-  world, rank, dim = check_integer(world, 2), check_integer(rank, 3), opt_integer(dim, 4, 0)
+  world, rank, dim = check_integer(world, 2), check_integer(rank, 3), opt_int(dim, 4, "fsdp_shard: dim", 0)
   check(C.ms_fsdp_shard(nd, shape_a, world, rank, dim, shape_b, int64_out, shape_c))
   return int_list(shape_b, nd), num(int64_out[0]), int_list(shape_c, nd)
 end
@@ -773,7 +830,7 @@ function M.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
   if type(reshard) == "boolean" then
     raf = reshard and 1 or 0
   elseif reshard ~= nil then
-    local k = check_integer(reshard, 6)
+    local k = check_int(reshard, 6, "unit: reshard_after_forward")
     raf = k == 1 and 0 or k
   end
   check(C.ms_unit_new(unit_out, name, shard_c, replicate_c, pd, rd, raf))
@@ -786,7 +843,7 @@ function unit_methods.add_param(self, fqn, shape, dtype, dim, requires_grad)
   fqn = check_string(fqn, 2)
   local nd = check_int_list(shape, 3, "shape", shape_a)
   local dt = opt_dtype(dtype, 4, F32)
-  dim = opt_integer(dim, 5, 0)
+  dim = opt_int(dim, 5, "add_param: dim", 0)
   local rg = (requires_grad == nil or requires_grad ~= false) and 1 or 0
   check(C.ms_unit_add_param(u, fqn, nd, shape_a, dt, dim, rg))
   return C.ms_unit_param_count(u) - 1
@@ -796,8 +853,8 @@ local function param_index(u, i, arg)
   i = check_integer(i, arg)
   local count = C.ms_unit_param_count(u)
   if i < 0 or i >= count then
-    raise("moonshard: unit %s has no parameter %d (it has %d, numbered from 0)", ffi.string(C.ms_unit_name(u)),
-      tonumber(i), count)
+    raise("moonshard invalid_argument error: unit %s has no parameter %d (it has %d, numbered from 0)", ffi.string(C.ms_unit_name(u)),
+      i, count)
   end
   return i
 end
@@ -947,7 +1004,7 @@ function M.cast_impl(name)
   if name ~= nil then
     name = check_string(name, 1)
     local impl = CAST_IMPLS[name]
-    if not impl then raise("moonshard: cast_impl: '%s' is not auto, portable or avx2", name) end
+    if not impl then raise("moonshard invalid_argument error: cast_impl: '%s' is not auto, portable or avx2", name) end
     check(C.ms_cast_set_impl(impl))
   end
   return C.ms_cast_get_impl() == C.MS_CAST_AVX2 and "avx2" or "portable"

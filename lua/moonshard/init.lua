@@ -34,7 +34,7 @@ local partial_ops = { sum = true, avg = true, max = true, min = true, product = 
 --- Shard(dim): the tensor dim `dim` (0-based, negative counts from the end) split over a mesh dim.
 function M.Shard(dim)
   if type(dim) ~= "number" or dim ~= math.floor(dim) then
-    error("moonshard: Shard(dim) needs an integer dim, got " .. tostring(dim), 2)
+    error("moonshard invalid_argument error: Shard(dim) needs an integer dim, got " .. tostring(dim), 2)
   end
   return setmetatable({ kind = "shard", dim = dim }, Placement)
 end
@@ -46,7 +46,7 @@ function M.Replicate() return setmetatable({ kind = "replicate" }, Placement) en
 function M.Partial(op)
   op = op or "sum"
   if not partial_ops[op] then
-    error("moonshard: Partial(op): unknown op '" .. tostring(op) .. "' (sum, avg, max, min or product)", 2)
+    error("moonshard invalid_argument error: Partial(op): unknown op '" .. tostring(op) .. "' (sum, avg, max, min or product)", 2)
   end
   return setmetatable({ kind = "partial", op = op }, Placement)
 end
@@ -66,25 +66,26 @@ function M.local_shape(global_shape, placements, mesh_shape, coords)
       sizes[i] = mesh_shape:size(name)
       crd[i] = coords[name] or coords[i]
       if crd[i] == nil then
-        error("moonshard: local_shape: no coordinate for mesh axis '" .. name .. "'", 2)
+        error("moonshard invalid_argument error: local_shape: no coordinate for mesh axis '" .. name .. "'", 2)
       end
     end
   end
   if type(placements) ~= "table" then
-    error("moonshard: local_shape: placements must be a list like {ms.Shard(0), ms.Replicate()}", 2)
+    error("moonshard invalid_argument error: local_shape: placements must be a list like {ms.Shard(0), ms.Replicate()}", 2)
   end
   local kinds, dims = {}, {}
   for i = 1, #placements do
     local p = placements[i]
     if not is_placement(p) then
-      error("moonshard: local_shape: placements[" .. i .. "] is " .. tostring(p) ..
+      error("moonshard invalid_argument error: local_shape: placements[" .. i .. "] is " .. tostring(p) ..
             ", expected ms.Shard(d), ms.Replicate() or ms.Partial()", 2)
     end
     kinds[i] = kind_code[p.kind]
     dims[i] = p.dim or 0
   end
-  -- not a tail call: the binding's errors name this line under both interpreters
-  local shape, offset = core.local_shape(global_shape, kinds, dims, sizes, crd)
+  -- through pcall, the binding's errors carry no position: they get the caller's line
+  local ok, shape, offset = pcall(core.local_shape, global_shape, kinds, dims, sizes, crd)
+  if not ok then error(shape, 2) end
   return shape, offset
 end
 

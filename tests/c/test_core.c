@@ -130,6 +130,18 @@ static void test_tensor_errors(void) {
     CHECK_OK(ms_tensor_fill(t, 2.5));
     CHECK(host[0] == 2.5 && host[5] == 2.5);
     ms_tensor_release(t);
+
+    /* an integer fill is exact in i64 (2^62 + 1 has no double) and wraps like an i64 cast */
+    int64_t ih[3] = {0};
+    CHECK_OK(ms_tensor_wrap(&t, ih, 1, (int64_t[]){3}, MS_I64));
+    CHECK_OK(ms_tensor_fill_int(t, (INT64_C(1) << 62) + 1));
+    CHECK(ih[0] == (INT64_C(1) << 62) + 1 && ih[2] == ih[0]);
+    ms_tensor_release(t);
+    int8_t i8h[2] = {0};
+    CHECK_OK(ms_tensor_wrap(&t, i8h, 1, (int64_t[]){2}, MS_I8));
+    CHECK_OK(ms_tensor_fill_int(t, 300)); /* integer to integer wraps: 300 - 256 */
+    CHECK(i8h[0] == 44 && i8h[1] == 44);
+    ms_tensor_release(t);
     CHECK_ERR(ms_tensor_wrap(&t, NULL, 1, (int64_t[]){3}, MS_F64), MS_ERR_ARG, "data is NULL");
 
     ms_device_type dev;

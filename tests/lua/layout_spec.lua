@@ -89,5 +89,8 @@ describe("placements", function()
     assert.matches("scalar", err)
     ok, err = pcall(ms.local_shape, { 4 }, { "Shard(0)" }, { 2 }, { 0 })
     assert.matches("placements%[1%] is Shard%(0%), expected ms.Shard", err)
+    -- the core's refusal names the caller's line, not the library's
+    ok, err = pcall(function() local s = ms.local_shape({ 4 }, { ms.Shard(0) }, { 2 }, { 5 }); return s end)
+    assert.matches("^[^\n]*layout_spec%.lua:%d+: moonshard invalid_argument error: local_shape: coordinate 5 out of range", err)
   end)
 end)
