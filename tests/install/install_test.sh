@@ -12,6 +12,15 @@ cmake --install "$build" --prefix "$prefix" >/dev/null
 out=$("$prefix/bin/moonshard" -n 2 -e 'local ms = require "moonshard"; print(ms.rank(), ms.backend())' | sort)
 [ "$out" = $'0\tthreads\n1\tthreads' ] || { echo "installed moonshard printed: $out"; exit 1; }
 
+# the installed policies and configs plan from anywhere, with the installed executable
+share=$prefix/share/moonshard
+out=$(cd / && "$prefix/bin/moonshard" plan --config "$share/configs/inkling2_small.json" --mesh dp_shard=8 \
+      --policy "$share/policies/inkling2" --json)
+case $out in *'"units"'*) ;; *) echo "installed plan printed: $out"; exit 1 ;; esac
+for f in policies/fsdp2_default.lua policies/by_dtype.lua policies/inkling2/fp32_modules.lua configs/llama3.1_8b.json; do
+  [ -f "$share/$f" ] || { echo "not installed: $share/$f"; exit 1; }
+done
+
 libdir=$(dirname "$(find "$prefix" -name 'libmoonshard.so' | head -1)")
 out=$(cd / && LUA_PATH="$prefix/share/lua/5.4/?.lua;$prefix/share/lua/5.4/?/init.lua;;" \
       LUA_CPATH="$libdir/lua/5.4/?.so;;" \
@@ -58,4 +67,4 @@ cc -std=c11 -Wall -Werror examples/embed_host/host.c $(pkg-config --cflags --lib
    -Wl,-rpath,"$libdir" -o "$prefix/host2"
 "$prefix/host2" 1 examples/configs/inkling2_small.json policies/inkling2 | grep -q "27 units" ||
   { echo "the pkg-config embed host failed"; exit 1; }
-echo "install test: installed executable, stock lua5.4 require, pkg-config host, find_package embed host: ok"
+echo "install test: installed executable, installed policies and configs, stock lua5.4 require, pkg-config host, find_package embed host: ok"
