@@ -42,12 +42,14 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 enum {
@@ -58,7 +60,8 @@ enum {
 static const char *usage_text =
     "usage: " PROG " [options] script.lua [args...]\n"
     "       " PROG " [options] -e CODE [args...]\n"
-    "       " PROG " plan --help        plan a model's sharding on a mesh (no GPUs)\n"
+    "       " PROG " plan --help        plan a model's sharding on a mesh (no GPUs; plan\n"
+    "                                  comes first)\n"
     "\n"
     "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
     "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
@@ -87,8 +90,9 @@ static const char *usage_text =
     "  MOONSHARD_LUA_DIR   directory holding moonshard/init.lua (default: the installed\n"
     "                      Lua files, else the source tree this binary was built from)\n"
     "\n"
-    "exit status: 1 when any rank failed, 2 on a usage error, else the largest integer a\n"
-    "rank's script returned (0 when none did); under MPI, each process its own rank's.\n";
+    "exit status: 1 when any rank failed or the output could not be written, 2 on a usage\n"
+    "error, else the largest integer a rank's script returned (0 when none did; 1 for one\n"
+    "outside 0..255); under MPI, each process its own rank's.\n";
 
 /* ---------------------------------------------------------------- ranks */
 
@@ -122,17 +126,39 @@ static void push_as_string(lua_State *L, int i) {
 }
 #endif
 
-/* Sets *status to the integer the script returned, when it returned one. */
-static void take_exit_status(lua_State *L, int idx, int *status) {
+/* Sets *status to the integer the script returned, when it returned one: 0..255 as it is;
+ * any other integer would reach the shell modulo 256 (256 as success), so it becomes 1,
+ * with a note. */
+static void take_exit_status(lua_State *L, int idx, int rank, int *status) {
+    lua_Number v;
 #if LUA_VERSION_NUM >= 503
-    if (lua_isinteger(L, idx)) *status = (int)lua_tointeger(L, idx);
+    if (!lua_isinteger(L, idx)) return;
+    v = (lua_Number)lua_tointeger(L, idx);
 #else /* numbers are doubles: an integral one counts */
-    lua_Number v = lua_tonumber(L, idx);
-    if (lua_type(L, idx) == LUA_TNUMBER && v >= INT_MIN && v <= INT_MAX && (lua_Number)(int)v == v) *status = (int)v;
+    v = lua_tonumber(L, idx);
+    if (lua_type(L, idx) != LUA_TNUMBER || v != floor(v)) return;
 #endif
+    if (v >= 0 && v <= 255) {
+        *status = (int)v;
+        return;
+    }
+    fprintf(stderr, "moonshard: rank %d returned %.14g, not an exit status (0 to 255): exit status 1\n", rank, (double)v);
+    *status = 1;
 }
 
 /* ---------------------------------------------------------------- a rank's state */
+
+/* The errno of the first failed write to stdout (a full disk, a closed pipe): the job then
+ * fails, so a truncated output never passes for a whole one. */
+static _Atomic int stdout_errno;
+
+/* Flushes stdout; on a failed write says so and turns the exit status into a failure. */
+static int check_stdout(int status) {
+    if (fflush(stdout) != 0 && !stdout_errno) stdout_errno = errno ? errno : EIO;
+    if (!stdout_errno && !ferror(stdout)) return status;
+    fprintf(stderr, "moonshard: cannot write the standard output: %s\n", strerror(stdout_errno ? stdout_errno : EIO));
+    return status ? status : 1;
+}
 
 /* print() that writes each line in one piece, so ranks' lines do not interleave. */
 static int l_print(lua_State *L) {
@@ -149,8 +175,7 @@ static int l_print(lua_State *L) {
     size_t len;
     const char *s = lua_tolstring(L, -1, &len);
     flockfile(stdout);
-    fwrite(s, 1, len, stdout);
-    fflush(stdout);
+    if (fwrite(s, 1, len, stdout) != len || fflush(stdout) != 0) stdout_errno = errno ? errno : EIO;
     funlockfile(stdout);
     return 0;
 }
@@ -190,7 +215,7 @@ static char *run_rank(rank_job *job, ms_comm *world) {
     if (st == LUA_OK) {
         for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
         st = lua_pcall(L, job->argc, 1, 1);
-        if (st == LUA_OK) take_exit_status(L, -1, &job->status);
+        if (st == LUA_OK) take_exit_status(L, -1, job->rank, &job->status);
     }
     char *err = NULL;
     if (st != LUA_OK) {
@@ -229,10 +254,14 @@ static void *rank_main(void *arg) {
  * message and traceback prefixed. */
 static void report_errors(const rank_job *jobs, const bool *finished, int n) {
     bool *printed = calloc((size_t)n, sizeof *printed);
+    /* root causes first: a rank that failed because a peer did comes after that peer */
+    for (int pass = 0; pass < (printed ? 2 : 1); pass++)
     for (int r = 0; r < n; r++) {
         if (!finished[r] || !jobs[r].failed || (printed && printed[r])) continue;
         /* the first line (the message) decides the grouping */
         size_t head = strcspn(jobs[r].error, "\n");
+        const char *pf = strstr(jobs[r].error, "peer_failed error");
+        if (printed && (pf && (size_t)(pf - jobs[r].error) < head) != (pass == 1)) continue;
         char who[256];
         int len = snprintf(who, sizeof who, "rank %d", jobs[r].rank);
         int same = 0;
@@ -292,7 +321,7 @@ static int run_process_rank(rank_job *job, double timeout, const char *backend, 
     }
     free(job->error);
     ms_world_release(world); /* tells the peers this rank finished; MPI_Finalize runs at exit */
-    return job->status;
+    return check_stdout(job->status);
 }
 
 /* ---------------------------------------------------------------- main */
@@ -330,8 +359,9 @@ int main(int argc, char **argv) {
         } else if (strcmp(a, "--version") == 0) {
             printf(PROG " %s (%s, libmoonshard %s)\n", MOONSHARD_VERSION, INTERPRETER, ms_version());
             return 0;
-        } else if (strcmp(a, "-n") == 0 || strcmp(a, "--ranks") == 0 || strncmp(a, "-n", 2) == 0) {
-            const char *v = a[1] == 'n' && a[2] ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
+        } else if (strcmp(a, "-n") == 0 || strcmp(a, "--ranks") == 0 || strncmp(a, "-n", 2) == 0 ||
+                   strncmp(a, "--ranks=", 8) == 0) {
+            const char *v = a[1] == 'n' && a[2] ? a + 2 : a[7] == '=' ? a + 8 : (i + 1 < argc ? argv[++i] : NULL);
             if (!v) return usage_error("%s needs a number of ranks", a);
             char *end;
             errno = 0;
@@ -342,13 +372,15 @@ int main(int argc, char **argv) {
             nranks_given = true;
         } else if (strcmp(a, "-e") == 0) {
             if (i + 1 >= argc) return usage_error("%s needs a chunk of Lua code", a);
+            if (code) return usage_error("%s given twice (one chunk of code per run)", a);
             code = argv[++i];
-        } else if (strcmp(a, "--timeout") == 0) {
-            if (i + 1 >= argc) return usage_error("%s needs a number of seconds", a);
+        } else if (strcmp(a, "--timeout") == 0 || strncmp(a, "--timeout=", 10) == 0) {
+            const char *v = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return usage_error("%s needs a number of seconds", a);
             char *end;
-            timeout = strtod(argv[++i], &end);
-            if (end == argv[i] || *end || !(timeout > 0))
-                return usage_error("bad timeout '%s' (expected seconds > 0)", argv[i]);
+            timeout = strtod(v, &end);
+            if (end == v || *end || !(timeout > 0) || !isfinite(timeout))
+                return usage_error("bad timeout '%s' (expected a finite number of seconds > 0)", v);
         } else if (strcmp(a, "--backend") == 0 || strncmp(a, "--backend=", 10) == 0) {
             backend = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
             if (!backend) return usage_error("%s needs a backend (threads, mpi or nccl)", a);
@@ -367,8 +399,13 @@ run:
     if (!code) {
         if (i >= argc) return usage_error("%s", "no script given (" PROG " [-n N] script.lua, or -e CODE)");
         script = argv[i++];
-        if (access(script, R_OK) != 0) {
-            fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script, strerror(errno));
+        struct stat sb;
+        errno = 0;
+        if (access(script, R_OK) != 0 || stat(script, &sb) != 0 || S_ISDIR(sb.st_mode)) {
+            fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script,
+                    errno ? strerror(errno) : "is a directory");
+            if (strcmp(script, "plan") == 0)
+                fprintf(stderr, "moonshard: 'plan' is a command only as the first argument: " PROG " plan --help\n");
             return 2;
         }
     }
@@ -470,5 +507,5 @@ run:
     free(jobs);
     free(threads);
     ms_world_release(world);
-    return failed ? 1 : status;
+    return check_stdout(failed ? 1 : status);
 }

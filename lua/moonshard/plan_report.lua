@@ -175,22 +175,26 @@ function M.to_text(plan, opts)
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
   if opts.policy then add("policy  " .. opts.policy) end
   add("")
-  local nw, mw, offload = 12, 4, false
+  local nw, mw, offload, replicated = 12, 4, false, false
   for _, u in ipairs(plan.units) do
     nw = math.max(nw, #(u.name == "" and "<root>" or u.name))
     mw = math.max(mw, #table.concat(u.mesh_axes, ","))
     offload = offload or u.offload ~= nil
+    replicated = replicated or u.all_reduce_bytes > 0
   end
-  -- the offload column only when some unit offloads, so other plans read as before
+  -- the all_reduce (HSDP) and offload columns only when some unit has them, so other plans
+  -- read as before
   add(string.format("%4s  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", pad("mesh", mw),
-    "params", "gather", "reduce", "reshard", "AG/step", "RS/step") .. (offload and "  offload" or ""))
+    "params", "gather", "reduce", "reshard", "AG/step", "RS/step") .. (replicated and string.format(" %10s", "AR/step")
+    or "") .. (offload and "  offload" or ""))
   for i, u in ipairs(plan.units) do
     local g, r = dtypes_str(u)
     local raf = u.reshard
     add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
       u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
       type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
-      util.bytes(u.reduce_scatter_bytes + u.all_reduce_bytes)) .. (offload and "  " .. (u.offload or "-") or ""))
+      util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
+      or "") .. (offload and "  " .. (u.offload or "-") or ""))
   end
   if #plan.owned > 0 then
     local n, bytes = 0, 0
@@ -212,8 +216,8 @@ function M.to_text(plan, opts)
     lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),
     util.bytes(m.optimizer), util.bytes(m.peak_unsharded), util.bytes(m.total)))
   if lo ~= hi then
-    add(string.format("  optimizer state ranges from %s to %s across ranks (AdamW keeps rows a rank holds)",
-      util.bytes(lo), util.bytes(hi)))
+    add(string.format("  optimizer state differs across ranks by %s: from %s to %s bytes (AdamW keeps the rows " ..
+      "a rank holds)", util.bytes(hi - lo), util.thousands(lo), util.thousands(hi)))
   end
   if m.offloaded > 0 then
     add(string.format("  offloaded to host memory (offload_policy cpu): %s of the params, grads and optimizer " ..

@@ -327,7 +327,7 @@ describe("CPU offload (FSDP2's CPUOffloadPolicy)", function()
 
   it("shows the offloaded units and bytes in the table only when something offloads", function()
     local text = report.to_text(offload_plan("cpu"))
-    assert.matches("RS/step  offload\n", text)
+    assert.matches("RS/step    AR/step  offload\n", text)
     assert.matches("\n   1  a .-  cpu\n   2  b .-  cpu\n   3  <root> .-  %-\n", text)
     assert.matches("offloaded to host memory %(offload_policy cpu%): 224 B of the params, grads and optimizer " ..
       "state; on the device: ", text)
@@ -339,5 +339,37 @@ describe("CPU offload (FSDP2's CPUOffloadPolicy)", function()
     assert.matches([[offload_policy of unit a is 'gpu'; expected "cpu" %(CPUOffloadPolicy%), "none" or nil]],
       errmsg(offload_plan, "gpu"))
     assert.matches("offload_policy of unit a is true; expected", errmsg(offload_plan, true))
+  end)
+end)
+
+describe("the plan table", function()
+  local report = require "moonshard.plan_report"
+  local json = require "moonshard.json"
+
+  it("shows reduce_scatter and all_reduce bytes in their own columns, as the JSON has them", function()
+    -- HSDP 2 x 4, one unit of 60 padded f32 elements (a.w 12 x 4, b.w 8, p 4): S = 240 B;
+    -- all-gather and reduce-scatter 240 * 3/4 = 180 B, all-reduce of the 60 B shard over 2: 60 B
+    local plan = planner.plan(small_tree(), mesh_context.new("dp_replicate=2,dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+    end))
+    local u = json.decode(report.to_json(plan), "plan JSON").units[1]
+    assert.same({ 180, 180, 60 }, { u.all_gather_bytes, u.reduce_scatter_bytes, u.all_reduce_bytes })
+    local text = report.to_text(plan)
+    assert.matches("AG/step    RS/step    AR/step\n", text, 1, true)
+    assert.matches("\n   1  <root> .* 180 B +180 B +60 B\n", text)
+    -- without a replicate axis there is no all_reduce, and no column for it
+    local flat = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.is_nil(report.to_text(flat):find("AR/step", 1, true))
+  end)
+
+  it("gives the spread of optimizer state across ranks in exact bytes", function()
+    -- dp_shard=4 over a.w [10,4] (rows 3,3,3,1), b.w [6] (2,2,2,0), p [3] (1,1,1,0):
+    -- AdamW 8 B per held element: rank 0 (12 + 2 + 1) * 8 = 120, rank 3 4 * 8 = 32
+    local plan = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.matches("optimizer state differs across ranks by 88 B: from 32 to 120 bytes", report.to_text(plan), 1, true)
   end)
 end)

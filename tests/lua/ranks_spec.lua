@@ -37,6 +37,17 @@ describe("moonshard -n N", function()
     assert.equal(1, count)
   end)
 
+  it("prints the rank that failed first, before the ranks that failed because of it", function()
+    local r = S.run_code(3, [[
+      local ms = require "moonshard"
+      if ms.rank() == 2 then error("rank two is broken") end
+      ms.mesh({{"w", 3}}):group("w"):barrier()
+    ]])
+    assert.equal(1, r.code)
+    assert.matches("^%[rank 2%] %(command line%):2: rank two is broken\n", r.err)
+    assert.matches("%[ranks 0,1%] .*peer_failed", r.err)
+  end)
+
   it("turns a rank that skips a collective into a timeout naming the missing rank", function()
     local r = S.run_code(4, [[
       local ms = require "moonshard"
@@ -96,6 +107,42 @@ describe("the moonshard command line", function()
     assert.matches("unknown backend 'gloo' %(expected threads, mpi or nccl%)", S.run({ "--backend", "gloo", "-e", "" }).err)
     assert.matches("with the nccl backend each process is one rank on one GPU",
       S.run({ "--backend", "nccl", "-n", "2", "-e", "" }).err)
+  end)
+
+  it("refuses repeated or out-of-range options and scripts that are no files", function()
+    assert.matches("%-e given twice", S.run({ "-e", "1", "-e", "2" }).err)
+    local r = S.run({ "--timeout=inf", "-e", "" })
+    assert.equal(2, r.code)
+    assert.matches("bad timeout 'inf' %(expected a finite number of seconds > 0%)", r.err)
+    r = S.run({ "tests" })
+    assert.equal(2, r.code)
+    assert.matches("cannot read script 'tests': is a directory", r.err)
+    r = S.run({ "-n", "2", "plan" })
+    assert.equal(2, r.code)
+    assert.matches("'plan' is a command only as the first argument", r.err, 1, true)
+    r = S.run({ "--ranks=2", "--timeout=5", "-e", "print(require('moonshard').world_size())" })
+    assert.equal(0, r.code, r.err)
+    assert.equal("2\n2\n", r.out)
+  end)
+
+  it("exits with the integer a script returned, 0 to 255, and 1 for any other", function()
+    assert.equal(7, S.run({ "-e", "return 7" }).code)
+    for _, v in ipairs({ "256", "-1", "300" }) do
+      local r = S.run({ "-e", "return " .. v })
+      assert.equal(1, r.code)
+      assert.matches("rank 0 returned " .. v .. ", not an exit status (0 to 255): exit status 1", r.err, 1, true)
+    end
+  end)
+
+  it("fails when the standard output cannot be written", function()
+    local f = io.open("/dev/full", "w")
+    if not f then return pending("no /dev/full here") end
+    f:close()
+    local p = io.popen(S.bin .. " -e 'print(1)' 2>&1 >/dev/full; echo \"rc=$?\"")
+    local out = p:read("a")
+    p:close()
+    assert.matches("cannot write the standard output: No space left on device", out, 1, true)
+    assert.matches("rc=1", out, 1, true)
   end)
 
   it("runs on the NCCL backend only where there is a GPU, and says why not", function()
