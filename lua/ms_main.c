@@ -395,7 +395,15 @@ int main(int argc, char **argv) {
             break;
         }
     }
-run:
+run:;
+    const char *lua_dir = getenv("MOONSHARD_LUA_DIR");
+    if (lua_dir && *lua_dir) {
+        char init[PATH_MAX + 32];
+        snprintf(init, sizeof init, "%s/moonshard/init.lua", lua_dir);
+        if (access(init, R_OK) != 0)
+            return usage_error("MOONSHARD_LUA_DIR='%s' holds no readable moonshard/init.lua (unset it to use the "
+                               "installed Lua files)", lua_dir);
+    }
     if (!code) {
         if (i >= argc) return usage_error("%s", "no script given (" PROG " [-n N] script.lua, or -e CODE)");
         script = argv[i++];

@@ -13,8 +13,11 @@ local COLOURS = { f32 = "#e8833a", bf16 = "#4a7fc1", f16 = "#6aa84f", f8e4m3 = "
 local MEM = { { "params", "#4a7fc1" }, { "grads", "#6aa84f" }, { "optimizer", "#e8833a" },
   { "peak_unsharded", "#9b59b6" } }
 
+-- XML text: the five markup characters escaped, and the control characters XML 1.0 forbids
+-- (all below 0x20 but tab, newline and return) shown as U+FFFD
 local function esc(s)
-  return (tostring(s):gsub("[&<>\"]", { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;", ['"'] = "&quot;" }))
+  return (tostring(s):gsub("[&<>\"]", { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;", ['"'] = "&quot;" })
+    :gsub("[%z\1-\8\11\12\14-\31]", "\239\191\189"))
 end
 
 local function short(name)

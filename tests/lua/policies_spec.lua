@@ -344,6 +344,13 @@ describe("moonshard plan", function()
     assert.matches("memory per rank", text)
     assert.matches("model.layers.0._checkpoint_wrapped_module.mlp.gate.weight%s+f32%s+f32%s+f32", r.out)
     assert.matches("model.embed_tokens.weight%s+bf16%s+bf16%s+f32", r.out)
+    -- a name with markup and a control character still makes well-formed XML
+    r = S.run(args("--svg", svg, "--name", "x\1<&>"))
+    assert.equal(0, r.code)
+    text = read(svg)
+    os.remove(svg)
+    assert.matches("x\239\191\189&lt;&amp;&gt;", text, 1, true)
+    assert.is_nil(text:find("[%z\1-\8\11\12\14-\31]"))
   end)
 
   it("changes the plan when a policy file is edited, with nothing rebuilt", function()
