@@ -1,7 +1,16 @@
 /*
- * ms_embed.c: the embedding API (moonshard_embed.h).  Each call pushes its arguments,
- * calls the matching function of the Lua module moonshard.embed under lua_pcall, and turns
- * a Lua error into a status and ms_last_error(): nothing longjmps into the host.
+ * ms_embed.c: the embedding API (moonshard_embed.h).  Every step that touches the Lua
+ * state runs inside lua_pcall: a call pushes one C function and a pointer to its arguments
+ * (neither allocates, so neither can raise) and that function does the rest protected:
+ * it pushes the arguments, calls the matching function of the Lua module moonshard.embed
+ * and reads the results.  A Lua error, out of memory included, becomes a status and
+ * ms_last_error(): nothing longjmps into the host, and the Lua panic handler is never
+ * reached.
+ *
+ * The module moonshard.embed is loaded once, by ms_interp_new, and kept in the registry,
+ * so what a host's ms_interp_exec does to package.loaded cannot change it.  The units of
+ * ms_interp_materialize are retained here, in C, until ms_interp_free: the pointers of
+ * ms_interp_unit stay valid whatever the Lua state does with its own references.
  */
 #include "moonshard_embed.h"
 #include "ms_internal.h"
@@ -10,64 +19,219 @@
 #include <lauxlib.h>
 #include <lua.h>
 
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define EMBED_KEY "moonshard.embed.module" /* registry: the module table of moonshard.embed */
 
 struct ms_interp {
     lua_State *L;
     ms_comm *world; /* retained */
+    ms_unit **units; /* retained at materialize, released by ms_interp_free */
+    int nunits;
 };
 
-/* "moonshard shape error: ..." -> MS_ERR_SHAPE; any other Lua error is an invalid argument
- * (a bad model, mesh or policy). */
+/* ---------------------------------------------------------------- errors */
+
+/* The status a Lua error message carries: the outermost "moonshard <status> error:" in it
+ * (the binding's errors and moonshard.embed's own), MS_ERR_OOM for Lua's out-of-memory
+ * message rethrown as a plain error; any other Lua error is an invalid argument (a bad
+ * model, mesh or policy). */
 static ms_status status_of(const char *msg) {
     static const ms_status all[] = {MS_ERR_ARG, MS_ERR_OOM, MS_ERR_OVERFLOW, MS_ERR_SHAPE, MS_ERR_DTYPE,
                                     MS_ERR_DEVICE, MS_ERR_MISMATCH, MS_ERR_TIMEOUT, MS_ERR_PEER,
                                     MS_ERR_NOT_BUILT, MS_ERR_STATE, MS_ERR_IO, MS_ERR_INTERNAL};
-    for (size_t i = 0; msg && i < sizeof all / sizeof all[0]; i++) {
+    ms_status best = MS_ERR_ARG;
+    const char *first = NULL;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         char head[64];
         snprintf(head, sizeof head, "moonshard %s error:", ms_status_name(all[i]));
-        if (strstr(msg, head)) return all[i];
+        const char *at = strstr(msg, head);
+        if (at && (!first || at < first)) {
+            first = at;
+            best = all[i];
+        }
     }
+    if (first) return best;
+    static const char oom[] = "not enough memory"; /* Lua's message for LUA_ERRMEM */
+    size_t n = strlen(msg), k = sizeof oom - 1;
+    if (n >= k && strcmp(msg + n - k, oom) == 0) return MS_ERR_OOM;
     return MS_ERR_ARG;
 }
 
-/* Calls moonshard.embed[fn] with the nargs values on top of the stack; leaves nres results. */
-static ms_status call(ms_interp *in, const char *fn, int nargs, int nres) {
-    lua_State *L = in->L;
-    int base = lua_gettop(L) - nargs;
+/* A non-string error object as text, called protected (a __tostring may raise): its
+ * __tostring, a number or boolean as Lua prints it, else "(error object is a T value)". */
+static int p_error_text(lua_State *L) {
+    if (luaL_getmetafield(L, 1, "__tostring") != LUA_TNIL) {
+        lua_pop(L, 1);
+        luaL_tolstring(L, 1, NULL);
+    } else if (lua_type(L, 1) == LUA_TNUMBER || lua_type(L, 1) == LUA_TBOOLEAN) {
+        luaL_tolstring(L, 1, NULL);
+    } else {
+        lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    }
+    return 1;
+}
+
+/* The failed protected call's error object (on top, lua_pcall's status lst) as a status and
+ * ms_last_error(); leaves the stack at top. */
+static ms_status lua_failure(lua_State *L, int lst, int top) {
+    ms_status s;
+    if (lua_type(L, -1) == LUA_TSTRING) { /* lua_tostring of a string neither allocates nor raises */
+        const char *msg = lua_tostring(L, -1);
+        s = lst == LUA_ERRMEM ? MS_ERR_OOM : status_of(msg);
+        ms__fail(s, "%s", msg);
+    } else {
+        const char *type = luaL_typename(L, -1); /* static strings */
+        lua_pushcfunction(L, p_error_text);
+        lua_pushvalue(L, -2);
+        int st = lua_pcall(L, 1, 1, 0);
+        if (st == LUA_OK && lua_type(L, -1) == LUA_TSTRING) {
+            const char *msg = lua_tostring(L, -1);
+            s = lst == LUA_ERRMEM ? MS_ERR_OOM : status_of(msg);
+            ms__fail(s, "%s", msg);
+        } else {
+            s = lst == LUA_ERRMEM || st == LUA_ERRMEM ? MS_ERR_OOM : MS_ERR_ARG;
+            if (lua_type(L, -1) == LUA_TSTRING)
+                ms__fail(s, "(error object is a %s value; its __tostring failed: %s)", type, lua_tostring(L, -1));
+            else ms__fail(s, "(error object is a %s value; its __tostring failed)", type);
+        }
+    }
+    lua_settop(L, top);
+    return s;
+}
+
+/* Runs f protected with the light userdata arg; a Lua error becomes a status. */
+static ms_status run(lua_State *L, lua_CFunction f, void *arg) {
+    int top = lua_gettop(L);
+    lua_pushcfunction(L, f);
+    lua_pushlightuserdata(L, arg);
+    int st = lua_pcall(L, 1, 0, 0);
+    if (st != LUA_OK) return lua_failure(L, st, top);
+    lua_settop(L, top);
+    return ms__ok();
+}
+
+/* ---------------------------------------------------------------- calls into moonshard.embed */
+
+typedef enum { C_ADD_PARAM, C_MODULE_TYPE, C_CONFIG, C_PLAN, C_PREFETCH, C_PLAN_JSON, C_FIND } call_kind;
+
+typedef struct {
+    call_kind kind;
+    const char *s1, *s2; /* string arguments */
+    int ndim;
+    const int64_t *shape;
+    ms_dtype dtype;
+    int requires_grad;
+    lua_Integer out[2]; /* integer results */
+    char *json;          /* C_PLAN_JSON's result, malloc'd */
+} embed_call;
+
+static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch", "plan_json", "find"};
+
+/* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
+static void push_fn(lua_State *L, const char *fn) {
+    lua_getfield(L, LUA_REGISTRYINDEX, EMBED_KEY);
+    if (!lua_istable(L, -1)) luaL_error(L, "moonshard internal error: embed: the module moonshard.embed is not loaded");
+    lua_getfield(L, -1, fn);
+    if (!lua_isfunction(L, -1))
+        luaL_error(L, "moonshard internal error: embed: moonshard.embed.%s is not a function (was it replaced?)", fn);
+    lua_remove(L, -2);
+}
+
+/* Result i (1-based among nres results at the top) as an integer, or an error naming fn. */
+static lua_Integer int_result(lua_State *L, const char *fn, int i, int nres) {
+    int isnum = 0;
+    lua_Integer v = lua_tointegerx(L, -nres + i - 1, &isnum);
+    if (!isnum) luaL_error(L, "moonshard internal error: embed: %s returned %s, not an integer", fn,
+                           luaL_typename(L, -nres + i - 1));
+    return v;
+}
+
+static int p_call(lua_State *L) {
+    embed_call *c = lua_touserdata(L, 1);
+    const char *fn = FN[c->kind];
+    push_fn(L, fn);
+    int nargs = 0, nres = 0;
+    switch (c->kind) {
+    case C_ADD_PARAM:
+        lua_pushstring(L, c->s1);
+        lua_createtable(L, c->ndim, 0);
+        for (int i = 0; i < c->ndim; i++) {
+            lua_pushinteger(L, (lua_Integer)c->shape[i]);
+            lua_rawseti(L, -2, i + 1);
+        }
+        lua_pushstring(L, ms_dtype_name(c->dtype));
+        lua_pushboolean(L, c->requires_grad);
+        nargs = 4;
+        break;
+    case C_MODULE_TYPE:
+    case C_PLAN:
+        lua_pushstring(L, c->s1);
+        lua_pushstring(L, c->s2);
+        nargs = 2;
+        nres = c->kind == C_PLAN;
+        break;
+    case C_CONFIG: lua_pushstring(L, c->s1); nargs = 1; break;
+    case C_PREFETCH: nres = 2; break;
+    case C_PLAN_JSON: nres = 1; break;
+    case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
+    }
+    lua_call(L, nargs, nres);
+    if (c->kind == C_PLAN_JSON) {
+        size_t len;
+        if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "moonshard internal error: embed: plan_json returned no string");
+        const char *s = lua_tolstring(L, -1, &len);
+        if (!(c->json = malloc(len + 1))) luaL_error(L, "moonshard out_of_memory error: interp_plan_json: %d bytes", (int)len);
+        memcpy(c->json, s, len + 1); /* nothing raises after this */
+    } else {
+        for (int i = 0; i < nres; i++) c->out[i] = int_result(L, fn, i + 1, nres);
+    }
+    return 0;
+}
+
+static ms_status call(ms_interp *in, embed_call *c) { return run(in->L, p_call, c); }
+
+/* ---------------------------------------------------------------- the interpreter */
+
+typedef struct {
+    ms_comm *world;
+} setup_arg;
+
+/* Opens the libraries, links moonshard in and loads moonshard.embed into the registry. */
+static int p_setup(lua_State *L) {
+    setup_arg *a = lua_touserdata(L, 1);
+    ms_lua_setup(L, a->world);
     lua_getglobal(L, "require");
     lua_pushliteral(L, "moonshard.embed");
-    int st = lua_pcall(L, 1, 1, 0);
-    if (st == LUA_OK) {
-        lua_getfield(L, -1, fn);
-        lua_remove(L, -2);
-        lua_insert(L, base + 1);
-        st = lua_pcall(L, nargs, nres, 0);
-    } else {
-        lua_insert(L, base + 1);
-        lua_settop(L, base + 1);
-    }
-    if (st != LUA_OK) {
-        const char *msg = lua_tostring(L, -1);
-        ms_status s = status_of(msg);
-        ms__fail(s, "%s", msg ? msg : "(error object is not a string)");
-        lua_settop(L, base);
-        return s;
-    }
-    return ms__ok();
+    lua_call(L, 1, 1);
+    if (!lua_istable(L, -1))
+        luaL_error(L, "moonshard internal error: embed: require 'moonshard.embed' returned %s, not the module",
+                   luaL_typename(L, -1));
+    lua_setfield(L, LUA_REGISTRYINDEX, EMBED_KEY);
+    return 0;
 }
 
 ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     if (!out || !world) return ms__fail(MS_ERR_ARG, "interp_new: NULL argument");
+    *out = NULL;
     ms_interp *in = calloc(1, sizeof *in);
     if (!in || !(in->L = luaL_newstate())) {
         free(in);
         return ms__fail(MS_ERR_OOM, "interp_new: cannot create a Lua state");
     }
+    setup_arg a = {world};
+    ms_status st = run(in->L, p_setup, &a);
+    if (st) {
+        ms__wrap(st, "interp_new");
+        lua_close(in->L);
+        free(in);
+        return st;
+    }
     ms_comm_retain(world);
     in->world = world;
-    ms_lua_setup(in->L, world);
     *out = in;
     return ms__ok();
 }
@@ -75,20 +239,21 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
 void ms_interp_free(ms_interp *in) {
     if (!in) return;
     lua_close(in->L); /* releases the units and tensors the state holds */
+    for (int i = 0; i < in->nunits; i++) ms_unit_release(in->units[i]); /* then the host's */
+    free(in->units);
     ms_comm_release(in->world);
     free(in);
 }
 
 ms_status ms_interp_exec(ms_interp *in, const char *code) {
     if (!in || !code) return ms__fail(MS_ERR_ARG, "interp_exec: NULL argument");
-    if (luaL_loadbufferx(in->L, code, strlen(code), "=(host)", "t") != LUA_OK ||
-        lua_pcall(in->L, 0, 0, 0) != LUA_OK) {
-        const char *msg = lua_tostring(in->L, -1);
-        ms_status s = status_of(msg);
-        ms__fail(s, "%s", msg ? msg : "(error object is not a string)");
-        lua_pop(in->L, 1);
-        return s;
-    }
+    lua_State *L = in->L;
+    int top = lua_gettop(L);
+    /* both are protected: they return a status instead of raising */
+    int st = luaL_loadbufferx(L, code, strlen(code), "=(host)", "t");
+    if (st == LUA_OK) st = lua_pcall(L, 0, 0, 0);
+    if (st != LUA_OK) return lua_failure(L, st, top);
+    lua_settop(L, top);
     return ms__ok();
 }
 
@@ -98,92 +263,113 @@ ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const 
     if (!ms_dtype_name(dtype)) return ms__fail(MS_ERR_DTYPE, "interp_model_param: %s: invalid dtype %d", fqn, (int)dtype);
     if (ndim < 0 || ndim > MS_MAX_DIMS)
         return ms__fail(MS_ERR_SHAPE, "interp_model_param: %s: %d dims (0 to %d)", fqn, ndim, MS_MAX_DIMS);
-    lua_State *L = in->L;
-    lua_pushstring(L, fqn);
-    lua_createtable(L, ndim, 0);
-    for (int i = 0; i < ndim; i++) {
-        lua_pushinteger(L, (lua_Integer)shape[i]);
-        lua_rawseti(L, -2, i + 1);
-    }
-    lua_pushstring(L, ms_dtype_name(dtype));
-    lua_pushboolean(L, requires_grad);
-    return call(in, "add_param", 4, 0);
+    int64_t numel = 0, bytes = 0;
+    ms_status st = ms__check_shape(ndim, shape, &numel); /* sizes >= 0, elements within int64 */
+    if (st) return ms__wrap(st, "interp_model_param: %s", fqn);
+    if (!ms__mul_ok(numel, (int64_t)ms_dtype_size(dtype), &bytes))
+        return ms__fail(MS_ERR_OVERFLOW, "interp_model_param: %s: %lld elements of %s are more than 2^63 bytes", fqn,
+                        (long long)numel, ms_dtype_name(dtype));
+    embed_call c = {.kind = C_ADD_PARAM, .s1 = fqn, .ndim = ndim, .shape = shape, .dtype = dtype,
+                    .requires_grad = requires_grad};
+    return call(in, &c);
 }
 
 ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const char *type_name) {
     if (!in || !name || !type_name) return ms__fail(MS_ERR_ARG, "interp_model_module_type: NULL argument");
-    lua_pushstring(in->L, name);
-    lua_pushstring(in->L, type_name);
-    return call(in, "set_module_type", 2, 0);
+    embed_call c = {.kind = C_MODULE_TYPE, .s1 = name, .s2 = type_name};
+    return call(in, &c);
 }
 
 ms_status ms_interp_model_config(ms_interp *in, const char *config_path) {
     if (!in || !config_path) return ms__fail(MS_ERR_ARG, "interp_model_config: NULL argument");
-    lua_pushstring(in->L, config_path);
-    return call(in, "use_config", 1, 0);
+    embed_call c = {.kind = C_CONFIG, .s1 = config_path};
+    return call(in, &c);
 }
 
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units) {
     if (!in || !mesh || !policy) return ms__fail(MS_ERR_ARG, "interp_plan: NULL argument");
-    lua_pushstring(in->L, mesh);
-    lua_pushstring(in->L, policy);
-    ms_status st = call(in, "plan", 2, 1);
-    if (st) return st;
-    if (units) *units = (int)lua_tointeger(in->L, -1);
-    lua_pop(in->L, 1);
-    return MS_OK;
+    embed_call c = {.kind = C_PLAN, .s1 = mesh, .s2 = policy};
+    ms_status st = call(in, &c);
+    if (!st && units) *units = (int)c.out[0];
+    return st;
 }
 
 ms_status ms_interp_plan_json(ms_interp *in, char **json) {
     if (!in || !json) return ms__fail(MS_ERR_ARG, "interp_plan_json: NULL argument");
-    ms_status st = call(in, "plan_json", 0, 1);
-    if (st) return st;
-    *json = strdup(lua_tostring(in->L, -1));
-    lua_pop(in->L, 1);
-    return *json ? MS_OK : ms__fail(MS_ERR_OOM, "interp_plan_json: out of memory");
+    embed_call c = {.kind = C_PLAN_JSON};
+    ms_status st = call(in, &c);
+    if (!st) *json = c.json;
+    return st;
 }
 
 ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward) {
     if (!in || !forward || !backward) return ms__fail(MS_ERR_ARG, "interp_prefetch: NULL argument");
-    ms_status st = call(in, "prefetch", 0, 2);
+    embed_call c = {.kind = C_PREFETCH};
+    ms_status st = call(in, &c);
     if (st) return st;
-    *forward = (int)lua_tointeger(in->L, -2);
-    *backward = (int)lua_tointeger(in->L, -1);
-    lua_pop(in->L, 2);
+    *forward = (int)c.out[0];
+    *backward = (int)c.out[1];
     return MS_OK;
+}
+
+/* moonshard.embed.materialize(), then every unit, retained for the host. */
+static int p_materialize(lua_State *L) {
+    ms_interp *in = lua_touserdata(L, 1);
+    push_fn(L, "materialize");
+    lua_call(L, 0, 1);
+    lua_Integer n = int_result(L, "materialize", 1, 1);
+    if (n < 0 || n > INT_MAX / (lua_Integer)sizeof(ms_unit *))
+        luaL_error(L, "moonshard internal error: embed: materialize returned %d units", (int)n);
+    /* collected in a Lua userdata first, so that an error half-way leaks nothing */
+    ms_unit **tmp = lua_newuserdatauv(L, (size_t)(n ? n : 1) * sizeof *tmp, 0);
+    for (lua_Integer i = 0; i < n; i++) {
+        push_fn(L, "unit");
+        lua_pushinteger(L, i);
+        lua_call(L, 1, 1);
+        if (!(tmp[i] = ms_lua_to_unit(L, -1)))
+            luaL_error(L, "moonshard internal error: embed: unit %d is not a unit", (int)i);
+        lua_pop(L, 1);
+    }
+    ms_unit **units = malloc((size_t)(n ? n : 1) * sizeof *units);
+    if (!units) luaL_error(L, "moonshard out_of_memory error: interp_materialize: the table of %d units", (int)n);
+    for (lua_Integer i = 0; i < n; i++) { /* nothing raises from here on */
+        units[i] = tmp[i];
+        ms_unit_retain(units[i]);
+    }
+    in->units = units;
+    in->nunits = (int)n;
+    return 0;
 }
 
 ms_status ms_interp_materialize(ms_interp *in) {
     if (!in) return ms__fail(MS_ERR_ARG, "interp_materialize: NULL interpreter");
-    ms_status st = call(in, "materialize", 0, 1);
-    if (!st) lua_pop(in->L, 1);
-    return st;
+    return run(in->L, p_materialize, in);
 }
 
-int ms_interp_unit_count(ms_interp *in) {
-    if (!in || call(in, "materialize_count", 0, 1)) return 0;
-    int n = (int)lua_tointeger(in->L, -1);
-    lua_pop(in->L, 1);
-    return n;
-}
+int ms_interp_unit_count(ms_interp *in) { return in ? in->nunits : 0; }
 
 ms_unit *ms_interp_unit(ms_interp *in, int i) {
-    if (!in) return NULL;
-    lua_pushinteger(in->L, i);
-    if (call(in, "unit", 1, 1)) return NULL;
-    /* The unit stays referenced by moonshard.embed's state, so the pointer outlives the pop. */
-    ms_unit *u = ms_lua_to_unit(in->L, -1);
-    lua_pop(in->L, 1);
-    return u;
+    if (!in) {
+        ms__fail(MS_ERR_ARG, "interp_unit: NULL interpreter");
+        return NULL;
+    }
+    if (!in->units) {
+        ms__fail(MS_ERR_STATE, "interp_unit: no units yet: materialise the plan first");
+        return NULL;
+    }
+    if (i < 0 || i >= in->nunits) {
+        ms__fail(MS_ERR_ARG, "interp_unit: no unit %d (there are %d, numbered from 0)", i, in->nunits);
+        return NULL;
+    }
+    return in->units[i];
 }
 
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index) {
     if (!in || !fqn || !unit || !index) return ms__fail(MS_ERR_ARG, "interp_find_param: NULL argument");
-    lua_pushstring(in->L, fqn);
-    ms_status st = call(in, "find", 1, 2);
+    embed_call c = {.kind = C_FIND, .s1 = fqn};
+    ms_status st = call(in, &c);
     if (st) return st;
-    *unit = (int)lua_tointeger(in->L, -2);
-    *index = (int)lua_tointeger(in->L, -1);
-    lua_pop(in->L, 2);
+    *unit = (int)c.out[0];
+    *index = (int)c.out[1];
     return MS_OK;
 }

@@ -398,7 +398,8 @@ ms_status ms_unit_zero_grad(ms_unit *u);
  * number of ranks holding the same shard (the replicate size), so that summing over the
  * world counts every element once. */
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
-/* Multiplies the sharded gradients by scale (clipping). */
+/* Multiplies the sharded gradients by scale (clipping); MS_ERR_ARG for a scale that is not
+ * finite (NaN or infinite). */
 ms_status ms_unit_scale_grads(ms_unit *u, double scale);
 /* AdamW on the rank's shards that have a gradient, while sharded: fp32 moments, fp32
  * master weights when the stored dtype is not f32 (made on the first step), decoupled

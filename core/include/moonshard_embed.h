@@ -5,8 +5,21 @@
  * library and the host's policy.  The host describes its model (parameters by dotted name,
  * or a config.json), plans it on a mesh with a policy, materialises the shard units, and
  * then drives the units itself (ms_unit_* of moonshard.h) from its own forward and
- * backward.  No Lua error ever crosses into the host: every call returns a status, with
- * the message in ms_last_error().  Link with -lmoonshard_embed -lmoonshard.
+ * backward.  Link with -lmoonshard_embed -lmoonshard.
+ *
+ * No Lua error ever crosses into the host: every step that touches the Lua state runs
+ * protected, and every call returns a status with the message in ms_last_error() (a Lua
+ * error object that is not a string comes back through its __tostring).  The statuses:
+ * MS_ERR_ARG for a bad model, name, mesh or policy (and any error a policy raises);
+ * MS_ERR_STATE for a call out of order (see each call); MS_ERR_IO for a file that cannot be
+ * read; MS_ERR_OOM when the interpreter runs out of memory; the core's statuses (shape,
+ * overflow, ...) as the core gives them.  Messages name the host's input, not places in
+ * moonshard's Lua files.
+ *
+ * The order: ms_interp_new; the model, by ms_interp_model_param (then
+ * ms_interp_model_module_type) or by one ms_interp_model_config, not both; ms_interp_plan,
+ * which may be called again until the units are materialised (a failed plan keeps the
+ * previous one); ms_interp_materialize, once; then the units until ms_interp_free.
  */
 #ifndef MOONSHARD_EMBED_H
 #define MOONSHARD_EMBED_H
@@ -21,40 +34,66 @@ extern "C" {
 
 typedef struct ms_interp ms_interp;
 
-/* An interpreter for the rank of `world` (this rank's world comm, retained). */
+/* An interpreter for the rank of `world` (this rank's world comm, retained), with the Lua
+ * library loaded (an error when moonshard's Lua files cannot be found). */
 ms_status ms_interp_new(ms_interp **out, ms_comm *world);
+/* Frees the interpreter, its Lua state and its references to the units (a unit the host
+ * retained lives on). */
 void ms_interp_free(ms_interp *in);
-/* Runs a chunk of Lua in the interpreter (`require "moonshard"` works there). */
+/* Runs a chunk of Lua in the interpreter (`require "moonshard"` works there).  The calls
+ * below keep using the moonshard.embed that ms_interp_new loaded, whatever the chunk does
+ * to package.loaded; a chunk that breaks that module gets errors from them, not a crash. */
 ms_status ms_interp_exec(ms_interp *in, const char *code);
 
-/* The model, parameter by parameter: dotted names make the module tree. */
+/* The model, parameter by parameter: dotted names make the module tree.  Checked at the
+ * call: MS_ERR_ARG for a name described before, with an empty segment, or that makes a
+ * parameter a module or a module a parameter; MS_ERR_SHAPE for a negative size;
+ * MS_ERR_OVERFLOW for more than 2^63 elements or bytes; MS_ERR_STATE once the model was
+ * planned or was given by ms_interp_model_config. */
 ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const int64_t *shape,
                                 ms_dtype dtype, int requires_grad);
 /* Sets the type of a module of that tree ("ModuleList", "MoE", "GroupedExperts", ...), for
- * policies that recognise modules by type. */
+ * policies that recognise modules by type.  The module must be in the model described so
+ * far (a prefix of a parameter's name, "" for the root, or a module of the config's model):
+ * MS_ERR_ARG otherwise; MS_ERR_STATE once the model was planned. */
 ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const char *type_name);
-/* Or the model from a Hugging Face config.json (the builders of moonshard plan). */
+/* Or the model from a Hugging Face config.json (the builders of moonshard plan).
+ * MS_ERR_IO when the file cannot be read; MS_ERR_ARG when it is not a config of a known
+ * architecture; MS_ERR_STATE after ms_interp_model_param, after another config, or once the
+ * model was planned. */
 ms_status ms_interp_model_config(ms_interp *in, const char *config_path);
 
 /* Plans the model on a mesh ("dp_replicate=2,dp_shard=2") with a policy directory or file;
- * *units gets the number of units (may be NULL). */
+ * *units gets the number of units (may be NULL).  May be called again to plan anew (each
+ * plan starts from the model as described) until ms_interp_materialize: MS_ERR_STATE after.
+ * A failed plan leaves the previous one in place. */
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units);
 /* How many units ahead the policy prefetches: in forward (its prefetch.forward, default 1)
- * and in backward (prefetch.backward, default 2), as the planner counted them. */
+ * and in backward (prefetch.backward, default 2), as the planner counted them.
+ * MS_ERR_STATE before a plan. */
 ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward);
-/* The plan JSON (DESIGN.md, version 1); *json is malloc'd: the host frees it. */
+/* The plan JSON (DESIGN.md, version 1); *json is malloc'd: the host frees it.  MS_ERR_STATE
+ * before a plan. */
 ms_status ms_interp_plan_json(ms_interp *in, char **json);
 /* Builds this rank's units from the plan: the plan's units in plan order, then one
  * "ep-local" unit per experts module whose expert parameters no planned unit shards
  * (ep_shard = 1; named "<module>[ep]", on a one-rank group, in the stored dtype).  Expert
  * parameters hold this rank's experts (ep-local shapes); units reducing them divide by the
- * whole data-parallel size (moonshard/runtime.lua explains why). */
+ * whole data-parallel size (moonshard/runtime.lua explains why).  Once per interpreter:
+ * MS_ERR_STATE for a second call (the units it handed out are never replaced) and before a
+ * plan.  A collective call: every rank of the mesh materialises the same plan. */
 ms_status ms_interp_materialize(ms_interp *in);
-/* Units this rank holds (the plan's and the ep-local ones); 0 before materialize. */
+/* Units this rank holds (the plan's and the ep-local ones, so possibly more than
+ * ms_interp_plan counted); 0 before materialize.  Loop over these, not over the plan's. */
 int ms_interp_unit_count(ms_interp *in);
-/* Unit i (borrowed: valid while the interpreter lives), or NULL. */
+/* Unit i, 0 <= i < ms_interp_unit_count, or NULL with ms_last_error() set (MS_ERR_STATE
+ * before materialize, MS_ERR_ARG out of range).  Borrowed: the interpreter holds a
+ * reference to every unit it materialised until ms_interp_free, whatever the Lua code run
+ * by ms_interp_exec does, so the pointer is valid until then; ms_unit_retain it to keep
+ * it longer. */
 ms_unit *ms_interp_unit(ms_interp *in, int i);
-/* The unit and parameter index of a parameter by its name (host or plan name). */
+/* The unit and parameter index of a parameter by its name (host or plan name).
+ * MS_ERR_STATE before materialize; MS_ERR_ARG for a name the plan does not have. */
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index);
 
 /* MS_API_END */

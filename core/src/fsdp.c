@@ -1168,6 +1168,8 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
 
 ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_scale_grads: unit is NULL");
+    if (!isfinite(scale))
+        return ms__fail(MS_ERR_ARG, "unit '%s': scale_grads: scale %g: expected a finite scale", u->name, scale);
     ms_status st = check_state(u, "scale_grads", ST_GRADS);
     if (st) return st;
     for (int i = 0; i < u->nparams && !st; i++) {

@@ -1,54 +1,136 @@
 -- moonshard.embed: what the embedding API (moonshard_embed.h) does in Lua, one instance
 -- per rank's Lua state: the host describes its model parameter by parameter (dotted
 -- names make the module tree; module types may be set so that policies recognise layers,
--- MoE blocks and experts), plans it with a policy on a mesh, and materialises the units.
+-- MoE blocks and experts) or by a config.json, plans it with a policy on a mesh, and
+-- materialises the units once.
+--
+-- Errors name the host's input, never a position in this library (error(msg, 0)).  Those
+-- that are not an invalid argument carry their status the way the binding's do, as
+-- "moonshard <status> error: ..." (ms_embed.c reads it back): the host called in the wrong
+-- order ("state") or a file could not be read ("io").
 
 local M = {}
 
-local state = { tensors = {}, types = {}, frozen = {} }
+-- tensors: the host's parameters in order; params: fqn -> true; modules: the module names
+-- those parameters make ("" is the root); config, config_data, config_tree: the path,
+-- contents and module tree of the config that gave the model instead; types: module name
+-- -> type; frozen: fqn -> true; plan; rank and where: the materialised units.
+local state = { tensors = {}, params = {}, modules = { [""] = true }, types = {}, frozen = {} }
+
+local function fail(msg) error("moonshard: embed: " .. msg, 0) end
+local function fail_state(msg) error("moonshard state error: embed: " .. msg, 0) end
+
+local function described()
+  local n = #state.tensors
+  return string.format("%d parameter%s (the first '%s')", n, n == 1 and "" or "s", state.tensors[1].name)
+end
+
+-- The dotted segments of a name; an empty segment is an error naming what the name is.
+local function segments(name, what)
+  local parts = {}
+  for part in (name .. "."):gmatch("([^.]*)%.") do
+    if part == "" then fail(string.format("%s name '%s' has an empty segment", what, name)) end
+    parts[#parts + 1] = part
+  end
+  return parts
+end
 
 function M.add_param(fqn, shape, dtype, requires_grad)
-  if state.plan then error("moonshard: embed: the model cannot change after it was planned", 0) end
+  if state.plan then
+    fail_state("parameter '" .. fqn .. "': the model cannot change after it was planned")
+  end
+  if state.config then
+    fail_state("parameter '" .. fqn .. "': the model was already given by the config " .. state.config ..
+      "; describe it by parameters or by a config, not both")
+  end
+  local parts = segments(fqn, "parameter")
+  if state.params[fqn] then fail("parameter '" .. fqn .. "' is already described") end
+  if state.modules[fqn] then
+    fail("parameter '" .. fqn .. "': '" .. fqn .. "' is already a module of the parameters described before")
+  end
+  for i = 1, #parts - 1 do
+    local prefix = table.concat(parts, ".", 1, i)
+    if state.params[prefix] then
+      fail("parameter '" .. fqn .. "': '" .. prefix .. "' is already a parameter, so it cannot be a module")
+    end
+  end
+  for i = 1, #parts - 1 do state.modules[table.concat(parts, ".", 1, i)] = true end
+  state.params[fqn] = true
   state.tensors[#state.tensors + 1] = { name = fqn, shape = shape, dtype = dtype }
   if not requires_grad then state.frozen[fqn] = true end
 end
 
 function M.set_module_type(name, type_name)
+  if state.plan then
+    fail_state("module '" .. name .. "': its type cannot change after the model was planned")
+  end
+  if name ~= "" then segments(name, "module") end
+  if state.config then
+    if not state.config_tree:get(name) then
+      fail("no module '" .. name .. "' to give the type " .. type_name .. " in the model of the config " .. state.config)
+    end
+  elseif not state.modules[name] then
+    if #state.tensors == 0 then
+      fail("no module '" .. name .. "' to give the type " .. type_name ..
+        ": describe the model's parameters first (modules are the prefixes of their names)")
+    end
+    fail("no module '" .. name .. "' to give the type " .. type_name .. " among the modules of the " .. described())
+  end
   state.types[name] = type_name
 end
 
 function M.use_config(path)
+  if state.plan then fail_state("config " .. path .. ": the model cannot change after it was planned") end
+  if state.config then fail_state("config " .. path .. ": the model was already given by the config " .. state.config) end
+  if #state.tensors > 0 then
+    fail_state("config " .. path .. ": the model was already described by " .. described() ..
+      "; describe it by parameters or by a config, not both")
+  end
+  if path == "" then fail("the config path is empty") end
   local f, err = io.open(path, "rb")
-  if not f then error("moonshard: embed: cannot read " .. path .. ": " .. tostring(err), 0) end
-  local config = require("moonshard.json").decode(f:read("a"), path)
+  if not f then error("moonshard io error: embed: cannot read the config " .. tostring(err), 0) end
+  local text, rerr = f:read("a")
   f:close()
-  state.tree = require("moonshard.models").from_config(config, path)
-  state.config = config
+  if type(text) ~= "string" then
+    error("moonshard io error: embed: cannot read the config " .. path .. ": " .. tostring(rerr), 0)
+  end
+  local config = require("moonshard.json").decode(text, path)
+  state.config_tree = require("moonshard.models").from_config(config, path)
+  state.config, state.config_data = path, config
 end
 
+-- A fresh module tree of the model for each plan (planning wraps modules for activation
+-- checkpointing, so a tree is not planned twice).
 local function tree()
-  if state.tree then return state.tree end
-  if #state.tensors == 0 then error("moonshard: embed: no model: describe its parameters or give a config", 0) end
-  local root = require("moonshard.safetensors").tree(state.tensors, "host model")
+  local root
+  if state.config then
+    root = require("moonshard.models").from_config(state.config_data, state.config)
+  else
+    if #state.tensors == 0 then fail("no model: describe its parameters or give a config") end
+    root = require("moonshard.safetensors").tree(state.tensors, "host model")
+  end
   for name, t in pairs(state.types) do
     local m = root:get(name)
-    if not m then error("moonshard: embed: no module '" .. name .. "' to give the type " .. t, 0) end
+    if not m then fail("no module '" .. name .. "' to give the type " .. t) end
     m.type = t
   end
   for _, np in ipairs(root:named_parameters()) do
     if state.frozen[np[1]] then np[2].requires_grad = false end
   end
-  state.tree = root
   return root
 end
 
 --- Plans the model on `mesh` (e.g. "dp_shard=4") with the policy at `policy_path`.
 function M.plan(mesh, policy_path)
+  if state.rank then
+    fail_state("the plan cannot change after its units were materialised (make a new interpreter to plan again)")
+  end
+  if policy_path == "" then fail("the policy path is empty") end
   local mc = require("moonshard.mesh_context").new(mesh)
   local p = require("moonshard.policy").load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" } })
   local entry = (type(p.main) == "table" and p.main.parallelize and p.main) or p.shard_units
   if type(entry) ~= "table" or not entry.parallelize then
-    error("moonshard: embed: policy " .. policy_path .. " has no parallelize(ctx)", 0)
+    fail("policy " .. policy_path .. " has no parallelize(ctx)")
   end
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model" })
   return #state.plan.units
@@ -56,30 +138,37 @@ end
 
 --- The policy's prefetch depths: forward, backward (units ahead).
 function M.prefetch()
-  if not state.plan then error("moonshard: embed: no plan yet", 0) end
+  if not state.plan then fail_state("no plan yet: plan the model first") end
   return state.plan.prefetch.forward, state.plan.prefetch.backward
 end
 
 function M.plan_json()
-  if not state.plan then error("moonshard: embed: no plan yet", 0) end
+  if not state.plan then fail_state("no plan yet: plan the model first") end
   return require("moonshard.plan_report").to_json(state.plan)
 end
 
+--- Makes this rank's units, once: the host holds pointers to them until it frees the
+-- interpreter, so they are never replaced.
 function M.materialize()
-  if not state.plan then error("moonshard: embed: plan the model before materialising it", 0) end
-  state.rank = require("moonshard.runtime").materialize(state.plan)
+  if state.rank then
+    fail_state("the units were already materialised (once per interpreter: the host's unit pointers stay " ..
+      "valid until ms_interp_free)")
+  end
+  if not state.plan then fail_state("plan the model before materialising it") end
+  local rank = require("moonshard.runtime").materialize(state.plan)
   -- Hosts know their parameters by their own names: activation-checkpoint wrapping
   -- renames them in the plan, so both names are found.
   local strip = require("moonshard.module").strip_checkpoint
-  state.where = {}
-  for ui, u in ipairs(state.rank.units) do
+  local where = {}
+  for ui, u in ipairs(rank.units) do
     for pi = 0, u:count() - 1 do
       local fqn = u:fqn(pi)
-      state.where[fqn] = { ui - 1, pi }
-      state.where[strip(fqn)] = { ui - 1, pi }
+      where[fqn] = { ui - 1, pi }
+      where[strip(fqn)] = { ui - 1, pi }
     end
   end
-  return #state.rank.units
+  state.rank, state.where = rank, where
+  return #rank.units
 end
 
 --- How many units this rank holds (0 before materialize).
@@ -89,19 +178,59 @@ end
 
 --- The unit object at 0-based index i.
 function M.unit(i)
-  if not state.rank then error("moonshard: embed: materialise the plan first", 0) end
+  if not state.rank then fail_state("materialise the plan first") end
   local u = state.rank.units[i + 1]
-  if not u then error(string.format("moonshard: embed: no unit %d (there are %d)", i, #state.rank.units), 0) end
+  if not u then fail(string.format("no unit %d (there are %d)", i, #state.rank.units)) end
   return u
 end
 
 --- unit index, parameter index (0-based) of a parameter (expert parameters included: the
 -- runtime puts the unsharded ones in ep-local units).
 function M.find(fqn)
-  if not state.rank then error("moonshard: embed: materialise the plan first", 0) end
+  if not state.rank then fail_state("materialise the plan first") end
   local w = state.where[fqn]
   if w then return w[1], w[2] end
-  error("moonshard: embed: the plan has no parameter '" .. fqn .. "'", 0)
+  fail("the plan has no parameter '" .. fqn .. "'")
+end
+
+-- ---------------------------------------------------------------- messages for the host
+
+-- The directory of moonshard's Lua files as chunk names spell it ("@<dir>embed.lua").
+local LIB = (debug.getinfo(1, "S").source or ""):match("^@(.*/)[^/]*$")
+
+-- Whether `src`, the file of an error position (cut by Lua to "...<tail>" when long), is
+-- one of moonshard's own Lua files.
+local function internal(src)
+  if not LIB then return false end
+  local cut = src:sub(1, 3) == "..."
+  local dir = (cut and src:sub(4) or src):match("^(.*/)[^/]*$")
+  if not dir then return false end
+  for _, d in ipairs({ LIB, LIB .. "models/" }) do
+    if (cut and d:sub(-#dir) == dir) or d == dir then return true end
+  end
+  return false
+end
+
+-- A message without the leading positions inside moonshard's own files that Lua puts in
+-- front of errors (a binding error raised by the runtime, a library check that reports
+-- its caller): the host's input is what the message names.  Positions in the host's
+-- policy files stay.
+local function clean(msg)
+  if type(msg) ~= "string" then return msg end
+  while true do
+    local src, rest = msg:match("^(.-%.lua):%d+: (.*)$")
+    if not (src and internal(src)) then return msg end
+    msg = rest
+  end
+end
+
+local function rethrow(ok, ...)
+  if ok then return ... end
+  error(clean((...)), 0)
+end
+
+for name, fn in pairs(M) do
+  M[name] = function(...) return rethrow(pcall(fn, ...)) end
 end
 
 return M

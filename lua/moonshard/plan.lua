@@ -456,8 +456,18 @@ function M.plan(model, mesh, policy, opts)
     fail("the policy has no parallelize(ctx) function")
   end
   local ctx = M.context(model, mesh, opts)
-  if policy.prefetch then
+  if policy.prefetch ~= nil then
+    if type(policy.prefetch) ~= "table" then
+      fail("the policy's prefetch is " .. type(policy.prefetch) .. "; expected a table {forward = n, backward = n}")
+    end
     ctx.prefetch = { forward = policy.prefetch.forward or 1, backward = policy.prefetch.backward or 2 }
+    for _, k in ipairs({ "forward", "backward" }) do
+      local v = ctx.prefetch[k]
+      if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v >= 2 ^ 31 then
+        fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units ahead)", k, tostring(v)))
+      end
+      ctx.prefetch[k] = math.floor(v)
+    end
   end
   policy.parallelize(ctx)
   rebuild_names(ctx)

@@ -940,6 +940,9 @@ static void errors(rank_ctx *c) {
     R_ERR(ms_unit_load_full(u, 0, NULL), MS_ERR_ARG, "NULL");
     R_OK(ms_unit_release_unsharded(u));
     R_ERR(ms_unit_set_gradient_divide_factor(u, -2), MS_ERR_ARG, "divide factor");
+    R_ERR(ms_unit_scale_grads(u, NAN), MS_ERR_ARG, "unit 'errs': scale_grads: scale nan: expected a finite scale");
+    R_ERR(ms_unit_scale_grads(u, INFINITY), MS_ERR_ARG, "unit 'errs': scale_grads: scale inf: expected a finite scale");
+    R_ERR(ms_unit_scale_grads(u, -INFINITY), MS_ERR_ARG, "scale -inf: expected a finite scale");
     R_ERR(ms_unit_record(u, 5, &(int){0}, &(ms_dtype){0}, &(int){0}, &(int64_t){0}), MS_ERR_ARG, "out of range");
     R_CHECK(ms_unit_bytes(u, 7) == -1);
     /* a unit released with its all_gather pending waits for it */

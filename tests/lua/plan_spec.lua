@@ -123,6 +123,24 @@ describe("shard units", function()
     assert.matches("parameter a.w is already owned by unit <root>, which is not nested in a", msg)
   end)
 
+  it("take the policy's prefetch depths only as integers >= 0", function()
+    local function with_prefetch(prefetch)
+      local p = policy(function(ctx) ctx:fully_shard(ctx.model) end)
+      p.prefetch = prefetch
+      return p
+    end
+    local plan = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), with_prefetch({ forward = 0, backward = 3 }))
+    assert.same({ 0, 3 }, { plan.prefetch.forward, plan.prefetch.backward })
+    plan = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), with_prefetch({ backward = 1 }))
+    assert.same({ 1, 1 }, { plan.prefetch.forward, plan.prefetch.backward })
+    for _, case in ipairs({ { { forward = -3 }, "prefetch.forward is %-3" }, { { backward = "x" }, "prefetch.backward is x" },
+      { { forward = 1.5 }, "prefetch.forward is 1.5" }, { { backward = 0 / 0 }, "prefetch.backward is %-?nan" },
+      { 2, "the policy's prefetch is number; expected a table" } }) do
+      local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), with_prefetch(case[1]))
+      assert.matches("^moonshard: plan: .*" .. case[2], msg)
+    end
+  end)
+
   it("find every trainable parameter left unowned", function()
     local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
       ctx:fully_shard("a")

@@ -1,0 +1,539 @@
+/*
+ * test_embed.c: the embedding API (moonshard_embed.h, lua/ms_embed.c, moonshard/embed.lua)
+ * as a demanding host uses it, errors checked by status and message.
+ *
+ *   - unit pointers stay valid until ms_interp_free: a second plan or materialize is
+ *     refused (MS_ERR_STATE) instead of replacing the units, and the units live on when
+ *     the Lua side drops every reference to them (checked under AddressSanitizer);
+ *   - no Lua error reaches the host: a replaced package.loaded["moonshard.embed"], a
+ *     module whose __index raises or whose functions were replaced, error objects that are
+ *     not strings (their __tostring, raising or not), out of memory;
+ *   - calls that used to be ignored: a module type after the plan or for a module that does
+ *     not exist, parameters and a config mixed, params added after a failed plan;
+ *   - statuses: MS_ERR_IO for an unreadable config, MS_ERR_STATE for calls out of order,
+ *     MS_ERR_OOM (in a child process with its address space capped); no message starts
+ *     with a position inside moonshard's Lua files;
+ *   - ms_unit_scale_grads refuses a scale that is not finite;
+ *   - with ep = 2 the interpreter holds ep-local units beyond the plan's count, and
+ *     ms_interp_unit_count counts them.
+ */
+#include "check_mt.h"
+
+#include "moonshard_embed.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* A huge allocation must come back NULL under AddressSanitizer too (the OOM check). */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+
+#ifndef MOONSHARD_SOURCE_DIR
+#error "MOONSHARD_SOURCE_DIR: the source tree (for examples/configs and policies)"
+#endif
+
+static char dir[256];  /* scratch directory with the test's policies */
+static ms_world *W1;   /* a world of one rank */
+static ms_comm *C1;
+
+/* Whether a message names a position inside moonshard's own Lua files ("...moonshard/x.lua:12:"). */
+static int internal_position(const char *msg) {
+    for (const char *p = strstr(msg, ".lua:"); p; p = strstr(p + 1, ".lua:")) {
+        const char *s = p;
+        while (s > msg && s[-1] != ' ') s--;
+        char token[512];
+        size_t n = (size_t)(p - s) < sizeof token - 1 ? (size_t)(p - s) : sizeof token - 1;
+        memcpy(token, s, n);
+        token[n] = '\0';
+        if (strstr(token, "moonshard/")) return 1;
+    }
+    return 0;
+}
+
+/* The call fails with `want`, a message containing needle, and no internal position. */
+#define CHECK_ERR(call, want, needle)                                                            \
+    do {                                                                                         \
+        CHECK_ST(call, want, needle);                                                            \
+        CHECK(!internal_position(ms_last_error()), "(a position in moonshard's Lua files: %s)", \
+              ms_last_error());                                                                  \
+    } while (0)
+
+static void write_file(const char *name, const char *text) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        perror(path);
+        exit(1);
+    }
+    fputs(text, f);
+    fclose(f);
+}
+
+/* The path of a scratch file (a ring of buffers: use it at once). */
+static const char *at(const char *name) {
+    static char path[8][512];
+    static int next;
+    char *p = path[next++ % 8];
+    snprintf(p, sizeof path[0], "%s/%s", dir, name);
+    return p;
+}
+
+static char good[512]; /* the path of good.lua, a policy that plans model() in 2 units */
+
+/* A fresh interpreter on the one-rank world with a three-parameter model. */
+static ms_interp *model(void) {
+    ms_interp *in = NULL;
+    if (ms_interp_new(&in, C1)) {
+        fprintf(stderr, "interp_new: %s\n", ms_last_error());
+        exit(1);
+    }
+    const int64_t w[2] = {8, 6}, b[1] = {8}, n[1] = {6};
+    CHECK_OK(ms_interp_model_param(in, "layers.0.weight", 2, w, MS_F32, 1));
+    CHECK_OK(ms_interp_model_param(in, "layers.0.bias", 1, b, MS_F32, 1));
+    CHECK_OK(ms_interp_model_param(in, "norm.weight", 1, n, MS_F32, 1));
+    return in;
+}
+
+/* ---------------------------------------------------------------- 1: unit lifetime */
+
+static void unit_lifetime(void) {
+    ms_interp *in = model();
+    int units = 0;
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));
+    CHECK(units == 2);
+    CHECK(ms_interp_unit(in, 0) == NULL);
+    CHECK(strstr(ms_last_error(), "interp_unit: no units yet: materialise the plan first"), "(%s)", ms_last_error());
+    CHECK_OK(ms_interp_materialize(in));
+    CHECK(ms_interp_unit_count(in) == 2);
+    ms_unit *u = ms_interp_unit(in, 0);
+    CHECK(u != NULL && strcmp(ms_unit_name(u), "layers.0") == 0);
+    /* the reproduction: plan + materialize again, then the Lua GC */
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", good, NULL), MS_ERR_STATE,
+              "moonshard state error: embed: the plan cannot change after its units were materialised");
+    CHECK_ERR(ms_interp_materialize(in), MS_ERR_STATE, "embed: the units were already materialised");
+    CHECK_OK(ms_interp_exec(in, "collectgarbage() collectgarbage()"));
+    CHECK(ms_interp_unit(in, 0) == u);
+    CHECK_OK(ms_unit_unshard(u));
+    CHECK_OK(ms_unit_wait(u));
+    CHECK_OK(ms_unit_reshard(u));
+    /* still the same units: the second materialize changed nothing */
+    CHECK(ms_interp_unit_count(in) == 2);
+    CHECK(ms_interp_unit(in, 2) == NULL);
+    CHECK(strstr(ms_last_error(), "interp_unit: no unit 2 (there are 2, numbered from 0)"), "(%s)", ms_last_error());
+    CHECK(ms_interp_unit(in, -1) == NULL);
+    /* the Lua side drops every reference it has to the units: the interpreter's C
+     * references keep them alive */
+    CHECK_OK(ms_interp_exec(in, "package.loaded['moonshard.embed'] = nil "
+                                "debug.getregistry()['moonshard.embed.module'] = nil "
+                                "collectgarbage() collectgarbage()"));
+    for (int i = 0; i < ms_interp_unit_count(in); i++) {
+        ms_unit *v = ms_interp_unit(in, i);
+        CHECK(v && ms_unit_param_count(v) > 0);
+        CHECK_OK(ms_unit_unshard(v));
+        CHECK_OK(ms_unit_wait(v));
+        CHECK(ms_tensor_numel(ms_unit_param_full(v, 0)) > 0);
+        CHECK_OK(ms_unit_release_unsharded(v));
+    }
+    /* and the calls that need the module fail cleanly */
+    int ui, pi;
+    CHECK_ERR(ms_interp_find_param(in, "norm.weight", &ui, &pi), MS_ERR_INTERNAL,
+              "embed: the module moonshard.embed is not loaded");
+    /* a unit the host retained outlives the interpreter */
+    ms_unit_retain(u);
+    CHECK_OK(ms_unit_unshard(u));
+    ms_interp_free(in);
+    CHECK_OK(ms_unit_wait(u));
+    CHECK(strcmp(ms_unit_name(u), "layers.0") == 0);
+    CHECK_OK(ms_unit_reshard(u));
+    ms_unit_release(u);
+
+    /* the plan may change until materialize; a failed plan keeps the previous one, and the
+     * model may still grow after a failed plan (each plan starts from the model as now) */
+    in = model();
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=0", good, NULL), MS_ERR_ARG, "dp_shard = 0");
+    const int64_t e[1] = {4};
+    CHECK_OK(ms_interp_model_param(in, "layers.0.extra", 1, e, MS_F32, 1));
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));
+    CHECK_ERR(ms_interp_plan(in, "foo=1", good, NULL), MS_ERR_ARG, "unknown axis 'foo'");
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));
+    CHECK_OK(ms_interp_materialize(in));
+    CHECK_OK(ms_interp_find_param(in, "layers.0.extra", &ui, &pi));
+    CHECK(ui == 0 && pi >= 0 && pi < ms_unit_param_count(ms_interp_unit(in, 0)));
+    ms_interp_free(in);
+}
+
+/* ---------------------------------------------------------------- 2 and 3: Lua errors */
+
+static void lua_errors(void) {
+    const int64_t s1[1] = {4};
+    /* package.loaded replaced: the interpreter keeps the module it loaded */
+    ms_interp *in = model();
+    CHECK_OK(ms_interp_exec(in, "package.loaded['moonshard.embed'] = 42"));
+    CHECK_OK(ms_interp_model_param(in, "a.w", 1, s1, MS_F32, 1));
+    CHECK_OK(ms_interp_exec(in, "package.loaded['moonshard.embed'] = setmetatable({}, {__index = function() "
+                                "error('boom') end})"));
+    CHECK_OK(ms_interp_model_param(in, "a.v", 1, s1, MS_F32, 1));
+    int units = 0;
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));
+    CHECK(units == 2);
+    ms_interp_free(in);
+
+    /* the module itself broken from Lua: errors, not a panic */
+    in = model();
+    CHECK_OK(ms_interp_exec(in, "local e = require 'moonshard.embed' e.add_param = nil "
+                                "setmetatable(e, {__index = function(_, k) error('index ' .. k .. ' raised', 0) end})"));
+    CHECK_ERR(ms_interp_model_param(in, "a.w", 1, s1, MS_F32, 1), MS_ERR_ARG, "index add_param raised");
+    CHECK_OK(ms_interp_exec(in, "require('moonshard.embed').plan = 42"));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", good, NULL), MS_ERR_INTERNAL,
+              "embed: moonshard.embed.plan is not a function (was it replaced?)");
+    CHECK_OK(ms_interp_exec(in, "require('moonshard.embed').prefetch = function() return 'x', {} end"));
+    int f, b;
+    CHECK_ERR(ms_interp_prefetch(in, &f, &b), MS_ERR_INTERNAL, "embed: prefetch returned string, not an integer");
+    CHECK_OK(ms_interp_exec(in, "require('moonshard.embed').plan_json = function() return 7 end"));
+    char *json = NULL;
+    CHECK_ERR(ms_interp_plan_json(in, &json), MS_ERR_INTERNAL, "plan_json returned no string");
+    CHECK(json == NULL);
+    ms_interp_free(in);
+
+    /* error objects that are not strings */
+    in = model();
+    CHECK_ERR(ms_interp_exec(in, "error({code = 42})"), MS_ERR_ARG, "(error object is a table value)");
+    CHECK_ERR(ms_interp_exec(in, "error()"), MS_ERR_ARG, "(error object is a nil value)");
+    CHECK_ERR(ms_interp_exec(in, "error(42)"), MS_ERR_ARG, "42");
+    CHECK_ERR(ms_interp_exec(in, "error(setmetatable({}, {__tostring = function() return 'tostring works' end}))"),
+              MS_ERR_ARG, "tostring works");
+    CHECK_ERR(ms_interp_exec(in, "error(setmetatable({}, {__tostring = function() return "
+                                 "'moonshard io error: from __tostring' end}))"),
+              MS_ERR_IO, "moonshard io error: from __tostring");
+    CHECK_ERR(ms_interp_exec(in, "error(setmetatable({}, {__tostring = function() error('boom in tostring', 0) end}))"),
+              MS_ERR_ARG, "(error object is a table value; its __tostring failed: boom in tostring)");
+    CHECK_ERR(ms_interp_exec(in, "error(setmetatable({}, {__tostring = function() return {} end}))"), MS_ERR_ARG,
+              "(error object is a table value; its __tostring failed: '__tostring' must return a string)");
+    CHECK_ERR(ms_interp_exec(in, "error('from exec')"), MS_ERR_ARG, "(host):1: from exec");
+    CHECK_ERR(ms_interp_exec(in, "this is not lua"), MS_ERR_ARG, "(host):1: syntax error near 'is'");
+    /* the same from a policy, through the sandbox */
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tableerr.lua"), NULL), MS_ERR_ARG, "(error object is a table value)");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nilerr.lua"), NULL), MS_ERR_ARG, "(error object is a nil value)");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringerr.lua"), NULL), MS_ERR_ARG, "policy error 42 from __tostring");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringboom.lua"), NULL), MS_ERR_ARG,
+              "(error object is a table value; its __tostring failed: ");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringboom.lua"), NULL), MS_ERR_ARG, "boom in tostring");
+    /* the interpreter is still usable after all of that */
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));
+    ms_interp_free(in);
+}
+
+/* ---------------------------------------------------------------- 4: calls that were ignored */
+
+static void ignored_calls(void) {
+    const char *config = MOONSHARD_SOURCE_DIR "/examples/configs/inkling2_small.json";
+    const int64_t s1[1] = {4};
+    /* a module type after the plan: refused like a parameter */
+    ms_interp *in = model();
+    CHECK_OK(ms_interp_model_module_type(in, "layers.0", "MyLayer"));
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", at("typecheck.lua"), NULL));
+    CHECK_ERR(ms_interp_model_module_type(in, "layers", "LateType"), MS_ERR_STATE,
+              "moonshard state error: embed: module 'layers': its type cannot change after the model was planned");
+    CHECK_ERR(ms_interp_model_param(in, "late.w", 1, s1, MS_F32, 1), MS_ERR_STATE,
+              "embed: parameter 'late.w': the model cannot change after it was planned");
+    CHECK_ERR(ms_interp_model_config(in, config), MS_ERR_STATE, "the model cannot change after it was planned");
+    ms_interp_free(in);
+    /* the type reaches the policy (typecheck.lua refuses the plan otherwise) */
+    in = model();
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("typecheck.lua"), NULL), MS_ERR_ARG, "layers.0 is a Module");
+    ms_interp_free(in);
+
+    /* a module that does not exist: refused at the call */
+    in = model();
+    CHECK_ERR(ms_interp_model_module_type(in, "nosuchmodule", "X"), MS_ERR_ARG,
+              "embed: no module 'nosuchmodule' to give the type X among the modules of the 3 parameters (the first "
+              "'layers.0.weight')");
+    CHECK_ERR(ms_interp_model_module_type(in, "layers.0.weight", "X"), MS_ERR_ARG, "no module 'layers.0.weight'");
+    CHECK_ERR(ms_interp_model_module_type(in, "layers..0", "X"), MS_ERR_ARG, "module name 'layers..0' has an empty segment");
+    CHECK_OK(ms_interp_model_module_type(in, "", "MyModel"));
+    CHECK_OK(ms_interp_model_module_type(in, "layers", "ModuleList"));
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", at("good.lua"), NULL));
+    ms_interp_free(in);
+    ms_interp *empty = NULL;
+    CHECK_OK(ms_interp_new(&empty, C1));
+    CHECK_ERR(ms_interp_model_module_type(empty, "layers", "X"), MS_ERR_ARG,
+              "no module 'layers' to give the type X: describe the model's parameters first");
+    ms_interp_free(empty);
+
+    /* parameters and a config mixed: refused, naming both */
+    in = model();
+    CHECK_ERR(ms_interp_model_config(in, config), MS_ERR_STATE, "inkling2_small.json: the model was already described "
+              "by 3 parameters (the first 'layers.0.weight'); describe it by parameters or by a config, not both");
+    ms_interp_free(in);
+    CHECK_OK(ms_interp_new(&in, C1));
+    CHECK_OK(ms_interp_model_config(in, config));
+    CHECK_ERR(ms_interp_model_param(in, "layers.0.weight", 1, s1, MS_F32, 1), MS_ERR_STATE,
+              "parameter 'layers.0.weight': the model was already given by the config ");
+    CHECK_ERR(ms_interp_model_config(in, config), MS_ERR_STATE, "the model was already given by the config");
+    /* module types on a config's model: checked against it */
+    CHECK_ERR(ms_interp_model_module_type(in, "model.nosuch", "X"), MS_ERR_ARG,
+              "no module 'model.nosuch' to give the type X in the model of the config");
+    CHECK_OK(ms_interp_model_module_type(in, "model.layers.0", "MyLayer"));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("typecheck_config.lua"), NULL), MS_ERR_ARG,
+              "the policy saw model.layers.0 as a MyLayer");
+    ms_interp_free(in);
+}
+
+/* ---------------------------------------------------------------- 5: statuses and messages */
+
+static void statuses(void) {
+    ms_interp *in = NULL;
+    CHECK_OK(ms_interp_new(&in, C1));
+    CHECK_ERR(ms_interp_model_config(in, "/nonexistent/config.json"), MS_ERR_IO,
+              "moonshard io error: embed: cannot read the config /nonexistent/config.json: No such file or directory");
+    CHECK_ERR(ms_interp_model_config(in, dir), MS_ERR_IO, "embed: cannot read the config ");
+    CHECK(strstr(ms_last_error(), dir) && strstr(ms_last_error(), "Is a directory"), "(%s)", ms_last_error());
+    CHECK(!strstr(ms_last_error(), "json"), "(%s)", ms_last_error());
+    CHECK_ERR(ms_interp_model_config(in, ""), MS_ERR_ARG, "embed: the config path is empty");
+    CHECK_ERR(ms_interp_model_config(in, at("bad.json")), MS_ERR_ARG, "bad.json:2:1: unexpected end of input");
+    /* a failed config leaves the interpreter free to take another */
+    CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/examples/configs/inkling2_small.json"));
+    ms_interp_free(in);
+
+    /* calls out of order */
+    in = model();
+    int f, b, ui, pi;
+    char *json = NULL;
+    CHECK_ERR(ms_interp_prefetch(in, &f, &b), MS_ERR_STATE, "embed: no plan yet: plan the model first");
+    CHECK_ERR(ms_interp_plan_json(in, &json), MS_ERR_STATE, "embed: no plan yet");
+    CHECK_ERR(ms_interp_materialize(in), MS_ERR_STATE, "embed: plan the model before materialising it");
+    CHECK_ERR(ms_interp_find_param(in, "norm.weight", &ui, &pi), MS_ERR_STATE, "embed: materialise the plan first");
+    CHECK(ms_interp_unit_count(in) == 0);
+
+    /* the host's parameters checked at the call, by name, not by a position in moonshard */
+    const int64_t sh[2] = {4, 4}, neg[2] = {-4, 4};
+    CHECK_ERR(ms_interp_model_param(in, "x.w", 2, neg, MS_F32, 1), MS_ERR_SHAPE,
+              "interp_model_param: x.w: size of dim 0 is -4; sizes must be >= 0");
+    const int64_t huge[2] = {INT64_MAX, 4}, big[1] = {INT64_MAX / 2};
+    CHECK_ERR(ms_interp_model_param(in, "x.w", 2, huge, MS_F32, 1), MS_ERR_OVERFLOW,
+              "interp_model_param: x.w: shape [9223372036854775807, 4] has more than 2^63 elements");
+    CHECK_ERR(ms_interp_model_param(in, "x.w", 1, big, MS_F32, 1), MS_ERR_OVERFLOW,
+              "interp_model_param: x.w: 4611686018427387903 elements of f32 are more than 2^63 bytes");
+    CHECK_ERR(ms_interp_model_param(in, "layers.0.weight", 2, sh, MS_F32, 1), MS_ERR_ARG,
+              "moonshard: embed: parameter 'layers.0.weight' is already described");
+    CHECK_ERR(ms_interp_model_param(in, "", 2, sh, MS_F32, 1), MS_ERR_ARG, "embed: parameter name '' has an empty segment");
+    CHECK_ERR(ms_interp_model_param(in, "x..w.", 2, sh, MS_F32, 1), MS_ERR_ARG,
+              "embed: parameter name 'x..w.' has an empty segment");
+    CHECK_ERR(ms_interp_model_param(in, "layers.0.weight.sub", 2, sh, MS_F32, 1), MS_ERR_ARG,
+              "parameter 'layers.0.weight.sub': 'layers.0.weight' is already a parameter, so it cannot be a module");
+    CHECK_ERR(ms_interp_model_param(in, "layers.0", 2, sh, MS_F32, 1), MS_ERR_ARG,
+              "parameter 'layers.0': 'layers.0' is already a module");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", "", NULL), MS_ERR_ARG, "embed: the policy path is empty");
+    CHECK_ERR(ms_interp_plan(in, "", at("good.lua"), NULL), MS_ERR_ARG, "moonshard: mesh: ");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nonexistent.lua"), NULL), MS_ERR_ARG, "nonexistent.lua");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("unowned.lua"), NULL), MS_ERR_ARG, "left unowned: norm.weight");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("badprefetch.lua"), NULL), MS_ERR_ARG,
+              "moonshard: plan: the policy's prefetch.backward is x; expected an integer >= 0 (units ahead)");
+    /* a core error raised inside moonshard's runtime: the status and the host's names, no
+     * position in moonshard's Lua files (a 2^48-byte parameter cannot be allocated) */
+    ms_interp *big_model = model();
+    const int64_t too_big[1] = {(int64_t)1 << 46};
+    CHECK_OK(ms_interp_model_param(big_model, "x.w", 1, too_big, MS_F32, 1));
+    CHECK_OK(ms_interp_plan(big_model, "dp_shard=1", good, NULL));
+    CHECK_ERR(ms_interp_materialize(big_model), MS_ERR_OOM, "moonshard out_of_memory error: ");
+    CHECK(strncmp(ms_last_error(), "moonshard out_of_memory error: ", 31) == 0, "(%s)", ms_last_error());
+    CHECK(ms_interp_unit_count(big_model) == 0);
+    ms_interp_free(big_model);
+    /* none of the refused parameters went in: the model plans as before */
+    int units = 0;
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", at("good.lua"), &units));
+    CHECK(units == 2);
+    CHECK_OK(ms_interp_plan_json(in, &json));
+    CHECK(json && strstr(json, "{\"moonshard_plan\":1,"));
+    free(json);
+    CHECK_OK(ms_interp_prefetch(in, &f, &b));
+    CHECK(f == 1 && b == 2);
+    CHECK_OK(ms_interp_materialize(in));
+    CHECK_ERR(ms_interp_find_param(in, "nope", &ui, &pi), MS_ERR_ARG, "embed: the plan has no parameter 'nope'");
+    CHECK_OK(ms_interp_find_param(in, "norm.weight", &ui, &pi));
+    CHECK(ui == 1 && pi == 0);
+
+    /* 6: a scale that is not finite is refused like a divide factor */
+    ms_unit *u = ms_interp_unit(in, 0);
+    CHECK_OK(ms_unit_unshard(u));
+    CHECK_OK(ms_unit_wait(u));
+    CHECK_OK(ms_tensor_fill(ms_unit_grad_full(u, 0), 1.0));
+    CHECK_OK(ms_tensor_fill(ms_unit_grad_full(u, 1), 1.0));
+    CHECK_OK(ms_unit_reduce_grads(u));
+    CHECK_OK(ms_unit_wait(u));
+    CHECK_ERR(ms_unit_scale_grads(u, NAN), MS_ERR_ARG, "unit 'layers.0': scale_grads: scale nan: expected a finite scale");
+    CHECK_ERR(ms_unit_scale_grads(u, INFINITY), MS_ERR_ARG, "scale inf: expected a finite scale");
+    CHECK_ERR(ms_unit_scale_grads(u, -INFINITY), MS_ERR_ARG, "scale -inf: expected a finite scale");
+    double sq = -1;
+    CHECK_OK(ms_unit_grad_sq_norm(u, &sq));
+    CHECK(sq == 8 * 6 + 8, "(sum of squares %g: the refused scales changed the gradients)", sq);
+    CHECK_OK(ms_unit_scale_grads(u, 0.5));
+    CHECK_OK(ms_unit_grad_sq_norm(u, &sq));
+    CHECK(sq == (8 * 6 + 8) / 4.0, "(sum of squares %g)", sq);
+    ms_interp_free(in);
+}
+
+/* ---------------------------------------------------------------- 5: out of memory */
+
+/* In a child process whose address space is capped: a Lua allocation that fails inside a
+ * call is MS_ERR_OOM (the raw LUA_ERRMEM of a growing table, and Lua's "not enough memory"
+ * of a library buffer), and the interpreter is still usable afterwards.  Run first, while
+ * the process has no other thread. */
+static void out_of_memory(void) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        ms_world *w = NULL;
+        ms_comm *c = NULL;
+        ms_interp *in = NULL;
+        if (ms_threads_world_new(&w, 1, 60) || ms_world_comm(w, 0, &c) || ms_interp_new(&in, c)) _exit(100);
+        long pages = 0;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (!f || fscanf(f, "%ld", &pages) != 1) _exit(101);
+        fclose(f);
+        struct rlimit lim = {.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + ((rlim_t)256 << 20)};
+        lim.rlim_max = RLIM_INFINITY;
+        if (setrlimit(RLIMIT_AS, &lim)) _exit(102);
+        CHECK_ERR(ms_interp_exec(in, "local t = {} for i = 1, 1e10 do t[i] = i end"), MS_ERR_OOM, "not enough memory");
+        CHECK_ERR(ms_interp_exec(in, "collectgarbage() local s = string.rep('x', (1 << 31) - 1)"), MS_ERR_OOM,
+                  "not enough memory");
+        CHECK_OK(ms_interp_exec(in, "collectgarbage() assert(#string.rep('x', 1000) == 1000)"));
+        ms_interp_free(in);
+        ms_comm_release(c);
+        ms_world_release(w);
+        _exit(atomic_load(&failed) ? 1 : 0);
+    }
+    int status = 0;
+    CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "(the out-of-memory child: %s %d)", WIFEXITED(status) ? "exit" : "signal",
+          WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+}
+
+/* ---------------------------------------------------------------- 7: ep-local units */
+
+typedef struct {
+    int rank, ok, planned, held, ep_named, gathered_all;
+} ep_rank;
+
+static ms_world *W2;
+
+static void *ep_main(void *p) {
+    ep_rank *r = p;
+    ms_comm *world = NULL;
+    ms_interp *in = NULL;
+    CHECK_OK(ms_world_comm(W2, r->rank, &world));
+    CHECK_OK(ms_interp_new(&in, world));
+    CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json"));
+    CHECK_OK(ms_interp_plan(in, "dp_shard=2,ep=2", MOONSHARD_SOURCE_DIR "/policies/inkling2", &r->planned));
+    CHECK_OK(ms_interp_materialize(in));
+    r->held = ms_interp_unit_count(in);
+    r->gathered_all = 1;
+    for (int i = 0; i < r->held; i++) {
+        ms_unit *u = ms_interp_unit(in, i);
+        if (!u) {
+            r->gathered_all = 0;
+            continue;
+        }
+        if (i >= r->planned && strstr(ms_unit_name(u), "[ep]")) r->ep_named++;
+        if (ms_unit_unshard(u) || ms_unit_wait(u) || ms_unit_release_unsharded(u)) r->gathered_all = 0;
+    }
+    CHECK(ms_interp_unit(in, r->held) == NULL);
+    ms_interp_free(in);
+    ms_world_rank_done(W2, r->rank, 0);
+    ms_comm_release(world);
+    return NULL;
+}
+
+static void ep_local_units(void) {
+    CHECK_OK(ms_threads_world_new(&W2, 2, 60));
+    pthread_t t[2];
+    ep_rank r[2] = {{.rank = 0}, {.rank = 1}};
+    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, ep_main, &r[i]);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    ms_world_release(W2);
+    for (int i = 0; i < 2; i++) {
+        CHECK(r[i].planned > 0 && r[i].held > r[i].planned, "(rank %d: %d planned, %d held)", i, r[i].planned, r[i].held);
+        CHECK(r[i].ep_named == r[i].held - r[i].planned, "(rank %d: %d ep-local units named [ep] of %d)", i,
+              r[i].ep_named, r[i].held - r[i].planned);
+        CHECK(r[i].gathered_all, "(rank %d)", i);
+    }
+}
+
+/* ---------------------------------------------------------------- main */
+
+int main(void) {
+    snprintf(dir, sizeof dir, "%s", "/tmp/ms_test_embed_XXXXXX");
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    write_file("good.lua", "local M = {}\n"
+                           "M.prefetch = { forward = 1, backward = 2 }\n"
+                           "local mp = { param_dtype = 'bf16', reduce_dtype = 'f32' }\n"
+                           "function M.parallelize(ctx)\n"
+                           "  ctx:fully_shard('layers.0', { mp_policy = mp })\n"
+                           "  ctx:fully_shard(ctx.model, { mp_policy = mp })\n"
+                           "end\n"
+                           "return M\n");
+    write_file("typecheck.lua", "local M = {}\n"
+                                "function M.parallelize(ctx)\n"
+                                "  local t = ctx.model:get('layers.0').type\n"
+                                "  if t ~= 'MyLayer' then error('layers.0 is a ' .. tostring(t), 0) end\n"
+                                "  ctx:fully_shard('layers.0', {})\n"
+                                "  ctx:fully_shard(ctx.model, {})\n"
+                                "end\n"
+                                "return M\n");
+    write_file("typecheck_config.lua", "local M = {}\n"
+                                       "function M.parallelize(ctx)\n"
+                                       "  local t = ctx.model:get('model.layers.0').type\n"
+                                       "  error('the policy saw model.layers.0 as a ' .. tostring(t), 0)\n"
+                                       "end\n"
+                                       "return M\n");
+    write_file("unowned.lua", "local M = {}\n"
+                              "function M.parallelize(ctx) ctx:fully_shard('layers.0', {}) end\n"
+                              "return M\n");
+    write_file("badprefetch.lua", "local M = {}\n"
+                                  "M.prefetch = { forward = 3, backward = 'x' }\n"
+                                  "function M.parallelize(ctx) ctx:fully_shard(ctx.model, {}) end\n"
+                                  "return M\n");
+    write_file("tableerr.lua", "local M = {}\nfunction M.parallelize(ctx) error({code = 42}) end\nreturn M\n");
+    write_file("nilerr.lua", "local M = {}\nfunction M.parallelize(ctx) error() end\nreturn M\n");
+    write_file("tostringerr.lua", "local M = {}\nfunction M.parallelize(ctx)\n"
+                                  "  error(setmetatable({code = 42}, {__tostring = function(e) "
+                                  "return 'policy error ' .. e.code .. ' from __tostring' end}))\n"
+                                  "end\nreturn M\n");
+    write_file("tostringboom.lua", "local M = {}\nfunction M.parallelize(ctx)\n"
+                                   "  error(setmetatable({}, {__tostring = function() error('boom in tostring', 0) end}))\n"
+                                   "end\nreturn M\n");
+    write_file("bad.json", "{ \"architectures\": [\n");
+    snprintf(good, sizeof good, "%s", at("good.lua"));
+    out_of_memory();
+    if (ms_threads_world_new(&W1, 1, 60) || ms_world_comm(W1, 0, &C1)) {
+        fprintf(stderr, "world: %s\n", ms_last_error());
+        return 1;
+    }
+
+    unit_lifetime();
+    lua_errors();
+    ignored_calls();
+    statuses();
+    ep_local_units();
+
+    ms_comm_release(C1);
+    ms_world_release(W1);
+    const char *names[] = {"good.lua", "typecheck.lua", "typecheck_config.lua", "unowned.lua", "badprefetch.lua", "tableerr.lua",
+                           "nilerr.lua", "tostringerr.lua", "tostringboom.lua", "bad.json"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) unlink(at(names[i]));
+    rmdir(dir);
+    printf("test_embed: %d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
+    return atomic_load(&failed) ? 1 : 0;
+}
