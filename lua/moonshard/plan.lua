@@ -206,19 +206,25 @@ local RESHARD_OK = { [true] = true, [false] = true }
 -- (fqn, param) -> dim or nil, kind ("fp32_island", "module" or "root"; default "root" for
 -- the model's root, else "module"), offload_policy ("cpu": the shards, gradient shards and
 -- optimizer state live in host memory; "none" or nil: on the device).
--- "file:line" of the first caller outside this file (the policy), or nil.
-local HERE = debug.getinfo(1, "S").source
+-- Where the policy called: "file:line" of the innermost frame outside the library, and of
+-- up to two of its callers ("a.lua:80 (from a.lua:120)": a helper's line alone would be the
+-- same for every call); nil when no policy frame is on the stack.
+local LIB = (debug.getinfo(1, "S").source:match("^@(.*[/\\])[^/\\]+$"))
 local function call_site()
-  local level = 3
-  while true do
+  local frames, level = {}, 3
+  while #frames < 3 do
     local info = debug.getinfo(level, "Sl")
-    if not info then return nil end
-    if info.source ~= HERE and info.what ~= "C" then
-      local src = info.source:sub(1, 1) == "@" and info.source:sub(2) or info.short_src
-      return info.currentline and info.currentline > 0 and src .. ":" .. info.currentline or src
+    if not info or info.what == "C" then break end
+    local src = info.source
+    if LIB and src:sub(1, 1) == "@" and src:sub(2, #LIB + 1) == LIB then
+      if #frames > 0 then break end
+    elseif info.currentline and info.currentline > 0 then
+      frames[#frames + 1] = (src:sub(1, 1) == "@" and src:sub(2) or info.short_src) .. ":" .. info.currentline
     end
     level = level + 1
   end
+  if #frames == 0 then return nil end
+  return frames[1] .. (#frames > 1 and " (from " .. table.concat(frames, ", from ", 2) .. ")" or "")
 end
 
 function Ctx:fully_shard(module, opts)
@@ -229,8 +235,8 @@ function Ctx:fully_shard(module, opts)
   local prev_unit = self.unit_of[module]
   if prev_unit then
     -- FSDP2 refuses it too: the module is already an FSDPModule
-    fail(string.format("fully_shard(%s) is applied twice to the same module (%s, then %s); a module is " ..
-      "one shard unit at most", display(name), prev_unit.site or "first call", site or "second call"))
+    fail(string.format("fully_shard(%s) is applied twice to the same module: first at %s, then at %s; a module " ..
+      "is one shard unit at most", display(name), prev_unit.site or "?", site or "?"))
   end
   local axes = opts.mesh or self.mesh.fsdp_axes
   if type(axes) == "string" then axes = { axes } end

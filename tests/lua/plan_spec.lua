@@ -203,8 +203,8 @@ describe("shard units", function()
       ctx:fully_shard(ctx.model)
       ctx:fully_shard(ctx.model:get("a"))
     end))
-    local first, second = msg:match("^moonshard: plan: fully_shard%(a%) is applied twice to the same module " ..
-      "%(.-plan_spec%.lua:(%d+), then .-plan_spec%.lua:(%d+)%); a module is one shard unit at most$")
+    local first, second = msg:match("^moonshard: plan: fully_shard%(a%) is applied twice to the same module: " ..
+      "first at .-plan_spec%.lua:(%d+), then at .-plan_spec%.lua:(%d+); a module is one shard unit at most$")
     assert.is_truthy(first, msg)
     assert.equal(2, tonumber(second) - tonumber(first))
   end)

@@ -444,20 +444,33 @@ end }
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
     assert.equal(1, r.code)
     assert.matches("trainable parameters are left unowned: model.embed_tokens.weight", r.err)
-    -- fully_shard twice on one module: both lines of the policy; a prefetch that is no depth
+    -- a checkpoint directory whose model.safetensors is a directory
+    os.execute("mkdir -p " .. dir .. "/ckpt/model.safetensors")
+    r = S.run({ "plan", "--safetensors", dir .. "/ckpt", "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: safetensors: " .. dir .. "/ckpt/model.safetensors: cannot read: Is a " ..
+      "directory\n", r.err)
+    -- fully_shard twice on one module: both lines of the policy, through its helper; a
+    -- prefetch that is no depth
     f = assert(io.open(dir .. "/twice.lua", "wb"))
     f:write([[
+local function shard(ctx, m)
+  local unit = ctx:fully_shard(m)
+  return unit
+end
 return { prefetch = { forward = 1 }, parallelize = function(ctx)
-  ctx:fully_shard("model.layers.0")
-  ctx:fully_shard(ctx.model)
-  ctx:fully_shard("model.layers.0")
+  shard(ctx, "model.layers.0")
+  shard(ctx, ctx.model)
+  shard(ctx, "model.layers.0")
 end }
 ]])
     f:close()
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/twice.lua" })
     assert.equal(1, r.code)
+    local t = dir .. "/twice.lua"
     assert.equal(string.format("moonshard plan: error: plan: fully_shard(model.layers.0) is applied twice to the " ..
-      "same module (%s/twice.lua:2, then %s/twice.lua:4); a module is one shard unit at most\n", dir, dir), r.err)
+      "same module: first at %s:2 (from %s:6), then at %s:2 (from %s:8); a module is one shard unit at most\n",
+      t, t, t, t), r.err)
     f = assert(io.open(dir .. "/prefetch.lua", "wb"))
     f:write('return { prefetch = { forward = -3 }, parallelize = function(ctx) ctx:fully_shard(ctx.model) end }\n')
     f:close()
