@@ -20,6 +20,18 @@ local function fail(msg) error("moonshard: mesh: " .. msg, 0) end
 
 local is_int = util.is_int
 
+-- Ranks are C ints (MPI, NCCL, the core): no axis and no world holds more.
+M.MAX_RANKS = 2147483647
+
+local function check_size(name, v, shown)
+  if not is_int(v) or v < 1 or v > M.MAX_RANKS then
+    if not shown then
+      shown = is_int(v) and math.abs(v) < 2 ^ 63 and string.format("%d", v) or tostring(v)
+    end
+    fail(string.format("%s = %s; sizes are integers in 1..%d (ranks are C ints)", name, shown, M.MAX_RANKS))
+  end
+end
+
 --- Parses "dp_replicate=2,dp_shard=4,ep=8" into a table of sizes.
 function M.parse(spec)
   if type(spec) ~= "string" or spec == "" then
@@ -33,6 +45,7 @@ function M.parse(spec)
       fail("unknown axis '" .. name .. "' (axes: pp, dp_replicate, dp_shard, cp, tp, ep)")
     end
     if sizes[name] then fail("axis '" .. name .. "' given twice") end
+    check_size(name, tonumber(value), value) -- before anything is sized by it
     sizes[name] = tonumber(value)
   end
   return sizes
@@ -45,13 +58,23 @@ function M.new(sizes)
   local s = {}
   for _, a in ipairs(AXES) do s[a] = sizes[a] end
   s.ep = sizes.ep or 1
-  for name, v in pairs(s) do
-    if not is_int(v) or v < 1 then fail(name .. " = " .. tostring(v) .. "; sizes are integers >= 1") end
+  for _, name in ipairs({ "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep" }) do
+    if s[name] ~= nil then check_size(name, s[name]) end
   end
+  if sizes.world ~= nil then check_size("world", sizes.world) end
   for _, a in ipairs(AXES) do
     if a ~= "dp_shard" then s[a] = s[a] or 1 end
   end
-  local others = s.pp * s.dp_replicate * s.cp * s.tp
+  -- each factor is at most MAX_RANKS, so no product below wraps or loses exactness
+  local others = 1
+  for _, a in ipairs({ "pp", "dp_replicate", "dp_shard", "cp", "tp" }) do
+    if a ~= "dp_shard" then
+      others = others * s[a]
+      if others > M.MAX_RANKS then
+        fail(string.format("pp*dp_replicate*cp*tp is more than %d ranks (ranks are C ints)", M.MAX_RANKS))
+      end
+    end
+  end
   if not s.dp_shard then
     if not sizes.world then s.dp_shard = 1
     elseif sizes.world % others ~= 0 then
@@ -59,6 +82,10 @@ function M.new(sizes)
     else s.dp_shard = util.idiv(sizes.world, others) end
   end
   local world = others * s.dp_shard
+  if world > M.MAX_RANKS then
+    fail(string.format("pp*dp_replicate*dp_shard*cp*tp = %s is more than %d ranks (ranks are C ints)",
+      string.format("%.0f", world), M.MAX_RANKS))
+  end
   if sizes.world and sizes.world ~= world then
     fail(string.format("pp*dp_replicate*dp_shard*cp*tp = %d but the world has %d ranks", world, sizes.world))
   end
@@ -73,6 +100,10 @@ function M.new(sizes)
   end
   if non_pp % s.ep ~= 0 then
     fail(string.format("ep = %d does not divide dp_replicate*dp_shard*cp*tp = %d", s.ep, non_pp))
+  end
+  local nre = sizes.n_routed_experts
+  if nre ~= nil and (not is_int(nre) or nre < 1) then
+    fail("n_routed_experts = " .. tostring(nre) .. "; expected an integer >= 1")
   end
   if sizes.n_routed_experts and s.ep > 1 and sizes.n_routed_experts % s.ep ~= 0 then
     fail(string.format("n_routed_experts = %d is not divisible by ep = %d", sizes.n_routed_experts, s.ep))
@@ -109,28 +140,30 @@ end
 local FLATTENED = { dp = { "dp_replicate", "dp_shard" }, dp_shard_cp = { "dp_shard", "cp" },
   dp_cp = { "dp_replicate", "dp_shard", "cp" } }
 
---- The 0-based coordinate of world rank r along an axis (root, flattened or MoE), row-major.
-function MeshContext:coord(axis, r)
+--- stride, size of an axis (root, flattened or MoE): world rank r has coordinate
+-- floor(r / stride) % size on it.  Every axis is a contiguous group of row-major digits of
+-- (pp, dp_replicate, dp_shard, cp, tp), or of (pp, ep_shard, ep) with ep innermost.
+function MeshContext:stride(axis)
   local s = self.sizes
-  if axis == "ep" or axis == "ep_shard" then
-    local in_stage = r % self.non_pp -- (ep_shard, ep) with ep innermost
-    if axis == "ep" then return in_stage % s.ep end
-    return util.idiv(in_stage, s.ep)
-  end
+  if axis == "ep" then return 1, s.ep end
+  if axis == "ep_shard" then return s.ep, s.ep_shard end
   local parts = FLATTENED[axis] or { axis }
-  -- row-major coordinates on (pp, dp_replicate, dp_shard, cp, tp)
-  local c, rest = {}, r
+  if not s[parts[1]] then fail("no axis '" .. tostring(axis) .. "'") end
+  local stride, size, inner = 1, 1, false
   for i = #AXES, 1, -1 do
     local a = AXES[i]
-    c[a] = rest % s[a]
-    rest = util.idiv(rest, s[a])
+    local part = false
+    for _, p in ipairs(parts) do part = part or p == a end
+    if part then size, inner = size * s[a], true
+    elseif not inner then stride = stride * s[a] end
   end
-  local v = 0
-  for _, a in ipairs(parts) do
-    if not c[a] then fail("no axis '" .. tostring(axis) .. "'") end
-    v = v * s[a] + c[a]
-  end
-  return v
+  return stride, size
+end
+
+--- The 0-based coordinate of world rank r along an axis (root, flattened or MoE), row-major.
+function MeshContext:coord(axis, r)
+  local stride, size = self:stride(axis)
+  return util.idiv(r, stride) % size
 end
 
 --- "dp_replicate=2, dp_shard=4, ep=8": the sizes that are not 1, in mesh order.

@@ -8,7 +8,8 @@
 --
 -- Parameters are plain tables {shape = {...}, dtype = "bf16", numel = n, requires_grad =
 -- true}; param:meta() makes a meta tensor of the same shape when one is wanted.  Counts are
--- exact Lua integers.
+-- exact Lua integers up to 2^53 (MAX_COUNT), where LuaJIT's doubles stop being exact; a
+-- larger count is kept as a float (Lua 5.4's integers would wrap) for the planner to refuse.
 
 local M = {}
 
@@ -20,23 +21,45 @@ local Param = {}
 Param.__index = Param
 M.Param = Param
 
-local function fail(msg, level) error("moonshard: " .. msg, (level or 1) + 1) end
+M.MAX_COUNT = 2 ^ 53
+
+-- The library's directory: its frames are not where a caller's mistake is.
+local LIB = (debug.getinfo(1, "S").source:match("^@(.*[/\\])[^/\\]+$"))
+
+-- Raises msg at the first caller outside the library (a user's script), or with no
+-- position when there is none (the CLI, an embedding host).
+local function fail(msg)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, "S")
+    if not info or info.what == "C" then level = 0 break end
+    local src = info.source
+    if not (LIB and src:sub(1, 1) == "@" and src:sub(2, #LIB + 1) == LIB) then break end
+    level = level + 1
+  end
+  error("moonshard: " .. msg, level)
+end
 
 local function check_name(name, what)
   if type(name) ~= "string" or name == "" or name:find(".", 1, true) then
-    fail(what .. " name must be a non-empty string without dots, got " .. tostring(name), 3)
+    fail(what .. " name must be a non-empty string without dots, got " .. tostring(name))
   end
 end
 
 --- A parameter of the given shape (a sequence of non-negative integers) and dtype.
 function M.param(shape, dtype, opts)
-  local numel = 1
+  if type(shape) ~= "table" then fail("parameter shape is " .. tostring(shape) .. "; expected a list of sizes") end
+  local numel, zero = 1, false
   for i, s in ipairs(shape) do
-    if type(s) ~= "number" or s ~= math.floor(s) or s < 0 then
-      fail(string.format("parameter shape[%d] is %s; sizes are integers >= 0", i, tostring(s)), 2)
+    if type(s) ~= "number" or s ~= math.floor(s) or s < 0 or s == math.huge then
+      fail(string.format("parameter shape[%d] is %s; sizes are integers >= 0", i, tostring(s)))
     end
+    zero = zero or s == 0
+    -- past MAX_COUNT in floats, which do not wrap
+    if s > 0 and numel > M.MAX_COUNT / s then numel = numel + 0.0 end
     numel = numel * s
   end
+  if zero then numel = 0 end
   local p = setmetatable({ shape = shape, dtype = dtype or "f32", numel = numel,
     requires_grad = not (opts and opts.requires_grad == false) }, Param)
   return p
@@ -64,7 +87,7 @@ end
 --- Adds (or replaces, keeping its place) a child module; returns the child.
 function Module:add(name, child)
   check_name(name, "module")
-  if getmetatable(child) ~= Module then fail("add: child '" .. name .. "' is not a module", 2) end
+  if getmetatable(child) ~= Module then fail("add: child '" .. name .. "' is not a module") end
   if not self.children[name] then self.child_order[#self.child_order + 1] = name end
   self.children[name] = child
   return child
@@ -73,7 +96,7 @@ end
 --- Adds a parameter (a shape and dtype, or a param made with M.param); returns it.
 function Module:param(name, shape, dtype, opts)
   check_name(name, "parameter")
-  if self.params[name] then fail("parameter '" .. name .. "' is already registered", 2) end
+  if self.params[name] then fail("parameter '" .. name .. "' is already registered") end
   local p = getmetatable(shape) == Param and shape or M.param(shape, dtype, opts)
   self.params[name] = p
   self.param_order[#self.param_order + 1] = name
@@ -145,7 +168,7 @@ M.CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 -- checkpoint_wrapper does: the child's names gain a "_checkpoint_wrapped_module" segment.
 function Module:checkpoint_wrap(name)
   local child = self.children[name]
-  if not child then fail("checkpoint_wrap: no child '" .. name .. "'", 2) end
+  if not child then fail("checkpoint_wrap: no child '" .. tostring(name) .. "'") end
   local wrapper = M.new("CheckpointWrapper")
   wrapper:add(M.CHECKPOINT_WRAPPED, child)
   self.children[name] = wrapper

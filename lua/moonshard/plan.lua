@@ -23,8 +23,39 @@ M.DTYPE_SIZE = DTYPE_SIZE
 -- latency bound; padding above this fraction of a unit's gathered bytes is waste.
 M.LATENCY_BOUND_BYTES = 1024 * 1024
 M.PADDING_WASTE = 0.05
+-- memory.per_rank (a table per rank) is built, when read, up to this many ranks.
+M.PER_RANK_LIMIT = 1048576
 
 local function fail(msg) error("moonshard: plan: " .. msg, 0) end
+
+-- Counts and bytes are exact integers up to 2^53 under both interpreters (LuaJIT's numbers
+-- are doubles; Lua 5.4's integers would wrap at 2^63): a plan whose figures grow past it
+-- is refused, naming what grew.  mul and add check before the figure can be wrong.
+local MAX = ms_module.MAX_COUNT
+local function too_big(fmt, ...)
+  fail(string.format(fmt, ...) .. " would be more than 2^53 = 9007199254740992, where the planner's counts " ..
+    "stop being exact")
+end
+local function mul(a, b, fmt, ...)
+  if a ~= 0 and b > MAX / a then too_big(fmt, ...) end
+  return a * b
+end
+local function add(a, b, fmt, ...)
+  local sum = a + b
+  if sum > MAX then too_big(fmt, ...) end
+  return sum
+end
+
+-- A size as written: exact for Lua 5.4's integers and for LuaJIT's integral doubles.
+local function count_str(n)
+  if n == math.floor(n) and math.abs(n) < 2 ^ 63 then return string.format("%d", n) end
+  return tostring(n)
+end
+local function shape_str(shape)
+  local parts = {}
+  for i, v in ipairs(shape) do parts[i] = count_str(v) end
+  return "[" .. table.concat(parts, ", ") .. "]"
+end
 
 -- How a unit or module is named in messages: the root has the empty name.
 local function display(name) return name == "" and "<root>" or name end
@@ -55,6 +86,7 @@ function M.context(model, mesh, opts)
     warnings = {},
     prefetch = { forward = 1, backward = 2 },
     names = nil,       -- module -> name cache, rebuilt after checkpoint wrapping
+    unit_of = {},      -- module -> its unit
   }, Ctx)
 end
 
@@ -174,10 +206,38 @@ local RESHARD_OK = { [true] = true, [false] = true }
 -- (fqn, param) -> dim or nil, kind ("fp32_island", "module" or "root"; default "root" for
 -- the model's root, else "module"), offload_policy ("cpu": the shards, gradient shards and
 -- optimizer state live in host memory; "none" or nil: on the device).
+-- Where the policy called: "file:line" of the innermost frame outside the library, and of
+-- up to two of its callers ("a.lua:80 (from a.lua:120)": a helper's line alone would be the
+-- same for every call); nil when no policy frame is on the stack.
+local LIB = (debug.getinfo(1, "S").source:match("^@(.*[/\\])[^/\\]+$"))
+local function call_site()
+  local frames, level = {}, 3
+  while #frames < 3 do
+    local info = debug.getinfo(level, "Sl")
+    if not info or info.what == "C" then break end
+    local src = info.source
+    if LIB and src:sub(1, 1) == "@" and src:sub(2, #LIB + 1) == LIB then
+      if #frames > 0 then break end
+    elseif info.currentline and info.currentline > 0 then
+      frames[#frames + 1] = (src:sub(1, 1) == "@" and src:sub(2) or info.short_src) .. ":" .. info.currentline
+    end
+    level = level + 1
+  end
+  if #frames == 0 then return nil end
+  return frames[1] .. (#frames > 1 and " (from " .. table.concat(frames, ", from ", 2) .. ")" or "")
+end
+
 function Ctx:fully_shard(module, opts)
   opts = opts or {}
   module = self:module(module)
   local name = self:name_of(module)
+  local site = call_site()
+  local prev_unit = self.unit_of[module]
+  if prev_unit then
+    -- FSDP2 refuses it too: the module is already an FSDPModule
+    fail(string.format("fully_shard(%s) is applied twice to the same module: first at %s, then at %s; a module " ..
+      "is one shard unit at most", display(name), prev_unit.site or "?", site or "?"))
+  end
   local axes = opts.mesh or self.mesh.fsdp_axes
   if type(axes) == "string" then axes = { axes } end
   if #axes < 1 or #axes > 2 then
@@ -209,7 +269,7 @@ function Ctx:fully_shard(module, opts)
       cast_forward_inputs = mp.cast_forward_inputs ~= false },
     reshard_after_forward = raf, raf_explicit = raf ~= nil,
     shard_placement_fn = opts.shard_placement_fn, offload = offload == "cpu" and "cpu" or nil,
-    params = {}, ignored = {}, index = #self.units + 1,
+    params = {}, ignored = {}, index = #self.units + 1, site = site,
   }
   for _, np in ipairs(self:params_of(module)) do
     local fqn, p = np[1], np[2]
@@ -231,6 +291,7 @@ function Ctx:fully_shard(module, opts)
     end
   end
   self.units[#self.units + 1] = unit
+  self.unit_of[module] = unit
   return unit
 end
 
@@ -284,8 +345,8 @@ local function reshard_value(unit, W)
   if raf == nil then raf = unit.kind ~= "root" end
   if util.is_int(raf) then
     if raf < 1 or raf > W or W % raf ~= 0 then
-      fail(string.format("unit %s: reshard_after_forward = %d must divide the shard size %d (1 <= k <= %d)",
-        display(unit.name), raf, W, W))
+      fail(string.format("unit %s: reshard_after_forward = %s must divide the shard size %d (1 <= k <= %d)",
+        display(unit.name), count_str(raf), W, W))
     end
     if raf == 1 then raf = false elseif raf == W then raf = true end
   end
@@ -301,7 +362,10 @@ local function finish_unit(ctx, unit, fqn_of)
   local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
   local grad_shard_bytes, param_shard_bytes, trainable_shard = 0, 0, 0
   local dtypes, reduces = {}, {}
+  local uname = display(unit.name)
   unit.entries = {}
+  -- A padded shard holds at most the parameter's elements, each at most 8 bytes in any
+  -- dtype (checked in M.plan); what is gathered over W ranks can hold more: checked.
   for _, p in ipairs(unit.params) do
     local fqn = fqn_of[p]
     local shape = fsdp_shape(ctx, p)
@@ -315,15 +379,16 @@ local function finish_unit(ctx, unit, fqn_of)
     if p.requires_grad and FLOAT[p.dtype] then
       reduces[red] = reduces[red] or {}
       table.insert(reduces[red], fqn)
-      grad_shard_bytes = grad_shard_bytes + pn * DTYPE_SIZE[red]
+      grad_shard_bytes = add(grad_shard_bytes, pn * DTYPE_SIZE[red], "the gradient shard bytes of unit %s", uname)
       trainable_shard = trainable_shard + pn
     end
     stored, reduce = p.dtype, (p.requires_grad and FLOAT[p.dtype]) and red or reduce
-    gather_bytes = gather_bytes + pn * DTYPE_SIZE[gather]
-    param_shard_bytes = param_shard_bytes + pn * DTYPE_SIZE[p.dtype]
-    shard_numel = shard_numel + pn
-    numel = numel + numel_of(shape)
-    padded_total = padded_total + pn * W
+    gather_bytes = add(gather_bytes, pn * DTYPE_SIZE[gather], "the gathered shard bytes of unit %s", uname)
+    param_shard_bytes = add(param_shard_bytes, pn * DTYPE_SIZE[p.dtype], "the shard bytes of unit %s", uname)
+    shard_numel = add(shard_numel, pn, "the shard elements of unit %s", uname)
+    numel = add(numel, numel_of(shape), "the elements of unit %s", uname)
+    padded_total = add(padded_total, mul(pn, W, "the elements of parameter %s gathered over the %d ranks of unit %s", fqn, W, uname),
+      "the padded elements of unit %s over %d ranks", uname, W)
     unit.entries[#unit.entries + 1] = { fqn = fqn, param = p, shape = shape, dim = d, padded = padded,
       gather = gather, reduce = red }
   end
@@ -349,34 +414,40 @@ local function finish_unit(ctx, unit, fqn_of)
   unit.numel, unit.shard_numel, unit.padded_numel = numel, shard_numel, padded_total
   unit.param_shard_bytes, unit.grad_shard_bytes = param_shard_bytes, grad_shard_bytes
   unit.trainable_shard_numel = trainable_shard
-  unit.unsharded_bytes = gather_bytes * W -- the all-gather output: every rank's padded shard
+  -- the all-gather output: every rank's padded shard
+  unit.unsharded_bytes = mul(gather_bytes, W, "the gathered bytes of unit %s over %d ranks", uname, W)
   unit.unsharded_grad_bytes = 0
   for _, e in ipairs(unit.entries) do
     if e.param.requires_grad and FLOAT[e.param.dtype] then
-      unit.unsharded_grad_bytes = unit.unsharded_grad_bytes + numel_of(e.padded) * W * DTYPE_SIZE[e.gather]
+      unit.unsharded_grad_bytes = add(unit.unsharded_grad_bytes, numel_of(e.padded) * W * DTYPE_SIZE[e.gather],
+        "the unsharded gradient bytes of unit %s", uname)
     end
   end
-  -- Collectives per step, as nccl-tests bus bytes one rank moves.
+  -- Collectives per step, as nccl-tests bus bytes one rank moves.  S*(n-1)/n, floored, is
+  -- S - ceil(S/n): no product that could pass 2^53.
+  local function bus(S, n) return S - util.ceil_div(S, n) end
   local ag, rs, ar = {}, nil, nil
   if W > 1 and #unit.params > 0 then
     local S = unit.unsharded_bytes
-    ag[#ag + 1] = { n = W, bytes = util.idiv(S * (W - 1), W) }          -- forward
+    ag[#ag + 1] = { n = W, bytes = bus(S, W) }          -- forward
     if unit.reshard == true then
-      ag[#ag + 1] = { n = W, bytes = util.idiv(S * (W - 1), W) }        -- backward re-gather
+      ag[#ag + 1] = { n = W, bytes = bus(S, W) }        -- backward re-gather
     elseif util.is_int(unit.reshard) then
       local k = unit.reshard
-      ag[#ag + 1] = { n = k, bytes = util.idiv(S * (k - 1), k) }        -- k-way re-gather
+      ag[#ag + 1] = { n = k, bytes = bus(S, k) }        -- k-way re-gather
     end
     if grad_shard_bytes > 0 then
-      rs = { n = W, bytes = util.idiv(grad_shard_bytes * W * (W - 1), W) }
+      rs = { n = W, bytes = mul(grad_shard_bytes, W - 1, "the reduce-scatter bytes of unit %s", uname) }
     end
   end
   if R > 1 and grad_shard_bytes > 0 then
-    ar = { n = R, bytes = util.idiv(2 * grad_shard_bytes * (R - 1), R) }
+    ar = { n = R, bytes = bus(mul(2, grad_shard_bytes, "the all-reduce bytes of unit %s", uname), R) }
   end
   unit.comm = { all_gather = ag, reduce_scatter = rs, all_reduce = ar }
   unit.all_gather_bytes, unit.reduce_scatter_bytes, unit.all_reduce_bytes = 0, rs and rs.bytes or 0, ar and ar.bytes or 0
-  for _, c in ipairs(ag) do unit.all_gather_bytes = unit.all_gather_bytes + c.bytes end
+  for _, c in ipairs(ag) do
+    unit.all_gather_bytes = add(unit.all_gather_bytes, c.bytes, "the all-gather bytes of unit %s", uname)
+  end
   unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
   unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
 end
@@ -411,9 +482,9 @@ local function peak_unsharded(ctx, units)
     for i = 1, n do
       local u = order[i]
       if i == t or prefetched(i) or (i < t and contains(u, order[t])) then
-        live = live + u.unsharded_bytes
+        live = add(live, u.unsharded_bytes, "the unsharded bytes alive at once")
       elseif i < t then
-        live = live + kept_bytes(u)
+        live = add(live, kept_bytes(u), "the unsharded bytes alive at once")
       end
     end
     return live
@@ -422,7 +493,8 @@ local function peak_unsharded(ctx, units)
     peak = math.max(peak, live_at(t, function(i) return i > t and i <= t + df end))
   end
   for t = n, 1, -1 do -- backward: the previous db units are prefetched; t holds its gradient too
-    peak = math.max(peak, order[t].unsharded_grad_bytes + live_at(t, function(i) return i < t and i >= t - db end))
+    peak = math.max(peak, add(order[t].unsharded_grad_bytes, live_at(t, function(i) return i < t and i >= t - db end),
+      "the unsharded bytes alive at once"))
   end
   return peak
 end
@@ -445,6 +517,25 @@ local function validate_ownership(ctx, params)
   end
 end
 
+-- Every parameter's dtype is known and its elements and bytes, and the model's, are exact
+-- counts (at most 2^53): what every figure of the plan is made of.
+local function check_params(model)
+  local n, bytes = 0, 0
+  for _, np in ipairs(model:named_parameters()) do
+    local fqn, p = np[1], np[2]
+    check_dtype(p.dtype, "the dtype of parameter " .. fqn)
+    if p.numel > MAX then
+      fail(string.format("parameter %s of shape %s has more than 2^53 = 9007199254740992 elements, where the " ..
+        "planner's counts stop being exact", fqn, shape_str(p.shape)))
+    end
+    if p.numel * DTYPE_SIZE[p.dtype] > MAX then
+      too_big("the bytes of parameter %s of shape %s in %s", fqn, shape_str(p.shape), p.dtype)
+    end
+    local b = p.numel * DTYPE_SIZE[p.dtype]
+    n, bytes = add(n, p.numel, "the model's parameter count"), add(bytes, b, "the model's parameter bytes")
+  end
+end
+
 --- plan(model, mesh, policy, opts) -> plan
 -- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward}).
 -- opts: config (the model config), name, architecture, optimizer ("adamw" or "none").
@@ -455,19 +546,24 @@ function M.plan(model, mesh, policy, opts)
   if type(policy) ~= "table" or type(policy.parallelize) ~= "function" then
     fail("the policy has no parallelize(ctx) function")
   end
+  check_params(model)
   local ctx = M.context(model, mesh, opts)
   if policy.prefetch ~= nil then
-    if type(policy.prefetch) ~= "table" then
-      fail("the policy's prefetch is " .. type(policy.prefetch) .. "; expected a table {forward = n, backward = n}")
+    local pf = policy.prefetch
+    if type(pf) ~= "table" then
+      fail("the policy's prefetch is " .. tostring(pf) .. "; expected a table {forward = n, backward = n}")
     end
-    ctx.prefetch = { forward = policy.prefetch.forward or 1, backward = policy.prefetch.backward or 2 }
-    for _, k in ipairs({ "forward", "backward" }) do
-      local v = ctx.prefetch[k]
-      if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v >= 2 ^ 31 then
-        fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units ahead)", k, tostring(v)))
+    for k, v in pairs(pf) do
+      if k ~= "forward" and k ~= "backward" then
+        fail("the policy's prefetch has the key " .. tostring(k) .. "; expected forward and backward only")
       end
-      ctx.prefetch[k] = math.floor(v)
+      -- units fetched ahead; the embedding API hands them to C as ints
+      if not util.is_int(v) or v < 0 or v > 2147483647 then
+        fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units fetched ahead)", k,
+          type(v) == "string" and "'" .. v .. "'" or tostring(v)))
+      end
     end
+    ctx.prefetch = { forward = pf.forward or 1, backward = pf.backward or 2 }
   end
   policy.parallelize(ctx)
   rebuild_names(ctx)
@@ -479,31 +575,34 @@ function M.plan(model, mesh, policy, opts)
 
   -- Memory per rank.  Parameters and gradients live in padded shards, equal on every rank;
   -- AdamW state is kept for the rows a rank really holds (as the runtime and PyTorch do), so
-  -- it depends on the rank's coordinate along each unit's shard axis: summed per coordinate
-  -- with a difference array per axis, O(parameters + axis size).  The units with
-  -- offload_policy "cpu" keep their part of params, grads and optimizer in host memory:
-  -- `offloaded` sums it the same way, with difference arrays of its own.
+  -- it depends on the rank's coordinate along each unit's shard axis.  torch.chunk gives a
+  -- coordinate `c` rows, one coordinate the rest, the others none: per axis a step function
+  -- of the coordinate, kept as its steps (O(parameters), whatever the axis size).  The units
+  -- with offload_policy "cpu" keep their part of params, grads and optimizer in host memory:
+  -- `offloaded` sums it the same way, in steps of its own.
   local adam = opts.optimizer ~= "none"
   local mem = { params = 0, grads = 0, optimizer = 0 }
   local host = { params = 0, grads = 0 } -- the offloaded units' shares of mem.params, mem.grads
   local function state_bytes(stored) return adam and (8 + (stored == "f32" and 0 or 4)) or 0 end
-  local by_coord, host_by_coord = {}, {} -- shard axis -> difference array over its coordinates (1-based)
-  local function add_rows(arrays, axis, W, n, per_row, bytes)
-    local diff = arrays[axis]
-    if not diff then
-      diff = {}
-      for c = 1, W + 1 do diff[c] = 0 end
-      arrays[axis] = diff
+  local events = {} -- shard axis -> list of {coordinate, optimizer bytes from it on, offloaded bytes}
+  local function add_rows(axis, W, n, per_row, bytes, offloaded, fqn)
+    local ev = events[axis]
+    if not ev then
+      ev = {}
+      events[axis] = ev
     end
     local c = util.ceil_div(n, W)
-    if n % W == 0 then c = util.idiv(n, W) end
-    local full = c > 0 and math.min(W, util.idiv(n, c)) or W
-    local v = c * per_row * bytes
-    diff[1], diff[full + 1] = diff[1] + v, diff[full + 1] - v
+    local full = math.min(W, util.idiv(n, c))
+    local v = mul(c * per_row, bytes, "the optimizer state bytes of parameter %s", fqn)
+    local h = offloaded and v or 0
+    ev[#ev + 1] = { 0, v, h }
+    ev[#ev + 1] = { full, -v, -h }
     local rest = n - full * c
     if rest > 0 and full < W then
-      diff[full + 1] = diff[full + 1] + rest * per_row * bytes
-      diff[full + 2] = diff[full + 2] - rest * per_row * bytes
+      local rv = rest * per_row * bytes
+      local rh = offloaded and rv or 0
+      ev[#ev + 1] = { full, rv, rh }
+      ev[#ev + 1] = { full + 1, -rv, -rh }
     end
   end
   for _, u in ipairs(ctx.units) do
@@ -513,14 +612,13 @@ function M.plan(model, mesh, policy, opts)
         grads = grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
         local n = e.shape[e.dim + 1]
         if n > 0 then
-          local axis, per_row, bytes = u.mesh_axes[#u.mesh_axes], util.idiv(numel_of(e.shape), n),
-            state_bytes(e.param.dtype)
-          add_rows(by_coord, axis, u.shard_size, n, per_row, bytes)
-          if u.offload then add_rows(host_by_coord, axis, u.shard_size, n, per_row, bytes) end
+          add_rows(u.mesh_axes[#u.mesh_axes], u.shard_size, n, util.idiv(numel_of(e.shape), n),
+            state_bytes(e.param.dtype), u.offload ~= nil, e.fqn)
         end
       end
     end
-    mem.params, mem.grads = mem.params + u.param_shard_bytes, mem.grads + grads
+    mem.params = add(mem.params, u.param_shard_bytes, "the parameter bytes per rank")
+    mem.grads = add(mem.grads, grads, "the gradient bytes per rank")
     if u.offload then host.params, host.grads = host.params + u.param_shard_bytes, host.grads + grads end
   end
   local owned = {}
@@ -531,36 +629,85 @@ function M.plan(model, mesh, policy, opts)
       local_shape = e.local_shape, requires_grad = p.requires_grad, unit = ctx.owner[p] and ctx.owner[p].name or nil }
     if not ctx.owner[p] then
       local ln = numel_of(e.local_shape)
-      mem.params = mem.params + ln * DTYPE_SIZE[p.dtype]
+      mem.params = add(mem.params, ln * DTYPE_SIZE[p.dtype], "the parameter bytes per rank")
       if p.requires_grad and FLOAT[p.dtype] then
-        mem.grads = mem.grads + ln * DTYPE_SIZE[p.dtype]
-        mem.optimizer = mem.optimizer + ln * state_bytes(p.dtype)
+        mem.grads = add(mem.grads, ln * DTYPE_SIZE[p.dtype], "the gradient bytes per rank")
+        mem.optimizer = add(mem.optimizer, mul(ln, state_bytes(p.dtype), "the optimizer state bytes of %s", fqn),
+          "the optimizer state bytes per rank")
       end
     end
   end
-  -- prefix sums: bytes at each coordinate of each shard axis
-  for _, arrays in ipairs({ by_coord, host_by_coord }) do
-    for _, diff in pairs(arrays) do
-      for c = 2, #diff do diff[c] = diff[c] + diff[c - 1] end
-    end
-  end
-  local function at_rank(arrays, r, bytes)
-    for axis, at in pairs(arrays) do bytes = bytes + at[mesh:coord(axis, r) + 1] end
-    return bytes
-  end
-  local even_optimizer = mem.optimizer
   mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
-  local per_rank = {}
-  for r = 0, mesh.world - 1 do
-    local optimizer = at_rank(by_coord, r, even_optimizer)
-    per_rank[r + 1] = { rank = r, params = mem.params, grads = mem.grads, optimizer = optimizer,
-      peak_unsharded = mem.peak_unsharded,
-      total = mem.params + mem.grads + optimizer + mem.peak_unsharded,
-      offloaded = at_rank(host_by_coord, r, host.params + host.grads) }
+  -- Each axis's steps: starts (0-based coordinates, ascending, from 0) and the bytes from
+  -- each start on.  Axis a gives rank r the coordinate floor(r / stride) % size.
+  local axes = {}
+  for _, axis in ipairs(util.sorted_keys(events)) do
+    local ev = events[axis]
+    table.sort(ev, function(x, y) return x[1] < y[1] end)
+    local stride, size = mesh:stride(axis)
+    local a = { stride = stride, size = size, starts = { 0 }, opt = { 0 }, host = { 0 } }
+    local o, h = 0, 0
+    for _, x in ipairs(ev) do
+      if x[1] >= size then break end
+      o, h = o + x[2], h + x[3]
+      if x[1] > a.starts[#a.starts] then
+        a.starts[#a.starts + 1], a.opt[#a.opt + 1], a.host[#a.host + 1] = x[1], o, h
+      else
+        a.opt[#a.opt], a.host[#a.host] = o, h
+      end
+    end
+    for i, o in ipairs(a.opt) do
+      if o > MAX then too_big("the optimizer state bytes of coordinate %d of %s", a.starts[i], axis) end
+    end
+    axes[#axes + 1] = a
   end
-  -- the summary figures are rank 0's; per_rank has every rank's
-  mem.optimizer, mem.total, mem.offloaded = per_rank[1].optimizer, per_rank[1].total, per_rank[1].offloaded
-  mem.per_rank = per_rank
+  -- Ranks in runs of equal figures, walked from step boundary to step boundary: as many
+  -- runs as the steps' pattern over the ranks has, not one table per rank.
+  local runs = {}
+  local base = add(add(mem.params, mem.grads, "the bytes per rank"), mem.peak_unsharded, "the bytes per rank")
+  local host_base = host.params + host.grads
+  local r, world = 0, mesh.world
+  while r < world do
+    local optimizer, offloaded, len = mem.optimizer, host_base, world - r
+    for _, a in ipairs(axes) do
+      local c = util.idiv(r, a.stride) % a.size
+      local lo, hi = 1, #a.starts -- the last start <= c
+      while lo < hi do
+        local mid = util.idiv(lo + hi + 1, 2)
+        if a.starts[mid] <= c then lo = mid else hi = mid - 1 end
+      end
+      optimizer = add(optimizer, a.opt[lo], "the optimizer state bytes of rank %d", r)
+      offloaded = add(offloaded, a.host[lo], "the offloaded bytes of rank %d", r)
+      len = math.min(len, ((a.starts[lo + 1] or a.size) - c) * a.stride - r % a.stride)
+    end
+    local last = runs[#runs]
+    if last and last.optimizer == optimizer and last.offloaded == offloaded then
+      last.count = last.count + len
+    else
+      runs[#runs + 1] = { first = r, count = len, optimizer = optimizer, offloaded = offloaded,
+        total = add(base, optimizer, "the bytes of rank %d", r) }
+    end
+    r = r + len
+  end
+  -- the summary figures are rank 0's; runs has every rank's, per_rank too (built when read)
+  mem.optimizer, mem.total, mem.offloaded = runs[1].optimizer, runs[1].total, runs[1].offloaded
+  mem.runs = runs
+  setmetatable(mem, { __index = function(t, k)
+    if k ~= "per_rank" then return nil end
+    if world > M.PER_RANK_LIMIT then
+      fail(string.format("memory.per_rank makes a table for each of the %d ranks and is built for at most %d; " ..
+        "memory.runs has the same figures in runs of equal ranks", world, M.PER_RANK_LIMIT))
+    end
+    local list = {}
+    for _, run in ipairs(runs) do
+      for rank = run.first, run.first + run.count - 1 do
+        list[rank + 1] = { rank = rank, params = t.params, grads = t.grads, optimizer = run.optimizer,
+          peak_unsharded = t.peak_unsharded, total = run.total, offloaded = run.offloaded }
+      end
+    end
+    rawset(t, "per_rank", list)
+    return list
+  end })
 
   -- Communication per step.
   local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
@@ -568,13 +715,13 @@ function M.plan(model, mesh, policy, opts)
   for _, u in ipairs(ctx.units) do
     for _, c in ipairs(u.comm.all_gather) do
       comm.all_gather.count = comm.all_gather.count + 1
-      comm.all_gather.bytes = comm.all_gather.bytes + c.bytes
+      comm.all_gather.bytes = add(comm.all_gather.bytes, c.bytes, "the all-gather bytes per step")
     end
     for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do
       local c = u.comm[kind]
       if c then
         comm[kind].count = comm[kind].count + 1
-        comm[kind].bytes = comm[kind].bytes + c.bytes
+        comm[kind].bytes = add(comm[kind].bytes, c.bytes, "the %s bytes per step", kind)
       end
     end
   end

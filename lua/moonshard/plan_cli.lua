@@ -82,8 +82,10 @@ end
 local function read_file(path)
   local f, err = io.open(path, "rb")
   if not f then error("moonshard: cannot read " .. path .. ": " .. tostring(err), 0) end
-  local s = f:read("a")
+  -- a directory opens, and then reads nothing: nil and the reason
+  local s, rerr = f:read("a")
   f:close()
+  if not s then error("moonshard: cannot read " .. path .. ": " .. tostring(rerr), 0) end
   return s
 end
 
@@ -171,20 +173,21 @@ function M.main(args)
   if o.optimizer and o.optimizer ~= "adamw" and o.optimizer ~= "none" then
     return usage_error("--optimizer is adamw or none, not '" .. o.optimizer .. "'")
   end
+  local report = require "moonshard.plan_report"
   local ok, result = pcall(M.make_plan, o)
+  local text
+  if ok then
+    ok, text = pcall(function()
+      if o.json then return report.to_json(result, { audit = o.audit }) end
+      return report.to_text(result, { policy = o.policy }) .. (o.audit and "\n" .. report.audit_text(result) or "")
+    end)
+    if not ok then result = text end
+  end
   if not ok then
     io.stderr:write("moonshard plan: error: " .. tostring(result):gsub("^moonshard: ", "") .. "\n")
     return 1
   end
-  local report = require "moonshard.plan_report"
-  if o.json then
-    io.stdout:write(report.to_json(result, { audit = o.audit }))
-  else
-    io.stdout:write(report.to_text(result, { policy = o.policy }))
-    if o.audit then
-      io.stdout:write("\n" .. report.audit_text(result))
-    end
-  end
+  io.stdout:write(text)
   if o.svg then
     local f, ferr = io.open(o.svg, "wb")
     if not f then

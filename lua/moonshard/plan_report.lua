@@ -6,6 +6,11 @@ local util = require "moonshard.util"
 
 local M = {}
 
+-- The plan JSON lists every rank (memory.per_rank) and every coordinate of each unit's
+-- shard axis (local_shapes): it grows with the mesh, and a plan whose JSON would pass this
+-- many bytes is refused instead of written (building it takes several times as much memory).
+M.JSON_LIMIT = 256 * 1024 * 1024
+
 -- ---------------------------------------------------------------- JSON (version 1)
 
 local ESC = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f", ["\n"] = "\\n", ["\r"] = "\\r",
@@ -17,7 +22,7 @@ local function jstr(s)
   end) .. '"'
 end
 local function jnum(n)
-  if n ~= n or n == math.huge or n == -math.huge then error("moonshard: plan JSON: non-finite number") end
+  if n ~= n or n == math.huge or n == -math.huge then error("moonshard: plan JSON: non-finite number", 0) end
   if n == math.floor(n) and math.abs(n) < 2 ^ 63 then return string.format("%d", n) end
   return string.format("%.17g", n)
 end
@@ -97,10 +102,37 @@ local function unit_json(u)
   return "    {" .. table.concat(fields, ",") .. "}"
 end
 
+-- What follows '{"rank":r' in memory.per_rank for the ranks of a run.
+local function rank_tail(m, run)
+  return "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
+    jstr("optimizer") .. ":" .. jnum(run.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
+    jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
+end
+
+-- About the bytes the per-rank and per-coordinate lists take (at most: every rank
+-- number and local shape counted at its longest).
+local function json_lists_size(plan)
+  local digits = #string.format("%d", plan.mesh.world)
+  local bytes = 0
+  for _, run in ipairs(plan.memory.runs) do
+    bytes = bytes + run.count * (#'{"rank":' + digits + #rank_tail(plan.memory, run) + #",\n    ")
+  end
+  for _, u in ipairs(plan.units) do
+    for _, e in ipairs(u.entries) do bytes = bytes + u.shard_size * (#jints(e.padded) + 1) end
+  end
+  return bytes
+end
+
 --- The plan JSON (DESIGN.md, version 1), with "audit" added when opts.audit is set.
 function M.to_json(plan, opts)
   opts = opts or {}
   local mesh = plan.mesh
+  local size = json_lists_size(plan)
+  if size > M.JSON_LIMIT then
+    error(string.format("moonshard: plan JSON: for %d ranks its lists would take up to %s (memory.per_rank has " ..
+      "every rank, local_shapes every coordinate of each unit's shard axis), more than the %s it is written up " ..
+      "to: plan a smaller mesh, or read the table", mesh.world, util.bytes(size), util.bytes(M.JSON_LIMIT)), 0)
+  end
   local out = {}
   local function add(s) out[#out + 1] = s end
   add('{"moonshard_plan":1,\n')
@@ -121,16 +153,11 @@ function M.to_json(plan, opts)
       { "unit", jstr(o.unit) } })
   end
   add(' "owned":[' .. (#owned > 0 and "\n" .. table.concat(owned, ",\n") .. "\n " or "") .. "],\n")
-  -- ranks with the same figures share one encoded tail
-  local tails, ranks = {}, {}
-  for i, m in ipairs(plan.memory.per_rank) do
-    local key = jnum(m.optimizer) .. "/" .. jnum(m.offloaded)
-    if not tails[key] then
-      tails[key] = "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
-        jstr("optimizer") .. ":" .. jnum(m.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
-        jstr("total") .. ":" .. jnum(m.total), jstr("offloaded") .. ":" .. jnum(m.offloaded) }, ",") .. "}"
-    end
-    ranks[i] = '{"rank":' .. m.rank .. tails[key]
+  -- ranks with the same figures (a run) share one encoded tail
+  local m, ranks = plan.memory, {}
+  for _, run in ipairs(m.runs) do
+    local tail = rank_tail(m, run)
+    for r = run.first, run.first + run.count - 1 do ranks[r + 1] = '{"rank":' .. jnum(r) .. tail end
   end
   add(' "memory":{"per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
   local comm = {}
@@ -210,7 +237,7 @@ function M.to_text(plan, opts)
   end
   local m = plan.memory
   local lo, hi = m.optimizer, m.optimizer
-  for _, r in ipairs(m.per_rank) do lo, hi = math.min(lo, r.optimizer), math.max(hi, r.optimizer) end
+  for _, r in ipairs(m.runs) do lo, hi = math.min(lo, r.optimizer), math.max(hi, r.optimizer) end
   add("")
   add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
     lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),

@@ -55,7 +55,8 @@ end
 local function read_json_header(f, path)
   local size = f:seek("end")
   f:seek("set", 0)
-  local head = f:read(8)
+  local head, rerr = f:read(8)
+  if not head and rerr then fail(path, "cannot read: %s", rerr) end -- a directory opens
   if not head or #head < 8 then
     fail(path, "file is %d bytes, too short for the 8-byte header length", size)
   end
@@ -172,8 +173,9 @@ end
 local function read_file(path)
   local f, err = io.open(path, "rb")
   if not f then fail(path, "cannot open: %s", err) end
-  local text = f:read("a")
+  local text, rerr = f:read("a")
   f:close()
+  if not text then fail(path, "cannot read: %s", rerr) end -- a directory opens
   return text
 end
 

@@ -339,7 +339,19 @@ describe("models.from_config errors", function()
     assert.matches("DeepseekV3ForCausalLM: config key 'q_lora_rank' is missing %(null if unused%)", build_error(cfg))
     cfg = load_config("mixtral_8x7b.json")
     cfg.num_local_experts = 2.5
-    assert.matches("config key 'num_local_experts' is 2.5; expected an integer >= 1", build_error(cfg))
+    assert.matches("config key 'num_local_experts' is 2.5; expected an integer in 1..1073741824", build_error(cfg))
+    -- sizes no builder product can wrap, layers a tree can hold, parameters the planner counts
+    cfg = load_config("llama3.1_8b.json")
+    cfg.hidden_size = 2 ^ 40
+    assert.matches("config key 'hidden_size' is 1099511627776; expected an integer in 1..1073741824",
+      build_error(cfg))
+    cfg = load_config("llama3.1_8b.json")
+    cfg.num_hidden_layers = 1000000000
+    assert.matches("config key 'num_hidden_layers' is 1000000000; expected an integer in 1..65536", build_error(cfg))
+    cfg = load_config("llama3.1_8b.json")
+    cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads = 2 ^ 30, 2 ^ 30, 1
+    assert.equal("moonshard: models: big.json: LlamaForCausalLM: parameter model.embed_tokens.weight of shape " ..
+      "[1073741824, 1073741824] has more than 2^53 elements", build_error(cfg, "big.json"))
     cfg = load_config("mixtral_8x7b.json")
     cfg.torch_dtype = "int8"
     assert.matches("torch_dtype \"int8\" is not one of bfloat16, float16, float32, float64", build_error(cfg))
@@ -348,6 +360,7 @@ describe("models.from_config errors", function()
   it("names the file it cannot read or parse", function()
     assert.matches("^moonshard: models: nonexistent/config.json: cannot open the config",
       build_error("nonexistent/config.json"))
+    assert.equal("moonshard: models: examples: cannot read the config: Is a directory", build_error("examples"))
     local path = os.tmpname()
     local f = assert(io.open(path, "w"))
     f:write('{"architectures": ["LlamaForCausalLM"],}')

@@ -62,7 +62,89 @@ describe("MeshContext", function()
       errmsg(mesh_context.new, { dp_shard = 8, ep = 4, n_routed_experts = 6 }))
     assert.matches("unknown axis 'dpx'", errmsg(mesh_context.parse, "dpx=2"))
     assert.matches("'dp_shard' is not name=size", errmsg(mesh_context.parse, "dp_shard"))
-    assert.matches("dp_shard = 0; sizes are integers >= 1", errmsg(mesh_context.new, "dp_shard=0"))
+    assert.matches("dp_shard = 0; sizes are integers in 1..2147483647", errmsg(mesh_context.new, "dp_shard=0"))
+  end)
+
+  it("refuses sizes that are not C ints before anything is sized by them", function()
+    local sizes = "sizes are integers in 1%.%.2147483647 %(ranks are C ints%)"
+    assert.matches("^moonshard: mesh: dp_shard = 99999999999999999999; " .. sizes,
+      errmsg(mesh_context.parse, "dp_shard=99999999999999999999"))
+    assert.matches("^moonshard: mesh: dp_shard = 9223372036854775807; " .. sizes,
+      errmsg(mesh_context.new, "dp_shard=9223372036854775807"))
+    assert.matches("^moonshard: mesh: ep = 1099511627776; " .. sizes, errmsg(mesh_context.new, { ep = 2 ^ 40 }))
+    assert.matches("^moonshard: mesh: tp = 1.5; " .. sizes, errmsg(mesh_context.new, { tp = 1.5 }))
+    assert.matches("^moonshard: mesh: pp%*dp_replicate%*dp_shard%*cp%*tp = 4294967296 is more than 2147483647 ranks",
+      errmsg(mesh_context.new, "dp_replicate=65536,dp_shard=65536"))
+    assert.matches("^moonshard: mesh: n_routed_experts = x; expected an integer >= 1",
+      errmsg(mesh_context.new, { dp_shard = 2, n_routed_experts = "x" }))
+    assert.equal(2147483647, mesh_context.new("dp_shard=2147483647").world)
+  end)
+end)
+
+describe("a large mesh", function()
+  local function plan_on(mesh)
+    return planner.plan(small_tree(), mesh_context.new(mesh), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard(ctx.model)
+    end))
+  end
+
+  it("is planned in runs of ranks with equal memory, not a table per rank", function()
+    -- over 10^6 ranks: a.w [10,4] gives ranks 0-9 a row (4 x 8 B of AdamW state), p [3]
+    -- ranks 0-2 one element, b.w [6] ranks 0-5 one: four runs
+    local m = plan_on("dp_shard=1000000").memory
+    local got = {}
+    for i, r in ipairs(m.runs) do got[i] = { r.first, r.count, r.optimizer } end
+    assert.same({ { 0, 3, 48 }, { 3, 3, 40 }, { 6, 4, 32 }, { 10, 999990, 0 } }, got)
+    assert.equal(48, m.optimizer)
+    -- every C int of ranks plans at once; per_rank and the JSON, which list every rank, refuse
+    local big = plan_on("dp_shard=2147483647")
+    assert.equal(4, #big.memory.runs)
+    assert.matches("^moonshard: plan: memory.per_rank makes a table for each of the 2147483647 ranks and is " ..
+      "built for at most 1048576; memory.runs has", errmsg(function() return big.memory.per_rank end))
+    assert.matches("^moonshard: plan JSON: for 2147483647 ranks its lists would take up to [%d.]+ GiB %(" ..
+      "memory.per_rank has every rank, local_shapes every coordinate of each unit's shard axis%), more than the " ..
+      "256.0 MiB it is written up to", errmsg(require("moonshard.plan_report").to_json, big))
+    -- a small mesh builds per_rank from the runs when it is read: rows 3,3,3,1 of a.w, 1,1,1,0
+    -- of p, 2,2,2,0 of b.w
+    local small = plan_on("dp_shard=4").memory
+    assert.equal(2, #small.runs)
+    local got4 = {}
+    for i, r in ipairs(small.per_rank) do got4[i] = { r.rank, r.optimizer, r.total - small.total } end
+    assert.same({ { 0, 120, 0 }, { 1, 120, 0 }, { 2, 120, 0 }, { 3, 32, -88 } }, got4)
+  end)
+end)
+
+describe("counts past 2^53", function()
+  local EXACT = "would be more than 2%^53 = 9007199254740992, where the planner's counts stop being exact"
+  local function plan_one(shape, dtype, mesh)
+    local root = module.new("Toy")
+    root:add("big", module.new("Linear")):param("w", shape, dtype or "f32")
+    return planner.plan(root, mesh_context.new(mesh or "dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model)
+    end))
+  end
+
+  it("refuse a parameter whose elements or bytes pass 2^53, by name, under both interpreters", function()
+    assert.matches("^moonshard: plan: parameter big.w of shape %[4611686018427387904, 2%] has more than 2%^53 = " ..
+      "9007199254740992 elements, where the planner's counts stop being exact", errmsg(plan_one, { 2 ^ 62, 2 }))
+    -- INT64_MAX: Lua 5.4 keeps the integer, LuaJIT's double rounds it
+    assert.matches("^moonshard: plan: parameter big.w of shape %[9[.%d]+e?%+?%d*, 4%] has more than 2%^53",
+      errmsg(plan_one, { 9223372036854775807, 4 }))
+    assert.matches("^moonshard: plan: the bytes of parameter big.w of shape %[1125899906842624, 4%] in f32 " .. EXACT,
+      errmsg(plan_one, { 2 ^ 50, 4 }))
+  end)
+
+  it("refuse gathered, optimizer and model totals that pass 2^53", function()
+    assert.matches("^moonshard: plan: the elements of parameter big.w gathered over the 1048576 ranks of unit " ..
+      "<root> " .. EXACT, errmsg(plan_one, { 1, 2 ^ 49 }, "f32", "dp_shard=1048576"))
+    -- bf16: 2^53 bytes, but 12 bytes of AdamW state per element
+    assert.matches("^moonshard: plan: the optimizer state bytes of parameter big.w " .. EXACT,
+      errmsg(plan_one, { 2 ^ 51, 2 }, "bf16"))
+    local root = module.new("Toy")
+    for i = 1, 3 do root:add("m" .. i, module.new("L")):param("w", { 2 ^ 50 }, "f32") end
+    assert.matches("^moonshard: plan: the model's parameter bytes " .. EXACT, errmsg(planner.plan, root,
+      mesh_context.new("dp_shard=2"), policy(function(ctx) ctx:fully_shard(ctx.model) end)))
   end)
 end)
 
@@ -115,30 +197,24 @@ describe("shard units", function()
     assert.equal("[[4,2],[4,2]]", report.local_shapes_json({ 4, 4 }, 1, 2))
   end)
 
+  it("refuse fully_shard applied twice to one module, naming both calls", function()
+    local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard(ctx.model)
+      ctx:fully_shard(ctx.model:get("a"))
+    end))
+    local first, second = msg:match("^moonshard: plan: fully_shard%(a%) is applied twice to the same module: " ..
+      "first at .-plan_spec%.lua:(%d+), then at .-plan_spec%.lua:(%d+); a module is one shard unit at most$")
+    assert.is_truthy(first, msg)
+    assert.equal(2, tonumber(second) - tonumber(first))
+  end)
+
   it("refuse to claim a parameter twice or to shard a parent first", function()
     local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
       ctx:fully_shard(ctx.model)
       ctx:fully_shard("a")
     end))
     assert.matches("parameter a.w is already owned by unit <root>, which is not nested in a", msg)
-  end)
-
-  it("take the policy's prefetch depths only as integers >= 0", function()
-    local function with_prefetch(prefetch)
-      local p = policy(function(ctx) ctx:fully_shard(ctx.model) end)
-      p.prefetch = prefetch
-      return p
-    end
-    local plan = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), with_prefetch({ forward = 0, backward = 3 }))
-    assert.same({ 0, 3 }, { plan.prefetch.forward, plan.prefetch.backward })
-    plan = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), with_prefetch({ backward = 1 }))
-    assert.same({ 1, 1 }, { plan.prefetch.forward, plan.prefetch.backward })
-    for _, case in ipairs({ { { forward = -3 }, "prefetch.forward is %-3" }, { { backward = "x" }, "prefetch.backward is x" },
-      { { forward = 1.5 }, "prefetch.forward is 1.5" }, { { backward = 0 / 0 }, "prefetch.backward is %-?nan" },
-      { 2, "the policy's prefetch is number; expected a table" } }) do
-      local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), with_prefetch(case[1]))
-      assert.matches("^moonshard: plan: .*" .. case[2], msg)
-    end
   end)
 
   it("find every trainable parameter left unowned", function()
@@ -235,6 +311,45 @@ describe("shard units", function()
       ctx:fully_shard(ctx.model)
     end))
     assert.matches("parameter moe.experts.up is placed by expert parallelism but unit <root> would shard it too", msg)
+  end)
+end)
+
+describe("the policy's prefetch", function()
+  local function plan_with(prefetch)
+    return planner.plan(small_tree(), mesh_context.new("dp_shard=2"), { prefetch = prefetch,
+      parallelize = function(ctx) ctx:fully_shard(ctx.model) end })
+  end
+
+  it("takes integers >= 0 and defaults the missing one", function()
+    assert.same({ forward = 0, backward = 2 }, plan_with({ forward = 0 }).prefetch)
+  end)
+
+  it("refuses other values, naming the key", function()
+    local expected = "; expected an integer >= 0 %(units fetched ahead%)$"
+    assert.matches("^moonshard: plan: the policy's prefetch.forward is %-3" .. expected,
+      errmsg(plan_with, { forward = -3 }))
+    assert.matches("^moonshard: plan: the policy's prefetch.backward is 'x'" .. expected,
+      errmsg(plan_with, { backward = "x" }))
+    assert.matches("^moonshard: plan: the policy's prefetch.forward is 1.5" .. expected,
+      errmsg(plan_with, { forward = 1.5 }))
+    assert.matches("^moonshard: plan: the policy's prefetch has the key fwd; expected forward and backward only",
+      errmsg(plan_with, { fwd = 1 }))
+    assert.matches("^moonshard: plan: the policy's prefetch is 3; expected a table {forward = n, backward = n}",
+      errmsg(plan_with, 3))
+  end)
+end)
+
+describe("module trees", function()
+  it("report a bad shape at the caller's line, never inside the library", function()
+    local msg = errmsg(function()
+      local m = module.new("X")
+      m:param("w", { 1, -2 })
+    end)
+    assert.matches("plan_spec%.lua:%d+: moonshard: parameter shape%[2%] is %-2; sizes are integers >= 0$", msg)
+    assert.is_nil(msg:find("module.lua", 1, true))
+    -- called from the library with no user frame between (a CLI, a host): no position
+    assert.equal("moonshard: parameter shape[1] is -1; sizes are integers >= 0",
+      errmsg(require("moonshard.safetensors").tree, { { name = "a.w", shape = { -1 }, dtype = "f32" } }))
   end)
 end)
 

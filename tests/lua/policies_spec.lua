@@ -427,6 +427,15 @@ describe("moonshard plan", function()
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8,ep=3", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
     assert.matches("ep = 3 does not divide", r.err)
+    -- a directory opens but cannot be read
+    r = S.run({ "plan", "--config", "examples", "--mesh", "dp_shard=8", "--policy", "policies/inkling2" })
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: cannot read examples: Is a directory\n", r.err)
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=9223372036854775807", "--policy",
+      "policies/inkling2" })
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: mesh: dp_shard = 9223372036854775807; sizes are integers in " ..
+      "1..2147483647 (ranks are C ints)\n", r.err)
     -- a policy that forgets the root leaves parameters unowned
     local dir = os.tmpname()
     os.remove(dir)
@@ -440,8 +449,56 @@ end }
 ]])
     f:close()
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
-    os.execute("rm -rf " .. dir)
     assert.equal(1, r.code)
     assert.matches("trainable parameters are left unowned: model.embed_tokens.weight", r.err)
+    -- a checkpoint directory whose model.safetensors is a directory
+    os.execute("mkdir -p " .. dir .. "/ckpt/model.safetensors")
+    r = S.run({ "plan", "--safetensors", dir .. "/ckpt", "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: safetensors: " .. dir .. "/ckpt/model.safetensors: cannot read: Is a " ..
+      "directory\n", r.err)
+    -- fully_shard twice on one module: both lines of the policy, through its helper; a
+    -- prefetch that is no depth
+    f = assert(io.open(dir .. "/twice.lua", "wb"))
+    f:write([[
+local function shard(ctx, m)
+  local unit = ctx:fully_shard(m)
+  return unit
+end
+return { prefetch = { forward = 1 }, parallelize = function(ctx)
+  shard(ctx, "model.layers.0")
+  shard(ctx, ctx.model)
+  shard(ctx, "model.layers.0")
+end }
+]])
+    f:close()
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/twice.lua" })
+    assert.equal(1, r.code)
+    local t = dir .. "/twice.lua"
+    assert.equal(string.format("moonshard plan: error: plan: fully_shard(model.layers.0) is applied twice to the " ..
+      "same module: first at %s:2 (from %s:6), then at %s:2 (from %s:8); a module is one shard unit at most\n",
+      t, t, t, t), r.err)
+    f = assert(io.open(dir .. "/prefetch.lua", "wb"))
+    f:write('return { prefetch = { forward = -3 }, parallelize = function(ctx) ctx:fully_shard(ctx.model) end }\n')
+    f:close()
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", dir .. "/prefetch.lua" })
+    os.execute("rm -rf " .. dir)
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: plan: the policy's prefetch.forward is -3; expected an integer >= 0 " ..
+      "(units fetched ahead)\n", r.err)
+  end)
+
+  it("plans every C int of ranks at once, and refuses a JSON that would list them all", function()
+    local mesh = { "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=2147483647", "--policy", "policies/inkling2" }
+    local r = S.run(mesh)
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    assert.matches("mesh    dp_shard=2147483647 %(world 2147483647%)", r.out)
+    assert.matches("optimizer state ranges from 0 B to [%d.]+ MiB across ranks", r.out)
+    mesh[#mesh + 1] = "--json"
+    r = S.run(mesh)
+    assert.equal(1, r.code)
+    assert.equal("", r.out)
+    assert.matches("^moonshard plan: error: plan JSON: for 2147483647 ranks its lists would take up to [%d.]+ TiB", r.err)
   end)
 end)

@@ -29,16 +29,24 @@ function Config:get(key)
   return v
 end
 
---- An integer >= min (default 1); `default` when absent (an error when there is none).
-function Config:int(key, default, min)
+-- The largest integer a config key may hold: the builders multiply at most two keys and
+-- a small factor (4 * 2^30 * 2^30 = 2^62), so no shape wraps in Lua 5.4; a parameter past
+-- 2^53 elements is refused by name afterwards (models.from_config).
+C.MAX_INT = 2 ^ 30
+-- Layers are modules built one by one: more than this is a typo, not a model.
+C.MAX_LAYERS = 65536
+
+--- An integer in min (default 1) .. max (default MAX_INT); `default` when absent (an error
+-- when there is none).
+function Config:int(key, default, min, max)
   local v = self:get(key)
   if v == nil then
     if default == nil then self:fail("config key '%s' is missing", key) end
     return default
   end
-  min = min or 1
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-    self:fail("config key '%s' is %s; expected an integer >= %d", key, json.encode(v), min)
+  min, max = min or 1, max or C.MAX_INT
+  if type(v) ~= "number" or v ~= math.floor(v) or v < min or v > max then
+    self:fail("config key '%s' is %s; expected an integer in %d..%d", key, json.encode(v), min, max)
   end
   return math.floor(v)  -- an integer in 5.4 even when the config wrote 4096.0
 end
@@ -90,7 +98,7 @@ end
 -- (default heads) and head_dim (default hidden / heads, as transformers does).
 function Config:gqa_dims()
   local d = { vocab = self:int("vocab_size"), hidden = self:int("hidden_size"),
-    layers = self:int("num_hidden_layers"), heads = self:int("num_attention_heads") }
+    layers = self:int("num_hidden_layers", nil, 1, C.MAX_LAYERS), heads = self:int("num_attention_heads") }
   d.kv_heads = self:int("num_key_value_heads", d.heads)
   if self:get("head_dim") == nil and d.hidden % d.heads ~= 0 then
     self:fail("hidden_size %d is not a multiple of num_attention_heads %d; give head_dim", d.hidden, d.heads)

@@ -40,7 +40,7 @@ end
 
 return function(cfg)
   local vocab, hidden = cfg:int("vocab_size"), cfg:int("hidden_size")
-  local n_layers = cfg:int("num_hidden_layers")
+  local n_layers = cfg:int("num_hidden_layers", nil, 1, C.MAX_LAYERS)
   local dtype = cfg:dtype()
   local m = mla_dims(cfg, hidden)
   local dense_inter = cfg:int("intermediate_size")

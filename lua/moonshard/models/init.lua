@@ -6,6 +6,7 @@
 
 local json = require "moonshard.json"
 local C = require "moonshard.models.common"
+local module = require "moonshard.module"
 
 local M = {}
 
@@ -35,8 +36,9 @@ function M.from_config(config, source)
     source = source or config
     local f, err = io.open(config, "rb")
     if not f then fail(source, "cannot open the config: %s", err) end
-    local text = f:read("a")
+    local text, rerr = f:read("a") -- nil for a directory, which opens
     f:close()
+    if not text then fail(source, "cannot read the config: %s", rerr) end
     config = json.decode(text, source)
   end
   source = source or "config table"
@@ -50,7 +52,18 @@ function M.from_config(config, source)
   local builder = M.builders[archs[1]]
   if not builder then fail(source, "unknown architecture '%s' (known: %s)", archs[1], known()) end
   if type(builder) == "string" then builder = require(builder) end
-  return builder(C.config(config, source, archs[1]))
+  local tree = builder(C.config(config, source, archs[1]))
+  -- what the planner counts exactly (module.MAX_COUNT): refused here, by name
+  for _, np in ipairs(tree:named_parameters()) do
+    local p = np[2]
+    if p.numel > module.MAX_COUNT then
+      local dims = {}
+      for i, d in ipairs(p.shape) do dims[i] = string.format("%d", d) end -- each at most 2^62
+      fail(source, "%s: parameter %s of shape [%s] has more than 2^53 elements", archs[1], np[1],
+        table.concat(dims, ", "))
+    end
+  end
+  return tree
 end
 
 return M

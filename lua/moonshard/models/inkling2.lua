@@ -24,7 +24,7 @@ end
 
 return function(cfg)
   local vocab, hidden = cfg:int("vocab_size"), cfg:int("hidden_size")
-  local n_layers = cfg:int("num_hidden_layers")
+  local n_layers = cfg:int("num_hidden_layers", nil, 1, C.MAX_LAYERS)
   local heads, kv_heads = cfg:int("num_attention_heads"), cfg:int("num_key_value_heads")
   local head_dim = cfg:int("head_dim")
   local kernel = cfg:int("short_conv_kernel")
