@@ -337,7 +337,7 @@ static void statuses(void) {
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nonexistent.lua"), NULL), MS_ERR_ARG, "nonexistent.lua");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("unowned.lua"), NULL), MS_ERR_ARG, "left unowned: norm.weight");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("badprefetch.lua"), NULL), MS_ERR_ARG,
-              "moonshard: plan: the policy's prefetch.backward is x; expected an integer >= 0 (units ahead)");
+              "moonshard: plan: the policy's prefetch.backward is 'x'; expected an integer >= 0 (units fetched ahead)");
     /* a core error raised inside moonshard's runtime: the status and the host's names, no
      * position in moonshard's Lua files (a 2^48-byte parameter cannot be allocated) */
     ms_interp *big_model = model();

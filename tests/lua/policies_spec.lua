@@ -494,7 +494,7 @@ end }
     assert.equal("", r.err)
     assert.equal(0, r.code)
     assert.matches("mesh    dp_shard=2147483647 %(world 2147483647%)", r.out)
-    assert.matches("optimizer state ranges from 0 B to [%d.]+ MiB across ranks", r.out)
+    assert.matches("optimizer state differs across ranks by [%d.]+ MiB: from 0 to [%d,]+ bytes", r.out)
     mesh[#mesh + 1] = "--json"
     r = S.run(mesh)
     assert.equal(1, r.code)
