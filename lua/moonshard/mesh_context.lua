@@ -38,7 +38,11 @@ function M.parse(spec)
     fail("expected sizes like dp_replicate=2,dp_shard=4,ep=8")
   end
   local sizes = {}
-  for item in spec:gmatch("[^,]+") do
+  -- every comma separates two items: "", "," and "dp_shard=2,,ep=2" name no axis somewhere
+  for item in (spec .. ","):gmatch("([^,]*),") do
+    if not item:find("%S") then
+      fail("an empty item in '" .. spec .. "'; expected sizes like dp_replicate=2,dp_shard=4,ep=8")
+    end
     local name, value = item:match("^%s*([%w_]+)%s*=%s*(%-?%d+)%s*$")
     if not name then fail("'" .. item .. "' is not name=size (in '" .. spec .. "')") end
     if not KNOWN[name] then

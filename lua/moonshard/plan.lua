@@ -755,6 +755,10 @@ function M.plan(model, mesh, policy, opts)
   -- on the tokens per batch and where the router sends them, which a plan does not know: the
   -- count leaves it out, and says so rather than letting 0 stand for it.
   local ep = mesh:size("ep")
+  if ep > 1 and #owned == 0 then
+    warnings[#warnings + 1] = string.format("ep = %d but expert parallelism places no parameter (the policy " ..
+      "called no expert_parallel, or the model has no grouped experts): the ep axis only divides the ranks", ep)
+  end
   if ep > 1 and #owned > 0 then
     comm.all_to_all.uncounted_ep = ep
     warnings[#warnings + 1] = string.format("all_to_all counts none of expert parallelism's token traffic " ..

@@ -60,6 +60,7 @@ function M.parse(args)
       key = key or a:match("^%-%-([%w_-]+)$")
       if not key then return nil, "unexpected argument '" .. a .. "'" end
       if FLAGS[key] then
+        if inline then return nil, "--" .. key .. " takes no value (got '" .. a .. "')" end
         o[key] = true
       elseif VALUES[key] then
         local v = inline
@@ -81,7 +82,7 @@ end
 
 local function read_file(path)
   local f, err = io.open(path, "rb")
-  if not f then error("moonshard: cannot read " .. path .. ": " .. tostring(err), 0) end
+  if not f then error("moonshard: cannot read " .. path .. ": " .. util.io_reason(path, err), 0) end
   -- a directory opens, and then reads nothing: nil and the reason
   local s, rerr = f:read("a")
   f:close()
@@ -174,10 +175,13 @@ function M.main(args)
     return usage_error("--optimizer is adamw or none, not '" .. o.optimizer .. "'")
   end
   local report = require "moonshard.plan_report"
+  -- Everything is rendered, and the picture written, before anything is printed: a failure
+  -- leaves no partial plan on stdout.
   local ok, result = pcall(M.make_plan, o)
-  local text
+  local text, svg
   if ok then
     ok, text = pcall(function()
+      if o.svg then svg = require("moonshard.plan_svg").render(result) end
       if o.json then return report.to_json(result, { audit = o.audit }) end
       return report.to_text(result, { policy = o.policy }) .. (o.audit and "\n" .. report.audit_text(result) or "")
     end)
@@ -187,17 +191,17 @@ function M.main(args)
     io.stderr:write("moonshard plan: error: " .. tostring(result):gsub("^moonshard: ", "") .. "\n")
     return 1
   end
-  io.stdout:write(text)
-  if o.svg then
+  if svg then
     local f, ferr = io.open(o.svg, "wb")
-    if not f then
-      io.stderr:write("moonshard plan: error: cannot write " .. o.svg .. ": " .. tostring(ferr) .. "\n")
+    local wrote = f and f:write(svg)
+    if f then wrote = f:close() and wrote end
+    if not wrote then
+      io.stderr:write("moonshard plan: error: cannot write " .. o.svg .. ": " .. util.io_reason(o.svg, ferr) .. "\n")
       return 1
     end
-    f:write(require("moonshard.plan_svg").render(result))
-    f:close()
-    if not o.json then io.stdout:write("picture written to " .. o.svg .. "\n") end
+    if not o.json then text = text .. "picture written to " .. o.svg .. "\n" end
   end
+  io.stdout:write(text)
   return 0
 end
 

@@ -10,6 +10,7 @@
 
 local json = require "moonshard.json"
 local module = require "moonshard.module"
+local util = require "moonshard.util"
 
 local M = {}
 
@@ -153,7 +154,7 @@ end
 -- (empty when absent).  No tensor data is read.
 function M.read_header(path)
   local f, err = io.open(path, "rb")
-  if not f then fail(path, "cannot open: %s", err) end
+  if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
   local ok, header, data_size = pcall(read_json_header, f, path)
   f:close()
   if not ok then error(header, 0) end
@@ -172,7 +173,7 @@ end
 
 local function read_file(path)
   local f, err = io.open(path, "rb")
-  if not f then fail(path, "cannot open: %s", err) end
+  if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
   local text, rerr = f:read("a")
   f:close()
   if not text then fail(path, "cannot read: %s", rerr) end -- a directory opens
@@ -204,7 +205,8 @@ function M.read_index(path)
     local shard = dir .. "/" .. file
     local f, err = io.open(shard, "rb")
     if not f then
-      fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", first_name[file], file, err)
+      fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", first_name[file], file,
+        util.io_reason(shard, err))
     end
     f:close()
     for _, t in ipairs((M.read_header(shard))) do

@@ -13,6 +13,13 @@ function M.idiv(a, b) return math.floor(a / b) end
 function M.ceil_div(a, b) return math.floor((a + b - 1) / b) end
 
 --- the keys of a table, sorted
+--- io.open's reason without the path it starts with ("x: No such file..." -> "No such file...").
+function M.io_reason(path, err)
+  err = tostring(err)
+  if err:sub(1, #path + 2) == path .. ": " then return err:sub(#path + 3) end
+  return err
+end
+
 function M.sorted_keys(t)
   local keys = {}
   for k in pairs(t) do keys[#keys + 1] = k end

@@ -306,6 +306,14 @@ describe("shard units", function()
     end))
     assert.is_nil(no_ep.comm.all_to_all.uncounted_ep)
     for _, w in ipairs(no_ep.warnings) do assert.not_matches("all_to_all", w) end
+    -- ep > 1 with nothing placed by expert parallelism: said, not silently ignored
+    local unplaced = planner.plan(root, mesh, policy(function(ctx)
+      ctx:fully_shard("moe.gate")
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.equal(0, #unplaced.owned)
+    assert.equal("ep = 4 but expert parallelism places no parameter (the policy called no expert_parallel, " ..
+      "or the model has no grouped experts): the ep axis only divides the ranks", unplaced.warnings[#unplaced.warnings])
     local msg = errmsg(planner.plan, root, mesh, policy(function(ctx)
       ctx:expert_parallel("moe.experts")
       ctx:fully_shard(ctx.model)

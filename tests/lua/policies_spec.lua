@@ -423,7 +423,23 @@ describe("moonshard plan", function()
     assert.matches("%-%-policy is required", r.err)
     r = S.run({ "plan", "--config", "examples/configs/nope.json", "--mesh", "dp_shard=8", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
-    assert.matches("cannot read examples/configs/nope.json", r.err)
+    assert.equal("moonshard plan: error: cannot read examples/configs/nope.json: No such file or directory\n", r.err)
+    for _, m in ipairs({ ",", "dp_shard=2,,ep=2" }) do
+      r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", m, "--policy", "policies/inkling2" })
+      assert.equal(1, r.code)
+      assert.equal("moonshard plan: error: mesh: an empty item in '" .. m .. "'; expected sizes like " ..
+        "dp_replicate=2,dp_shard=4,ep=8\n", r.err)
+    end
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", "policies/inkling2",
+      "--json=false" })
+    assert.equal(2, r.code)
+    assert.matches("--json takes no value (got '--json=false')", r.err, 1, true)
+    -- an unwritable picture fails before anything is printed
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", "policies/inkling2",
+      "--json", "--svg", "/no/such/dir/plan.svg" })
+    assert.equal(1, r.code)
+    assert.equal("", r.out)
+    assert.equal("moonshard plan: error: cannot write /no/such/dir/plan.svg: No such file or directory\n", r.err)
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8,ep=3", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
     assert.matches("ep = 3 does not divide", r.err)
