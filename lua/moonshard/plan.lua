@@ -227,10 +227,31 @@ local function call_site()
   return frames[1] .. (#frames > 1 and " (from " .. table.concat(frames, ", from ", 2) .. ")" or "")
 end
 
+-- The keys fully_shard takes, and those of its mp_policy (FSDP2's MixedPrecisionPolicy).
+local SHARD_OPTIONS = { "mesh", "mp_policy", "reshard_after_forward", "ignored_params", "shard_placement_fn",
+  "offload_policy", "kind" }
+local MP_OPTIONS = { "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs" }
+
+-- A misspelt key would silently fall back to its default: refused, with the keys there are.
+local function check_keys(t, known, where, what, label)
+  if type(t) ~= "table" then fail(string.format("%s: %s %s; expected a table", where, label, tostring(t))) end
+  for k in pairs(t) do
+    local ok = false
+    for _, name in ipairs(known) do ok = ok or k == name end
+    if not ok then
+      fail(string.format("%s: unknown %s %s (%ss: %s)", where, what,
+        type(k) == "string" and "'" .. k .. "'" or tostring(k), what, table.concat(known, ", ")))
+    end
+  end
+end
+
 function Ctx:fully_shard(module, opts)
   opts = opts or {}
   module = self:module(module)
   local name = self:name_of(module)
+  local where = "fully_shard(" .. display(name) .. ")"
+  check_keys(opts, SHARD_OPTIONS, where, "option", "the options are")
+  if opts.mp_policy ~= nil then check_keys(opts.mp_policy, MP_OPTIONS, where, "mp_policy key", "mp_policy is") end
   local site = call_site()
   local prev_unit = self.unit_of[module]
   if prev_unit then

@@ -217,6 +217,21 @@ describe("shard units", function()
     assert.matches("parameter a.w is already owned by unit <root>, which is not nested in a", msg)
   end)
 
+  it("refuse a misspelt option instead of planning with its default", function()
+    local function shard_with(opts)
+      return errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+        ctx:fully_shard(ctx.model, opts)
+      end))
+    end
+    assert.matches("fully_shard(<root>): unknown option 'reshard_after_fwd' (options: mesh, mp_policy, " ..
+      "reshard_after_forward, ignored_params, shard_placement_fn, offload_policy, kind)",
+      shard_with({ reshard_after_fwd = false }), 1, true)
+    assert.matches("fully_shard(<root>): unknown mp_policy key 'bogus' (mp_policy keys: param_dtype, reduce_dtype, " ..
+      "output_dtype, cast_forward_inputs)", shard_with({ mp_policy = { param_dtype = "f32", bogus = 1 } }), 1, true)
+    assert.matches("fully_shard(<root>): mp_policy is bf16; expected a table",
+      shard_with({ mp_policy = "bf16" }), 1, true)
+  end)
+
   it("find every trainable parameter left unowned", function()
     local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
       ctx:fully_shard("a")
