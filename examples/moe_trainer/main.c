@@ -932,7 +932,8 @@ static ms_status save(Trainer *tr) {
     for (size_t j = 0; j < P; j++)
         if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
     if (tr->args->rank == 0 && write_safetensors(tr->opt->save_file, tr->table, tr->nparams, full, P))
-        return fail(tr, MS_ERR_IO, "--save", "cannot write %s: %s", tr->opt->save_tmp, strerror(errno));
+        return fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", tr->opt->save, tr->opt->save_tmp,
+                    strerror(errno));
     return MS_OK;
 }
 
