@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 int dataset_open(Dataset *d, const char *path, char *err, size_t errlen) {
     d->bytes = NULL;
@@ -19,12 +20,27 @@ int dataset_open(Dataset *d, const char *path, char *err, size_t errlen) {
                  " (the default text comes with Debian's base-files; pass another text file)");
         return -1;
     }
+    // fopen opens a directory on Linux (its reads fail), and a pipe cannot be measured.
+    struct stat st;
+    const char *why = NULL;
     long size = -1;
-    if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
-    unsigned char *bytes = size > 0 ? malloc((size_t)size) : NULL;
-    if (!bytes || fseek(f, 0, SEEK_SET) != 0 || fread(bytes, 1, (size_t)size, f) != (size_t)size) {
-        snprintf(err, errlen, "dataset: cannot read %s: %s", path,
-                 size == 0 ? "the file is empty" : bytes ? "read error" : "out of memory");
+    unsigned char *bytes = NULL;
+    if (fstat(fileno(f), &st) != 0)
+        why = strerror(errno);
+    else if (S_ISDIR(st.st_mode))
+        why = "it is a directory";
+    else if (!S_ISREG(st.st_mode))
+        why = "it is not a regular file";
+    else if (fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0)
+        why = strerror(errno);
+    else if (size == 0)
+        why = "the file is empty";
+    else if (!(bytes = malloc((size_t)size)))
+        why = "out of memory";
+    else if (fread(bytes, 1, (size_t)size, f) != (size_t)size)
+        why = ferror(f) ? strerror(errno) : "the file got shorter while being read";
+    if (why) {
+        snprintf(err, errlen, "dataset: cannot read %s: %s", path, why);
         free(bytes);
         fclose(f);
         return -1;

@@ -43,6 +43,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 // ----------------------------------------------------------------------------
 // hyperparameters: fixed, so that runs on any number of ranks are comparable
@@ -55,6 +57,7 @@
 #define CLIP_NORM 1.0
 #define DEFAULT_BATCH 8
 #define MAX_RANKS 64
+#define MAX_CONFIG_VALUE (1 << 20)
 
 // ----------------------------------------------------------------------------
 // options
@@ -65,8 +68,11 @@ typedef struct {
     long steps;
     unsigned long long seed;
     int records, memory;
+    FILE *save_file;  // --save: written by rank 0 at the end, under the name save_tmp
+    char *save_tmp;   // renamed to save_path once complete
+    char *save_path;  // --save, its symbolic links resolved
     // from --mesh and --config
-    int dp;         // data-parallel size: dp_replicate * dp_shard * cp = RANKS
+    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS
     int ep;         // expert-parallel size: experts split over groups of ep ranks
     int batch_size; // B, global rows per step
     ModelConfig model;
@@ -81,10 +87,11 @@ static const char USAGE[] =
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks (threads), 1..64: the product of the mesh sizes\n"
-    "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 or dp_shard=4,ep=2 (axes\n"
-    "                  dp_replicate, dp_shard, cp and ep; pp and tp may be given as 1;\n"
-    "                  unset sizes are 1)\n"
+    "  -n RANKS        ranks (threads), 1..64: dp_replicate x dp_shard of the mesh\n"
+    "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
+    "                  needs dp_shard > 1) or dp_shard=4,ep=2 (ep divides RANKS): axes\n"
+    "                  dp_replicate, dp_shard and ep, each at most once, sizes 1..64, unset\n"
+    "                  sizes 1; pp, cp and tp may be given as 1 only (not implemented)\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 1)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
@@ -92,10 +99,11 @@ static const char USAGE[] =
     "  --config FILE   model and batch sizes as key = value lines ('#' starts a comment);\n"
     "                  keys and defaults: hidden_size 64, num_layers 2, num_experts 4,\n"
     "                  top_k 2, expert_dim 64, num_shared 1, conv_kernel 4, seq_len 64,\n"
-    "                  batch_size 8 (the vocabulary is the 256 byte values)\n"
+    "                  batch_size 8, each 1..1048576; the vocabulary is the 256 byte values\n"
     "  --data FILE     the text to learn (default " DATA_DEFAULT_PATH ")\n"
     "  --save FILE     after the last step, write every parameter (f32, model.h names) to a\n"
-    "                  safetensors file\n"
+    "                  safetensors file: written as FILE.XXXXXX (made before training, so\n"
+    "                  that an unwritable FILE fails at once), renamed to FILE when complete\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
     "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
     "  --memory        at the end, print per rank the bytes its units allocated for\n"
@@ -112,19 +120,25 @@ static const char USAGE[] =
     "sends its tokens to the experts' ranks and the results back with all_to_all on that\n"
     "group (gradients likewise in backward).  The planner's MoE mesh decides the rest:\n"
     "with ep_shard = RANKS/ep > 1 the experts are also FSDP-sharded over ep_shard.\n"
-    "Not supported: pipeline (pp) and tensor (tp) parallelism.\n"
-    "Exit status: 0 trained, 1 a failure while planning or training, 2 a usage error.\n";
+    "Not implemented: pipeline (pp), context (cp: each sequence split over ranks) and tensor\n"
+    "(tp) parallelism; every rank is a data-parallel rank.\n"
+    "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
+    "2 refused before training: a usage error, a --config, --data or --save file that\n"
+    "cannot be used, or a text shorter than seq_len + 1 bytes.\n";
 
-// Prints a usage error and returns 2 (the exit status).
-static int usage_error(const char *fmt, ...) {
+// Prints an error refused before training, with the hint to --help for a usage error, and
+// returns 2 (the exit status).
+__attribute__((format(printf, 2, 3))) static int refuse(int usage, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fputs("moe_trainer: ", stderr);
     vfprintf(stderr, fmt, ap);
-    fputs("\n(try 'moe_trainer --help')\n", stderr);
+    fputs(usage ? "\n(try 'moe_trainer --help')\n" : "\n", stderr);
     va_end(ap);
     return 2;
 }
+#define usage_error(...) refuse(1, __VA_ARGS__)
+#define file_error(...) refuse(0, __VA_ARGS__) // a file named on the command line
 
 // A whole-string integer in [lo, hi]; 0, or -1.
 static int parse_long(const char *s, long lo, long hi, long *out) {
@@ -136,30 +150,45 @@ static int parse_long(const char *s, long lo, long hi, long *out) {
     return 0;
 }
 
-// --mesh: the trainer needs the data-parallel size; the planner checks the rest again.
+// --mesh: the trainer needs the data-parallel and ep sizes.  Whatever it refuses is refused
+// here, before any rank starts; the planner checks the sizes again.
 static int parse_mesh(Options *o) {
-    static const char *const axes[] = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"};
-    long size[6] = {1, 1, 1, 1, 1, 1};
+    enum { DP_REPLICATE, DP_SHARD, EP, PP, CP, TP, NAXES }; // PP.. not implemented: only 1
+    static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "pp", "cp", "tp"};
+    static const char *const kinds[NAXES] = {[PP] = "pipeline", [CP] = "context", [TP] = "tensor"};
+    long size[NAXES] = {1, 1, 1, 1, 1, 1};
+    int given[NAXES] = {0};
     char spec[256];
     if (!*o->mesh || snprintf(spec, sizeof spec, "%s", o->mesh) >= (int)sizeof spec)
         return usage_error("--mesh '%s': expected sizes like dp_shard=4", o->mesh);
-    for (char *save = NULL, *item = strtok_r(spec, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+    for (char *item = spec, *next; item; item = next) {
+        next = strchr(item, ',');
+        if (next) *next++ = '\0';
         char *eq = strchr(item, '=');
-        int a = -1;
-        if (eq) *eq = '\0';
-        for (int k = 0; eq && k < 6; k++)
-            if (!strcmp(item, axes[k])) a = k;
-        if (a < 0 || parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
-            return usage_error("--mesh: '%s%s%s' is not AXIS=SIZE with an axis of pp, dp_replicate, dp_shard, "
-                               "cp, tp, ep and a size 1..%d", item, eq ? "=" : "", eq ? eq + 1 : "", MAX_RANKS);
+        if (!eq || eq == item)
+            return usage_error("--mesh %s: '%s' is not AXIS=SIZE (e.g. dp_shard=4)", o->mesh, item);
+        *eq = '\0';
+        int a = 0;
+        while (a < NAXES && strcmp(item, axes[a])) a++;
+        if (a == NAXES)
+            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep; pp, cp, tp as 1)",
+                               o->mesh, item);
+        if (given[a]++) return usage_error("--mesh %s: axis '%s' given twice", o->mesh, item);
+        if (parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
+            return usage_error("--mesh %s: the size of %s must be an integer 1..%d, got '%s'", o->mesh, item,
+                               MAX_RANKS, eq + 1);
+        if (a >= PP && size[a] > 1)
+            return usage_error("--mesh %s: %s parallelism (%s=%ld) is not implemented by moe_trainer; %s may only be 1",
+                               o->mesh, kinds[a], item, size[a], item);
     }
-    if (size[0] > 1 || size[4] > 1)
-        return usage_error("--mesh: pipeline (pp) and tensor (tp) parallelism are not supported by moe_trainer");
-    long world = size[1] * size[2] * size[3];
+    long world = size[DP_REPLICATE] * size[DP_SHARD];
     if (world != o->nranks)
         return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
-    o->dp = (int)world; // with pp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
-    o->ep = (int)size[5];
+    if (size[DP_REPLICATE] > 1 && size[DP_SHARD] == 1) // the planner's rule, as Automodel's
+        return usage_error("--mesh %s: dp_replicate = %ld needs dp_shard > 1 (for pure data parallelism use "
+                           "dp_shard=%ld)", o->mesh, size[DP_REPLICATE], world);
+    o->dp = (int)world; // with pp = cp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
+    o->ep = (int)size[EP];
     if (world % o->ep)
         return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, world);
     return 0;
@@ -181,6 +210,7 @@ static int parse_config(Options *o) {
     int status = 0;
     for (int lineno = 1; !status && fgets(line, sizeof line, f); lineno++) {
         line[strcspn(line, "#\n")] = '\0';
+        for (size_t e = strlen(line); e && strchr(" \t\r", line[e - 1]); e--) line[e - 1] = '\0';
         if (line[strspn(line, " \t\r")] == '\0') continue; // blank or comment
         char key[64] = "", value[64], extra[64];
         long v;
@@ -190,8 +220,12 @@ static int parse_config(Options *o) {
         if (n >= 1 && k == nkeys)
             status = usage_error("--config %s:%d: unknown key '%s' (keys: hidden_size num_layers num_experts "
                                  "top_k expert_dim num_shared conv_kernel seq_len batch_size)", o->config, lineno, key);
-        else if (n != 2 || parse_long(value, 1, 1 << 20, &v))
-            status = usage_error("--config %s:%d: expected 'KEY = N' with N a positive integer", o->config, lineno);
+        else if (n != 2 || value[strspn(value, "0123456789")] || !value[strspn(value, "0")])
+            status = usage_error("--config %s:%d: expected 'KEY = N' with N a positive integer, got '%s'",
+                                 o->config, lineno, line + strspn(line, " \t"));
+        else if (parse_long(value, 1, MAX_CONFIG_VALUE, &v))
+            status = usage_error("--config %s:%d: %s = %s exceeds the limit of %d", o->config, lineno, key, value,
+                                 MAX_CONFIG_VALUE);
         else
             *keys[k].value = (int)v;
     }
@@ -825,7 +859,7 @@ static void put_le(FILE *f, uint64_t v, int nbytes) {
 
 // The header JSON (names in table order, offsets contiguous, padded with spaces to a
 // multiple of 8 bytes as safetensors writers do), then the data as little-endian f32.
-static int write_safetensors(const char *path, const ModelParam *table, int n, const float *data, size_t numel) {
+static int write_safetensors(FILE *f, const ModelParam *table, int n, const float *data, size_t numel) {
     char *header = NULL;
     size_t len = 0;
     FILE *h = open_memstream(&header, &len);
@@ -838,8 +872,7 @@ static int write_safetensors(const char *path, const ModelParam *table, int n, c
     }
     fputc('}', h);
     while (ftell(h) % 8) fputc(' ', h);
-    FILE *f = fclose(h) == 0 ? fopen(path, "wb") : NULL;
-    int ok = f != NULL;
+    int ok = fclose(h) == 0;
     if (ok) {
         put_le(f, len, 8);
         fwrite(header, 1, len, f);
@@ -848,8 +881,7 @@ static int write_safetensors(const char *path, const ModelParam *table, int n, c
             memcpy(&bits, &data[j], 4);
             put_le(f, bits, 4);
         }
-        ok = !ferror(f);
-        ok &= fclose(f) == 0;
+        ok = fflush(f) == 0 && !ferror(f);
     }
     free(header);
     return ok ? 0 : -1;
@@ -899,8 +931,9 @@ static ms_status save(Trainer *tr) {
     TRY("--save: all_reduce over the world", st);
     for (size_t j = 0; j < P; j++)
         if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
-    if (tr->args->rank == 0 && write_safetensors(tr->opt->save, tr->table, tr->nparams, full, P))
-        return fail(tr, MS_ERR_IO, "--save", "cannot write %s: %s", tr->opt->save, strerror(errno));
+    if (tr->args->rank == 0 && write_safetensors(tr->opt->save_file, tr->table, tr->nparams, full, P))
+        return fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", tr->opt->save, tr->opt->save_tmp,
+                    strerror(errno));
     return MS_OK;
 }
 
@@ -1027,21 +1060,84 @@ static void *rank_main(void *p) {
 // ----------------------------------------------------------------------------
 // main
 
+// --save: a new file FILE.XXXXXX beside FILE (through its symbolic links), made before any
+// rank starts so that a FILE that cannot be written fails at once; 0, or 2.
+static int save_begin(Options *o) {
+    if (!*o->save) return usage_error("--save: expected a file name, got ''");
+    struct stat st;
+    mode_t mode = umask(0);
+    umask(mode);
+    mode = 0666 & ~mode; // a new file's mode, as fopen would make it
+    if (stat(o->save, &st) == 0) {
+        if (S_ISDIR(st.st_mode)) return file_error("--save %s: it is a directory, expected a file name", o->save);
+        if (!S_ISREG(st.st_mode)) return file_error("--save %s: it exists and is not a regular file", o->save);
+        if (access(o->save, W_OK)) return file_error("--save %s: %s", o->save, strerror(errno));
+        mode = st.st_mode & 07777;
+        o->save_path = realpath(o->save, NULL);
+    } else {
+        o->save_path = strdup(o->save);
+    }
+    const size_t len = o->save_path ? strlen(o->save_path) + sizeof ".XXXXXX" : 0;
+    if (len) o->save_tmp = malloc(len);
+    if (!o->save_tmp) return file_error("--save %s: %s", o->save, strerror(errno));
+    snprintf(o->save_tmp, len, "%s.XXXXXX", o->save_path);
+    int fd = mkstemp(o->save_tmp);
+    if (fd < 0) {
+        const int e = errno;
+        const char *slash = strrchr(o->save_path, '/');
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - o->save_path) : 1, slash ? o->save_path : ".");
+        return file_error("--save %s: cannot create a file in %s: %s", o->save, *dir ? dir : "/", strerror(e));
+    }
+    if (fchmod(fd, mode) || !(o->save_file = fdopen(fd, "wb"))) {
+        int e = errno;
+        close(fd);
+        unlink(o->save_tmp);
+        return file_error("--save %s: %s: %s", o->save, o->save_tmp, strerror(e));
+    }
+    return 0;
+}
+
+// Renames the file rank 0 wrote to FILE when the run succeeded, else removes it; the exit
+// status given, or 1 when the file cannot be completed.
+static int save_end(Options *o, int status) {
+    if (o->save_file) {
+        int closed = fclose(o->save_file) == 0, e = errno;
+        if (!status && (!closed || rename(o->save_tmp, o->save_path))) {
+            if (closed) e = errno;
+            fprintf(stderr, "moe_trainer: --save %s: cannot write %s: %s\n", o->save, closed ? o->save_path : o->save_tmp,
+                    strerror(e));
+            status = 1;
+        }
+        if (status) unlink(o->save_tmp);
+    }
+    free(o->save_tmp);
+    free(o->save_path);
+    return status;
+}
+
 int main(int argc, char **argv) {
     Options opt;
     int st = parse_options(argc, argv, &opt);
     if (st) return st < 0 ? 0 : st;
     Dataset data;
     char err[512];
-    if (dataset_open(&data, opt.data, err, sizeof err)) {
-        fprintf(stderr, "moe_trainer: %s\n", err);
-        return 1;
+    if (dataset_open(&data, opt.data, err, sizeof err)) return file_error("%s", err);
+    if (data.size < (size_t)opt.model.seq_len + 1) {
+        st = file_error("dataset: %s has %zu bytes, fewer than seq_len + 1 = %d", opt.data ? opt.data : DATA_DEFAULT_PATH,
+                        data.size, opt.model.seq_len + 1);
+        dataset_close(&data);
+        return st;
+    }
+    if (opt.save && (st = save_begin(&opt))) {
+        dataset_close(&data);
+        return save_end(&opt, st);
     }
     ms_world *world = NULL;
     if (ms_threads_world_new(&world, opt.nranks, 0)) {
         fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
         dataset_close(&data);
-        return 1;
+        return save_end(&opt, 1);
     }
     pthread_t tid[MAX_RANKS];
     int started[MAX_RANKS];
@@ -1073,5 +1169,5 @@ int main(int argc, char **argv) {
     }
     ms_world_release(world);
     dataset_close(&data);
-    return failed >= 0 ? 1 : 0;
+    return save_end(&opt, failed >= 0 ? 1 : 0);
 }

@@ -258,6 +258,8 @@ describe("moe_trainer", function()
       return args
     end
     local bad_config = write_file(os.tmpname(), "hidden_size = 32\nheads = 4\n")
+    local big_config = write_file(os.tmpname(), "# over the cap\nseq_len = 100000000\n")
+    local word_config = write_file(os.tmpname(), "seq_len = 32\nnum_layers = two  # a comment\n")
     for _, case in ipairs({
       { "no -n", {}, "missing %-n RANKS" },
       { "a mesh of another size", { "-n", "2", "--mesh", "dp_shard=4" }, "%-%-mesh dp_shard=4 has 4 ranks but %-n is 2" },
@@ -265,11 +267,24 @@ describe("moe_trainer", function()
         "ep = 3 does not divide the 4 data%-parallel ranks" },
       { "experts that do not split over ep", { "-n", "8", "--mesh", "dp_shard=8,ep=8" },
         "num_experts 4 does not divide over ep = 8" },
-      { "tp > 1", { "-n", "2", "--mesh", "tp=2" }, "tensor %(tp%) parallelism are not supported" },
-      { "a bad mesh item", { "-n", "4", "--mesh", "dp_shard=4x" }, "'dp_shard=4x' is not AXIS=SIZE" },
+      { "tp > 1", { "-n", "2", "--mesh", "tp=2" }, "tensor parallelism %(tp=2%) is not implemented by moe_trainer" },
+      { "cp > 1", { "-n", "4", "--mesh", "dp_shard=2,cp=2" },
+        "context parallelism %(cp=2%) is not implemented by moe_trainer; cp may only be 1" },
+      { "a size that is no integer", { "-n", "4", "--mesh", "dp_shard=4x" },
+        "the size of dp_shard must be an integer 1%.%.64, got '4x'" },
+      { "an axis given twice", { "-n", "4", "--mesh", "dp_shard=4,dp_shard=4" }, "axis 'dp_shard' given twice" },
+      { "an unknown axis", { "-n", "4", "--mesh", "dp_shard=4,dp=1" }, "unknown axis 'dp'" },
+      { "an empty mesh item", { "-n", "4", "--mesh", "dp_shard=4,,ep=2" }, "'' is not AXIS=SIZE" },
+      { "dp_replicate without dp_shard", { "-n", "4", "--mesh", "dp_replicate=4" },
+        "dp_replicate = 4 needs dp_shard > 1 %(for pure data parallelism use dp_shard=4%)" },
       { "a batch that does not split", { "-n", "3", "--mesh", "dp_shard=3" },
         "batch_size 8 does not divide over the 3 data%-parallel ranks" },
       { "an unknown config key", { "-n", "1", "--mesh", "dp_shard=1", "--config", bad_config }, ":2: unknown key 'heads'" },
+      { "a config value over the cap", { "-n", "1", "--mesh", "dp_shard=1", "--config", big_config },
+        ":2: seq_len = 100000000 exceeds the limit of 1048576" },
+      { "a config value that is no number", { "-n", "1", "--mesh", "dp_shard=1", "--config", word_config },
+        ":2: expected 'KEY = N' with N a positive integer, got 'num_layers = two'" },
+      { "an empty --save", { "-n", "1", "--mesh", "dp_shard=1", "--save", "" }, "%-%-save: expected a file name, got ''" },
       { "an unknown flag", { "-n", "1", "--mesh", "dp_shard=1", "--frobnicate" }, "unexpected argument '%-%-frobnicate'" },
     }) do
       it("exits 2 on " .. case[1], function()
@@ -277,8 +292,61 @@ describe("moe_trainer", function()
         assert.equal(2, r.code)
         assert.matches(case[3], r.err)
         assert.matches("try 'moe_trainer %-%-help'", r.err)
+        assert.equal("", r.out) -- refused before any rank trained
       end)
     end
+
+    -- Files that cannot be used: refused before training, without the usage hint.
+    local missing_dir = os.tmpname()
+    os.remove(missing_dir)
+    local short_text = write_file(os.tmpname(), "abc")
+    for _, case in ipairs({
+      { "--save in a missing directory", { "--save", missing_dir .. "/params.safetensors" },
+        "%-%-save " .. missing_dir:gsub("%p", "%%%0") .. "/params.safetensors: cannot create a file in " ..
+        missing_dir:gsub("%p", "%%%0") .. ": No such file or directory" },
+      { "--save naming a directory", { "--save", "." }, "%-%-save %.: it is a directory, expected a file name" },
+      { "--data naming a directory", { "--data", "." }, "dataset: cannot read %.: it is a directory" },
+      { "a text shorter than a row", { "--data", short_text },
+        "dataset: " .. short_text:gsub("%p", "%%%0") .. " has 3 bytes, fewer than seq_len %+ 1 = 65" },
+    }) do
+      it("exits 2 before training on " .. case[1], function()
+        local args = { "-n", "1", "--mesh", "dp_shard=1" }
+        for _, a in ipairs(case[2]) do args[#args + 1] = a end
+        local r = trainer(with(args))
+        assert.equal(2, r.code)
+        assert.matches("^moe_trainer: " .. case[3] .. "\n$", r.err)
+        assert.equal("", r.out)
+      end)
+    end
+
+    it("leaves an existing --save file as it was, and nothing beside it, when the run fails", function()
+      local dir = os.tmpname()
+      os.remove(dir)
+      local made = os.execute("mkdir " .. S.quote(dir))
+      assert.is_true(made == true or made == 0) -- Lua 5.4 or LuaJIT
+      local path = write_file(dir .. "/params.safetensors", "old")
+      local r = trainer({ "-n", "1", "--mesh", "dp_shard=1", "--policy", "no/such/policy", "--steps", "1", "--seed", "1",
+        "--save", path })
+      local ls = io.popen("ls -A " .. S.quote(dir))
+      local listing = ls:read("a")
+      ls:close()
+      local f = assert(io.open(path, "rb"))
+      local text = f:read("a")
+      f:close()
+      os.execute("rm -rf " .. S.quote(dir))
+      assert.equal(1, r.code)
+      assert.matches("rank 0: planning: moonshard: policy no/such/policy", r.err)
+      assert.equal("params.safetensors\n", listing)
+      assert.equal("old", text)
+    end)
+
+    it("accepts pp, cp and tp given as 1", function()
+      local r = trainer({ "-n", "2", "--mesh", "pp=1,dp_shard=2,cp=1,tp=1", "--policy", "policies/full_fp32.lua",
+        "--steps", "1", "--seed", "1", "--config", small_config })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      assert.matches("^step 1 loss %d", r.out)
+    end)
 
     it("exits 1 with the planner's message on a missing policy", function()
       local r = trainer({ "-n", "1", "--mesh", "dp_shard=1", "--policy", "no/such/policy", "--steps", "1", "--seed", "1" })
