@@ -358,6 +358,9 @@ static ms_status zero_elems(ms_tensor *t, int64_t off, int64_t n) {
     return st;
 }
 
+/* How messages name a unit: the root (the empty name) as "<root>", as the planner shows it. */
+static const char *unit_label(const ms_unit *u) { return u->name[0] ? u->name : "<root>"; }
+
 /* A contiguous buffer of category cat for u: for a transient (unsharded) one, a free one of
  * the same dtype and numel from the rank's cache, holding what it held (zero-filled when
  * `zero`); else a new zero-filled one. */
@@ -375,7 +378,7 @@ static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const i
         st = ms_tensor_new(out, ndim, shape, dtype, on_device ? MS_DEVICE_CUDA : MS_DEVICE_CPU,
                            on_device ? u->device : 0);
     }
-    if (st) return ms__wrap(st, "unit '%s'", u->name);
+    if (st) return ms__wrap(st, "unit '%s'", unit_label(u));
     u->bytes[cat] += ms_tensor_nbytes(*out);
     return MS_OK;
 }
@@ -408,16 +411,16 @@ static void *at(ms_tensor *t, int64_t i) {
 static ms_status check_state(const ms_unit *u, const char *call, unsigned allowed) {
     if (allowed & ST(u->state)) return MS_OK;
     if (u->state == ST_FAILED)
-        return ms__fail(MS_ERR_STATE, "unit '%s': %s: the unit is unusable after a failed collective: %s", u->name,
+        return ms__fail(MS_ERR_STATE, "unit '%s': %s: the unit is unusable after a failed collective: %s", unit_label(u),
                         call, u->failure);
-    return ms__fail(MS_ERR_STATE, "unit '%s': %s: not allowed while the unit is %s", u->name, call,
+    return ms__fail(MS_ERR_STATE, "unit '%s': %s: not allowed while the unit is %s", unit_label(u), call,
                     state_name[u->state]);
 }
 
 static ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_%s: unit is NULL", call);
     if (i < 0 || i >= u->nparams)
-        return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", u->name,
+        return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", unit_label(u),
                         call, i, u->nparams);
     *out = &u->params[i];
     return MS_OK;
@@ -452,7 +455,7 @@ static void op_clear(ms_unit *u) {
 /* Marks u unusable after a failed or half-finished collective (its peers cannot be
  * matched any more): keeps st's message, prefixed with the unit and the call. */
 static ms_status unit_fail(ms_unit *u, ms_status st, const char *call) {
-    ms__wrap(st, "unit '%s': %s", u->name, call);
+    ms__wrap(st, "unit '%s': %s", unit_label(u), call);
     snprintf(u->failure, sizeof u->failure, "%s", ms_last_error());
     op_clear(u);
     free_unsharded(u);
@@ -464,7 +467,7 @@ static ms_status record(ms_unit *u, int kind, ms_dtype dtype, int group_size, in
     if (u->nrecords == u->rcap) {
         int cap = u->rcap ? 2 * u->rcap : 16;
         unit_record *r = realloc(u->records, (size_t)cap * sizeof *r);
-        if (!r) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory recording a collective", u->name);
+        if (!r) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory recording a collective", unit_label(u));
         u->records = r;
         u->rcap = cap;
     }
@@ -510,12 +513,12 @@ static ms_status check_policy_dtype(const char *unit, const char *what, int d) {
 /* The k consecutive ranks of the shard group that hold one k-way shard together. */
 static ms_status make_kgroup(ms_unit *u) {
     int *ranks = malloc((size_t)u->k * sizeof *ranks);
-    if (!ranks) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory", u->name);
+    if (!ranks) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory", unit_label(u));
     int first = u->rank / u->k * u->k;
     for (int i = 0; i < u->k; i++) ranks[i] = ms_comm_world_rank(u->shard, first + i);
     ms_status st = ms_comm_group(u->shard, u->k, ranks, &u->kgroup);
     free(ranks);
-    return st ? ms__wrap(st, "unit '%s': the %d-way reshard group", u->name, u->k) : MS_OK;
+    return st ? ms__wrap(st, "unit '%s': the %d-way reshard group", unit_label(u), u->k) : MS_OK;
 }
 
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate, int param_dtype,
@@ -605,26 +608,26 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     if (!u || !fqn) return ms__fail(MS_ERR_ARG, "unit_add_param: NULL unit or fqn");
     if (u->state != ST_BUILDING)
         return ms__fail(MS_ERR_STATE, "unit '%s': add_param '%s': the unit is %s; parameters are added before "
-                        "ms_unit_finalize", u->name, fqn, state_name[u->state]);
+                        "ms_unit_finalize", unit_label(u), fqn, state_name[u->state]);
     if (!ms__dtype_valid(dtype))
-        return ms__fail(MS_ERR_DTYPE, "unit '%s': add_param '%s': invalid dtype %d", u->name, fqn, (int)dtype);
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': add_param '%s': invalid dtype %d", unit_label(u), fqn, (int)dtype);
     for (int i = 0; i < u->nparams; i++)
         if (!strcmp(u->params[i].fqn, fqn))
-            return ms__fail(MS_ERR_ARG, "unit '%s': add_param: parameter '%s' is already in the unit", u->name, fqn);
+            return ms__fail(MS_ERR_ARG, "unit '%s': add_param: parameter '%s' is already in the unit", unit_label(u), fqn);
     if (u->nparams && dtype != u->stored)
         return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is stored in %s but '%s' is stored in %s: FSDP "
-                        "expects uniform original parameter dtype; shard them in separate units", u->name, fqn,
+                        "expects uniform original parameter dtype; shard them in separate units", unit_label(u), fqn,
                         ms_dtype_name(dtype), u->params[0].fqn, ms_dtype_name(u->stored));
     if (requires_grad && !ms_dtype_is_float(dtype))
-        return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is %s and cannot require gradients", u->name, fqn,
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is %s and cannot require gradients", unit_label(u), fqn,
                         ms_dtype_name(dtype));
     int64_t local[MS_MAX_DIMS], offset, padded[MS_MAX_DIMS];
     ms_status st = ms_fsdp_shard(ndim, shape, u->W, u->rank, dim, local, &offset, padded);
-    if (st) return ms__wrap(st, "unit '%s': add_param '%s'", u->name, fqn);
+    if (st) return ms__wrap(st, "unit '%s': add_param '%s'", unit_label(u), fqn);
     if (u->nparams == u->cap) {
         int cap = u->cap ? 2 * u->cap : 8;
         unit_param *ps = realloc(u->params, (size_t)cap * sizeof *ps);
-        if (!ps) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", u->name, fqn);
+        if (!ps) return ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", unit_label(u), fqn);
         u->params = ps;
         u->cap = cap;
     }
@@ -634,7 +637,7 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     memcpy(p->padded_shape, padded, (size_t)ndim * sizeof *padded);
     p->padded_numel = 1;
     for (int d = 0; d < ndim; d++) p->padded_numel *= padded[d];
-    if (!(p->fqn = strdup(fqn))) st = ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", u->name, fqn);
+    if (!(p->fqn = strdup(fqn))) st = ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", unit_label(u), fqn);
     if (!st) st = buf_new(u, CAT_PARAMS, &p->padded, ndim, padded, dtype, true);
     if (!st) st = ms_tensor_narrow(&p->shard, p->padded, p->dim, 0, local[p->dim]);
     if (st) {
@@ -667,7 +670,7 @@ ms_status ms_unit_finalize(ms_unit *u) {
                                                                      : ms_dtype_size(u->reduce);
     if (!ms__mul_ok(S, u->W, &bytes) || !ms__mul_ok(bytes, es, &bytes))
         return ms__fail(MS_ERR_OVERFLOW, "unit '%s': the all-gather buffer of %d x %lld elements overflows int64",
-                        u->name, u->W, (long long)S);
+                        unit_label(u), u->W, (long long)S);
     u->S = S;
     /* One parameter with nothing before its shard dim (dim 0, or leading dims of size 1):
      * rank q's block is rows [q*c, q*c + len_q) of the shard dim, so the blocks follow each
@@ -716,7 +719,7 @@ ms_status ms_unit_param_offset(const ms_unit *u, int i, int *dim, int64_t *offse
     ms_status st = param_at(u, "param_offset", i, &p);
     if (st) return st;
     if (!dim || !offset || !rows)
-        return ms__fail(MS_ERR_ARG, "unit '%s': param_offset '%s': NULL output", u->name, p->fqn);
+        return ms__fail(MS_ERR_ARG, "unit '%s': param_offset '%s': NULL output", unit_label(u), p->fqn);
     *dim = p->dim;
     rank_rows(u, p, u->rank, rows, offset);
     return ms__ok();
@@ -726,12 +729,12 @@ ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
     unit_param *p = NULL;
     ms_status st = param_at(u, "load_full", i, &p);
     if (st) return st;
-    if (!full) return ms__fail(MS_ERR_ARG, "unit '%s': load_full '%s': the full tensor is NULL", u->name, p->fqn);
+    if (!full) return ms__fail(MS_ERR_ARG, "unit '%s': load_full '%s': the full tensor is NULL", unit_label(u), p->fqn);
     if ((st = check_state(u, "load_full", ST(ST_BUILDING) | ST(ST_SHARDED)))) return st;
     if (full->ndim != p->ndim || memcmp(full->shape, p->shape, (size_t)p->ndim * sizeof *p->shape)) {
         char a[256], b[256];
         return ms__fail(MS_ERR_SHAPE, "unit '%s': load_full '%s': the full tensor is %s but the parameter is %s",
-                        u->name, p->fqn, ms__shape_str(a, sizeof a, full->ndim, full->shape),
+                        unit_label(u), p->fqn, ms__shape_str(a, sizeof a, full->ndim, full->shape),
                         ms__shape_str(b, sizeof b, p->ndim, p->shape));
     }
     int64_t len, off;
@@ -740,7 +743,7 @@ ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
     st = ms_tensor_narrow(&region, (ms_tensor *)full, p->dim, off, len); /* a view; full is only read */
     if (!st) st = ms_tensor_copy(p->shard, region);
     ms_tensor_release(region);
-    return st ? ms__wrap(st, "unit '%s': load_full '%s'", u->name, p->fqn) : ms__ok();
+    return st ? ms__wrap(st, "unit '%s': load_full '%s'", unit_label(u), p->fqn) : ms__ok();
 }
 
 /* ---------------------------------------------------------------- flat layouts */
@@ -857,7 +860,7 @@ ms_status ms_unit_unshard(ms_unit *u) {
     if (!st) st = op_submit(u, run_all_gather, ST_GATHERING);
     if (st) {
         op_clear(u);
-        return ms__wrap(st, "unit '%s': unshard", u->name);
+        return ms__wrap(st, "unit '%s': unshard", unit_label(u));
     }
     buf_free(u, CAT_UNSHARDED, &u->kept);
     return ms__ok();
@@ -910,7 +913,7 @@ ms_status ms_unit_reshard(ms_unit *u) {
         u->state = ST_KEPT;
         return ms__ok();
     }
-    if (u->k >= 2 && (st = keep_kway(u))) return ms__wrap(st, "unit '%s': reshard", u->name);
+    if (u->k >= 2 && (st = keep_kway(u))) return ms__wrap(st, "unit '%s': reshard", unit_label(u));
     for (int i = 0; i < u->nparams; i++) unsharded_free(u, &u->params[i].full, &u->params[i].full_flat);
     u->state = u->k >= 2 ? ST_KWAY : ST_SHARDED;
     return ms__ok();
@@ -940,7 +943,7 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
     if (param_at(u, "grad_full", i, &p) || check_state(u, "grad_full", ST(ST_UNSHARDED))) return NULL;
     if (!p->requires_grad) {
         ms__fail(MS_ERR_ARG, "unit '%s': grad_full: parameter '%s' is frozen (requires_grad = 0) and has no gradient",
-                 u->name, p->fqn);
+                 unit_label(u), p->fqn);
         return NULL;
     }
     if (!p->grad_full) {
@@ -968,7 +971,7 @@ ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_set_cpu_offload: unit is NULL");
     if (u->nparams || u->state != ST_BUILDING)
         return ms__fail(MS_ERR_STATE, "unit '%s': set_cpu_offload: the unit already holds parameters; choose where "
-                        "its shards live before the first ms_unit_add_param", u->name);
+                        "its shards live before the first ms_unit_add_param", unit_label(u));
     u->offload = offload != 0;
     return ms__ok();
 }
@@ -977,7 +980,7 @@ ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_set_gradient_divide_factor: unit is NULL");
     if (!(factor == 0 || (isfinite(factor) && factor > 0)))
         return ms__fail(MS_ERR_ARG, "unit '%s': gradient divide factor %g: expected a finite factor > 0 (or 0 for "
-                        "the default)", u->name, factor);
+                        "the default)", unit_label(u), factor);
     u->divide_factor = factor;
     return ms__ok();
 }
@@ -1072,19 +1075,19 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
     }
     if (trainable && !handed_out)
         return ms__fail(MS_ERR_STATE, "unit '%s': reduce_grads: no gradient was handed out by ms_unit_grad_full "
-                        "since the last reduce_grads (reduce after backward)", u->name);
+                        "since the last reduce_grads (reduce after backward)", unit_label(u));
     if (trainable && u->sync) {
         st = prepare_reduce(u);
         if (!st) st = op_submit(u, run_reduce, ST_REDUCING);
         if (st) {
             op_clear(u);
-            return ms__wrap(st, "unit '%s': reduce_grads", u->name);
+            return ms__wrap(st, "unit '%s': reduce_grads", unit_label(u));
         }
         for (int i = 0; i < u->nparams; i++) buf_free(u, CAT_UNSHARDED, &u->params[i].grad_acc); /* packed */
     } else {
         for (int i = 0; i < u->nparams && !st; i++)
             if (u->params[i].grad_full) st = accumulate(u, &u->params[i]);
-        if (st) return ms__wrap(st, "unit '%s': reduce_grads", u->name);
+        if (st) return ms__wrap(st, "unit '%s': reduce_grads", unit_label(u));
         u->state = ST_SHARDED;
     }
     free_unsharded(u); /* FSDP2 reshards after backward; this backward's gradients were packed or accumulated */
@@ -1144,7 +1147,7 @@ ms_status ms_unit_zero_grad(ms_unit *u) {
     if (st) return st;
     for (int i = 0; i < u->nparams && !st; i++)
         if (u->params[i].grad_padded) st = ms_tensor_fill(u->params[i].grad_padded, 0);
-    return st ? ms__wrap(st, "unit '%s': zero_grad", u->name) : ms__ok();
+    return st ? ms__wrap(st, "unit '%s': zero_grad", unit_label(u)) : ms__ok();
 }
 
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
@@ -1159,7 +1162,7 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
         const int64_t n = ms_tensor_numel(p->grad_shard);
         double part = 0;
         if (!shards_on_device(u)) part = ms__sum_sq(g, u->stored, n);
-        else if ((st = ms__cuda_sum_sq(u->device, g, u->stored, n, &part))) return ms__wrap(st, "unit '%s'", u->name);
+        else if ((st = ms__cuda_sum_sq(u->device, g, u->stored, n, &part))) return ms__wrap(st, "unit '%s'", unit_label(u));
         s += part;
     }
     *out = s / u->R; /* the R replicas hold the same shard */
@@ -1169,7 +1172,7 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
 ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_scale_grads: unit is NULL");
     if (!isfinite(scale))
-        return ms__fail(MS_ERR_ARG, "unit '%s': scale_grads: scale %g: expected a finite scale", u->name, scale);
+        return ms__fail(MS_ERR_ARG, "unit '%s': scale_grads: scale %g: expected a finite scale", unit_label(u), scale);
     ms_status st = check_state(u, "scale_grads", ST_GRADS);
     if (st) return st;
     for (int i = 0; i < u->nparams && !st; i++) {
@@ -1178,7 +1181,7 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
             st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL,
                     u->stored, false, ms_tensor_numel(p->grad_shard));
     }
-    return st ? ms__wrap(st, "unit '%s': scale_grads", u->name) : ms__ok();
+    return st ? ms__wrap(st, "unit '%s': scale_grads", unit_label(u)) : ms__ok();
 }
 
 /* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
@@ -1211,7 +1214,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
     if (!(lr >= 0) || !(eps >= 0) || !(weight_decay >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) ||
         step < 1)
         return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
-                        "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", u->name, lr, beta1, beta2,
+                        "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", unit_label(u), lr, beta1, beta2,
                         eps, weight_decay, (long long)step);
     const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
                            .c1 = (float)(1 - beta1), .c2 = (float)(1 - beta2),
@@ -1219,7 +1222,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
                            .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
     for (int i = 0; i < u->nparams && !st; i++)
         if (u->params[i].grad_shard) st = adamw_param(u, &u->params[i], &h);
-    return st ? ms__wrap(st, "unit '%s': adamw_step", u->name) : ms__ok();
+    return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();
 }
 
 /* ---------------------------------------------------------------- audits */
@@ -1234,7 +1237,7 @@ int ms_unit_record_count(const ms_unit *u) { return u ? u->nrecords : 0; }
 ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size, int64_t *bytes) {
     if (!u || !kind || !dtype || !group_size || !bytes) return ms__fail(MS_ERR_ARG, "unit_record: NULL argument");
     if (i < 0 || i >= u->nrecords)
-        return ms__fail(MS_ERR_ARG, "unit '%s': record %d: out of range (%d recorded)", u->name, i, u->nrecords);
+        return ms__fail(MS_ERR_ARG, "unit '%s': record %d: out of range (%d recorded)", unit_label(u), i, u->nrecords);
     const unit_record *r = &u->records[i];
     *kind = r->kind;
     *dtype = r->dtype;

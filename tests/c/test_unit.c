@@ -964,6 +964,11 @@ static void errors(rank_ctx *c) {
     R_ERR(ms_unit_add_param(x, "ids", 2, shape, MS_I64, 0, 1), MS_ERR_DTYPE, "cannot require gradients");
     ms_unit_release(x);
     x = NULL;
+    /* the root unit has the empty name: messages call it <root>, as the planner does */
+    R_OK(ms_unit_new(&x, "", c->world, NULL, -1, -1, 1));
+    R_ERR(ms_unit_scale_grads(x, NAN), MS_ERR_ARG, "unit '<root>': scale_grads: scale nan");
+    ms_unit_release(x);
+    x = NULL;
     R_ERR(ms_unit_new(&x, "k3", c->world, NULL, -1, -1, 3), MS_ERR_ARG, "reshard_after_forward 3");
     R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, 1), MS_ERR_DTYPE, "param_dtype");
     R_CHECK(x == NULL);
