@@ -820,9 +820,11 @@ function M.audit(plan)
         reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
     elseif ep[fqn] then
       -- Expert parallelism moves no parameters; gradients are reduced by the data parallel
-      -- replicas of the expert in its own dtype.
+      -- replicas of the expert (ep_shard of them) in its own dtype: with ep_shard = 1 each
+      -- expert lives on one rank and nothing is reduced.
+      local replicas = plan.mesh:size("ep_shard")
       out[#out + 1] = { fqn = fqn, unit = nil, kind = "ep", stored = p.dtype, gathered = p.dtype,
-        reduced = p.requires_grad and p.dtype or nil }
+        reduced = p.requires_grad and replicas > 1 and p.dtype or nil }
     else
       out[#out + 1] = { fqn = fqn, unit = nil, kind = "frozen", stored = p.dtype, gathered = p.dtype, reduced = nil }
     end

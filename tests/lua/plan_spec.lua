@@ -311,6 +311,18 @@ describe("shard units", function()
     assert.same({ "Shard(0)" }, plan.owned[1].placements)
     -- memory: gate [8,16] f32 padded [2,16] = 32 elements; experts 2x16x32 = 1024 bf16 local
     assert.equal(32 * 4 + 1024 * 2, plan.memory.params)
+    -- dp_shard=4, ep=4: ep_shard = 1, each expert on one rank, so its gradient is reduced nowhere
+    for _, row in ipairs(planner.audit(plan)) do
+      if row.kind == "ep" then assert.is_nil(row.reduced, row.fqn) end
+    end
+    local replicated = planner.plan(root, mesh_context.new("dp_shard=4,ep=2"), policy(function(ctx)
+      local ignored = ctx:expert_parallel("moe.experts")
+      ctx:fully_shard("moe.gate")
+      ctx:fully_shard(ctx.model, { ignored_params = ignored })
+    end))
+    local reduced = {}
+    for _, row in ipairs(planner.audit(replicated)) do reduced[row.fqn] = row.reduced end
+    assert.equal("bf16", reduced["moe.experts.up"]) -- ep_shard = 2 replicas of each expert
     -- the tokens' all_to_all is not a parameter's: not counted, and said so
     assert.same({ count = 0, bytes = 0, uncounted_ep = 4 }, plan.comm.all_to_all)
     assert.matches("all_to_all counts none of expert parallelism's token traffic %(ep = 4%)",
