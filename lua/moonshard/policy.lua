@@ -8,7 +8,8 @@
 -- modules the caller lists in opts.modules.  Loading a file, and every later call of a
 -- function a policy returned, runs under a fresh budget: a count hook limits the
 -- instructions and checks the memory in use, so a runaway policy ends with an error that
--- names its file instead of hanging or exhausting the host.
+-- names its file instead of hanging or exhausting the host.  An error leaves a call as a
+-- string naming the policy file.
 --
 -- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
 
@@ -23,6 +24,7 @@ local SANDBOX = "policies run in a sandbox without io, os, package, debug, load"
 
 -- Captured now: the sandbox swaps the string metatable's __index during policy calls.
 local byte, format, sub = string.byte, string.format, string.sub
+local concat = table.concat
 local unpack = table.unpack or unpack
 -- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
 local rawlen = rawlen or function(v) return #v end
@@ -121,6 +123,64 @@ local function wrap_all(cfg, value, seen)
   return value
 end
 
+-- An error object that is not a string, as the message says it: its scalar fields.
+local function describe_error(e)
+  local t = type(e)
+  if t ~= "table" then return tostring(e) end
+  local keys, fields = {}, {}
+  for k in next, e do
+    if #keys == 8 then keys.more = true break end
+    keys[#keys + 1] = k
+  end
+  table.sort(keys, function(x, y)
+    if type(x) ~= type(y) then return type(x) < type(y) end
+    return (type(x) == "string" or type(x) == "number") and x < y
+  end)
+  for i, k in ipairs(keys) do
+    local v = rawget(e, k)
+    if type(v) == "string" then
+      v = format("%q", #v > 40 and sub(v, 1, 40) .. "..." or v)
+    elseif type(v) == "number" or type(v) == "boolean" then
+      v = tostring(v)
+    else
+      v = type(v)
+    end
+    fields[i] = (type(k) == "string" and k or "[" .. (type(k) == "number" and tostring(k) or type(k)) .. "]")
+                .. " = " .. v
+  end
+  return "{" .. concat(fields, ", ") .. (keys.more and ", ..." or "") .. "}"
+end
+
+-- The message handler of a policy call.  The host reads errors as strings (a table is
+-- "(error object is not a string)" in C), so an error object that is not one becomes one,
+-- naming the policy line that raised it while the stack still shows it.  A __tostring is
+-- policy code: it runs here, under the budget, protected.
+local function stringify(e)
+  local b = budget
+  if type(e) ~= "string" and not (b and b.tripped) then
+    local file, line = policy_position(1)
+    local where = format("moonshard: policy %s%s: ", file, line and ":" .. line or "")
+    local mt = debug.getmetatable(e)
+    if type(mt) == "table" and rawget(mt, "__tostring") ~= nil then
+      local ok, s = pcall(tostring, e)
+      -- LuaJIT's tostring passes on whatever __tostring returns
+      if ok and type(s) ~= "string" then ok, s = false, "'__tostring' must return a string" end
+      if ok then
+        e = where .. s
+      else
+        e = where .. format("error object (a %s) whose __tostring failed: %s", type(e),
+                            type(s) == "string" and s or describe_error(s))
+      end
+    elseif e == nil then
+      e = where .. "error object is nil (error() without a message)"
+    else
+      e = where .. format("error object (a %s) is not a string: %s", type(e), describe_error(e))
+    end
+  end
+  if b then b.raised = e end
+  return e
+end
+
 function finish(b, saved, ok, ...)
   if type(saved.hook) == "function" then
     debug.sethook(saved.hook, saved.mask, saved.count)
@@ -130,16 +190,21 @@ function finish(b, saved, ok, ...)
   saved.string_mt.__index = saved.string_index
   budget = nil
   if b.tripped then error(b.tripped, 0) end
+  if not ok then
+    local e = ...
+    if e == b.raised then error(e, 0) end
+    -- past the message handler: Lua's own "not enough memory" (or an error in the handler)
+    error(format("moonshard: policy %s: %s", b.file, tostring(e)), 0)
+  end
   local seen = {}
-  -- an error value with a __tostring the host calls later is policy code too
-  if not ok then error(wrap_all(b.cfg, (...), seen), 0) end
   local results = pack(...)
   for i = 1, results.n do results[i] = wrap_all(b.cfg, results[i], seen) end
   return unpack(results, 1, results.n)
 end
 
--- Calls fn(...) under a fresh budget unless one is in progress.  Errors keep their message
--- (policy errors carry "file:line:", host errors their own); budget errors replace them.
+-- Calls fn(...) under a fresh budget unless one is in progress.  String errors keep their
+-- message (policy errors carry "file:line:", host errors their own); other error objects
+-- become messages naming the policy; budget errors replace them.
 function run(cfg, fn, ...)
   if budget then return fn(...) end
   local old_hook, old_mask, old_count = debug.gethook()
@@ -152,7 +217,7 @@ function run(cfg, fn, ...)
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
   string_mt.__index = cfg.string
   debug.sethook(hook, "", cfg.step)
-  return finish(b, saved, pcall(fn, ...))
+  return finish(b, saved, xpcall(fn, stringify, ...))
 end
 
 -- ---------------------------------------------------------------- the sandbox

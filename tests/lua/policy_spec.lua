@@ -186,10 +186,8 @@ describe("the budget", function()
     end
   end)
 
-  it("covers an error object's __tostring the host calls later", function()
-    local ok, obj = pcall(loops.error_object)
-    assert.is_false(ok)
-    assert.equal(budget_error .. spin_line, failure(tostring, obj))
+  it("covers an error object's __tostring, which runs as the error leaves the call", function()
+    assert.equal(budget_error .. spin_line, failure(loops.error_object))
   end)
 
   it("counts a host callback the policy calls, and keeps its errors as they are", function()
@@ -322,6 +320,23 @@ describe("policy errors", function()
     assert.equal(file .. ":" .. line_of(file, "fail =") .. ": no unit for 'x'", failure(raises.fail, "x"))
     assert.matches(file .. ":" .. line_of(file, "index_nil =") .. ": attempt to index", failure(raises.index_nil), 1, true)
     assert.equal("moonshard: bad shape", failure(raises.call, error, "moonshard: bad shape", 0))
+  end)
+
+  it("are strings naming the policy line when the policy raised something else", function()
+    local file = F .. "broken/raises.lua"
+    local raises = load_fast(file).main
+    local function at(text) return "moonshard: policy " .. file .. ":" .. line_of(file, text) .. ": " end
+    assert.equal(at("table =") .. 'error object (a table) is not a string: {code = 42, unit = table, why = "no unit"}',
+                 failure(raises.table))
+    assert.equal(at("nothing =") .. "error object is nil (error() without a message)", failure(raises.nothing))
+    assert.equal(at("boolean =") .. "error object (a boolean) is not a string: true", failure(raises.boolean))
+    assert.equal(at("tostring =") .. "no unit for 'x'", failure(raises.tostring))
+    assert.equal(at("bad_tostring =") .. "error object (a table) whose __tostring failed: " .. file .. ":"
+                 .. line_of(file, "bad_tostring =") .. ": no name", failure(raises.bad_tostring))
+    assert.equal(at("table_tostring =") .. "error object (a table) whose __tostring failed: '__tostring' must return a string",
+                 failure(raises.table_tostring))
+    -- inside the policy, its own pcall still gets the table
+    assert.same({ false, "table", 7 }, { raises.caught() })
   end)
 
   it("name the path of a missing file or directory", function()
