@@ -8,8 +8,10 @@
 -- modules the caller lists in opts.modules.  Loading a file, and every later call of a
 -- function a policy returned, runs under a fresh budget: a count hook limits the
 -- instructions and checks the memory in use, so a runaway policy ends with an error that
--- names its file instead of hanging or exhausting the host.  An error leaves a call as a
--- string naming the policy file.
+-- names its file instead of hanging or exhausting the host.  What runs in C, where the hook
+-- never does, is bounded before it runs: string.rep, table.concat, gsub and format check
+-- their results against the memory cap.  An error leaves a call as a string naming the
+-- policy file.
 --
 -- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
 
@@ -17,13 +19,17 @@ local M = {}
 
 local DEFAULT_INSTRUCTIONS = 200000000
 local DEFAULT_MEMORY_MB = 256
--- The hook runs every STEP instructions: rarely enough to cost little, often enough that a
--- loop cannot allocate much between two memory checks.
+-- The hook runs every STEP instructions at most (see step_for): rarely enough to cost
+-- little, often enough that a loop cannot allocate much between two memory checks.
 local STEP = 1000
+-- `..` builds strings in C where the hook cannot see it.  One instruction makes a string no
+-- longer than its operands together, and each operand takes an instruction to load, so the
+-- longest string grows at most 1.32 times an instruction (3 operands in 4 instructions).
+local GROWTH = math.log(1.32)
 local SANDBOX = "policies run in a sandbox without io, os, package, debug, load"
 
 -- Captured now: the sandbox swaps the string metatable's __index during policy calls.
-local byte, format, sub = string.byte, string.format, string.sub
+local byte, find, format, rep, sub = string.byte, string.find, string.format, string.rep, string.sub
 local concat = table.concat
 local unpack = table.unpack or unpack
 -- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
@@ -54,6 +60,11 @@ local budget = nil
 
 local run, finish -- the hook leaves their frames alone (see hook)
 
+-- A call's memory is what the heap gained since it began, and garbage in the heap then
+-- would hide as much growth once collected.  So a call begins with a full collection when
+-- the heap gained over a quarter of the cap since the last one, or the last call did.
+local swept_kb = -math.huge
+
 -- The innermost policy frame at stack `level` or above: file, line.  A tail call leaves no
 -- frame of its caller; then the file of the function the budget was entered for, no line.
 local function policy_position(level)
@@ -73,20 +84,42 @@ local function trip(what)
   return budget.tripped
 end
 
+-- The hook's next step: shorter as the call's memory nears its cap, so that `..` cannot
+-- take the longest string far past the cap between two checks.  That string is taken to be
+-- no longer than what the call has added (or 1 KiB), and 1.32^step times it must stay under
+-- OVERSHOOT times the cap.  Strings the policy kept from an earlier call, or garbage the
+-- collector frees during this one, escape that guess: finish() checks the memory again as
+-- the call returns.
+local log, floor = math.log, math.floor
+local OVERSHOOT = 4
+local function step_for(cfg, grown_kb)
+  local s = floor(log(OVERSHOOT * cfg.memory_kb / (grown_kb > 1 and grown_kb or 1)) / GROWTH)
+  if s > cfg.step then return cfg.step end
+  return s > 1 and s or 1
+end
+
 local function hook()
   local b = budget
   -- No budget: a Lua 5.4 coroutine created during a call inherited the hook and runs now.
   if not b then return end
   if not b.tripped then
-    b.used = b.used + b.cfg.step
+    b.used = b.used + b.step
+    local grown = collectgarbage("count") - b.base_kb
     if b.used >= b.cfg.instructions then
       trip(format("instruction budget of %d exceeded (an infinite loop?)", b.cfg.instructions))
-    elseif collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+    elseif grown > b.cfg.memory_kb then
       -- the count includes garbage not yet swept: only what is still live counts
       collectgarbage("collect")
-      if collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+      grown = collectgarbage("count") - b.base_kb
+      if grown > b.cfg.memory_kb then
         trip(format("memory cap of %g MiB exceeded", b.cfg.memory_mb))
       end
+    end
+    -- Set again even when unchanged: Lua 5.4 counts the hook's own instructions, and
+    -- setting restarts the count (LuaJIT does not count them).
+    if not b.tripped then
+      b.step = step_for(b.cfg, grown)
+      debug.sethook(hook, "", b.step)
     end
   end
   -- Never from run's or finish's own frame: an error between the policy's return and the
@@ -189,11 +222,25 @@ function finish(b, saved, ok, ...)
   end
   saved.string_mt.__index = saved.string_index
   budget = nil
+  local grown = collectgarbage("count") - b.base_kb
+  if grown > b.cfg.memory_kb / 4 then swept_kb = -math.huge end
+  -- `..` in the call's last steps built strings no hook has seen (the results are live here)
+  if not b.tripped and grown > b.cfg.memory_kb then
+    collectgarbage("collect")
+    grown = collectgarbage("count") - b.base_kb
+    if grown > b.cfg.memory_kb then
+      b.tripped = format("moonshard: policy %s: memory cap of %g MiB exceeded (%.0f MiB more in use as the call returned)",
+                         b.file, b.cfg.memory_mb, grown / 1024)
+    end
+  end
   if b.tripped then error(b.tripped, 0) end
   if not ok then
     local e = ...
     if e == b.raised then error(e, 0) end
     -- past the message handler: Lua's own "not enough memory" (or an error in the handler)
+    if e == "not enough memory" then
+      e = format("out of memory (not enough memory; the call's cap is %g MiB)", b.cfg.memory_mb)
+    end
     error(format("moonshard: policy %s: %s", b.file, tostring(e)), 0)
   end
   local seen = {}
@@ -204,19 +251,27 @@ end
 
 -- Calls fn(...) under a fresh budget unless one is in progress.  String errors keep their
 -- message (policy errors carry "file:line:", host errors their own); other error objects
--- become messages naming the policy; budget errors replace them.
+-- and Lua's out of memory become messages naming the policy; budget errors replace them.
 function run(cfg, fn, ...)
   if budget then return fn(...) end
   local old_hook, old_mask, old_count = debug.gethook()
   local string_mt = debug.getmetatable("")
   local saved = { hook = old_hook, mask = old_mask, count = old_count,
                   string_mt = string_mt, string_index = string_mt.__index }
-  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0,
-              base_kb = collectgarbage("count") }
+  local base_kb = collectgarbage("count")
+  if base_kb - swept_kb > cfg.memory_kb / 4 then
+    collectgarbage("collect")
+    base_kb = collectgarbage("count")
+    swept_kb = base_kb
+  elseif base_kb < swept_kb then
+    swept_kb = base_kb
+  end
+  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0, base_kb = base_kb }
   budget = b
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
   string_mt.__index = cfg.string
-  debug.sethook(hook, "", cfg.step)
+  b.step = step_for(cfg, 0)
+  debug.sethook(hook, "", b.step)
   return finish(b, saved, xpcall(fn, stringify, ...))
 end
 
@@ -235,28 +290,143 @@ local function rethrow_budget(...)
   return ...
 end
 
+-- ---------------------------------------------------------------- what runs in C
+
+-- The length of a string or number argument, 0 for anything else (the C function raises).
+local function len(v)
+  local t = type(v)
+  return (t == "string" or t == "number") and #tostring(v) or 0
+end
+
+-- Refuses a C function (named by what) whose result of up to `bytes` would take the call
+-- past its memory cap: C allocates it where the hook never runs.
+local function reserve(cfg, bytes, what)
+  local b = budget
+  local base = b and b.base_kb or math.huge
+  -- (garbage in the base, once collected, makes the call's growth look negative)
+  if bytes / 1024 + math.max(collectgarbage("count") - base, 0) <= cfg.memory_kb then return end
+  collectgarbage("collect")
+  if bytes / 1024 + math.max(collectgarbage("count") - base, 0) <= cfg.memory_kb then return end
+  local msg = format("memory cap of %g MiB exceeded (%s of %.0f bytes)", cfg.memory_mb, what, bytes)
+  if b then error(trip(msg), 0) end
+  sandbox_error("%s", msg)
+end
+
+-- Charges `steps` of work in C to the budget, refusing at once what it cannot pay; the
+-- error says why (format(fmt, ...)).
+local function charge(cfg, steps, fmt, ...)
+  local b = budget
+  if not b then return end
+  if steps > cfg.instructions - b.used then
+    error(trip(format("instruction budget of %d exceeded (" .. fmt .. ")", cfg.instructions, ...)), 0)
+  end
+  b.used = b.used + steps
+end
+
+-- The most string.gsub(s, p, repl) can build, nil when repl is a function (policy code,
+-- which the hook sees).  Matches are at most n+1; a %0-%9 in repl expands to a capture
+-- (all of them together at most n bytes) or a position (20 digits).
+local function gsub_bytes(n, repl, max_n)
+  local matches = n + 1
+  if type(max_n) == "number" and max_n >= 0 and max_n < matches then matches = max_n end
+  local t = type(repl)
+  if t == "string" or t == "number" then
+    repl = tostring(repl)
+    local refs, at = 0, 1
+    while true do
+      at = find(repl, "%", at, true)
+      if not at then break end
+      refs, at = refs + 1, at + 2
+    end
+    return n + matches * (#repl + 20 * refs) + refs * n
+  elseif t == "table" then
+    -- the longest value in repl or the tables its __index chain leads to
+    local longest, seen = 0, {}
+    while type(repl) == "table" and not seen[repl] do
+      seen[repl] = true
+      for _, v in next, repl do longest = math.max(longest, len(v)) end
+      local mt = debug.getmetatable(repl)
+      repl = type(mt) == "table" and rawget(mt, "__index") or nil
+    end
+    return n + matches * longest
+  end
+end
+
+-- The most string.format(fmt, ...) can build: %q escapes a byte in up to 4, %s pads to 99,
+-- a number takes at most 512 (%99.99f of 1e308).  A table's __tostring is policy code.
+local function format_bytes(fmt, ...)
+  local bytes, at, k = len(fmt), 1, 0
+  if bytes == 0 then return 0 end -- format raises
+  fmt = tostring(fmt)
+  while true do
+    at = find(fmt, "%", at, true)
+    if not at then return bytes end
+    local _, e, conv = find(fmt, "^[-+ #0]*%d*%.?%d*(.)", at + 1)
+    if not e then return bytes end
+    if conv ~= "%" then
+      k = k + 1
+      local v = select(k, ...)
+      if conv == "q" then
+        bytes = bytes + 4 * len(v) + 2
+      elseif conv == "s" then
+        bytes = bytes + len(v) + 99
+      else
+        bytes = bytes + 512
+      end
+    end
+    at = e + 1
+  end
+end
+
 local function sandbox_string(cfg)
   local s = copy(string)
-  s.dump = nil
-  local rep = string.rep
-  local function len(v)
-    local t = type(v)
-    return (t == "string" or t == "number") and #tostring(v) or 0
-  end
-  -- one rep can allocate gigabytes in C, where the hook never runs
+  s.dump, s.pack = nil, nil
+  local real = string
+  -- Lua 5.4 copies n times, even an empty string
   function s.rep(str, n, sep)
     if type(n) == "number" and n > 0 then
-      local bytes = len(str) * n + len(sep) * (n - 1)
-      if bytes > cfg.memory_kb * 1024 then
-        error(trip(format("memory cap of %g MiB exceeded (string.rep of %.0f bytes)",
-                          cfg.memory_mb, bytes)), 0)
-      end
+      reserve(cfg, len(str) * n + len(sep) * (n - 1), "string.rep")
+      charge(cfg, n, "string.rep of %.0f copies", n)
     end
     return rep(str, n, sep)
   end
+  function s.gsub(str, p, repl, max_n)
+    local bytes = gsub_bytes(len(str), repl, max_n)
+    if bytes then reserve(cfg, bytes, "string.gsub") end
+    return real.gsub(str, p, repl, max_n)
+  end
+  function s.format(fmt, ...)
+    reserve(cfg, format_bytes(fmt, ...), "string.format")
+    return format(fmt, ...)
+  end
   return setmetatable(s, { __metatable = false, __index = function(_, name)
     if name == "dump" then sandbox_error("string.dump is not available (%s)", SANDBOX) end
+    if name == "pack" then
+      sandbox_error("string.pack is not available (one call can build gigabytes the memory cap cannot see)")
+    end
   end })
+end
+
+-- table.concat, its result reserved first.  It reads t[i] as the interpreter's does (5.4
+-- through __index, LuaJIT raw), once: the values go to a plain table for the real concat.
+local raw_concat = jit ~= nil
+local function sandbox_concat(cfg)
+  return function(t, sep, i, j)
+    if type(t) ~= "table" then return concat(t, sep, i, j) end
+    i = i == nil and 1 or i
+    if j == nil then j = raw_concat and rawlen(t) or #t end
+    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i, j) end
+    local values, bytes = {}, 0
+    for k = i, j do
+      local v = raw_concat and rawget(t, k) or t[k]
+      local tv = type(v)
+      if tv ~= "string" and tv ~= "number" then return concat(t, sep, i, j) end -- it raises
+      values[k], bytes = v, bytes + len(v)
+    end
+    if j > i then bytes = bytes + len(sep) * (j - i) end
+    reserve(cfg, bytes, "table.concat")
+    return concat(values, sep, i, j)
+  end
 end
 
 -- The globals every file of one load sees.  The libraries are copies, so a policy that
@@ -264,6 +434,7 @@ end
 local function sandbox_env(cfg, require)
   local tbl = copy(table)
   tbl.unpack = unpack
+  tbl.concat = sandbox_concat(cfg)
   tbl.pack = tbl.pack or pack
   local env = {
     assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs,

@@ -1,6 +1,7 @@
 -- policy_spec.lua: the policy loader's sandbox and budget, against the fixture policies in
 -- tests/lua/policies (good ones, and evil or broken ones that must fail with clear errors).
 local policy = require "moonshard.policy"
+local S = require "support"
 
 local F = "tests/lua/policies/"
 -- small budgets so a runaway policy fails in milliseconds
@@ -230,6 +231,10 @@ describe("the budget", function()
                  failure(mem.method_rep))
     assert.matches(mem_error .. " (string.rep of 299999997 bytes)", failure(mem.rep_sep), 1, true)
     assert.equal(1020, mem.small())
+    -- Lua 5.4 would copy "" 1e15 times
+    assert.equal("moonshard: policy " .. F .. "evil/memory.lua: instruction budget of 1000000000 exceeded"
+                 .. " (string.rep of 1000000000000000 copies) at line " .. line_of(F .. "evil/memory.lua", "empty_rep ="),
+                 failure(mem.empty_rep))
   end)
 
   it("ends a loop growing a table, also under the policy's own pcall", function()
@@ -238,6 +243,45 @@ describe("the budget", function()
     assert.is_true(seconds(function() err = failure(mem.grow) end) < 5)
     assert.equal(mem_error .. " at line " .. grow_line, err)
     assert.equal(mem_error .. " at line " .. grow_line, failure(mem.pcall_grow))
+  end)
+
+  it("ends `..` doubling a string between two checks of the hook", function()
+    local err
+    assert.is_true(seconds(function() err = failure(mem.double) end) < 5)
+    assert.equal(mem_error .. " at line " .. line_of(F .. "evil/memory.lua", "double ="), err)
+  end)
+
+  it("caps what table.concat, string.gsub and string.format would build, before they build it", function()
+    local function at(text) return " at line " .. line_of(F .. "evil/memory.lua", text) end
+    assert.equal(mem_error .. " (table.concat of 67108864 bytes)" .. at("concat ="), failure(mem.concat))
+    assert.equal(mem_error .. " (table.concat of 19922984 bytes)" .. at("concat_sep ="), failure(mem.concat_sep))
+    assert.equal(mem_error .. " (string.gsub of 20021000 bytes)" .. at("gsub ="), failure(mem.gsub))
+    assert.equal(mem_error .. " (string.format of 17827509 bytes)" .. at("format ="), failure(mem.format))
+    assert.equal(18, mem.builders())
+    assert.equal("moonshard: policy " .. F .. "evil/memory.lua:" .. line_of(F .. "evil/memory.lua", "pack =")
+                 .. ": string.pack is not available (one call can build gigabytes the memory cap cannot see)",
+                 failure(mem.pack))
+  end)
+
+  it("checks the memory a call holds as it returns", function()
+    collectgarbage()
+    -- a host callback builds it in one step, unseen by the hook (string is the host's here)
+    local err = failure(mem.keep, function() return string.rep("y", 20 * 2 ^ 20) end)
+    assert.matches("^" .. mem_error:gsub("%p", "%%%0") .. " %(%d+ MiB more in use as the call returned%)$", err)
+  end)
+
+  it("names the policy when Lua runs out of memory in a call", function()
+    -- ASan cannot run under an address-space limit, nor return a failed allocation
+    if os.getenv("ASAN_OPTIONS") then return pending("not under AddressSanitizer") end
+    -- the cap too large to stop the doubling before a 400 MB address space runs out
+    local code = 'local p = require("moonshard.policy").load("' .. F .. 'evil/memory.lua",'
+                 .. ' { memory_mb = 65536, instructions = 1e9 }) io.write(select(2, pcall(p.main.double)))'
+    for _, bin in ipairs({ S.lua54_bin, S.jit_bin }) do
+      local r = S.run_with("sh", { "-c", 'ulimit -v 400000 && exec "$0" "$@"', bin, "-e", code })
+      assert.equal(0, r.code, r.err)
+      assert.equal("moonshard: policy " .. F .. "evil/memory.lua: out of memory (not enough memory; the call's cap is 65536 MiB)",
+                   r.out)
+    end
   end)
 
   it("rejects options that are not positive numbers", function()
