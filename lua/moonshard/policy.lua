@@ -9,9 +9,9 @@
 -- function a policy returned, runs under a fresh budget: a count hook limits the
 -- instructions and checks the memory in use, so a runaway policy ends with an error that
 -- names its file instead of hanging or exhausting the host.  What runs in C, where the hook
--- never does, is bounded before it runs: string.rep, table.concat, gsub and format check
--- their results against the memory cap.  An error leaves a call as a string naming the
--- policy file.
+-- never does, is bounded before it runs: pattern matching charges its worst case to the
+-- budget, and string.rep, table.concat, gsub and format check their results against the
+-- memory cap.  An error leaves a call as a string naming the policy file.
 --
 -- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
 
@@ -378,6 +378,181 @@ local function format_bytes(fmt, ...)
   end
 end
 
+-- Pattern matching runs in C too, and a pattern that backtracks can take hours on a short
+-- subject (("a*"):rep(30) .. "b" on 30 a's).  So every pattern function first bounds its
+-- work and charges that to the budget, refusing at once what the budget cannot pay.  The
+-- bound, in steps of about an instruction, follows lstrlib's match(), a backtracking search.
+-- An item quantified with *, + or - tries each length it can match (up to n+1, n the
+-- subject's length), one with ? two, and a search not anchored with ^ (gmatch always) each
+-- of n+1 starts; each try runs the items up to the next such branch.  The tries at a branch
+-- are the ways to reach it times its own; and they are distinct ways to split the subject:
+-- with u branches of n+1 and q of 2 before it, at most C(n+u, u) * 2^q.  Only the tries that
+-- pass the item after the branch reach the next one: 1 when that is the closing $, and
+-- when it is a literal character, at most as many as the subject holds of it.  So
+--   steps = sum over branches of tries * (items it runs + 1), * (n + 1) with %b or a back
+--           reference (%1) anywhere, as they compare up to n bytes each time; + n + 1
+-- A quantified item followed only by items that cannot fail (captures, other *, - or ?)
+-- does not branch: its first try succeeds.  A plain find is m literal items.  On names:
+-- "%.weight$" is (n+1) * 10 + 1, "^(.-)%.(.-)$" about (n+1) * (6 + 4 * dots); and
+-- ("a*"):rep(30) .. "b" on 30 a's ~1e18.
+
+-- The end of the single-character class at p[i] (one past it), nil when malformed.
+local function class_end(p, i)
+  local c = byte(p, i)
+  if c == 37 then -- %x
+    return i + 1 <= #p and i + 2 or nil
+  elseif c ~= 91 then
+    return i + 1
+  end
+  local j = i + 1 -- [set]: the first character, even ']', belongs to the set
+  if byte(p, j) == 94 then j = j + 1 end
+  repeat
+    if j > #p then return nil end
+    local e = byte(p, j)
+    j = j + 1
+    if e == 37 then j = j + 1 end
+  until byte(p, j) == 93
+  return j + 1
+end
+
+-- The items of pattern p from i: per item its quantifier ("u" for *, + and -, "?" or false),
+-- whether it can fail, and what a branch before it may count on: ends for the closing $,
+-- follow for a literal (its character) or a capture ("(", looked through).  A malformed rest
+-- is one item (lstrlib raises when the search first gets there); scans: %b or a back
+-- reference.
+local function pattern_items(p, i)
+  local m, items, scans = #p, {}, false
+  while i <= m do
+    local c, d = byte(p, i), byte(p, i + 1)
+    local item = { quantifier = false, can_fail = true }
+    if c == 40 then -- ( or ()
+      item.can_fail, item.follow = false, "("
+      i = i + (d == 41 and 2 or 1)
+    elseif c == 41 then
+      item.can_fail, item.follow = false, "("
+      i = i + 1
+    elseif c == 36 and i == m then -- $ at the end
+      item.ends = true
+      i = i + 1
+    elseif c == 37 and d == 98 then -- %bxy
+      scans = true
+      i = i + 4
+    elseif c == 37 and d == 102 then -- %f[set]
+      i = byte(p, i + 2) == 91 and class_end(p, i + 2) or m + 1
+    elseif c == 37 and d and d >= 48 and d <= 57 then -- %1
+      scans = true
+      i = i + 2
+    else
+      local e = class_end(p, i) or m + 1
+      -- a literal: a plain character or an escaped punctuation mark
+      if e == i + 1 and c ~= 46 or e == i + 2 and c == 37 and not find(sub(p, i + 1, i + 1), "^%w") then
+        item.follow = sub(p, e - 1, e - 1)
+      end
+      i = e
+      local suffix = byte(p, i)
+      if suffix == 42 or suffix == 45 or suffix == 43 then -- * - +
+        item.quantifier, item.can_fail = "u", suffix == 43
+        if suffix ~= 43 then item.follow = nil end
+        i = i + 1
+      elseif suffix == 63 then -- ?
+        item.quantifier, item.can_fail, item.follow = "?", false, nil
+        i = i + 1
+      end
+    end
+    items[#items + 1] = item
+  end
+  return items, scans
+end
+
+-- The shape of pattern p: its branches in order, each with kind ("u", "?"), the items a try
+-- runs and the follow it may count on; the items before the first; scans.
+local function pattern_shape(p, anchor)
+  local anchored = anchor and byte(p, 1) == 94
+  local items, scans = pattern_items(p, anchored and 2 or 1)
+  local safe = true -- only items that cannot fail follow
+  for k = #items, 1, -1 do
+    items[k].branch = items[k].quantifier and not safe
+    safe = safe and not items[k].can_fail
+  end
+  local branches, head, current = {}, 0, nil
+  if not anchored then current = { kind = "u", items = 0, at = 0 } branches[1] = current end -- the start
+  for k, item in ipairs(items) do
+    if item.branch then
+      current = { kind = item.quantifier, items = 0, at = k }
+      branches[#branches + 1] = current
+    end
+    if current then current.items = current.items + 1 else head = head + 1 end
+  end
+  for _, branch in ipairs(branches) do
+    local k = branch.at + 1
+    while items[k] and items[k].follow == "(" do k = k + 1 end
+    branch.follow, branch.ends = items[k] and items[k].follow, items[k] and items[k].ends
+  end
+  return { head = head, branches = branches, scans = scans }
+end
+
+-- How many times character c is in s; nil past most
+local function occurrences(s, c, most)
+  local at, k = 1, 0
+  while true do
+    at = find(s, c, at, true)
+    if not at then return k end
+    if k == most then return nil end
+    k, at = k + 1, at + 1
+  end
+end
+
+local function pattern_steps(shape, s)
+  local n = #s
+  local steps, reach, splits, u, q = shape.head + 1, 1, 1, 0, 0
+  for _, branch in ipairs(shape.branches) do
+    local own = n + 1
+    if branch.kind == "?" then
+      own, q = 2, q + 1
+    else
+      u = u + 1
+      splits = splits * (n + u) / u
+    end
+    local most = splits * 2 ^ q
+    local tries = math.min(reach * own, most)
+    steps = steps + tries * (branch.items + 1)
+    local pass = own
+    if branch.ends then
+      pass = 1
+    elseif branch.follow then
+      pass = math.min(own, occurrences(s, branch.follow, 64) or own)
+    end
+    reach = math.min(reach * pass, most)
+    if steps > 1e300 then return math.huge end
+  end
+  return steps * (shape.scans and n + 1 or 1) + n + 1
+end
+
+-- Charges string.<what>(s, p) to the budget (a plain search when plain).  Shapes are kept
+-- per load, a few hundred patterns at most.
+local function charge_pattern(cfg, what, s, p, anchor, plain)
+  local ts, tp = type(s), type(p)
+  if not budget or (ts ~= "string" and ts ~= "number") or (tp ~= "string" and tp ~= "number") then return end
+  p = tostring(p)
+  local shape
+  if plain then
+    shape = { head = 0, branches = { { kind = "u", items = #p } }, scans = false }
+  else
+    local kind = anchor and "anchored" or "unanchored"
+    shape = cfg.shapes[kind][p]
+    if not shape then
+      if cfg.shapes.count == 256 then cfg.shapes = { anchored = {}, unanchored = {}, count = 0 } end
+      shape = pattern_shape(p, anchor)
+      cfg.shapes[kind][p], cfg.shapes.count = shape, cfg.shapes.count + 1
+    end
+  end
+  s = tostring(s)
+  local steps = pattern_steps(shape, s)
+  charge(cfg, steps, "string.%s: the pattern %s could take %.3g steps on a subject of %d bytes;"
+         .. " each *, +, - or ? that can backtrack multiplies the work", what,
+         #p > 40 and format("%q...", sub(p, 1, 40)) or format("%q", p), steps, #s)
+end
+
 local function sandbox_string(cfg)
   local s = copy(string)
   s.dump, s.pack = nil, nil
@@ -390,7 +565,20 @@ local function sandbox_string(cfg)
     end
     return rep(str, n, sep)
   end
+  function s.find(str, p, init, plain)
+    charge_pattern(cfg, "find", str, p, true, plain)
+    return real.find(str, p, init, plain)
+  end
+  function s.match(str, p, ...)
+    charge_pattern(cfg, "match", str, p, true)
+    return real.match(str, p, ...)
+  end
+  function s.gmatch(str, p, ...)
+    charge_pattern(cfg, "gmatch", str, p, false)
+    return real.gmatch(str, p, ...)
+  end
   function s.gsub(str, p, repl, max_n)
+    charge_pattern(cfg, "gsub", str, p, true)
     local bytes = gsub_bytes(len(str), repl, max_n)
     if bytes then reserve(cfg, bytes, "string.gsub") end
     return real.gsub(str, p, repl, max_n)
@@ -577,7 +765,7 @@ function M.load(path, opts)
   local memory_mb = option(opts, "memory_mb", DEFAULT_MEMORY_MB)
   local cfg = { instructions = instructions, step = math.min(STEP, instructions),
                 memory_mb = memory_mb, memory_kb = memory_mb * 1024,
-                wrappers = setmetatable({}, { __mode = "k" }) }
+                wrappers = setmetatable({}, { __mode = "k" }), shapes = { anchored = {}, unanchored = {}, count = 0 } }
   cfg.string = sandbox_string(cfg)
 
   local stems, file_of = {}, {}

@@ -292,6 +292,52 @@ describe("the budget", function()
   end)
 end)
 
+describe("pattern matching", function()
+  local file = F .. "evil/patterns.lua"
+  local patterns = load_fast(file).main
+  local function refused(what, pattern, steps, bytes, text)
+    return "moonshard: policy " .. file .. ": instruction budget of 1000000 exceeded (string." .. what .. ": the pattern "
+           .. pattern .. " could take " .. steps .. " steps on a subject of " .. bytes .. " bytes; each *, +, - or ?"
+           .. " that can backtrack multiplies the work) at line " .. line_of(file, text)
+  end
+
+  it("refuses at once a pattern that could backtrack longer than the budget allows", function()
+    local err
+    assert.is_true(seconds(function() err = failure(patterns.star) end) < 1)
+    -- 31 starts and 30 a* that backtrack: the C(61, 31) ways to split 30 bytes among them
+    assert.equal(refused("find", '"' .. ("a*"):rep(20) .. '"...', "1.16e+18", 30, "star ="), err)
+    -- 31 starts and 30 ? that backtrack: 31 * 2^30 tries, each running 31 items
+    assert.equal(refused("match", '"' .. ("a?"):rep(20) .. '"...', "1.13e+12", 30, "optional ="),
+                 failure(patterns.optional))
+    assert.equal(refused("gmatch", '"' .. ("a-"):rep(8) .. 'b"', "7.59e+08", 30, "gmatch ="), failure(patterns.gmatch))
+    -- %b scans to the end from each start
+    assert.equal(refused("gsub", '"%b()"', "2.01e+06", 1000, "balance ="), failure(patterns.balance))
+  end)
+
+  it("charges what each pattern may cost, so allowed ones in a loop end with the budget", function()
+    assert.equal(refused("find", '"a*a*b"', "5.41e+05", 100, "repeated ="), failure(patterns.repeated))
+  end)
+
+  it("counts only the tries a literal after a quantifier lets through", function()
+    -- worst case 5e4 steps a name, 5e3 with its 5 dots: 50 names fit in the budget
+    local names = {}
+    for i = 1, 50 do names[i] = "model.layers." .. i .. ".self_attn.q_proj.weight" end
+    local parts = patterns.split(names)
+    assert.equal(50, #parts)
+    assert.equal("model|layers|50.self_attn.q_proj.weight", parts[50])
+  end)
+
+  it("allows the patterns policies use on parameter names", function()
+    assert.same({
+      "0 true model/layers/0/mlp/weight 5 weight 16 MODEL.LAYERS.0.MLP.WEIGHT",
+      "- true lm_head/weight 2 weight nil LM_HEAD.WEIGHT",
+      "7 false layers/7/mlp 3 mlp 10 LAYERS.7.MLP",
+      "12 true model/layers/12/self_attn/q_proj/weight 6 weight nil MODEL.LAYERS.12.SELF_ATTN.Q_PROJ.WEIGHT",
+    }, patterns.ordinary({ "model.layers.0.mlp.weight", "lm_head.weight", "layers.7.mlp",
+                          "model.layers.12.self_attn.q_proj.weight" }))
+  end)
+end)
+
 describe("the sandbox", function()
   local file = F .. "evil/forbidden.lua"
   local forbidden = load_fast(file).main
