@@ -8,7 +8,10 @@
 -- modules the caller lists in opts.modules.  Loading a file, and every later call of a
 -- function a policy returned, runs under a fresh budget: a count hook limits the
 -- instructions and checks the memory in use, so a runaway policy ends with an error that
--- names its file instead of hanging or exhausting the host.
+-- names its file instead of hanging or exhausting the host.  What runs in C, where the hook
+-- never does, is bounded before it runs: pattern matching charges its worst case to the
+-- budget, and string.rep, table.concat, gsub and format check their results against the
+-- memory cap.  An error leaves a call as a string naming the policy file.
 --
 -- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
 
@@ -16,13 +19,18 @@ local M = {}
 
 local DEFAULT_INSTRUCTIONS = 200000000
 local DEFAULT_MEMORY_MB = 256
--- The hook runs every STEP instructions: rarely enough to cost little, often enough that a
--- loop cannot allocate much between two memory checks.
+-- The hook runs every STEP instructions at most (see step_for): rarely enough to cost
+-- little, often enough that a loop cannot allocate much between two memory checks.
 local STEP = 1000
+-- `..` builds strings in C where the hook cannot see it.  One instruction makes a string no
+-- longer than its operands together, and each operand takes an instruction to load, so the
+-- longest string grows at most 1.32 times an instruction (3 operands in 4 instructions).
+local GROWTH = math.log(1.32)
 local SANDBOX = "policies run in a sandbox without io, os, package, debug, load"
 
 -- Captured now: the sandbox swaps the string metatable's __index during policy calls.
-local byte, format, sub = string.byte, string.format, string.sub
+local byte, find, format, rep, sub = string.byte, string.find, string.format, string.rep, string.sub
+local concat = table.concat
 local unpack = table.unpack or unpack
 -- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
 local rawlen = rawlen or function(v) return #v end
@@ -52,6 +60,11 @@ local budget = nil
 
 local run, finish -- the hook leaves their frames alone (see hook)
 
+-- A call's memory is what the heap gained since it began, and garbage in the heap then
+-- would hide as much growth once collected.  So a call begins with a full collection when
+-- the heap gained over a quarter of the cap since the last one, or the last call did.
+local swept_kb = -math.huge
+
 -- The innermost policy frame at stack `level` or above: file, line.  A tail call leaves no
 -- frame of its caller; then the file of the function the budget was entered for, no line.
 local function policy_position(level)
@@ -71,20 +84,42 @@ local function trip(what)
   return budget.tripped
 end
 
+-- The hook's next step: shorter as the call's memory nears its cap, so that `..` cannot
+-- take the longest string far past the cap between two checks.  That string is taken to be
+-- no longer than what the call has added (or 1 KiB), and 1.32^step times it must stay under
+-- OVERSHOOT times the cap.  Strings the policy kept from an earlier call, or garbage the
+-- collector frees during this one, escape that guess: finish() checks the memory again as
+-- the call returns.
+local log, floor = math.log, math.floor
+local OVERSHOOT = 4
+local function step_for(cfg, grown_kb)
+  local s = floor(log(OVERSHOOT * cfg.memory_kb / (grown_kb > 1 and grown_kb or 1)) / GROWTH)
+  if s > cfg.step then return cfg.step end
+  return s > 1 and s or 1
+end
+
 local function hook()
   local b = budget
   -- No budget: a Lua 5.4 coroutine created during a call inherited the hook and runs now.
   if not b then return end
   if not b.tripped then
-    b.used = b.used + b.cfg.step
+    b.used = b.used + b.step
+    local grown = collectgarbage("count") - b.base_kb
     if b.used >= b.cfg.instructions then
       trip(format("instruction budget of %d exceeded (an infinite loop?)", b.cfg.instructions))
-    elseif collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+    elseif grown > b.cfg.memory_kb then
       -- the count includes garbage not yet swept: only what is still live counts
       collectgarbage("collect")
-      if collectgarbage("count") - b.base_kb > b.cfg.memory_kb then
+      grown = collectgarbage("count") - b.base_kb
+      if grown > b.cfg.memory_kb then
         trip(format("memory cap of %g MiB exceeded", b.cfg.memory_mb))
       end
+    end
+    -- Set again even when unchanged: Lua 5.4 counts the hook's own instructions, and
+    -- setting restarts the count (LuaJIT does not count them).
+    if not b.tripped then
+      b.step = step_for(b.cfg, grown)
+      debug.sethook(hook, "", b.step)
     end
   end
   -- Never from run's or finish's own frame: an error between the policy's return and the
@@ -121,6 +156,64 @@ local function wrap_all(cfg, value, seen)
   return value
 end
 
+-- An error object that is not a string, as the message says it: its scalar fields.
+local function describe_error(e)
+  local t = type(e)
+  if t ~= "table" then return tostring(e) end
+  local keys, fields = {}, {}
+  for k in next, e do
+    if #keys == 8 then keys.more = true break end
+    keys[#keys + 1] = k
+  end
+  table.sort(keys, function(x, y)
+    if type(x) ~= type(y) then return type(x) < type(y) end
+    return (type(x) == "string" or type(x) == "number") and x < y
+  end)
+  for i, k in ipairs(keys) do
+    local v = rawget(e, k)
+    if type(v) == "string" then
+      v = format("%q", #v > 40 and sub(v, 1, 40) .. "..." or v)
+    elseif type(v) == "number" or type(v) == "boolean" then
+      v = tostring(v)
+    else
+      v = type(v)
+    end
+    fields[i] = (type(k) == "string" and k or "[" .. (type(k) == "number" and tostring(k) or type(k)) .. "]")
+                .. " = " .. v
+  end
+  return "{" .. concat(fields, ", ") .. (keys.more and ", ..." or "") .. "}"
+end
+
+-- The message handler of a policy call.  The host reads errors as strings (a table is
+-- "(error object is not a string)" in C), so an error object that is not one becomes one,
+-- naming the policy line that raised it while the stack still shows it.  A __tostring is
+-- policy code: it runs here, under the budget, protected.
+local function stringify(e)
+  local b = budget
+  if type(e) ~= "string" and not (b and b.tripped) then
+    local file, line = policy_position(1)
+    local where = format("moonshard: policy %s%s: ", file, line and ":" .. line or "")
+    local mt = debug.getmetatable(e)
+    if type(mt) == "table" and rawget(mt, "__tostring") ~= nil then
+      local ok, s = pcall(tostring, e)
+      -- LuaJIT's tostring passes on whatever __tostring returns
+      if ok and type(s) ~= "string" then ok, s = false, "'__tostring' must return a string" end
+      if ok then
+        e = where .. s
+      else
+        e = where .. format("error object (a %s) whose __tostring failed: %s", type(e),
+                            type(s) == "string" and s or describe_error(s))
+      end
+    elseif e == nil then
+      e = where .. "error object is nil (error() without a message)"
+    else
+      e = where .. format("error object (a %s) is not a string: %s", type(e), describe_error(e))
+    end
+  end
+  if b then b.raised = e end
+  return e
+end
+
 function finish(b, saved, ok, ...)
   if type(saved.hook) == "function" then
     debug.sethook(saved.hook, saved.mask, saved.count)
@@ -129,30 +222,57 @@ function finish(b, saved, ok, ...)
   end
   saved.string_mt.__index = saved.string_index
   budget = nil
+  local grown = collectgarbage("count") - b.base_kb
+  if grown > b.cfg.memory_kb / 4 then swept_kb = -math.huge end
+  -- `..` in the call's last steps built strings no hook has seen (the results are live here)
+  if not b.tripped and grown > b.cfg.memory_kb then
+    collectgarbage("collect")
+    grown = collectgarbage("count") - b.base_kb
+    if grown > b.cfg.memory_kb then
+      b.tripped = format("moonshard: policy %s: memory cap of %g MiB exceeded (%.0f MiB more in use as the call returned)",
+                         b.file, b.cfg.memory_mb, grown / 1024)
+    end
+  end
   if b.tripped then error(b.tripped, 0) end
+  if not ok then
+    local e = ...
+    if e == b.raised then error(e, 0) end
+    -- past the message handler: Lua's own "not enough memory" (or an error in the handler)
+    if e == "not enough memory" then
+      e = format("out of memory (not enough memory; the call's cap is %g MiB)", b.cfg.memory_mb)
+    end
+    error(format("moonshard: policy %s: %s", b.file, tostring(e)), 0)
+  end
   local seen = {}
-  -- an error value with a __tostring the host calls later is policy code too
-  if not ok then error(wrap_all(b.cfg, (...), seen), 0) end
   local results = pack(...)
   for i = 1, results.n do results[i] = wrap_all(b.cfg, results[i], seen) end
   return unpack(results, 1, results.n)
 end
 
--- Calls fn(...) under a fresh budget unless one is in progress.  Errors keep their message
--- (policy errors carry "file:line:", host errors their own); budget errors replace them.
+-- Calls fn(...) under a fresh budget unless one is in progress.  String errors keep their
+-- message (policy errors carry "file:line:", host errors their own); other error objects
+-- and Lua's out of memory become messages naming the policy; budget errors replace them.
 function run(cfg, fn, ...)
   if budget then return fn(...) end
   local old_hook, old_mask, old_count = debug.gethook()
   local string_mt = debug.getmetatable("")
   local saved = { hook = old_hook, mask = old_mask, count = old_count,
                   string_mt = string_mt, string_index = string_mt.__index }
-  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0,
-              base_kb = collectgarbage("count") }
+  local base_kb = collectgarbage("count")
+  if base_kb - swept_kb > cfg.memory_kb / 4 then
+    collectgarbage("collect")
+    base_kb = collectgarbage("count")
+    swept_kb = base_kb
+  elseif base_kb < swept_kb then
+    swept_kb = base_kb
+  end
+  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0, base_kb = base_kb }
   budget = b
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
   string_mt.__index = cfg.string
-  debug.sethook(hook, "", cfg.step)
-  return finish(b, saved, pcall(fn, ...))
+  b.step = step_for(cfg, 0)
+  debug.sethook(hook, "", b.step)
+  return finish(b, saved, xpcall(fn, stringify, ...))
 end
 
 -- ---------------------------------------------------------------- the sandbox
@@ -170,28 +290,331 @@ local function rethrow_budget(...)
   return ...
 end
 
+-- ---------------------------------------------------------------- what runs in C
+
+-- The length of a string or number argument, 0 for anything else (the C function raises).
+local function len(v)
+  local t = type(v)
+  return (t == "string" or t == "number") and #tostring(v) or 0
+end
+
+-- Refuses a C function (named by what) whose result of up to `bytes` would take the call
+-- past its memory cap: C allocates it where the hook never runs.
+local function reserve(cfg, bytes, what)
+  local b = budget
+  local base = b and b.base_kb or math.huge
+  -- (garbage in the base, once collected, makes the call's growth look negative)
+  if bytes / 1024 + math.max(collectgarbage("count") - base, 0) <= cfg.memory_kb then return end
+  collectgarbage("collect")
+  if bytes / 1024 + math.max(collectgarbage("count") - base, 0) <= cfg.memory_kb then return end
+  local msg = format("memory cap of %g MiB exceeded (%s of %.0f bytes)", cfg.memory_mb, what, bytes)
+  if b then error(trip(msg), 0) end
+  sandbox_error("%s", msg)
+end
+
+-- Charges `steps` of work in C to the budget, refusing at once what it cannot pay; the
+-- error says why (format(fmt, ...)).
+local function charge(cfg, steps, fmt, ...)
+  local b = budget
+  if not b then return end
+  if steps > cfg.instructions - b.used then
+    error(trip(format("instruction budget of %d exceeded (" .. fmt .. ")", cfg.instructions, ...)), 0)
+  end
+  b.used = b.used + steps
+end
+
+-- The most string.gsub(s, p, repl) can build, nil when repl is a function (policy code,
+-- which the hook sees).  Matches are at most n+1; a %0-%9 in repl expands to a capture
+-- (all of them together at most n bytes) or a position (20 digits).
+local function gsub_bytes(n, repl, max_n)
+  local matches = n + 1
+  if type(max_n) == "number" and max_n >= 0 and max_n < matches then matches = max_n end
+  local t = type(repl)
+  if t == "string" or t == "number" then
+    repl = tostring(repl)
+    local refs, at = 0, 1
+    while true do
+      at = find(repl, "%", at, true)
+      if not at then break end
+      refs, at = refs + 1, at + 2
+    end
+    return n + matches * (#repl + 20 * refs) + refs * n
+  elseif t == "table" then
+    -- the longest value in repl or the tables its __index chain leads to
+    local longest, seen = 0, {}
+    while type(repl) == "table" and not seen[repl] do
+      seen[repl] = true
+      for _, v in next, repl do longest = math.max(longest, len(v)) end
+      local mt = debug.getmetatable(repl)
+      repl = type(mt) == "table" and rawget(mt, "__index") or nil
+    end
+    return n + matches * longest
+  end
+end
+
+-- The most string.format(fmt, ...) can build: %q escapes a byte in up to 4, %s pads to 99,
+-- a number takes at most 512 (%99.99f of 1e308).  A table's __tostring is policy code.
+local function format_bytes(fmt, ...)
+  local bytes, at, k = len(fmt), 1, 0
+  if bytes == 0 then return 0 end -- format raises
+  fmt = tostring(fmt)
+  while true do
+    at = find(fmt, "%", at, true)
+    if not at then return bytes end
+    local _, e, conv = find(fmt, "^[-+ #0]*%d*%.?%d*(.)", at + 1)
+    if not e then return bytes end
+    if conv ~= "%" then
+      k = k + 1
+      local v = select(k, ...)
+      if conv == "q" then
+        bytes = bytes + 4 * len(v) + 2
+      elseif conv == "s" then
+        bytes = bytes + len(v) + 99
+      else
+        bytes = bytes + 512
+      end
+    end
+    at = e + 1
+  end
+end
+
+-- Pattern matching runs in C too, and a pattern that backtracks can take hours on a short
+-- subject (("a*"):rep(30) .. "b" on 30 a's).  So every pattern function first bounds its
+-- work and charges that to the budget, refusing at once what the budget cannot pay.  The
+-- bound, in steps of about an instruction, follows lstrlib's match(), a backtracking search.
+-- An item quantified with *, + or - tries each length it can match (up to n+1, n the
+-- subject's length), one with ? two, and a search not anchored with ^ (gmatch always) each
+-- of n+1 starts; each try runs the items up to the next such branch.  The tries at a branch
+-- are the ways to reach it times its own; and they are distinct ways to split the subject:
+-- with u branches of n+1 and q of 2 before it, at most C(n+u, u) * 2^q.  Only the tries that
+-- pass the item after the branch reach the next one: 1 when that is the closing $, and
+-- when it is a literal character, at most as many as the subject holds of it.  So
+--   steps = sum over branches of tries * (items it runs + 1), * (n + 1) with %b or a back
+--           reference (%1) anywhere, as they compare up to n bytes each time; + n + 1
+-- A quantified item followed only by items that cannot fail (captures, other *, - or ?)
+-- does not branch: its first try succeeds.  A plain find is m literal items.  On names:
+-- "%.weight$" is (n+1) * 10 + 1, "^(.-)%.(.-)$" about (n+1) * (6 + 4 * dots); and
+-- ("a*"):rep(30) .. "b" on 30 a's ~1e18.
+
+-- The end of the single-character class at p[i] (one past it), nil when malformed.
+local function class_end(p, i)
+  local c = byte(p, i)
+  if c == 37 then -- %x
+    return i + 1 <= #p and i + 2 or nil
+  elseif c ~= 91 then
+    return i + 1
+  end
+  local j = i + 1 -- [set]: the first character, even ']', belongs to the set
+  if byte(p, j) == 94 then j = j + 1 end
+  repeat
+    if j > #p then return nil end
+    local e = byte(p, j)
+    j = j + 1
+    if e == 37 then j = j + 1 end
+  until byte(p, j) == 93
+  return j + 1
+end
+
+-- The items of pattern p from i: per item its quantifier ("u" for *, + and -, "?" or false),
+-- whether it can fail, and what a branch before it may count on: ends for the closing $,
+-- follow for a literal (its character) or a capture ("(", looked through).  A malformed rest
+-- is one item (lstrlib raises when the search first gets there); scans: %b or a back
+-- reference.
+local function pattern_items(p, i)
+  local m, items, scans = #p, {}, false
+  while i <= m do
+    local c, d = byte(p, i), byte(p, i + 1)
+    local item = { quantifier = false, can_fail = true }
+    if c == 40 then -- ( or ()
+      item.can_fail, item.follow = false, "("
+      i = i + (d == 41 and 2 or 1)
+    elseif c == 41 then
+      item.can_fail, item.follow = false, "("
+      i = i + 1
+    elseif c == 36 and i == m then -- $ at the end
+      item.ends = true
+      i = i + 1
+    elseif c == 37 and d == 98 then -- %bxy
+      scans = true
+      i = i + 4
+    elseif c == 37 and d == 102 then -- %f[set]
+      i = byte(p, i + 2) == 91 and class_end(p, i + 2) or m + 1
+    elseif c == 37 and d and d >= 48 and d <= 57 then -- %1
+      scans = true
+      i = i + 2
+    else
+      local e = class_end(p, i) or m + 1
+      -- a literal: a plain character or an escaped punctuation mark
+      if e == i + 1 and c ~= 46 or e == i + 2 and c == 37 and not find(sub(p, i + 1, i + 1), "^%w") then
+        item.follow = sub(p, e - 1, e - 1)
+      end
+      i = e
+      local suffix = byte(p, i)
+      if suffix == 42 or suffix == 45 or suffix == 43 then -- * - +
+        item.quantifier, item.can_fail = "u", suffix == 43
+        if suffix ~= 43 then item.follow = nil end
+        i = i + 1
+      elseif suffix == 63 then -- ?
+        item.quantifier, item.can_fail, item.follow = "?", false, nil
+        i = i + 1
+      end
+    end
+    items[#items + 1] = item
+  end
+  return items, scans
+end
+
+-- The shape of pattern p: its branches in order, each with kind ("u", "?"), the items a try
+-- runs and the follow it may count on; the items before the first; scans.
+local function pattern_shape(p, anchor)
+  local anchored = anchor and byte(p, 1) == 94
+  local items, scans = pattern_items(p, anchored and 2 or 1)
+  local safe = true -- only items that cannot fail follow
+  for k = #items, 1, -1 do
+    items[k].branch = items[k].quantifier and not safe
+    safe = safe and not items[k].can_fail
+  end
+  local branches, head, current = {}, 0, nil
+  if not anchored then current = { kind = "u", items = 0, at = 0 } branches[1] = current end -- the start
+  for k, item in ipairs(items) do
+    if item.branch then
+      current = { kind = item.quantifier, items = 0, at = k }
+      branches[#branches + 1] = current
+    end
+    if current then current.items = current.items + 1 else head = head + 1 end
+  end
+  for _, branch in ipairs(branches) do
+    local k = branch.at + 1
+    while items[k] and items[k].follow == "(" do k = k + 1 end
+    branch.follow, branch.ends = items[k] and items[k].follow, items[k] and items[k].ends
+  end
+  return { head = head, branches = branches, scans = scans }
+end
+
+-- How many times character c is in s; nil past most
+local function occurrences(s, c, most)
+  local at, k = 1, 0
+  while true do
+    at = find(s, c, at, true)
+    if not at then return k end
+    if k == most then return nil end
+    k, at = k + 1, at + 1
+  end
+end
+
+local function pattern_steps(shape, s)
+  local n = #s
+  local steps, reach, splits, u, q = shape.head + 1, 1, 1, 0, 0
+  for _, branch in ipairs(shape.branches) do
+    local own = n + 1
+    if branch.kind == "?" then
+      own, q = 2, q + 1
+    else
+      u = u + 1
+      splits = splits * (n + u) / u
+    end
+    local most = splits * 2 ^ q
+    local tries = math.min(reach * own, most)
+    steps = steps + tries * (branch.items + 1)
+    local pass = own
+    if branch.ends then
+      pass = 1
+    elseif branch.follow then
+      pass = math.min(own, occurrences(s, branch.follow, 64) or own)
+    end
+    reach = math.min(reach * pass, most)
+    if steps > 1e300 then return math.huge end
+  end
+  return steps * (shape.scans and n + 1 or 1) + n + 1
+end
+
+-- Charges string.<what>(s, p) to the budget (a plain search when plain).  Shapes are kept
+-- per load, a few hundred patterns at most.
+local function charge_pattern(cfg, what, s, p, anchor, plain)
+  local ts, tp = type(s), type(p)
+  if not budget or (ts ~= "string" and ts ~= "number") or (tp ~= "string" and tp ~= "number") then return end
+  p = tostring(p)
+  local shape
+  if plain then
+    shape = { head = 0, branches = { { kind = "u", items = #p } }, scans = false }
+  else
+    local kind = anchor and "anchored" or "unanchored"
+    shape = cfg.shapes[kind][p]
+    if not shape then
+      if cfg.shapes.count == 256 then cfg.shapes = { anchored = {}, unanchored = {}, count = 0 } end
+      shape = pattern_shape(p, anchor)
+      cfg.shapes[kind][p], cfg.shapes.count = shape, cfg.shapes.count + 1
+    end
+  end
+  s = tostring(s)
+  local steps = pattern_steps(shape, s)
+  charge(cfg, steps, "string.%s: the pattern %s could take %.3g steps on a subject of %d bytes;"
+         .. " each *, +, - or ? that can backtrack multiplies the work", what,
+         #p > 40 and format("%q...", sub(p, 1, 40)) or format("%q", p), steps, #s)
+end
+
 local function sandbox_string(cfg)
   local s = copy(string)
-  s.dump = nil
-  local rep = string.rep
-  local function len(v)
-    local t = type(v)
-    return (t == "string" or t == "number") and #tostring(v) or 0
-  end
-  -- one rep can allocate gigabytes in C, where the hook never runs
+  s.dump, s.pack = nil, nil
+  local real = string
+  -- Lua 5.4 copies n times, even an empty string
   function s.rep(str, n, sep)
     if type(n) == "number" and n > 0 then
-      local bytes = len(str) * n + len(sep) * (n - 1)
-      if bytes > cfg.memory_kb * 1024 then
-        error(trip(format("memory cap of %g MiB exceeded (string.rep of %.0f bytes)",
-                          cfg.memory_mb, bytes)), 0)
-      end
+      reserve(cfg, len(str) * n + len(sep) * (n - 1), "string.rep")
+      charge(cfg, n, "string.rep of %.0f copies", n)
     end
     return rep(str, n, sep)
   end
+  function s.find(str, p, init, plain)
+    charge_pattern(cfg, "find", str, p, true, plain)
+    return real.find(str, p, init, plain)
+  end
+  function s.match(str, p, ...)
+    charge_pattern(cfg, "match", str, p, true)
+    return real.match(str, p, ...)
+  end
+  function s.gmatch(str, p, ...)
+    charge_pattern(cfg, "gmatch", str, p, false)
+    return real.gmatch(str, p, ...)
+  end
+  function s.gsub(str, p, repl, max_n)
+    charge_pattern(cfg, "gsub", str, p, true)
+    local bytes = gsub_bytes(len(str), repl, max_n)
+    if bytes then reserve(cfg, bytes, "string.gsub") end
+    return real.gsub(str, p, repl, max_n)
+  end
+  function s.format(fmt, ...)
+    reserve(cfg, format_bytes(fmt, ...), "string.format")
+    return format(fmt, ...)
+  end
   return setmetatable(s, { __metatable = false, __index = function(_, name)
     if name == "dump" then sandbox_error("string.dump is not available (%s)", SANDBOX) end
+    if name == "pack" then
+      sandbox_error("string.pack is not available (one call can build gigabytes the memory cap cannot see)")
+    end
   end })
+end
+
+-- table.concat, its result reserved first.  It reads t[i] as the interpreter's does (5.4
+-- through __index, LuaJIT raw), once: the values go to a plain table for the real concat.
+local raw_concat = jit ~= nil
+local function sandbox_concat(cfg)
+  return function(t, sep, i, j)
+    if type(t) ~= "table" then return concat(t, sep, i, j) end
+    i = i == nil and 1 or i
+    if j == nil then j = raw_concat and rawlen(t) or #t end
+    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i, j) end
+    local values, bytes = {}, 0
+    for k = i, j do
+      local v = raw_concat and rawget(t, k) or t[k]
+      local tv = type(v)
+      if tv ~= "string" and tv ~= "number" then return concat(t, sep, i, j) end -- it raises
+      values[k], bytes = v, bytes + len(v)
+    end
+    if j > i then bytes = bytes + len(sep) * (j - i) end
+    reserve(cfg, bytes, "table.concat")
+    return concat(values, sep, i, j)
+  end
 end
 
 -- The globals every file of one load sees.  The libraries are copies, so a policy that
@@ -199,6 +622,7 @@ end
 local function sandbox_env(cfg, require)
   local tbl = copy(table)
   tbl.unpack = unpack
+  tbl.concat = sandbox_concat(cfg)
   tbl.pack = tbl.pack or pack
   local env = {
     assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs,
@@ -341,7 +765,7 @@ function M.load(path, opts)
   local memory_mb = option(opts, "memory_mb", DEFAULT_MEMORY_MB)
   local cfg = { instructions = instructions, step = math.min(STEP, instructions),
                 memory_mb = memory_mb, memory_kb = memory_mb * 1024,
-                wrappers = setmetatable({}, { __mode = "k" }) }
+                wrappers = setmetatable({}, { __mode = "k" }), shapes = { anchored = {}, unanchored = {}, count = 0 } }
   cfg.string = sandbox_string(cfg)
 
   local stems, file_of = {}, {}

@@ -1,6 +1,7 @@
 -- policy_spec.lua: the policy loader's sandbox and budget, against the fixture policies in
 -- tests/lua/policies (good ones, and evil or broken ones that must fail with clear errors).
 local policy = require "moonshard.policy"
+local S = require "support"
 
 local F = "tests/lua/policies/"
 -- small budgets so a runaway policy fails in milliseconds
@@ -186,10 +187,8 @@ describe("the budget", function()
     end
   end)
 
-  it("covers an error object's __tostring the host calls later", function()
-    local ok, obj = pcall(loops.error_object)
-    assert.is_false(ok)
-    assert.equal(budget_error .. spin_line, failure(tostring, obj))
+  it("covers an error object's __tostring, which runs as the error leaves the call", function()
+    assert.equal(budget_error .. spin_line, failure(loops.error_object))
   end)
 
   it("counts a host callback the policy calls, and keeps its errors as they are", function()
@@ -232,6 +231,10 @@ describe("the budget", function()
                  failure(mem.method_rep))
     assert.matches(mem_error .. " (string.rep of 299999997 bytes)", failure(mem.rep_sep), 1, true)
     assert.equal(1020, mem.small())
+    -- Lua 5.4 would copy "" 1e15 times
+    assert.equal("moonshard: policy " .. F .. "evil/memory.lua: instruction budget of 1000000000 exceeded"
+                 .. " (string.rep of 1000000000000000 copies) at line " .. line_of(F .. "evil/memory.lua", "empty_rep ="),
+                 failure(mem.empty_rep))
   end)
 
   it("ends a loop growing a table, also under the policy's own pcall", function()
@@ -242,11 +245,96 @@ describe("the budget", function()
     assert.equal(mem_error .. " at line " .. grow_line, failure(mem.pcall_grow))
   end)
 
+  it("ends `..` doubling a string between two checks of the hook", function()
+    local err
+    assert.is_true(seconds(function() err = failure(mem.double) end) < 5)
+    assert.equal(mem_error .. " at line " .. line_of(F .. "evil/memory.lua", "double ="), err)
+  end)
+
+  it("caps what table.concat, string.gsub and string.format would build, before they build it", function()
+    local function at(text) return " at line " .. line_of(F .. "evil/memory.lua", text) end
+    assert.equal(mem_error .. " (table.concat of 67108864 bytes)" .. at("concat ="), failure(mem.concat))
+    assert.equal(mem_error .. " (table.concat of 19922984 bytes)" .. at("concat_sep ="), failure(mem.concat_sep))
+    assert.equal(mem_error .. " (string.gsub of 20021000 bytes)" .. at("gsub ="), failure(mem.gsub))
+    assert.equal(mem_error .. " (string.format of 17827509 bytes)" .. at("format ="), failure(mem.format))
+    assert.equal(18, mem.builders())
+    assert.equal("moonshard: policy " .. F .. "evil/memory.lua:" .. line_of(F .. "evil/memory.lua", "pack =")
+                 .. ": string.pack is not available (one call can build gigabytes the memory cap cannot see)",
+                 failure(mem.pack))
+  end)
+
+  it("checks the memory a call holds as it returns", function()
+    collectgarbage()
+    -- a host callback builds it in one step, unseen by the hook (string is the host's here)
+    local err = failure(mem.keep, function() return string.rep("y", 20 * 2 ^ 20) end)
+    assert.matches("^" .. mem_error:gsub("%p", "%%%0") .. " %(%d+ MiB more in use as the call returned%)$", err)
+  end)
+
+  it("names the policy when Lua runs out of memory in a call", function()
+    -- ASan cannot run under an address-space limit, nor return a failed allocation
+    if os.getenv("ASAN_OPTIONS") then return pending("not under AddressSanitizer") end
+    -- the cap too large to stop the doubling before a 400 MB address space runs out
+    local code = 'local p = require("moonshard.policy").load("' .. F .. 'evil/memory.lua",'
+                 .. ' { memory_mb = 65536, instructions = 1e9 }) io.write(select(2, pcall(p.main.double)))'
+    for _, bin in ipairs({ S.lua54_bin, S.jit_bin }) do
+      local r = S.run_with("sh", { "-c", 'ulimit -v 400000 && exec "$0" "$@"', bin, "-e", code })
+      assert.equal(0, r.code, r.err)
+      assert.equal("moonshard: policy " .. F .. "evil/memory.lua: out of memory (not enough memory; the call's cap is 65536 MiB)",
+                   r.out)
+    end
+  end)
+
   it("rejects options that are not positive numbers", function()
     assert.matches("opts.instructions must be a positive number, got 0",
                    failure(policy.load, F .. "single.lua", { instructions = 0 }), 1, true)
     assert.matches("opts.memory_mb must be a positive number, got lots",
                    failure(policy.load, F .. "single.lua", { memory_mb = "lots" }), 1, true)
+  end)
+end)
+
+describe("pattern matching", function()
+  local file = F .. "evil/patterns.lua"
+  local patterns = load_fast(file).main
+  local function refused(what, pattern, steps, bytes, text)
+    return "moonshard: policy " .. file .. ": instruction budget of 1000000 exceeded (string." .. what .. ": the pattern "
+           .. pattern .. " could take " .. steps .. " steps on a subject of " .. bytes .. " bytes; each *, +, - or ?"
+           .. " that can backtrack multiplies the work) at line " .. line_of(file, text)
+  end
+
+  it("refuses at once a pattern that could backtrack longer than the budget allows", function()
+    local err
+    assert.is_true(seconds(function() err = failure(patterns.star) end) < 1)
+    -- 31 starts and 30 a* that backtrack: the C(61, 31) ways to split 30 bytes among them
+    assert.equal(refused("find", '"' .. ("a*"):rep(20) .. '"...', "1.16e+18", 30, "star ="), err)
+    -- 31 starts and 30 ? that backtrack: 31 * 2^30 tries, each running 31 items
+    assert.equal(refused("match", '"' .. ("a?"):rep(20) .. '"...', "1.13e+12", 30, "optional ="),
+                 failure(patterns.optional))
+    assert.equal(refused("gmatch", '"' .. ("a-"):rep(8) .. 'b"', "7.59e+08", 30, "gmatch ="), failure(patterns.gmatch))
+    -- %b scans to the end from each start
+    assert.equal(refused("gsub", '"%b()"', "2.01e+06", 1000, "balance ="), failure(patterns.balance))
+  end)
+
+  it("charges what each pattern may cost, so allowed ones in a loop end with the budget", function()
+    assert.equal(refused("find", '"a*a*b"', "5.41e+05", 100, "repeated ="), failure(patterns.repeated))
+  end)
+
+  it("counts only the tries a literal after a quantifier lets through", function()
+    -- worst case 5e4 steps a name, 5e3 with its 5 dots: 50 names fit in the budget
+    local names = {}
+    for i = 1, 50 do names[i] = "model.layers." .. i .. ".self_attn.q_proj.weight" end
+    local parts = patterns.split(names)
+    assert.equal(50, #parts)
+    assert.equal("model|layers|50.self_attn.q_proj.weight", parts[50])
+  end)
+
+  it("allows the patterns policies use on parameter names", function()
+    assert.same({
+      "0 true model/layers/0/mlp/weight 5 weight 16 MODEL.LAYERS.0.MLP.WEIGHT",
+      "- true lm_head/weight 2 weight nil LM_HEAD.WEIGHT",
+      "7 false layers/7/mlp 3 mlp 10 LAYERS.7.MLP",
+      "12 true model/layers/12/self_attn/q_proj/weight 6 weight nil MODEL.LAYERS.12.SELF_ATTN.Q_PROJ.WEIGHT",
+    }, patterns.ordinary({ "model.layers.0.mlp.weight", "lm_head.weight", "layers.7.mlp",
+                          "model.layers.12.self_attn.q_proj.weight" }))
   end)
 end)
 
@@ -322,6 +410,23 @@ describe("policy errors", function()
     assert.equal(file .. ":" .. line_of(file, "fail =") .. ": no unit for 'x'", failure(raises.fail, "x"))
     assert.matches(file .. ":" .. line_of(file, "index_nil =") .. ": attempt to index", failure(raises.index_nil), 1, true)
     assert.equal("moonshard: bad shape", failure(raises.call, error, "moonshard: bad shape", 0))
+  end)
+
+  it("are strings naming the policy line when the policy raised something else", function()
+    local file = F .. "broken/raises.lua"
+    local raises = load_fast(file).main
+    local function at(text) return "moonshard: policy " .. file .. ":" .. line_of(file, text) .. ": " end
+    assert.equal(at("table =") .. 'error object (a table) is not a string: {code = 42, unit = table, why = "no unit"}',
+                 failure(raises.table))
+    assert.equal(at("nothing =") .. "error object is nil (error() without a message)", failure(raises.nothing))
+    assert.equal(at("boolean =") .. "error object (a boolean) is not a string: true", failure(raises.boolean))
+    assert.equal(at("tostring =") .. "no unit for 'x'", failure(raises.tostring))
+    assert.equal(at("bad_tostring =") .. "error object (a table) whose __tostring failed: " .. file .. ":"
+                 .. line_of(file, "bad_tostring =") .. ": no name", failure(raises.bad_tostring))
+    assert.equal(at("table_tostring =") .. "error object (a table) whose __tostring failed: '__tostring' must return a string",
+                 failure(raises.table_tostring))
+    -- inside the policy, its own pcall still gets the table
+    assert.same({ false, "table", 7 }, { raises.caught() })
   end)
 
   it("name the path of a missing file or directory", function()

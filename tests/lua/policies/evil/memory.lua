@@ -5,6 +5,8 @@ local function grow()
   while true do i = i + 1 t[i] = { i } end
 end
 
+local MiB = ("x"):rep(2 ^ 20)
+
 return {
   rep = function() local s = string.rep("x", 1e9) return s end,
   method_rep = function() local s = ("x"):rep(1e9) return s end,
@@ -12,4 +14,18 @@ return {
   grow = grow,
   pcall_grow = function() pcall(grow) return "escaped" end,
   small = function() return #string.rep("x", 1000) + #("ab"):rep(10) end,
+  empty_rep = function() local s = string.rep("", 1e15) return s end,
+  -- `..` in C, between two checks of the hook
+  double = function() local s = MiB for _ = 1, 12 do s = s .. s end return #s end,
+  concat = function() local t = {} for i = 1, 64 do t[i] = MiB end local s = table.concat(t) return s end,
+  concat_sep = function() local s = table.concat({ ("a"):rep(20):byte(1, -1) }, MiB) return s end,
+  gsub = function() local s = ("x"):rep(1000):gsub("x", ("y"):rep(20000)) return s end,
+  format = function() local s = ("%s"):rep(17):format(MiB, MiB, MiB, MiB, MiB, MiB, MiB, MiB, MiB,
+                                                     MiB, MiB, MiB, MiB, MiB, MiB, MiB, MiB) return s end,
+  pack = function() local s = string.pack("c1000000000", "") return s end,
+  -- what a host callback built, kept past the call
+  keep = function(f) local s = f() return s end,
+  builders = function()
+    return #table.concat({ "a", 1, "b" }, "-") + #("x"):gsub("x", "yy") + #("%5s|%q"):format("a", "b\n")
+  end,
 }
