@@ -26,7 +26,12 @@ M.PADDING_WASTE = 0.05
 -- memory.per_rank (a table per rank) is built, when read, up to this many ranks.
 M.PER_RANK_LIMIT = 1048576
 
-local function fail(msg) error("moonshard: plan: " .. msg, 0) end
+-- A plan error; raised while a policy call runs, it names the policy line that called
+-- (unless the message names its call sites itself: `sited`).
+local function fail(msg, sited)
+  local at = not sited and require("moonshard.policy").position()
+  error("moonshard: plan: " .. msg .. (at and " (policy " .. at .. ")" or ""), 0)
+end
 
 -- Counts and bytes are exact integers up to 2^53 under both interpreters (LuaJIT's numbers
 -- are doubles; Lua 5.4's integers would wrap at 2^63): a plan whose figures grow past it
@@ -257,7 +262,7 @@ function Ctx:fully_shard(module, opts)
   if prev_unit then
     -- FSDP2 refuses it too: the module is already an FSDPModule
     fail(string.format("fully_shard(%s) is applied twice to the same module: first at %s, then at %s; a module " ..
-      "is one shard unit at most", display(name), prev_unit.site or "?", site or "?"))
+      "is one shard unit at most", display(name), prev_unit.site or "?", site or "?"), true)
   end
   local axes = opts.mesh or self.mesh.fsdp_axes
   if type(axes) == "string" then axes = { axes } end

@@ -744,6 +744,15 @@ local function kind(v, depth)
 end
 
 --- describe(policy) -> text: the policy's path and, per file, the kind of value it returned.
+--- The policy line running now, "file:line", while a policy call is in progress (so that
+-- the host's errors can say which policy line called them); nil otherwise.
+function M.position()
+  if not budget then return nil end
+  local file, line = policy_position(2)
+  if not line then return nil end
+  return file .. ":" .. line
+end
+
 function M.describe(p)
   return p.describe()
 end

@@ -221,11 +221,13 @@ static void lua_errors(void) {
     CHECK_ERR(ms_interp_exec(in, "error('from exec')"), MS_ERR_ARG, "(host):1: from exec");
     CHECK_ERR(ms_interp_exec(in, "this is not lua"), MS_ERR_ARG, "(host):1: syntax error near 'is'");
     /* the same from a policy, through the sandbox */
-    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tableerr.lua"), NULL), MS_ERR_ARG, "(error object is a table value)");
-    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nilerr.lua"), NULL), MS_ERR_ARG, "(error object is a nil value)");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tableerr.lua"), NULL), MS_ERR_ARG,
+              "tableerr.lua:2: error object (a table) is not a string: {code = 42}");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nilerr.lua"), NULL), MS_ERR_ARG,
+              "nilerr.lua:2: error object is nil (error() without a message)");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringerr.lua"), NULL), MS_ERR_ARG, "policy error 42 from __tostring");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringboom.lua"), NULL), MS_ERR_ARG,
-              "(error object is a table value; its __tostring failed: ");
+              "tostringboom.lua:3: error object (a table) whose __tostring failed: ");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("tostringboom.lua"), NULL), MS_ERR_ARG, "boom in tostring");
     /* the interpreter is still usable after all of that */
     CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, &units));

@@ -424,6 +424,16 @@ describe("moonshard plan", function()
     r = S.run({ "plan", "--config", "examples/configs/nope.json", "--mesh", "dp_shard=8", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
     assert.equal("moonshard plan: error: cannot read examples/configs/nope.json: No such file or directory\n", r.err)
+    -- a planner error inside a policy call names the policy line that called
+    local bad = os.tmpname()
+    local bf = assert(io.open(bad, "wb"))
+    bf:write('return { parallelize = function(ctx)\n  ctx:fully_shard("model.nonexistent")\nend }\n')
+    bf:close()
+    r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8", "--policy", bad })
+    os.remove(bad)
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: plan: no module named 'model.nonexistent' in the model (policy " .. bad ..
+      ":2)\n", r.err)
     for _, m in ipairs({ ",", "dp_shard=2,,ep=2" }) do
       r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", m, "--policy", "policies/inkling2" })
       assert.equal(1, r.code)
