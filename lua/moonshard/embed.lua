@@ -127,11 +127,9 @@ function M.plan(mesh, policy_path)
   end
   if policy_path == "" then fail("the policy path is empty") end
   local mc = require("moonshard.mesh_context").new(mesh)
-  local p = require("moonshard.policy").load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" } })
-  local entry = (type(p.main) == "table" and p.main.parallelize and p.main) or p.shard_units
-  if type(entry) ~= "table" or not entry.parallelize then
-    fail("policy " .. policy_path .. " has no parallelize(ctx)")
-  end
+  local policy = require "moonshard.policy"
+  local p = policy.load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" } })
+  local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model" })
   return #state.plan.units
 end

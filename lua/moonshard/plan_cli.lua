@@ -117,25 +117,6 @@ local function load_model(o)
   return st.tree_from_safetensors(path), o.name or stem(o.safetensors), nil
 end
 
--- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
--- or the only file that has one.
-local function entry_point(policy, path)
-  if type(policy.main) == "table" and policy.main.parallelize then return policy.main end
-  if type(policy.shard_units) == "table" and policy.shard_units.parallelize then return policy.shard_units end
-  local found
-  for k, v in pairs(policy) do
-    if type(v) == "table" and type(v.parallelize) == "function" then
-      if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
-      found = v
-    end
-  end
-  if not found then
-    error("moonshard: policy " .. path .. ": no file returns a table with parallelize(ctx) " ..
-      "(shard_units.lua usually does)", 0)
-  end
-  return found
-end
-
 --- Builds the plan from parsed options; returns plan, name of the policy.
 function M.make_plan(o)
   local mesh_context = require "moonshard.mesh_context"
@@ -150,7 +131,7 @@ function M.make_plan(o)
   local policy = require("moonshard.policy").load(o.policy, {
     modules = { ["moonshard.util"] = util },
   })
-  local entry = entry_point(policy, o.policy)
+  local entry = require("moonshard.policy").entry_point(policy, o.policy)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
     optimizer = o.optimizer,

@@ -753,6 +753,25 @@ function M.position()
   return file .. ":" .. line
 end
 
+--- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
+-- or the only file that has one.
+function M.entry_point(policy, path)
+  if type(policy.main) == "table" and policy.main.parallelize then return policy.main end
+  if type(policy.shard_units) == "table" and policy.shard_units.parallelize then return policy.shard_units end
+  local found
+  for k, v in pairs(policy) do
+    if type(v) == "table" and type(v.parallelize) == "function" then
+      if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
+      found = v
+    end
+  end
+  if not found then
+    error("moonshard: policy " .. path .. ": no file returns a table with parallelize(ctx) " ..
+      "(shard_units.lua usually does)", 0)
+  end
+  return found
+end
+
 function M.describe(p)
   return p.describe()
 end

@@ -158,6 +158,26 @@ describe("a single-file policy", function()
   end)
 end)
 
+describe("the entry point", function()
+  it("is the table with parallelize: the single file's, shard_units.lua's, else the one file's", function()
+    local d = tmpdir()
+    write(d .. "/precision.lua", "return { param_dtype = 'bf16' }\n")
+    write(d .. "/units.lua", "return { parallelize = function(ctx) end }\n")
+    local p = load_fast(d)
+    assert.equal(p.units, policy.entry_point(p, d))
+    write(d .. "/other.lua", "return { parallelize = function(ctx) end }\n")
+    assert.equal("moonshard: policy " .. d .. ": more than one file has parallelize(ctx)",
+      failure(policy.entry_point, load_fast(d), d))
+    write(d .. "/shard_units.lua", "return { parallelize = function(ctx) end }\n")
+    p = load_fast(d)
+    assert.equal(p.shard_units, policy.entry_point(p, d))
+    rmdir(d)
+    local single = load_fast(F .. "single.lua")
+    assert.equal("moonshard: policy " .. F .. "single.lua: no file returns a table with parallelize(ctx) " ..
+      "(shard_units.lua usually does)", failure(policy.entry_point, single, F .. "single.lua"))
+  end)
+end)
+
 describe("the budget", function()
   it("ends an infinite loop while loading, naming the file and line", function()
     local err
