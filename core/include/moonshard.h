@@ -300,8 +300,10 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
  * Every call checks the state and returns MS_ERR_STATE when it is out of order, with a
  * message naming the unit and its state.  All ranks of the unit's groups make the same
  * calls in the same order (they are collectives).  A unit's collectives run, in the order
- * they were started, on one communication thread per rank shared by all of its units: while
- * one is pending, the rank must not call collectives on the unit's groups itself.  After a
+ * they were started, on one communication thread per rank shared by all of its units; a
+ * collective the rank calls itself on an untagged group (a loss all_reduce while a gather
+ * is pending) queues behind them there, so it reaches the group in program order, and a
+ * tagged group (ms_comm_group_tagged) runs at once, apart from them.  After a
  * failed collective the unit is unusable (MS_ERR_STATE with the first failure's message).
  * The tensor getters below return NULL with ms_last_error() set on failure, and NULL with
  * an empty message when there is nothing to return. */

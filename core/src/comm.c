@@ -402,9 +402,26 @@ static ms_status check_in_place(const ms_comm *c, const char *where, const char 
                     c->rank);
 }
 
-/* Hands a checked call to the backend; a failure there makes the comm unusable. */
+typedef struct { ms_comm *c; const ms_coll *call; } queued_call;
+
+static ms_status run_queued(void *p) {
+    queued_call *q = p;
+    return q->c->world->backend->collective(q->c, q->call);
+}
+
+/* Hands a checked call to the backend; a failure there makes the comm unusable.  Once the
+ * rank has a communication thread (its shard units queue collectives there), a call on an
+ * untagged group, which the units' groups are, queues behind theirs: the rank's collectives
+ * then reach the group in program order, as on its peers, instead of racing the pending
+ * ones.  Tagged groups (ms_comm_group_tagged) match apart and run at once. */
 static ms_status run(ms_comm *c, const ms_coll *call) {
-    ms_status st = c->world->backend->collective(c, call);
+    ms_status st;
+    if (c->group->tag == 0 && ms__async_elsewhere(c->world, c->group->world_ranks[c->rank])) {
+        queued_call q = {c, call};
+        st = ms__async_run(c->world, c->group->world_ranks[c->rank], run_queued, &q);
+    } else {
+        st = c->world->backend->collective(c, call);
+    }
     if (st) {
         c->unusable = true;
         snprintf(c->failure, sizeof c->failure, "%s", ms_last_error());

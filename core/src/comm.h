@@ -147,6 +147,9 @@ ms_status ms__async_wait(ms_ticket *t);
  * there, and waits for it: at once when called from that thread.  Backends whose
  * communicators must not be used by two threads at once (nccl) run everything through it. */
 ms_status ms__async_run(ms_world *w, int world_rank, ms_async_fn fn, void *arg);
+/* true when world rank `world_rank` of w has a communication thread and the caller is not
+ * it: a collective the rank calls itself then queues behind the units' (ms__async_run). */
+bool ms__async_elsewhere(ms_world *w, int world_rank);
 /* Stops and joins the communication threads of w (its queues are empty: every ticket holds
  * a reference to w through its caller).  Called when the world is freed. */
 void ms__async_world_stop(ms_world *w);

@@ -123,6 +123,15 @@ ms_status ms__async_wait(ms_ticket *t) {
     return t->status ? ms__fail(t->status, "%s", t->message) : ms__ok();
 }
 
+bool ms__async_elsewhere(ms_world *w, int world_rank) {
+    if (current && current->world == w && current->rank == world_rank) return false;
+    bool found = false;
+    pthread_mutex_lock(&registry_lock);
+    for (ms_async_worker *wk = registry; wk && !found; wk = wk->next) found = wk->world == w && wk->rank == world_rank;
+    pthread_mutex_unlock(&registry_lock);
+    return found;
+}
+
 ms_status ms__async_run(ms_world *w, int world_rank, ms_async_fn fn, void *arg) {
     if (current && current->world == w && current->rank == world_rank) return fn(arg);
     ms_ticket t;

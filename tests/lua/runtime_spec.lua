@@ -90,6 +90,45 @@ describe("materialised plans", function()
     end)
   end
 
+  -- A unit's gather is queued on the rank's communication thread; a collective the script
+  -- calls on the same group meanwhile (a loss all_reduce during prefetch) queues behind it,
+  -- so every rank's group sees gather, then all_reduce, whichever thread gets there first.
+  local PENDING = [[
+    local ms = require "moonshard"
+    local module = require "moonshard.module"
+    local root = module.new("Model")
+    local layers = root:add("layers", module.new("ModuleList"))
+    for i = 0, 1 do layers:add(tostring(i), module.new("Layer")):param("w", { 9, 6 }, "f32") end
+    local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
+      { parallelize = function(ctx)
+        ctx:fully_shard("layers.0", { mp_policy = { param_dtype = "bf16" } })
+        ctx:fully_shard(ctx.model)
+      end })
+    local units = require("moonshard.runtime").materialize(plan).units
+    local v = {}
+    for i = 1, 54 do v[i] = i end
+    units[1]:load_full(0, ms.from_table(v, "f32", { 9, 6 }))
+    local g = ms.mesh({ { "dp_shard", 2 } }):group("dp_shard") -- a new mesh: the units' group
+    for step = 1, 20 do
+      units[1]:unshard()
+      local t = ms.from_table({ ms.rank() + step, 1 })
+      g:all_reduce(t, "sum")
+      units[1]:wait()
+      local full = units[1]:param_full(0):totable()
+      assert(t:totable()[1] == 1 + 2 * step and t:totable()[2] == 2, "all_reduce " .. step)
+      assert(full[1] == 1 and full[54] == 54, "gather " .. step)
+      units[1]:reshard()
+    end
+    print("rank " .. ms.rank() .. ": 20 steps ok")
+  ]]
+
+  it("queue a script's collective on a unit's group behind the unit's pending one", function()
+    local r = S.run({ "-n", "2", "-e", PENDING })
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    for rank = 0, 1 do assert.matches("rank " .. rank .. ": 20 steps ok", r.out, 1, true) end
+  end)
+
   it("refuses to run a plan on the wrong number of ranks", function()
     local r = S.run({ "-n", "2", "tests/lua/scripts/units.lua", "dp_shard=4" })
     assert.equal(1, r.code)
