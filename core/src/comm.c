@@ -38,6 +38,10 @@ const char *ms__coll_str(char *buf, size_t cap, const ms_coll *call) {
     case MS_COLL_BROADCAST: snprintf(buf, cap, "%lld x %s root %d", count, dt, call->root); break;
     case MS_COLL_BARRIER: buf[0] = '\0'; break;
     }
+    if (call->label_hash) {
+        size_t len = strlen(buf);
+        snprintf(buf + len, cap - len, "%sfor unit %s", len ? " " : "", call->label);
+    }
     return buf;
 }
 
@@ -73,7 +77,22 @@ double ms__now_s(void) {
 
 static bool same_call(const ms_coll *a, const ms_coll *b) {
     return a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
-           a->count == b->count;
+           a->count == b->count && a->label_hash == b->label_hash;
+}
+
+_Thread_local const char *ms__coll_label;
+
+void ms__coll_set_label(ms_coll *call) {
+    const char *name = ms__coll_label;
+    call->label_hash = 0;
+    call->label[0] = '\0';
+    if (!name) return;
+    uint64_t h = 14695981039346656037u;
+    for (const char *p = name; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211u;
+    call->label_hash = h | 1; /* never 0, the rank's own calls' */
+    size_t n = strlen(name);
+    if (n < MS_COLL_LABEL) snprintf(call->label, MS_COLL_LABEL, "%s", name);
+    else snprintf(call->label, MS_COLL_LABEL, "...%s", name + n - (MS_COLL_LABEL - 4));
 }
 
 ms_status ms__calls_agree(const ms_comm *c, const ms_coll *calls, size_t stride) {
@@ -414,8 +433,10 @@ static ms_status run_queued(void *p) {
  * untagged group, which the units' groups are, queues behind theirs: the rank's collectives
  * then reach the group in program order, as on its peers, instead of racing the pending
  * ones.  Tagged groups (ms_comm_group_tagged) match apart and run at once. */
-static ms_status run(ms_comm *c, const ms_coll *call) {
+static ms_status run(ms_comm *c, const ms_coll *unlabelled) {
     ms_status st;
+    ms_coll labelled = *unlabelled, *call = &labelled;
+    ms__coll_set_label(call);
     if (c->group->tag == 0 && ms__async_elsewhere(c->world, c->group->world_ranks[c->rank])) {
         queued_call q = {c, call};
         st = ms__async_run(c->world, c->group->world_ranks[c->rank], run_queued, &q);

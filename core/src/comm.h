@@ -39,15 +39,28 @@ const char *ms__coll_name(ms_coll_kind kind);
  * Pointers are NULL when their tensor has no elements.  In place: all_gather's send is
  * recv + rank * count elements or disjoint from recv; reduce_scatter's recv is send +
  * rank * count elements or disjoint from send; all_to_all's never overlap. */
+enum { MS_COLL_LABEL = 40 };
+
 typedef struct ms_coll {
     ms_coll_kind kind;
     ms_dtype dtype;
     ms_op op;       /* reduce_scatter and all_reduce; MS_OP_SUM otherwise */
     int root;       /* broadcast: group rank of the source; 0 otherwise */
     int64_t count;
+    /* Who issued it: FNV-1a of the shard unit's name (0 for the rank's own calls), so that
+     * ranks gathering different units of one layout disagree instead of mixing them; and
+     * the name's tail, for messages.  Set by comm.c from ms__coll_label. */
+    uint64_t label_hash;
+    char label[MS_COLL_LABEL];
     const void *send;
     void *recv;
 } ms_coll;
+
+/* The name the collectives this thread calls next are labelled with (a shard unit's, set
+ * around its collectives by fsdp.c); NULL for none. */
+extern _Thread_local const char *ms__coll_label;
+/* Fills call's label_hash and label from ms__coll_label. */
+void ms__coll_set_label(ms_coll *call);
 
 /* A call's arguments in messages: "16 x f32 sum", "in 8 x bf16", "16 x f32 root 1", ""
  * (barrier). */

@@ -186,11 +186,13 @@ static ms_status mpi_start(void) {
 
 /* ---------------------------------------------------------------- group state */
 
-/* One rank's call as it travels between the ranks (24 bytes). */
+/* One rank's call as it travels between the ranks (72 bytes). */
 typedef struct desc {
     int32_t kind; /* ms_coll_kind, or FINISHED */
     int32_t dtype, op, root;
     int64_t count;
+    uint64_t label_hash;
+    char label[MS_COLL_LABEL];
 } desc;
 
 typedef struct mgroup {
@@ -340,13 +342,18 @@ static ms_status mpi_fail(const ms_comm *c, ms_coll_kind kind, const char *fn, i
 /* ---------------------------------------------------------------- agreement */
 
 static desc desc_of(const ms_coll *call) {
-    return (desc){.kind = call->kind, .dtype = call->dtype, .op = call->op, .root = call->root,
-                  .count = call->count};
+    desc d = {.kind = call->kind, .dtype = call->dtype, .op = call->op, .root = call->root, .count = call->count,
+              .label_hash = call->label_hash};
+    memcpy(d.label, call->label, sizeof d.label);
+    return d;
 }
 
 static ms_coll coll_of(const desc *d) {
-    return (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
-                     .root = d->root, .count = d->count};
+    ms_coll c = {.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op, .root = d->root,
+                 .count = d->count, .label_hash = d->label_hash};
+    memcpy(c.label, d->label, sizeof c.label);
+    c.label[MS_COLL_LABEL - 1] = '\0'; /* a peer's bytes */
+    return c;
 }
 
 /* MS_OK when all n descriptors agree.  Otherwise every rank returns the same status and

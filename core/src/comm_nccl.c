@@ -238,6 +238,8 @@ static ms_status share_world_id(ncclUniqueId *id) {
 typedef struct desc {
     int32_t kind, dtype, op, root;
     int64_t count;
+    uint64_t label_hash;
+    char label[MS_COLL_LABEL];
 } desc;
 
 typedef struct ngroup {
@@ -415,7 +417,8 @@ static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
 /* The group's calls, all-gathered; MS_ERR_MISMATCH (the same message on every rank) unless
  * they agree. */
 static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
-    desc mine = {call->kind, call->dtype, call->op, call->root, call->count};
+    desc mine = {call->kind, call->dtype, call->op, call->root, call->count, call->label_hash, {0}};
+    memcpy(mine.label, call->label, sizeof mine.label);
     CUDA_OK("staging the call's descriptor",
             cudaMemcpyAsync(ng->descs_dev + ng->rank, &mine, sizeof mine, cudaMemcpyHostToDevice, ng->stream));
     ms_status st = nccl_wait(c->world, &ng->comm,
@@ -429,7 +432,9 @@ static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
     for (int i = 0; i < ng->n; i++) {
         const desc *d = &ng->descs[i];
         ng->calls[i] = (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
-                                 .root = d->root, .count = d->count};
+                                 .root = d->root, .count = d->count, .label_hash = d->label_hash};
+        memcpy(ng->calls[i].label, d->label, sizeof ng->calls[i].label);
+        ng->calls[i].label[MS_COLL_LABEL - 1] = '\0';
     }
     return ms__calls_agree(c, ng->calls, sizeof(ms_coll));
 }

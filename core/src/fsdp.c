@@ -145,6 +145,7 @@ typedef struct unit_op {
     ms_op op;           /* reduce_scatter */
     ms_comm *replicate; /* borrowed: HSDP all_reduce of slice over this group, else NULL */
     ms_op replicate_op;
+    const char *label;  /* borrowed: the unit's name in messages, labelling its collectives */
     double post_divide; /* reduce: slice /= post_divide on wait */
 } unit_op;
 
@@ -785,15 +786,21 @@ static ms_status full_view(const unit_param *p, ms_tensor *flat, ms_tensor **out
 
 /* ---------------------------------------------------------------- the pending op */
 
+/* The unit's collectives carry its name: ranks on different units disagree (comm.h). */
 static ms_status run_all_gather(void *arg) {
     unit_op *op = arg;
-    return ms_all_gather(op->comm, op->flat, op->slice);
+    ms__coll_label = op->label;
+    ms_status st = ms_all_gather(op->comm, op->flat, op->slice);
+    ms__coll_label = NULL;
+    return st;
 }
 
 static ms_status run_reduce(void *arg) {
     unit_op *op = arg;
+    ms__coll_label = op->label;
     ms_status st = ms_reduce_scatter(op->comm, op->slice, op->flat, op->op);
     if (!st && op->replicate) st = ms_all_reduce(op->replicate, op->slice, op->replicate_op);
+    ms__coll_label = NULL;
     return st;
 }
 
@@ -826,7 +833,7 @@ static ms_status prepare_gather(ms_unit *u) {
     const int64_t es = ms_dtype_size(u->gather), total = u->W * u->S;
     ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->gather, false);
     if (st) return st;
-    u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat};
+    u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat, .label = unit_label(u)};
     ms_comm *group = u->op.comm;
     if (u->state == ST_KWAY) {
         const int64_t seg = ms_tensor_numel(u->kept);
@@ -1056,7 +1063,7 @@ static ms_status prepare_reduce(ms_unit *u) {
     if (st) return st;
     const divide_plan d = divide_factors(u);
     if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, u->flat, d.premul, NULL, false))) return st;
-    u->op = (unit_op){.comm = u->shard, .flat = u->flat, .op = d.rs_op, .replicate = u->replicate,
+    u->op = (unit_op){.comm = u->shard, .flat = u->flat, .label = unit_label(u), .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};
     st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
     if (!st) st = record(u, REC_REDUCE_SCATTER, u->reduce, u->W, total * es);

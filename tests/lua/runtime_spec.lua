@@ -129,6 +129,31 @@ describe("materialised plans", function()
     for rank = 0, 1 do assert.matches("rank " .. rank .. ": 20 steps ok", r.out, 1, true) end
   end)
 
+  it("refuse ranks that gather different units of the same layout, naming both", function()
+    local r = S.run({ "-n", "2", "-e", [[
+      local ms = require "moonshard"
+      local module = require "moonshard.module"
+      local root = module.new("Model")
+      local layers = root:add("layers", module.new("ModuleList"))
+      for i = 0, 1 do layers:add(tostring(i), module.new("Layer")):param("w", { 9, 6 }, "f32") end
+      local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
+        { parallelize = function(ctx)
+          ctx:fully_shard("layers.0")
+          ctx:fully_shard("layers.1")
+        end })
+      local u = require("moonshard.runtime").materialize(plan).units[ms.rank() + 1]
+      u:unshard()
+      u:wait()
+    ]] })
+    assert.equal(1, r.code)
+    for rank = 0, 1 do
+      assert.matches("[rank " .. rank .. "] (command line):13: moonshard mismatch error: unit 'layers." .. rank ..
+        "': unshard: ", r.err, 1, true)
+    end
+    assert.matches("all_gather on group [0 1]: ranks disagree: rank 0: in 30 x f32 for unit layers.0; " ..
+      "rank 1: in 30 x f32 for unit layers.1", r.err, 1, true)
+  end)
+
   it("refuses to run a plan on the wrong number of ranks", function()
     local r = S.run({ "-n", "2", "tests/lua/scripts/units.lua", "dp_shard=4" })
     assert.equal(1, r.code)
