@@ -93,18 +93,25 @@ describe("materialised plans", function()
   -- A unit's gather is queued on the rank's communication thread; a collective the script
   -- calls on the same group meanwhile (a loss all_reduce during prefetch) queues behind it,
   -- so every rank's group sees gather, then all_reduce, whichever thread gets there first.
-  local PENDING = [[
+  -- two layers of one [9, 6] f32 weight, planned on dp_shard=2 by the policy table P and
+  -- materialised: `units`, in plan order
+  local function two_layers(policy)
+    return [[
     local ms = require "moonshard"
     local module = require "moonshard.module"
     local root = module.new("Model")
     local layers = root:add("layers", module.new("ModuleList"))
     for i = 0, 1 do layers:add(tostring(i), module.new("Layer")):param("w", { 9, 6 }, "f32") end
-    local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
-      { parallelize = function(ctx)
+    local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"), ]] ..
+      policy .. [[)
+    local units = require("moonshard.runtime").materialize(plan).units
+]]
+  end
+
+  local PENDING = two_layers([[{ parallelize = function(ctx)
         ctx:fully_shard("layers.0", { mp_policy = { param_dtype = "bf16" } })
         ctx:fully_shard(ctx.model)
-      end })
-    local units = require("moonshard.runtime").materialize(plan).units
+      end }]]) .. [[
     local v = {}
     for i = 1, 54 do v[i] = i end
     units[1]:load_full(0, ms.from_table(v, "f32", { 9, 6 }))
@@ -130,18 +137,11 @@ describe("materialised plans", function()
   end)
 
   it("refuse ranks that gather different units of the same layout, naming both", function()
-    local r = S.run({ "-n", "2", "-e", [[
-      local ms = require "moonshard"
-      local module = require "moonshard.module"
-      local root = module.new("Model")
-      local layers = root:add("layers", module.new("ModuleList"))
-      for i = 0, 1 do layers:add(tostring(i), module.new("Layer")):param("w", { 9, 6 }, "f32") end
-      local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
-        { parallelize = function(ctx)
-          ctx:fully_shard("layers.0")
-          ctx:fully_shard("layers.1")
-        end })
-      local u = require("moonshard.runtime").materialize(plan).units[ms.rank() + 1]
+    local r = S.run({ "-n", "2", "-e", two_layers([[{ parallelize = function(ctx)
+        ctx:fully_shard("layers.0")
+        ctx:fully_shard("layers.1")
+      end }]]) .. [[
+      local u = units[ms.rank() + 1]
       u:unshard()
       u:wait()
     ]] })
