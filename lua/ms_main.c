@@ -91,8 +91,9 @@ static const char *usage_text =
     "                      Lua files, else the source tree this binary was built from)\n"
     "\n"
     "exit status: 1 when any rank failed or the output could not be written, 2 on a usage\n"
-    "error, else the largest integer a rank's script returned (0 when none did; 1 for one\n"
-    "outside 0..255); under MPI, each process its own rank's.\n";
+    "error, else the largest integer a rank's script returned or gave os.exit (0 when none\n"
+    "did; 1 for one outside 0..255); under MPI, each process its own rank's.  os.exit ends\n"
+    "only its rank's script: peers waiting for that rank in a collective fail at once.\n";
 
 /* ---------------------------------------------------------------- ranks */
 
@@ -180,7 +181,40 @@ static int l_print(lua_State *L) {
     return 0;
 }
 
+#define EXIT_KEY "moonshard.exit" /* registry: the sentinel os.exit raises */
+
+/* os.exit(code) in a rank's script ends that rank's script with the status, as `return code`
+ * would, by raising a sentinel that only run_rank catches (the script's pcall and xpcall
+ * pass it on): the rank then leaves its world as finished, so peers waiting in a collective
+ * fail at once instead of waiting out the timeout (under MPI the process would otherwise
+ * exit without a word to them), and the other ranks of a threads world run on. */
+static const char exit_code[] =
+    "local EXIT = ...\n"
+    "local raw_pcall, raw_xpcall, error, rawequal, type = pcall, xpcall, error, rawequal, type\n"
+    "local function pass(ok, ...)\n"
+    "  if not ok and rawequal((...), EXIT) then error(EXIT, 0) end\n"
+    "  return ok, ...\n"
+    "end\n"
+    "function pcall(f, ...) return pass(raw_pcall(f, ...)) end\n"
+    "function xpcall(f, handler, ...)\n"
+    "  return pass(raw_xpcall(f, function(e) if rawequal(e, EXIT) then return e end return handler(e) end, ...))\n"
+    "end\n"
+    "function os.exit(code)\n"
+    "  if code == nil or code == true then code = 0 elseif code == false then code = 1 end\n"
+    "  if type(code) ~= 'number' then error(\"bad argument #1 to 'exit' (number or boolean expected)\", 2) end\n"
+    "  EXIT.code = code\n"
+    "  error(EXIT, 0)\n"
+    "end\n";
+
+static bool is_exit(lua_State *L, int idx) {
+    lua_getfield(L, LUA_REGISTRYINDEX, EXIT_KEY);
+    bool exit = lua_rawequal(L, idx < 0 ? idx - 1 : idx, -1);
+    lua_pop(L, 1);
+    return exit;
+}
+
 static int traceback(lua_State *L) {
+    if (is_exit(L, 1)) return 1; /* os.exit: no error, no traceback */
     const char *msg = lua_tostring(L, 1);
     if (!msg) {
         if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
@@ -203,6 +237,12 @@ static void setup_state(lua_State *L, rank_job *job, ms_comm *world) {
         lua_rawseti(L, -2, i + 1);
     }
     lua_setglobal(L, "arg");
+    lua_newtable(L);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, EXIT_KEY);
+    if (luaL_loadbuffer(L, exit_code, sizeof exit_code - 1, "=os.exit") != LUA_OK) lua_error(L);
+    lua_insert(L, -2);
+    lua_call(L, 1, 0);
 }
 
 /* Runs the job on a fresh Lua state; returns NULL or a malloc'd error text. */
@@ -215,6 +255,10 @@ static char *run_rank(rank_job *job, ms_comm *world) {
     if (st == LUA_OK) {
         for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
         st = lua_pcall(L, job->argc, 1, 1);
+        if (st != LUA_OK && is_exit(L, -1)) { /* os.exit(code) */
+            lua_getfield(L, -1, "code");
+            st = LUA_OK;
+        }
         if (st == LUA_OK) take_exit_status(L, -1, job->rank, &job->status);
     }
     char *err = NULL;

@@ -128,6 +128,22 @@ describe("the moonshard command line", function()
     assert.equal("2\n2\n", r.out)
   end)
 
+  it("ends a rank's script at os.exit, as a return would, telling its peers at once", function()
+    local r = S.run_code(2, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"w", 2}}):group("w")
+      if ms.rank() == 1 then pcall(os.exit, 7) end -- not caught by the script's pcall
+      g:barrier()
+    ]], { MOONSHARD_TIMEOUT = "60" })
+    assert.equal(1, r.code)
+    assert.matches("rank 1 finished its script without joining barrier", r.err, 1, true)
+    assert.is_true(r.seconds < 10, "took " .. r.seconds .. " s")
+    assert.equal(7, S.run({ "-e", "os.exit(7)" }).code)
+    assert.equal(1, S.run({ "-e", "os.exit(false)" }).code)
+    local both = S.run_code(2, "os.exit(require('moonshard').rank() + 3)")
+    assert.equal(4, both.code) -- the largest, as for returned statuses
+  end)
+
   it("exits with the integer a script returned, 0 to 255, and 1 for any other", function()
     assert.equal(7, S.run({ "-e", "return 7" }).code)
     for _, v in ipairs({ "256", "-1", "300" }) do
