@@ -10,7 +10,10 @@
 local ms = require "moonshard"
 
 local rank, world = ms.rank(), ms.world_size()
-if world ~= 4 then error("run me on 4 ranks: moonshard -n 4 examples/quickstart.lua", 0) end
+if world ~= 4 then
+  error("run me on 4 ranks: " .. (ms.backend() == "threads" and "moonshard -n 4" or "mpirun -np 4 moonshard") ..
+    " examples/quickstart.lua", 0)
+end
 
 local mesh = ms.mesh({ { "dp_replicate", 2 }, { "dp_shard", 2 } })
 local shard_group = mesh:group("dp_shard")

@@ -928,26 +928,51 @@ static int u_scale_grads(lua_State *L) {
     return 1;
 }
 
-/* unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=} */
+/* Field `name` of the options table at t: a number (required, or def when absent). */
+static double opt_field_number(lua_State *L, int t, const char *fn, const char *name, bool required, double def) {
+    lua_getfield(L, t, name);
+    int ok = lua_isnumber(L, -1);
+    double v = ok ? lua_tonumber(L, -1) : def;
+    if (!ok && (required || !lua_isnil(L, -1)))
+        luaL_error(L, "moonshard invalid_argument error: %s: field '%s' is %s; expected a number", fn, name,
+                   luaL_typename(L, -1));
+    lua_pop(L, 1);
+    return v;
+}
+
+/* unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}: lr and step required */
 static int u_adamw_step(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
-    lua_getfield(L, 2, "lr");
-    lua_getfield(L, 2, "eps");
-    lua_getfield(L, 2, "weight_decay");
+    const char *fn = "adamw_step";
+    double lr = opt_field_number(L, 2, fn, "lr", true, 0);
+    double eps = opt_field_number(L, 2, fn, "eps", false, 1e-8);
+    double wd = opt_field_number(L, 2, fn, "weight_decay", false, 0.01);
     lua_getfield(L, 2, "step");
-    lua_getfield(L, 2, "betas");
+    int is_int;
+    lua_Integer step = lua_tointegerx(L, -1, &is_int);
+    if (!is_int)
+        return luaL_error(L, "moonshard invalid_argument error: %s: field 'step' is %s; expected an integer "
+                          "(the step count, from 1)", fn, lua_isnumber(L, -1) ? "not an integer" : luaL_typename(L, -1));
+    lua_pop(L, 1);
     double b1 = 0.9, b2 = 0.999;
-    if (lua_istable(L, -1)) {
-        lua_geti(L, -1, 1);
-        lua_geti(L, -2, 2);
-        b1 = luaL_checknumber(L, -2);
-        b2 = luaL_checknumber(L, -1);
+    lua_getfield(L, 2, "betas");
+    if (!lua_isnil(L, -1)) {
+        if (!lua_istable(L, -1))
+            return luaL_error(L, "moonshard invalid_argument error: %s: field 'betas' is %s; expected {beta1, beta2}",
+                              fn, luaL_typename(L, -1));
+        int betas = lua_gettop(L);
+        lua_geti(L, betas, 1);
+        lua_geti(L, betas, 2);
+        if (!lua_isnumber(L, -2) || !lua_isnumber(L, -1))
+            return luaL_error(L, "moonshard invalid_argument error: %s: field 'betas' must be two numbers "
+                              "{beta1, beta2}", fn);
+        b1 = lua_tonumber(L, -2);
+        b2 = lua_tonumber(L, -1);
         lua_pop(L, 2);
     }
-    double lr = luaL_checknumber(L, -5), eps = luaL_optnumber(L, -4, 1e-8), wd = luaL_optnumber(L, -3, 0.01);
-    int64_t step = luaL_checkinteger(L, -2);
-    CHECK(L, ms_unit_adamw_step(u, lr, b1, b2, eps, wd, step));
+    lua_pop(L, 1);
+    CHECK(L, ms_unit_adamw_step(u, lr, b1, b2, eps, wd, (int64_t)step));
     lua_settop(L, 1);
     return 1;
 }

@@ -508,7 +508,11 @@ static ms_status ew_tensor(const ms_unit *u, ms_ew_op op, ms_tensor *dst, double
 
 static ms_status check_policy_dtype(const char *unit, const char *what, int d) {
     if (d == -1 || (ms__dtype_valid((ms_dtype)d) && ms_dtype_is_float((ms_dtype)d))) return MS_OK;
-    return ms__fail(MS_ERR_DTYPE, "unit '%s': %s %d is not a floating dtype (or -1 for unset)", unit, what, d);
+    if (ms__dtype_valid((ms_dtype)d))
+        return ms__fail(MS_ERR_DTYPE, "unit '%s': %s %s is not a floating dtype", unit[0] ? unit : "<root>", what,
+                        ms_dtype_name((ms_dtype)d));
+    return ms__fail(MS_ERR_DTYPE, "unit '%s': %s %d is not a dtype (a floating ms_dtype, or -1 for unset)",
+                    unit[0] ? unit : "<root>", what, d);
 }
 
 /* The k consecutive ranks of the shard group that hold one k-way shard together. */

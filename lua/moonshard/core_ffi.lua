@@ -933,15 +933,38 @@ function unit_methods.scale_grads(self, scale)
   return self
 end
 
--- unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}.  The argument numbers
--- of bad fields are the stack slots the 5.4 binding reads them from.
+-- Field `name` of an options table: a number (required, or def when absent), as
+-- opt_field_number in ms_lua.c.
+local function field_number(o, fn, name, required, def)
+  local v = o[name]
+  local n = tonumber(v)
+  if n then return n end
+  if v == nil and not required then return def end
+  raise("moonshard invalid_argument error: %s: field '%s' is %s; expected a number", fn, name, typename(v))
+end
+
+-- unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}: lr and step required
 function unit_methods.adamw_step(self, o)
   local u = check_unit(self, 1)
   check_table(o, 2)
+  local fn = "adamw_step"
+  local lr = field_number(o, fn, "lr", true)
+  local eps, wd = field_number(o, fn, "eps", false, 1e-8), field_number(o, fn, "weight_decay", false, 0.01)
+  local step = to_integer(o.step)
+  if not step then
+    raise("moonshard invalid_argument error: %s: field 'step' is %s; expected an integer (the step count, from 1)", fn,
+      tonumber(o.step) and "not an integer" or typename(o.step))
+  end
   local b1, b2 = 0.9, 0.999
-  if type(o.betas) == "table" then b1, b2 = check_number(o.betas[1], -2), check_number(o.betas[2], -1) end
-  local lr, eps, wd = check_number(o.lr, -5), opt_number(o.eps, -4, 1e-8), opt_number(o.weight_decay, -3, 0.01)
-  local step = check_integer(o.step, -2)
+  if o.betas ~= nil then
+    if type(o.betas) ~= "table" then
+      raise("moonshard invalid_argument error: %s: field 'betas' is %s; expected {beta1, beta2}", fn, typename(o.betas))
+    end
+    b1, b2 = tonumber(o.betas[1]), tonumber(o.betas[2])
+    if not (b1 and b2) then
+      raise("moonshard invalid_argument error: %s: field 'betas' must be two numbers {beta1, beta2}", fn)
+    end
+  end
   check(C.ms_unit_adamw_step(u, lr, b1, b2, eps, wd, step))
   return self
 end

@@ -274,6 +274,10 @@ function Ctx:fully_shard(module, opts)
   local mp = opts.mp_policy or {}
   for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
     check_dtype(mp[k], "mp_policy." .. k .. " of unit " .. (display(name)))
+    if mp[k] ~= nil and not FLOAT[mp[k]] then
+      fail(string.format("mp_policy.%s of unit %s is '%s'; mixed precision takes a floating dtype " ..
+        "(f32 f16 bf16 f8e4m3 f8e5m2 f64)", k, display(name), mp[k]))
+    end
   end
   local raf = opts.reshard_after_forward
   if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then

@@ -40,9 +40,15 @@ Rank.__index = Rank
 --- materialize(plan) -> rank state {units = {...} (the plan's, then the ep-local ones), by_name = {},
 -- ep_local = {the ep-local units}}
 function M.materialize(plan)
-  local mc = plan.mesh
+  local mc = type(plan) == "table" and plan.mesh
+  if type(mc) ~= "table" or type(mc.root_axes) ~= "function" or type(plan.units) ~= "table" then
+    fail("materialize: expected a plan made by require('moonshard.plan').plan(model, mesh, policy), got " ..
+      (type(plan) == "table" and "a table without its mesh (a decoded plan JSON cannot be materialised)" or
+        tostring(plan)))
+  end
   if ms.world_size() ~= mc.world then
-    fail(string.format("the plan is for %d ranks but %d are running (moonshard -n %d)", mc.world, ms.world_size(),
+    local how = ms.backend() == "threads" and "moonshard -n %d" or "mpirun -np %d"
+    fail(string.format("the plan is for %d ranks but %d are running (" .. how .. ")", mc.world, ms.world_size(),
       mc.world))
   end
   local axes = {}

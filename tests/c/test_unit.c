@@ -970,7 +970,10 @@ static void errors(rank_ctx *c) {
     ms_unit_release(x);
     x = NULL;
     R_ERR(ms_unit_new(&x, "k3", c->world, NULL, -1, -1, 3), MS_ERR_ARG, "reshard_after_forward 3");
-    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, 1), MS_ERR_DTYPE, "param_dtype");
+    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, 1), MS_ERR_DTYPE,
+          "unit 'dt': param_dtype i32 is not a floating dtype");
+    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, -1, 42, 1), MS_ERR_DTYPE,
+          "unit 'dt': reduce_dtype 42 is not a dtype (a floating ms_dtype, or -1 for unset)");
     R_CHECK(x == NULL);
 }
 

@@ -117,6 +117,26 @@ describe("units", function()
     assert.equal("moonshard invalid_argument error: unit u has no parameter 2 (it has 2, numbered from 0)", err_of(u.param_offset, u, 2))
   end)
 
+  it("name the adamw_step field that is missing or wrong", function()
+    local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
+    u:add_param("w", { 4 }, "f32")
+    u:finalize()
+    local function field_error(o) return err_of(u.adamw_step, u, o) end
+    local E = "moonshard invalid_argument error: adamw_step: field "
+    assert.equal(E .. "'lr' is nil; expected a number", field_error({ step = 1 }))
+    assert.equal(E .. "'step' is nil; expected an integer (the step count, from 1)", field_error({ lr = 1e-3 }))
+    assert.equal(E .. "'step' is not an integer; expected an integer (the step count, from 1)",
+      field_error({ lr = 1e-3, step = 1.5 }))
+    assert.equal(E .. "'betas' is number; expected {beta1, beta2}", field_error({ lr = 1e-3, step = 1, betas = 0.9 }))
+    assert.equal(E .. "'betas' must be two numbers {beta1, beta2}", field_error({ lr = 1e-3, step = 1, betas = { 0.9 } }))
+    assert.equal(E .. "'eps' is table; expected a number", field_error({ lr = 1e-3, step = 1, eps = {} }))
+    assert.equal(u, u:adamw_step({ lr = 1e-3, step = 1, betas = { 0.8, 0.99 } }))
+    local runtime = require "moonshard.runtime"
+    assert.equal("moonshard: runtime: materialize: expected a plan made by require('moonshard.plan').plan(model, " ..
+      "mesh, policy), got a table without its mesh (a decoded plan JSON cannot be materialised)",
+      err_of(runtime.materialize, { version = 1, units = {} }))
+  end)
+
   it("choose host memory (set_cpu_offload) before their first parameter, not after", function()
     local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
     assert.equal(u, u:set_cpu_offload(false))

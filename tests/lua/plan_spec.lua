@@ -230,6 +230,8 @@ describe("shard units", function()
       "output_dtype, cast_forward_inputs)", shard_with({ mp_policy = { param_dtype = "f32", bogus = 1 } }), 1, true)
     assert.matches("fully_shard(<root>): mp_policy is bf16; expected a table",
       shard_with({ mp_policy = "bf16" }), 1, true)
+    assert.matches("mp_policy.param_dtype of unit <root> is 'i32'; mixed precision takes a floating dtype",
+      shard_with({ mp_policy = { param_dtype = "i32" } }), 1, true)
   end)
 
   it("find every trainable parameter left unowned", function()
