@@ -440,6 +440,13 @@ int main(int argc, char **argv) {
         }
     }
 run:;
+    const char *env_timeout = getenv("MOONSHARD_TIMEOUT");
+    if (!timeout && env_timeout && *env_timeout) {
+        char *end;
+        double t = strtod(env_timeout, &end);
+        if (end == env_timeout || *end || !(t > 0) || !isfinite(t))
+            return usage_error("MOONSHARD_TIMEOUT='%s' is not a finite number of seconds > 0", env_timeout);
+    }
     const char *lua_dir = getenv("MOONSHARD_LUA_DIR");
     if (lua_dir && *lua_dir) {
         char init[PATH_MAX + 32];

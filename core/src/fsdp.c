@@ -100,7 +100,7 @@ static const char *const state_name[] = {
     [ST_SHARDED] = "sharded",
     [ST_GATHERING] = "unsharding (all_gather pending; call ms_unit_wait)",
     [ST_UNSHARDED] = "unsharded",
-    [ST_KEPT] = "resharded with its unsharded parameters kept",
+    [ST_KEPT] = "resharded with its unsharded parameters kept (ms_unit_unshard makes them current again)",
     [ST_KWAY] = "resharded to a k-way shard",
     [ST_REDUCING] = "reducing (reduce_grads pending; call ms_unit_wait)",
     [ST_FAILED] = "failed",
@@ -656,6 +656,9 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
 
 ms_status ms_unit_finalize(ms_unit *u) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_finalize: unit is NULL");
+    if (u->state != ST_BUILDING && u->state != ST_FAILED)
+        return ms__fail(MS_ERR_STATE, "unit '%s': finalize: the unit is already finalized (it is %s)", unit_label(u),
+                        state_name[u->state]);
     ms_status st = check_state(u, "finalize", ST(ST_BUILDING));
     if (st) return st;
     int64_t S = 0, bytes;

@@ -909,6 +909,7 @@ static void param_offsets(rank_ctx *c) {
     int64_t empty = 0;
     check_offsets(u, spec_of, n, W, q, &empty);
     R_OK(ms_unit_finalize(u));
+    R_ERR(ms_unit_finalize(u), MS_ERR_STATE, "finalize: the unit is already finalized (it is sharded)");
     check_offsets(u, spec_of, n, W, q, &empty);
     R_ERR(ms_unit_param_offset(u, n, &(int){0}, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "no parameter");
     R_ERR(ms_unit_param_offset(u, 0, NULL, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "NULL output");
