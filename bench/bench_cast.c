@@ -8,9 +8,10 @@
  * then, for the speedup, the AVX2 and the portable cast.  7 trials, min / median / max.
  *   ratio   = (cast bytes moved / s) / (memcpy bytes moved / s)       target >= 0.75
  *   speedup = portable time / AVX2 time
- * Usage: bench_cast [MiB of source, default 64] [only pairs named like "f32->bf16"]
+ * Usage: see USAGE.
  */
 #include "bench.h"
+#include "bench_args.h"
 #include "ms_internal.h"
 
 #include <stdio.h>
@@ -18,7 +19,25 @@
 #include <string.h>
 #include <time.h>
 
-enum { TRIALS = 7 };
+#define TRIALS 7
+#define MAX_MIB 4096 /* of source */
+
+/* Bytes allocated per source byte: the source, two destinations of 4x (fp8 -> f32), and
+ * memcpy's source and destination of half the 5x moved at most. */
+#define BYTES_PER_SOURCE_BYTE 14
+
+static const char USAGE[] =
+    "usage: bench_cast [MiB] [PAIR...]\n"
+    "  ms_cast's AVX2 path against a memcpy moving the same bytes (ratio), then against the\n"
+    "  portable cast (speedup), " BENCH_STR(TRIALS) " trials interleaved; min / median / max and a summary table.\n"
+    "  MiB   source bytes of each pair in MiB, an integer 1.." BENCH_STR(MAX_MIB) " (default 64); the run\n"
+    "        allocates about " BENCH_STR(BYTES_PER_SOURCE_BYTE) "x that, which must fit in this machine's memory\n"
+    "  PAIR  only the pairs named PAIR (spaces ignored: \"f32->bf16\" or \"f32 -> bf16\" as the\n"
+    "        table prints it), else those whose name contains it (\"bf16\": every bf16 pair);\n"
+    "        pairs: f32->bf16 bf16->f32 f32->f16 f16->f32 f32->f8e4m3 f8e4m3->f32 f32->f8e5m2\n"
+    "        f8e5m2->f32 bf16->f16 f64->bf16 bf16->f8e4m3 i32->f32\n"
+    "  exit status 0 when measured (a missed target included) or without AVX2, 1 on a failure,\n"
+    "  2 on a bad argument\n";
 
 static void *xmalloc(size_t n) {
     void *p = malloc(n);
@@ -72,20 +91,58 @@ typedef struct pair {
     bool target; /* PERF.md sets the 0.75 target on it */
 } pair;
 
+static const pair pairs[] = { /* USAGE lists their names */
+    {MS_F32, MS_BF16, true},     {MS_BF16, MS_F32, true},     {MS_F32, MS_F16, true},
+    {MS_F16, MS_F32, true},      {MS_F32, MS_F8E4M3, false},  {MS_F8E4M3, MS_F32, false},
+    {MS_F32, MS_F8E5M2, false},  {MS_F8E5M2, MS_F32, false},  {MS_BF16, MS_F16, false},
+    {MS_F64, MS_BF16, false},    {MS_BF16, MS_F8E4M3, false}, {MS_I32, MS_F32, false},
+};
+enum { NPAIRS = sizeof pairs / sizeof pairs[0] };
+
+/* "f32->bf16" of pair p into buf. */
+static const char *pair_name(char *buf, size_t cap, int p) {
+    snprintf(buf, cap, "%s->%s", ms_dtype_name(pairs[p].src), ms_dtype_name(pairs[p].dst));
+    return buf;
+}
+
+/* Marks in run[] the pairs the filters f[0..nf) select (all without filters): a filter
+ * naming a pair (spaces ignored) selects it alone, else every pair whose name contains it.
+ * An unknown filter is refused with the valid names. */
+static void select_pairs(bool *run, char **f, int nf) {
+    for (int p = 0; p < NPAIRS; p++) run[p] = nf == 0;
+    for (int i = 0; i < nf; i++) {
+        char want[64], name[32];
+        size_t k = 0;
+        for (const char *c = f[i]; *c && k + 1 < sizeof want; c++)
+            if (*c != ' ') want[k++] = *c;
+        want[k] = '\0';
+        int exact = -1, found = 0;
+        for (int p = 0; p < NPAIRS; p++)
+            if (!strcmp(pair_name(name, sizeof name, p), want)) exact = p;
+        for (int p = 0; p < NPAIRS && k > 0; p++)
+            if (exact == p || (exact < 0 && strstr(pair_name(name, sizeof name, p), want))) run[p] = true, found++;
+        if (!found) {
+            char names[512] = "";
+            for (int p = 0; p < NPAIRS; p++) {
+                strcat(names, p ? " " : "");
+                strcat(names, pair_name(name, sizeof name, p));
+            }
+            bench_fail("no pair is named like '%s'; expected one of: %s (or part of a name)", f[i], names);
+        }
+    }
+}
+
 typedef struct result {
     bool skipped;
     double cast_gbs, memcpy_gbs, ratio[3], speedup;
 } result;
 
 int main(int argc, char **argv) {
-    const int64_t src_bytes = (argc > 1 ? atoll(argv[1]) : 64) << 20;
-    static const pair pairs[] = {
-        {MS_F32, MS_BF16, true},     {MS_BF16, MS_F32, true},     {MS_F32, MS_F16, true},
-        {MS_F16, MS_F32, true},      {MS_F32, MS_F8E4M3, false},  {MS_F8E4M3, MS_F32, false},
-        {MS_F32, MS_F8E5M2, false},  {MS_F8E5M2, MS_F32, false},  {MS_BF16, MS_F16, false},
-        {MS_F64, MS_BF16, false},    {MS_BF16, MS_F8E4M3, false}, {MS_I32, MS_F32, false},
-    };
-    enum { NPAIRS = sizeof pairs / sizeof pairs[0] };
+    bench_args("bench_cast", USAGE, argc, argv);
+    const int64_t src_bytes = (argc > 1 ? bench_int("MiB", argv[1], 1, MAX_MIB) : 64) << 20;
+    bool run[NPAIRS];
+    select_pairs(run, argv + 2, argc > 2 ? argc - 2 : 0);
+    bench_memory((double)BYTES_PER_SOURCE_BYTE * (double)src_bytes, "a smaller MiB");
     if (ms_cast_set_impl(MS_CAST_AVX2) != MS_OK) {
         printf("bench_cast: %s; nothing to compare\n", ms_last_error());
         return 0;
@@ -104,9 +161,7 @@ int main(int argc, char **argv) {
     double t_start = now_s();
     for (int p = 0; p < NPAIRS; p++) {
         const ms_dtype sd = pairs[p].src, dd = pairs[p].dst;
-        char name[32];
-        snprintf(name, sizeof name, "%s->%s", ms_dtype_name(sd), ms_dtype_name(dd));
-        if (argc > 2 && !strstr(name, argv[2])) {
+        if (!run[p]) {
             res[p].skipped = true;
             continue;
         }

@@ -11,10 +11,10 @@
  * Ratios are meaningful at n = 2 on this 2-core machine; n = 4 oversubscribes it and is
  * reported for scaling only.
  *
- * usage: bench_collectives [-s MiB,MiB,...] [-n ranks,ranks,...] [-t trials]
- *        defaults: -s 1,64 -n 2,4 -t 7
+ * usage: see USAGE.
  */
 #include "bench.h"
+#include "bench_args.h"
 #include "moonshard.h"
 
 #include <pthread.h>
@@ -23,7 +23,21 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_RANKS = 16, MAX_LIST = 8, MAX_TRIALS = 64 };
+#define MAX_RANKS 16
+#define MAX_LIST 8
+#define MAX_TRIALS 64
+#define MAX_MIB 1024
+
+static const char USAGE[] =
+    "usage: bench_collectives [-s MiB,...] [-n RANKS,...] [-t TRIALS]\n"
+    "  the threads backend's all_gather against n threads memcpy-ing the same bytes, its f32\n"
+    "  reduce_scatter against n threads summing n local arrays, all_reduce (busbw only), and the\n"
+    "  latency of a barrier and a 4 KiB all_reduce; collective and reference interleaved over the\n"
+    "  trials, ratios min / median / max.\n"
+    "  -s MiB,...    sizes S of the collective's whole buffer, up to " BENCH_STR(MAX_LIST) " numbers above 0, at most\n"
+    "                " BENCH_STR(MAX_MIB) " (default 1,64); rounded down to whole f32 elements divisible by RANKS\n"
+    "  -n RANKS,...  rank counts, up to " BENCH_STR(MAX_LIST) " integers 1.." BENCH_STR(MAX_RANKS) " (default 2,4)\n"
+    "  -t TRIALS     trials, an integer 1.." BENCH_STR(MAX_TRIALS) " (default 7)\n";
 
 /* ---------------------------------------------------------------- the local sum reference */
 
@@ -174,8 +188,9 @@ static void report(const bench *b, const char *name, double factor, const double
         if (ref) ratio[k] = t_b[k] / t_a[k], refbw[k] = S / t_b[k] / 1e9;
     }
     spread bw = spread_of(algbw, trials);
-    printf("%-15s n=%-2d S=%6.2f MiB  algbw %6.2f GB/s  busbw %6.2f GB/s", name, b->n, S / (1 << 20), bw.med,
-           bw.med * factor);
+    char size[32];
+    printf("%-15s n=%-2d S=%-9s  algbw %6.2f GB/s  busbw %6.2f GB/s", name, b->n, bench_bytes(size, sizeof size, S),
+           bw.med, bw.med * factor);
     if (ref) {
         spread r = spread_of(ratio, trials), rb = spread_of(refbw, trials);
         printf("  | %-9s %6.2f GB/s | ratio min %.3f med %.3f max %.3f", ref, rb.med, r.min, r.med, r.max);
@@ -250,46 +265,38 @@ static void run_latency(int n, int trials) {
 
 /* ---------------------------------------------------------------- main */
 
-/* "1,64" -> {1, 64}; returns the count. */
-static int parse_list(const char *s, double *v) {
-    int k = 0;
-    for (char *end; *s && k < MAX_LIST; s = *end ? end + 1 : end) {
-        v[k++] = strtod(s, &end);
-        if (end == s || (*end && *end != ',')) return -1;
-    }
-    return k;
-}
-
-static void usage(void) {
-    fprintf(stderr, "usage: bench_collectives [-s MiB,MiB,...] [-n ranks,ranks,...] [-t trials]\n"
-                    "       defaults: -s 1,64 -n 2,4 -t 7; ranks 1..%d, trials 1..%d\n",
-            MAX_RANKS, MAX_TRIALS);
-    exit(2);
-}
+/* S of MiB at n ranks: whole f32 elements divisible by n. */
+static int64_t size_bytes(double mib, int n) { return (int64_t)(mib * (1 << 20)) / (4 * n) * (4 * n); }
 
 int main(int argc, char **argv) {
     double sizes[MAX_LIST] = {1, 64}, ranks[MAX_LIST] = {2, 4};
     int nsizes = 2, nranks = 2, trials = 7;
+    bench_args("bench_collectives", USAGE, argc, argv);
     for (int i = 1; i < argc; i++) {
-        if (i + 1 >= argc) usage();
-        if (!strcmp(argv[i], "-s")) nsizes = parse_list(argv[++i], sizes);
-        else if (!strcmp(argv[i], "-n")) nranks = parse_list(argv[++i], ranks);
-        else if (!strcmp(argv[i], "-t")) trials = atoi(argv[++i]);
-        else usage();
+        const char *opt = argv[i];
+        if (!strcmp(opt, "-s"))
+            nsizes = bench_list(opt, bench_value(argc, argv, &i), sizes, MAX_LIST, 0, MAX_MIB, false);
+        else if (!strcmp(opt, "-n"))
+            nranks = bench_list(opt, bench_value(argc, argv, &i), ranks, MAX_LIST, 1, MAX_RANKS, true);
+        else if (!strcmp(opt, "-t")) trials = (int)bench_int(opt, bench_value(argc, argv, &i), 1, MAX_TRIALS);
+        else bench_fail("unknown argument '%s'; expected -s, -n or -t", opt);
     }
-    if (nsizes < 1 || nranks < 1 || trials < 1 || trials > MAX_TRIALS) usage();
+    double most = 0; /* bytes of the largest run: per rank 2 S + 2 S/n */
     for (int i = 0; i < nranks; i++)
-        if (ranks[i] < 1 || ranks[i] > MAX_RANKS) usage();
+        for (int k = 0; k < nsizes; k++) {
+            const int n = (int)ranks[i];
+            const int64_t bytes = size_bytes(sizes[k], n);
+            if (bytes <= 0)
+                bench_fail("-s %g MiB holds no f32 element per rank at n = %d: expected at least %d bytes",
+                           sizes[k], n, 4 * n);
+            if (2.0 * (n + 1) * (double)bytes > most) most = 2.0 * (n + 1) * (double)bytes;
+        }
+    bench_memory(most, "smaller -s sizes or -n counts");
 
     printf("moonshard %s threads backend; %d trials, reference and collective interleaved\n", ms_version(), trials);
     for (int i = 0; i < nranks; i++) {
         int n = (int)ranks[i];
-        for (int k = 0; k < nsizes; k++) {
-            /* S rounded to whole f32 elements divisible by n */
-            int64_t bytes = (int64_t)(sizes[k] * (1 << 20)) / (4 * n) * (4 * n);
-            if (bytes <= 0) usage();
-            run_size(n, bytes, trials);
-        }
+        for (int k = 0; k < nsizes; k++) run_size(n, size_bytes(sizes[k], n), trials);
         run_latency(n, trials);
     }
     return 0;

@@ -9,9 +9,10 @@
  * clock times the device work (kernel launch overhead is microseconds against
  * milliseconds).
  *   fraction = (cast bytes moved / s) / (copy bytes moved / s)
- * Usage: bench_cuda [log2 elements, default 28].  Exits 77 without a CUDA device.
+ * Usage: see USAGE.  Exits 77 without a CUDA device.
  */
 #include "bench.h"
+#include "bench_args.h"
 #include "moonshard.h"
 
 #include <stdio.h>
@@ -19,7 +20,16 @@
 #include <string.h>
 #include <time.h>
 
-enum { TRIALS = 7 };
+#define TRIALS 7
+
+static const char USAGE[] =
+    "usage: bench_cuda [LOG2]\n"
+    "  casts f32 <-> bf16 / f16 / f8e4m3 / f8e5m2 on cuda:0 against a device-to-device copy of\n"
+    "  the same bytes, " BENCH_STR(TRIALS) " trials interleaved: GB/s and the fraction of the copy's bandwidth\n"
+    "  min / median / max.\n"
+    "  LOG2  log2 of the elements of each cast, an integer 10..32 (default 28: 1 GiB of f32)\n"
+    "  exit status 0 when measured, 77 without a CUDA device (skipped), 1 on a failure, 2 on a\n"
+    "  bad argument\n";
 
 static void check(ms_status st) {
     if (st != MS_OK) {
@@ -42,15 +52,13 @@ static double time_copy(ms_tensor *dst, const ms_tensor *src) {
 }
 
 int main(int argc, char **argv) {
+    bench_args("bench_cuda", USAGE, argc, argv);
+    if (argc > 2) bench_fail("unexpected argument '%s'; expected at most LOG2", argv[2]);
+    const int lg = argc > 1 ? (int)bench_int("LOG2", argv[1], 10, 32) : 28;
     int ndev = 0;
     if (ms_cuda_device_count(&ndev) != MS_OK) {
         printf("bench_cuda: skipped: %s\n", ms_last_error());
         return 77;
-    }
-    const int lg = argc > 1 ? atoi(argv[1]) : 28;
-    if (lg < 10 || lg > 32) {
-        fprintf(stderr, "bench_cuda: log2 elements must be 10..32, got %s\n", argv[1]);
-        return 2;
     }
     const int64_t n = (int64_t)1 << lg;
     const ms_dtype narrow[] = {MS_BF16, MS_F16, MS_F8E4M3, MS_F8E5M2};

@@ -17,17 +17,56 @@
  * Run on 2 ranks for ratios on this 2-core machine (4 oversubscribe it):
  *
  *   mpirun --allow-run-as-root -np 2 build/bench/bench_mpi [-s MiB,MiB,...] [-t trials]
- *   defaults: -s 1,64 -t 7
+ *   defaults: -s 1,64 -t 7; usage: see USAGE
  */
 #include "bench.h"
+#include "bench_args.h"
 #include "moonshard.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+#define MAX_LIST 8
+#define MAX_TRIALS 64
+#define MAX_MIB 1024
+
+static const char USAGE[] =
+    "usage: mpirun --allow-run-as-root -np 2 bench_mpi [-s MiB,...] [-t TRIALS]\n"
+    "  moonshard's MPI backend against OpenMPI's MPI_Allgather, MPI_Reduce_scatter_block and\n"
+    "  MPI_Allreduce on the same buffers and ranks, a bf16 reduce_scatter (busbw only), and the\n"
+    "  latency of a 64 B all_gather, a 4 KiB all_reduce and a barrier; the two sides interleaved,\n"
+    "  ratios t(OpenMPI) / t(moonshard) min / median / max.  Needs 2 or more ranks; 2 on a\n"
+    "  2-core machine (more oversubscribe it: scaling only).\n"
+    "  -s MiB,...  sizes S of the collective's whole buffer, up to " BENCH_STR(MAX_LIST) " numbers above 0, at most\n"
+    "              " BENCH_STR(MAX_MIB) " (default 1,64); rounded down to a multiple of 64 B x ranks\n"
+    "  -t TRIALS   trials, an integer 1.." BENCH_STR(MAX_TRIALS) " (default 7)\n";
+
+/* The command line into sizes[] (MiB; returns their count) and *trials. */
+static int parse_args(int argc, char **argv, double *sizes, int *trials) {
+    const char *r = getenv("OMPI_COMM_WORLD_RANK"); /* MPI is not started yet: under mpirun */
+    if (!r) r = getenv("PMI_RANK");                 /* only the first rank speaks */
+    bench_quiet = r && strcmp(r, "0");
+    bench_args("bench_mpi", USAGE, argc, argv);
+    int nsizes = 2;
+    sizes[0] = 1, sizes[1] = 64, *trials = 7;
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (!strcmp(opt, "-s"))
+            nsizes = bench_list(opt, bench_value(argc, argv, &i), sizes, MAX_LIST, 0, MAX_MIB, false);
+        else if (!strcmp(opt, "-t")) *trials = (int)bench_int(opt, bench_value(argc, argv, &i), 1, MAX_TRIALS);
+        else bench_fail("unknown argument '%s'; expected -s or -t", opt);
+    }
+    return nsizes;
+}
 
 #ifndef MOONSHARD_HAVE_MPI
 
-int main(void) {
+int main(int argc, char **argv) {
+    double sizes[MAX_LIST];
+    int trials;
+    parse_args(argc, argv, sizes, &trials);
     printf("bench_mpi: moonshard was built without MPI; nothing to measure\n");
     return 0;
 }
@@ -35,11 +74,6 @@ int main(void) {
 #else
 
 #include <mpi.h>
-
-#include <stdbool.h>
-#include <string.h>
-
-enum { MAX_LIST = 8, MAX_TRIALS = 64 };
 
 static int rank, nranks;
 
@@ -203,12 +237,12 @@ static void bench_op(ms_comm *c, bufs *b, op o, int trials, bool print_size) {
     sizes_of(b, o, &S, &factor);
     double mo = median(ours, trials), mr = pair ? median(ref, trials) : 0;
     char size[32] = "";
-    if (print_size) snprintf(size, sizeof size, "%g MiB", (double)b->S / (1 << 20));
+    if (print_size) bench_bytes(size, sizeof size, (double)b->S);
     if (small) {
-        printf("%-8s %-20s %10.1f us %22s", "", op_name[o], mo * 1e6, "");
+        printf("%-9s %-20s %10.1f us %22s", "", op_name[o], mo * 1e6, "");
         if (pair) printf(" %10.1f us %19s", mr * 1e6, "");
     } else {
-        printf("%-8s %-20s %7.2f GB/s busbw %6.2f", size, op_name[o], S / mo / 1e9, S * factor / mo / 1e9);
+        printf("%-9s %-20s %7.2f GB/s busbw %6.2f", size, op_name[o], S / mo / 1e9, S * factor / mo / 1e9);
         if (pair) printf("   %7.2f GB/s busbw %6.2f", S / mr / 1e9, S * factor / mr / 1e9);
         else printf("   %28s", "(no bf16 in MPI)");
     }
@@ -223,37 +257,33 @@ static void bench_op(ms_comm *c, bufs *b, op o, int trials, bool print_size) {
     fflush(stdout);
 }
 
-static int parse_list(const char *s, double *out) {
-    int n = 0;
-    while (*s && n < MAX_LIST) {
-        char *end;
-        out[n++] = strtod(s, &end);
-        if (end == s) return -1;
-        s = *end == ',' ? end + 1 : end;
-    }
-    return n;
-}
+/* S of MiB at nranks ranks: whole 64-byte chunks per rank. */
+static int64_t size_bytes(double mib) { return (int64_t)(mib * (1 << 20)) / (64 * nranks) * (64 * nranks); }
 
 int main(int argc, char **argv) {
-    double sizes[MAX_LIST] = {1, 64};
-    int nsizes = 2, trials = 7;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "-s") == 0 && i + 1 < argc) nsizes = parse_list(argv[++i], sizes);
-        else if (strcmp(argv[i], "-t") == 0 && i + 1 < argc) trials = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "usage: bench_mpi [-s MiB,MiB,...] [-t trials]\n");
-            return 2;
-        }
-    }
-    if (nsizes < 1 || trials < 1 || trials > MAX_TRIALS) {
-        fprintf(stderr, "bench_mpi: bad -s or -t\n");
-        return 2;
-    }
+    double sizes[MAX_LIST];
+    int trials;
+    const int nsizes = parse_args(argc, argv, sizes, &trials);
     ms_world *w = NULL;
     ms_comm *c = NULL;
     must(ms_mpi_world_new(&w, 0), "mpi_world_new"); /* initialises MPI */
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+    bench_quiet = rank != 0;
+    /* every rank sees the same nranks and sizes, so all refuse alike */
+    if (nranks < 2) {
+        char cmd[512] = "";
+        for (int i = 0; i < argc; i++) snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " %s", argv[i]);
+        ms_world_release(w);
+        bench_fail("needs 2 or more ranks, this run has %d; launch it with mpirun, for 2 ranks:\n"
+                   "  mpirun --allow-run-as-root -np 2%s", nranks, cmd);
+    }
+    for (int k = 0; k < nsizes; k++)
+        if (size_bytes(sizes[k]) <= 0) {
+            ms_world_release(w);
+            bench_fail("-s %g MiB is below 64 B per rank at %d ranks: expected at least %d bytes", sizes[k], nranks,
+                       64 * nranks);
+        }
     must(ms_world_comm(w, rank, &c), "world_comm");
     int level;
     MPI_Query_thread(&level);
@@ -261,14 +291,11 @@ int main(int argc, char **argv) {
         printf("bench_mpi: %d ranks, %d trials; ratio = t(OpenMPI) / t(moonshard): above 1 moonshard is faster%s\n",
                nranks, trials, nranks > 2 ? " (oversubscribed on 2 cores: scaling only)" : "");
         printf("MPI thread level %s\n", level == MPI_THREAD_MULTIPLE ? "MPI_THREAD_MULTIPLE" : "below MULTIPLE");
-        printf("%-8s %-20s %-27s   %-27s   %-19s\n", "size", "collective", "moonshard", "OpenMPI",
+        printf("%-9s %-20s %-27s   %-27s   %-19s\n", "size", "collective", "moonshard", "OpenMPI",
                "ratio min/med/max");
     }
     for (int k = 0; k < nsizes; k++) {
-        bufs b = {0};
-        /* S: whole f32 chunks per rank, 64-byte multiples */
-        b.S = (int64_t)(sizes[k] * (1 << 20)) / (64 * nranks) * (64 * nranks);
-        if (b.S <= 0) b.S = 64 * nranks;
+        bufs b = {.S = size_bytes(sizes[k])};
         b.ag_out = zeros(b.S, MS_F32);
         b.ag_in = zeros(b.S / nranks, MS_F32);
         b.rs_in = zeros(b.S, MS_F32);

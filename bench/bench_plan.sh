@@ -6,9 +6,31 @@
 # When moonshard-jit was built, the same under LuaJIT, interleaved with the Lua 5.4 runs,
 # and LuaJIT against Lua 5.4: the per-trial ratio of the plan itself.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-build=${1:-build}
+usage() {
+  cat <<'EOF'
+usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS]
+  the whole process planning DeepSeek-V3 (inkling2 policy, dp_shard=4096 ep=64) against
+  interpreter start-up (moonshard -e ''), interleaved over the trials; min / median / max,
+  the plan itself (median plan - median start-up) against its target of 0.5 s, and LuaJIT
+  against Lua 5.4 when moonshard-jit was built.  A median of an even count is the mean of
+  the middle two.
+  BUILD_DIR  the build folder holding moonshard, from the current folder (default: the
+             repository's build)
+  TRIALS     trials, an integer 1..1000 (default 7)
+EOF
+}
+# refuses a bad argument: the message, the synopsis, exit status 2
+fail() { printf 'bench_plan.sh: %s\n' "$1" >&2; usage | head -1 >&2; exit 2; }
+for arg in "$@"; do [[ $arg = -h || $arg = --help ]] && { usage; exit 0; }; done
+[ $# -le 2 ] || fail "unexpected argument '$3'; expected at most BUILD_DIR and TRIALS"
 trials=${2:-7}
+[[ $trials =~ ^[0-9]{1,4}$ ]] && ((10#$trials >= 1 && 10#$trials <= 1000)) ||
+  fail "TRIALS wants an integer 1..1000, got '$trials'"
+trials=$((10#$trials))
+build=${1:-$(dirname "$0")/../build}
+[ -x "$build/moonshard" ] || fail "no moonshard in '$build': expected a build folder (cmake --build it first)"
+build=$(cd "$build" && pwd) # before the cd below
+cd "$(dirname "$0")/.."
 bins=("$build/moonshard")
 [ -x "$build/moonshard-jit" ] && bins+=("$build/moonshard-jit")
 plan=(plan --config examples/configs/deepseek_v3.json --mesh "dp_shard=4096,ep=64" --policy policies/inkling2)
@@ -29,8 +51,10 @@ for ((k = 0; k < trials; k++)); do
 done
 # of the space-separated numbers on stdin
 sorted() { tr ' ' '\n' | grep . | sort -g; }
-stats() { sorted | awk '{a[NR]=$1} END {printf "min %.3f s  median %.3f s  max %.3f s", a[1], a[int((NR+1)/2)], a[NR]}'; }
-median() { sorted | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# awk: a[1..NR] the sorted numbers, med their median (the mean of the middle two for even NR)
+spread='{a[NR]=$1} END {med = NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2;'
+stats() { sorted | awk "$spread"' printf "min %.3f s  median %.3f s  max %.3f s", a[1], med, a[NR]}'; }
+median() { sorted | awk "$spread"' print med}'; }
 
 echo "moonshard plan, DeepSeek-V3 (671B), inkling2 policy, dp_shard=4096 ep=64; $trials trials interleaved"
 for i in "${!bins[@]}"; do
@@ -46,7 +70,7 @@ if [ "${#bins[@]}" = 2 ]; then
   read -ra jit <<<"${selfs[1]}"
   ratios=""
   for ((k = 0; k < trials; k++)); do ratios+="$(awk -v a="${lua54[k]}" -v b="${jit[k]}" 'BEGIN {print b / a}') "; done
-  sorted <<<"$ratios" | awk '{a[NR]=$1} END {
+  sorted <<<"$ratios" | awk "$spread"'
     printf "LuaJIT / Lua 5.4, the plan itself, per trial: min %.2fx  median %.2fx  max %.2fx (below 1: LuaJIT faster)\n",
-      a[1], a[int((NR+1)/2)], a[NR] }'
+      a[1], med, a[NR] }'
 fi

@@ -27,12 +27,13 @@
  * print min / median / max.  PERF.md: on 2 cores, n = 2 with its 2 communication threads
  * already oversubscribes; figures at n = 4 are for scaling only.
  *
- * usage: bench_unit [-n ranks] [-u units] [-m MiB per unit] [-k fma per element] [-t trials]
- *        defaults: -n 2 -u 4 -m 4 -k 48 -t 7
+ * usage: see USAGE.
  */
 #include "bench.h"
+#include "bench_args.h"
 #include "moonshard.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -40,7 +41,23 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_RANKS = 16, MAX_UNITS = 64, MAX_TRIALS = 64, COLS = 1024, KBLOCK = 256 };
+enum { COLS = 1024, KBLOCK = 256 };
+#define MAX_RANKS 16
+#define MAX_UNITS 64
+#define MAX_TRIALS 64
+#define MAX_MIB 1024 /* per unit */
+
+static const char USAGE[] =
+    "usage: bench_unit [-n RANKS] [-u UNITS] [-m MiB] [-k FMA] [-t TRIALS]\n"
+    "  a training step through shard units (prefetch off and on) against the same collectives\n"
+    "  and kernel called by hand, and the kernels alone, on the threads backend, interleaved over\n"
+    "  the trials; min / median / max of the step times, the ratios and the share prefetch hides.\n"
+    "  -n RANKS   ranks, an integer 1.." BENCH_STR(MAX_RANKS) " (default 2)\n"
+    "  -u UNITS   units of one f32 parameter each, an integer 1.." BENCH_STR(MAX_UNITS) " (default 4)\n"
+    "  -m MiB     each parameter's size, a number above 0, at most " BENCH_STR(MAX_MIB) " (default 4); rounded\n"
+    "             down to whole rows of 4 KiB, a multiple of RANKS rows and at least RANKS\n"
+    "  -k FMA     dependent FMAs per element in the stand-in kernel, an integer >= 0 (default 48)\n"
+    "  -t TRIALS  trials, an integer 1.." BENCH_STR(MAX_TRIALS) " (default 7)\n";
 
 static void must(ms_status st, const char *what) {
     if (st == MS_OK) return;
@@ -229,7 +246,7 @@ static void run(const config *cfg) {
         for (int j = 0; j < RUN_KINDS; j++) ms[j][k] = 1e3 * res->t[j][k];
     }
     char b[4][128];
-    printf("n=%d units=%d param=%.1f MiB k=%d\n", cfg->n, cfg->units, (double)cfg->rows * COLS * 4 / (1 << 20),
+    printf("n=%d units=%d param=%.6g MiB k=%d\n", cfg->n, cfg->units, (double)cfg->rows * COLS * 4 / (1 << 20),
            cfg->k);
     printf("  step ms   hand %s | prefetch off %s | on %s | compute only %s\n",
            spread(b[0], sizeof b[0], ms[RUN_HAND], T, "%.2f"), spread(b[1], sizeof b[1], ms[RUN_OFF], T, "%.2f"),
@@ -243,25 +260,22 @@ static void run(const config *cfg) {
 int main(int argc, char **argv) {
     config cfg = {.n = 2, .units = 4, .k = 48, .trials = 7};
     double mib = 4;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "-n")) cfg.n = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "-u")) cfg.units = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "-m")) mib = atof(argv[i + 1]);
-        else if (!strcmp(argv[i], "-k")) cfg.k = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "-t")) cfg.trials = atoi(argv[i + 1]);
-        else {
-            fprintf(stderr, "usage: bench_unit [-n ranks] [-u units] [-m MiB per unit] [-k fma per element] [-t trials]\n");
-            return 2;
-        }
-    }
-    if (cfg.n < 1 || cfg.n > MAX_RANKS || cfg.units < 1 || cfg.units > MAX_UNITS || cfg.trials < 1 ||
-        cfg.trials > MAX_TRIALS || cfg.k < 0 || mib <= 0) {
-        fprintf(stderr, "bench_unit: -n 1..%d, -u 1..%d, -t 1..%d, -k >= 0, -m > 0\n", MAX_RANKS, MAX_UNITS,
-                MAX_TRIALS);
-        return 2;
+    bench_args("bench_unit", USAGE, argc, argv);
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (!strcmp(opt, "-n")) cfg.n = (int)bench_int(opt, bench_value(argc, argv, &i), 1, MAX_RANKS);
+        else if (!strcmp(opt, "-u")) cfg.units = (int)bench_int(opt, bench_value(argc, argv, &i), 1, MAX_UNITS);
+        else if (!strcmp(opt, "-m")) mib = bench_real(opt, bench_value(argc, argv, &i), 0, MAX_MIB);
+        else if (!strcmp(opt, "-k")) cfg.k = (int)bench_int(opt, bench_value(argc, argv, &i), 0, INT_MAX);
+        else if (!strcmp(opt, "-t")) cfg.trials = (int)bench_int(opt, bench_value(argc, argv, &i), 1, MAX_TRIALS);
+        else bench_fail("unknown argument '%s'; expected -n, -u, -m, -k or -t", opt);
     }
     int64_t rows = (int64_t)(mib * (1 << 20) / 4 / COLS);
     cfg.rows = rows / cfg.n * cfg.n > 0 ? rows / cfg.n * cfg.n : cfg.n;
+    /* per rank and unit about 6 parameters' bytes (measured: both sides' buffers, the units'
+     * cache), and the activations */
+    const double param = (double)cfg.rows * COLS * 4;
+    bench_memory(cfg.n * (6.0 * cfg.units + 1) * param, "a smaller -m, -u or -n");
     run(&cfg);
     return 0;
 }
