@@ -249,6 +249,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         while (k < sizeof valued / sizeof valued[0] && strcmp(a, valued[k].flag)) k++;
         if (k < sizeof valued / sizeof valued[0]) {
             if (i + 1 == argc) return usage_error("%s needs a value", a);
+            if (*valued[k].value) return usage_error("%s given twice", a);
             *valued[k].value = argv[++i];
         } else if (!strcmp(a, "--records")) {
             o->records = 1;

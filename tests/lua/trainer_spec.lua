@@ -286,6 +286,7 @@ describe("moe_trainer", function()
         ":2: expected 'KEY = N' with N a positive integer, got 'num_layers = two'" },
       { "an empty --save", { "-n", "1", "--mesh", "dp_shard=1", "--save", "" }, "%-%-save: expected a file name, got ''" },
       { "an unknown flag", { "-n", "1", "--mesh", "dp_shard=1", "--frobnicate" }, "unexpected argument '%-%-frobnicate'" },
+      { "an option given twice", { "-n", "1", "--mesh", "dp_shard=1", "--seed", "2" }, "%-%-seed given twice" },
     }) do
       it("exits 2 on " .. case[1], function()
         local r = trainer(with(case[2]))
