@@ -218,7 +218,7 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     if (!out || !world) return ms__fail(MS_ERR_ARG, "interp_new: NULL argument");
     *out = NULL;
     ms_interp *in = calloc(1, sizeof *in);
-    if (!in || !(in->L = luaL_newstate())) {
+    if (!in || !(in->L = ms_lua_newstate())) {
         free(in);
         return ms__fail(MS_ERR_OOM, "interp_new: cannot create a Lua state");
     }
@@ -226,7 +226,7 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     ms_status st = run(in->L, p_setup, &a);
     if (st) {
         ms__wrap(st, "interp_new");
-        lua_close(in->L);
+        ms_lua_close(in->L);
         free(in);
         return st;
     }
@@ -238,7 +238,7 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
 
 void ms_interp_free(ms_interp *in) {
     if (!in) return;
-    lua_close(in->L); /* releases the units and tensors the state holds */
+    ms_lua_close(in->L); /* releases the units and tensors the state holds */
     for (int i = 0; i < in->nunits; i++) ms_unit_release(in->units[i]); /* then the host's */
     free(in->units);
     ms_comm_release(in->world);

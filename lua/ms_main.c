@@ -31,9 +31,15 @@
 #include <luajit.h>
 #define PROG "moonshard-jit"
 #define INTERPRETER LUAJIT_VERSION
+/* LuaJIT (GC64) takes no allocator of the host's: its states keep LuaJIT's own */
+#define NEWSTATE() luaL_newstate()
+#define CLOSESTATE(L) lua_close(L)
 #else
 #define PROG "moonshard"
 #define INTERPRETER LUA_RELEASE
+/* the counting allocator, whose limit the policy sandbox sets (core.memory_cap) */
+#define NEWSTATE() ms_lua_newstate()
+#define CLOSESTATE(L) ms_lua_close(L)
 #endif
 
 #ifdef MOONSHARD_HAVE_MPI
@@ -247,7 +253,7 @@ static void setup_state(lua_State *L, rank_job *job, ms_comm *world) {
 
 /* Runs the job on a fresh Lua state; returns NULL or a malloc'd error text. */
 static char *run_rank(rank_job *job, ms_comm *world) {
-    lua_State *L = luaL_newstate();
+    lua_State *L = NEWSTATE();
     if (!L) return strdup("cannot create a Lua state (out of memory)");
     setup_state(L, job, world);
     lua_pushcfunction(L, traceback);
@@ -266,7 +272,7 @@ static char *run_rank(rank_job *job, ms_comm *world) {
         const char *msg = lua_tostring(L, -1);
         err = strdup(msg ? msg : "(error object is not a string)");
     }
-    lua_close(L); /* releases the rank's tensors, meshes and groups */
+    CLOSESTATE(L); /* releases the rank's tensors, meshes and groups */
     return err;
 }
 

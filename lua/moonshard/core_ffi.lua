@@ -389,6 +389,12 @@ function M.world_size() return C.ms_comm_size(get_world()) end
 
 function M.backend() return ffi.string(C.ms_comm_backend(get_world())) end
 
+-- memory_cap(bytes | nil) -> false: LuaJIT (GC64) takes no allocator of the host's, so
+-- there is no hard memory cap to set (the Lua 5.4 binding's sets one); memory_refused()
+-- -> false likewise.
+function M.memory_cap() return false end
+function M.memory_refused() return false end
+
 -- device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu"
 function M.device()
   if M.backend() == "nccl" then return "cuda:" .. C.ms_nccl_device() end

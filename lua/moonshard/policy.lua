@@ -13,7 +13,10 @@
 -- budget, and string.rep, table.concat, gsub and format check their results against the
 -- memory cap.  An error leaves a call as a string naming the policy file.
 --
--- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.
+-- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.  Where the binding's
+-- counting allocator runs the state (the moonshard executable and embedding hosts under Lua
+-- 5.4: core.memory_cap), the memory cap is also a hard limit on what Lua may allocate during
+-- a call, and the hook checks every STEP instructions instead of more often near the cap.
 
 local M = {}
 
@@ -35,6 +38,19 @@ local unpack = table.unpack or unpack
 -- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
 local rawlen = rawlen or function(v) return #v end
 local jit = rawget(_G, "jit")
+
+-- The hard memory cap: core.memory_cap(bytes) lets Lua allocate `bytes` more than it holds
+-- now and refuses more ("not enough memory"), core.memory_cap(nil) lifts it; both return
+-- false when the state does not run on the binding's counting allocator (a stock lua5.4
+-- loading core.so).  core.memory_refused() says the cap refused an allocation since it was
+-- set.  LuaJIT (GC64) takes no allocator of the host's: never there.
+local memory_cap, memory_refused
+if _VERSION == "Lua 5.4" and not jit then
+  local ok, core = pcall(require, "moonshard.core")
+  if ok and type(core) == "table" and type(core.memory_cap) == "function" and core.memory_cap(nil) then
+    memory_cap, memory_refused = core.memory_cap, core.memory_refused
+  end
+end
 
 local function pack(...) return { n = select("#", ...), ... } end
 
@@ -118,7 +134,7 @@ local function hook()
     -- Set again even when unchanged: Lua 5.4 counts the hook's own instructions, and
     -- setting restarts the count (LuaJIT does not count them).
     if not b.tripped then
-      b.step = step_for(b.cfg, grown)
+      if not b.hard then b.step = step_for(b.cfg, grown) end
       debug.sethook(hook, "", b.step)
     end
   end
@@ -215,6 +231,9 @@ local function stringify(e)
 end
 
 function finish(b, saved, ok, ...)
+  -- the hard cap first: what follows must not run into it
+  local refused = b.hard and memory_refused()
+  if b.hard then memory_cap(nil) end
   if type(saved.hook) == "function" then
     debug.sethook(saved.hook, saved.mask, saved.count)
   else
@@ -233,6 +252,10 @@ function finish(b, saved, ok, ...)
                          b.file, b.cfg.memory_mb, grown / 1024)
     end
   end
+  -- the hard cap refused an allocation, and Lua raised (no message handler runs for it,
+  -- so no line is known).  A refusal that Lua's emergency collection then made room for
+  -- raised nothing: hence both.
+  if not b.tripped and not ok and refused and ... == "not enough memory" then b.tripped = b.cap_error end
   if b.tripped then error(b.tripped, 0) end
   if not ok then
     local e = ...
@@ -270,7 +293,13 @@ function run(cfg, fn, ...)
   budget = b
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
   string_mt.__index = cfg.string
-  b.step = step_for(cfg, 0)
+  if memory_cap then
+    -- built now: under the cap, there may be no memory to build it when it is needed
+    b.cap_error = format("moonshard: policy %s: memory cap of %g MiB exceeded", b.file, cfg.memory_mb)
+    b.hard = memory_cap(cfg.memory_kb * 1024)
+  end
+  -- with the hard cap, `..` cannot take a string past it between two checks
+  b.step = b.hard and cfg.step or step_for(cfg, 0)
   debug.sethook(hook, "", b.step)
   return finish(b, saved, xpcall(fn, stringify, ...))
 end
@@ -284,10 +313,17 @@ local function sandbox_error(fmt, ...)
   error(format("moonshard: policy %s%s: " .. fmt, file, line and ":" .. line or "", ...), 0)
 end
 
--- Rethrows a tripped budget that a policy's pcall/xpcall caught; otherwise passes results.
-local function rethrow_budget(...)
-  if budget and budget.tripped then error(budget.tripped, 0) end
-  return ...
+-- Rethrows a tripped budget that a policy's pcall/xpcall caught, and trips it when they
+-- caught the hard cap's refusal; otherwise passes results.
+local function rethrow_budget(ok, ...)
+  local b = budget
+  if b then
+    if not b.tripped and not ok and b.hard and ... == "not enough memory" and memory_refused() then
+      b.tripped = b.cap_error
+    end
+    if b.tripped then error(b.tripped, 0) end
+  end
+  return ok, ...
 end
 
 -- ---------------------------------------------------------------- what runs in C
