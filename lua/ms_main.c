@@ -243,6 +243,11 @@ static void setup_state(lua_State *L, rank_job *job, ms_comm *world) {
         lua_rawseti(L, -2, i + 1);
     }
     lua_setglobal(L, "arg");
+    /* Lua's own xpcall, for the policy sandbox's budget (policy.lua): between a policy
+     * call's return and the restore of its hook no Lua frame may run, and the wrapper
+     * below would be one. */
+    lua_getglobal(L, "xpcall");
+    lua_setfield(L, LUA_REGISTRYINDEX, "moonshard.raw_xpcall");
     lua_newtable(L);
     lua_pushvalue(L, -1);
     lua_setfield(L, LUA_REGISTRYINDEX, EXIT_KEY);

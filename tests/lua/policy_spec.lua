@@ -312,6 +312,21 @@ describe("the budget", function()
     assert.equal(mem_error .. " (string.rep of 1000000000 bytes) at line " .. line_of(file, "rep = function"), got.rep)
   end)
 
+  -- The executables wrap pcall and xpcall (os.exit ends a rank's script through them): a
+  -- tripped call must still leave the budget behind it, under both interpreters.
+  it("leaves no tripped budget behind in the executables, whose pcall and xpcall are wrapped", function()
+    local file = F .. "evil/memory.lua"
+    local code = 'local p = require("moonshard.policy").load("' .. file .. '", { memory_mb = 16, instructions = 1e9 })'
+                 .. ' io.write(tostring(select(2, pcall(p.main.rep_sep))), "\\n")'
+                 .. ' io.write(tostring(select(2, pcall(p.main.small))), "\\n", tostring(select(2, pcall(tostring, 2))))'
+    for _, bin in ipairs({ S.lua54_bin, S.jit_bin }) do
+      local r = S.run_with(bin, { "-e", code })
+      assert.equal(0, r.code, r.err)
+      assert.equal(mem_error .. " (string.rep of 299999997 bytes) at line " .. line_of(file, "rep_sep =") ..
+        "\n1020\n2", r.out, bin)
+    end
+  end)
+
   it("names the policy when Lua runs out of memory in a call", function()
     -- ASan cannot run under an address-space limit, nor return a failed allocation
     if os.getenv("ASAN_OPTIONS") then return pending("not under AddressSanitizer") end
