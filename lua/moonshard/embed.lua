@@ -87,12 +87,9 @@ function M.use_config(path)
       "; describe it by parameters or by a config, not both")
   end
   if path == "" then fail("the config path is empty") end
-  local f, err = io.open(path, "rb")
-  if not f then error("moonshard io error: embed: cannot read the config " .. tostring(err), 0) end
-  local text, rerr = f:read("a")
-  f:close()
-  if type(text) ~= "string" then
-    error("moonshard io error: embed: cannot read the config " .. path .. ": " .. tostring(rerr), 0)
+  local text, err, opened = require("moonshard.util").read_file(path)
+  if not text then
+    error("moonshard io error: embed: cannot read the config " .. (opened and path .. ": " or "") .. tostring(err), 0)
   end
   local config = require("moonshard.json").decode(text, path)
   state.config_tree = require("moonshard.models").from_config(config, path)

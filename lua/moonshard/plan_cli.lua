@@ -81,12 +81,10 @@ function M.parse(args)
 end
 
 local function read_file(path)
-  local f, err = io.open(path, "rb")
-  if not f then error("moonshard: cannot read " .. path .. ": " .. util.io_reason(path, err), 0) end
-  -- a directory opens, and then reads nothing: nil and the reason
-  local s, rerr = f:read("a")
-  f:close()
-  if not s then error("moonshard: cannot read " .. path .. ": " .. tostring(rerr), 0) end
+  local s, err, opened = util.read_file(path)
+  if not s then
+    error("moonshard: cannot read " .. path .. ": " .. (opened and tostring(err) or util.io_reason(path, err)), 0)
+  end
   return s
 end
 

@@ -65,7 +65,8 @@ local function copy(t)
   return c
 end
 
-local sorted_keys = require("moonshard.util").sorted_keys
+local util = require "moonshard.util"
+local sorted_keys, read_file = util.sorted_keys, util.read_file
 
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
 -- policy line to blame, and how results tell policy functions (wrapped) from host ones.
@@ -704,12 +705,10 @@ end
 
 -- Source text only: bytecode could crash the VM.
 local function compile(path, env)
-  local f, err = io.open(path, "rb")
-  if not f then error("moonshard: policy " .. err, 0) end
-  local src
-  src, err = f:read("*a")
-  f:close()
-  if not src then error(format("moonshard: policy %s: cannot read: %s", path, err), 0) end
+  local src, err, opened = read_file(path)
+  if not src then
+    error(opened and format("moonshard: policy %s: cannot read: %s", path, err) or "moonshard: policy " .. err, 0)
+  end
   if byte(src, 1) == 27 then
     error(format("moonshard: policy %s: is precompiled bytecode; policies load from Lua source only", path), 0)
   end

@@ -172,11 +172,10 @@ function M.read_header(path)
 end
 
 local function read_file(path)
-  local f, err = io.open(path, "rb")
-  if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
-  local text, rerr = f:read("a")
-  f:close()
-  if not text then fail(path, "cannot read: %s", rerr) end -- a directory opens
+  local text, err, opened = util.read_file(path)
+  if not text then
+    fail(path, opened and "cannot read: %s" or "cannot open: %s", opened and err or util.io_reason(path, err))
+  end
   return text
 end
 

@@ -13,6 +13,17 @@ function M.idiv(a, b) return math.floor(a / b) end
 function M.ceil_div(a, b) return math.floor((a + b - 1) / b) end
 
 --- the keys of a table, sorted
+--- The whole file at path: text, or nil, io's message and whether it opened (a directory
+-- opens, then reads nothing).
+function M.read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then return nil, err, false end
+  local text, rerr = f:read("a")
+  f:close()
+  if not text then return nil, rerr, true end
+  return text
+end
+
 --- io.open's reason without the path it starts with ("x: No such file..." -> "No such file...").
 function M.io_reason(path, err)
   err = tostring(err)

@@ -34,11 +34,8 @@ end
 function M.from_config(config, source)
   if type(config) == "string" then
     source = source or config
-    local f, err = io.open(config, "rb")
-    if not f then fail(source, "cannot open the config: %s", err) end
-    local text, rerr = f:read("a") -- nil for a directory, which opens
-    f:close()
-    if not text then fail(source, "cannot read the config: %s", rerr) end
+    local text, err, opened = require("moonshard.util").read_file(config)
+    if not text then fail(source, opened and "cannot read the config: %s" or "cannot open the config: %s", err) end
     config = json.decode(text, source)
   end
   source = source or "config table"
