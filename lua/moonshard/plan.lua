@@ -786,8 +786,18 @@ function M.plan(model, mesh, policy, opts)
   -- count leaves it out, and says so rather than letting 0 stand for it.
   local ep = mesh:size("ep")
   if ep > 1 and #owned == 0 then
-    warnings[#warnings + 1] = string.format("ep = %d but expert parallelism places no parameter (the policy " ..
-      "called no expert_parallel, or the model has no grouped experts): the ep axis only divides the ranks", ep)
+    local why = "the policy called no expert_parallel, or the model has no grouped experts"
+    for _, nm in ipairs(model:named_modules()) do
+      local name, m = nm[1], nm[2]
+      if m.type == "ModuleList" and (name == "experts" or name:match("%.experts$")) then
+        why = string.format("%s holds %d per-expert modules, the Hugging Face checkpoint layout; Automodel " ..
+          "groups experts into [experts, in, out] tensors when it loads them: plan with --config for that layout",
+          name, #m.child_order)
+        break
+      end
+    end
+    warnings[#warnings + 1] = string.format("ep = %d but expert parallelism places no parameter (%s): " ..
+      "the ep axis only divides the ranks", ep, why)
   end
   if ep > 1 and #owned > 0 then
     comm.all_to_all.uncounted_ep = ep

@@ -231,10 +231,28 @@ end
 
 local function is_index(name) return tostring(name):match("%.json$") ~= nil end
 
+-- Automodel's grouped experts as a checkpoint stores them: a module named "experts" that
+-- holds parameters and no modules, every parameter at least 2-D with the same dim 0 (the
+-- expert count), as gate_and_up_projs [E, H, 2I] and down_projs [E, I, H] are.
+local function is_grouped_experts(name, m)
+  if not (name == "experts" or name:match("%.experts$")) or #m.child_order > 0 or #m.param_order == 0 then
+    return false
+  end
+  local experts
+  for _, pname in ipairs(m.param_order) do
+    local shape = m.params[pname].shape
+    if #shape < 2 or (experts and shape[1] ~= experts) then return false end
+    experts = shape[1]
+  end
+  return true
+end
+
 --- tree(tensors, source?) -> a module tree with one parameter per tensor, modules following
 -- the dotted names.  Children come in the order the tensors first name them, except that
 -- a module whose children are all integers is a "ModuleList" with them in numeric order
--- (data-offset order is name order, which puts "10" before "2").  Other modules: "Module".
+-- (data-offset order is name order, which puts "10" before "2").  A module named "experts"
+-- holding only parameters of at least two dims with one dim 0 is "GroupedExperts" (Automodel's
+-- grouped layout, which expert parallelism splits on dim 0).  Other modules: "Module".
 function M.tree(tensors, source)
   local root = module.new("Module", { source = source })
   for _, t in ipairs(tensors) do
@@ -264,6 +282,8 @@ function M.tree(tensors, source)
     if all_ints then
       m.type = "ModuleList"
       table.sort(m.child_order, function(a, b) return tonumber(a) < tonumber(b) end)
+    elseif is_grouped_experts(nm[1], m) then
+      m.type = "GroupedExperts"
     end
   end
   return root

@@ -417,6 +417,49 @@ describe("moonshard plan", function()
     assert.equal("model.layers.0.self_attn.qkv_proj.weight", plan.units[1].params[1].fqn)
   end)
 
+  it("plans an Automodel checkpoint's grouped experts from safetensors as from its config", function()
+    -- the checkpoint of inkling2_small in Automodel's layout, written from the builder's tree
+    local path = os.tmpname()
+    local st_dtype = { f32 = "F32", bf16 = "BF16" }
+    local tensors = {}
+    for _, np in ipairs(models.from_config(config(INKLING2_SMALL), INKLING2_SMALL):named_parameters()) do
+      tensors[#tensors + 1] = { np[1], assert(st_dtype[np[2].dtype]), np[2].shape }
+    end
+    S.write_safetensors(path, tensors)
+    local mesh = "dp_replicate=2,dp_shard=4,ep=4"
+    local from_st = S.run({ "plan", "--safetensors", path, "--mesh", mesh, "--policy", "policies/inkling2", "--json" })
+    os.remove(path)
+    local from_config = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", mesh, "--policy", "policies/inkling2",
+      "--json" })
+    assert.equal("", from_st.err)
+    assert.equal(0, from_st.code)
+    local a, b = json.decode(from_st.out), json.decode(from_config.out)
+    assert.is_true(#a.owned > 0)
+    for _, key in ipairs({ "units", "owned", "memory", "comm", "warnings" }) do assert.same(b[key], a[key]) end
+    assert.equal(b.model.params, a.model.params)
+  end)
+
+  it("says why expert parallelism places nothing on a checkpoint's per-expert layout", function()
+    local path = os.tmpname()
+    local tensors = { { "model.embed_tokens.weight", "BF16", { 32, 8 } } }
+    for e = 0, 3 do
+      for _, w in ipairs({ { "w1", { 16, 8 } }, { "w2", { 8, 16 } }, { "w3", { 16, 8 } } }) do
+        tensors[#tensors + 1] = { "model.layers.0.block_sparse_moe.experts." .. e .. "." .. w[1] .. ".weight", "BF16", w[2] }
+      end
+    end
+    S.write_safetensors(path, tensors)
+    local r = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=2,ep=2", "--policy",
+      "policies/fsdp2_default.lua", "--json" })
+    os.remove(path)
+    assert.equal(0, r.code)
+    local plan = json.decode(r.out)
+    assert.same({}, plan.owned)
+    assert.equal("ep = 2 but expert parallelism places no parameter (model.layers.0.block_sparse_moe.experts " ..
+      "holds 4 per-expert modules, the Hugging Face checkpoint layout; Automodel groups experts into [experts, in, " ..
+      "out] tensors when it loads them: plan with --config for that layout): the ep axis only divides the ranks",
+      plan.warnings[#plan.warnings])
+  end)
+
   it("fails with a clear message on bad input and bad policies", function()
     local r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8" })
     assert.equal(2, r.code)

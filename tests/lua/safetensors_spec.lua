@@ -238,6 +238,27 @@ describe("safetensors.tree_from_safetensors", function()
     assert.same({ format = "pt" }, tree.attrs.metadata)
   end)
 
+  it("types Automodel's grouped experts, and only them, as GroupedExperts", function()
+    local tree = st.tree({
+      { name = "a.mlp.experts.gate_and_up_projs", dtype = "bf16", shape = { 8, 4, 6 } },
+      { name = "a.mlp.experts.down_projs", dtype = "bf16", shape = { 8, 3, 4 } },
+      { name = "b.experts.w", dtype = "bf16", shape = { 8, 4 } },          -- 2-D, top-level name
+      { name = "c.experts.up", dtype = "bf16", shape = { 8, 4, 6 } },      -- expert counts differ
+      { name = "c.experts.down", dtype = "bf16", shape = { 4, 3, 4 } },
+      { name = "d.experts.bias", dtype = "f32", shape = { 8 } },           -- 1-D
+      { name = "e.experts.0.w1.weight", dtype = "bf16", shape = { 6, 4 } }, -- per-expert modules
+      { name = "e.experts.1.w1.weight", dtype = "bf16", shape = { 6, 4 } },
+      { name = "f.shared_experts.w", dtype = "bf16", shape = { 8, 4 } },   -- not named experts
+    })
+    assert.equal("GroupedExperts", tree:get("a.mlp.experts").type)
+    assert.equal("GroupedExperts", tree:get("b.experts").type)
+    assert.equal("Module", tree:get("c.experts").type)
+    assert.equal("Module", tree:get("d.experts").type)
+    assert.equal("ModuleList", tree:get("e.experts").type)
+    assert.equal("Module", tree:get("f.shared_experts").type)
+    assert.equal("Module", tree:get("a.mlp").type)
+  end)
+
   it("refuses names that are both a parameter and a module, or have empty segments", function()
     local p = write_tensors(tmp("clash.safetensors"), { { "a.b", "F32", { 1 } }, { "a.b.c", "F32", { 1 } } })
     assert.matches("^moonshard: safetensors: " .. lit(p) .. ": 'a.b' is both a parameter and a module %(tensor 'a.b.c'%)",
