@@ -113,7 +113,10 @@ function M.prepare_model(ctx)
     if experts then
       moe_layers = moe_layers + 1
       if experts.type ~= "GroupedExperts" then
-        reject(string.format("model.layers.%s.mlp.experts is %s; shared grouped experts are required", i, experts.type))
+        local hint = experts.type == "ModuleList" and " (a checkpoint's per-expert layout: Automodel groups the " ..
+          "experts when it loads them; plan with --config)" or ""
+        reject(string.format("model.layers.%s.mlp.experts is %s%s; shared grouped experts are required", i,
+          experts.type, hint))
       end
       for _, pname in ipairs(experts.param_order) do
         local p = experts.params[pname]

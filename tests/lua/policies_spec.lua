@@ -444,17 +444,24 @@ describe("moonshard plan", function()
     local tensors = { { "model.embed_tokens.weight", "BF16", { 32, 8 } } }
     for e = 0, 3 do
       for _, w in ipairs({ { "w1", { 16, 8 } }, { "w2", { 8, 16 } }, { "w3", { 16, 8 } } }) do
-        tensors[#tensors + 1] = { "model.layers.0.block_sparse_moe.experts." .. e .. "." .. w[1] .. ".weight", "BF16", w[2] }
+        tensors[#tensors + 1] = { "model.layers.0.mlp.experts." .. e .. "." .. w[1] .. ".weight", "BF16", w[2] }
       end
     end
     S.write_safetensors(path, tensors)
     local r = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=2,ep=2", "--policy",
       "policies/fsdp2_default.lua", "--json" })
+    tensors[#tensors + 1] = { "lm_head.weight", "BF16", { 32, 8 } }
+    S.write_safetensors(path, tensors)
+    local inkling2 = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=2,ep=2", "--policy", "policies/inkling2" })
     os.remove(path)
+    assert.equal(1, inkling2.code)
+    assert.equal("moonshard plan: error: inkling2 policy: model.layers.0.mlp.experts is ModuleList (a checkpoint's " ..
+      "per-expert layout: Automodel groups the experts when it loads them; plan with --config); shared grouped " ..
+      "experts are required\n", inkling2.err)
     assert.equal(0, r.code)
     local plan = json.decode(r.out)
     assert.same({}, plan.owned)
-    assert.equal("ep = 2 but expert parallelism places no parameter (model.layers.0.block_sparse_moe.experts " ..
+    assert.equal("ep = 2 but expert parallelism places no parameter (model.layers.0.mlp.experts " ..
       "holds 4 per-expert modules, the Hugging Face checkpoint layout; Automodel groups experts into [experts, in, " ..
       "out] tensors when it loads them: plan with --config for that layout): the ep axis only divides the ranks",
       plan.warnings[#plan.warnings])
