@@ -164,6 +164,27 @@ function MeshContext:stride(axis)
   return stride, size
 end
 
+--- Whether axis `outer` lies wholly outside axis `inner` in one mesh (every dim of outer
+-- before every dim of inner: (pp, dp_replicate, dp_shard, cp, tp), or (pp, ep_shard, ep)),
+-- as torch's DeviceMesh slicing mesh[(outer, inner)] requires.
+function MeshContext:outside(outer, inner)
+  local MOE = { ep_shard = 1, ep = 2 }
+  local function dims(axis)
+    if MOE[axis] then return "moe", MOE[axis], MOE[axis] end
+    local first, last
+    for i, a in ipairs(AXES) do
+      for _, part in ipairs(FLATTENED[axis] or { axis }) do
+        if part == a then first, last = first or i, i end
+      end
+    end
+    if not first then fail("no axis '" .. tostring(axis) .. "'") end
+    return "root", first, last
+  end
+  local fo, _, lo = dims(outer)
+  local fi, ii = dims(inner)
+  return fo == fi and lo < ii
+end
+
 --- The 0-based coordinate of world rank r along an axis (root, flattened or MoE), row-major.
 function MeshContext:coord(axis, r)
   local stride, size = self:stride(axis)

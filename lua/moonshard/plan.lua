@@ -250,6 +250,27 @@ local function check_keys(t, known, where, what, label)
   end
 end
 
+-- {fqn, param} of the parameters fully_shard(module) manages, in FSDP2's order
+-- (_get_managed_modules, _get_managed_states): the modules under `module` in post-order
+-- (children before their parent), not descending into a module that is already a unit (its
+-- ignored parameters included), each module's own parameters in order, shared ones once.
+local function managed_params(ctx, module)
+  local out, seen = {}, {}
+  local function visit(m, name)
+    if m ~= module and ctx.unit_of[m] then return end
+    for _, c in ipairs(m.child_order) do visit(m.children[c], name == "" and c or name .. "." .. c) end
+    for _, pname in ipairs(m.param_order) do
+      local p = m.params[pname]
+      if not seen[p] then
+        seen[p] = true
+        out[#out + 1] = { name == "" and pname or name .. "." .. pname, p }
+      end
+    end
+  end
+  visit(module, ctx:name_of(module))
+  return out
+end
+
 function Ctx:fully_shard(module, opts)
   opts = opts or {}
   module = self:module(module)
@@ -271,6 +292,11 @@ function Ctx:fully_shard(module, opts)
       display(name), #axes))
   end
   for _, a in ipairs(axes) do self.mesh:size(a) end
+  if #axes == 2 and not self.mesh:outside(axes[1], axes[2]) then
+    fail(string.format("fully_shard(%s): mesh {%s, %s}: a 2-D FSDP mesh is (replicate, shard), the replicate axis " ..
+      "wholly outside the shard axis in the mesh's order (pp, dp_replicate, dp_shard, cp, tp; or ep_shard, ep)",
+      display(name), axes[1], axes[2]))
+  end
   local mp = opts.mp_policy or {}
   for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
     check_dtype(mp[k], "mp_policy." .. k .. " of unit " .. (display(name)))
@@ -301,7 +327,7 @@ function Ctx:fully_shard(module, opts)
     shard_placement_fn = opts.shard_placement_fn, offload = offload == "cpu" and "cpu" or nil,
     params = {}, ignored = {}, index = #self.units + 1, site = site,
   }
-  for _, np in ipairs(self:params_of(module)) do
+  for _, np in ipairs(managed_params(self, module)) do
     local fqn, p = np[1], np[2]
     local prev = self.owner[p]
     if ignored[p] then
@@ -370,9 +396,23 @@ local function numel_of(shape)
   return n
 end
 
+-- FSDP2 roots: every unit no other unit's module contains (the first to run forward claims
+-- the units inside it; a unit outside all others becomes a root of its own).  A root's
+-- reshard_after_forward defaults to false.
+local function mark_roots(ctx)
+  local by_name = {}
+  for _, u in ipairs(ctx.units) do by_name[ctx:name_of(u.module)] = true end
+  for _, u in ipairs(ctx.units) do
+    local name = ctx:name_of(u.module)
+    local outer = name ~= "" and by_name[""]
+    for i in name:gmatch("()%.") do outer = outer or by_name[name:sub(1, i - 1)] end
+    u.fsdp_root = not outer
+  end
+end
+
 local function reshard_value(unit, W)
   local raf = unit.reshard_after_forward
-  if raf == nil then raf = unit.kind ~= "root" end
+  if raf == nil then raf = not (unit.fsdp_root or unit.kind == "root") end
   if util.is_int(raf) then
     if raf < 1 or raf > W or W % raf ~= 0 then
       fail(string.format("unit %s: reshard_after_forward = %s must divide the shard size %d (1 <= k <= %d)",
@@ -535,15 +575,27 @@ end
 -- cannot claim a parameter twice and cannot claim expert parameters: fully_shard checks
 -- both as it goes), so what is left to check is that nothing was forgotten.
 local function validate_ownership(ctx, params)
-  local unowned = {}
+  local unowned, fqn_of = {}, {}
+  for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
   for _, np in ipairs(params) do
     local fqn, p = np[1], np[2]
     if p.requires_grad and not ctx.owner[p] and not ctx.ep[p] then unowned[#unowned + 1] = fqn end
   end
   if #unowned > 0 then
-    fail(string.format("%d trainable parameter%s left unowned: %s%s; every trainable parameter must belong to " ..
+    -- FSDP2 leaves them replicated with gradients no one reduces: say why they were missed
+    local why = ""
+    for _, u in ipairs(ctx.units) do
+      for _, p in ipairs(u.ignored) do
+        if p.requires_grad and not ctx.owner[p] and not ctx.ep[p] and why == "" then
+          why = string.format(" (%s is in the ignored_params of unit %s, and FSDP2's units around a unit skip its " ..
+            "module, ignored parameters included)", fqn_of[p], display(u.name))
+        end
+      end
+    end
+    fail(string.format("%d trainable parameter%s left unowned: %s%s%s; every trainable parameter must belong to " ..
       "exactly one shard unit or to expert parallelism", #unowned, #unowned == 1 and " is" or "s are",
-      table.concat(unowned, ", ", 1, math.min(#unowned, 8)), #unowned > 8 and string.format(" (and %d more)", #unowned - 8) or ""))
+      table.concat(unowned, ", ", 1, math.min(#unowned, 8)), #unowned > 8 and string.format(" (and %d more)", #unowned - 8) or "",
+      why))
   end
 end
 
@@ -601,6 +653,7 @@ function M.plan(model, mesh, policy, opts)
   local fqn_of = {}
   for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
   validate_ownership(ctx, params)
+  mark_roots(ctx)
   for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
 
   -- Memory per rank.  Parameters and gradients live in padded shards, equal on every rank;

@@ -163,11 +163,12 @@ describe("shard units", function()
     -- a.w [10,4] over 4: ceil(10/4) = 3 rows padded; chunks 3,3,3,1
     assert.same({ 3, 4 }, a.entries[1].padded)
     assert.equal("a.w", a.entries[1].fqn)
-    -- root owns b.w [6] -> padded [2]; p [3] -> padded [1]; own parameters first
-    assert.equal("p", root.entries[1].fqn)
-    assert.equal("b.w", root.entries[2].fqn)
-    assert.same({ 1 }, root.entries[1].padded)
-    assert.same({ 2 }, root.entries[2].padded)
+    -- root owns b.w [6] -> padded [2]; p [3] -> padded [1]; in FSDP2's order, the
+    -- submodules' parameters (post-order) before the module's own
+    assert.equal("b.w", root.entries[1].fqn)
+    assert.equal("p", root.entries[2].fqn)
+    assert.same({ 2 }, root.entries[1].padded)
+    assert.same({ 1 }, root.entries[2].padded)
     -- non-root reshards after forward, the root does not
     assert.is_true(a.reshard)
     assert.is_false(root.reshard)
@@ -195,6 +196,82 @@ describe("shard units", function()
     assert.equal("[[2],[2],[1],[0]]", report.local_shapes_json({ 5 }, 0, 4))
     assert.equal("[[1,3],[1,3],[0,3],[0,3]]", report.local_shapes_json({ 2, 3 }, 0, 4))
     assert.equal("[[4,2],[4,2]]", report.local_shapes_json({ 4, 4 }, 1, 2))
+  end)
+
+  it("own their parameters in FSDP2's order: submodules in post-order, then the module's own", function()
+    -- blk { own, c1 { w, g { w } }, own2, c2 { w } }: torch's _get_managed_states gives
+    -- c1.g.w, c1.w, c2.w, own, own2
+    local root = module.new("Toy")
+    local blk = root:add("blk", module.new("Block"))
+    blk:param("own", { 2 }, "f32")
+    local c1 = blk:add("c1", module.new("Linear"))
+    c1:param("w", { 2 }, "f32")
+    c1:add("g", module.new("Gate")):param("w", { 2 }, "f32")
+    blk:param("own2", { 2 }, "f32")
+    blk:add("c2", module.new("Linear")):param("w", { 2 }, "f32")
+    local plan = planner.plan(root, mesh_context.new("dp_shard=2"), policy(function(ctx) ctx:fully_shard(ctx.model) end))
+    local order = {}
+    for i, e in ipairs(plan.units[1].entries) do order[i] = e.fqn end
+    assert.same({ "blk.c1.g.w", "blk.c1.w", "blk.c2.w", "blk.own", "blk.own2" }, order)
+  end)
+
+  it("are FSDP2 roots when no unit contains them: no reshard after forward by default", function()
+    -- root { a { w [10,4] }, b { w [6] } } with units a and b only: both are roots
+    local root = module.new("Toy")
+    root:add("a", module.new("Linear")):param("w", { 10, 4 }, "f32")
+    root:add("b", module.new("Norm")):param("w", { 6 }, "f32")
+    local plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard("b")
+    end))
+    assert.is_false(plan.units[1].reshard)
+    assert.is_false(plan.units[2].reshard)
+    -- one all-gather each: a 4 x 12 x 4 B = 192 -> 144, b 4 x 2 x 4 B = 32 -> 24
+    assert.same({ count = 2, bytes = 168 }, plan.comm.all_gather)
+    -- an explicit value still wins; a unit inside another is not a root
+    plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("b", { reshard_after_forward = true })
+      ctx:fully_shard("a")
+    end))
+    assert.is_true(plan.units[1].reshard)
+    assert.is_false(plan.units[2].reshard)
+    local nested = planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a")
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.is_true(nested.units[1].reshard)
+    assert.is_false(nested.units[2].reshard)
+  end)
+
+  it("leave a nested unit's ignored parameters to no one, as FSDP2 does, and say so", function()
+    local msg = errmsg(planner.plan, small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a", { ignored_params = { "a.w" } })
+      ctx:fully_shard(ctx.model)
+    end))
+    assert.equal("moonshard: plan: 1 trainable parameter is left unowned: a.w (a.w is in the ignored_params of " ..
+      "unit a, and FSDP2's units around a unit skip its module, ignored parameters included); every trainable " ..
+      "parameter must belong to exactly one shard unit or to expert parallelism", msg)
+  end)
+
+  it("take a 2-D mesh as (replicate, shard) in the mesh's order only", function()
+    local mesh = mesh_context.new("dp_replicate=2,dp_shard=4")
+    local msg = errmsg(planner.plan, small_tree(), mesh, policy(function(ctx)
+      ctx:fully_shard(ctx.model, { mesh = { "dp_shard", "dp_replicate" } })
+    end))
+    assert.equal("moonshard: plan: fully_shard(<root>): mesh {dp_shard, dp_replicate}: a 2-D FSDP mesh is " ..
+      "(replicate, shard), the replicate axis wholly outside the shard axis in the mesh's order (pp, dp_replicate, " ..
+      "dp_shard, cp, tp; or ep_shard, ep)", msg)
+    for _, axes in ipairs({ { "dp", "dp_shard" }, { "dp_shard", "dp_shard" }, { "dp_replicate", "ep" } }) do
+      assert.matches("a 2-D FSDP mesh is (replicate, shard)", errmsg(planner.plan, small_tree(), mesh,
+        policy(function(ctx) ctx:fully_shard(ctx.model, { mesh = axes }) end)), 1, true)
+    end
+    local ok = planner.plan(small_tree(), mesh, policy(function(ctx)
+      ctx:fully_shard(ctx.model, { mesh = { "dp_replicate", "dp_shard" } })
+    end))
+    assert.equal(4, ok.units[1].shard_size)
+    assert.is_true(mesh:outside("dp_replicate", "dp_shard_cp"))
+    assert.is_true(mesh:outside("ep_shard", "ep"))
+    assert.is_false(mesh:outside("ep", "ep_shard"))
   end)
 
   it("refuse fully_shard applied twice to one module, naming both calls", function()
@@ -247,7 +324,7 @@ describe("shard units", function()
     local msg = errmsg(planner.plan, tree, mesh_context.new("dp_shard=4"), policy(function(ctx)
       ctx:fully_shard(ctx.model)
     end))
-    assert.matches("unit <root> mixes stored dtypes %(bf16: b.w; f32: p, a.w%)", msg)
+    assert.matches("unit <root> mixes stored dtypes %(bf16: b.w; f32: a.w, p%)", msg)
   end)
 
   it("check integer reshard_after_forward and run the backward gather over k ranks", function()
