@@ -431,7 +431,7 @@ local function finish_unit(ctx, unit, fqn_of)
   unit.reshard = reshard_value(unit, W)
   local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
   local grad_shard_bytes, param_shard_bytes, trainable_shard = 0, 0, 0
-  local dtypes, reduces = {}, {}
+  local dtypes, reduces, gathers = {}, {}, {}
   local uname = display(unit.name)
   unit.entries = {}
   -- A padded shard holds at most the parameter's elements, each at most 8 bytes in any
@@ -444,15 +444,20 @@ local function finish_unit(ctx, unit, fqn_of)
     padded[d + 1] = util.ceil_div(shape[d + 1], W)
     local pn = numel_of(padded)
     local gather, red = M.effective_dtypes(p.dtype, unit.mp)
-    dtypes[p.dtype] = dtypes[p.dtype] or {}
-    table.insert(dtypes[p.dtype], fqn)
+    -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
+    if p.requires_grad then
+      dtypes[p.dtype] = dtypes[p.dtype] or {}
+      table.insert(dtypes[p.dtype], fqn)
+    end
     if p.requires_grad and FLOAT[p.dtype] then
       reduces[red] = reduces[red] or {}
       table.insert(reduces[red], fqn)
       grad_shard_bytes = add(grad_shard_bytes, pn * DTYPE_SIZE[red], "the gradient shard bytes of unit %s", uname)
       trainable_shard = trainable_shard + pn
     end
-    stored, reduce = p.dtype, (p.requires_grad and FLOAT[p.dtype]) and red or reduce
+    if p.requires_grad or stored == nil then stored = p.dtype end
+    reduce = (p.requires_grad and FLOAT[p.dtype]) and red or reduce
+    gathers[gather] = true
     gather_bytes = add(gather_bytes, pn * DTYPE_SIZE[gather], "the gathered shard bytes of unit %s", uname)
     param_shard_bytes = add(param_shard_bytes, pn * DTYPE_SIZE[p.dtype], "the shard bytes of unit %s", uname)
     shard_numel = add(shard_numel, pn, "the shard elements of unit %s", uname)
@@ -481,6 +486,9 @@ local function finish_unit(ctx, unit, fqn_of)
   uniform(dtypes, "stored")
   uniform(reduces, "reduce")
   unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
+  -- parameters gathered in more than one dtype travel as bytes (FSDP2's uint8 all-gather)
+  unit.gather_dtype = next(gathers)
+  if next(gathers, unit.gather_dtype) then unit.gather_dtype = "bytes" end
   unit.numel, unit.shard_numel, unit.padded_numel = numel, shard_numel, padded_total
   unit.param_shard_bytes, unit.grad_shard_bytes = param_shard_bytes, grad_shard_bytes
   unit.trainable_shard_numel = trainable_shard
@@ -830,8 +838,9 @@ function M.plan(model, mesh, policy, opts)
       listing(small))
   end
   if #padded > 0 then
-    warnings[#warnings + 1] = string.format("%d unit%s pad more than %d%% of their gathered elements: %s",
-      #padded, #padded == 1 and "" or "s", math.floor(100 * M.PADDING_WASTE + 0.5), listing(padded))
+    warnings[#warnings + 1] = string.format("%d unit%s more than %d%% of %s gathered elements: %s",
+      #padded, #padded == 1 and " pads" or "s pad", math.floor(100 * M.PADDING_WASTE + 0.5),
+      #padded == 1 and "its" or "their", listing(padded))
   end
   -- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
   -- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends

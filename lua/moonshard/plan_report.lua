@@ -186,7 +186,7 @@ local function pad(s, w, right)
 end
 
 local function dtypes_str(u)
-  local g, r = u.entries[1] and u.entries[1].gather or "-", u.reduce_dtype_eff or "-"
+  local g, r = u.gather_dtype or "-", u.reduce_dtype_eff or "-"
   return g, r
 end
 

@@ -327,6 +327,37 @@ describe("shard units", function()
     assert.matches("unit <root> mixes stored dtypes %(bf16: b.w; f32: a.w, p%)", msg)
   end)
 
+  it("ask one stored dtype of the trainable parameters only, and gather mixed dtypes as bytes", function()
+    -- a LoRA-like unit: frozen bf16 base [8,4], trainable f32 adapter [2,4], frozen i64 ids [6]
+    local root = module.new("Toy")
+    local a = root:add("a", module.new("Lora"))
+    a:param("base", { 8, 4 }, "bf16").requires_grad = false
+    a:param("lora_a", { 2, 4 }, "f32")
+    a:param("ids", { 6 }, "i64").requires_grad = false
+    local plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard(ctx.model, { mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" } })
+    end))
+    local u = plan.units[1]
+    -- gathered per rank: base [2,4] bf16 16 B + lora_a [1,4] in bf16 8 B + ids [2] i64 16 B
+    -- (not cast: integers) = 40 B, S = 160 B over 4 ranks, bus 120 B; reduced: lora_a's
+    -- [1,4] in f32 = 16 B a rank, S = 64 B, bus 48 B
+    assert.same({ "bytes", "f32", "f32" }, { u.gather_dtype, u.stored_dtype, u.reduce_dtype_eff })
+    assert.same({ "bf16", "bf16", "i64" }, { u.entries[1].gather, u.entries[2].gather, u.entries[3].gather })
+    assert.equal(120, u.all_gather_bytes)
+    assert.equal(48, u.reduce_scatter_bytes)
+    -- params 16 + 16 + 16 = 48 B a rank, grads 16 B
+    assert.same({ 48, 16 }, { plan.memory.params, plan.memory.grads })
+    assert.matches("<root> +root +dp_shard +46 +bytes +f32 ", require("moonshard.plan_report").to_text(plan))
+    -- all frozen, any dtypes: nothing to reduce, nothing refused
+    a.params.lora_a.requires_grad = false
+    plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx) ctx:fully_shard(ctx.model) end))
+    assert.equal(0, plan.units[1].reduce_scatter_bytes)
+    -- two trainable dtypes: refused, naming only them
+    a.params.lora_a.requires_grad, a.params.base.requires_grad = true, true
+    assert.matches("unit <root> mixes stored dtypes (bf16: a.base; f32: a.lora_a)", errmsg(planner.plan, root,
+      mesh_context.new("dp_shard=4"), policy(function(ctx) ctx:fully_shard(ctx.model) end)), 1, true)
+  end)
+
   it("check integer reshard_after_forward and run the backward gather over k ranks", function()
     local function with(k)
       return planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)

@@ -154,6 +154,23 @@ describe("materialised plans", function()
       "rank 1: in 30 x f32 for unit layers.1", r.err, 1, true)
   end)
 
+  it("refuses a planned unit that mixes stored dtypes (frozen ones), which it cannot hold", function()
+    local r = S.run_code(2, [[
+      local module = require "moonshard.module"
+      local root = module.new("Toy")
+      local a = root:add("a", module.new("Lora"))
+      a:param("base", { 8, 4 }, "bf16").requires_grad = false
+      a:param("lora_a", { 2, 4 }, "f32")
+      local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
+        { parallelize = function(ctx) ctx:fully_shard(ctx.model) end })
+      require("moonshard.runtime").materialize(plan)
+    ]])
+    assert.equal(1, r.code)
+    assert.matches("moonshard: runtime: unit <root> keeps a.base in bf16 and a.lora_a in f32: the plan follows " ..
+      "FSDP2, which takes frozen parameters of other dtypes into a unit (gathered as bytes), but the runtime keeps " ..
+      "one stored dtype per unit: give the frozen parameters a unit of their own", r.err, 1, true)
+  end)
+
   it("refuses to run a plan on the wrong number of ranks", function()
     local r = S.run({ "-n", "2", "tests/lua/scripts/units.lua", "dp_shard=4" })
     assert.equal(1, r.code)
