@@ -35,6 +35,8 @@ local function segments(name, what)
   return parts
 end
 
+local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+
 function M.add_param(fqn, shape, dtype, requires_grad)
   if state.plan then
     fail_state("parameter '" .. fqn .. "': the model cannot change after it was planned")
@@ -45,6 +47,10 @@ function M.add_param(fqn, shape, dtype, requires_grad)
   end
   local parts = segments(fqn, "parameter")
   if state.params[fqn] then fail("parameter '" .. fqn .. "' is already described") end
+  if requires_grad and not FLOATING[dtype] then
+    fail(string.format("parameter '%s': a parameter of dtype %s cannot require gradients; only floating dtypes can",
+      fqn, tostring(dtype)))
+  end
   if state.modules[fqn] then
     fail("parameter '" .. fqn .. "': '" .. fqn .. "' is already a module of the parameters described before")
   end

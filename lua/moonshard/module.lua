@@ -46,6 +46,8 @@ local function check_name(name, what)
   end
 end
 
+local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+
 --- A parameter of the given shape (a sequence of non-negative integers) and dtype.
 function M.param(shape, dtype, opts)
   if type(shape) ~= "table" then fail("parameter shape is " .. tostring(shape) .. "; expected a list of sizes") end
@@ -60,8 +62,14 @@ function M.param(shape, dtype, opts)
     numel = numel * s
   end
   if zero then numel = 0 end
-  local p = setmetatable({ shape = shape, dtype = dtype or "f32", numel = numel,
-    requires_grad = not (opts and opts.requires_grad == false) }, Param)
+  dtype = dtype or "f32"
+  -- as in PyTorch, only floating parameters can require gradients (and do by default)
+  local floating = FLOATING[dtype] == true
+  if opts and opts.requires_grad == true and not floating then
+    fail(string.format("a parameter of dtype %s cannot require gradients; only floating dtypes can", tostring(dtype)))
+  end
+  local p = setmetatable({ shape = shape, dtype = dtype, numel = numel,
+    requires_grad = floating and not (opts and opts.requires_grad == false) }, Param)
   return p
 end
 

@@ -445,7 +445,7 @@ local function finish_unit(ctx, unit, fqn_of)
     local pn = numel_of(padded)
     local gather, red = M.effective_dtypes(p.dtype, unit.mp)
     -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
-    if p.requires_grad then
+    if p.requires_grad and FLOAT[p.dtype] then
       dtypes[p.dtype] = dtypes[p.dtype] or {}
       table.insert(dtypes[p.dtype], fqn)
     end
@@ -455,7 +455,7 @@ local function finish_unit(ctx, unit, fqn_of)
       grad_shard_bytes = add(grad_shard_bytes, pn * DTYPE_SIZE[red], "the gradient shard bytes of unit %s", uname)
       trainable_shard = trainable_shard + pn
     end
-    if p.requires_grad or stored == nil then stored = p.dtype end
+    if (p.requires_grad and FLOAT[p.dtype]) or stored == nil then stored = p.dtype end
     reduce = (p.requires_grad and FLOAT[p.dtype]) and red or reduce
     gathers[gather] = true
     gather_bytes = add(gather_bytes, pn * DTYPE_SIZE[gather], "the gathered shard bytes of unit %s", uname)

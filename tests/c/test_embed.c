@@ -327,6 +327,9 @@ static void statuses(void) {
               "interp_model_param: x.w: 4611686018427387903 elements of f32 are more than 2^63 bytes");
     CHECK_ERR(ms_interp_model_param(in, "layers.0.weight", 2, sh, MS_F32, 1), MS_ERR_ARG,
               "moonshard: embed: parameter 'layers.0.weight' is already described");
+    CHECK_ERR(ms_interp_model_param(in, "x.ids", 2, sh, MS_I64, 1), MS_ERR_ARG,
+              "moonshard: embed: parameter 'x.ids': a parameter of dtype i64 cannot require gradients; only floating "
+              "dtypes can");
     CHECK_ERR(ms_interp_model_param(in, "", 2, sh, MS_F32, 1), MS_ERR_ARG, "embed: parameter name '' has an empty segment");
     CHECK_ERR(ms_interp_model_param(in, "x..w.", 2, sh, MS_F32, 1), MS_ERR_ARG,
               "embed: parameter name 'x..w.' has an empty segment");

@@ -333,7 +333,10 @@ describe("shard units", function()
     local a = root:add("a", module.new("Lora"))
     a:param("base", { 8, 4 }, "bf16").requires_grad = false
     a:param("lora_a", { 2, 4 }, "f32")
-    a:param("ids", { 6 }, "i64").requires_grad = false
+    -- integer parameters cannot require gradients (PyTorch refuses them), so never do
+    assert.is_false(a:param("ids", { 6 }, "i64").requires_grad)
+    assert.matches("a parameter of dtype i64 cannot require gradients; only floating dtypes can",
+      errmsg(module.param, { 2 }, "i64", { requires_grad = true }), 1, true)
     local plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
       ctx:fully_shard(ctx.model, { mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" } })
     end))
