@@ -405,7 +405,9 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
 ms_status ms_unit_scale_grads(ms_unit *u, double scale);
 /* AdamW on the rank's shards that have a gradient, while sharded: fp32 moments, fp32
  * master weights when the stored dtype is not f32 (made on the first step), decoupled
- * weight decay; step counts from 1. */
+ * weight decay; step counts from 1.  torch.optim.AdamW op by op (core/src/unit_math.h):
+ * f32 results are PyTorch's bits (its x86-64 CPU and CUDA kernels), up to torch's CPU sqrt,
+ * which is not always correctly rounded where this one is. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
 /* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient

@@ -1230,8 +1230,8 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
         return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
                         "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", unit_label(u), lr, beta1, beta2,
                         eps, weight_decay, (long long)step);
-    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
-                           .c1 = (float)(1 - beta1), .c2 = (float)(1 - beta2),
+    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .w1 = (float)(1 - beta1), .b2 = (float)beta2,
+                           .c2 = (float)(1 - beta2),
                            .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
                            .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
     for (int i = 0; i < u->nparams && !st; i++)
