@@ -347,13 +347,20 @@ const char *ms_unit_name(const ms_unit *u);
 const char *ms_unit_param_fqn(const ms_unit *u, int i);
 /* The rank's shard of parameter i (a view of its padded shard without the padding, maybe
  * of 0 rows), in the stored dtype: write initial values here.  Borrowed: valid while the
- * unit lives. */
+ * unit lives.  Writing it is supported until the unit's first ms_unit_adamw_step; after
+ * it, a unit stored in another dtype than f32 has f32 master weights, which AdamW updates
+ * and writes back over the shard, so a direct write would be lost at the next step: load
+ * with ms_unit_load_full, which sets both. */
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
 /* The rank's sharded gradient of parameter i (stored dtype), or NULL before the first
  * reduce_grads.  Borrowed. */
 ms_tensor *ms_unit_grad_shard(ms_unit *u, int i);
 /* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i, with a
- * cast; before finalize or while sharded. */
+ * cast; before finalize or while sharded.  Once a step has made f32 master weights (stored
+ * dtype not f32), they take the rows cast to f32 (an f32 checkpoint's exact values) and
+ * the shard their rounding to the stored dtype, so the next step starts from the loaded
+ * values; the optimizer moments are kept.  Before the first step there are no master
+ * weights: the first step makes them from the stored shard. */
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full);
 /* Where shard i sits in the full parameter: its shard dim (normalised, 0 unless a
  * shard_placement_fn said otherwise) and this rank's rows of that dim, [offset, offset +

@@ -747,9 +747,16 @@ ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
     }
     int64_t len, off;
     rank_rows(u, p, u->rank, &len, &off);
-    ms_tensor *region = NULL;
+    ms_tensor *region = NULL, *master = NULL;
     st = ms_tensor_narrow(&region, (ms_tensor *)full, p->dim, off, len); /* a view; full is only read */
     if (!st) st = ms_tensor_copy(p->shard, region);
+    /* The f32 master weights, once a step made them, are the parameter AdamW updates: they
+     * take the loaded values in f32 (an f32 checkpoint's own bits), the shard their rounding. */
+    if (!st && p->master && ms_tensor_numel(p->master)) {
+        st = ms_tensor_view(&master, p->master, p->ndim, p->shard->shape);
+        if (!st) st = ms_tensor_copy(master, region);
+    }
+    ms_tensor_release(master);
     ms_tensor_release(region);
     return st ? ms__wrap(st, "unit '%s': load_full '%s'", unit_label(u), p->fqn) : ms__ok();
 }
