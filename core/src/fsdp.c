@@ -125,6 +125,8 @@ typedef struct unit_param {
     ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
     ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
     ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
+    bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
+                             * (PyTorch's grad = None; the buffer stays) */
     ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
     ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
     ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
@@ -714,7 +716,7 @@ ms_tensor *ms_unit_grad_shard(ms_unit *u, int i) {
     unit_param *p = NULL;
     if (param_at(u, "grad_shard", i, &p)) return NULL;
     ms__ok();
-    return p->grad_shard;
+    return p->has_grad ? p->grad_shard : NULL;
 }
 
 /* The rows of p's shard dim that shard rank q holds: torch.chunk extents. */
@@ -1115,9 +1117,22 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
     return ms__ok();
 }
 
-/* Post-divide, cast to the stored dtype and accumulate into the gradient shards (allocated
- * zero-filled by the first reduce), where the shards are: an offloaded unit brings the
- * reduced chunk to the host first. */
+/* p's padded gradient shard <- elements [at, at + padded numel) of `reduced` (1-D, the reduce
+ * dtype), cast to the stored dtype: FSDP2's assignment of the first reduced gradient. */
+static ms_status assign_grad(unit_param *p, ms_tensor *reduced, int64_t at) {
+    ms_tensor *part = NULL, *line = NULL;
+    ms_status st = ms_tensor_narrow(&part, reduced, 0, at, p->padded_numel);
+    if (!st) st = ms_tensor_view(&line, p->grad_padded, 1, &p->padded_numel);
+    if (!st) st = ms_tensor_copy(line, part);
+    ms_tensor_release(line);
+    ms_tensor_release(part);
+    return st;
+}
+
+/* Post-divide, cast to the stored dtype and assign to the gradient shards that have no
+ * gradient (allocated by the first reduce; none after zero_grad), accumulate into those that
+ * have one, as FSDP2 does, where the shards are: an offloaded unit brings the reduced chunk
+ * to the host first. */
 static ms_status finish_reduce(ms_unit *u) {
     const int64_t es = ms_dtype_size(u->reduce), n = ms_tensor_numel(u->op.slice);
     const bool dev = shards_on_device(u);
@@ -1135,9 +1150,11 @@ static ms_status finish_reduce(ms_unit *u) {
             st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
         }
-        if (!st && p->padded_numel)
+        if (!st && p->padded_numel && !p->has_grad) st = assign_grad(p, host ? host : u->op.slice, p->grad_offset);
+        else if (!st && p->padded_numel)
             st = ew(u, dev, MS_EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es,
                     u->reduce, true, p->padded_numel);
+        p->has_grad |= !st;
         p->in_reduce = false;
     }
     ms_tensor_release(host);
@@ -1166,9 +1183,8 @@ ms_status ms_unit_zero_grad(ms_unit *u) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_zero_grad: unit is NULL");
     ms_status st = check_state(u, "zero_grad", ST_GRADS);
     if (st) return st;
-    for (int i = 0; i < u->nparams && !st; i++)
-        if (u->params[i].grad_padded) st = ms_tensor_fill(u->params[i].grad_padded, 0);
-    return st ? ms__wrap(st, "unit '%s': zero_grad", unit_label(u)) : ms__ok();
+    for (int i = 0; i < u->nparams; i++) u->params[i].has_grad = false; /* set_to_none: the buffers stay */
+    return ms__ok();
 }
 
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
@@ -1178,7 +1194,7 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
     double s = 0;
     for (int i = 0; i < u->nparams; i++) {
         const unit_param *p = &u->params[i];
-        if (!p->grad_shard) continue;
+        if (!p->has_grad) continue;
         const void *g = ms_tensor_data(p->grad_padded);
         const int64_t n = ms_tensor_numel(p->grad_shard);
         double part = 0;
@@ -1198,7 +1214,7 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     if (st) return st;
     for (int i = 0; i < u->nparams && !st; i++) {
         const unit_param *p = &u->params[i];
-        if (p->grad_shard)
+        if (p->has_grad)
             st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL,
                     u->stored, false, ms_tensor_numel(p->grad_shard));
     }
@@ -1242,7 +1258,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
                            .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
                            .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
     for (int i = 0; i < u->nparams && !st; i++)
-        if (u->params[i].grad_shard) st = adamw_param(u, &u->params[i], &h);
+        if (u->params[i].has_grad) st = adamw_param(u, &u->params[i], &h);
     return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();
 }
 

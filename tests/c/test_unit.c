@@ -745,6 +745,88 @@ static void adamw(rank_ctx *c) {
     ms_comm_release(replicate);
 }
 
+/* ---------------------------------------------------------------- scenario: no gradient */
+
+/* torch's zero_grad() (set_to_none) and FSDP2's sharded gradients: after zero_grad no
+ * parameter has a gradient (grad_shard NULL; the norm, scaling and AdamW skip it) until a
+ * reduce assigns one; a parameter without a gradient in a step keeps none and AdamW leaves
+ * it alone.  Step 1: every trainable parameter gets a gradient, layers.0.b's all -0.0, which
+ * the first reduce assigns (an accumulation into zeros would make it +0.0).  Step 2: only
+ * layers.0.w (spec 0) gets one.  With an exact reduce (f32) spec 0 is checked against
+ * torch's AdamW written out, the others must keep their bits of step 1. */
+static void no_grad(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("no_grad", pol, shard, replicate, 1);
+    if (!u) return;
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grads(u, 1, c->rank);
+    R_OK(ms_tensor_fill(ms_unit_grad_full(u, 1), -0.0));
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *b = as_f64(ms_unit_grad_shard(u, 1));
+    int64_t positive = 0;
+    for (int64_t l = 0; l < ms_tensor_numel(b); l++) positive += !signbit(((const double *)ms_tensor_data(b))[l]);
+    ms_tensor_release(b);
+    R_CHECK(positive == 0);
+    R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 1));
+    R_OK(ms_unit_zero_grad(u));
+    double sq = -1;
+    R_OK(ms_unit_grad_sq_norm(u, &sq));
+    R_CHECK(sq == 0);
+    ms_tensor *after1[NSPEC];
+    for (int i = 0; i < NSPEC; i++) {
+        R_CHECK(ms_unit_grad_shard(u, i) == NULL && !ms_last_error()[0]);
+        after1[i] = as_f64(ms_unit_param_shard(u, i));
+    }
+
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grad(u, 0, 0, 2, c->rank);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    for (int i = 0; i < NSPEC; i++) R_CHECK((ms_unit_grad_shard(u, i) != NULL) == (i == 0));
+    R_OK(ms_unit_grad_sq_norm(u, &sq));
+    double want = 0;
+    for (int64_t e = 0; e < spec_numel(&specs[0]); e++) want += pow(reduced_grad(pol, W * sc->l.R, (int[]){2}, 1, 0, e), 2);
+    const double rel = fabs(world_sum(c, sq) - want) / want;
+    R_CHECK(rel < (tolerance(pol) ? 1e-2 : 1e-12));
+    R_OK(ms_unit_scale_grads(u, 1)); /* skips the others */
+    R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 2));
+    int64_t moved = 0, wrong = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
+        const double *d = ms_tensor_data(f), *d1 = ms_tensor_data(after1[i]);
+        for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
+            if (i) {
+                wrong += d[l] != d1[l];
+                continue;
+            }
+            moved += d[l] != d1[l];
+            const int64_t e = global_index(&specs[0], W, q, l);
+            float w = (float)round_as(pol->stored, param_value(0, e)), m = 0, v = 0;
+            for (int s = 1; s <= 2; s++)
+                torch_adamw(&w, &m, &v, (float)reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, 0, e), s);
+            wrong += !tolerance(pol) && d[l] != round_as(pol->stored, w);
+        }
+        ms_tensor_release(f);
+        ms_tensor_release(after1[i]);
+    }
+    R_CHECK(wrong == 0 && world_sum(c, (double)moved) > 0);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %-38s no gradient after zero_grad: skipped by norm, scale and AdamW; -0.0 assigned; "
+               "|g|^2 rel %.1e\n", W, sc->l.R, pol->name, world_max(c, rel));
+    else
+        world_max(c, rel);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
 /* ---------------------------------------------------------------- scenario: one parameter per unit */
 
 /* Spec j with nothing before its shard dim: alone in a unit, it works in place. */
@@ -1050,6 +1132,9 @@ int main(void) {
     printf("AdamW (f):\n");
     const scenario adam[] = {{{3, 1}, &policies[1]}, {{2, 2}, &policies[1]}, {{2, 1}, &policies[0]}};
     for (int i = 0; i < 3; i++) run_ranks(adam[i].l.W * adam[i].l.R, adamw, &adam[i]);
+    printf("no gradient (set_to_none):\n");
+    const scenario nog[] = {{{2, 1}, &policies[0]}, {{2, 2}, &policies[1]}, {{3, 1}, &policies[2]}};
+    for (int i = 0; i < 3; i++) run_ranks(nog[i].l.W * nog[i].l.R, no_grad, &nog[i]);
     printf("one parameter per unit, in place:\n");
     for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
         for (int p = 0; p < NPOLICY; p++) {
