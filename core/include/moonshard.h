@@ -395,7 +395,11 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i);
  * trainable parameters only reshards). */
 ms_status ms_unit_reduce_grads(ms_unit *u);
 ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync);
-/* 0 = the default divide factor (shard x replicate size); else a custom factor. */
+/* 0 = the default divide factor N = shard x replicate size (f32/bf16 reduces: AVG in both
+ * collectives); else a custom factor f, divided as PyTorch 2.15's FSDP2 does: f equal to
+ * the shard group's size W averages in the reduce-scatter and sums in the all-reduce, any
+ * other f (f = N included, for HSDP) is premul-sum(1/f) then SUM, and with W = 1 the
+ * input is divided by f.  f16 reduces divide by about sqrt(f) before and after the sums. */
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor);
 /* Frees the unsharded parameters and gradients whatever the reshard rule (end of step),
  * and the free buffers the unit left in the rank's cache; the sync-off accumulator is kept

@@ -1008,23 +1008,34 @@ ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
     return ms__ok();
 }
 
-/* How a reduce divides (PyTorch's _get_gradient_divide_factors): the packed input is
- * multiplied by premul, reduce_scatter with rs_op, all_reduce with ar_op, divided by post. */
+/* How a reduce divides (PyTorch 2.15's _get_gradient_divide_factors and its one-rank
+ * reduce-scatter path): the packed input is divided by prediv and multiplied by premul,
+ * reduce_scatter with rs_op, all_reduce with ar_op, divided by post. */
 typedef struct divide_plan {
-    double premul, post;
+    double prediv, premul, post;
     ms_op rs_op, ar_op;
 } divide_plan;
 
 static divide_plan divide_factors(const ms_unit *u) {
     const double n = (double)u->W * u->R;
-    const double f = u->divide_factor > 0 ? u->divide_factor : n;
-    divide_plan d = {.premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
+    const bool custom = u->divide_factor > 0;
+    const double f = custom ? u->divide_factor : n;
+    divide_plan d = {.prediv = 1, .premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
     if (u->reduce == MS_F32 || u->reduce == MS_BF16) { /* no overflow risk: the collective divides */
-        if (f != n) d.premul = 1 / f;                   /* premul-sum */
-        else if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
+        if (!custom) {
+            if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
+        } else if (u->W == 1) {
+            d.prediv = f; /* torch skips a one-rank reduce_scatter and copies input / factor */
+        } else if (f == u->W) {
+            d.rs_op = MS_OP_AVG; /* a custom factor equal to the shard group's size: AVG, then SUM */
+        } else {
+            d.premul = 1 / f; /* premul-sum, then SUM */
+        }
         return d;
     }
-    /* f16 and the other reduce dtypes: divide by about sqrt(f) before and after the sums. */
+    /* f16 and the other reduce dtypes: divide by about sqrt(f) before and after the sums.
+     * (torch 2.15 with one shard rank and a custom factor also divides the input by the
+     * whole factor there, dividing twice; that is not imitated.) */
     double pre = 1;
     while (fmod(f, pre) == 0 && f / pre > pre) pre *= 2;
     d.premul = 1 / pre; /* a power of two: exact */
@@ -1078,6 +1089,7 @@ static ms_status prepare_reduce(ms_unit *u) {
         }
     if (st) return st;
     const divide_plan d = divide_factors(u);
+    if (d.prediv != 1 && (st = ew_tensor(u, MS_EW_DIV, u->flat, d.prediv, NULL, false))) return st;
     if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, u->flat, d.premul, NULL, false))) return st;
     u->op = (unit_op){.comm = u->shard, .flat = u->flat, .label = unit_label(u), .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};

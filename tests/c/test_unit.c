@@ -827,6 +827,75 @@ static void no_grad(rank_ctx *c) {
     ms_comm_release(replicate);
 }
 
+/* ---------------------------------------------------------------- scenario: divide factors */
+
+typedef struct divide_case {
+    layout l;
+    double factor; /* custom, 0 = default */
+} divide_case;
+
+/* Data-parallel rank r's gradient element e: an f32 whose sums and quotients round. */
+static float divide_grad(int r, int64_t e) { return (float)(1 + 0.1 * r + 0.0137 * (double)e); }
+
+/* The reduced gradient element e as FSDP2 computes it in f32 (torch 2.15,
+ * _get_gradient_divide_factors): the default factor N = W*R averages in both collectives
+ * (AVG: the sum, then / the group size); a custom factor equal to W averages in the
+ * reduce_scatter and sums in the all_reduce; any other custom factor is premul-sum(1/f) and
+ * SUM; with one shard rank (no reduce_scatter) the input is divided by the custom factor.
+ * The collectives sum in rank order. */
+static float divide_ref(const divide_case *dc, int64_t e) {
+    const int W = dc->l.W, R = dc->l.R;
+    const float f = (float)dc->factor, pre = (float)(1 / dc->factor);
+    float total = 0;
+    for (int a = 0; a < R; a++) {
+        float s = 0;
+        for (int b = 0; b < W; b++) {
+            float x = divide_grad(a * W + b, e);
+            if (dc->factor && W == 1) x = x / f;
+            else if (dc->factor && dc->factor != W) x = x * pre;
+            s = b ? s + x : x;
+        }
+        if (!dc->factor || (W > 1 && dc->factor == W)) s = s / (float)W;
+        total = a ? total + s : s;
+    }
+    return !dc->factor && R > 1 ? total / (float)R : total;
+}
+
+/* One f32 reduce of spec 0 with the case's factor, bit for bit against divide_ref. */
+static void divide_factors(rank_ctx *c) {
+    const divide_case *dc = c->arg;
+    const int W = dc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &dc->l, &shard, &replicate);
+    const policy pol = {"f32", MS_F32, -1, -1, dc->factor};
+    ms_unit *u = build_unit_of("divide", &pol, shard, replicate, 1, 0, 1);
+    if (!u) return;
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *g = ms_unit_grad_full(u, 0);
+    float *gd = g ? ms_tensor_data(g) : NULL;
+    for (int64_t e = 0; gd && e < spec_numel(&specs[0]); e++) gd[e] = divide_grad(c->rank, e);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *gs = ms_unit_grad_shard(u, 0);
+    const float *d = gs ? ms_tensor_data(gs) : NULL;
+    int64_t wrong = 0;
+    double worst = 0;
+    for (int64_t l = 0; d && l < ms_tensor_numel(gs); l++) {
+        const float want = divide_ref(dc, global_index(&specs[0], W, q, l));
+        wrong += memcmp(&d[l], &want, sizeof want) != 0;
+        worst = fmax(worst, fabs((double)d[l] - want));
+    }
+    R_CHECK(gs && wrong == 0);
+    worst = world_max(c, worst);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  f32, divide factor %-8s max|diff| vs FSDP2's rule in f32 %g\n", W, dc->l.R,
+               dc->factor ? (dc->factor == W ? "W" : dc->factor == W * dc->l.R ? "W*R" : "custom") : "default", worst);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
 /* ---------------------------------------------------------------- scenario: one parameter per unit */
 
 /* Spec j with nothing before its shard dim: alone in a unit, it works in place. */
@@ -1135,6 +1204,10 @@ int main(void) {
     printf("no gradient (set_to_none):\n");
     const scenario nog[] = {{{2, 1}, &policies[0]}, {{2, 2}, &policies[1]}, {{3, 1}, &policies[2]}};
     for (int i = 0; i < 3; i++) run_ranks(nog[i].l.W * nog[i].l.R, no_grad, &nog[i]);
+    printf("gradient divide factors:\n");
+    const divide_case dcs[] = {{{3, 2}, 0}, {{3, 2}, 3}, {{3, 2}, 6}, {{3, 2}, 5}, {{3, 1}, 3}, {{3, 1}, 0},
+                               {{1, 2}, 3}, {{1, 2}, 0}};
+    for (size_t i = 0; i < sizeof dcs / sizeof dcs[0]; i++) run_ranks(dcs[i].l.W * dcs[i].l.R, divide_factors, &dcs[i]);
     printf("one parameter per unit, in place:\n");
     for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
         for (int p = 0; p < NPOLICY; p++) {
