@@ -347,13 +347,21 @@ const char *ms_unit_name(const ms_unit *u);
 const char *ms_unit_param_fqn(const ms_unit *u, int i);
 /* The rank's shard of parameter i (a view of its padded shard without the padding, maybe
  * of 0 rows), in the stored dtype: write initial values here.  Borrowed: valid while the
- * unit lives. */
+ * unit lives.  Writing it is supported until the unit's first ms_unit_adamw_step; after
+ * it, a unit stored in another dtype than f32 has f32 master weights, which AdamW updates
+ * and writes back over the shard, so a direct write would be lost at the next step: load
+ * with ms_unit_load_full, which sets both. */
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
-/* The rank's sharded gradient of parameter i (stored dtype), or NULL before the first
- * reduce_grads.  Borrowed. */
+/* The rank's sharded gradient of parameter i (stored dtype), or NULL (with an empty
+ * message) while the parameter has no gradient: before the first reduce_grads that
+ * reduces one for it, and after ms_unit_zero_grad until the next.  Borrowed. */
 ms_tensor *ms_unit_grad_shard(ms_unit *u, int i);
 /* Copies this rank's rows of a full tensor (global shape, any dtype) into shard i, with a
- * cast; before finalize or while sharded. */
+ * cast; before finalize or while sharded.  Once a step has made f32 master weights (stored
+ * dtype not f32), they take the rows cast to f32 (an f32 checkpoint's exact values) and
+ * the shard their rounding to the stored dtype, so the next step starts from the loaded
+ * values; the optimizer moments are kept.  Before the first step there are no master
+ * weights: the first step makes them from the stored shard. */
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full);
 /* Where shard i sits in the full parameter: its shard dim (normalised, 0 unless a
  * shard_placement_fn said otherwise) and this rank's rows of that dim, [offset, offset +
@@ -387,25 +395,41 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i);
  * trainable parameters only reshards). */
 ms_status ms_unit_reduce_grads(ms_unit *u);
 ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync);
-/* 0 = the default divide factor (shard x replicate size); else a custom factor. */
+/* 0 = the default divide factor N = shard x replicate size (f32/bf16 reduces: AVG in both
+ * collectives); else a custom factor f, divided as PyTorch 2.15's FSDP2 does: f equal to
+ * the shard group's size W averages in the reduce-scatter and sums in the all-reduce, any
+ * other f (f = N included, for HSDP) is premul-sum(1/f) then SUM, and with W = 1 the
+ * input is divided by f.  f16 reduces divide by about sqrt(f) before and after the sums. */
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor);
 /* Frees the unsharded parameters and gradients whatever the reshard rule (end of step),
  * and the free buffers the unit left in the rank's cache; the sync-off accumulator is kept
  * for the next synchronised reduce. */
 ms_status ms_unit_release_unsharded(ms_unit *u);
-/* Zeroes the sharded gradients. */
+/* PyTorch's optimizer.zero_grad() with its default set_to_none=True: every parameter of
+ * the unit has no gradient afterwards (ms_unit_grad_shard is NULL; the norm, scale_grads
+ * and adamw_step skip it, so AdamW applies neither weight decay nor momentum to it) until a
+ * reduce_grads gives it one.  As in FSDP2, the first reduce after that assigns the reduced
+ * gradient (cast to the stored dtype; a -0.0 stays -0.0) and later ones accumulate into
+ * it; a parameter not handed out by ms_unit_grad_full keeps no gradient.  The gradient
+ * buffers are kept (ms_unit_bytes category 1 does not change), only marked empty.  There is
+ * no set_to_none=False mode: to have AdamW decay a parameter without a gradient, hand out
+ * its gradient (zeros) before reduce_grads. */
 ms_status ms_unit_zero_grad(ms_unit *u);
 
-/* Sum of squares of this rank's gradient shards (padding excluded), each divided by the
- * number of ranks holding the same shard (the replicate size), so that summing over the
- * world counts every element once. */
+/* Sum of squares of this rank's gradient shards (padding excluded; parameters without a
+ * gradient count nothing), each divided by the number of ranks holding the same shard
+ * (the replicate size), so that summing over the world counts every element once. */
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
-/* Multiplies the sharded gradients by scale (clipping); MS_ERR_ARG for a scale that is not
- * finite (NaN or infinite). */
+/* Multiplies the sharded gradients (of the parameters that have one) by scale (clipping);
+ * MS_ERR_ARG for a scale that is not finite (NaN or infinite). */
 ms_status ms_unit_scale_grads(ms_unit *u, double scale);
-/* AdamW on the rank's shards that have a gradient, while sharded: fp32 moments, fp32
+/* AdamW on the rank's shards that have a gradient (parameters without one are left alone,
+ * as torch skips a parameter whose grad is None), while sharded: fp32 moments, fp32
  * master weights when the stored dtype is not f32 (made on the first step), decoupled
- * weight decay; step counts from 1. */
+ * weight decay; step counts from 1 and is the same for every parameter (torch counts steps
+ * per parameter, so after a parameter skipped a step their bias corrections differ).  torch.optim.AdamW op by op (core/src/unit_math.h):
+ * f32 results are PyTorch's bits (its x86-64 CPU and CUDA kernels), up to torch's CPU sqrt,
+ * which is not always correctly rounded where this one is. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
 /* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient

@@ -125,6 +125,8 @@ typedef struct unit_param {
     ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
     ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
     ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
+    bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
+                             * (PyTorch's grad = None; the buffer stays) */
     ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
     ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
     ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
@@ -714,7 +716,7 @@ ms_tensor *ms_unit_grad_shard(ms_unit *u, int i) {
     unit_param *p = NULL;
     if (param_at(u, "grad_shard", i, &p)) return NULL;
     ms__ok();
-    return p->grad_shard;
+    return p->has_grad ? p->grad_shard : NULL;
 }
 
 /* The rows of p's shard dim that shard rank q holds: torch.chunk extents. */
@@ -747,9 +749,16 @@ ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
     }
     int64_t len, off;
     rank_rows(u, p, u->rank, &len, &off);
-    ms_tensor *region = NULL;
+    ms_tensor *region = NULL, *master = NULL;
     st = ms_tensor_narrow(&region, (ms_tensor *)full, p->dim, off, len); /* a view; full is only read */
     if (!st) st = ms_tensor_copy(p->shard, region);
+    /* The f32 master weights, once a step made them, are the parameter AdamW updates: they
+     * take the loaded values in f32 (an f32 checkpoint's own bits), the shard their rounding. */
+    if (!st && p->master && ms_tensor_numel(p->master)) {
+        st = ms_tensor_view(&master, p->master, p->ndim, p->shard->shape);
+        if (!st) st = ms_tensor_copy(master, region);
+    }
+    ms_tensor_release(master);
     ms_tensor_release(region);
     return st ? ms__wrap(st, "unit '%s': load_full '%s'", unit_label(u), p->fqn) : ms__ok();
 }
@@ -999,23 +1008,34 @@ ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
     return ms__ok();
 }
 
-/* How a reduce divides (PyTorch's _get_gradient_divide_factors): the packed input is
- * multiplied by premul, reduce_scatter with rs_op, all_reduce with ar_op, divided by post. */
+/* How a reduce divides (PyTorch 2.15's _get_gradient_divide_factors and its one-rank
+ * reduce-scatter path): the packed input is divided by prediv and multiplied by premul,
+ * reduce_scatter with rs_op, all_reduce with ar_op, divided by post. */
 typedef struct divide_plan {
-    double premul, post;
+    double prediv, premul, post;
     ms_op rs_op, ar_op;
 } divide_plan;
 
 static divide_plan divide_factors(const ms_unit *u) {
     const double n = (double)u->W * u->R;
-    const double f = u->divide_factor > 0 ? u->divide_factor : n;
-    divide_plan d = {.premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
+    const bool custom = u->divide_factor > 0;
+    const double f = custom ? u->divide_factor : n;
+    divide_plan d = {.prediv = 1, .premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
     if (u->reduce == MS_F32 || u->reduce == MS_BF16) { /* no overflow risk: the collective divides */
-        if (f != n) d.premul = 1 / f;                   /* premul-sum */
-        else if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
+        if (!custom) {
+            if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
+        } else if (u->W == 1) {
+            d.prediv = f; /* torch skips a one-rank reduce_scatter and copies input / factor */
+        } else if (f == u->W) {
+            d.rs_op = MS_OP_AVG; /* a custom factor equal to the shard group's size: AVG, then SUM */
+        } else {
+            d.premul = 1 / f; /* premul-sum, then SUM */
+        }
         return d;
     }
-    /* f16 and the other reduce dtypes: divide by about sqrt(f) before and after the sums. */
+    /* f16 and the other reduce dtypes: divide by about sqrt(f) before and after the sums.
+     * (torch 2.15 with one shard rank and a custom factor also divides the input by the
+     * whole factor there, dividing twice; that is not imitated.) */
     double pre = 1;
     while (fmod(f, pre) == 0 && f / pre > pre) pre *= 2;
     d.premul = 1 / pre; /* a power of two: exact */
@@ -1069,6 +1089,7 @@ static ms_status prepare_reduce(ms_unit *u) {
         }
     if (st) return st;
     const divide_plan d = divide_factors(u);
+    if (d.prediv != 1 && (st = ew_tensor(u, MS_EW_DIV, u->flat, d.prediv, NULL, false))) return st;
     if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, u->flat, d.premul, NULL, false))) return st;
     u->op = (unit_op){.comm = u->shard, .flat = u->flat, .label = unit_label(u), .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};
@@ -1108,9 +1129,22 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
     return ms__ok();
 }
 
-/* Post-divide, cast to the stored dtype and accumulate into the gradient shards (allocated
- * zero-filled by the first reduce), where the shards are: an offloaded unit brings the
- * reduced chunk to the host first. */
+/* p's padded gradient shard <- elements [at, at + padded numel) of `reduced` (1-D, the reduce
+ * dtype), cast to the stored dtype: FSDP2's assignment of the first reduced gradient. */
+static ms_status assign_grad(unit_param *p, ms_tensor *reduced, int64_t at) {
+    ms_tensor *part = NULL, *line = NULL;
+    ms_status st = ms_tensor_narrow(&part, reduced, 0, at, p->padded_numel);
+    if (!st) st = ms_tensor_view(&line, p->grad_padded, 1, &p->padded_numel);
+    if (!st) st = ms_tensor_copy(line, part);
+    ms_tensor_release(line);
+    ms_tensor_release(part);
+    return st;
+}
+
+/* Post-divide, cast to the stored dtype and assign to the gradient shards that have no
+ * gradient (allocated by the first reduce; none after zero_grad), accumulate into those that
+ * have one, as FSDP2 does, where the shards are: an offloaded unit brings the reduced chunk
+ * to the host first. */
 static ms_status finish_reduce(ms_unit *u) {
     const int64_t es = ms_dtype_size(u->reduce), n = ms_tensor_numel(u->op.slice);
     const bool dev = shards_on_device(u);
@@ -1128,9 +1162,11 @@ static ms_status finish_reduce(ms_unit *u) {
             st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
         }
-        if (!st && p->padded_numel)
+        if (!st && p->padded_numel && !p->has_grad) st = assign_grad(p, host ? host : u->op.slice, p->grad_offset);
+        else if (!st && p->padded_numel)
             st = ew(u, dev, MS_EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es,
                     u->reduce, true, p->padded_numel);
+        p->has_grad |= !st;
         p->in_reduce = false;
     }
     ms_tensor_release(host);
@@ -1159,9 +1195,8 @@ ms_status ms_unit_zero_grad(ms_unit *u) {
     if (!u) return ms__fail(MS_ERR_ARG, "unit_zero_grad: unit is NULL");
     ms_status st = check_state(u, "zero_grad", ST_GRADS);
     if (st) return st;
-    for (int i = 0; i < u->nparams && !st; i++)
-        if (u->params[i].grad_padded) st = ms_tensor_fill(u->params[i].grad_padded, 0);
-    return st ? ms__wrap(st, "unit '%s': zero_grad", unit_label(u)) : ms__ok();
+    for (int i = 0; i < u->nparams; i++) u->params[i].has_grad = false; /* set_to_none: the buffers stay */
+    return ms__ok();
 }
 
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
@@ -1171,7 +1206,7 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
     double s = 0;
     for (int i = 0; i < u->nparams; i++) {
         const unit_param *p = &u->params[i];
-        if (!p->grad_shard) continue;
+        if (!p->has_grad) continue;
         const void *g = ms_tensor_data(p->grad_padded);
         const int64_t n = ms_tensor_numel(p->grad_shard);
         double part = 0;
@@ -1191,7 +1226,7 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     if (st) return st;
     for (int i = 0; i < u->nparams && !st; i++) {
         const unit_param *p = &u->params[i];
-        if (p->grad_shard)
+        if (p->has_grad)
             st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL,
                     u->stored, false, ms_tensor_numel(p->grad_shard));
     }
@@ -1230,12 +1265,12 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
         return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
                         "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", unit_label(u), lr, beta1, beta2,
                         eps, weight_decay, (long long)step);
-    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .b1 = (float)beta1, .b2 = (float)beta2,
-                           .c1 = (float)(1 - beta1), .c2 = (float)(1 - beta2),
+    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .w1 = (float)(1 - beta1), .b2 = (float)beta2,
+                           .c2 = (float)(1 - beta2),
                            .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
                            .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
     for (int i = 0; i < u->nparams && !st; i++)
-        if (u->params[i].grad_shard) st = adamw_param(u, &u->params[i], &h);
+        if (u->params[i].has_grad) st = adamw_param(u, &u->params[i], &h);
     return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();
 }
 

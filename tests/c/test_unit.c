@@ -653,16 +653,56 @@ static void reshard_modes(rank_ctx *c) {
 enum { ADAM_STEPS = 3 };
 static const double LR = 1e-2, B1 = 0.9, B2 = 0.999, EPS = 1e-8, WD = 0.1;
 
-/* bf16 stored with fp32 master weights: three steps against a scalar AdamW in double. */
-static void adamw(rank_ctx *c) {
-    const scenario *sc = c->arg;
+/* PyTorch's AdamW (torch.optim.AdamW, decoupled weight decay) on one f32 element, written
+ * out here op by op from its single-tensor code: param.mul_(1 - lr*wd);
+ * exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 -
+ * beta2); param.addcdiv_(exp_avg, sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps,
+ * value=-lr/bias_correction1), with the Python floats rounded to f32 as the kernels take
+ * them and the lerp's and the addcmul's multiply-add fused, as torch's x86-64 (AVX2,
+ * AVX-512) and CUDA kernels compute them. */
+static void torch_adamw(float *w, float *m, float *v, float g, int step) {
+    const float decay = (float)(1 - LR * WD), wt = (float)(1 - B1), b2 = (float)B2, vt = (float)(1 - B2);
+    const float ss = (float)(-(LR / (1 - pow(B1, step)))), bc2 = (float)sqrt(1 - pow(B2, step)), eps = (float)EPS;
+    *w *= decay;
+    *m = wt < 0.5f ? fmaf(wt, g - *m, *m) : fmaf(wt - 1, g - *m, g);
+    *v = fmaf(vt * g, g, *v * b2);
+    *w += ss * *m / (sqrtf(*v) / bc2 + eps);
+}
+
+/* This rank's shards of unit u after `steps` AdamW steps against torch_adamw on the reduced
+ * gradients (reduced_grad, exact here), from the stored parameters, with the parameters
+ * loaded again from their f64 full tensors (a checkpoint) after step `reload` (0: never),
+ * which sets the master weights to the loaded values in f32: the f32 master weights (f32
+ * stored: the parameters themselves) bit for bit, so the stored parameters too.  Returns
+ * the max |diff|. */
+static double check_adamw(ms_unit *u, const scenario *sc, int q, int steps, int reload) {
     const policy *pol = sc->pol;
-    const int W = sc->l.W, q = c->rank % W;
-    ms_comm *shard = NULL, *replicate = NULL;
-    layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *u = build_unit("adamw", pol, shard, replicate, 1);
-    if (!u) return;
-    for (int s = 1; s <= ADAM_STEPS; s++) {
+    double worst = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
+        const double *d = ms_tensor_data(f);
+        int64_t wrong = 0;
+        for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
+            int64_t e = global_index(&specs[i], sc->l.W, q, l);
+            float w = (float)round_as(pol->stored, param_value(i, e)), m = 0, v = 0;
+            for (int s = 1; specs[i].requires_grad && s <= steps; s++) {
+                torch_adamw(&w, &m, &v, (float)reduced_grad(pol, sc->l.W * sc->l.R, (int[]){s}, 1, i, e), s);
+                if (s == reload) w = (float)param_value(i, e);
+            }
+            if (!specs[i].requires_grad && reload) w = (float)param_value(i, e);
+            double want = round_as(pol->stored, w), diff = fabs(d[l] - want);
+            wrong += d[l] != want;
+            worst = fmax(worst, diff);
+        }
+        R_CHECK(wrong == 0);
+        ms_tensor_release(f);
+    }
+    return worst;
+}
+
+/* AdamW steps s0 + 1 .. s1 on u: reduce, step, zero_grad. */
+static void adamw_steps(rank_ctx *c, ms_unit *u, int s0, int s1) {
+    for (int s = s0 + 1; s <= s1; s++) {
         R_OK(ms_unit_unshard(u));
         R_OK(ms_unit_wait(u));
         write_grads(u, s, c->rank);
@@ -671,39 +711,186 @@ static void adamw(rank_ctx *c) {
         R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, s));
         R_OK(ms_unit_zero_grad(u));
     }
+}
+
+/* Three steps; the parameters loaded again (a checkpoint restored into a unit that has
+ * optimizer state: the master weights must follow, or the next step would undo the load);
+ * two more steps. */
+static void adamw(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("adamw", pol, shard, replicate, 1);
+    if (!u) return;
+    adamw_steps(c, u, 0, ADAM_STEPS);
     const int64_t local = sum_local_trainable(W, q);
     R_CHECK(ms_unit_bytes(u, 2) == local * 4 * (pol->stored == MS_F32 ? 2 : 3));
+    double worst = check_adamw(u, sc, q, ADAM_STEPS, 0);
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *full = full_of(i, param_value);
+        R_OK(ms_unit_load_full(u, i, full));
+        ms_tensor_release(full);
+    }
+    adamw_steps(c, u, ADAM_STEPS, ADAM_STEPS + 2);
+    double reloaded = check_adamw(u, sc, q, ADAM_STEPS + 2, ADAM_STEPS);
+    worst = world_max(c, worst);
+    reloaded = world_max(c, reloaded);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  AdamW, %s: max|diff| vs torch's AdamW written out in f32 %g after %d steps, %g after a "
+               "reload and 2 more\n", W, sc->l.R, pol->name, worst, ADAM_STEPS, reloaded);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
 
-    double worst = 0;
+/* ---------------------------------------------------------------- scenario: no gradient */
+
+/* torch's zero_grad() (set_to_none) and FSDP2's sharded gradients: after zero_grad no
+ * parameter has a gradient (grad_shard NULL; the norm, scaling and AdamW skip it) until a
+ * reduce assigns one; a parameter without a gradient in a step keeps none and AdamW leaves
+ * it alone.  Step 1: every trainable parameter gets a gradient, layers.0.b's all -0.0, which
+ * the first reduce assigns (an accumulation into zeros would make it +0.0).  Step 2: only
+ * layers.0.w (spec 0) gets one.  With an exact reduce (f32) spec 0 is checked against
+ * torch's AdamW written out, the others must keep their bits of step 1. */
+static void no_grad(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("no_grad", pol, shard, replicate, 1);
+    if (!u) return;
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grads(u, 1, c->rank);
+    R_OK(ms_tensor_fill(ms_unit_grad_full(u, 1), -0.0));
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *b = as_f64(ms_unit_grad_shard(u, 1));
+    int64_t positive = 0;
+    for (int64_t l = 0; l < ms_tensor_numel(b); l++) positive += !signbit(((const double *)ms_tensor_data(b))[l]);
+    ms_tensor_release(b);
+    R_CHECK(positive == 0);
+    R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 1));
+    R_OK(ms_unit_zero_grad(u));
+    double sq = -1;
+    R_OK(ms_unit_grad_sq_norm(u, &sq));
+    R_CHECK(sq == 0);
+    ms_tensor *after1[NSPEC];
+    for (int i = 0; i < NSPEC; i++) {
+        R_CHECK(ms_unit_grad_shard(u, i) == NULL && !ms_last_error()[0]);
+        after1[i] = as_f64(ms_unit_param_shard(u, i));
+    }
+
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grad(u, 0, 0, 2, c->rank);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    for (int i = 0; i < NSPEC; i++) R_CHECK((ms_unit_grad_shard(u, i) != NULL) == (i == 0));
+    R_OK(ms_unit_grad_sq_norm(u, &sq));
+    double want = 0;
+    for (int64_t e = 0; e < spec_numel(&specs[0]); e++) want += pow(reduced_grad(pol, W * sc->l.R, (int[]){2}, 1, 0, e), 2);
+    const double rel = fabs(world_sum(c, sq) - want) / want;
+    R_CHECK(rel < (tolerance(pol) ? 1e-2 : 1e-12));
+    R_OK(ms_unit_scale_grads(u, 1)); /* skips the others */
+    R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 2));
+    int64_t moved = 0, wrong = 0;
     for (int i = 0; i < NSPEC; i++) {
         ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
-        const double *d = ms_tensor_data(f);
-        int64_t wrong = 0;
+        const double *d = ms_tensor_data(f), *d1 = ms_tensor_data(after1[i]);
         for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
-            int64_t e = global_index(&specs[i], W, q, l);
-            const double w0 = round_as(pol->stored, param_value(i, e));
-            double w = w0, m = 0, v = 0;
-            for (int s = 1; specs[i].requires_grad && s <= ADAM_STEPS; s++) {
-                double g = reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, i, e);
-                w -= LR * WD * w;
-                m = B1 * m + (1 - B1) * g;
-                v = B2 * v + (1 - B2) * g * g;
-                double mhat = m / (1 - pow(B1, s)), vhat = v / (1 - pow(B2, s));
-                w -= LR * mhat / (sqrt(vhat) + EPS);
+            if (i) {
+                wrong += d[l] != d1[l];
+                continue;
             }
-            double want = round_as(pol->stored, w), diff = fabs(d[l] - want);
-            /* f32 arithmetic on values of w0's size against double: a few f32 ulps of w0, which
-             * move a bf16 rounding by one */
-            wrong += diff > (pol->stored == MS_F32 ? 4 : 1) * ulp_of(pol->stored, fmax(fabs(want), fabs(w0)));
-            worst = fmax(worst, diff);
+            moved += d[l] != d1[l];
+            const int64_t e = global_index(&specs[0], W, q, l);
+            float w = (float)round_as(pol->stored, param_value(0, e)), m = 0, v = 0;
+            for (int s = 1; s <= 2; s++)
+                torch_adamw(&w, &m, &v, (float)reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, 0, e), s);
+            wrong += !tolerance(pol) && d[l] != round_as(pol->stored, w);
         }
-        R_CHECK(wrong == 0);
         ms_tensor_release(f);
+        ms_tensor_release(after1[i]);
     }
+    R_CHECK(wrong == 0 && world_sum(c, (double)moved) > 0);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %-38s no gradient after zero_grad: skipped by norm, scale and AdamW; -0.0 assigned; "
+               "|g|^2 rel %.1e\n", W, sc->l.R, pol->name, world_max(c, rel));
+    else
+        world_max(c, rel);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
+/* ---------------------------------------------------------------- scenario: divide factors */
+
+typedef struct divide_case {
+    layout l;
+    double factor; /* custom, 0 = default */
+} divide_case;
+
+/* Data-parallel rank r's gradient element e: an f32 whose sums and quotients round. */
+static float divide_grad(int r, int64_t e) { return (float)(1 + 0.1 * r + 0.0137 * (double)e); }
+
+/* The reduced gradient element e as FSDP2 computes it in f32 (torch 2.15,
+ * _get_gradient_divide_factors): the default factor N = W*R averages in both collectives
+ * (AVG: the sum, then / the group size); a custom factor equal to W averages in the
+ * reduce_scatter and sums in the all_reduce; any other custom factor is premul-sum(1/f) and
+ * SUM; with one shard rank (no reduce_scatter) the input is divided by the custom factor.
+ * The collectives sum in rank order. */
+static float divide_ref(const divide_case *dc, int64_t e) {
+    const int W = dc->l.W, R = dc->l.R;
+    const float f = (float)dc->factor, pre = (float)(1 / dc->factor);
+    float total = 0;
+    for (int a = 0; a < R; a++) {
+        float s = 0;
+        for (int b = 0; b < W; b++) {
+            float x = divide_grad(a * W + b, e);
+            if (dc->factor && W == 1) x = x / f;
+            else if (dc->factor && dc->factor != W) x = x * pre;
+            s = b ? s + x : x;
+        }
+        if (!dc->factor || (W > 1 && dc->factor == W)) s = s / (float)W;
+        total = a ? total + s : s;
+    }
+    return !dc->factor && R > 1 ? total / (float)R : total;
+}
+
+/* One f32 reduce of spec 0 with the case's factor, bit for bit against divide_ref. */
+static void divide_factors(rank_ctx *c) {
+    const divide_case *dc = c->arg;
+    const int W = dc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &dc->l, &shard, &replicate);
+    const policy pol = {"f32", MS_F32, -1, -1, dc->factor};
+    ms_unit *u = build_unit_of("divide", &pol, shard, replicate, 1, 0, 1);
+    if (!u) return;
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *g = ms_unit_grad_full(u, 0);
+    float *gd = g ? ms_tensor_data(g) : NULL;
+    for (int64_t e = 0; gd && e < spec_numel(&specs[0]); e++) gd[e] = divide_grad(c->rank, e);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    ms_tensor *gs = ms_unit_grad_shard(u, 0);
+    const float *d = gs ? ms_tensor_data(gs) : NULL;
+    int64_t wrong = 0;
+    double worst = 0;
+    for (int64_t l = 0; d && l < ms_tensor_numel(gs); l++) {
+        const float want = divide_ref(dc, global_index(&specs[0], W, q, l));
+        wrong += memcmp(&d[l], &want, sizeof want) != 0;
+        worst = fmax(worst, fabs((double)d[l] - want));
+    }
+    R_CHECK(gs && wrong == 0);
     worst = world_max(c, worst);
     if (c->rank == 0)
-        printf("  W=%d R=%d  AdamW, %s, %d steps: max|diff| vs scalar reference %g\n", W, sc->l.R, pol->name,
-               ADAM_STEPS, worst);
+        printf("  W=%d R=%d  f32, divide factor %-8s max|diff| vs FSDP2's rule in f32 %g\n", W, dc->l.R,
+               dc->factor ? (dc->factor == W ? "W" : dc->factor == W * dc->l.R ? "W*R" : "custom") : "default", worst);
     ms_unit_release(u);
     ms_comm_release(shard);
     ms_comm_release(replicate);
@@ -1014,6 +1201,13 @@ int main(void) {
     printf("AdamW (f):\n");
     const scenario adam[] = {{{3, 1}, &policies[1]}, {{2, 2}, &policies[1]}, {{2, 1}, &policies[0]}};
     for (int i = 0; i < 3; i++) run_ranks(adam[i].l.W * adam[i].l.R, adamw, &adam[i]);
+    printf("no gradient (set_to_none):\n");
+    const scenario nog[] = {{{2, 1}, &policies[0]}, {{2, 2}, &policies[1]}, {{3, 1}, &policies[2]}};
+    for (int i = 0; i < 3; i++) run_ranks(nog[i].l.W * nog[i].l.R, no_grad, &nog[i]);
+    printf("gradient divide factors:\n");
+    const divide_case dcs[] = {{{3, 2}, 0}, {{3, 2}, 3}, {{3, 2}, 6}, {{3, 2}, 5}, {{3, 1}, 3}, {{3, 1}, 0},
+                               {{1, 2}, 3}, {{1, 2}, 0}};
+    for (size_t i = 0; i < sizeof dcs / sizeof dcs[0]; i++) run_ranks(dcs[i].l.W * dcs[i].l.R, divide_factors, &dcs[i]);
     printf("one parameter per unit, in place:\n");
     for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
         for (int p = 0; p < NPOLICY; p++) {
