@@ -289,7 +289,8 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
 /* ---------------------------------------------------------------- shard units (FSDP2 runtime)
  *
  * A unit is one rank's part of an FSDP2 shard unit (SEMANTICS.md §3-§4): the padded shards
- * of its parameters in their stored dtype, a flat all-gather buffer in the param dtype, the
+ * of its parameters in their stored dtype, a flat all-gather buffer in the param dtype (bytes
+ * when the parameters gather in different dtypes, as FSDP2's uint8 all-gather does), the
  * unsharded parameters and gradients while gathered, and the sharded gradients.  Lifecycle:
  *   ms_unit_new -> ms_unit_add_param (each parameter, in plan order) -> ms_unit_finalize
  *   per step: ms_unit_unshard (async) -> ms_unit_wait -> forward on ms_unit_param_full
@@ -312,8 +313,8 @@ typedef struct ms_unit ms_unit;
 
 /* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
  * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes (floating),
- * -1 for unset (FSDP2 clamps them per parameter, SEMANTICS.md §4; the unit needs one stored
- * dtype).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
+ * -1 for unset (FSDP2 clamps them per parameter, SEMANTICS.md §4: an integer parameter
+ * or one already stored in param_dtype is gathered as stored).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
  * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
  * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
  * retains the comms.  On the nccl backend every buffer of the unit is a cuda tensor on the
@@ -332,8 +333,9 @@ ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload);
 /* Adds a parameter of global `shape` (1 to 8 dims) stored in `dtype`, sharded on `dim`
  * (0 unless a shard_placement_fn says otherwise; negative dims count from the end; another
  * dim than 0 must divide by W).  The rank's padded shard is allocated zero-filled;
- * requires_grad = 0 for frozen parameters (required for integer dtypes).  Every parameter
- * of a unit has the same stored dtype (MS_ERR_DTYPE naming both parameters otherwise). */
+ * requires_grad = 0 for frozen parameters (required for integer dtypes).  The trainable
+ * parameters of a unit share one stored dtype (MS_ERR_DTYPE naming both parameters
+ * otherwise), as FSDP2 demands; frozen ones may have any dtype. */
 ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape,
                             ms_dtype dtype, int dim, int requires_grad);
 /* Fixes the flat layout (S = sum of the padded shard numels) and the effective dtypes; no

@@ -117,8 +117,10 @@ typedef struct unit_param {
     int64_t padded_shape[MS_MAX_DIMS]; /* the padded shard */
     int dim;                           /* shard dim, normalised */
     bool requires_grad;
+    ms_dtype dtype;  /* stored */
+    ms_dtype gather; /* the dtype it is gathered (computed) in, per SEMANTICS.md §4 (finalize) */
     int64_t padded_numel;
-    int64_t flat_offset; /* elements into each rank's S-element gather chunk */
+    int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
     int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
     bool in_reduce;      /* part of the pending reduce_grads */
     ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; CAT_PARAMS */
@@ -169,13 +171,16 @@ struct ms_unit {
     int W, R, rank;     /* rank: in the shard group */
     int k;              /* reshard_after_forward: 0 keep, 1 free, else the k-way size */
     int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
-    ms_dtype stored, gather, reduce; /* effective, per SEMANTICS.md §4, from finalize */
+    ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
+                                      * SEMANTICS.md §4, from finalize */
     unit_state state;
     char failure[1024]; /* the first failure's message (ST_FAILED) */
     unit_param *params; /* (nparams), capacity cap */
     int nparams, cap;
     int64_t S;          /* elements of one rank's gather chunk */
     bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
+    bool gather_bytes;  /* parameters gathered in different dtypes: the gather buffers are u8 and S
+                         * counts bytes (FSDP2's uint8 all-gather of frozen parameters of other dtypes) */
     int device;         /* the CUDA device of the transient buffers, or -1 for the host */
     bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
@@ -621,13 +626,16 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     for (int i = 0; i < u->nparams; i++)
         if (!strcmp(u->params[i].fqn, fqn))
             return ms__fail(MS_ERR_ARG, "unit '%s': add_param: parameter '%s' is already in the unit", unit_label(u), fqn);
-    if (u->nparams && dtype != u->stored)
-        return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is stored in %s but '%s' is stored in %s: FSDP "
-                        "expects uniform original parameter dtype; shard them in separate units", unit_label(u), fqn,
-                        ms_dtype_name(dtype), u->params[0].fqn, ms_dtype_name(u->stored));
     if (requires_grad && !ms_dtype_is_float(dtype))
         return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is %s and cannot require gradients", unit_label(u), fqn,
                         ms_dtype_name(dtype));
+    /* FSDP2 asks one stored dtype of the trainable parameters; frozen ones may differ */
+    for (int i = 0; requires_grad && i < u->nparams; i++)
+        if (u->params[i].requires_grad && u->params[i].dtype != dtype)
+            return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is stored in %s but '%s' is stored in %s: FSDP "
+                            "expects uniform original parameter dtype of the trainable parameters; shard them in "
+                            "separate units", unit_label(u), fqn, ms_dtype_name(dtype), u->params[i].fqn,
+                            ms_dtype_name(u->params[i].dtype));
     int64_t local[MS_MAX_DIMS], offset, padded[MS_MAX_DIMS];
     ms_status st = ms_fsdp_shard(ndim, shape, u->W, u->rank, dim, local, &offset, padded);
     if (st) return ms__wrap(st, "unit '%s': add_param '%s'", unit_label(u), fqn);
@@ -639,7 +647,8 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
         u->cap = cap;
     }
     unit_param *p = &u->params[u->nparams];
-    *p = (unit_param){.ndim = ndim, .dim = dim < 0 ? dim + ndim : dim, .requires_grad = requires_grad != 0};
+    *p = (unit_param){.ndim = ndim, .dim = dim < 0 ? dim + ndim : dim, .requires_grad = requires_grad != 0,
+                      .dtype = dtype};
     memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
     memcpy(p->padded_shape, padded, (size_t)ndim * sizeof *padded);
     p->padded_numel = 1;
@@ -651,7 +660,6 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
         param_free(u, p);
         return st;
     }
-    u->stored = dtype;
     u->nparams++;
     return ms__ok();
 }
@@ -663,19 +671,32 @@ ms_status ms_unit_finalize(ms_unit *u) {
                         state_name[u->state]);
     ms_status st = check_state(u, "finalize", ST(ST_BUILDING));
     if (st) return st;
+    /* the unit's stored dtype: its trainable parameters' (one, add_param checked), else the
+     * first floating parameter's, else the first's */
+    u->stored = MS_F32;
+    for (int i = 0, best = -1; i < u->nparams; i++) {
+        const unit_param *p = &u->params[i];
+        const int rank = p->requires_grad ? 2 : ms_dtype_is_float(p->dtype) ? 1 : 0;
+        if (rank > best) u->stored = p->dtype, best = rank;
+    }
+    /* SEMANTICS.md §4: reduce_dtype unset when equal to param_dtype; param_dtype unset when
+     * equal to the stored dtype or when the parameter is not floating point. */
+    int pd = u->policy_param, rd = u->policy_reduce;
+    if (rd == pd) rd = -1;
+    u->gather = pd >= 0 && pd != (int)u->stored && ms_dtype_is_float(u->stored) ? (ms_dtype)pd : u->stored;
+    u->reduce = rd >= 0 ? (ms_dtype)rd : u->gather;
+    u->gather_bytes = false;
+    for (int i = 0; i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        p->gather = pd >= 0 && pd != (int)p->dtype && ms_dtype_is_float(p->dtype) ? (ms_dtype)pd : p->dtype;
+        u->gather_bytes |= p->gather != u->gather;
+    }
     int64_t S = 0, bytes;
     for (int i = 0; i < u->nparams; i++) {
         u->params[i].flat_offset = S;
-        S += u->params[i].padded_numel; /* each padded shard fits in memory, so the sum fits */
+        /* each padded shard fits in memory, so the sum fits */
+        S += u->params[i].padded_numel * (u->gather_bytes ? (int64_t)ms_dtype_size(u->params[i].gather) : 1);
     }
-    if (!u->nparams) u->stored = MS_F32;
-    /* SEMANTICS.md §4: reduce_dtype unset when equal to param_dtype; param_dtype unset when
-     * equal to the stored dtype or when the parameters are not floating point. */
-    int pd = u->policy_param, rd = u->policy_reduce;
-    if (rd == pd) rd = -1;
-    if (pd == (int)u->stored || !ms_dtype_is_float(u->stored)) pd = -1;
-    u->gather = pd >= 0 ? (ms_dtype)pd : u->stored;
-    u->reduce = rd >= 0 ? (ms_dtype)rd : u->gather;
     int64_t es = ms_dtype_size(u->gather) > ms_dtype_size(u->reduce) ? ms_dtype_size(u->gather)
                                                                      : ms_dtype_size(u->reduce);
     if (!ms__mul_ok(S, u->W, &bytes) || !ms__mul_ok(bytes, es, &bytes))
@@ -789,6 +810,28 @@ static ms_status move_block(const ms_unit *u, const unit_param *p, int q, ms_ten
     return st;
 }
 
+/* flat[at, at + bytes of blk) <-> blk, a contiguous tensor: the bytes of a block in a bytes
+ * unit's u8 buffer. */
+static ms_status block_bytes(ms_tensor *flat, int64_t at, ms_tensor *blk, bool to_flat) {
+    ms_tensor *raw = NULL, *part = NULL;
+    ms_status st = ms__tensor_bytes(&raw, blk);
+    if (!st) st = ms_tensor_narrow(&part, flat, 0, at, ms_tensor_numel(raw));
+    if (!st) st = to_flat ? ms_tensor_copy(part, raw) : ms_tensor_copy(raw, part);
+    ms_tensor_release(part);
+    ms_tensor_release(raw);
+    return st;
+}
+
+/* move_block in either layout: in a bytes unit `at` counts bytes of the u8 buffer flat and
+ * the block goes through blk (p's padded numel in its gather dtype), else blk is unused. */
+static ms_status move_any(const ms_unit *u, const unit_param *p, int q, ms_tensor *full, ms_tensor *flat, int64_t at,
+                          ms_tensor *blk, bool to_flat) {
+    if (!u->gather_bytes) return move_block(u, p, q, full, flat, at, to_flat);
+    ms_status st = to_flat ? move_block(u, p, q, full, blk, 0, true) : block_bytes(flat, at, blk, false);
+    if (!st) st = to_flat ? block_bytes(flat, at, blk, true) : move_block(u, p, q, full, blk, 0, false);
+    return st;
+}
+
 /* *out = the first elements of flat viewed as p's full tensor (in_place units). */
 static ms_status full_view(const unit_param *p, ms_tensor *flat, ms_tensor **out) {
     int64_t numel = 1;
@@ -846,8 +889,9 @@ static ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src) {
 /* u->flat = the (W, S) gather buffer holding this rank's chunk (from its shards, or from
  * the k-way shard); u->op the in-place all_gather that fills the rest. */
 static ms_status prepare_gather(ms_unit *u) {
-    const int64_t es = ms_dtype_size(u->gather), total = u->W * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->gather, false);
+    const ms_dtype fd = u->gather_bytes ? MS_U8 : u->gather;
+    const int64_t es = ms_dtype_size(fd), total = u->W * u->S;
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, fd, false);
     if (st) return st;
     u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat, .label = unit_label(u)};
     ms_comm *group = u->op.comm;
@@ -860,14 +904,20 @@ static ms_status prepare_gather(ms_unit *u) {
         for (int i = 0; !st && i < u->nparams; i++) {
             const unit_param *p = &u->params[i];
             if (!p->padded_numel) continue;
-            if (u->device < 0)
+            if (u->gather_bytes) { /* cast into a block of the gather dtype, whose bytes go into the buffer */
+                ms_tensor *blk = NULL;
+                st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
+                if (!st) st = copy_into_flat(blk, 0, p->padded);
+                if (!st) st = block_bytes(u->flat, u->rank * u->S + p->flat_offset, blk, true);
+                buf_free(u, CAT_UNSHARDED, &blk);
+            } else if (u->device < 0)
                 ms__cast_contig(at(u->flat, u->rank * u->S + p->flat_offset), u->gather, ms_tensor_data(p->padded),
                                 u->stored, p->padded_numel);
             else
                 st = copy_into_flat(u->flat, u->rank * u->S + p->flat_offset, p->padded);
         }
     }
-    if (!st) st = record(u, REC_ALL_GATHER, u->gather, ms_comm_size(group), total * es);
+    if (!st) st = record(u, REC_ALL_GATHER, fd, ms_comm_size(group), total * es);
     return st;
 }
 
@@ -902,9 +952,12 @@ static ms_status finish_unshard(ms_unit *u) {
     } else {
         for (int i = 0; !st && i < u->nparams; i++) {
             unit_param *p = &u->params[i];
-            st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, u->gather, false);
+            ms_tensor *blk = NULL;
+            st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, p->gather, false);
+            if (!st && u->gather_bytes) st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
             for (int q = 0; !st && q < u->W; q++)
-                st = move_block(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, false);
+                st = move_any(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, blk, false);
+            buf_free(u, CAT_UNSHARDED, &blk);
         }
     }
     if (st) return st;
@@ -918,12 +971,15 @@ static ms_status finish_unshard(ms_unit *u) {
 static ms_status keep_kway(ms_unit *u) {
     const int per = u->W / u->k, first = u->rank % u->k * per;
     const int64_t n = per * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather, false);
-    for (int q = first; !st && q < first + per; q++)
-        for (int i = 0; !st && i < u->nparams; i++) {
-            unit_param *p = &u->params[i];
-            st = move_block(u, p, q, p->full, u->kept, (q - first) * u->S + p->flat_offset, true);
-        }
+    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather_bytes ? MS_U8 : u->gather, false);
+    for (int i = 0; !st && i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        ms_tensor *blk = NULL;
+        if (u->gather_bytes) st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
+        for (int q = first; !st && q < first + per; q++)
+            st = move_any(u, p, q, p->full, u->kept, (q - first) * u->S + p->flat_offset, blk, true);
+        buf_free(u, CAT_UNSHARDED, &blk);
+    }
     if (st) buf_free(u, CAT_UNSHARDED, &u->kept);
     return st;
 }

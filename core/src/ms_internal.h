@@ -85,6 +85,9 @@ struct ms_tensor {
     ms_dtype dtype;
 };
 
+/* *out = a 1-D u8 view of the bytes of a contiguous tensor (same storage). */
+ms_status ms__tensor_bytes(ms_tensor **out, ms_tensor *t);
+
 /* Checks a shape (0..8 dims, sizes >= 0) and returns its numel through *numel. */
 ms_status ms__check_shape(int ndim, const int64_t *shape, int64_t *numel);
 

@@ -249,6 +249,18 @@ static ms_status view_of(ms_tensor **out, ms_tensor *t) {
     return MS_OK;
 }
 
+ms_status ms__tensor_bytes(ms_tensor **out, ms_tensor *t) {
+    if (!ms_tensor_is_contiguous(t)) return ms__fail(MS_ERR_ARG, "bytes view: the tensor is not contiguous");
+    ms_status st = view_of(out, t);
+    if (st) return st;
+    (*out)->ndim = 1;
+    (*out)->shape[0] = ms_tensor_nbytes(t);
+    (*out)->stride[0] = 1;
+    (*out)->offset = t->offset * (int64_t)ms_dtype_size(t->dtype);
+    (*out)->dtype = MS_U8;
+    return MS_OK;
+}
+
 static ms_status norm_dim(const char *what, int ndim, int *dim) {
     int d = *dim < 0 ? *dim + ndim : *dim;
     if (d < 0 || d >= ndim)

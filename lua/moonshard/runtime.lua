@@ -77,13 +77,6 @@ function M.materialize(plan)
     local axes_u = pu.mesh_axes
     local params = {}
     for _, e in ipairs(pu.entries) do
-      local first = pu.entries[1]
-      if e.param.dtype ~= first.param.dtype then
-        fail(string.format("unit %s keeps %s in %s and %s in %s: the plan follows FSDP2, which takes frozen " ..
-          "parameters of other dtypes into a unit (gathered as bytes), but the runtime keeps one stored dtype per " ..
-          "unit: give the frozen parameters a unit of their own", pu.name == "" and "<root>" or pu.name, first.fqn,
-          first.param.dtype, e.fqn, e.param.dtype))
-      end
       params[#params + 1] = { fqn = e.fqn, shape = e.shape, dtype = e.param.dtype, dim = e.dim,
         requires_grad = e.param.requires_grad }
     end

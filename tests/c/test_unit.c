@@ -1165,6 +1165,105 @@ static void errors(rank_ctx *c) {
     R_CHECK(x == NULL);
 }
 
+/* ---------------------------------------------------------------- frozen parameters of other dtypes */
+
+/* A LoRA-like unit (param bf16, reduce f32): frozen bf16 base [9,4], trainable f32 adapter
+ * [6,4], frozen i64 ids [7] (never cast), trainable f32 norm [5].  The gather dtypes differ
+ * (bf16, bf16, i64, bf16), so the parameters travel as bytes, FSDP2's uint8 all-gather: each
+ * rank's chunk is its padded shards' bytes in order.  Values are small integers and halves,
+ * exact in every dtype, so every check is exact. */
+enum { FM_N = 4 };
+static const struct {
+    const char *fqn;
+    int ndim;
+    int64_t shape[2];
+    ms_dtype dtype;
+    int requires_grad;
+} fm[FM_N] = {{"a.base", 2, {9, 4}, MS_BF16, 0},
+              {"a.lora", 2, {6, 4}, MS_F32, 1},
+              {"a.ids", 1, {7}, MS_I64, 0},
+              {"a.norm", 1, {5}, MS_F32, 1}};
+
+static double fm_value(int j, int64_t e) { return j == 2 ? (double)(3 * e - 7) : (double)(e % 13) / 2 - 2 * j; }
+static double fm_grad(int r, int64_t e) { return (double)(r + 1 + e % 11); }
+
+static void frozen_mixed(rank_ctx *c) {
+    const layout *l = c->arg;
+    const int W = l->W, N = l->W * l->R, k = W == 4 ? 2 : 1;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, l, &shard, &replicate);
+    ms_unit *u = NULL;
+    R_OK(ms_unit_new(&u, "lora", shard, replicate, MS_BF16, MS_F32, k));
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+    if (!u) return;
+    int64_t chunk_bytes = 0, numel[FM_N];
+    for (int j = 0; j < FM_N; j++) {
+        R_OK(ms_unit_add_param(u, fm[j].fqn, fm[j].ndim, fm[j].shape, fm[j].dtype, 0, fm[j].requires_grad));
+        numel[j] = fm[j].ndim == 2 ? fm[j].shape[0] * fm[j].shape[1] : fm[j].shape[0];
+        const int64_t rows = (fm[j].shape[0] + W - 1) / W, per_row = fm[j].ndim == 2 ? fm[j].shape[1] : 1;
+        chunk_bytes += rows * per_row * (fm[j].dtype == MS_I64 ? 8 : 2); /* f32 and bf16 gather in bf16 */
+    }
+    /* a second trainable dtype is refused, frozen ones are not */
+    R_ERR(ms_unit_add_param(u, "a.half", 1, (int64_t[]){4}, MS_F16, 0, 1), MS_ERR_DTYPE,
+          "'a.half' is stored in f16 but 'a.lora' is stored in f32: FSDP expects uniform original parameter dtype "
+          "of the trainable parameters");
+    R_OK(ms_unit_finalize(u));
+    for (int j = 0; j < FM_N; j++) {
+        ms_tensor *full = NULL;
+        R_OK(ms_tensor_new(&full, fm[j].ndim, fm[j].shape, MS_F64, MS_DEVICE_CPU, 0));
+        for (int64_t e = 0; e < numel[j]; e++) ((double *)ms_tensor_data(full))[e] = fm_value(j, e);
+        R_OK(ms_unit_load_full(u, j, full));
+        ms_tensor_release(full);
+    }
+    for (int pass = 0; pass < 2; pass++) { /* the second gather runs from the k-way shard when k = 2 */
+        ms_unit_clear_records(u);
+        R_OK(ms_unit_unshard(u));
+        R_OK(ms_unit_wait(u));
+        const int64_t want[1][3] = {{0, pass && k > 1 ? k : W, W * chunk_bytes}};
+        check_records(u, 1, want, (ms_dtype[]){MS_U8, MS_F32, MS_F32});
+        int bad = 0;
+        for (int j = 0; j < FM_N; j++) {
+            ms_tensor *full = ms_unit_param_full(u, j), *f64 = full ? as_f64(full) : NULL;
+            R_CHECK(full && ms_tensor_dtype(full) == (fm[j].dtype == MS_I64 ? MS_I64 : MS_BF16));
+            for (int64_t e = 0; f64 && e < numel[j]; e++) bad += ((double *)ms_tensor_data(f64))[e] != fm_value(j, e);
+            ms_tensor_release(f64);
+        }
+        R_CHECK(bad == 0);
+        if (pass == 0) R_OK(ms_unit_reshard(u));
+    }
+    R_CHECK(ms_unit_grad_full(u, 0) == NULL && strstr(ms_last_error(), "'a.base' is frozen"));
+    for (int j = 1; j < FM_N; j += 2) {
+        ms_tensor *g = ms_unit_grad_full(u, j), *vals = NULL;
+        R_CHECK(g && ms_tensor_dtype(g) == MS_BF16);
+        if (!g) continue;
+        R_OK(ms_tensor_new(&vals, fm[j].ndim, fm[j].shape, MS_F64, MS_DEVICE_CPU, 0));
+        for (int64_t e = 0; e < numel[j]; e++) ((double *)ms_tensor_data(vals))[e] = fm_grad(c->rank, e);
+        R_OK(ms_tensor_copy(g, vals));
+        ms_tensor_release(vals);
+    }
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+    /* the mean over the N ranks: e % 11 + 1 + (N - 1) / 2, exact */
+    int bad = 0;
+    for (int j = 1; j < FM_N; j += 2) {
+        int dim = 0;
+        int64_t off = 0, rows = 0;
+        R_OK(ms_unit_param_offset(u, j, &dim, &off, &rows));
+        ms_tensor *gs = ms_unit_grad_shard(u, j), *f64 = gs ? as_f64(gs) : NULL;
+        R_CHECK(gs != NULL);
+        const int64_t per_row = fm[j].ndim == 2 ? fm[j].shape[1] : 1;
+        for (int64_t e = 0; f64 && e < rows * per_row; e++)
+            bad += ((double *)ms_tensor_data(f64))[e] != (double)((off * per_row + e) % 11 + 1) + (N - 1) / 2.0;
+        ms_tensor_release(f64);
+    }
+    R_CHECK(bad == 0);
+    R_CHECK(ms_unit_grad_shard(u, 0) == NULL && ms_unit_grad_shard(u, 2) == NULL);
+    LOCKED(if (c->rank == 0) printf("  W=%d R=%d k=%d: %lld bytes a rank gathered as u8, exact\n", W, l->R, k,
+                                    (long long)chunk_bytes));
+    ms_unit_release(u);
+}
+
 /* Ranks that disagree on the unit's layout: the all_gather fails with a mismatch on the
  * communication thread; the message comes back through the ticket and the unit is unusable. */
 static void failed_collective(rank_ctx *c) {
@@ -1218,6 +1317,9 @@ int main(void) {
     for (int n = 1; n <= 3; n++) run_ranks(n, cache, NULL);
     printf("shard offsets:\n");
     for (int n = 1; n <= MAX_RANKS; n++) run_ranks(n, param_offsets, NULL);
+    printf("frozen parameters of other dtypes (gathered as bytes):\n");
+    const layout fml[] = {{1, 1}, {3, 1}, {4, 1}, {2, 2}};
+    for (size_t i = 0; i < sizeof fml / sizeof fml[0]; i++) run_ranks(fml[i].W * fml[i].R, frozen_mixed, &fml[i]);
     printf("errors (h):\n");
     run_ranks(2, errors, NULL);
     run_ranks(2, failed_collective, NULL);

@@ -154,21 +154,48 @@ describe("materialised plans", function()
       "rank 1: in 30 x f32 for unit layers.1", r.err, 1, true)
   end)
 
-  it("refuses a planned unit that mixes stored dtypes (frozen ones), which it cannot hold", function()
+  it("gathers a unit with frozen parameters of other dtypes as bytes, as planned", function()
+    -- frozen bf16 base [8,4] and i64 ids [6] around a trainable f32 adapter [2,4]: FSDP2's
+    -- uint8 all-gather of 2 ranks x (32 + 8 + 24) bytes: 4 rows of base and 1 of lora_a in bf16
+    -- (param_dtype), 3 ids in i64 (never cast); the plan's bus bytes are half of it
     local r = S.run_code(2, [[
+      local ms = require "moonshard"
       local module = require "moonshard.module"
       local root = module.new("Toy")
       local a = root:add("a", module.new("Lora"))
       a:param("base", { 8, 4 }, "bf16").requires_grad = false
       a:param("lora_a", { 2, 4 }, "f32")
+      a:param("ids", { 6 }, "i64")
       local plan = require("moonshard.plan").plan(root, require("moonshard.mesh_context").new("dp_shard=2"),
-        { parallelize = function(ctx) ctx:fully_shard(ctx.model) end })
-      require("moonshard.runtime").materialize(plan)
+        { parallelize = function(ctx)
+          ctx:fully_shard(ctx.model, { mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" } })
+        end })
+      local u = require("moonshard.runtime").materialize(plan).units[1]
+      local values = {}
+      for i, e in ipairs(plan.units[1].entries) do
+        local n, v = 1, {}
+        for _, d in ipairs(e.shape) do n = n * d end
+        for k = 1, n do v[k] = (i == 3) and (k * 1000003 - 7) or (k % 9) / 4 - i end
+        values[i] = v
+        u:load_full(i - 1, ms.from_table(v, e.param.dtype, e.shape))
+      end
+      u:unshard()
+      u:wait()
+      for i, e in ipairs(plan.units[1].entries) do
+        local got = u:param_full(i - 1)
+        assert(got:dtype() == (i == 3 and "i64" or "bf16"), got:dtype())
+        local t = got:totable()
+        for k = 1, #values[i] do assert(t[k] == values[i][k], e.fqn .. "[" .. k .. "]") end
+      end
+      local rec = u:records()[1]
+      assert(rec.dtype == "u8" and rec.bytes == 2 * (32 + 8 + 24), rec.dtype .. " " .. rec.bytes)
+      assert(plan.units[1].all_gather_bytes == 64, plan.units[1].all_gather_bytes)
+      print("rank " .. ms.rank() .. " gathered " .. rec.bytes .. " bytes as u8, exact")
     ]])
-    assert.equal(1, r.code)
-    assert.matches("moonshard: runtime: unit <root> keeps a.base in bf16 and a.lora_a in f32: the plan follows " ..
-      "FSDP2, which takes frozen parameters of other dtypes into a unit (gathered as bytes), but the runtime keeps " ..
-      "one stored dtype per unit: give the frozen parameters a unit of their own", r.err, 1, true)
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    assert.matches("rank 0 gathered 128 bytes as u8, exact", r.out, 1, true)
+    assert.matches("rank 1 gathered 128 bytes as u8, exact", r.out, 1, true)
   end)
 
   it("refuses to run a plan on the wrong number of ranks", function()
