@@ -62,7 +62,9 @@ ms_status ms_local_shape(int ndim, const int64_t *global_shape, int mesh_ndim, c
             int64_t len, off;
             ms_chunk_extent(local_shape[d], mesh_sizes[i], coords[i], &len, &off);
             local_shape[d] = len;
-            global_offset[d] += off;
+            /* an empty shard sits at the end of the dim, as DTensor's
+             * compute_local_shape_and_global_offset puts it, however many shardings deep */
+            global_offset[d] = len ? global_offset[d] + off : global_shape[d];
             break;
         }
         default:

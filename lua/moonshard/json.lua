@@ -185,6 +185,10 @@ function Decoder:number(i)
     j = j + #exp
   end
   local text = sub(s, i, j - 1)
+  if self.counts and (j - i ~= #digits or #digits > 16 or tonumber(text) > 9007199254740992) then
+    self:fail(i, "number " .. text .. " is not " .. (j - i ~= #digits and "an integer >= 0" or "at most 2^53"),
+      "an integer count from 0 to 2^53")
+  end
   -- Integer text that fits in 64 bits reads as a Lua 5.4 integer (tonumber does that; on
   -- LuaJIT every number is a double, exact below 2^53); fractions and exponents as floats.
   local x = tonumber(text)
@@ -261,11 +265,13 @@ end
 
 --- decode(text, source_name?) -> value.  Errors name source_name (default "input"), the
 -- line and the column (in bytes, 1-based).
-function M.decode(text, source_name)
+--- decode(text, source_name?, opts?) -> value.  opts.counts: every number must be an
+-- integer from 0 to 2^53 written without sign, fraction or exponent (safetensors headers).
+function M.decode(text, source_name, opts)
   if type(text) ~= "string" then
     error("moonshard: json: decode needs a string, got " .. type(text), 2)
   end
-  local d = setmetatable({ s = text, source = source_name or "input" }, Decoder)
+  local d = setmetatable({ s = text, source = source_name or "input", counts = opts and opts.counts }, Decoder)
   local value, i = d:value(1, 0)
   i = d:skip(i)
   if i <= #text then d:fail(i, "unexpected " .. show(text, i) .. " after the value", "end of input") end

@@ -3,9 +3,13 @@
 --
 -- A .safetensors file is an 8-byte little-endian header length N, N bytes of JSON
 -- ({"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then
--- the data area.  Headers are checked as strictly as the reference implementation does
--- (offsets contiguous from 0, no holes, no overlaps, the data area covered exactly) so that
--- a plan made from a header describes a file that a loader will accept.  Sharded checkpoints
+-- the data area.  Headers are checked as the reference implementation (the safetensors
+-- package) checks them, so that a plan made from a header describes a file that a loader
+-- will accept: offsets contiguous from 0, no holes, no overlaps, the data area covered
+-- exactly, integer shapes and offsets, no element or byte count that overflows (here: past
+-- 2^53).  Like it, moonshard takes whitespace before the header's '{', ignores keys of an
+-- entry other than dtype, shape and data_offsets, and reads "__metadata__": null as none;
+-- unlike it, a key twice in one object is refused (the reference keeps the last).  Sharded checkpoints
 -- come with a model.safetensors.index.json whose weight_map must agree with the shards.
 
 local json = require "moonshard.json"
@@ -72,13 +76,16 @@ local function read_json_header(f, path)
     fail(path, "header length %d goes beyond the end of the file (%d bytes)", n, size)
   end
   local text = n > 0 and f:read(n) or ""
-  if text:sub(1, 1) ~= "{" then
+  if not text:find("^[ \t\r\n]*{") then
     fail(path, "the header does not start with '{' (not a safetensors file?)")
   end
-  return json.decode(text, path .. " header"), size - 8 - n
+  return json.decode(text, path .. " header", { counts = true }), size - 8 - n
 end
 
+local MAX_COUNT = 9007199254740992 -- 2^53: counts past it are not exact in a double
+
 local function check_metadata(path, meta)
+  if meta == json.null then return {} end
   if not is_object(meta) then fail(path, "__metadata__ is not an object of strings") end
   for k, v in pairs(meta) do
     if type(v) ~= "string" then
@@ -92,11 +99,6 @@ end
 local function check_entry(path, name, e, data_size)
   local function bad(fmt, ...) fail(path, "tensor '%s': " .. fmt, name, ...) end
   if not is_object(e) then bad("entry is not an object {dtype, shape, data_offsets}") end
-  for k in pairs(e) do
-    if k ~= "dtype" and k ~= "shape" and k ~= "data_offsets" then
-      bad("unexpected key '%s' (expected dtype, shape and data_offsets)", k)
-    end
-  end
   if type(e.dtype) ~= "string" then bad("dtype is missing or not a string") end
   local dt = M.dtypes[e.dtype]
   if not dt then bad("dtype '%s' is not supported (supported: %s)", e.dtype, supported) end
@@ -104,6 +106,9 @@ local function check_entry(path, name, e, data_size)
   local numel = 1
   for i, s in ipairs(e.shape) do
     if not is_count(s) then bad("shape[%d] is %s; sizes are integers >= 0", i - 1, json.encode(s)) end
+    if s > 0 and numel > MAX_COUNT / s / dt[2] then
+      bad("shape %s of %s is more than 2^53 bytes", show_list(e.shape), e.dtype)
+    end
     numel = numel * s
   end
   local off = e.data_offsets
@@ -225,6 +230,7 @@ function M.read_index(path)
     end
   end
   local metadata = index.metadata
+  if metadata == json.null then metadata = nil end
   if metadata ~= nil and not is_object(metadata) then fail(path, "\"metadata\" is not an object") end
   return all, metadata or {}
 end

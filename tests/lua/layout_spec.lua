@@ -69,6 +69,17 @@ describe("placements", function()
     l, o = ms.local_shape({ 10, 6 }, { ms.Shard(0), ms.Shard(1) }, m, m:coords(2))
     assert.same({ 5, 2 }, l)
     assert.same({ 0, 4 }, o)
+    -- an empty shard of a dim sharded again sits at the dim's end, as in torch 2.15's
+    -- compute_local_shape_and_global_offset: [4] on (2, 3) at (0, 2): 4 -> 2 at 0 -> 0 rows
+    l, o = ms.local_shape({ 4 }, { ms.Shard(0), ms.Shard(0) }, { 2, 3 }, { 0, 2 })
+    assert.same({ 0 }, l)
+    assert.same({ 4 }, o)
+    l, o = ms.local_shape({ 7 }, { ms.Shard(0), ms.Shard(0), ms.Shard(0) }, { 3, 2, 5 }, { 0, 0, 2 })
+    assert.same({ 0 }, l)
+    assert.same({ 7 }, o)
+    l, o = ms.local_shape({ 8, 2, 0, 2 }, { ms.Shard(-3), ms.Shard(0), ms.Shard(-3) }, { 2, 3, 5 }, { 0, 0, 1 })
+    assert.same({ 3, 0, 0, 2 }, l)
+    assert.same({ 0, 2, 0, 0 }, o)
   end)
 
   it("give FSDP padded shards", function()
