@@ -912,7 +912,7 @@ static ms_status prepare_gather(ms_unit *u) {
                 buf_free(u, CAT_UNSHARDED, &blk);
             } else if (u->device < 0)
                 ms__cast_contig(at(u->flat, u->rank * u->S + p->flat_offset), u->gather, ms_tensor_data(p->padded),
-                                u->stored, p->padded_numel);
+                                p->dtype, p->padded_numel);
             else
                 st = copy_into_flat(u->flat, u->rank * u->S + p->flat_offset, p->padded);
         }
@@ -1106,7 +1106,9 @@ static ms_status accumulate(ms_unit *u, unit_param *p) {
         ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
         if (st) return st;
     }
-    ms_status st = ew_tensor(u, MS_EW_ADD, p->grad_acc, 0, p->grad_full, false);
+    /* each backward's gradient rounded to the reduce dtype, then added: FSDP2's gradients
+     * are in the reduce dtype already (torch 2.15's grad_dtype) when they accumulate */
+    ms_status st = ew_tensor(u, MS_EW_ADD, p->grad_acc, 0, p->grad_full, true);
     if (st) return st;
     unsharded_free(u, &p->grad_full, &p->grad_flat);
     return MS_OK;

@@ -593,6 +593,36 @@ static void sync_off(rank_ctx *c) {
     ms_comm_release(replicate);
 }
 
+/* Sync off with a 16-bit reduce dtype: each backward's gradient is rounded to the reduce
+ * dtype before it is added, as FSDP2's gradients are (torch 2.15 makes the unsharded
+ * gradient's dtype the reduce dtype).  One rank, f32 parameter, f16 reduce: g1 = 1 and
+ * g2 = 2^-11 + 2^-23 (f32, not an f16).  Rounding g2 first gives 2^-11 and 1 + 2^-11, a tie
+ * that goes to the even 1; adding g2 unrounded would pass the tie and give 1 + 2^-10. */
+static void sync_off_rounding(rank_ctx *c) {
+    ms_unit *u = NULL;
+    const int64_t shape[1] = {4};
+    R_OK(ms_unit_new(&u, "acc", c->world, NULL, -1, MS_F16, 1));
+    if (!u) return;
+    R_OK(ms_unit_add_param(u, "w", 1, shape, MS_F32, 0, 1));
+    R_OK(ms_unit_finalize(u));
+    const double g[2] = {1.0, ldexp(1, -11) + ldexp(1, -23)};
+    for (int step = 0; step < 2; step++) {
+        R_OK(ms_unit_set_requires_gradient_sync(u, step == 1));
+        R_OK(ms_unit_unshard(u));
+        R_OK(ms_unit_wait(u));
+        R_OK(ms_tensor_fill(ms_unit_grad_full(u, 0), g[step]));
+        R_OK(ms_unit_reduce_grads(u));
+        R_OK(ms_unit_wait(u));
+    }
+    ms_tensor *gs = ms_unit_grad_shard(u, 0), *f64 = gs ? as_f64(gs) : NULL;
+    int bad = 0;
+    for (int64_t e = 0; f64 && e < 4; e++) bad += ((double *)ms_tensor_data(f64))[e] != 1.0;
+    R_CHECK(f64 && bad == 0);
+    printf("  f16 reduce, sync off then on: round(round(g1) + round(g2)) = 1, as FSDP2\n");
+    ms_tensor_release(f64);
+    ms_unit_release(u);
+}
+
 /* ---------------------------------------------------------------- scenario: reshard modes */
 
 /* Three units with reshard_after_forward 0, 1 and 2 on W = 4, unsharded together (the
@@ -1187,8 +1217,14 @@ static const struct {
 static double fm_value(int j, int64_t e) { return j == 2 ? (double)(3 * e - 7) : (double)(e % 13) / 2 - 2 * j; }
 static double fm_grad(int r, int64_t e) { return (double)(r + 1 + e % 11); }
 
+typedef struct fm_case {
+    layout l;
+    bool ints; /* with the i64 ids: gathered as bytes; without: all in bf16, stored dtypes mixed */
+} fm_case;
+
 static void frozen_mixed(rank_ctx *c) {
-    const layout *l = c->arg;
+    const fm_case *fc = c->arg;
+    const layout *l = &fc->l;
     const int W = l->W, N = l->W * l->R, k = W == 4 ? 2 : 1;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, l, &shard, &replicate);
@@ -1198,7 +1234,11 @@ static void frozen_mixed(rank_ctx *c) {
     ms_comm_release(replicate);
     if (!u) return;
     int64_t chunk_bytes = 0, numel[FM_N];
+    int slot[FM_N], n = 0; /* fm j is unit parameter slot[j], -1 when left out */
     for (int j = 0; j < FM_N; j++) {
+        slot[j] = -1;
+        if (j == 2 && !fc->ints) continue;
+        slot[j] = n++;
         R_OK(ms_unit_add_param(u, fm[j].fqn, fm[j].ndim, fm[j].shape, fm[j].dtype, 0, fm[j].requires_grad));
         numel[j] = fm[j].ndim == 2 ? fm[j].shape[0] * fm[j].shape[1] : fm[j].shape[0];
         const int64_t rows = (fm[j].shape[0] + W - 1) / W, per_row = fm[j].ndim == 2 ? fm[j].shape[1] : 1;
@@ -1210,10 +1250,11 @@ static void frozen_mixed(rank_ctx *c) {
           "of the trainable parameters");
     R_OK(ms_unit_finalize(u));
     for (int j = 0; j < FM_N; j++) {
+        if (slot[j] < 0) continue;
         ms_tensor *full = NULL;
         R_OK(ms_tensor_new(&full, fm[j].ndim, fm[j].shape, MS_F64, MS_DEVICE_CPU, 0));
         for (int64_t e = 0; e < numel[j]; e++) ((double *)ms_tensor_data(full))[e] = fm_value(j, e);
-        R_OK(ms_unit_load_full(u, j, full));
+        R_OK(ms_unit_load_full(u, slot[j], full));
         ms_tensor_release(full);
     }
     for (int pass = 0; pass < 2; pass++) { /* the second gather runs from the k-way shard when k = 2 */
@@ -1221,10 +1262,11 @@ static void frozen_mixed(rank_ctx *c) {
         R_OK(ms_unit_unshard(u));
         R_OK(ms_unit_wait(u));
         const int64_t want[1][3] = {{0, pass && k > 1 ? k : W, W * chunk_bytes}};
-        check_records(u, 1, want, (ms_dtype[]){MS_U8, MS_F32, MS_F32});
+        check_records(u, 1, want, (ms_dtype[]){fc->ints ? MS_U8 : MS_BF16, MS_F32, MS_F32});
         int bad = 0;
         for (int j = 0; j < FM_N; j++) {
-            ms_tensor *full = ms_unit_param_full(u, j), *f64 = full ? as_f64(full) : NULL;
+            if (slot[j] < 0) continue;
+            ms_tensor *full = ms_unit_param_full(u, slot[j]), *f64 = full ? as_f64(full) : NULL;
             R_CHECK(full && ms_tensor_dtype(full) == (fm[j].dtype == MS_I64 ? MS_I64 : MS_BF16));
             for (int64_t e = 0; f64 && e < numel[j]; e++) bad += ((double *)ms_tensor_data(f64))[e] != fm_value(j, e);
             ms_tensor_release(f64);
@@ -1234,7 +1276,7 @@ static void frozen_mixed(rank_ctx *c) {
     }
     R_CHECK(ms_unit_grad_full(u, 0) == NULL && strstr(ms_last_error(), "'a.base' is frozen"));
     for (int j = 1; j < FM_N; j += 2) {
-        ms_tensor *g = ms_unit_grad_full(u, j), *vals = NULL;
+        ms_tensor *g = ms_unit_grad_full(u, slot[j]), *vals = NULL;
         R_CHECK(g && ms_tensor_dtype(g) == MS_BF16);
         if (!g) continue;
         R_OK(ms_tensor_new(&vals, fm[j].ndim, fm[j].shape, MS_F64, MS_DEVICE_CPU, 0));
@@ -1249,8 +1291,8 @@ static void frozen_mixed(rank_ctx *c) {
     for (int j = 1; j < FM_N; j += 2) {
         int dim = 0;
         int64_t off = 0, rows = 0;
-        R_OK(ms_unit_param_offset(u, j, &dim, &off, &rows));
-        ms_tensor *gs = ms_unit_grad_shard(u, j), *f64 = gs ? as_f64(gs) : NULL;
+        R_OK(ms_unit_param_offset(u, slot[j], &dim, &off, &rows));
+        ms_tensor *gs = ms_unit_grad_shard(u, slot[j]), *f64 = gs ? as_f64(gs) : NULL;
         R_CHECK(gs != NULL);
         const int64_t per_row = fm[j].ndim == 2 ? fm[j].shape[1] : 1;
         for (int64_t e = 0; f64 && e < rows * per_row; e++)
@@ -1258,9 +1300,9 @@ static void frozen_mixed(rank_ctx *c) {
         ms_tensor_release(f64);
     }
     R_CHECK(bad == 0);
-    R_CHECK(ms_unit_grad_shard(u, 0) == NULL && ms_unit_grad_shard(u, 2) == NULL);
-    LOCKED(if (c->rank == 0) printf("  W=%d R=%d k=%d: %lld bytes a rank gathered as u8, exact\n", W, l->R, k,
-                                    (long long)chunk_bytes));
+    R_CHECK(ms_unit_grad_shard(u, 0) == NULL && (!fc->ints || ms_unit_grad_shard(u, 2) == NULL));
+    LOCKED(if (c->rank == 0) printf("  W=%d R=%d k=%d: %lld bytes a rank gathered as %s, exact\n", W, l->R, k,
+                                    (long long)chunk_bytes, fc->ints ? "u8" : "bf16"));
     ms_unit_release(u);
 }
 
@@ -1294,6 +1336,7 @@ int main(void) {
         const scenario sc = {layouts[l], &policies[1]};
         run_ranks(layouts[l].W * layouts[l].R, sync_off, &sc);
     }
+    run_ranks(1, sync_off_rounding, NULL);
     printf("reshard modes (e):\n");
     const scenario four = {{4, 1}, &policies[0]};
     run_ranks(4, reshard_modes, &four);
@@ -1318,8 +1361,10 @@ int main(void) {
     printf("shard offsets:\n");
     for (int n = 1; n <= MAX_RANKS; n++) run_ranks(n, param_offsets, NULL);
     printf("frozen parameters of other dtypes (gathered as bytes):\n");
-    const layout fml[] = {{1, 1}, {3, 1}, {4, 1}, {2, 2}};
-    for (size_t i = 0; i < sizeof fml / sizeof fml[0]; i++) run_ranks(fml[i].W * fml[i].R, frozen_mixed, &fml[i]);
+    const fm_case fml[] = {{{1, 1}, true}, {{3, 1}, true}, {{4, 1}, true}, {{2, 2}, true},
+                           {{1, 1}, false}, {{3, 1}, false}, {{4, 1}, false}, {{2, 2}, false}};
+    for (size_t i = 0; i < sizeof fml / sizeof fml[0]; i++)
+        run_ranks(fml[i].l.W * fml[i].l.R, frozen_mixed, &fml[i]);
     printf("errors (h):\n");
     run_ranks(2, errors, NULL);
     run_ranks(2, failed_collective, NULL);
