@@ -818,10 +818,15 @@ function M.plan(model, mesh, policy, opts)
   end
 
   -- Warnings: latency-bound units and padding waste, grouped so a reader sees them once.
-  local small, padded = {}, {}
+  local small, padded, unset_reduce = {}, {}, {}
   for _, u in ipairs(ctx.units) do
     if u.shard_size > 1 and #u.params > 0 and u.gather_bytes_per_rank < M.LATENCY_BOUND_BYTES then
       small[#small + 1] = display(u.name)
+    end
+    -- gradients reduced in param_dtype only because reduce_dtype is unset: a rule that
+    -- changed between PyTorch versions
+    if u.mp.param_dtype and not u.mp.reduce_dtype and u.grad_shard_bytes > 0 and u.reduce_dtype_eff ~= u.stored_dtype then
+      unset_reduce[#unset_reduce + 1] = string.format("%s (%s)", display(u.name), u.reduce_dtype_eff)
     end
     if u.padding_fraction > M.PADDING_WASTE then
       padded[#padded + 1] = string.format("%s (%.0f%%)", display(u.name), 100 * u.padding_fraction)
@@ -831,6 +836,12 @@ function M.plan(model, mesh, policy, opts)
   local function listing(names)
     return table.concat(names, ", ", 1, math.min(#names, 6)) ..
       (#names > 6 and string.format(" (and %d more)", #names - 6) or "")
+  end
+  if #unset_reduce > 0 then
+    warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype and reduce%s gradients " ..
+      "in param_dtype (FSDP2's documented rule, SEMANTICS.md §4), where PyTorch 2.15's FSDP2 reduces them in the " ..
+      "stored dtype: set reduce_dtype to choose: %s", #unset_reduce, #unset_reduce == 1 and "" or "s",
+      #unset_reduce == 1 and "s" or "", listing(unset_reduce))
   end
   if #small > 0 then
     warnings[#warnings + 1] = string.format("%d unit%s move%s less than %s per all-gather and will be latency " ..

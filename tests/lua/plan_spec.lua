@@ -361,6 +361,20 @@ describe("shard units", function()
       mesh_context.new("dp_shard=4"), policy(function(ctx) ctx:fully_shard(ctx.model) end)), 1, true)
   end)
 
+  it("warn when param_dtype is set without reduce_dtype, where PyTorch versions differ", function()
+    local root = module.new("Toy")
+    root:add("a", module.new("Linear")):param("w", { 8, 4 }, "f32")
+    root:add("b", module.new("Linear")):param("w", { 8, 4 }, "f32")
+    local plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+      ctx:fully_shard("a", { mp_policy = { param_dtype = "bf16" } })
+      ctx:fully_shard(ctx.model, { mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" } })
+    end))
+    assert.equal("bf16", plan.units[1].reduce_dtype_eff)
+    assert.equal("1 unit set param_dtype but not reduce_dtype and reduces gradients in param_dtype (FSDP2's " ..
+      "documented rule, SEMANTICS.md §4), where PyTorch 2.15's FSDP2 reduces them in the stored dtype: set " ..
+      "reduce_dtype to choose: a (bf16)", plan.warnings[1])
+  end)
+
   it("check integer reshard_after_forward and run the backward gather over k ranks", function()
     local function with(k)
       return planner.plan(small_tree(), mesh_context.new("dp_shard=4"), policy(function(ctx)
