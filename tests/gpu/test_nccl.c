@@ -153,6 +153,7 @@ typedef struct unit_cfg {
     ms_dtype stored, gather, reduce;
     double divide;                  /* a custom gradient divide factor */
     int64_t rows;                   /* the first parameter's rows (of 4 columns) */
+    int frozen;                     /* the dtype of a frozen third parameter {5, 4}, or -1 */
 } unit_cfg;
 
 /* Parameters {k->rows, 4} (and {3, 5}) of k on comm, `steps` training steps: unshard, two
@@ -162,9 +163,15 @@ typedef struct unit_cfg {
  * should be (unsharded on the comm's device; shards there too unless offload);
  * *gathered_ok: every gathered parameter is its shard in the gather dtype (one rank).
  * Returns host copies of the final shards and the last norm. */
-static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tensor *shards[2], double *norm,
+static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tensor *shards[3], double *norm,
                   int *where_ok, int *gathered_ok) {
-    const int64_t shapes[2][2] = {{k->rows, 4}, {3, 5}};
+    const int64_t shapes[3][2] = {{k->rows, 4}, {3, 5}, {5, 4}};
+    const int n = k->nparams + (k->frozen >= 0);
+    ms_dtype dtypes[3] = {k->stored, k->stored, k->stored}, gathers[3] = {k->gather, k->gather, k->gather};
+    if (k->frozen >= 0) {
+        dtypes[n - 1] = (ms_dtype)k->frozen; /* gathered in the param dtype when floating, else as stored */
+        gathers[n - 1] = k->frozen == MS_F32 || k->frozen == MS_BF16 || k->frozen == MS_F16 ? k->gather : dtypes[n - 1];
+    }
     const int gpu = !strcmp(ms_comm_backend(c), "nccl");
     const ms_device_type shard_dev = gpu && !offload ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
     const ms_device_type full_dev = gpu ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
@@ -173,11 +180,12 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
     if (!u) return;
     CHECK_OK(ms_unit_set_cpu_offload(u, offload));
     CHECK_OK(ms_unit_set_gradient_divide_factor(u, k->divide));
-    for (int i = 0; i < k->nparams; i++)
-        CHECK_OK(ms_unit_add_param(u, i ? "layer.bias" : "layer.weight", 2, shapes[i], k->stored, 0, 1));
+    for (int i = 0; i < n; i++)
+        CHECK_OK(ms_unit_add_param(u, i == n - 1 && k->frozen >= 0 ? "layer.frozen" : i ? "layer.bias" : "layer.weight",
+                                   2, shapes[i], dtypes[i], 0, i < k->nparams));
     CHECK_ERR(ms_unit_set_cpu_offload(u, 1), MS_ERR_STATE, "before the first ms_unit_add_param");
     CHECK_OK(ms_unit_finalize(u));
-    for (int i = 0; i < k->nparams; i++) {
+    for (int i = 0; i < n; i++) {
         ms_tensor *full = NULL;
         CHECK_OK(ms_tensor_new(&full, 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
         for (int e = 0; e < ms_tensor_numel(full); e++) ((float *)ms_tensor_data(full))[e] = (float)((e + i) % 97) / 8 - 1;
@@ -190,16 +198,17 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
             CHECK_OK(ms_unit_set_requires_gradient_sync(u, micro == 1));
             CHECK_OK(ms_unit_unshard(u));
             CHECK_OK(ms_unit_wait(u));
-            for (int i = 0; i < k->nparams; i++) {
-                ms_tensor *p = ms_unit_param_full(u, i), *g = ms_unit_grad_full(u, i), *h = NULL;
-                *where_ok &= p && g && ms_tensor_device(p) == full_dev && ms_tensor_device(g) == full_dev;
-                if (!p || !g) continue;
+            for (int i = 0; i < n; i++) {
+                ms_tensor *p = ms_unit_param_full(u, i), *g = i < k->nparams ? ms_unit_grad_full(u, i) : NULL, *h = NULL;
+                *where_ok &= p && ms_tensor_device(p) == full_dev && (i >= k->nparams || (g && ms_tensor_device(g) == full_dev));
+                if (!p) continue;
                 ms_tensor *shard = NULL, *want = NULL; /* one rank: the gathered parameter is its shard */
                 CHECK_OK(ms_tensor_to_device(&shard, ms_unit_param_shard(u, i), MS_DEVICE_CPU, 0));
-                CHECK_OK(ms_tensor_to(&want, shard, k->gather));
+                CHECK_OK(ms_tensor_to(&want, shard, gathers[i]));
                 *gathered_ok &= want && same_bits(p, want);
                 ms_tensor_release(want);
                 ms_tensor_release(shard);
+                if (!g) continue;
                 CHECK_OK(ms_tensor_new(&h, 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
                 for (int e = 0; e < ms_tensor_numel(h); e++)
                     ((float *)ms_tensor_data(h))[e] = (float)((e * 5 + i * 3 + step * 7 + micro) % 17 - 8) / 16;
@@ -218,7 +227,7 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
         CHECK_OK(ms_unit_adamw_step(u, 1e-2, 0.9, 0.95, 1e-8, 0.1, step));
         CHECK_OK(ms_unit_zero_grad(u));
     }
-    for (int i = 0; i < k->nparams; i++)
+    for (int i = 0; i < n; i++)
         CHECK_OK(ms_tensor_to_device(&shards[i], ms_unit_param_shard(u, i), MS_DEVICE_CPU, 0));
     ms_unit_release(u);
 }
@@ -229,26 +238,30 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
  * the n squares in another order). */
 static void units(ms_comm *c) {
     static const unit_cfg cfgs[] = {
-        {"f32 stored, bf16 gather, f32 reduce, one parameter", 1, MS_F32, MS_BF16, MS_F32, 4, 6},
-        {"f32 stored, bf16 gather, f32 reduce, two parameters", 2, MS_F32, MS_BF16, MS_F32, 4, 6},
-        {"bf16 stored (f32 master), f16 reduce (pre- and post-divide)", 2, MS_BF16, MS_BF16, MS_F16, 6, 6},
-        {"f32 everywhere, one parameter", 1, MS_F32, MS_F32, MS_F32, 3, 6},
+        {"f32 stored, bf16 gather, f32 reduce, one parameter", 1, MS_F32, MS_BF16, MS_F32, 4, 6, -1},
+        {"f32 stored, bf16 gather, f32 reduce, two parameters", 2, MS_F32, MS_BF16, MS_F32, 4, 6, -1},
+        {"bf16 stored (f32 master), f16 reduce (pre- and post-divide)", 2, MS_BF16, MS_BF16, MS_F16, 6, 6, -1},
+        {"f32 everywhere, one parameter", 1, MS_F32, MS_F32, MS_F32, 3, 6, -1},
         /* 4M elements: many blocks of every kernel, several grid-stride turns of the sum */
-        {"bf16 stored, f32 reduce, one parameter of 2^22 elements", 1, MS_BF16, MS_BF16, MS_F32, 4, 1 << 20},
+        {"bf16 stored, f32 reduce, one parameter of 2^22 elements", 1, MS_BF16, MS_BF16, MS_F32, 4, 1 << 20, -1},
+        /* frozen parameters of another stored dtype: all gathered in bf16, or as bytes */
+        {"f32 stored + a frozen bf16 one, bf16 gather", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_BF16},
+        {"f32 stored + a frozen i64 one, gathered as bytes", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_I64},
     };
     ms_world *tw = NULL;
     ms_comm *cpu = NULL;
     CHECK_OK(ms_threads_world_new(&tw, 1, 60));
     CHECK_OK(ms_world_comm(tw, 0, &cpu));
     for (size_t k = 0; cpu && k < sizeof cfgs / sizeof cfgs[0]; k++) {
-        ms_tensor *ref[2] = {NULL, NULL}, *got[2] = {NULL, NULL};
+        ms_tensor *ref[3] = {NULL, NULL, NULL}, *got[3] = {NULL, NULL, NULL};
+        const int n = cfgs[k].nparams + (cfgs[k].frozen >= 0);
         double ref_norm = 0, worst = 0;
         int where = 1, same = 1, gathered = 1;
         train(cpu, &cfgs[k], 0, 3, ref, &ref_norm, &where, &gathered);
         for (int offload = 0; offload <= 1; offload++) {
             double norm = 0;
             train(c, &cfgs[k], offload, 3, got, &norm, &where, &gathered);
-            for (int i = 0; i < cfgs[k].nparams; i++) {
+            for (int i = 0; i < n; i++) {
                 same &= ref[i] && got[i] && same_bits(ref[i], got[i]);
                 ms_tensor_release(got[i]);
                 got[i] = NULL;
@@ -265,7 +278,7 @@ static void units(ms_comm *c) {
                "(of %.6g), gathered = shards: %s, tensors on their devices: %s\n", cfgs[k].what,
                same ? "bit-identical to" : "DIFFER from", worst, ref_norm, gathered ? "yes" : "NO",
                where ? "yes" : "NO");
-        for (int i = 0; i < 2; i++) ms_tensor_release(ref[i]);
+        for (int i = 0; i < 3; i++) ms_tensor_release(ref[i]);
     }
     ms_comm_release(cpu);
     ms_world_release(tw);
