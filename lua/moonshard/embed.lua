@@ -35,7 +35,7 @@ local function segments(name, what)
   return parts
 end
 
-local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+local FLOATING = require("moonshard.module").FLOATING
 
 function M.add_param(fqn, shape, dtype, requires_grad)
   if state.plan then

@@ -46,7 +46,9 @@ local function check_name(name, what)
   end
 end
 
-local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+--- The floating dtypes: the ones that can require gradients and take mixed precision.
+M.FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+local FLOATING = M.FLOATING
 
 --- A parameter of the given shape (a sequence of non-negative integers) and dtype.
 function M.param(shape, dtype, opts)

@@ -16,7 +16,7 @@ local M = {}
 
 local DTYPE_SIZE = { f32 = 4, f16 = 2, bf16 = 2, f8e4m3 = 1, f8e5m2 = 1, f64 = 8, i64 = 8, i32 = 4,
   i8 = 1, u8 = 1, bool = 1 }
-local FLOAT = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
+local FLOAT = ms_module.FLOATING
 M.DTYPE_SIZE = DTYPE_SIZE
 
 -- Thresholds for warnings: a unit whose all-gather moves less than this per rank is

@@ -82,7 +82,7 @@ local function read_json_header(f, path)
   return json.decode(text, path .. " header", { counts = true }), size - 8 - n
 end
 
-local MAX_COUNT = 9007199254740992 -- 2^53: counts past it are not exact in a double
+local MAX_COUNT = module.MAX_COUNT -- 2^53: counts past it are not exact in a double
 
 local function check_metadata(path, meta)
   if meta == json.null then return {} end
