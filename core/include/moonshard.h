@@ -428,8 +428,10 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale);
 /* AdamW on the rank's shards that have a gradient (parameters without one are left alone,
  * as torch skips a parameter whose grad is None), while sharded: fp32 moments, fp32
  * master weights when the stored dtype is not f32 (made on the first step), decoupled
- * weight decay; step counts from 1 and is the same for every parameter (torch counts steps
- * per parameter, so after a parameter skipped a step their bias corrections differ).  torch.optim.AdamW op by op (core/src/unit_math.h):
+ * weight decay.  step is the caller's step, counting every call from 1; as torch counts
+ * steps per parameter (state['step'] advances only when the parameter has a gradient), a
+ * parameter that had no gradient in k earlier calls takes step - k in its bias corrections
+ * (MS_ERR_ARG, naming it, where that is below 1).  torch.optim.AdamW op by op (core/src/unit_math.h):
  * f32 results are PyTorch's bits (its x86-64 CPU and CUDA kernels), up to torch's CPU sqrt,
  * which is not always correctly rounded where this one is. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,

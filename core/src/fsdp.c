@@ -129,6 +129,8 @@ typedef struct unit_param {
     ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
     bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
                              * (PyTorch's grad = None; the buffer stays) */
+    int64_t skipped_steps;  /* adamw_step calls that found no gradient: the parameter's own step
+                             * count is the caller's step less these (torch's state['step']) */
     ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
     ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
     ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
@@ -1323,12 +1325,29 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
         return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
                         "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", unit_label(u), lr, beta1, beta2,
                         eps, weight_decay, (long long)step);
-    const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .w1 = (float)(1 - beta1), .b2 = (float)beta2,
-                           .c2 = (float)(1 - beta2),
-                           .step_size = (float)(lr / (1 - pow(beta1, (double)step))),
-                           .bc2_sqrt = (float)sqrt(1 - pow(beta2, (double)step)), .eps = (float)eps};
-    for (int i = 0; i < u->nparams && !st; i++)
-        if (u->params[i].has_grad) st = adamw_param(u, &u->params[i], &h);
+    /* torch counts steps per parameter (state['step'] advances only with a gradient): a
+     * parameter that skipped k steps takes step - k in its bias corrections. */
+    for (int i = 0; i < u->nparams; i++) {
+        const unit_param *p = &u->params[i];
+        if (p->has_grad && step - p->skipped_steps < 1)
+            return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: step %lld: parameter '%s' had no gradient in %lld "
+                            "earlier steps, so this would be its step %lld: expected step to count every adamw_step "
+                            "call from 1", unit_label(u), (long long)step, p->fqn, (long long)p->skipped_steps,
+                            (long long)(step - p->skipped_steps));
+    }
+    for (int i = 0; i < u->nparams && !st; i++) {
+        unit_param *p = &u->params[i];
+        if (!p->has_grad) {
+            p->skipped_steps++;
+            continue;
+        }
+        const double t = (double)(step - p->skipped_steps);
+        const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .w1 = (float)(1 - beta1),
+                                  .b2 = (float)beta2, .c2 = (float)(1 - beta2),
+                                  .step_size = (float)(lr / (1 - pow(beta1, t))),
+                                  .bc2_sqrt = (float)sqrt(1 - pow(beta2, t)), .eps = (float)eps};
+        st = adamw_param(u, p, &h);
+    }
     return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();
 }
 

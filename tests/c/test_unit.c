@@ -730,14 +730,19 @@ static double check_adamw(ms_unit *u, const scenario *sc, int q, int steps, int 
     return worst;
 }
 
+/* Step s's gradients on u, every trainable parameter: gather, write, reduce. */
+static void reduce_step(rank_ctx *c, ms_unit *u, int s) {
+    R_OK(ms_unit_unshard(u));
+    R_OK(ms_unit_wait(u));
+    write_grads(u, s, c->rank);
+    R_OK(ms_unit_reduce_grads(u));
+    R_OK(ms_unit_wait(u));
+}
+
 /* AdamW steps s0 + 1 .. s1 on u: reduce, step, zero_grad. */
 static void adamw_steps(rank_ctx *c, ms_unit *u, int s0, int s1) {
     for (int s = s0 + 1; s <= s1; s++) {
-        R_OK(ms_unit_unshard(u));
-        R_OK(ms_unit_wait(u));
-        write_grads(u, s, c->rank);
-        R_OK(ms_unit_reduce_grads(u));
-        R_OK(ms_unit_wait(u));
+        reduce_step(c, u, s);
         R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, s));
         R_OK(ms_unit_zero_grad(u));
     }
@@ -847,9 +852,51 @@ static void no_grad(rank_ctx *c) {
         ms_tensor_release(after1[i]);
     }
     R_CHECK(wrong == 0 && world_sum(c, (double)moved) > 0);
+
+    /* Step 3, every trainable parameter with a gradient: the ones that skipped step 2 take
+     * their own second step (torch's per-parameter state['step']), not the caller's third,
+     * whose bias corrections would move them differently. */
+    R_OK(ms_unit_zero_grad(u));
+    reduce_step(c, u, 3);
+    R_OK(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 3));
+    int64_t own = 0, callers = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        if (!specs[i].requires_grad) continue;
+        ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
+        const double *d = ms_tensor_data(f);
+        for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
+            const int64_t e = global_index(&specs[i], W, q, l);
+            const float w0 = (float)round_as(pol->stored, param_value(i, e));
+            float w = w0, m = 0, v = 0, wc = w0, mc = 0, vc = 0; /* own count; the caller's step */
+            for (int s = 1; s <= 3; s++) {
+                if (i && s == 2) continue;
+                const float g = i == 1 && s == 1 ? -0.0f : (float)reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, i, e);
+                torch_adamw(&w, &m, &v, g, i && s == 3 ? 2 : s);
+                torch_adamw(&wc, &mc, &vc, g, s);
+            }
+            own += d[l] != round_as(pol->stored, w);
+            callers += d[l] != round_as(pol->stored, wc);
+        }
+        ms_tensor_release(f);
+    }
+    R_CHECK(tolerance(pol) || own == 0);
+    R_CHECK(tolerance(pol) || world_sum(c, (double)callers) > 0);
+
+    /* A caller that does not count its steps: step 1 again would be step 0 for the
+     * parameters that skipped one; refused by name, nothing changed. */
+    R_OK(ms_unit_zero_grad(u));
+    reduce_step(c, u, 4);
+    ms_tensor *before = as_f64(ms_unit_param_shard(u, 0));
+    R_ERR(ms_unit_adamw_step(u, LR, B1, B2, EPS, WD, 1), MS_ERR_ARG, "had no gradient in 1 earlier steps, so this would "
+          "be its step 0: expected step to count every adamw_step call from 1");
+    ms_tensor *after = as_f64(ms_unit_param_shard(u, 0));
+    R_CHECK(!memcmp(ms_tensor_data(before), ms_tensor_data(after), (size_t)ms_tensor_numel(after) * sizeof(double)));
+    ms_tensor_release(before);
+    ms_tensor_release(after);
     if (c->rank == 0)
         printf("  W=%d R=%d  %-38s no gradient after zero_grad: skipped by norm, scale and AdamW; -0.0 assigned; "
-               "|g|^2 rel %.1e\n", W, sc->l.R, pol->name, world_max(c, rel));
+               "|g|^2 rel %.1e; a skipped step not counted (%lld of rank 0's elements tell the counts apart)\n", W,
+               sc->l.R, pol->name, world_max(c, rel), (long long)callers);
     else
         world_max(c, rel);
     ms_unit_release(u);
