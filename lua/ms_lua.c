@@ -978,6 +978,22 @@ static int u_adamw_step(lua_State *L) {
     return 1;
 }
 
+/* unit:set_adamw("master" | "torch"): how adamw_step keeps its state (ms_unit_set_adamw) */
+static int u_set_adamw(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    static const char *const modes[] = {"master", "torch", NULL};
+    const char *m = luaL_checkstring(L, 2);
+    int mode = -1;
+    for (int i = 0; modes[i]; i++)
+        if (!strcmp(m, modes[i])) mode = i;
+    if (mode < 0)
+        return luaL_error(L, "moonshard invalid_argument error: set_adamw: mode '%s'; expected 'master' (f32 master "
+                          "weights and moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", m);
+    CHECK(L, ms_unit_set_adamw(u, mode == 0 ? MS_ADAMW_MASTER : MS_ADAMW_TORCH));
+    lua_settop(L, 1);
+    return 1;
+}
+
 /* unit:bytes() -> {params=, grads=, optimizer=, unsharded=, cached=} */
 static int u_bytes(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
@@ -1238,7 +1254,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"set_gradient_divide_factor", u_set_divide_factor}, {"set_cpu_offload", u_set_cpu_offload},
         {"release_unsharded", u_release_unsharded}, {"zero_grad", u_zero_grad},
         {"grad_sq_norm", u_grad_sq_norm}, {"scale_grads", u_scale_grads},
-        {"adamw_step", u_adamw_step}, {"bytes", u_bytes}, {"records", u_records},
+        {"adamw_step", u_adamw_step}, {"set_adamw", u_set_adamw}, {"bytes", u_bytes}, {"records", u_records},
         {"clear_records", u_clear_records}, {"release", unit_gc}, {NULL, NULL}};
     new_class(L, UNIT_MT, unit_methods, unit_gc, u_tostring);
     luaL_newlib(L, funcs);

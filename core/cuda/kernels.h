@@ -29,6 +29,9 @@ enum { MS_CUDA_SUM_BLOCKS = 256 };
 int ms__cuda_launch_sum_sq(const void *x, int dtype, int64_t n, double *partials);
 int ms__cuda_launch_adamw(float *w, float *m, float *v, const void *grad, int grad_dtype, void *stored_out,
                           int stored_dtype, int64_t n, const ms_adamw_hyper *h);
+/* ms__adamw_torch: w, m, v and grad all of the float dtype dtype. */
+int ms__cuda_launch_adamw_torch(void *w, void *m, void *v, const void *grad, int dtype, int64_t n,
+                                const ms_adamw_hyper *h);
 
 #ifdef __cplusplus
 }

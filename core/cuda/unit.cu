@@ -47,6 +47,21 @@ __global__ void adamw_kernel(float *w, float *m, float *v, const void *grad, int
     }
 }
 
+// torch.optim.AdamW on state of the parameter's own dtype (ms__adamw_torch).
+__global__ void adamw_torch_kernel(void *w, void *m, void *v, const void *grad, int dt, int64_t n, ms_adamw_hyper h) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        if (dt == MS_F64) {
+            ms_adamw_update_f64(&((double *)w)[i], &((double *)m)[i], &((double *)v)[i], ((const double *)grad)[i], &h);
+            continue;
+        }
+        float a = ms_load_f32(w, i, dt), b = ms_load_f32(m, i, dt), c = ms_load_f32(v, i, dt);
+        ms_adamw_update_as(&a, &b, &c, ms_load_f32(grad, i, dt), &h, dt == MS_BF16 ? 1 : dt == MS_F16 ? 2 : 0);
+        ms_store_f32(w, i, dt, a);
+        ms_store_f32(m, i, dt, b);
+        ms_store_f32(v, i, dt, c);
+    }
+}
+
 } // namespace
 
 extern "C" int ms__cuda_launch_ew(int op, void *dst, int dst_dtype, double s, const void *src, int src_dtype,
@@ -67,5 +82,12 @@ extern "C" int ms__cuda_launch_adamw(float *w, float *m, float *v, const void *g
     if (n <= 0) return 0;
     adamw_kernel<<<blocks_for(n), kThreads, 0, cudaStreamPerThread>>>(w, m, v, grad, grad_dtype, stored_out,
                                                                          stored_dtype, n, *h);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int ms__cuda_launch_adamw_torch(void *w, void *m, void *v, const void *grad, int dtype, int64_t n,
+                                           const ms_adamw_hyper *h) {
+    if (n <= 0) return 0;
+    adamw_torch_kernel<<<blocks_for(n), kThreads, 0, cudaStreamPerThread>>>(w, m, v, grad, dtype, n, *h);
     return (int)cudaGetLastError();
 }

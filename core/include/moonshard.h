@@ -350,9 +350,10 @@ const char *ms_unit_param_fqn(const ms_unit *u, int i);
 /* The rank's shard of parameter i (a view of its padded shard without the padding, maybe
  * of 0 rows), in the stored dtype: write initial values here.  Borrowed: valid while the
  * unit lives.  Writing it is supported until the unit's first ms_unit_adamw_step; after
- * it, a unit stored in another dtype than f32 has f32 master weights, which AdamW updates
- * and writes back over the shard, so a direct write would be lost at the next step: load
- * with ms_unit_load_full, which sets both. */
+ * it, a unit stored in another dtype than f32 has f32 master weights (MS_ADAMW_MASTER),
+ * which AdamW updates and writes back over the shard, so a direct write would be lost at
+ * the next step: load with ms_unit_load_full, which sets both.  (MS_ADAMW_TORCH keeps no
+ * master: AdamW updates the shard itself.) */
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
 /* The rank's sharded gradient of parameter i (stored dtype), or NULL (with an empty
  * message) while the parameter has no gradient: before the first reduce_grads that
@@ -425,15 +426,26 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out);
 /* Multiplies the sharded gradients (of the parameters that have one) by scale (clipping);
  * MS_ERR_ARG for a scale that is not finite (NaN or infinite). */
 ms_status ms_unit_scale_grads(ms_unit *u, double scale);
+/* How ms_unit_adamw_step keeps its state, for parameters stored in another dtype than f32
+ * (for f32 ones both are the same, bit for bit):
+ *   MS_ADAMW_MASTER (the default): f32 moments and f32 master weights, which AdamW updates
+ *     and rounds into the stored shard (what TE's FusedAdam with master weights does; 12
+ *     bytes a bf16 parameter);
+ *   MS_ADAMW_TORCH: torch.optim.AdamW on the stored parameters: moments in the stored
+ *     dtype, no master weights, every operation rounded to that dtype as PyTorch's kernels
+ *     round it (4 bytes a bf16 parameter; 16 an f64 one, computed in f64).
+ * Set before the unit's first adamw_step (MS_ERR_STATE after it, if the mode changes). */
+enum { MS_ADAMW_MASTER = 0, MS_ADAMW_TORCH = 1 };
+ms_status ms_unit_set_adamw(ms_unit *u, int mode);
 /* AdamW on the rank's shards that have a gradient (parameters without one are left alone,
- * as torch skips a parameter whose grad is None), while sharded: fp32 moments, fp32
- * master weights when the stored dtype is not f32 (made on the first step), decoupled
- * weight decay.  step is the caller's step, counting every call from 1; as torch counts
+ * as torch skips a parameter whose grad is None), while sharded, its state kept as
+ * ms_unit_set_adamw says (made on the first step), decoupled weight decay.  step is the caller's step, counting every call from 1; as torch counts
  * steps per parameter (state['step'] advances only when the parameter has a gradient), a
  * parameter that had no gradient in k earlier calls takes step - k in its bias corrections
  * (MS_ERR_ARG, naming it, where that is below 1).  torch.optim.AdamW op by op (core/src/unit_math.h):
- * f32 results are PyTorch's bits (its x86-64 CPU and CUDA kernels), up to torch's CPU sqrt,
- * which is not always correctly rounded where this one is. */
+ * f32 results, and the bf16 and f16 ones of MS_ADAMW_TORCH, are PyTorch's bits (its x86-64
+ * CPU kernels; its CUDA kernels fuse the same multiply-adds), up to torch's CPU sqrt, which
+ * is not always correctly rounded where this one is. */
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
 /* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient

@@ -205,6 +205,16 @@ ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *g
     return MS_OK;
 }
 
+ms_status ms__cuda_adamw_torch(int device, void *w, void *m, void *v, const void *grad, ms_dtype dt, int64_t n,
+                               const ms_adamw_hyper *h) {
+    if (n <= 0) return MS_OK;
+    ms_status st = use_device(device);
+    if (st) return st;
+    CUDA_TRY("launching the AdamW kernel", (cudaError_t)ms__cuda_launch_adamw_torch(w, m, v, grad, (int)dt, n, h));
+    SYNC("running the AdamW kernel");
+    return MS_OK;
+}
+
 #else /* built without CUDA */
 
 static ms_status not_built(void) {
@@ -260,6 +270,12 @@ ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, dou
 ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *grad, ms_dtype gdt, void *stored_out,
                          ms_dtype sdt, int64_t n, const ms_adamw_hyper *h) {
     (void)device, (void)w, (void)m, (void)v, (void)grad, (void)gdt, (void)stored_out, (void)sdt, (void)n, (void)h;
+    return not_built();
+}
+
+ms_status ms__cuda_adamw_torch(int device, void *w, void *m, void *v, const void *grad, ms_dtype dt, int64_t n,
+                               const ms_adamw_hyper *h) {
+    (void)device, (void)w, (void)m, (void)v, (void)grad, (void)dt, (void)n, (void)h;
     return not_built();
 }
 

@@ -37,5 +37,7 @@ ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s,
 ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, double *out);
 ms_status ms__cuda_adamw(int device, float *w, float *m, float *v, const void *grad, ms_dtype gdt, void *stored_out,
                          ms_dtype sdt, int64_t n, const ms_adamw_hyper *h);
+ms_status ms__cuda_adamw_torch(int device, void *w, void *m, void *v, const void *grad, ms_dtype dt, int64_t n,
+                               const ms_adamw_hyper *h);
 
 #endif /* MS_CUDA_H */

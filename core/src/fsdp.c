@@ -131,8 +131,9 @@ typedef struct unit_param {
                              * (PyTorch's grad = None; the buffer stays) */
     int64_t skipped_steps;  /* adamw_step calls that found no gradient: the parameter's own step
                              * count is the caller's step less these (torch's state['step']) */
-    ms_tensor *exp_avg;     /* (shard numel) f32 AdamW first moment; CAT_OPTIM */
-    ms_tensor *exp_avg_sq;  /* (shard numel) f32 AdamW second moment; CAT_OPTIM */
+    ms_tensor *exp_avg;     /* (shard numel) AdamW first moment, f32 (the stored dtype with
+                             * MS_ADAMW_TORCH); CAT_OPTIM */
+    ms_tensor *exp_avg_sq;  /* (shard numel) AdamW second moment, as exp_avg; CAT_OPTIM */
     ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
     /* (shape) gather dtype: the unsharded parameter and this backward's gradient;
      * CAT_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
@@ -185,6 +186,8 @@ struct ms_unit {
                          * counts bytes (FSDP2's uint8 all-gather of frozen parameters of other dtypes) */
     int device;         /* the CUDA device of the transient buffers, or -1 for the host */
     bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
+    int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
+    bool stepped;       /* an adamw_step has run: the AdamW state exists */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
     unit_op op;
@@ -1298,6 +1301,19 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
 static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h) {
     const int64_t n = ms_tensor_numel(p->shard);
     ms_status st = MS_OK;
+    if (u->adamw == MS_ADAMW_TORCH) { /* torch.optim.AdamW: the moments in the stored dtype, no master */
+        if (!p->exp_avg) {
+            st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, u->stored, true);
+            if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, u->stored, true);
+            if (st) return st;
+        }
+        if (!n) return MS_OK;
+        void *w = ms_tensor_data(p->padded), *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
+        const void *grad = ms_tensor_data(p->grad_padded);
+        if (shards_on_device(u)) return ms__cuda_adamw_torch(u->device, w, m, v, grad, u->stored, n, h);
+        ms__adamw_torch(w, m, v, grad, u->stored, n, h);
+        return MS_OK;
+    }
     if (!p->exp_avg) {
         st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32, true);
         if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32, true);
@@ -1313,6 +1329,18 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h)
     if (shards_on_device(u)) return ms__cuda_adamw(u->device, w, m, v, grad, u->stored, stored, u->stored, n, h);
     ms__adamw(w, m, v, grad, u->stored, stored, u->stored, n, h);
     return MS_OK;
+}
+
+ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
+    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_adamw: unit is NULL");
+    if (mode != MS_ADAMW_MASTER && mode != MS_ADAMW_TORCH)
+        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
+                        unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
+    if (u->stepped && mode != u->adamw)
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit has taken an adamw_step, so its AdamW state "
+                        "exists; choose how it is kept before the first step", unit_label(u));
+    u->adamw = mode;
+    return ms__ok();
 }
 
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -1335,6 +1363,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
                             "call from 1", unit_label(u), (long long)step, p->fqn, (long long)p->skipped_steps,
                             (long long)(step - p->skipped_steps));
     }
+    u->stepped = true;
     for (int i = 0; i < u->nparams && !st; i++) {
         unit_param *p = &u->params[i];
         if (!p->has_grad) {
@@ -1342,10 +1371,11 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
             continue;
         }
         const double t = (double)(step - p->skipped_steps);
-        const ms_adamw_hyper h = {.decay = (float)(1 - lr * weight_decay), .w1 = (float)(1 - beta1),
-                                  .b2 = (float)beta2, .c2 = (float)(1 - beta2),
-                                  .step_size = (float)(lr / (1 - pow(beta1, t))),
-                                  .bc2_sqrt = (float)sqrt(1 - pow(beta2, t)), .eps = (float)eps};
+        ms_adamw_hyper h = {.d = {.decay = 1 - lr * weight_decay, .w1 = 1 - beta1, .b2 = beta2, .c2 = 1 - beta2,
+                                  .step_size = lr / (1 - pow(beta1, t)), .bc2_sqrt = sqrt(1 - pow(beta2, t)),
+                                  .eps = eps}};
+        h.decay = (float)h.d.decay, h.w1 = (float)h.d.w1, h.b2 = (float)h.d.b2, h.c2 = (float)h.d.c2;
+        h.step_size = (float)h.d.step_size, h.bc2_sqrt = (float)h.d.bc2_sqrt, h.eps = (float)h.d.eps;
         st = adamw_param(u, p, &h);
     }
     return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();

@@ -66,3 +66,27 @@ void ms__adamw(float *w, float *m, float *v, const void *grad, ms_dtype gdt, voi
     }
     if (stored_out) ms__cast_contig(stored_out, sdt, w, MS_F32, n);
 }
+
+void ms__adamw_torch(void *w, void *m, void *v, const void *grad, ms_dtype dt, int64_t n, const ms_adamw_hyper *h) {
+    if (dt == MS_F64) {
+        double *wd = w, *md = m, *vd = v;
+        const double *g = grad;
+        for (int64_t i = 0; i < n; i++) ms_adamw_update_f64(&wd[i], &md[i], &vd[i], g[i], h);
+        return;
+    }
+    if (dt == MS_F32) {
+        ms__adamw(w, m, v, grad, MS_F32, NULL, MS_F32, n, h);
+        return;
+    }
+    const int kind = ms__round16_kind(dt);
+    const int64_t es = ms_dtype_size(dt);
+    float a[4][EW_BLOCK]; /* (b) w, m, v, grad widened to f32 */
+    void *const io[3] = {w, m, v};
+    for (int64_t off = 0; off < n; off += EW_BLOCK) {
+        const int64_t b = n - off < EW_BLOCK ? n - off : EW_BLOCK;
+        for (int k = 0; k < 3; k++) ms__cast_contig(a[k], MS_F32, (char *)io[k] + off * es, dt, b);
+        ms__cast_contig(a[3], MS_F32, (const char *)grad + off * es, dt, b);
+        for (int64_t i = 0; i < b; i++) ms_adamw_update_as(&a[0][i], &a[1][i], &a[2][i], a[3][i], h, kind);
+        for (int k = 0; k < 3; k++) ms__cast_contig((char *)io[k] + off * es, dt, a[k], MS_F32, b);
+    }
+}

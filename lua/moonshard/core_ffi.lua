@@ -975,6 +975,19 @@ function unit_methods.adamw_step(self, o)
   return self
 end
 
+-- unit:set_adamw("master" | "torch"): how adamw_step keeps its state (ms_unit_set_adamw)
+local ADAMW_MODES = { master = C.MS_ADAMW_MASTER, torch = C.MS_ADAMW_TORCH }
+function unit_methods.set_adamw(self, mode)
+  local u = check_unit(self, 1)
+  local m = ADAMW_MODES[mode]
+  if not m then
+    raise("moonshard invalid_argument error: set_adamw: mode '%s'; expected 'master' (f32 master weights and " ..
+      "moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", tostring(mode))
+  end
+  check(C.ms_unit_set_adamw(u, m))
+  return self
+end
+
 local BYTE_CATEGORIES = { "params", "grads", "optimizer", "unsharded", "cached" }
 
 -- unit:bytes() -> {params=, grads=, optimizer=, unsharded=, cached=}

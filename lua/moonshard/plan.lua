@@ -626,11 +626,23 @@ local function check_params(model)
   end
 end
 
+-- The optimizers a plan counts the state of: adamw (fp32 moments, and fp32 master weights
+-- for parameters stored in another dtype: TE FusedAdam's and moonshard's default),
+-- torch_adamw (torch.optim.AdamW on the stored parameters: two moments of the stored dtype,
+-- no master weights), none.
+M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
+
 --- plan(model, mesh, policy, opts) -> plan
 -- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward}).
--- opts: config (the model config), name, architecture, optimizer ("adamw" or "none").
+-- opts: config (the model config), name, architecture, optimizer (M.OPTIMIZERS; default
+-- "adamw").
 function M.plan(model, mesh, policy, opts)
   opts = opts or {}
+  local optimizer = opts.optimizer or "adamw"
+  if not M.OPTIMIZERS[optimizer] then
+    fail(string.format("optimizer %s: expected adamw, torch_adamw or none",
+      type(optimizer) == "string" and "'" .. optimizer .. "'" or tostring(optimizer)))
+  end
   if mesh:size("pp") > 1 then fail("pipeline parallelism (pp > 1) is not planned yet; use pp = 1") end
   if mesh:size("tp") > 1 then fail("tensor parallel plans (tp > 1) are not modelled yet; use tp = 1") end
   if type(policy) ~= "table" or type(policy.parallelize) ~= "function" then
@@ -671,10 +683,12 @@ function M.plan(model, mesh, policy, opts)
   -- of the coordinate, kept as its steps (O(parameters), whatever the axis size).  The units
   -- with offload_policy "cpu" keep their part of params, grads and optimizer in host memory:
   -- `offloaded` sums it the same way, in steps of its own.
-  local adam = opts.optimizer ~= "none"
   local mem = { params = 0, grads = 0, optimizer = 0 }
   local host = { params = 0, grads = 0 } -- the offloaded units' shares of mem.params, mem.grads
-  local function state_bytes(stored) return adam and (8 + (stored == "f32" and 0 or 4)) or 0 end
+  local function state_bytes(stored)
+    if optimizer == "torch_adamw" then return 2 * DTYPE_SIZE[stored] end
+    return optimizer == "adamw" and (8 + (stored == "f32" and 0 or 4)) or 0
+  end
   local events = {} -- shard axis -> list of {coordinate, optimizer bytes from it on, offloaded bytes}
   local function add_rows(axis, W, n, per_row, bytes, offloaded, fqn)
     local ev = events[axis]
@@ -879,7 +893,30 @@ function M.plan(model, mesh, policy, opts)
       "and how much depends on the batch and the router, which a plan does not know", ep)
   end
 
+  -- torch.optim.AdamW on 16-bit parameters keeps its moments in 16 bits and no master
+  -- weights: NeMo Automodel's documented trap for long full-parameter runs.
+  if optimizer == "torch_adamw" then
+    local low = {}
+    for _, np in ipairs(params) do
+      local p = np[2]
+      if p.requires_grad and (p.dtype == "bf16" or p.dtype == "f16") then
+        local t = low[p.dtype] or { count = 0, numel = 0 }
+        low[p.dtype], t.count, t.numel = t, t.count + 1, t.numel + p.numel
+      end
+    end
+    for _, dt in ipairs({ "bf16", "f16" }) do
+      local t = low[dt]
+      if t then
+        warnings[#warnings + 1] = string.format("torch_adamw keeps the AdamW moments of %d trainable %s parameters " ..
+          "(%s elements) in %s, with no fp32 master weights: small updates round away in long full-parameter " ..
+          "runs; store them in f32, or plan --optimizer adamw (fp32 master weights and moments)", t.count, dt,
+          util.thousands(t.numel), dt)
+      end
+    end
+  end
+
   return {
+    optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
       params = model:param_count(), bytes = model:param_bytes() },
     mesh = mesh,

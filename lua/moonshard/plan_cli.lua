@@ -31,7 +31,9 @@ output:
   --audit              every parameter's stored, gathered and reduced dtype (added to the
                        JSON as "audit" with --json)
   --optimizer NAME     adamw (default: fp32 moments, fp32 master weights for non-fp32
-                       parameters) or none
+                       parameters, as TE FusedAdam keeps them), torch_adamw
+                       (torch.optim.AdamW on the stored parameters: moments of their
+                       dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
                        the file name)
   -h, --help           this help
@@ -150,8 +152,8 @@ function M.main(args)
   end
   if not o.mesh then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
   if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
-  if o.optimizer and o.optimizer ~= "adamw" and o.optimizer ~= "none" then
-    return usage_error("--optimizer is adamw or none, not '" .. o.optimizer .. "'")
+  if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then
+    return usage_error("--optimizer is adamw, torch_adamw or none, not '" .. o.optimizer .. "'")
   end
   local report = require "moonshard.plan_report"
   -- Everything is rendered, and the picture written, before anything is printed: a failure

@@ -143,6 +143,7 @@ function M.to_json(plan, opts)
   add(' "mesh":' .. jobj({ { "world", jnum(mesh.world) }, { "axes", "[" .. table.concat(axes, ",") .. "]" },
     { "ep", jnum(mesh:size("ep")) }, { "ep_shard", jnum(mesh:size("ep_shard")) },
     { "fsdp_axes", jstrs(mesh.fsdp_axes) } }) .. ",\n")
+  add(' "optimizer":' .. jstr(plan.optimizer or "adamw") .. ",\n")
   local units = {}
   for i, u in ipairs(plan.units) do units[i] = unit_json(u) end
   add(' "units":[\n' .. table.concat(units, ",\n") .. "\n ],\n")
@@ -239,9 +240,9 @@ function M.to_text(plan, opts)
   local lo, hi = m.optimizer, m.optimizer
   for _, r in ipairs(m.runs) do lo, hi = math.min(lo, r.optimizer), math.max(hi, r.optimizer) end
   add("")
-  add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
+  add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s (%s), peak unsharded %s, total %s",
     lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),
-    util.bytes(m.optimizer), util.bytes(m.peak_unsharded), util.bytes(m.total)))
+    util.bytes(m.optimizer), plan.optimizer or "adamw", util.bytes(m.peak_unsharded), util.bytes(m.total)))
   if lo ~= hi then
     add(string.format("  optimizer state differs across ranks by %s: from %s to %s bytes (AdamW keeps the rows " ..
       "a rank holds)", util.bytes(hi - lo), util.thousands(lo), util.thousands(hi)))

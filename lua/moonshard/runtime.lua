@@ -69,6 +69,8 @@ function M.materialize(plan)
     for _, p in ipairs(params) do u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad) end
     u:finalize()
     if factor then u:set_gradient_divide_factor(factor) end
+    -- the plan's optimizer: torch_adamw keeps AdamW's state in the stored dtype
+    if plan.optimizer == "torch_adamw" then u:set_adamw("torch") end
     state.units[#state.units + 1] = u
     state.by_name[name] = u
     return u

@@ -780,6 +780,98 @@ static void adamw(rank_ctx *c) {
     ms_comm_release(replicate);
 }
 
+/* ---------------------------------------------------------------- scenario: AdamW as torch's */
+
+/* torch.optim.AdamW on parameters of dtype dt, the state of dt too (no master weights),
+ * written out op by op as torch's kernels run it: a 16-bit tensor's ops widen to f32, compute
+ * and round back to dt one by one; Python scalars reach them in f32, except eps, which the
+ * add of a scalar to a 16-bit tensor takes in dt; the lerp's and the addcmul's
+ * multiply-adds fused; f64 computes in f64 throughout. */
+static void torch_adamw_as(ms_dtype dt, double *w, double *m, double *v, double g, int step, double eps_) {
+    if (dt == MS_F64) {
+        const double w1 = 1 - B1, ss = LR / (1 - pow(B1, step)), bc2 = sqrt(1 - pow(B2, step));
+        *w *= 1 - LR * WD;
+        *m = w1 < 0.5 ? fma(w1, g - *m, *m) : fma(w1 - 1, g - *m, g);
+        *v = fma((1 - B2) * g, g, *v * B2);
+        *w += -ss * *m / (sqrt(*v) / bc2 + eps_);
+        return;
+    }
+#define RND(x) ((float)round_as(dt, (double)(x)))
+    const float decay = (float)(1 - LR * WD), w1 = (float)(1 - B1), b2 = (float)B2, c2 = (float)(1 - B2);
+    const float ss = (float)(-(LR / (1 - pow(B1, step)))), bc2 = (float)sqrt(1 - pow(B2, step)), eps = RND(eps_);
+    const float fw = (float)*w, fm = (float)*m, fv = (float)*v, fg = (float)g;
+    const float pw = RND(fw * decay);                                                              /* mul_ */
+    const float pm = RND(w1 < 0.5f ? fmaf(w1, fg - fm, fm) : fmaf(w1 - 1, fg - fm, fg));          /* lerp_ */
+    const float pv = RND(fmaf(c2 * fg, fg, RND(fv * b2)));                                         /* mul_, addcmul_ */
+    const float denom = RND(RND(RND(sqrtf(pv)) / bc2) + eps);                                      /* sqrt, /, add_ */
+    *w = RND(pw + ss * pm / denom);                                                                /* addcdiv_ */
+#undef RND
+    *m = pm;
+    *v = pv;
+}
+
+/* MS_ADAMW_TORCH: three steps against torch_adamw_as, bit for bit, the state's bytes (two
+ * moments of the stored dtype, no master), a checkpoint loaded (the shard itself is what
+ * AdamW updates) and two more; the mode fixed once a step has run.  eps 0.3, not 1e-8:
+ * of the size of these denominators, so that its rounding to a 16-bit dtype shows. */
+static const double TORCH_EPS = 0.3;
+
+static void adamw_torch(rank_ctx *c) {
+    const scenario *sc = c->arg;
+    const policy *pol = sc->pol;
+    const int W = sc->l.W, q = c->rank % W;
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &sc->l, &shard, &replicate);
+    ms_unit *u = build_unit("adamw_torch", pol, shard, replicate, 1);
+    if (!u) return;
+    R_OK(ms_unit_set_adamw(u, MS_ADAMW_TORCH));
+    R_ERR(ms_unit_set_adamw(u, 7), MS_ERR_ARG, "mode 7: expected MS_ADAMW_MASTER (0) or MS_ADAMW_TORCH (1)");
+    enum { STEPS = 5, RELOAD = 3 };
+    int64_t wrong = 0, moved = 0;
+    double worst = 0;
+    for (int s = 1; s <= STEPS; s++) {
+        reduce_step(c, u, s);
+        R_OK(ms_unit_adamw_step(u, LR, B1, B2, TORCH_EPS, WD, s));
+        R_OK(ms_unit_zero_grad(u));
+        if (s == 1) {
+            R_CHECK(ms_unit_bytes(u, 2) == sum_local_trainable(W, q) * 2 * ms_dtype_size(pol->stored));
+            R_ERR(ms_unit_set_adamw(u, MS_ADAMW_MASTER), MS_ERR_STATE, "choose how it is kept before the first step");
+            R_OK(ms_unit_set_adamw(u, MS_ADAMW_TORCH));
+        }
+        if (s == RELOAD)
+            for (int i = 0; i < NSPEC; i++) {
+                ms_tensor *full = full_of(i, param_value);
+                R_OK(ms_unit_load_full(u, i, full));
+                ms_tensor_release(full);
+            }
+    }
+    for (int i = 0; i < NSPEC; i++) {
+        ms_tensor *f = as_f64(ms_unit_param_shard(u, i));
+        const double *d = ms_tensor_data(f);
+        for (int64_t l = 0; l < ms_tensor_numel(f); l++) {
+            const int64_t e = global_index(&specs[i], W, q, l);
+            double w = round_as(pol->stored, param_value(i, e)), m = 0, v = 0;
+            for (int s = 1; specs[i].requires_grad && s <= STEPS; s++) {
+                torch_adamw_as(pol->stored, &w, &m, &v, reduced_grad(pol, W * sc->l.R, (int[]){s}, 1, i, e), s,
+                               TORCH_EPS);
+                if (s == RELOAD) w = round_as(pol->stored, param_value(i, e));
+            }
+            wrong += d[l] != w;
+            moved += d[l] != round_as(pol->stored, param_value(i, e));
+            worst = fmax(worst, fabs(d[l] - w));
+        }
+        ms_tensor_release(f);
+    }
+    R_CHECK(wrong == 0 && world_sum(c, (double)moved) > 0);
+    worst = world_max(c, worst);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  AdamW as torch.optim.AdamW (state in %s, no master): max|diff| vs torch's ops written "
+               "out %g after %d steps and a reload\n", W, sc->l.R, ms_dtype_name(pol->stored), worst, STEPS);
+    ms_unit_release(u);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
 /* ---------------------------------------------------------------- scenario: no gradient */
 
 /* torch's zero_grad() (set_to_none) and FSDP2's sharded gradients: after zero_grad no
@@ -1390,6 +1482,13 @@ int main(void) {
     printf("AdamW (f):\n");
     const scenario adam[] = {{{3, 1}, &policies[1]}, {{2, 2}, &policies[1]}, {{2, 1}, &policies[0]}};
     for (int i = 0; i < 3; i++) run_ranks(adam[i].l.W * adam[i].l.R, adamw, &adam[i]);
+    static const policy torch_pols[] = {{"bf16 stored, f32 reduce", MS_BF16, -1, MS_F32, 0},
+                                        {"f16 stored, f32 reduce", MS_F16, -1, MS_F32, 0},
+                                        {"f64 stored", MS_F64, -1, -1, 0},
+                                        {"f32 stored, bf16 gather", MS_F32, MS_BF16, -1, 0}};
+    const scenario tadam[] = {{{3, 1}, &torch_pols[0]}, {{2, 2}, &torch_pols[1]}, {{2, 1}, &torch_pols[2]},
+                              {{4, 1}, &torch_pols[3]}};
+    for (int i = 0; i < 4; i++) run_ranks(tadam[i].l.W * tadam[i].l.R, adamw_torch, &tadam[i]);
     printf("no gradient (set_to_none):\n");
     const scenario nog[] = {{{2, 1}, &policies[0]}, {{2, 2}, &policies[1]}, {{3, 1}, &policies[2]}};
     for (int i = 0; i < 3; i++) run_ranks(nog[i].l.W * nog[i].l.R, no_grad, &nog[i]);

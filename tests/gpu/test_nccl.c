@@ -154,6 +154,7 @@ typedef struct unit_cfg {
     double divide;                  /* a custom gradient divide factor */
     int64_t rows;                   /* the first parameter's rows (of 4 columns) */
     int frozen;                     /* the dtype of a frozen third parameter {5, 4}, or -1 */
+    int adamw;                      /* MS_ADAMW_MASTER or MS_ADAMW_TORCH */
 } unit_cfg;
 
 /* Parameters {k->rows, 4} (and {3, 5}) of k on comm, `steps` training steps: unshard, two
@@ -185,6 +186,7 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
                                    2, shapes[i], dtypes[i], 0, i < k->nparams));
     CHECK_ERR(ms_unit_set_cpu_offload(u, 1), MS_ERR_STATE, "before the first ms_unit_add_param");
     CHECK_OK(ms_unit_finalize(u));
+    CHECK_OK(ms_unit_set_adamw(u, k->adamw));
     for (int i = 0; i < n; i++) {
         ms_tensor *full = NULL;
         CHECK_OK(ms_tensor_new(&full, 2, shapes[i], MS_F32, MS_DEVICE_CPU, 0));
@@ -238,15 +240,21 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
  * the n squares in another order). */
 static void units(ms_comm *c) {
     static const unit_cfg cfgs[] = {
-        {"f32 stored, bf16 gather, f32 reduce, one parameter", 1, MS_F32, MS_BF16, MS_F32, 4, 6, -1},
-        {"f32 stored, bf16 gather, f32 reduce, two parameters", 2, MS_F32, MS_BF16, MS_F32, 4, 6, -1},
-        {"bf16 stored (f32 master), f16 reduce (pre- and post-divide)", 2, MS_BF16, MS_BF16, MS_F16, 6, 6, -1},
-        {"f32 everywhere, one parameter", 1, MS_F32, MS_F32, MS_F32, 3, 6, -1},
+        {"f32 stored, bf16 gather, f32 reduce, one parameter", 1, MS_F32, MS_BF16, MS_F32, 4, 6, -1, MS_ADAMW_MASTER},
+        {"f32 stored, bf16 gather, f32 reduce, two parameters", 2, MS_F32, MS_BF16, MS_F32, 4, 6, -1, MS_ADAMW_MASTER},
+        {"bf16 stored (f32 master), f16 reduce (pre- and post-divide)", 2, MS_BF16, MS_BF16, MS_F16, 6, 6, -1,
+         MS_ADAMW_MASTER},
+        {"f32 everywhere, one parameter", 1, MS_F32, MS_F32, MS_F32, 3, 6, -1, MS_ADAMW_MASTER},
         /* 4M elements: many blocks of every kernel, several grid-stride turns of the sum */
-        {"bf16 stored, f32 reduce, one parameter of 2^22 elements", 1, MS_BF16, MS_BF16, MS_F32, 4, 1 << 20, -1},
+        {"bf16 stored, f32 reduce, one parameter of 2^22 elements", 1, MS_BF16, MS_BF16, MS_F32, 4, 1 << 20, -1,
+         MS_ADAMW_MASTER},
         /* frozen parameters of another stored dtype: all gathered in bf16, or as bytes */
-        {"f32 stored + a frozen bf16 one, bf16 gather", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_BF16},
-        {"f32 stored + a frozen i64 one, gathered as bytes", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_I64},
+        {"f32 stored + a frozen bf16 one, bf16 gather", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_BF16, MS_ADAMW_MASTER},
+        {"f32 stored + a frozen i64 one, gathered as bytes", 2, MS_F32, MS_BF16, MS_F32, 4, 6, MS_I64, MS_ADAMW_MASTER},
+        /* torch.optim.AdamW's state: the moments in the stored dtype, no master weights */
+        {"bf16 stored, AdamW state in bf16 (torch), f32 reduce", 2, MS_BF16, MS_BF16, MS_F32, 6, 6, -1, MS_ADAMW_TORCH},
+        {"f16 stored, AdamW state in f16 (torch), f32 reduce", 2, MS_F16, MS_F16, MS_F32, 5, 6, -1, MS_ADAMW_TORCH},
+        {"f64 everywhere, AdamW state in f64 (torch)", 2, MS_F64, MS_F64, MS_F64, 5, 6, -1, MS_ADAMW_TORCH},
     };
     ms_world *tw = NULL;
     ms_comm *cpu = NULL;

@@ -131,6 +131,11 @@ describe("units", function()
     assert.equal(E .. "'betas' must be two numbers {beta1, beta2}", field_error({ lr = 1e-3, step = 1, betas = { 0.9 } }))
     assert.equal(E .. "'eps' is table; expected a number", field_error({ lr = 1e-3, step = 1, eps = {} }))
     assert.equal(u, u:adamw_step({ lr = 1e-3, step = 1, betas = { 0.8, 0.99 } }))
+    assert.equal("moonshard invalid_argument error: set_adamw: mode 'fused'; expected 'master' (f32 master weights " ..
+      "and moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", err_of(u.set_adamw, u, "fused"))
+    assert.equal(u, u:set_adamw("master"))
+    assert.equal("moonshard state error: unit 'u': set_adamw: the unit has taken an adamw_step, so its AdamW state " ..
+      "exists; choose how it is kept before the first step", err_of(u.set_adamw, u, "torch"))
     local runtime = require "moonshard.runtime"
     assert.equal("moonshard: runtime: materialize: expected a plan made by require('moonshard.plan').plan(model, " ..
       "mesh, policy), got a table without its mesh (a decoded plan JSON cannot be materialised)",

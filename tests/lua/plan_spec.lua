@@ -190,6 +190,38 @@ describe("shard units", function()
     assert.equal((3 * 4 + 1 + 2) * 8, m.per_rank[2].optimizer)
   end)
 
+  -- the optimizers' state per element of a rank's rows: adamw 8 B (f32 moments) + 4 B of f32
+  -- master weights unless stored in f32; torch_adamw two moments of the stored dtype
+  it("counts the AdamW state of the optimizer asked for", function()
+    local root = module.new("Toy")
+    root:add("h", module.new("Linear")):param("w", { 8, 2 }, "bf16")  -- 16 elements, 4 a rank
+    root:add("f", module.new("Linear")):param("w", { 4 }, "f32")      -- 1 a rank
+    root:add("d", module.new("Linear")):param("w", { 4, 3 }, "f64")   -- 3 a rank
+    local function plan_with(optimizer)
+      return planner.plan(root, mesh_context.new("dp_shard=4"), policy(function(ctx)
+        for _, name in ipairs({ "h", "f", "d" }) do ctx:fully_shard(name) end
+      end), { optimizer = optimizer })
+    end
+    local want = { adamw = 4 * 12 + 1 * 8 + 3 * 12, torch_adamw = 4 * 4 + 1 * 8 + 3 * 16, none = 0 }
+    for optimizer, bytes in pairs(want) do
+      local plan = plan_with(optimizer)
+      assert.equal(bytes, plan.memory.optimizer, optimizer)
+      assert.equal(optimizer, plan.optimizer)
+      assert.matches('"optimizer":"' .. optimizer .. '"', require("moonshard.plan_report").to_json(plan), 1, true)
+      local warned = table.concat(plan.warnings, "\n"):match("torch_adamw keeps the AdamW moments[^\n]*")
+      if optimizer == "torch_adamw" then
+        assert.equal("torch_adamw keeps the AdamW moments of 1 trainable bf16 parameters (16 elements) in bf16, " ..
+          "with no fp32 master weights: small updates round away in long full-parameter runs; store them in f32, " ..
+          "or plan --optimizer adamw (fp32 master weights and moments)", warned)
+      else
+        assert.is_nil(warned)
+      end
+    end
+    assert.equal(want.adamw, plan_with(nil).memory.optimizer)
+    assert.equal("moonshard: plan: optimizer 'sgd': expected adamw, torch_adamw or none",
+      errmsg(plan_with, "sgd"))
+  end)
+
   it("writes every coordinate's local shape (torch.chunk) into the JSON", function()
     local report = require "moonshard.plan_report"
     assert.equal("[[3,4],[3,4],[3,4],[1,4]]", report.local_shapes_json({ 10, 4 }, 0, 4))
