@@ -12,6 +12,9 @@
  * ms_interp_materialize are retained here, in C, until ms_interp_free: the pointers of
  * ms_interp_unit stay valid whatever the Lua state does with its own references.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dladdr */
+#endif
 #include "moonshard_embed.h"
 #include "ms_internal.h"
 #include "ms_lua.h"
@@ -19,6 +22,7 @@
 #include <lauxlib.h>
 #include <lua.h>
 
+#include <dlfcn.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -214,9 +218,42 @@ static int p_setup(lua_State *L) {
     return 0;
 }
 
+/* The library each of Lua's functions was bound to: a host that also has another Lua (LuaJIT,
+ * a 5.1 to 5.3) ahead of Lua 5.4 in the process has the functions both define resolved to
+ * its own, and those only Lua 5.4 has to Lua 5.4's; a state of one passed to the other
+ * would crash.  Refused instead, naming both. */
+static ms_status check_lua_binding(void) {
+    static const struct {
+        const char *name;
+        union {
+            lua_State *(*newstate)(lua_Alloc, void *);
+            int (*pcallk)(lua_State *, int, int, int, lua_KContext, lua_KFunction);
+            void (*settop)(lua_State *, int);
+            void *p;
+        } f;
+    } fns[] = {{"lua_newstate", {.newstate = lua_newstate}},
+               {"lua_settop", {.settop = lua_settop}},
+               {"lua_pcallk", {.pcallk = lua_pcallk}}};
+    Dl_info first;
+    if (!dladdr(fns[0].f.p, &first) || !first.dli_fname) return MS_OK; /* no answer: nothing to compare */
+    for (size_t i = 1; i < sizeof fns / sizeof fns[0]; i++) {
+        Dl_info d;
+        if (dladdr(fns[i].f.p, &d) && d.dli_fname && strcmp(d.dli_fname, first.dli_fname))
+            return ms__fail(MS_ERR_STATE, "interp_new: this process binds Lua's C functions to two libraries "
+                            "(%s from %s, %s from %s): the host has another Lua (LuaJIT?) ahead of the Lua 5.4 "
+                            "that moonshard's embedding library runs on.  Load the library with "
+                            "dlopen(\"libmoonshard_embed.so.0\", RTLD_NOW | RTLD_DEEPBIND), which binds it to its "
+                            "own Lua, or keep the other Lua out of this process", fns[0].name, first.dli_fname,
+                            fns[i].name, d.dli_fname);
+    }
+    return MS_OK;
+}
+
 ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     if (!out || !world) return ms__fail(MS_ERR_ARG, "interp_new: NULL argument");
     *out = NULL;
+    ms_status bound = check_lua_binding();
+    if (bound) return bound;
     ms_interp *in = calloc(1, sizeof *in);
     if (!in || !(in->L = ms_lua_newstate())) {
         free(in);

@@ -20,6 +20,15 @@
  * ms_interp_model_module_type) or by one ms_interp_model_config, not both; ms_interp_plan,
  * which may be called again until the units are materialised (a failed plan keeps the
  * previous one); ms_interp_materialize, once; then the units until ms_interp_free.
+ *
+ * moonshard's Lua files: found in $MOONSHARD_LUA_DIR (the directory holding
+ * moonshard/init.lua) when set, else where the library was installed, else in the source
+ * tree it was built from.  Lua 5.4: the library runs on the system's liblua5.4.  A host
+ * that has another Lua in the process (LuaJIT, a 5.1 to 5.3) binds the functions both
+ * define to whichever the dynamic linker finds first; ms_interp_new then refuses
+ * (MS_ERR_STATE, naming both libraries) rather than mix them.  Such a host loads this
+ * library with dlopen("libmoonshard_embed.so.0", RTLD_NOW | RTLD_DEEPBIND), which binds it
+ * to its own Lua (tests/c/test_embed_luajit.c does, beside a LuaJIT state of its own).
  */
 #ifndef MOONSHARD_EMBED_H
 #define MOONSHARD_EMBED_H
@@ -81,7 +90,10 @@ ms_status ms_interp_plan_json(ms_interp *in, char **json);
  * parameters hold this rank's experts (ep-local shapes); units reducing them divide by the
  * whole data-parallel size (moonshard/runtime.lua explains why).  Once per interpreter:
  * MS_ERR_STATE for a second call (the units it handed out are never replaced) and before a
- * plan.  A collective call: every rank of the mesh materialises the same plan. */
+ * plan.  A collective call: every rank of the world materialises, and the same plan (one
+ * all_gather of each rank's plan fingerprint comes first: a rank whose plan differs gets
+ * MS_ERR_ARG on every rank, naming the ranks; a rank that never materialises makes the
+ * others fail with MS_ERR_PEER, or MS_ERR_TIMEOUT, instead of waiting). */
 ms_status ms_interp_materialize(ms_interp *in);
 /* Units this rank holds (the plan's and the ep-local ones, so possibly more than
  * ms_interp_plan counted); 0 before materialize.  Loop over these, not over the plan's. */

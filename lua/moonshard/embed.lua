@@ -109,7 +109,7 @@ local function tree()
   if state.config then
     root = require("moonshard.models").from_config(state.config_data, state.config)
   else
-    if #state.tensors == 0 then fail("no model: describe its parameters or give a config") end
+    if #state.tensors == 0 then fail_state("no model yet: describe its parameters or give a config first") end
     root = require("moonshard.safetensors").tree(state.tensors, "host model")
   end
   for name, t in pairs(state.types) do

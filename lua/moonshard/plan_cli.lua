@@ -169,7 +169,9 @@ function M.main(args)
     if not ok then result = text end
   end
   if not ok then
-    io.stderr:write("moonshard plan: error: " .. tostring(result):gsub("^moonshard: ", "") .. "\n")
+    -- "moonshard: x" and "moonshard <status> error: x" alike print as x
+    local msg = tostring(result):gsub("^moonshard [%a_]+ error: ", ""):gsub("^moonshard: ", "")
+    io.stderr:write("moonshard plan: error: " .. msg .. "\n")
     return 1
   end
   if svg then

@@ -707,7 +707,9 @@ end
 local function compile(path, env)
   local src, err, opened = read_file(path)
   if not src then
-    error(opened and format("moonshard: policy %s: cannot read: %s", path, err) or "moonshard: policy " .. err, 0)
+    -- "io error": the embedding API's MS_ERR_IO
+    error(opened and format("moonshard io error: policy %s: cannot read: %s", path, err) or
+      "moonshard io error: policy " .. err, 0)
   end
   if byte(src, 1) == 27 then
     error(format("moonshard: policy %s: is precompiled bytecode; policies load from Lua source only", path), 0)

@@ -37,6 +37,61 @@ local FLATTENED = {
 local Rank = {}
 Rank.__index = Rank
 
+-- What a rank's plan makes: its mesh, optimizer and units (names, meshes, precision,
+-- resharding, parameters with shapes and dtypes), as text.
+local function plan_text(plan, mc)
+  local out = {}
+  for _, a in ipairs(mc:root_axes()) do out[#out + 1] = a.name .. "=" .. a.size end
+  out[#out + 1] = "ep=" .. mc:size("ep") .. ";" .. tostring(plan.optimizer)
+  for _, u in ipairs(plan.units) do
+    out[#out + 1] = table.concat({ u.name, table.concat(u.mesh_axes, ","), tostring(u.mp.param_dtype),
+      tostring(u.mp.reduce_dtype), tostring(u.reshard), tostring(u.offload) }, "|")
+    for _, e in ipairs(u.entries) do
+      out[#out + 1] = e.fqn .. ":" .. table.concat(e.shape, "x") .. ":" .. e.param.dtype .. ":" .. e.dim
+    end
+  end
+  for _, o in ipairs(plan.owned) do out[#out + 1] = o.fqn .. "@" .. tostring(o.unit) end
+  return table.concat(out, "\n")
+end
+
+-- Two 31-bit polynomial hashes of s (exact in doubles under both interpreters).
+local function fingerprint(s)
+  local a, b = 0, 0
+  for i = 1, #s do
+    local c = s:byte(i)
+    a = (a * 31 + c) % 2147483647
+    b = (b * 131 + c) % 2147483629
+  end
+  return a, b
+end
+
+-- materialize is collective: every rank must have made the same plan.  One all_gather over
+-- the world of (units, fingerprints) before any unit's collective; a peer that planned
+-- differently is named here instead of at the first collective that happens to differ, and
+-- a peer that never materialises makes this one time out.
+local function check_agreement(plan, mc, world)
+  local n = ms.world_size()
+  local a, b = fingerprint(plan_text(plan, mc))
+  local mine = ms.from_table({ #plan.units, a, b }, "f64")
+  local all = ms.tensor({ 3 * n }, "f64")
+  world:all_gather(all, mine)
+  local v = all:totable()
+  local differ = {}
+  for r = 0, n - 1 do
+    if v[3 * r + 1] ~= #plan.units or v[3 * r + 2] ~= a or v[3 * r + 3] ~= b then differ[#differ + 1] = r end
+  end
+  if #differ > 0 then
+    local shown = {}
+    for i = 1, math.min(#differ, 4) do
+      local r = differ[i]
+      shown[i] = string.format("rank %d: %d units, fingerprint %d/%d", r, v[3 * r + 1], v[3 * r + 2], v[3 * r + 3])
+    end
+    fail(string.format("materialize: %d of the %d ranks planned differently from rank %d (%d units, fingerprint " ..
+      "%d/%d; %s%s): every rank must plan the same model on the same mesh with the same policy", #differ, n,
+      ms.rank(), #plan.units, a, b, table.concat(shown, "; "), #differ > 4 and "; ..." or ""))
+  end
+end
+
 --- materialize(plan) -> rank state {units = {...} (the plan's, then the ep-local ones), by_name = {},
 -- ep_local = {the ep-local units}}
 function M.materialize(plan)
@@ -47,13 +102,18 @@ function M.materialize(plan)
         tostring(plan)))
   end
   if ms.world_size() ~= mc.world then
-    local how = ms.backend() == "threads" and "moonshard -n %d" or "mpirun -np %d"
+    local how = ms.backend() == "threads" and "moonshard -n %d, or a world of %d ranks in a host" or
+      "mpirun -np %d, or a world of %d ranks in a host"
     fail(string.format("the plan is for %d ranks but %d are running (" .. how .. ")", mc.world, ms.world_size(),
-      mc.world))
+      mc.world, mc.world))
   end
-  local axes = {}
-  for _, a in ipairs(mc:root_axes()) do axes[#axes + 1] = { a.name, a.size } end
+  local axes, names = {}, {}
+  for _, a in ipairs(mc:root_axes()) do
+    axes[#axes + 1] = { a.name, a.size }
+    names[#names + 1] = a.name
+  end
   local root = ms.mesh(axes)
+  check_agreement(plan, mc, root:group(names))
   local moe = ms.mesh({ { "pp", mc:size("pp") }, { "ep_shard", mc:size("ep_shard") }, { "ep", mc:size("ep") } })
   local function group(axis)
     if axis == "ep_shard" or axis == "ep" then return moe:group(axis) end

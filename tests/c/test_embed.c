@@ -302,6 +302,8 @@ static void statuses(void) {
     CHECK(!strstr(ms_last_error(), "json"), "(%s)", ms_last_error());
     CHECK_ERR(ms_interp_model_config(in, ""), MS_ERR_ARG, "embed: the config path is empty");
     CHECK_ERR(ms_interp_model_config(in, at("bad.json")), MS_ERR_ARG, "bad.json:2:1: unexpected end of input");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/fsdp2_default.lua", NULL), MS_ERR_STATE,
+              "embed: no model yet: describe its parameters or give a config first");
     /* a failed config leaves the interpreter free to take another */
     CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/examples/configs/inkling2_small.json"));
     ms_interp_free(in);
@@ -339,7 +341,8 @@ static void statuses(void) {
               "parameter 'layers.0': 'layers.0' is already a module");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", "", NULL), MS_ERR_ARG, "embed: the policy path is empty");
     CHECK_ERR(ms_interp_plan(in, "", at("good.lua"), NULL), MS_ERR_ARG, "moonshard: mesh: ");
-    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nonexistent.lua"), NULL), MS_ERR_ARG, "nonexistent.lua");
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("nonexistent.lua"), NULL), MS_ERR_IO,
+              "nonexistent.lua: No such file or directory");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("unowned.lua"), NULL), MS_ERR_ARG, "left unowned: norm.weight");
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("badprefetch.lua"), NULL), MS_ERR_ARG,
               "moonshard: plan: the policy's prefetch.backward is 'x'; expected an integer >= 0 (units fetched ahead)");
@@ -473,6 +476,61 @@ static void ep_local_units(void) {
     }
 }
 
+/* ---------------------------------------------------------------- 8: materialize is collective */
+
+typedef struct {
+    int rank, variant; /* 0 plans dp_shard=2; 1 dp_shard=2,ep=2; 2 plans and leaves without materialising */
+    ms_status st;
+    char msg[1024];
+} agree_rank;
+
+static ms_world *WA;
+
+static void *agree_main(void *p) {
+    agree_rank *r = p;
+    ms_comm *world = NULL;
+    ms_interp *in = NULL;
+    CHECK_OK(ms_world_comm(WA, r->rank, &world));
+    CHECK_OK(ms_interp_new(&in, world));
+    CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json"));
+    CHECK_OK(ms_interp_plan(in, r->variant == 1 ? "dp_shard=2,ep=2" : "dp_shard=2",
+                            MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL));
+    if (r->variant != 2) {
+        r->st = ms_interp_materialize(in);
+        snprintf(r->msg, sizeof r->msg, "%s", ms_last_error());
+    }
+    ms_interp_free(in);
+    ms_world_rank_done(WA, r->rank, 0);
+    ms_comm_release(world);
+    return NULL;
+}
+
+/* Rank 1 planned another mesh: both ranks refused before any unit gathers, naming the
+ * other; rank 1 never materialises: rank 0 fails instead of waiting. */
+static void plans_agree(void) {
+    for (int c = 0; c < 2; c++) {
+        CHECK_OK(ms_threads_world_new(&WA, 2, 5));
+        pthread_t t[2];
+        agree_rank r[2] = {{.rank = 0, .variant = 0}, {.rank = 1, .variant = c ? 2 : 1}};
+        for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, agree_main, &r[i]);
+        for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+        ms_world_release(WA);
+        if (c == 0) {
+            for (int i = 0; i < 2; i++) {
+                char want[128];
+                snprintf(want, sizeof want, "1 of the 2 ranks planned differently from rank %d", i);
+                CHECK(r[i].st == MS_ERR_ARG && strstr(r[i].msg, want) &&
+                          strstr(r[i].msg, "every rank must plan the same model on the same mesh with the same policy"),
+                      "(rank %d: %s: %s)", i, ms_status_name(r[i].st), r[i].msg);
+            }
+        } else {
+            CHECK(r[0].st == MS_ERR_PEER || r[0].st == MS_ERR_TIMEOUT, "(rank 0: %s: %s)", ms_status_name(r[0].st),
+                  r[0].msg);
+            printf("materialize with a peer that never does: %s: %s\n", ms_status_name(r[0].st), r[0].msg);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(void) {
@@ -532,6 +590,7 @@ int main(void) {
     ignored_calls();
     statuses();
     ep_local_units();
+    plans_agree();
 
     ms_comm_release(C1);
     ms_world_release(W1);

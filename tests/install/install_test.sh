@@ -22,6 +22,10 @@ for f in policies/fsdp2_default.lua policies/by_dtype.lua policies/inkling2/fp32
 done
 
 libdir=$(dirname "$(find "$prefix" -name 'libmoonshard.so' | head -1)")
+# the embedding library finds libmoonshard beside it (RUNPATH $ORIGIN), wherever the prefix is
+if ldd "$libdir/libmoonshard_embed.so.0" | grep -q 'not found'; then
+  echo "installed libmoonshard_embed has unresolved libraries:"; ldd "$libdir/libmoonshard_embed.so.0"; exit 1
+fi
 out=$(cd / && LUA_PATH="$prefix/share/lua/5.4/?.lua;$prefix/share/lua/5.4/?/init.lua;;" \
       LUA_CPATH="$libdir/lua/5.4/?.so;;" \
       lua5.4 -e 'local ms = require "moonshard"; print(ms.world_size(), ms.from_table({1/3}, "bf16"):bits()[1])')

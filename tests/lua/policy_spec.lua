@@ -487,8 +487,10 @@ describe("policy errors", function()
   end)
 
   it("name the path of a missing file or directory", function()
-    assert.matches("moonshard: policy " .. F .. "no_such_policy", failure(policy.load, F .. "no_such_policy"), 1, true)
-    assert.matches("moonshard: policy " .. F .. "no_such.lua", failure(policy.load, F .. "no_such.lua"), 1, true)
+    for _, name in ipairs({ "no_such_policy", "no_such.lua" }) do
+      assert.matches("moonshard io error: policy " .. F .. name .. ": No such file or directory",
+        failure(policy.load, F .. name), 1, true)
+    end
   end)
 
   it("name an empty directory", function()

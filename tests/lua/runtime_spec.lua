@@ -204,6 +204,37 @@ describe("materialised plans", function()
   it("refuses to run a plan on the wrong number of ranks", function()
     local r = S.run({ "-n", "2", "tests/lua/scripts/units.lua", "dp_shard=4" })
     assert.equal(1, r.code)
-    assert.matches("the plan is for 4 ranks but 2 are running", r.err)
+    assert.matches("the plan is for 4 ranks but 2 are running (moonshard -n 4, or a world of 4 ranks in a host)",
+      r.err, 1, true)
+  end)
+
+  -- materialize is collective: plans that differ across ranks (rank 1's mesh, rank 2's
+  -- optimizer) are refused on every rank before any unit gathers, naming the ranks
+  it("refuses plans that differ across ranks, on every rank", function()
+    local r = S.run({ "-n", "4", "-e", [[
+      local ms = require "moonshard"
+      local json = require "moonshard.json"
+      local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
+      local config = json.decode(f:read("a"))
+      f:close()
+      local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
+      local mesh = require("moonshard.mesh_context").new(ms.rank() == 1 and "dp_replicate=2,dp_shard=2" or "dp_shard=4")
+      local policy = require("moonshard.policy").load("policies/inkling2")
+      local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units,
+        { optimizer = ms.rank() == 2 and "none" or "adamw" })
+      local ok, err = pcall(require("moonshard.runtime").materialize, plan)
+      print("rank " .. ms.rank() .. ": " .. tostring(ok) .. ": " .. tostring(err))
+    ]] })
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    for rank = 0, 3 do
+      local line = ("\n" .. r.out):match("\n(rank " .. rank .. ": [^\n]*)")
+      assert.matches("^rank %d: false: moonshard: runtime: materialize: %d of the 4 ranks planned differently from " ..
+        "rank %d %(15 units, fingerprint %d+/%d+; rank %d: 15 units, fingerprint", line)
+      assert.matches("every rank must plan the same model on the same mesh with the same policy$", line)
+      -- ranks 0 and 3 agree: 2 others differ; ranks 1 and 2 differ from 3 others
+      local n = tonumber(line:match("materialize: (%d+) of"))
+      assert.equal((rank == 1 or rank == 2) and 3 or 2, n, line)
+    end
   end)
 end)
