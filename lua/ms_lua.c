@@ -978,17 +978,53 @@ static int u_adamw_step(lua_State *L) {
     return 1;
 }
 
+/* The index in names (NULL-terminated) of the string argument idx, or -1. */
+static int name_index(lua_State *L, int idx, const char *const *names) {
+    const char *s = luaL_checkstring(L, idx);
+    for (int j = 0; names[j]; j++)
+        if (!strcmp(s, names[j])) return j;
+    return -1;
+}
+
+/* unit:adamw_state(i, "exp_avg" | "exp_avg_sq" | "master") -> tensor or nil (ms_unit_adamw_state) */
+static int u_adamw_state(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    int i = param_index(L, u, 2);
+    static const char *const which[] = {"exp_avg", "exp_avg_sq", "master", NULL};
+    int k = name_index(L, 3, which);
+    if (k < 0)
+        return luaL_error(L, "moonshard invalid_argument error: adamw_state: '%s'; expected 'exp_avg', 'exp_avg_sq' "
+                          "or 'master'", lua_tostring(L, 3));
+    ms_tensor *t = ms_unit_adamw_state(u, i, k);
+    if (!t && ms_last_error()[0]) return luaL_error(L, "moonshard state error: %s", ms_last_error());
+    return push_borrowed(L, t);
+}
+
+/* unit:adamw_skipped(i) -> the adamw_step calls parameter i had no gradient in */
+static int u_adamw_skipped(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    lua_pushinteger(L, (lua_Integer)ms_unit_adamw_skipped(u, param_index(L, u, 2)));
+    return 1;
+}
+
+/* unit:set_adamw_skipped(i, k) */
+static int u_set_adamw_skipped(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    int i = param_index(L, u, 2);
+    CHECK(L, ms_unit_set_adamw_skipped(u, i, (int64_t)luaL_checkinteger(L, 3)));
+    lua_settop(L, 1);
+    return 1;
+}
+
 /* unit:set_adamw("master" | "torch"): how adamw_step keeps its state (ms_unit_set_adamw) */
 static int u_set_adamw(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
     static const char *const modes[] = {"master", "torch", NULL};
-    const char *m = luaL_checkstring(L, 2);
-    int mode = -1;
-    for (int i = 0; modes[i]; i++)
-        if (!strcmp(m, modes[i])) mode = i;
+    int mode = name_index(L, 2, modes);
     if (mode < 0)
         return luaL_error(L, "moonshard invalid_argument error: set_adamw: mode '%s'; expected 'master' (f32 master "
-                          "weights and moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", m);
+                          "weights and moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)",
+                          lua_tostring(L, 2));
     CHECK(L, ms_unit_set_adamw(u, mode == 0 ? MS_ADAMW_MASTER : MS_ADAMW_TORCH));
     lua_settop(L, 1);
     return 1;
@@ -1254,7 +1290,8 @@ int luaopen_moonshard_core(lua_State *L) {
         {"set_gradient_divide_factor", u_set_divide_factor}, {"set_cpu_offload", u_set_cpu_offload},
         {"release_unsharded", u_release_unsharded}, {"zero_grad", u_zero_grad},
         {"grad_sq_norm", u_grad_sq_norm}, {"scale_grads", u_scale_grads},
-        {"adamw_step", u_adamw_step}, {"set_adamw", u_set_adamw}, {"bytes", u_bytes}, {"records", u_records},
+        {"adamw_step", u_adamw_step}, {"set_adamw", u_set_adamw}, {"adamw_state", u_adamw_state},
+        {"adamw_skipped", u_adamw_skipped}, {"set_adamw_skipped", u_set_adamw_skipped}, {"bytes", u_bytes}, {"records", u_records},
         {"clear_records", u_clear_records}, {"release", unit_gc}, {NULL, NULL}};
     new_class(L, UNIT_MT, unit_methods, unit_gc, u_tostring);
     luaL_newlib(L, funcs);

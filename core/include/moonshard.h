@@ -437,6 +437,25 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale);
  * Set before the unit's first adamw_step (MS_ERR_STATE after it, if the mode changes). */
 enum { MS_ADAMW_MASTER = 0, MS_ADAMW_TORCH = 1 };
 ms_status ms_unit_set_adamw(ms_unit *u, int mode);
+/* AdamW's state of parameter i on this rank, to checkpoint it and restore it: which =
+ * MS_ADAMW_EXP_AVG or MS_ADAMW_EXP_AVG_SQ, the moments (f32, or the stored dtype with
+ * MS_ADAMW_TORCH), or MS_ADAMW_MASTER_WEIGHTS, the f32 master weights; flat tensors of the
+ * shard's element count, where the shards are (the device, or the host when offloaded).
+ * Borrowed: valid while the unit lives.  The unit's first adamw_step makes the state, or
+ * this call does before it (zero moments, master weights from the shard; the unit's
+ * ms_unit_set_adamw mode is then fixed): to restore a checkpoint into a new unit, load the
+ * parameters (ms_unit_load_full), then write these, then ms_unit_set_adamw_skipped.  NULL
+ * with an empty message where there is none: a frozen parameter; the master weights of an
+ * f32 unit or with MS_ADAMW_TORCH.  NULL with the message set on error (MS_ERR_ARG,
+ * MS_ERR_STATE before finalize or while an op is pending). */
+enum { MS_ADAMW_EXP_AVG = 0, MS_ADAMW_EXP_AVG_SQ = 1, MS_ADAMW_MASTER_WEIGHTS = 2 };
+ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which);
+/* How many of the unit's adamw_step calls parameter i had no gradient in (its own step
+ * count, torch's state['step'], is the caller's step less this); -1 with the message set
+ * for a bad unit or index.  Checkpoint it with the state; ms_unit_set_adamw_skipped
+ * restores it (MS_ERR_ARG below 0). */
+int64_t ms_unit_adamw_skipped(const ms_unit *u, int i);
+ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped);
 /* AdamW on the rank's shards that have a gradient (parameters without one are left alone,
  * as torch skips a parameter whose grad is None), while sharded, its state kept as
  * ms_unit_set_adamw says (made on the first step), decoupled weight decay.  step is the caller's step, counting every call from 1; as torch counts

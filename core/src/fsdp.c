@@ -1298,28 +1298,31 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
 
 /* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
  * the shard is. */
+/* p's AdamW state, made once: zero moments (f32, or the stored dtype with MS_ADAMW_TORCH),
+ * and f32 master weights from the stored shard (MS_ADAMW_MASTER, stored dtype not f32). */
+static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
+    if (p->exp_avg) return MS_OK;
+    const int64_t n = ms_tensor_numel(p->shard);
+    const ms_dtype mdt = u->adamw == MS_ADAMW_TORCH ? u->stored : MS_F32;
+    ms_status st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, mdt, true);
+    if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, mdt, true);
+    if (!st && u->adamw == MS_ADAMW_MASTER && u->stored != MS_F32 &&
+        !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
+        st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
+    return st;
+}
+
 static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h) {
     const int64_t n = ms_tensor_numel(p->shard);
-    ms_status st = MS_OK;
+    ms_status st = adamw_state_make(u, p);
+    if (st) return st;
     if (u->adamw == MS_ADAMW_TORCH) { /* torch.optim.AdamW: the moments in the stored dtype, no master */
-        if (!p->exp_avg) {
-            st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, u->stored, true);
-            if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, u->stored, true);
-            if (st) return st;
-        }
         if (!n) return MS_OK;
         void *w = ms_tensor_data(p->padded), *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
         const void *grad = ms_tensor_data(p->grad_padded);
         if (shards_on_device(u)) return ms__cuda_adamw_torch(u->device, w, m, v, grad, u->stored, n, h);
         ms__adamw_torch(w, m, v, grad, u->stored, n, h);
         return MS_OK;
-    }
-    if (!p->exp_avg) {
-        st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, MS_F32, true);
-        if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, MS_F32, true);
-        if (!st && u->stored != MS_F32 && !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
-            st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
-        if (st) return st;
     }
     if (!n) return MS_OK;
     float *w = ms_tensor_data(p->master ? p->master : p->padded);
@@ -1340,6 +1343,47 @@ ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
         return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit has taken an adamw_step, so its AdamW state "
                         "exists; choose how it is kept before the first step", unit_label(u));
     u->adamw = mode;
+    return ms__ok();
+}
+
+ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
+    unit_param *p = NULL;
+    if (param_at(u, "adamw_state", i, &p)) return NULL;
+    if (which < MS_ADAMW_EXP_AVG || which > MS_ADAMW_MASTER_WEIGHTS) {
+        ms__fail(MS_ERR_ARG, "unit '%s': adamw_state: which %d: expected MS_ADAMW_EXP_AVG (0), MS_ADAMW_EXP_AVG_SQ (1) "
+                 "or MS_ADAMW_MASTER_WEIGHTS (2)", unit_label(u), which);
+        return NULL;
+    }
+    ms__ok();
+    if (!p->requires_grad) return NULL; /* no gradient, no state */
+    if (check_state(u, "adamw_state", ST_IDLE)) return NULL;
+    if (!p->exp_avg) {
+        ms_status st = adamw_state_make(u, p);
+        if (st) {
+            ms__wrap(st, "unit '%s': adamw_state", unit_label(u));
+            return NULL;
+        }
+        u->stepped = true; /* the state exists: its mode is fixed */
+    }
+    ms__ok();
+    return which == MS_ADAMW_EXP_AVG ? p->exp_avg : which == MS_ADAMW_EXP_AVG_SQ ? p->exp_avg_sq : p->master;
+}
+
+int64_t ms_unit_adamw_skipped(const ms_unit *u, int i) {
+    unit_param *p = NULL;
+    if (param_at(u, "adamw_skipped", i, &p)) return -1;
+    ms__ok();
+    return p->skipped_steps;
+}
+
+ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "set_adamw_skipped", i, &p);
+    if (st) return st;
+    if (skipped < 0)
+        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw_skipped: parameter '%s': %lld: expected a count >= 0",
+                        unit_label(u), p->fqn, (long long)skipped);
+    p->skipped_steps = skipped;
     return ms__ok();
 }
 
@@ -1367,7 +1411,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
     for (int i = 0; i < u->nparams && !st; i++) {
         unit_param *p = &u->params[i];
         if (!p->has_grad) {
-            p->skipped_steps++;
+            p->skipped_steps += p->requires_grad; /* a frozen one takes no steps */
             continue;
         }
         const double t = (double)(step - p->skipped_steps);

@@ -865,18 +865,22 @@ local function param_index(u, i, arg)
   return i
 end
 
--- A getter of a tensor the unit lends: the Lua object holds its own reference.
+-- A tensor the unit lends (nil, or NULL with the error set): the Lua object holds its own
+-- reference.
+local function lent(t)
+  if t == nil then
+    local msg = C.ms_last_error()
+    if msg[0] ~= 0 then raise("moonshard state error: %s", ffi.string(msg)) end
+    return nil
+  end
+  C.ms_tensor_retain(t)
+  return Tensor(t)
+end
+
 local function unit_tensor_getter(get)
   return function(self, i)
     local u = check_unit(self, 1)
-    local t = get(u, param_index(u, i, 2))
-    if t == nil then
-      local msg = C.ms_last_error()
-      if msg[0] ~= 0 then raise("moonshard state error: %s", ffi.string(msg)) end
-      return nil
-    end
-    C.ms_tensor_retain(t)
-    return Tensor(t)
+    return lent(get(u, param_index(u, i, 2)))
   end
 end
 unit_methods.param_shard = unit_tensor_getter(C.ms_unit_param_shard)
@@ -985,6 +989,33 @@ function unit_methods.set_adamw(self, mode)
       "moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", tostring(mode))
   end
   check(C.ms_unit_set_adamw(u, m))
+  return self
+end
+
+-- unit:adamw_state(i, "exp_avg" | "exp_avg_sq" | "master") -> tensor or nil (ms_unit_adamw_state)
+local ADAMW_STATE = { exp_avg = C.MS_ADAMW_EXP_AVG, exp_avg_sq = C.MS_ADAMW_EXP_AVG_SQ,
+  master = C.MS_ADAMW_MASTER_WEIGHTS }
+function unit_methods.adamw_state(self, i, which)
+  local u = check_unit(self, 1)
+  local index = param_index(u, i, 2)
+  local w = ADAMW_STATE[check_string(which, 3)]
+  if not w then
+    raise("moonshard invalid_argument error: adamw_state: '%s'; expected 'exp_avg', 'exp_avg_sq' or 'master'",
+      which)
+  end
+  return lent(C.ms_unit_adamw_state(u, index, w))
+end
+
+-- unit:adamw_skipped(i) -> the adamw_step calls parameter i had no gradient in
+function unit_methods.adamw_skipped(self, i)
+  local u = check_unit(self, 1)
+  return tonumber(C.ms_unit_adamw_skipped(u, param_index(u, i, 2)))
+end
+
+-- unit:set_adamw_skipped(i, k)
+function unit_methods.set_adamw_skipped(self, i, k)
+  local u = check_unit(self, 1)
+  check(C.ms_unit_set_adamw_skipped(u, param_index(u, i, 2), check_integer(k, 3)))
   return self
 end
 

@@ -1085,6 +1085,94 @@ static bool same_bits(const ms_tensor *a, const ms_tensor *b) {
     return same;
 }
 
+/* ---------------------------------------------------------------- scenario: AdamW checkpoints */
+
+typedef struct ckpt_case {
+    layout l;
+    const policy *pol;
+    int adamw; /* MS_ADAMW_MASTER or MS_ADAMW_TORCH */
+} ckpt_case;
+
+static const char *const state_names[3] = {"exp_avg", "exp_avg_sq", "master"};
+
+/* A checkpoint restored into a new unit continues as the unit it was taken from: unit A
+ * takes steps 1 to 3 (in step 2 only spec 0 has a gradient: the others skip a step),
+ * then its shards, AdamW state and skipped counts are copied out; unit B, new, gets them
+ * (shards written before its first step, the state through ms_unit_adamw_state's views,
+ * the counts by ms_unit_set_adamw_skipped); both take steps 4 and 5: every shard and every
+ * state tensor bit for bit alike. */
+static void checkpoint(rank_ctx *c) {
+    const ckpt_case *k = c->arg;
+    const scenario sc = {k->l, k->pol};
+    ms_comm *shard = NULL, *replicate = NULL;
+    layout_comms(c, &k->l, &shard, &replicate);
+    ms_unit *a = build_unit("ckpt_a", k->pol, shard, replicate, 1), *b = build_unit("ckpt_b", k->pol, shard, replicate, 1);
+    if (!a || !b) return;
+    R_OK(ms_unit_set_adamw(a, k->adamw));
+    R_OK(ms_unit_set_adamw(b, k->adamw));
+    for (int s = 1; s <= 3; s++) {
+        if (s == 2) {
+            R_OK(ms_unit_unshard(a));
+            R_OK(ms_unit_wait(a));
+            write_grad(a, 0, 0, 2, c->rank);
+            R_OK(ms_unit_reduce_grads(a));
+            R_OK(ms_unit_wait(a));
+        } else {
+            reduce_step(c, a, s);
+        }
+        R_OK(ms_unit_adamw_step(a, LR, B1, B2, EPS, WD, s));
+        R_OK(ms_unit_zero_grad(a));
+    }
+    int restored = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        R_OK(ms_tensor_copy(ms_unit_param_shard(b, i), ms_unit_param_shard(a, i)));
+        for (int w = MS_ADAMW_EXP_AVG; w <= MS_ADAMW_MASTER_WEIGHTS; w++) {
+            ms_tensor *from = ms_unit_adamw_state(a, i, w), *to = ms_unit_adamw_state(b, i, w);
+            R_CHECK(!ms_last_error()[0] && (from == NULL) == (to == NULL));
+            /* moments for the trainable parameters; master weights for a bf16 unit without torch's state */
+            const bool want = specs[i].requires_grad &&
+                              (w != MS_ADAMW_MASTER_WEIGHTS || (k->pol->stored != MS_F32 && k->adamw == MS_ADAMW_MASTER));
+            R_CHECK((from != NULL) == want);
+            if (!from || !to) continue;
+            R_CHECK(ms_tensor_numel(to) == ms_tensor_numel(ms_unit_param_shard(a, i)));
+            R_OK(ms_tensor_copy(to, from));
+            restored++;
+        }
+        R_CHECK(ms_unit_adamw_skipped(a, i) == (specs[i].requires_grad && i ? 1 : 0));
+        R_OK(ms_unit_set_adamw_skipped(b, i, ms_unit_adamw_skipped(a, i)));
+    }
+    R_ERR(ms_unit_set_adamw(b, k->adamw == MS_ADAMW_MASTER ? MS_ADAMW_TORCH : MS_ADAMW_MASTER), MS_ERR_STATE,
+          "choose how it is kept before the first step");
+    R_ERR(ms_unit_set_adamw_skipped(b, 0, -1), MS_ERR_ARG, "-1: expected a count >= 0");
+    R_CHECK(ms_unit_adamw_state(b, 0, 3) == NULL && strstr(ms_last_error(), "which 3: expected MS_ADAMW_EXP_AVG"));
+    for (int s = 4; s <= 5; s++)
+        for (int u = 0; u < 2; u++) {
+            reduce_step(c, u ? b : a, s);
+            R_OK(ms_unit_adamw_step(u ? b : a, LR, B1, B2, EPS, WD, s));
+            R_OK(ms_unit_zero_grad(u ? b : a));
+        }
+    int64_t differ = 0;
+    for (int i = 0; i < NSPEC; i++) {
+        differ += !same_bits(ms_unit_param_shard(a, i), ms_unit_param_shard(b, i));
+        for (int w = MS_ADAMW_EXP_AVG; w <= MS_ADAMW_MASTER_WEIGHTS; w++) {
+            const ms_tensor *x = ms_unit_adamw_state(a, i, w), *y = ms_unit_adamw_state(b, i, w);
+            if (x || y) differ += !same_bits(x, y);
+            if ((x || y) && !same_bits(x, y) && c->rank == 0)
+                printf("    %s of %s differs\n", state_names[w], specs[i].fqn);
+        }
+    }
+    R_CHECK(differ == 0);
+    if (c->rank == 0)
+        printf("  W=%d R=%d  %s, %s: a checkpoint (shards, %d state tensors, skipped counts) restored into a new unit "
+               "continues bit for bit\n", k->l.W, k->l.R, k->pol->name, k->adamw == MS_ADAMW_TORCH ? "torch's state" :
+               "f32 master", restored);
+    (void)sc;
+    ms_unit_release(a);
+    ms_unit_release(b);
+    ms_comm_release(shard);
+    ms_comm_release(replicate);
+}
+
 /* A unit of spec j alone against the unit of all specs, step for step: a parameter with
  * nothing before its shard dim alone in a unit works in place (the unsharded parameter, and
  * the gradient when the reduce dtype is the gather dtype, are views of the padded flat
@@ -1489,6 +1577,11 @@ int main(void) {
     const scenario tadam[] = {{{3, 1}, &torch_pols[0]}, {{2, 2}, &torch_pols[1]}, {{2, 1}, &torch_pols[2]},
                               {{4, 1}, &torch_pols[3]}};
     for (int i = 0; i < 4; i++) run_ranks(tadam[i].l.W * tadam[i].l.R, adamw_torch, &tadam[i]);
+    printf("AdamW checkpoints:\n");
+    const ckpt_case ckpts[] = {{{3, 1}, &policies[1], MS_ADAMW_MASTER},
+                               {{2, 2}, &policies[1], MS_ADAMW_TORCH},
+                               {{2, 1}, &policies[0], MS_ADAMW_MASTER}};
+    for (int i = 0; i < 3; i++) run_ranks(ckpts[i].l.W * ckpts[i].l.R, checkpoint, &ckpts[i]);
     printf("no gradient (set_to_none):\n");
     const scenario nog[] = {{{2, 1}, &policies[0]}, {{2, 2}, &policies[1]}, {{3, 1}, &policies[2]}};
     for (int i = 0; i < 3; i++) run_ranks(nog[i].l.W * nog[i].l.R, no_grad, &nog[i]);

@@ -117,6 +117,39 @@ describe("units", function()
     assert.equal("moonshard invalid_argument error: unit u has no parameter 2 (it has 2, numbered from 0)", err_of(u.param_offset, u, 2))
   end)
 
+  -- a checkpoint of AdamW's state: the moments and master weights as views of the unit's
+  -- own buffers (made on demand before the first step), the skipped counts
+  it("lend their AdamW state to checkpoint and restore", function()
+    local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
+    u:add_param("w", { 3 }, "bf16")
+    u:add_param("f", { 2 }, "bf16", 0, false)
+    u:finalize()
+    u:param_shard(0):copy_(ms.from_table({ 1, 2, 3 }))
+    local m = u:adamw_state(0, "master")
+    assert.same({ 1, 2, 3 }, m:totable())          -- made now, from the shard
+    assert.equal("f32", m:dtype())
+    assert.same({ 0, 0, 0 }, u:adamw_state(0, "exp_avg"):totable())
+    assert.is_nil(u:adamw_state(1, "exp_avg"))     -- frozen: no state
+    u:adamw_state(0, "exp_avg_sq"):fill_(4)        -- a restored second moment
+    u:unshard():wait()
+    u:grad_full(0):fill_(0)
+    u:reduce_grads():wait()
+    u:adamw_step({ lr = 0.1, step = 2, weight_decay = 0, eps = 0 })
+    -- m = 0, v = 0.999 * 4: the update is 0; the shard and master keep their values
+    assert.same({ 1, 2, 3 }, u:param_shard(0):to("f32"):totable())
+    assert.near(3.996, u:adamw_state(0, "exp_avg_sq"):totable()[1], 1e-6)
+    u:zero_grad()
+    u:adamw_step({ lr = 0.1, step = 3 })
+    assert.equal(1, u:adamw_skipped(0))
+    assert.equal(0, u:adamw_skipped(1))
+    assert.equal(u, u:set_adamw_skipped(0, 2))
+    assert.equal(2, u:adamw_skipped(0))
+    assert.equal("moonshard invalid_argument error: adamw_state: 'm'; expected 'exp_avg', 'exp_avg_sq' or 'master'",
+      err_of(u.adamw_state, u, 0, "m"))
+    assert.equal("moonshard invalid_argument error: unit 'u': set_adamw_skipped: parameter 'w': -1: expected a " ..
+      "count >= 0", err_of(u.set_adamw_skipped, u, 0, -1))
+  end)
+
   it("name the adamw_step field that is missing or wrong", function()
     local u = ms.unit("u", ms.mesh({ { "dp", 1 } }):group("dp"), nil, nil, nil, true)
     u:add_param("w", { 4 }, "f32")
