@@ -152,6 +152,33 @@ describe("Qwen3-30B-A3B", function()
     assert.same({ "Qwen3MoeMLP", "MoE", "Qwen3MoeMLP", "Qwen3MoeMLP", "Qwen3MoeMLP", "MoE" }, kinds)
     assert.same({ 6144, 2048 }, t:get("model.layers.0.mlp.up_proj").params.weight.shape)
   end)
+
+  it("reads num_local_experts, transformers 5's name, when num_experts is absent", function()
+    local cfg = load_config("qwen3_30b_a3b.json")
+    cfg.num_experts, cfg.num_local_experts = nil, 128
+    local t = models.from_config(cfg)
+    assert.equal(128, t:get("model.layers.0.mlp").attrs.n_experts)
+    assert.equal(30532122624, t:param_count())
+    -- both: num_experts, as transformers 5 reads a config written by transformers 4
+    cfg.num_experts, cfg.num_local_experts = 64, 32
+    assert.same({ 64, 2048 }, params_of(models.from_config(cfg))["model.layers.0.mlp.gate.weight"].shape)
+    cfg.num_experts, cfg.num_local_experts = json.null, 32
+    assert.same({ 32, 2048 }, params_of(models.from_config(cfg))["model.layers.0.mlp.gate.weight"].shape)
+    cfg.num_experts, cfg.num_local_experts = nil, nil
+    assert.matches("Qwen3MoeForCausalLM: config key 'num_experts' is missing %(nor is there 'num_local_experts'",
+      build_error(cfg))
+  end)
+
+  it("makes every layer dense when num_experts is 0, as transformers does", function()
+    local cfg = load_config("qwen3_30b_a3b.json")
+    cfg.num_hidden_layers, cfg.num_experts = 3, 0
+    cfg.num_experts_per_tok, cfg.moe_intermediate_size = nil, nil -- unused then
+    local t = models.from_config(cfg)
+    for i = 0, 2 do assert.equal("Qwen3MoeMLP", t:get("model.layers." .. i .. ".mlp").type) end
+    assert.same({ 6144, 2048 }, t:get("model.layers.2.mlp.up_proj").params.weight.shape)
+    assert.is_nil(models.routed_experts(t))
+    assert.equal(128, models.routed_experts(tree))
+  end)
 end)
 
 describe("DeepSeek-V3", function()

@@ -467,6 +467,32 @@ describe("moonshard plan", function()
       plan.warnings[#plan.warnings])
   end)
 
+  it("takes the expert count from the MoE blocks built, whatever the config calls it", function()
+    local cfg = config("examples/configs/qwen3_30b_a3b.json")
+    cfg.num_hidden_layers, cfg.num_experts, cfg.num_local_experts = 2, nil, 6 -- transformers 5's key
+    local path = os.tmpname()
+    local function run(mesh)
+      local f = assert(io.open(path, "wb"))
+      f:write(json.encode(cfg))
+      f:close()
+      return S.run({ "plan", "--config", path, "--mesh", mesh, "--policy", "policies/fsdp2_default.lua", "--json" })
+    end
+    local r = run("dp_shard=4,ep=4")
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: mesh: n_routed_experts = 6 is not divisible by ep = 4\n", r.err)
+    r = run("dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    assert.equal(2 * 2, #json.decode(r.out).owned)
+    -- no experts: every layer dense, nothing for expert parallelism to place
+    cfg.num_local_experts = 0
+    r = run("dp_shard=4,ep=2")
+    os.remove(path)
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    assert.same({}, plan.owned)
+    assert.matches("^ep = 2 but expert parallelism places no parameter", plan.warnings[#plan.warnings])
+  end)
+
   it("fails with a clear message on bad input and bad policies", function()
     local r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8" })
     assert.equal(2, r.code)
