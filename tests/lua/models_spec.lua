@@ -323,8 +323,13 @@ describe("Inkling2", function()
     assert.equal("f16", p["model.layers.2.self_attn.k_l2_clip.scale"].dtype)
     assert.equal("f32", p["model.layers.2.self_attn.rel_l2_clip.scale"].dtype)
     assert.equal("f16", p["lm_head.weight"].dtype)
-    cfg.torch_dtype = nil
+    -- transformers 5 reads dtype before torch_dtype, and builds f32 when there is neither
+    cfg.dtype = "bfloat16"
     assert.equal("bf16", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
+    cfg.dtype = json.null
+    assert.equal("f16", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
+    cfg.torch_dtype, cfg.dtype = nil, nil
+    assert.equal("f32", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
   end)
 
   it("builds a tied head when the config asks, and records it", function()
@@ -381,7 +386,10 @@ describe("models.from_config errors", function()
       "[1073741824, 1073741824] has more than 2^53 elements", build_error(cfg, "big.json"))
     cfg = load_config("mixtral_8x7b.json")
     cfg.torch_dtype = "int8"
-    assert.matches("torch_dtype \"int8\" is not one of bfloat16, float16, float32, float64", build_error(cfg))
+    assert.matches("config key 'torch_dtype' is \"int8\"; expected one of bfloat16, float16, float32, float64",
+      build_error(cfg))
+    cfg.dtype = "float8"
+    assert.matches("config key 'dtype' is \"float8\"; expected one of bfloat16", build_error(cfg))
   end)
 
   it("names the file it cannot read or parse", function()
