@@ -249,6 +249,20 @@ describe("by_dtype", function()
     assert.matches("place them in a dedicated parameter%-owning module", msg)
     assert.matches("f32%->bf16: layer.scale", msg)
   end)
+
+  it("leaves a frozen parameter that no subtree isolates to the module's unit", function()
+    -- DeepSeek-V3's router: bf16 weight, frozen f32 e_score_correction_bias beside it
+    local root = layer_tree(function(layer)
+      layer.children.router.params.weight.dtype = "bf16"
+      layer.children.router:param("e_score_correction_bias", { 4 }, "f32", { requires_grad = false })
+    end)
+    local names, plan = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.same({ "layer", "" }, names)
+    assert.equal(4, #plan.units[1].entries)
+  end)
 end)
 
 describe("fsdp2_default", function()
@@ -491,6 +505,45 @@ describe("moonshard plan", function()
     local plan = json.decode(r.out)
     assert.same({}, plan.owned)
     assert.matches("^ep = 2 but expert parallelism places no parameter", plan.warnings[#plan.warnings])
+  end)
+
+  it("plans DeepSeek-V3's checkpoint layout from safetensors: bf16 router, frozen f32 correction bias", function()
+    local path = os.tmpname()
+    local function checkpoint(gate_dtype, mesh)
+      local tensors = { { "model.embed_tokens.weight", "BF16", { 32, 8 } } }
+      local p = "model.layers.0."
+      tensors[#tensors + 1] = { p .. "self_attn.o_proj.weight", "BF16", { 8, 8 } }
+      tensors[#tensors + 1] = { p .. "mlp.gate.weight", gate_dtype, { 4, 8 } }
+      tensors[#tensors + 1] = { p .. "mlp.gate.e_score_correction_bias", "F32", { 4 } }
+      tensors[#tensors + 1] = { p .. "mlp.experts.gate_and_up_projs", "BF16", { 4, 8, 32 } }
+      tensors[#tensors + 1] = { p .. "mlp.experts.down_projs", "BF16", { 4, 16, 8 } }
+      tensors[#tensors + 1] = { "lm_head.weight", "BF16", { 32, 8 } }
+      S.write_safetensors(path, tensors)
+      return S.run({ "plan", "--safetensors", path, "--mesh", mesh, "--policy", "policies/fsdp2_default.lua",
+        "--json", "--audit" })
+    end
+    local r = checkpoint("BF16", "dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    local bias
+    for _, a in ipairs(plan.audit) do
+      if a.fqn == "model.layers.0.mlp.gate.e_score_correction_bias" then bias = a end
+    end
+    assert.same({ "model.layers.0", "f32", "bf16" }, { bias.unit, bias.stored, bias.gathered })
+    assert.equal(json.null, bias.reduced) -- no gradient
+    assert.equal(0, checkpoint("BF16", "dp_shard=4").code)
+    -- transformers 5 saves the router in f32 too: fully_shard_by_dtype (ep > 1) gives it a
+    -- unit of its own (mlp, the experts being expert parallelism's); one unit per layer (the dense rule) would hold a trainable f32 and
+    -- bf16 parameters, which FSDP2 refuses ("FSDP expects uniform original parameter dtype")
+    r = checkpoint("F32", "dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    local units = json.decode(r.out).units
+    assert.same({ "model.layers.0.mlp.experts", "model.layers.0.mlp", "model.layers.0" },
+      { units[1].name, units[2].name, units[3].name })
+    r = checkpoint("F32", "dp_shard=4")
+    os.remove(path)
+    assert.equal(1, r.code)
+    assert.matches("unit model.layers.0 mixes stored dtypes %(bf16: .*; f32: model.layers.0.mlp.gate.weight%)", r.err)
   end)
 
   it("fails with a clear message on bad input and bad policies", function()
