@@ -4,8 +4,11 @@
 -- A module's remaining parameters are grouped by (stored dtype, compute dtype).  One group:
 -- the module is one unit.  Two groups: the maximal uniform subtrees of the minority group
 -- become units first, then the module.  Three or more: every maximal uniform subtree
--- becomes a unit, then the module.  Parameters of a group that no subtree isolates (held
--- directly by the module among others) are an error: they need a module of their own.
+-- becomes a unit, then the module.  Trainable parameters of a group that no subtree
+-- isolates (held directly by the module among others) are an error: they need a module of
+-- their own.  Frozen ones are not: FSDP2 takes frozen parameters of another dtype into a unit
+-- (DeepSeek-V3's f32 e_score_correction_bias beside its bf16 router weight, a buffer in
+-- Automodel, which its fully_shard_by_dtype never sees).
 
 local M = {}
 
@@ -16,10 +19,10 @@ local function key_of(ctx, p, mp)
   return p.dtype .. "->" .. ctx:compute_dtype(p, mp)
 end
 
--- The group keys of the parameters still to place under each module of the subtree, and
--- the numel per key at the top.
+-- The group keys of the parameters still to place under each module of the subtree, the
+-- numel per key at the top, the names per key and the keys with a trainable parameter.
 local function collect(ctx, module, mp, skip)
-  local keys_of, numel, params_of_key = {}, {}, {}
+  local keys_of, numel, params_of_key, trainable = {}, {}, {}, {}
   local function walk(m, name)
     local keys, nkeys = {}, 0
     for _, pname in ipairs(m.param_order) do
@@ -28,6 +31,7 @@ local function collect(ctx, module, mp, skip)
         local k = key_of(ctx, p, mp)
         if not keys[k] then keys[k], nkeys = true, nkeys + 1 end
         numel[k] = (numel[k] or 0) + p.numel
+        trainable[k] = trainable[k] or p.requires_grad
         params_of_key[k] = params_of_key[k] or {}
         table.insert(params_of_key[k], name == "" and pname or name .. "." .. pname)
       end
@@ -42,7 +46,7 @@ local function collect(ctx, module, mp, skip)
     return keys
   end
   walk(module, ctx:name_of(module))
-  return keys_of, numel, params_of_key
+  return keys_of, numel, params_of_key, trainable
 end
 
 local function only_key(keys)
@@ -97,10 +101,12 @@ function M.fully_shard_by_dtype(ctx, module, opts)
       want = function() return true end
     end
     for _, sub in ipairs(maximal_uniform(module, keys_of, want)) do unit(sub, mp) end
-    -- what is left for the module itself must be one group
-    local left = collect(ctx, module, mp, skip)[module]
+    -- what is left for the module itself must be one group, frozen parameters aside
+    local left_of, _, _, trainable = collect(ctx, module, mp, skip)
     local left_keys = {}
-    for k in pairs(left) do left_keys[#left_keys + 1] = k end
+    for k in pairs(left_of[module]) do
+      if trainable[k] then left_keys[#left_keys + 1] = k end
+    end
     if #left_keys > 1 then
       table.sort(left_keys)
       local names = {}

@@ -19,10 +19,22 @@ M.offload_policy = nil -- "cpu" for FSDP2's CPUOffloadPolicy: shards, gradients 
 M.activation_checkpointing = false
 M.prefetch = { forward = 1, backward = 2 }
 
-local function experts_of(layer)
+--- The grouped experts ([experts, ...] tensors, module type GroupedExperts) of a decoder
+-- layer, nil when it has none: what expert parallelism splits on dim 0, whatever the MoE
+-- block is called (Mixtral's block_sparse_moe, mlp elsewhere).  A checkpoint's per-expert
+-- modules are not: expert parallelism places no parameter of them, and the plan says so.
+function M.experts_of(layer)
   for _, nm in ipairs(layer:named_modules()) do
     if nm[2].type == "GroupedExperts" then return nm[2] end
   end
+end
+local experts_of = M.experts_of
+
+--- true when lm_head's weight is the embedding's (tie_word_embeddings): neither is a unit of
+-- its own then, and the root owns the shared weight.
+function M.tied(model)
+  local embed, head = model:get("model.embed_tokens"), model:get("lm_head")
+  return embed ~= nil and head ~= nil and head.params.weight ~= nil and head.params.weight == embed.params.weight
 end
 
 function M.parallelize(ctx)
@@ -64,13 +76,13 @@ function M.parallelize(ctx)
   end
 
   if moe then
-    local embed, head = ctx.model:get("model.embed_tokens"), ctx.model:get("lm_head")
-    if embed and not (head and head.params.weight == embed.params.weight) then
+    local embed, head, tied = ctx.model:get("model.embed_tokens"), ctx.model:get("lm_head"), M.tied(ctx.model)
+    if embed and not tied then
       ctx:fully_shard(embed, { mp_policy = M.precision, offload_policy = M.offload_policy })
     end
     local embed_norm = ctx.model:get("model.embed_norm")
     if embed_norm then ctx:fully_shard(embed_norm, { mp_policy = M.precision, offload_policy = M.offload_policy }) end
-    if head and not (embed and head.params.weight == embed.params.weight) then
+    if head and not tied then
       local fp32_head = head.params.weight and head.params.weight.dtype == "f32"
       ctx:fully_shard(head, { mp_policy = fp32_head and M.fp32 or M.precision, offload_policy = M.offload_policy })
     end

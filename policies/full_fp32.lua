@@ -9,7 +9,13 @@
 --
 -- With expert parallelism (ep > 1) the routed experts' tensors are given to it first (each
 -- rank holds E/ep experts); when ep_shard > 1 each layer's experts are also a unit of their
--- own on ep_shard, and the layer's unit ignores them (Automodel's MoE parallelizer).
+-- own on ep_shard, and the layer's unit ignores them (Automodel's MoE parallelizer).  Experts
+-- are the GroupedExperts module of a layer, as fsdp2_default finds them: a checkpoint's
+-- per-expert modules are not split (the plan warns that ep places nothing).  A tied head
+-- (lm_head.weight is the embedding's) makes neither a unit: the root owns the shared weight,
+-- as in fsdp2_default.
+
+local fsdp2_default = require "fsdp2_default"
 
 local M = {}
 
@@ -23,7 +29,7 @@ function M.parallelize(ctx)
   local ignored = {}
   for k, i in ipairs(layers.child_order) do
     local layer = layers.children[i]
-    local experts = use_ep and layer:get("mlp.experts")
+    local experts = use_ep and fsdp2_default.experts_of(layer)
     if experts then
       local owned = ctx:expert_parallel(experts)
       for _, p in ipairs(owned) do ignored[#ignored + 1] = p end
@@ -33,8 +39,10 @@ function M.parallelize(ctx)
     end
     ctx:fully_shard(layer, { mp_policy = M.fp32, reshard_after_forward = k < n, ignored_params = ignored })
   end
-  for _, name in ipairs({ "model.embed_tokens", "lm_head" }) do
-    if ctx.model:get(name) then ctx:fully_shard(name, { mp_policy = M.fp32 }) end
+  if not fsdp2_default.tied(ctx.model) then
+    for _, name in ipairs({ "model.embed_tokens", "lm_head" }) do
+      if ctx.model:get(name) then ctx:fully_shard(name, { mp_policy = M.fp32 }) end
+    end
   end
   ctx:fully_shard(ctx.model, { mp_policy = M.fp32, ignored_params = ignored })
 end

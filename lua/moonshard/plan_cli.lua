@@ -122,11 +122,9 @@ function M.make_plan(o)
   local mesh_context = require "moonshard.mesh_context"
   local tree, name, config = load_model(o)
   local sizes = mesh_context.parse(o.mesh)
-  sizes.n_routed_experts = config and config.n_routed_experts or nil
-  if config and not sizes.n_routed_experts and config.num_local_experts then
-    sizes.n_routed_experts = config.num_local_experts
-  end
-  if config and not sizes.n_routed_experts and config.num_experts then sizes.n_routed_experts = config.num_experts end
+  -- the experts of the MoE blocks the builder made, whatever its config calls them (none
+  -- for a dense model, and for a checkpoint's tree, whose experts expert_parallel checks)
+  sizes.n_routed_experts = config and require("moonshard.models").routed_experts(tree) or nil
   local mesh = mesh_context.new(sizes)
   local policy = require("moonshard.policy").load(o.policy, {
     modules = { ["moonshard.util"] = util },

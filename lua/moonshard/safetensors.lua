@@ -253,12 +253,19 @@ local function is_grouped_experts(name, m)
   return true
 end
 
+--- Tensor names (the last segment) that models keep as buffers, not trainable parameters:
+-- planned as frozen parameters (no gradient, no optimizer state), as the config builders
+-- make them.  e_score_correction_bias only shifts the router's top-k choice (DeepSeek-V3,
+-- f32 in a bf16 checkpoint).
+M.BUFFERS = { e_score_correction_bias = true }
+
 --- tree(tensors, source?) -> a module tree with one parameter per tensor, modules following
 -- the dotted names.  Children come in the order the tensors first name them, except that
 -- a module whose children are all integers is a "ModuleList" with them in numeric order
 -- (data-offset order is name order, which puts "10" before "2").  A module named "experts"
 -- holding only parameters of at least two dims with one dim 0 is "GroupedExperts" (Automodel's
 -- grouped layout, which expert parallelism splits on dim 0).  Other modules: "Module".
+-- Tensors named in M.BUFFERS are frozen; integer ones are, as in PyTorch, too.
 function M.tree(tensors, source)
   local root = module.new("Module", { source = source })
   for _, t in ipairs(tensors) do
@@ -275,7 +282,7 @@ function M.tree(tensors, source)
           table.concat(parts, ".", 1, i), t.name)
       end
       if i == #parts then
-        m:param(part, t.shape, t.dtype)
+        m:param(part, t.shape, t.dtype, M.BUFFERS[part] and { requires_grad = false } or nil)
       else
         m = m.children[part] or m:add(part, module.new("Module"))
       end

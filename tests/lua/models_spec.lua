@@ -152,6 +152,33 @@ describe("Qwen3-30B-A3B", function()
     assert.same({ "Qwen3MoeMLP", "MoE", "Qwen3MoeMLP", "Qwen3MoeMLP", "Qwen3MoeMLP", "MoE" }, kinds)
     assert.same({ 6144, 2048 }, t:get("model.layers.0.mlp.up_proj").params.weight.shape)
   end)
+
+  it("reads num_local_experts, transformers 5's name, when num_experts is absent", function()
+    local cfg = load_config("qwen3_30b_a3b.json")
+    cfg.num_experts, cfg.num_local_experts = nil, 128
+    local t = models.from_config(cfg)
+    assert.equal(128, t:get("model.layers.0.mlp").attrs.n_experts)
+    assert.equal(30532122624, t:param_count())
+    -- both: num_experts, as transformers 5 reads a config written by transformers 4
+    cfg.num_experts, cfg.num_local_experts = 64, 32
+    assert.same({ 64, 2048 }, params_of(models.from_config(cfg))["model.layers.0.mlp.gate.weight"].shape)
+    cfg.num_experts, cfg.num_local_experts = json.null, 32
+    assert.same({ 32, 2048 }, params_of(models.from_config(cfg))["model.layers.0.mlp.gate.weight"].shape)
+    cfg.num_experts, cfg.num_local_experts = nil, nil
+    assert.matches("Qwen3MoeForCausalLM: config key 'num_experts' is missing %(nor is there 'num_local_experts'",
+      build_error(cfg))
+  end)
+
+  it("makes every layer dense when num_experts is 0, as transformers does", function()
+    local cfg = load_config("qwen3_30b_a3b.json")
+    cfg.num_hidden_layers, cfg.num_experts = 3, 0
+    cfg.num_experts_per_tok, cfg.moe_intermediate_size = nil, nil -- unused then
+    local t = models.from_config(cfg)
+    for i = 0, 2 do assert.equal("Qwen3MoeMLP", t:get("model.layers." .. i .. ".mlp").type) end
+    assert.same({ 6144, 2048 }, t:get("model.layers.2.mlp.up_proj").params.weight.shape)
+    assert.is_nil(models.routed_experts(t))
+    assert.equal(128, models.routed_experts(tree))
+  end)
 end)
 
 describe("DeepSeek-V3", function()
@@ -191,6 +218,12 @@ describe("DeepSeek-V3", function()
     assert.equal("MoE", tree:get("model.layers.3.mlp").type)
     assert.same({ "gate", "experts", "shared_experts" }, tree:get("model.layers.3.mlp").child_order)
     assert.same({ 256 }, p["model.layers.3.mlp.gate.e_score_correction_bias"].shape)
+    -- as deepseek-ai's checkpoints store them: a bf16 router, an f32 correction bias, which
+    -- only shifts the top-k choice and so has no gradient (a buffer in transformers)
+    assert.equal("bf16", p["model.layers.3.mlp.gate.weight"].dtype)
+    assert.is_true(p["model.layers.3.mlp.gate.weight"].requires_grad)
+    assert.equal("f32", p["model.layers.3.mlp.gate.e_score_correction_bias"].dtype)
+    assert.is_false(p["model.layers.3.mlp.gate.e_score_correction_bias"].requires_grad)
     assert.equal("MLP", tree:get("model.layers.60.mlp.shared_experts").type)
     assert.same({ 7168, 2048 }, p["model.layers.60.mlp.shared_experts.down_proj.weight"].shape)
     assert.is_nil(tree:get("model.layers.61"))
@@ -289,6 +322,11 @@ describe("Inkling2", function()
     assert.equal(16, tree:get("model.layers.3.mlp").attrs.n_experts)
   end)
 
+  it("freezes the router's correction bias, as the moe_trainer does", function()
+    assert.is_false(params_of(tree)["model.layers.1.mlp.gate.e_score_correction_bias"].requires_grad)
+    assert.is_true(params_of(tree)["model.layers.1.mlp.gate.weight"].requires_grad)
+  end)
+
   it("stores in torch_dtype all but the FP32 parameters", function()
     local cfg = load_config("inkling2_small.json")
     cfg.torch_dtype = "float16"
@@ -296,8 +334,13 @@ describe("Inkling2", function()
     assert.equal("f16", p["model.layers.2.self_attn.k_l2_clip.scale"].dtype)
     assert.equal("f32", p["model.layers.2.self_attn.rel_l2_clip.scale"].dtype)
     assert.equal("f16", p["lm_head.weight"].dtype)
-    cfg.torch_dtype = nil
+    -- transformers 5 reads dtype before torch_dtype, and builds f32 when there is neither
+    cfg.dtype = "bfloat16"
     assert.equal("bf16", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
+    cfg.dtype = json.null
+    assert.equal("f16", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
+    cfg.torch_dtype, cfg.dtype = nil, nil
+    assert.equal("f32", params_of(models.from_config(cfg))["lm_head.weight"].dtype)
   end)
 
   it("builds a tied head when the config asks, and records it", function()
@@ -354,7 +397,10 @@ describe("models.from_config errors", function()
       "[1073741824, 1073741824] has more than 2^53 elements", build_error(cfg, "big.json"))
     cfg = load_config("mixtral_8x7b.json")
     cfg.torch_dtype = "int8"
-    assert.matches("torch_dtype \"int8\" is not one of bfloat16, float16, float32, float64", build_error(cfg))
+    assert.matches("config key 'torch_dtype' is \"int8\"; expected one of bfloat16, float16, float32, float64",
+      build_error(cfg))
+    cfg.dtype = "float8"
+    assert.matches("config key 'dtype' is \"float8\"; expected one of bfloat16", build_error(cfg))
   end)
 
   it("names the file it cannot read or parse", function()

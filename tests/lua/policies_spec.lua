@@ -26,6 +26,17 @@ local function plan_of(cfg, mesh, policy_path)
   return planner.plan(tree, mesh_context.new(mesh), entry(policy.load(policy_path)))
 end
 
+-- `moonshard plan --safetensors` on a checkpoint of these {name, dtype, shape} tensors,
+-- written to a temporary file; extra arguments follow.
+local function plan_safetensors(tensors, mesh, policy_path, ...)
+  local path = os.tmpname()
+  S.write_safetensors(path, tensors)
+  local args = { "plan", "--safetensors", path, "--mesh", mesh, "--policy", policy_path, ... }
+  local r = S.run(args)
+  os.remove(path)
+  return r
+end
+
 local function errmsg(f, ...)
   local ok, err = pcall(f, ...)
   assert.is_false(ok, "expected an error")
@@ -249,6 +260,20 @@ describe("by_dtype", function()
     assert.matches("place them in a dedicated parameter%-owning module", msg)
     assert.matches("f32%->bf16: layer.scale", msg)
   end)
+
+  it("leaves a frozen parameter that no subtree isolates to the module's unit", function()
+    -- DeepSeek-V3's router: bf16 weight, frozen f32 e_score_correction_bias beside it
+    local root = layer_tree(function(layer)
+      layer.children.router.params.weight.dtype = "bf16"
+      layer.children.router:param("e_score_correction_bias", { 4 }, "f32", { requires_grad = false })
+    end)
+    local names, plan = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.same({ "layer", "" }, names)
+    assert.equal(4, #plan.units[1].entries)
+  end)
 end)
 
 describe("fsdp2_default", function()
@@ -282,6 +307,47 @@ describe("fsdp2_default", function()
     assert.equal("model.layers.0", names[2])
     assert.same({ "model.embed_tokens", "lm_head", "" }, { names[97], names[98], names[99] })
     assert.equal(96, #plan.owned)
+  end)
+end)
+
+describe("full_fp32", function()
+  it("gives expert parallelism the grouped experts, whatever the MoE block is called", function()
+    local cfg = config("examples/configs/mixtral_8x7b.json") -- the block is block_sparse_moe
+    cfg.num_hidden_layers = 2
+    local plan = plan_of(cfg, "dp_shard=8,ep=4", "policies/full_fp32.lua")
+    local owned = {}
+    for i, o in ipairs(plan.owned) do owned[i] = o.fqn end
+    assert.same({ "model.layers.0.block_sparse_moe.experts.gate_and_up_projs",
+      "model.layers.0.block_sparse_moe.experts.down_projs", "model.layers.1.block_sparse_moe.experts.gate_and_up_projs",
+      "model.layers.1.block_sparse_moe.experts.down_projs" }, owned)
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    -- ep_shard = 2: each layer's experts are a unit on it, ahead of the layer
+    assert.same({ "model.layers.0.block_sparse_moe.experts", "model.layers.0",
+      "model.layers.1.block_sparse_moe.experts", "model.layers.1", "model.embed_tokens", "lm_head", "" }, names)
+  end)
+
+  it("leaves a tied head's weight to the root, as fsdp2_default does", function()
+    local cfg = config("examples/configs/llama3.1_8b.json")
+    cfg.num_hidden_layers, cfg.tie_word_embeddings = 2, true
+    local plan = plan_of(cfg, "dp_shard=4", "policies/full_fp32.lua")
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    assert.same({ "model.layers.0", "model.layers.1", "" }, names)
+    assert.equal("model.embed_tokens.weight", plan.units[3].entries[1].fqn)
+  end)
+
+  it("places no expert of a checkpoint's per-expert layout, and says so", function()
+    local tensors = { { "model.embed_tokens.weight", "F32", { 32, 8 } }, { "lm_head.weight", "F32", { 32, 8 } } }
+    for e = 0, 3 do
+      tensors[#tensors + 1] = { "model.layers.0.mlp.experts." .. e .. ".up_proj.weight", "F32", { 16, 8 } }
+    end
+    local r = plan_safetensors(tensors, "dp_shard=4,ep=4", "policies/full_fp32.lua", "--json")
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    assert.same({}, plan.owned)
+    assert.matches("^ep = 4 but expert parallelism places no parameter %(model.layers.0.mlp.experts holds 4 " ..
+      "per%-expert modules", plan.warnings[#plan.warnings])
   end)
 end)
 
@@ -392,7 +458,6 @@ describe("moonshard plan", function()
   end)
 
   it("plans a model read from safetensors headers, names, dtypes and shapes as on disk", function()
-    local path = os.tmpname()
     local tensors = { { "model.embed_tokens.weight", "BF16", { 64, 16 } } }
     for l = 0, 1 do
       local p = "model.layers." .. l .. "."
@@ -402,10 +467,7 @@ describe("moonshard plan", function()
     end
     tensors[#tensors + 1] = { "model.norm.weight", "BF16", { 16 } }
     tensors[#tensors + 1] = { "lm_head.weight", "BF16", { 64, 16 } }
-    S.write_safetensors(path, tensors)
-    local r = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=4", "--policy", "policies/fsdp2_default.lua",
-      "--json" })
-    os.remove(path)
+    local r = plan_safetensors(tensors, "dp_shard=4", "policies/fsdp2_default.lua", "--json")
     assert.equal("", r.err)
     local plan = json.decode(r.out)
     -- 2*64*16 + 2*(48*16 + 16*40 + 16) + 16 = 2048 + 2848 + 16 = 4912
@@ -465,6 +527,67 @@ describe("moonshard plan", function()
       "holds 4 per-expert modules, the Hugging Face checkpoint layout; Automodel groups experts into [experts, in, " ..
       "out] tensors when it loads them: plan with --config for that layout): the ep axis only divides the ranks",
       plan.warnings[#plan.warnings])
+  end)
+
+  it("takes the expert count from the MoE blocks built, whatever the config calls it", function()
+    local cfg = config("examples/configs/qwen3_30b_a3b.json")
+    cfg.num_hidden_layers, cfg.num_experts, cfg.num_local_experts = 2, nil, 6 -- transformers 5's key
+    local path = os.tmpname()
+    local function run(mesh)
+      local f = assert(io.open(path, "wb"))
+      f:write(json.encode(cfg))
+      f:close()
+      return S.run({ "plan", "--config", path, "--mesh", mesh, "--policy", "policies/fsdp2_default.lua", "--json" })
+    end
+    local r = run("dp_shard=4,ep=4")
+    assert.equal(1, r.code)
+    assert.equal("moonshard plan: error: mesh: n_routed_experts = 6 is not divisible by ep = 4\n", r.err)
+    r = run("dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    assert.equal(2 * 2, #json.decode(r.out).owned)
+    -- no experts: every layer dense, nothing for expert parallelism to place
+    cfg.num_local_experts = 0
+    r = run("dp_shard=4,ep=2")
+    os.remove(path)
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    assert.same({}, plan.owned)
+    assert.matches("^ep = 2 but expert parallelism places no parameter", plan.warnings[#plan.warnings])
+  end)
+
+  it("plans DeepSeek-V3's checkpoint layout from safetensors: bf16 router, frozen f32 correction bias", function()
+    local function checkpoint(gate_dtype, mesh)
+      local tensors = { { "model.embed_tokens.weight", "BF16", { 32, 8 } } }
+      local p = "model.layers.0."
+      tensors[#tensors + 1] = { p .. "self_attn.o_proj.weight", "BF16", { 8, 8 } }
+      tensors[#tensors + 1] = { p .. "mlp.gate.weight", gate_dtype, { 4, 8 } }
+      tensors[#tensors + 1] = { p .. "mlp.gate.e_score_correction_bias", "F32", { 4 } }
+      tensors[#tensors + 1] = { p .. "mlp.experts.gate_and_up_projs", "BF16", { 4, 8, 32 } }
+      tensors[#tensors + 1] = { p .. "mlp.experts.down_projs", "BF16", { 4, 16, 8 } }
+      tensors[#tensors + 1] = { "lm_head.weight", "BF16", { 32, 8 } }
+      return plan_safetensors(tensors, mesh, "policies/fsdp2_default.lua", "--json", "--audit")
+    end
+    local r = checkpoint("BF16", "dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    local plan = json.decode(r.out)
+    local bias
+    for _, a in ipairs(plan.audit) do
+      if a.fqn == "model.layers.0.mlp.gate.e_score_correction_bias" then bias = a end
+    end
+    assert.same({ "model.layers.0", "f32", "bf16" }, { bias.unit, bias.stored, bias.gathered })
+    assert.equal(json.null, bias.reduced) -- no gradient
+    assert.equal(0, checkpoint("BF16", "dp_shard=4").code)
+    -- transformers 5 saves the router in f32 too: fully_shard_by_dtype (ep > 1) gives it a
+    -- unit of its own (mlp, the experts being expert parallelism's); one unit per layer (the dense rule) would hold a trainable f32 and
+    -- bf16 parameters, which FSDP2 refuses ("FSDP expects uniform original parameter dtype")
+    r = checkpoint("F32", "dp_shard=4,ep=2")
+    assert.equal("", r.err)
+    local units = json.decode(r.out).units
+    assert.same({ "model.layers.0.mlp.experts", "model.layers.0.mlp", "model.layers.0" },
+      { units[1].name, units[2].name, units[3].name })
+    r = checkpoint("F32", "dp_shard=4")
+    assert.equal(1, r.code)
+    assert.matches("unit model.layers.0 mixes stored dtypes %(bf16: .*; f32: model.layers.0.mlp.gate.weight%)", r.err)
   end)
 
   it("fails with a clear message on bad input and bad policies", function()

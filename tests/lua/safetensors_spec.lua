@@ -279,6 +279,18 @@ describe("safetensors.tree_from_safetensors", function()
     assert.equal("Module", tree:get("a.mlp").type)
   end)
 
+  it("freezes the tensors models keep as buffers, and integer ones", function()
+    local tree = st.tree({
+      { name = "mlp.gate.weight", dtype = "bf16", shape = { 8, 4 } },
+      { name = "mlp.gate.e_score_correction_bias", dtype = "f32", shape = { 8 } },
+      { name = "mlp.gate.tokens_per_expert", dtype = "i64", shape = { 8 } },
+    })
+    local gate = tree:get("mlp.gate").params
+    assert.is_true(gate.weight.requires_grad)
+    assert.is_false(gate.e_score_correction_bias.requires_grad)
+    assert.is_false(gate.tokens_per_expert.requires_grad)
+  end)
+
   it("refuses names that are both a parameter and a module, or have empty segments", function()
     local p = write_tensors(tmp("clash.safetensors"), { { "a.b", "F32", { 1 } }, { "a.b.c", "F32", { 1 } } })
     assert.matches("^moonshard: safetensors: " .. lit(p) .. ": 'a.b' is both a parameter and a module %(tensor 'a.b.c'%)",

@@ -1,7 +1,7 @@
 -- moonshard.models.common: what the model builders share.
 --
 -- Config access whose errors name the key, the architecture and the config file; the stored
--- dtype from torch_dtype; and the modules several architectures are made of (Linear,
+-- dtype from dtype or torch_dtype; and the modules several architectures are made of (Linear,
 -- RMSNorm, gated MLP, grouped-query attention, the MoE block, the causal-LM skeleton), so
 -- that each builder file reads as the list of what is particular to its architecture.
 
@@ -82,14 +82,16 @@ end
 local torch_dtypes = { bfloat16 = "bf16", float16 = "f16", half = "f16", float32 = "f32",
   float = "f32", float64 = "f64", double = "f64" }
 
---- The stored dtype of the model: torch_dtype (or "dtype", which newer transformers write),
--- bf16 when neither is given.
+--- The stored dtype of the model, read as transformers 5 reads it: "dtype" (the key it
+-- writes), else "torch_dtype" (the key older versions wrote), else f32, the dtype torch
+-- makes parameters in when the config names none.
 function Config:dtype()
-  local v = self:get("torch_dtype") or self:get("dtype")
-  if v == nil then return "bf16" end
+  local key = self:get("dtype") ~= nil and "dtype" or "torch_dtype"
+  local v = self:get(key)
+  if v == nil then return "f32" end
   local dt = torch_dtypes[v]
   if not dt then
-    self:fail("torch_dtype %s is not one of bfloat16, float16, float32, float64", json.encode(v))
+    self:fail("config key '%s' is %s; expected one of bfloat16, float16, float32, float64", key, json.encode(v))
   end
   return dt
 end
@@ -147,13 +149,15 @@ end
 --- parent.name = an MoE block in Automodel's layout: gate (router), experts (grouped
 -- [experts, in, out] tensors) and, when o.shared_inter > 0, shared_experts (one fused MLP).
 -- o: experts, top_k, hidden, inter, dtype; gate_dtype (default dtype); correction_bias (the
--- gate's e_score_correction_bias [experts]).
+-- gate's e_score_correction_bias [experts]: f32 whatever the model's dtype, as DeepSeek-V3's
+-- checkpoints store it, and frozen: it only shifts the top-k choice, so it never has a
+-- gradient, and transformers and Automodel keep it as a buffer updated outside the optimizer).
 function C.moe(parent, name, o)
   local block = parent:add(name, module.new("MoE", { n_experts = o.experts, top_k = o.top_k }))
   local gate = block:add("gate", module.new("Gate"))
   gate:param("weight", { o.experts, o.hidden }, o.gate_dtype or o.dtype)
   if o.correction_bias then
-    gate:param("e_score_correction_bias", { o.experts }, o.gate_dtype or o.dtype)
+    gate:param("e_score_correction_bias", { o.experts }, "f32", { requires_grad = false })
   end
   local experts = block:add("experts", module.new("GroupedExperts"))
   experts:param("gate_and_up_projs", { o.experts, o.hidden, 2 * o.inter }, o.dtype)

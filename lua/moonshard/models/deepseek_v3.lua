@@ -1,8 +1,8 @@
 -- moonshard.models.deepseek_v3: DeepseekV3ForCausalLM.  Multi-head latent attention (MLA:
 -- low-rank q and kv projections with their norms); the first first_k_dense_replace layers
 -- have a dense MLP of intermediate_size, the others (every moe_layer_freq-th) an MoE block of
--- n_routed_experts experts of moe_intermediate_size, a gate with e_score_correction_bias and
--- n_shared_experts shared experts fused into one MLP.
+-- n_routed_experts experts of moe_intermediate_size, a gate with e_score_correction_bias (f32
+-- and frozen: see common.moe) and n_shared_experts shared experts fused into one MLP.
 --
 -- The multi-token-prediction modules (num_nextn_predict_layers) are not built: they are not
 -- part of the model transformers instantiates (the checkpoint stores the one MTP module of

@@ -63,4 +63,13 @@ function M.from_config(config, source)
   return tree
 end
 
+--- The routed-expert count of a tree's MoE blocks (attrs.n_experts, which every builder
+-- sets from its config's own key), nil when it has none: an all-dense model.
+function M.routed_experts(tree)
+  for _, nm in ipairs(tree:named_modules()) do
+    if nm[2].type == "MoE" and nm[2].attrs.n_experts then return nm[2].attrs.n_experts end
+  end
+  return nil
+end
+
 return M

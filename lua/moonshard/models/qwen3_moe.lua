@@ -1,7 +1,9 @@
 -- moonshard.models.qwen3_moe: Qwen3MoeForCausalLM.  Attention with per-head RMSNorms on q
 -- and k (q_norm, k_norm [head_dim]); layer i is MoE unless it is in mlp_only_layers or
 -- (i + 1) is not a multiple of decoder_sparse_step, as in transformers; other layers have a
--- dense MLP of intermediate_size.  No shared experts.
+-- dense MLP of intermediate_size.  No shared experts.  The expert count is num_experts, or
+-- num_local_experts, the name transformers 5 writes; 0 makes every layer dense, as in
+-- transformers.
 
 local C = require "moonshard.models.common"
 
@@ -9,8 +11,14 @@ return function(cfg)
   local d = cfg:gqa_dims()
   local dtype = cfg:dtype()
   local attention_bias = cfg:bool("attention_bias", false)
-  local moe = { experts = cfg:int("num_experts", nil, 0), top_k = cfg:int("num_experts_per_tok"),
-    hidden = d.hidden, inter = cfg:int("moe_intermediate_size"), dtype = dtype }
+  local experts_key = cfg:get("num_experts") ~= nil and "num_experts" or "num_local_experts"
+  if cfg:get(experts_key) == nil then
+    cfg:fail("config key 'num_experts' is missing (nor is there 'num_local_experts', as transformers 5 calls it)")
+  end
+  local moe = { experts = cfg:int(experts_key, nil, 0), hidden = d.hidden, dtype = dtype }
+  if moe.experts > 0 then  -- what an all-dense model does not need
+    moe.top_k, moe.inter = cfg:int("num_experts_per_tok"), cfg:int("moe_intermediate_size")
+  end
   local step = cfg:int("decoder_sparse_step", 1)
   local dense_only = {}
   for _, i in ipairs(cfg:ints("mlp_only_layers", {})) do dense_only[i] = true end
