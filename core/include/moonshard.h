@@ -181,6 +181,14 @@ ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s);
  * exit when moonshard initialised it.  This process's rank is its MPI_COMM_WORLD rank; take
  * its comm with ms_world_comm.  MS_ERR_NOT_BUILT when moonshard was built without MPI. */
 ms_status ms_mpi_world_new(ms_world **out, double timeout_s);
+/* The MPI world of a host's own communicator: mpi_comm points to an MPI_Comm (an
+ * intracommunicator; moonshard duplicates it, so the host may free its own afterwards), and
+ * this process's rank is its rank there.  For a trainer that runs moonshard on a
+ * subcommunicator (one data-parallel replica, a pipeline stage), or beside other worlds.
+ * MPI must be initialised by the host first (MS_ERR_STATE if not; thread level
+ * MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE).  A collective call over mpi_comm's ranks.
+ * MS_ERR_NOT_BUILT without MPI. */
+ms_status ms_mpi_world_from_comm(ms_world **out, const void *mpi_comm, double timeout_s);
 /* The NCCL world this process belongs to: one rank per process and GPU.  The rank and the
  * size come from MPI when an MPI launcher started the process, else from RANK, WORLD_SIZE,
  * MASTER_ADDR and MASTER_PORT (a TCP rendezvous served by rank 0), else it is a world of

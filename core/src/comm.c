@@ -218,6 +218,11 @@ static void world_free(ms_world *w) {
 }
 
 ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s) {
+    return ms__world_new_arg(out, backend, nranks, timeout_s, NULL);
+}
+
+ms_status ms__world_new_arg(ms_world **out, const ms_backend *backend, int nranks, double timeout_s,
+                            const void *arg) {
     if (!out) return ms__fail(MS_ERR_ARG, "%s world: out is NULL", backend->name);
     if (nranks < 1) return ms__fail(MS_ERR_ARG, "%s world: nranks must be >= 1, got %d", backend->name, nranks);
     ms_world *w = calloc(1, sizeof *w);
@@ -225,6 +230,7 @@ ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, d
     atomic_init(&w->refcount, 1);
     w->backend = backend;
     w->size = nranks;
+    w->backend_arg = arg;
     pthread_mutex_init(&w->lock, NULL);
     ms_status st = resolve_timeout(w, timeout_s);
     int *all = malloc((size_t)nranks * sizeof *all);
@@ -238,6 +244,7 @@ ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, d
         st = group_new(w, nranks, all, 0, &w->groups);
     }
     free(all);
+    w->backend_arg = NULL;
     if (st) {
         world_free(w);
         return st;

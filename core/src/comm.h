@@ -96,6 +96,7 @@ struct ms_world {
     atomic_int *rank_state;  /* (size) MS_RANK_*; set by ms_world_rank_done */
     pthread_mutex_t lock;    /* guards the group registry */
     ms_group *groups;        /* registry, owned; the first is the whole world */
+    const void *backend_arg; /* what ms__world_new_arg was given, while it makes the world's group */
 };
 
 /* A set of world ranks and one comm per member.  Comms live as long as the world: a
@@ -121,6 +122,10 @@ struct ms_comm {
 /* A world of nranks ranks connected by backend (registers the whole-world group).
  * timeout_s <= 0 reads MOONSHARD_TIMEOUT, else 300 s. */
 ms_status ms__world_new(ms_world **out, const ms_backend *backend, int nranks, double timeout_s);
+/* The same, with arg for the backend's group_init of the whole-world group (w->backend_arg,
+ * NULL again once the world is made). */
+ms_status ms__world_new_arg(ms_world **out, const ms_backend *backend, int nranks, double timeout_s,
+                            const void *arg);
 
 /* comm_mpi.c, for other backends that bootstrap over MPI (comm_nccl.c): this process's
  * rank and the world size (initialising MPI), and bytes from world rank root to every

@@ -67,6 +67,11 @@ ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
 }
 
+ms_status ms_mpi_world_from_comm(ms_world **out, const void *mpi_comm, double timeout_s) {
+    (void)out, (void)mpi_comm, (void)timeout_s;
+    return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
+}
+
 ms_status ms__mpi_rank_size(int *rank, int *size) {
     (void)rank, (void)size;
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
@@ -240,8 +245,20 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
     if (!m) return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for group %s", list);
     m->n = g->n;
     m->rank = -1;
+    m->is_world = w->groups == NULL; /* the first group registered is the whole world */
+    /* The world's communicator: the host's (ms_mpi_world_from_comm) or MPI_COMM_WORLD; this
+     * process's world rank is its rank there. */
+    const MPI_Comm base = w->backend_arg ? *(const MPI_Comm *)w->backend_arg : MPI_COMM_WORLD;
+    int me = -1;
+    if (m->is_world) {
+        mpi_lock();
+        MPI_Comm_rank(base, &me);
+        mpi_unlock();
+    } else {
+        me = ((const mgroup *)w->groups->impl)->rank;
+    }
     for (int i = 0; i < g->n; i++)
-        if (g->world_ranks[i] == mpi.rank) m->rank = i;
+        if (g->world_ranks[i] == me) m->rank = i;
     m->descs = calloc((size_t)g->n, sizeof *m->descs);
     m->reqs = calloc(2 * (size_t)g->n, sizeof *m->reqs);
     m->calls = calloc((size_t)g->n, sizeof *m->calls);
@@ -256,18 +273,16 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
     }
     if (m->rank < 0) { /* comm.c only makes groups that hold the calling rank */
         mgroup_free(m);
-        return ms__fail(MS_ERR_INTERNAL, "mpi backend: group %s does not hold this process's rank %d", list,
-                        mpi.rank);
+        return ms__fail(MS_ERR_INTERNAL, "mpi backend: group %s does not hold this process's rank %d", list, me);
     }
     m->comm = m->create_from = MPI_COMM_NULL;
-    m->is_world = w->groups == NULL; /* the first group registered is the whole world */
     int rc;
     const char *fn;
     mpi_lock();
     if (m->is_world) {
         fn = "MPI_Comm_dup";
-        rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
-        if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->create_from);
+        rc = MPI_Comm_dup(base, &m->comm);
+        if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(base, &m->create_from);
     } else {
         /* Collective over the members only: ranks outside the group never take part. */
         const mgroup *world = w->groups->impl;
@@ -723,6 +738,30 @@ ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
     ms_status st = mpi_start();
     if (st) return st;
     return ms__world_new(out, &mpi_backend, mpi.size, timeout_s);
+}
+
+ms_status ms_mpi_world_from_comm(ms_world **out, const void *mpi_comm, double timeout_s) {
+    if (!out || !mpi_comm) return ms__fail(MS_ERR_ARG, "mpi world: NULL argument");
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+        return ms__fail(MS_ERR_STATE, "mpi world: MPI is not initialised: a host's communicator needs MPI_Init_thread "
+                        "first (MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE)");
+    ms_status st = mpi_start();
+    if (st) return st;
+    const MPI_Comm base = *(const MPI_Comm *)mpi_comm;
+    if (base == MPI_COMM_NULL) return ms__fail(MS_ERR_ARG, "mpi world: the communicator is MPI_COMM_NULL");
+    int inter = 0, size = 0;
+    mpi_lock();
+    int rc = MPI_Comm_test_inter(base, &inter);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(base, &size);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) {
+        char e[MPI_MAX_ERROR_STRING + 64];
+        return ms__fail(MS_ERR_ARG, "mpi world: %s", mpi_error_str(e, sizeof e, "MPI_Comm_size", rc));
+    }
+    if (inter) return ms__fail(MS_ERR_ARG, "mpi world: an intercommunicator; expected an intracommunicator");
+    return ms__world_new_arg(out, &mpi_backend, size, timeout_s, mpi_comm);
 }
 
 ms_status ms__mpi_rank_size(int *rank, int *size) {
