@@ -131,7 +131,7 @@ ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtyp
     if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_new: invalid dtype %d", (int)dtype);
     int64_t numel, nbytes;
     ms_status st = ms__check_shape(ndim, shape, &numel);
-    if (st) return st;
+    if (st) return ms__wrap(st, "tensor_new");
     if (!ms__mul_ok(numel, ms_dtype_size(dtype), &nbytes))
         return ms__fail(MS_ERR_OVERFLOW, "tensor_new: %lld elements of %s overflow int64 bytes",
                         (long long)numel, ms_dtype_name(dtype));
@@ -167,7 +167,7 @@ ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *s
     if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_wrap: invalid dtype %d", (int)dtype);
     int64_t numel, nbytes;
     ms_status st = ms__check_shape(ndim, shape, &numel);
-    if (st) return st;
+    if (st) return ms__wrap(st, "tensor_wrap");
     if (!ms__mul_ok(numel, ms_dtype_size(dtype), &nbytes))
         return ms__fail(MS_ERR_OVERFLOW, "tensor_wrap: byte count overflows int64");
     if (!data && nbytes > 0) return ms__fail(MS_ERR_ARG, "tensor_wrap: data is NULL for %lld bytes", (long long)nbytes);

@@ -207,7 +207,7 @@ describe("binding errors", function()
   end)
 
   it("carry the core's status and message, and no position when called from C", function()
-    assert.equal("moonshard shape error: size of dim 1 is -3; sizes must be >= 0", err_of(ms.tensor, { 2, -3 }))
+    assert.equal("moonshard shape error: tensor_new: size of dim 1 is -3; sizes must be >= 0", err_of(ms.tensor, { 2, -3 }))
     assert.equal("moonshard invalid_argument error: shape[2] is string, expected an integer", err_of(ms.tensor, { 2, "x" }))
     assert.equal("moonshard invalid_argument error: shape has 9 entries, at most 8 allowed", err_of(ms.tensor, { 1, 1, 1, 1, 1, 1, 1, 1, 1 }))
     assert.equal("moonshard shape error: from_table: 3 values do not fill a shape of 4 elements",

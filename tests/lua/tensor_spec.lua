@@ -171,7 +171,7 @@ describe("tensors", function()
       return e
     end
     assert.matches("unknown dtype 'f12'", err(ms.tensor, { 2 }, "f12"))
-    assert.matches("moonshard shape error: size of dim 1 is %-3", err(ms.tensor, { 2, -3 }))
+    assert.matches("moonshard shape error: tensor_new: size of dim 1 is %-3", err(ms.tensor, { 2, -3 }))
     assert.matches("shape%[2%] is string, expected an integer", err(ms.tensor, { 2, "x" }))
     -- cuda:N: not built, or no device (with the driver's reason), or a device past the last
     local ndev, why = ms.cuda_device_count()
