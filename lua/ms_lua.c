@@ -946,6 +946,18 @@ static int u_adamw_step(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     const char *fn = "adamw_step";
+    /* a misspelt key would silently leave its default in place */
+    static const char *const fields[] = {"lr", "betas", "eps", "weight_decay", "step", NULL};
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        lua_pop(L, 1);
+        bool known = false;
+        for (int j = 0; fields[j] && lua_type(L, -1) == LUA_TSTRING; j++) known |= !strcmp(lua_tostring(L, -1), fields[j]);
+        if (!known)
+            return luaL_error(L, "moonshard invalid_argument error: %s: unknown field '%s'; expected lr, betas, eps, "
+                              "weight_decay and step", fn, lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1)
+                                                                                           : luaL_typename(L, -1));
+    }
     double lr = opt_field_number(L, 2, fn, "lr", true, 0);
     double eps = opt_field_number(L, 2, fn, "eps", false, 1e-8);
     double wd = opt_field_number(L, 2, fn, "weight_decay", false, 0.01);

@@ -442,7 +442,8 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale);
  *   MS_ADAMW_TORCH: torch.optim.AdamW on the stored parameters: moments in the stored
  *     dtype, no master weights, every operation rounded to that dtype as PyTorch's kernels
  *     round it (4 bytes a bf16 parameter; 16 an f64 one, computed in f64).
- * Set before the unit's first adamw_step (MS_ERR_STATE after it, if the mode changes). */
+ * Set before the unit's AdamW state is made (by its first adamw_step, or by
+ * ms_unit_adamw_state): MS_ERR_STATE after, if the mode changes. */
 enum { MS_ADAMW_MASTER = 0, MS_ADAMW_TORCH = 1 };
 ms_status ms_unit_set_adamw(ms_unit *u, int mode);
 /* AdamW's state of parameter i on this rank, to checkpoint it and restore it: which =
@@ -461,7 +462,7 @@ ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which);
 /* How many of the unit's adamw_step calls parameter i had no gradient in (its own step
  * count, torch's state['step'], is the caller's step less this); -1 with the message set
  * for a bad unit or index.  Checkpoint it with the state; ms_unit_set_adamw_skipped
- * restores it (MS_ERR_ARG below 0). */
+ * restores it (MS_ERR_ARG below 0, or above 0 for a frozen parameter, which takes no steps). */
 int64_t ms_unit_adamw_skipped(const ms_unit *u, int i);
 ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped);
 /* AdamW on the rank's shards that have a gradient (parameters without one are left alone,

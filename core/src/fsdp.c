@@ -1340,8 +1340,8 @@ ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
         return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
                         unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
     if (u->stepped && mode != u->adamw)
-        return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit has taken an adamw_step, so its AdamW state "
-                        "exists; choose how it is kept before the first step", unit_label(u));
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit's AdamW state exists already (an adamw_step or "
+                        "ms_unit_adamw_state made it); choose how it is kept before it is made", unit_label(u));
     u->adamw = mode;
     return ms__ok();
 }
@@ -1383,6 +1383,9 @@ ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
     if (skipped < 0)
         return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw_skipped: parameter '%s': %lld: expected a count >= 0",
                         unit_label(u), p->fqn, (long long)skipped);
+    if (!p->requires_grad && skipped)
+        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw_skipped: parameter '%s' is frozen: it takes no AdamW steps, so "
+                        "it skips none", unit_label(u), p->fqn);
     p->skipped_steps = skipped;
     return ms__ok();
 }

@@ -954,10 +954,18 @@ local function field_number(o, fn, name, required, def)
 end
 
 -- unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}: lr and step required
+local ADAMW_FIELDS = { lr = true, betas = true, eps = true, weight_decay = true, step = true }
 function unit_methods.adamw_step(self, o)
   local u = check_unit(self, 1)
   check_table(o, 2)
   local fn = "adamw_step"
+  -- a misspelt key would silently leave its default in place
+  for k in pairs(o) do
+    if not ADAMW_FIELDS[k] then
+      raise("moonshard invalid_argument error: %s: unknown field '%s'; expected lr, betas, eps, weight_decay and step",
+        fn, type(k) == "string" and k or type(k))
+    end
+  end
   local lr = field_number(o, fn, "lr", true)
   local eps, wd = field_number(o, fn, "eps", false, 1e-8), field_number(o, fn, "weight_decay", false, 0.01)
   local step = to_integer(o.step)

@@ -835,7 +835,7 @@ static void adamw_torch(rank_ctx *c) {
         R_OK(ms_unit_zero_grad(u));
         if (s == 1) {
             R_CHECK(ms_unit_bytes(u, 2) == sum_local_trainable(W, q) * 2 * ms_dtype_size(pol->stored));
-            R_ERR(ms_unit_set_adamw(u, MS_ADAMW_MASTER), MS_ERR_STATE, "choose how it is kept before the first step");
+            R_ERR(ms_unit_set_adamw(u, MS_ADAMW_MASTER), MS_ERR_STATE, "choose how it is kept before it is made");
             R_OK(ms_unit_set_adamw(u, MS_ADAMW_TORCH));
         }
         if (s == RELOAD)
@@ -1142,7 +1142,7 @@ static void checkpoint(rank_ctx *c) {
         R_OK(ms_unit_set_adamw_skipped(b, i, ms_unit_adamw_skipped(a, i)));
     }
     R_ERR(ms_unit_set_adamw(b, k->adamw == MS_ADAMW_MASTER ? MS_ADAMW_TORCH : MS_ADAMW_MASTER), MS_ERR_STATE,
-          "choose how it is kept before the first step");
+          "choose how it is kept before it is made");
     R_ERR(ms_unit_set_adamw_skipped(b, 0, -1), MS_ERR_ARG, "-1: expected a count >= 0");
     R_CHECK(ms_unit_adamw_state(b, 0, 3) == NULL && strstr(ms_last_error(), "which 3: expected MS_ADAMW_EXP_AVG"));
     for (int s = 4; s <= 5; s++)

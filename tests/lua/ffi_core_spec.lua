@@ -148,6 +148,8 @@ describe("units", function()
       err_of(u.adamw_state, u, 0, "m"))
     assert.equal("moonshard invalid_argument error: unit 'u': set_adamw_skipped: parameter 'w': -1: expected a " ..
       "count >= 0", err_of(u.set_adamw_skipped, u, 0, -1))
+    assert.equal("moonshard invalid_argument error: unit 'u': set_adamw_skipped: parameter 'f' is frozen: it takes " ..
+      "no AdamW steps, so it skips none", err_of(u.set_adamw_skipped, u, 1, 2))
   end)
 
   it("name the adamw_step field that is missing or wrong", function()
@@ -167,8 +169,12 @@ describe("units", function()
     assert.equal("moonshard invalid_argument error: set_adamw: mode 'fused'; expected 'master' (f32 master weights " ..
       "and moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", err_of(u.set_adamw, u, "fused"))
     assert.equal(u, u:set_adamw("master"))
-    assert.equal("moonshard state error: unit 'u': set_adamw: the unit has taken an adamw_step, so its AdamW state " ..
-      "exists; choose how it is kept before the first step", err_of(u.set_adamw, u, "torch"))
+    assert.equal("moonshard state error: unit 'u': set_adamw: the unit's AdamW state exists already (an adamw_step " ..
+      "or ms_unit_adamw_state made it); choose how it is kept before it is made", err_of(u.set_adamw, u, "torch"))
+    assert.equal("moonshard invalid_argument error: adamw_step: unknown field 'weightdecay'; expected lr, betas, eps, " ..
+      "weight_decay and step", err_of(u.adamw_step, u, { lr = 1e-3, step = 2, weightdecay = 0.1 }))
+    assert.equal("moonshard invalid_argument error: adamw_step: unknown field 'number'; expected lr, betas, eps, " ..
+      "weight_decay and step", err_of(u.adamw_step, u, { 1e-3, lr = 1e-3, step = 2 }))
     local runtime = require "moonshard.runtime"
     assert.equal("moonshard: runtime: materialize: expected a plan made by require('moonshard.plan').plan(model, " ..
       "mesh, policy), got a table without its mesh (a decoded plan JSON cannot be materialised)",
