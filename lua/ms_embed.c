@@ -35,6 +35,8 @@ struct ms_interp {
     ms_comm *world; /* retained */
     ms_unit **units; /* retained at materialize, released by ms_interp_free */
     int nunits;
+    char **warnings; /* (nwarnings) the last plan's, malloc'd */
+    int nwarnings;
 };
 
 /* ---------------------------------------------------------------- errors */
@@ -120,7 +122,17 @@ static ms_status run(lua_State *L, lua_CFunction f, void *arg) {
 
 /* ---------------------------------------------------------------- calls into moonshard.embed */
 
-typedef enum { C_ADD_PARAM, C_MODULE_TYPE, C_CONFIG, C_PLAN, C_PREFETCH, C_PLAN_JSON, C_FIND } call_kind;
+typedef enum {
+    C_ADD_PARAM,
+    C_MODULE_TYPE,
+    C_CONFIG,
+    C_PLAN,
+    C_PREFETCH,
+    C_PLAN_JSON,
+    C_FIND,
+    C_OPTIMIZER,
+    C_LIMITS
+} call_kind;
 
 typedef struct {
     call_kind kind;
@@ -129,11 +141,13 @@ typedef struct {
     const int64_t *shape;
     ms_dtype dtype;
     int requires_grad;
+    double d1, d2;       /* number arguments */
     lua_Integer out[2]; /* integer results */
     char *json;          /* C_PLAN_JSON's result, malloc'd */
 } embed_call;
 
-static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch", "plan_json", "find"};
+static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
+                                 "plan_json", "find", "set_optimizer", "set_policy_limits"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -178,7 +192,13 @@ static int p_call(lua_State *L) {
         nargs = 2;
         nres = c->kind == C_PLAN;
         break;
-    case C_CONFIG: lua_pushstring(L, c->s1); nargs = 1; break;
+    case C_CONFIG:
+    case C_OPTIMIZER: lua_pushstring(L, c->s1); nargs = 1; break;
+    case C_LIMITS:
+        lua_pushnumber(L, c->d1);
+        lua_pushnumber(L, c->d2);
+        nargs = 2;
+        break;
     case C_PREFETCH: nres = 2; break;
     case C_PLAN_JSON: nres = 1; break;
     case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
@@ -273,11 +293,17 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     return ms__ok();
 }
 
+static void warnings_free(char **list, int n) {
+    for (int i = 0; i < n; i++) free(list[i]);
+    free(list);
+}
+
 void ms_interp_free(ms_interp *in) {
     if (!in) return;
     ms_lua_close(in->L); /* releases the units and tensors the state holds */
     for (int i = 0; i < in->nunits; i++) ms_unit_release(in->units[i]); /* then the host's */
     free(in->units);
+    warnings_free(in->warnings, in->nwarnings);
     ms_comm_release(in->world);
     free(in);
 }
@@ -323,12 +349,66 @@ ms_status ms_interp_model_config(ms_interp *in, const char *config_path) {
     return call(in, &c);
 }
 
+typedef struct {
+    char **list;
+    int n;
+} warning_copy;
+
+/* moonshard.embed.warnings() copied into w (malloc'd; freed by the caller on error too). */
+static int p_warnings(lua_State *L) {
+    warning_copy *w = lua_touserdata(L, 1);
+    push_fn(L, "warnings");
+    lua_call(L, 0, 1);
+    if (!lua_istable(L, -1)) luaL_error(L, "moonshard internal error: embed: warnings returned no list");
+    const lua_Integer n = (lua_Integer)lua_rawlen(L, -1);
+    if (n > INT_MAX / (lua_Integer)sizeof(char *)) luaL_error(L, "moonshard internal error: embed: %d warnings", (int)n);
+    if (n && !(w->list = calloc((size_t)n, sizeof *w->list)))
+        luaL_error(L, "moonshard out_of_memory error: embed: the plan's warnings");
+    for (lua_Integer i = 0; i < n; i++) {
+        lua_rawgeti(L, -1, i + 1);
+        const char *s = lua_tostring(L, -1);
+        if (!s) luaL_error(L, "moonshard internal error: embed: warning %d is not a string", (int)i);
+        if (!(w->list[i] = strdup(s))) luaL_error(L, "moonshard out_of_memory error: embed: the plan's warnings");
+        w->n = (int)i + 1;
+        lua_pop(L, 1);
+    }
+    return 0;
+}
+
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units) {
     if (!in || !mesh || !policy) return ms__fail(MS_ERR_ARG, "interp_plan: NULL argument");
     embed_call c = {.kind = C_PLAN, .s1 = mesh, .s2 = policy};
     ms_status st = call(in, &c);
-    if (!st && units) *units = (int)c.out[0];
-    return st;
+    if (st) return st;
+    warning_copy w = {NULL, 0};
+    st = run(in->L, p_warnings, &w);
+    if (st) {
+        warnings_free(w.list, w.n);
+        return ms__wrap(st, "interp_plan: the plan's warnings");
+    }
+    warnings_free(in->warnings, in->nwarnings);
+    in->warnings = w.list;
+    in->nwarnings = w.n;
+    if (units) *units = (int)c.out[0];
+    return MS_OK;
+}
+
+int ms_interp_warning_count(ms_interp *in) { return in ? in->nwarnings : 0; }
+
+const char *ms_interp_warning(ms_interp *in, int i) {
+    return in && i >= 0 && i < in->nwarnings ? in->warnings[i] : NULL;
+}
+
+ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer) {
+    if (!in || !optimizer) return ms__fail(MS_ERR_ARG, "interp_set_optimizer: NULL argument");
+    embed_call c = {.kind = C_OPTIMIZER, .s1 = optimizer};
+    return call(in, &c);
+}
+
+ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb) {
+    if (!in) return ms__fail(MS_ERR_ARG, "interp_set_policy_limits: NULL argument");
+    embed_call c = {.kind = C_LIMITS, .d1 = instructions, .d2 = memory_mb};
+    return call(in, &c);
 }
 
 ms_status ms_interp_plan_json(ms_interp *in, char **json) {

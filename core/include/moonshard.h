@@ -52,8 +52,12 @@ const char *ms_status_name(ms_status status);
 /* The message of the last failure on this thread ("" when none).  Valid until the next
  * moonshard call on this thread. */
 const char *ms_last_error(void);
-/* "0.1.0" */
+/* "0.1.0": the library's version; MS_VERSION_* are the headers' (a host built against them
+ * compares the two at run time). */
 const char *ms_version(void);
+#define MS_VERSION_MAJOR 0
+#define MS_VERSION_MINOR 1
+#define MS_VERSION_PATCH 0
 
 /* ---------------------------------------------------------------- dtypes */
 

@@ -77,6 +77,22 @@ ms_status ms_interp_model_config(ms_interp *in, const char *config_path);
  * plan starts from the model as described) until ms_interp_materialize: MS_ERR_STATE after.
  * A failed plan leaves the previous one in place. */
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units);
+/* The last plan's warnings (what `moonshard plan` prints under "warnings:": padding, units
+ * that reduce in 16 bits, 16-bit AdamW moments, ...): their count (0 before a plan), and
+ * warning i (0-based), a string the interpreter owns until the next successful
+ * ms_interp_plan or ms_interp_free; NULL out of range. */
+int ms_interp_warning_count(ms_interp *in);
+const char *ms_interp_warning(ms_interp *in, int i);
+/* The optimizer whose state the plans made after this count, and whose state their units
+ * keep: "adamw" (the default: f32 moments, f32 master weights for parameters stored in
+ * another dtype), "torch_adamw" (torch.optim.AdamW's: moments in the stored dtype, no
+ * master weights; the units get MS_ADAMW_TORCH) or "none" (counted as no state; the units
+ * keep the default).  MS_ERR_ARG for another name, MS_ERR_STATE after materialize. */
+ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer);
+/* The policy sandbox's limits for the plans made after this, per policy call: the
+ * instructions it may run and the MiB it may allocate (defaults 200e6 and 256).  MS_ERR_ARG
+ * below 1 instruction or at or below 0 MiB. */
+ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb);
 /* How many units ahead the policy prefetches: in forward (its prefetch.forward, default 1)
  * and in backward (prefetch.backward, default 2), as the planner counted them.
  * MS_ERR_STATE before a plan. */

@@ -14,7 +14,8 @@ local M = {}
 -- tensors: the host's parameters in order; params: fqn -> true; modules: the module names
 -- those parameters make ("" is the root); config, config_data, config_tree: the path,
 -- contents and module tree of the config that gave the model instead; types: module name
--- -> type; frozen: fqn -> true; plan; rank and where: the materialised units.
+-- -> type; frozen: fqn -> true; optimizer and limits: what the next plans take (nil: the
+-- defaults); plan; rank and where: the materialised units.
 local state = { tensors = {}, params = {}, modules = { [""] = true }, types = {}, frozen = {} }
 
 local function fail(msg) error("moonshard: embed: " .. msg, 0) end
@@ -131,10 +132,36 @@ function M.plan(mesh, policy_path)
   if policy_path == "" then fail("the policy path is empty") end
   local mc = require("moonshard.mesh_context").new(mesh)
   local policy = require "moonshard.policy"
-  local p = policy.load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" } })
+  local limits = state.limits or {}
+  local p = policy.load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" },
+    instructions = limits.instructions, memory_mb = limits.memory_mb })
   local entry = policy.entry_point(p, policy_path)
-  state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model" })
+  state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer })
   return #state.plan.units
+end
+
+--- The optimizer the plans made after this count (and their units follow).
+function M.set_optimizer(name)
+  if state.rank then fail_state("the units were already materialised: set the optimizer before planning") end
+  if not require("moonshard.plan").OPTIMIZERS[name] then
+    fail("optimizer '" .. name .. "': expected adamw, torch_adamw or none")
+  end
+  state.optimizer = name
+end
+
+--- The policy sandbox's limits per call for the plans made after this.
+function M.set_policy_limits(instructions, memory_mb)
+  if not (instructions >= 1 and instructions < 2 ^ 53 and memory_mb > 0 and memory_mb < 2 ^ 40) then
+    fail(string.format("policy limits %.17g instructions, %.17g MiB: expected at least 1 instruction and more " ..
+      "than 0 MiB", instructions, memory_mb))
+  end
+  state.limits = { instructions = instructions, memory_mb = memory_mb }
+end
+
+--- The last plan's warnings, a list of strings.
+function M.warnings()
+  if not state.plan then fail_state("no plan yet: plan the model first") end
+  return state.plan.warnings
 end
 
 --- The policy's prefetch depths: forward, backward (units ahead).

@@ -254,7 +254,15 @@ static void test_mesh(void) {
     ms_world_release(w);
 }
 
+/* The library's version is the headers' (CMake checks the header against the project). */
+static void test_version(void) {
+    char want[64];
+    snprintf(want, sizeof want, "%d.%d.%d", MS_VERSION_MAJOR, MS_VERSION_MINOR, MS_VERSION_PATCH);
+    CHECK(!strcmp(ms_version(), want));
+}
+
 int main(void) {
+    test_version();
     test_tensor_basics();
     test_tensor_errors();
     test_layout();

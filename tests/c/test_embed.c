@@ -476,7 +476,50 @@ static void ep_local_units(void) {
     }
 }
 
-/* ---------------------------------------------------------------- 8: materialize is collective */
+/* ---------------------------------------------------------------- 8: plan options and warnings */
+
+/* torch_adamw planned and materialised (the units keep bf16 moments, no master weights),
+ * its warning readable from C; the policy sandbox's limits from C. */
+static void plan_options(void) {
+    ms_interp *in = NULL;
+    CHECK_OK(ms_interp_new(&in, C1));
+    if (!in) return;
+    CHECK(ms_interp_warning_count(in) == 0 && ms_interp_warning(in, 0) == NULL);
+    CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json"));
+    CHECK_ERR(ms_interp_set_optimizer(in, "sgd"), MS_ERR_ARG, "embed: optimizer 'sgd': expected adamw, torch_adamw or none");
+    CHECK_ERR(ms_interp_set_policy_limits(in, 0, 256), MS_ERR_ARG, "expected at least 1 instruction");
+    CHECK_ERR(ms_interp_set_policy_limits(in, 1e6, -1), MS_ERR_ARG, "more than 0 MiB");
+    CHECK_OK(ms_interp_set_policy_limits(in, 1000, 256));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
+              "instruction budget of 1000 exceeded");
+    CHECK_OK(ms_interp_set_policy_limits(in, 200e6, 256));
+    CHECK_OK(ms_interp_set_optimizer(in, "torch_adamw"));
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL));
+    int found = 0;
+    for (int i = 0; i < ms_interp_warning_count(in); i++)
+        found += strstr(ms_interp_warning(in, i), "torch_adamw keeps the AdamW moments of") != NULL;
+    CHECK(found == 1, "(%d warnings)", ms_interp_warning_count(in));
+    char *json = NULL;
+    CHECK_OK(ms_interp_plan_json(in, &json));
+    CHECK(json && strstr(json, "\"optimizer\":\"torch_adamw\""));
+    free(json);
+    CHECK_OK(ms_interp_materialize(in));
+    CHECK_ERR(ms_interp_set_optimizer(in, "adamw"), MS_ERR_STATE, "set the optimizer before planning");
+    int bf16_units = 0;
+    for (int k = 0; k < ms_interp_unit_count(in); k++) {
+        ms_unit *u = ms_interp_unit(in, k);
+        ms_tensor *m = u ? ms_unit_adamw_state(u, 0, MS_ADAMW_EXP_AVG) : NULL;
+        if (!m || ms_tensor_dtype(ms_unit_param_shard(u, 0)) != MS_BF16) continue;
+        bf16_units++;
+        CHECK(ms_tensor_dtype(m) == MS_BF16 && !ms_unit_adamw_state(u, 0, MS_ADAMW_MASTER_WEIGHTS) &&
+                  !ms_last_error()[0],
+              "(unit %s)", ms_unit_name(u));
+    }
+    CHECK(bf16_units > 0);
+    ms_interp_free(in);
+}
+
+/* ---------------------------------------------------------------- 9: materialize is collective */
 
 typedef struct {
     int rank, variant; /* 0 plans dp_shard=2; 1 dp_shard=2,ep=2; 2 plans and leaves without materialising */
@@ -590,6 +633,7 @@ int main(void) {
     ignored_calls();
     statuses();
     ep_local_units();
+    plan_options();
     plans_agree();
 
     ms_comm_release(C1);
