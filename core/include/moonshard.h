@@ -125,6 +125,12 @@ ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtyp
 /* A cpu tensor over memory the caller owns (contiguous); moonshard never frees it. */
 ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape,
                          ms_dtype dtype);
+/* The same on a device: a cuda tensor over device memory the caller owns on cuda:device_index
+ * (from cudaMalloc, or another framework's tensor), checked to be memory of that device
+ * (MS_ERR_DEVICE naming what it is otherwise); collectives, copies and casts then work on it
+ * in place.  MS_DEVICE_CPU is ms_tensor_wrap; MS_ERR_NOT_BUILT for cuda without CUDA. */
+ms_status ms_tensor_wrap_device(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
+                                ms_device_type device, int device_index);
 void ms_tensor_retain(ms_tensor *t);
 void ms_tensor_release(ms_tensor *t);
 

@@ -177,6 +177,28 @@ ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s,
     return MS_OK;
 }
 
+ms_status ms__cuda_check_pointer(int device, const void *p, int64_t nbytes) {
+    if (nbytes <= 0) return MS_OK;
+    const char *const ends[2] = {(const char *)p, (const char *)p + nbytes - 1};
+    for (int k = 0; k < 2; k++) {
+        struct cudaPointerAttributes a;
+        cudaError_t e = cudaPointerGetAttributes(&a, ends[k]);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return ms__fail(MS_ERR_DEVICE, "the %s byte of %lld at %p is not memory CUDA knows: %s", k ? "last" : "first",
+                            (long long)nbytes, p, cudaGetErrorName(e));
+        }
+        if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+            return ms__fail(MS_ERR_DEVICE, "the %s byte of %lld at %p is %s memory, not memory of cuda:%d",
+                            k ? "last" : "first", (long long)nbytes, p,
+                            a.type == cudaMemoryTypeHost ? "pinned host" : "host", device);
+        if (a.device != device)
+            return ms__fail(MS_ERR_DEVICE, "the %s byte of %lld at %p is memory of cuda:%d, not of cuda:%d",
+                            k ? "last" : "first", (long long)nbytes, p, a.device, device);
+    }
+    return MS_OK;
+}
+
 ms_status ms__cuda_sum_sq(int device, const void *x, ms_dtype dt, int64_t n, double *out) {
     *out = 0;
     if (n <= 0) return MS_OK;
@@ -258,6 +280,11 @@ ms_status ms__cuda_sync(int device) {
 ms_status ms__cuda_ew(int device, ms_ew_op op, void *dst, ms_dtype dd, double s, const void *src, ms_dtype sd,
                       bool round_src, int64_t n) {
     (void)device, (void)op, (void)dst, (void)dd, (void)s, (void)src, (void)sd, (void)round_src, (void)n;
+    return not_built();
+}
+
+ms_status ms__cuda_check_pointer(int device, const void *p, int64_t nbytes) {
+    (void)device, (void)p, (void)nbytes;
     return not_built();
 }
 

@@ -17,6 +17,9 @@
 
 /* Zeroed device memory of nbytes (> 0) on device `device`, from its stream-ordered pool. */
 ms_status ms__cuda_alloc(int device, int64_t nbytes, void **out);
+/* MS_OK when the nbytes at p (its first and last byte) are memory of CUDA device `device`
+ * (device or managed memory), else MS_ERR_DEVICE saying what they are. */
+ms_status ms__cuda_check_pointer(int device, const void *p, int64_t nbytes);
 void ms__cuda_free(int device, void *p);
 /* nbytes from src to dst, either of them host or device memory (of `device`). */
 ms_status ms__cuda_memcpy(int device, void *dst, const void *src, int64_t nbytes);

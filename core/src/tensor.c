@@ -174,6 +174,25 @@ ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *s
     return new_with_storage(out, data, nbytes, false, MS_DEVICE_CPU, 0, ndim, shape, dtype);
 }
 
+ms_status ms_tensor_wrap_device(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
+                                ms_device_type device, int device_index) {
+    if (device == MS_DEVICE_CPU) return ms_tensor_wrap(out, data, ndim, shape, dtype);
+    if (!out) return ms__fail(MS_ERR_ARG, "tensor_wrap_device: out is NULL");
+    if (device != MS_DEVICE_CUDA)
+        return ms__fail(MS_ERR_DEVICE, "tensor_wrap_device: device %d: expected MS_DEVICE_CPU or MS_DEVICE_CUDA (a meta "
+                        "tensor has no memory to wrap)", (int)device);
+    if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_wrap_device: invalid dtype %d", (int)dtype);
+    int64_t numel, nbytes;
+    ms_status st = ms__check_shape(ndim, shape, &numel);
+    if (st) return ms__wrap(st, "tensor_wrap_device");
+    if (!ms__mul_ok(numel, ms_dtype_size(dtype), &nbytes))
+        return ms__fail(MS_ERR_OVERFLOW, "tensor_wrap_device: byte count overflows int64");
+    if (!data && nbytes > 0)
+        return ms__fail(MS_ERR_ARG, "tensor_wrap_device: data is NULL for %lld bytes", (long long)nbytes);
+    if ((st = ms__cuda_check_pointer(device_index, data, nbytes))) return ms__wrap(st, "tensor_wrap_device");
+    return new_with_storage(out, data, nbytes, false, MS_DEVICE_CUDA, device_index, ndim, shape, dtype);
+}
+
 void ms_tensor_retain(ms_tensor *t) {
     if (t) atomic_fetch_add(&t->refcount, 1);
 }

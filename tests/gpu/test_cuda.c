@@ -192,6 +192,29 @@ static void tensors(int ndev) {
         printf("tensors: cuda:0 -> cuda:1 (strided, f32 -> bf16): checked\n");
     }
 
+    /* device memory the host owns, wrapped: the same bytes, no copy; host memory, memory of
+     * another device and a meta "device" refused by name */
+    ms_tensor *w = NULL;
+    CHECK_OK(ms_tensor_wrap_device(&w, ms_tensor_data(d), 2, shape, MS_F32, MS_DEVICE_CUDA, 0));
+    if (w) {
+        CHECK(ms_tensor_device(w) == MS_DEVICE_CUDA && ms_tensor_data(w) == ms_tensor_data(d));
+        CHECK_OK(ms_tensor_fill(w, -2));
+        ms_tensor *seen = to_dev(d, MS_DEVICE_CPU);
+        CHECK(seen && ((float *)ms_tensor_data(seen))[34] == -2.0f);
+        ms_tensor_release(seen);
+        ms_tensor_release(w);
+    }
+    ms_tensor *hw = NULL;
+    CHECK_ERR(ms_tensor_wrap_device(&hw, ms_tensor_data(hb), 2, bshape, MS_BF16, MS_DEVICE_CUDA, 0), MS_ERR_DEVICE,
+              "is host memory, not memory of cuda:0");
+    CHECK_ERR(ms_tensor_wrap_device(&hw, ms_tensor_data(d), 2, (int64_t[]){5, 8}, MS_F32, MS_DEVICE_CUDA, 0),
+              MS_ERR_DEVICE, "last byte of 160");
+    CHECK_ERR(ms_tensor_wrap_device(&hw, ms_tensor_data(d), 2, shape, MS_F32, MS_DEVICE_META, 0), MS_ERR_DEVICE,
+              "a meta tensor has no memory to wrap");
+    if (ndev >= 2)
+        CHECK_ERR(ms_tensor_wrap_device(&hw, ms_tensor_data(d), 2, shape, MS_F32, MS_DEVICE_CUDA, 1), MS_ERR_DEVICE,
+                  "is memory of cuda:0, not of cuda:1");
+
     /* a meta tensor has nothing to move; a device that is not there says so */
     ms_tensor *m = new_tensor(2, shape, MS_F32, MS_DEVICE_META), *none = NULL;
     CHECK_ERR(ms_tensor_copy(d, m), MS_ERR_DEVICE, "a meta tensor holds no data");
