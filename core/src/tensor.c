@@ -161,36 +161,34 @@ ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtyp
     return ms__fail(MS_ERR_DEVICE, "tensor_new: invalid device %d", (int)device);
 }
 
-ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape,
-                         ms_dtype dtype) {
-    if (!out) return ms__fail(MS_ERR_ARG, "tensor_wrap: out is NULL");
-    if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_wrap: invalid dtype %d", (int)dtype);
+/* A tensor over memory the caller owns, on the device given (fn names the call in errors). */
+static ms_status wrap(const char *fn, ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
+                      ms_device_type device, int device_index) {
+    if (!out) return ms__fail(MS_ERR_ARG, "%s: out is NULL", fn);
+    if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "%s: invalid dtype %d", fn, (int)dtype);
     int64_t numel, nbytes;
     ms_status st = ms__check_shape(ndim, shape, &numel);
-    if (st) return ms__wrap(st, "tensor_wrap");
+    if (st) return ms__wrap(st, "%s", fn);
     if (!ms__mul_ok(numel, ms_dtype_size(dtype), &nbytes))
-        return ms__fail(MS_ERR_OVERFLOW, "tensor_wrap: byte count overflows int64");
-    if (!data && nbytes > 0) return ms__fail(MS_ERR_ARG, "tensor_wrap: data is NULL for %lld bytes", (long long)nbytes);
-    return new_with_storage(out, data, nbytes, false, MS_DEVICE_CPU, 0, ndim, shape, dtype);
+        return ms__fail(MS_ERR_OVERFLOW, "%s: byte count overflows int64", fn);
+    if (!data && nbytes > 0) return ms__fail(MS_ERR_ARG, "%s: data is NULL for %lld bytes", fn, (long long)nbytes);
+    if (device == MS_DEVICE_CUDA && (st = ms__cuda_check_pointer(device_index, data, nbytes)))
+        return ms__wrap(st, "%s", fn);
+    return new_with_storage(out, data, nbytes, false, device, device == MS_DEVICE_CUDA ? device_index : 0, ndim,
+                            shape, dtype);
+}
+
+ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype) {
+    return wrap("tensor_wrap", out, data, ndim, shape, dtype, MS_DEVICE_CPU, 0);
 }
 
 ms_status ms_tensor_wrap_device(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
                                 ms_device_type device, int device_index) {
-    if (device == MS_DEVICE_CPU) return ms_tensor_wrap(out, data, ndim, shape, dtype);
-    if (!out) return ms__fail(MS_ERR_ARG, "tensor_wrap_device: out is NULL");
-    if (device != MS_DEVICE_CUDA)
+    if (device != MS_DEVICE_CPU && device != MS_DEVICE_CUDA)
         return ms__fail(MS_ERR_DEVICE, "tensor_wrap_device: device %d: expected MS_DEVICE_CPU or MS_DEVICE_CUDA (a meta "
                         "tensor has no memory to wrap)", (int)device);
-    if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_wrap_device: invalid dtype %d", (int)dtype);
-    int64_t numel, nbytes;
-    ms_status st = ms__check_shape(ndim, shape, &numel);
-    if (st) return ms__wrap(st, "tensor_wrap_device");
-    if (!ms__mul_ok(numel, ms_dtype_size(dtype), &nbytes))
-        return ms__fail(MS_ERR_OVERFLOW, "tensor_wrap_device: byte count overflows int64");
-    if (!data && nbytes > 0)
-        return ms__fail(MS_ERR_ARG, "tensor_wrap_device: data is NULL for %lld bytes", (long long)nbytes);
-    if ((st = ms__cuda_check_pointer(device_index, data, nbytes))) return ms__wrap(st, "tensor_wrap_device");
-    return new_with_storage(out, data, nbytes, false, MS_DEVICE_CUDA, device_index, ndim, shape, dtype);
+    return wrap(device == MS_DEVICE_CPU ? "tensor_wrap" : "tensor_wrap_device", out, data, ndim, shape, dtype, device,
+                device_index);
 }
 
 void ms_tensor_retain(ms_tensor *t) {
