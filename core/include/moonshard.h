@@ -373,6 +373,13 @@ const char *ms_unit_param_fqn(const ms_unit *u, int i);
  * the next step: load with ms_unit_load_full, which sets both.  (MS_ADAMW_TORCH keeps no
  * master: AdamW updates the shard itself.) */
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
+/* Parameter i as the host's forward sees it, in any state after finalize: its global shape
+ * (shape: room for MS_MAX_DIMS), stored dtype, the dtype it is gathered and computed in
+ * (SEMANTICS.md §4), and whether it requires gradients.  MS_ERR_STATE before finalize. */
+ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape, ms_dtype *stored, ms_dtype *gather,
+                             int *requires_grad);
+/* The dtype the unit reduces its gradients in (after finalize; MS_ERR_STATE before). */
+ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce);
 /* The rank's sharded gradient of parameter i (stored dtype), or NULL (with an empty
  * message) while the parameter has no gradient: before the first reduce_grads that
  * reduces one for it, and after ms_unit_zero_grad until the next.  Borrowed. */

@@ -738,6 +738,30 @@ ms_tensor *ms_unit_param_shard(ms_unit *u, int i) {
     return p->shard;
 }
 
+ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape, ms_dtype *stored, ms_dtype *gather,
+                             int *requires_grad) {
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "param_info", i, &p);
+    if (st) return st;
+    if (!ndim || !shape || !stored || !gather || !requires_grad)
+        return ms__fail(MS_ERR_ARG, "unit '%s': param_info: NULL output", unit_label(u));
+    if ((st = check_state(u, "param_info", ~ST(ST_BUILDING)))) return st;
+    *ndim = p->ndim;
+    memcpy(shape, p->shape, (size_t)p->ndim * sizeof *shape);
+    *stored = p->dtype;
+    *gather = p->gather;
+    *requires_grad = p->requires_grad;
+    return ms__ok();
+}
+
+ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce) {
+    if (!u || !reduce) return ms__fail(MS_ERR_ARG, "unit_reduce_dtype: NULL argument");
+    ms_status st = check_state(u, "reduce_dtype", ~ST(ST_BUILDING));
+    if (st) return st;
+    *reduce = u->reduce;
+    return ms__ok();
+}
+
 ms_tensor *ms_unit_grad_shard(ms_unit *u, int i) {
     unit_param *p = NULL;
     if (param_at(u, "grad_shard", i, &p)) return NULL;

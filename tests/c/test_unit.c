@@ -1475,7 +1475,23 @@ static void frozen_mixed(rank_ctx *c) {
     R_ERR(ms_unit_add_param(u, "a.half", 1, (int64_t[]){4}, MS_F16, 0, 1), MS_ERR_DTYPE,
           "'a.half' is stored in f16 but 'a.lora' is stored in f32: FSDP expects uniform original parameter dtype "
           "of the trainable parameters");
+    int nd = 0, rg = 0;
+    int64_t shape[MS_MAX_DIMS];
+    ms_dtype stored, gather, reduce;
+    R_ERR(ms_unit_param_info(u, 0, &nd, shape, &stored, &gather, &rg), MS_ERR_STATE,
+          "not allowed while the unit is building");
     R_OK(ms_unit_finalize(u));
+    /* what the host's forward sees: shapes and dtypes as given, each gathered in the param
+     * dtype when floating (an integer one as stored), reduced in f32 */
+    for (int j = 0; j < FM_N; j++) {
+        if (slot[j] < 0) continue;
+        R_OK(ms_unit_param_info(u, slot[j], &nd, shape, &stored, &gather, &rg));
+        R_CHECK(nd == fm[j].ndim && !memcmp(shape, fm[j].shape, (size_t)nd * sizeof *shape) && stored == fm[j].dtype &&
+                gather == (fm[j].dtype == MS_I64 ? MS_I64 : MS_BF16) && rg == fm[j].requires_grad);
+    }
+    R_OK(ms_unit_reduce_dtype(u, &reduce));
+    R_CHECK(reduce == MS_F32);
+    R_ERR(ms_unit_param_info(u, n, &nd, shape, &stored, &gather, &rg), MS_ERR_ARG, "no parameter");
     for (int j = 0; j < FM_N; j++) {
         if (slot[j] < 0) continue;
         ms_tensor *full = NULL;
