@@ -187,7 +187,7 @@ struct ms_unit {
     int device;         /* the CUDA device of the transient buffers, or -1 for the host */
     bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
     int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
-    bool stepped;       /* an adamw_step has run: the AdamW state exists */
+    bool adamw_made;    /* the AdamW state exists (an adamw_step or ms_unit_adamw_state made it) */
     ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
     unit_op op;
@@ -1320,8 +1320,6 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     return st ? ms__wrap(st, "unit '%s': scale_grads", unit_label(u)) : ms__ok();
 }
 
-/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
- * the shard is. */
 /* p's AdamW state, made once: zero moments (f32, or the stored dtype with MS_ADAMW_TORCH),
  * and f32 master weights from the stored shard (MS_ADAMW_MASTER, stored dtype not f32). */
 static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
@@ -1336,6 +1334,8 @@ static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
     return st;
 }
 
+/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
+ * the shard is. */
 static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h) {
     const int64_t n = ms_tensor_numel(p->shard);
     ms_status st = adamw_state_make(u, p);
@@ -1363,7 +1363,7 @@ ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
     if (mode != MS_ADAMW_MASTER && mode != MS_ADAMW_TORCH)
         return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
                         unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
-    if (u->stepped && mode != u->adamw)
+    if (u->adamw_made && mode != u->adamw)
         return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit's AdamW state exists already (an adamw_step or "
                         "ms_unit_adamw_state made it); choose how it is kept before it is made", unit_label(u));
     u->adamw = mode;
@@ -1387,7 +1387,7 @@ ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
             ms__wrap(st, "unit '%s': adamw_state", unit_label(u));
             return NULL;
         }
-        u->stepped = true; /* the state exists: its mode is fixed */
+        u->adamw_made = true; /* the state exists: its mode is fixed */
     }
     ms__ok();
     return which == MS_ADAMW_EXP_AVG ? p->exp_avg : which == MS_ADAMW_EXP_AVG_SQ ? p->exp_avg_sq : p->master;
@@ -1434,7 +1434,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
                             "call from 1", unit_label(u), (long long)step, p->fqn, (long long)p->skipped_steps,
                             (long long)(step - p->skipped_steps));
     }
-    u->stepped = true;
+    u->adamw_made = true;
     for (int i = 0; i < u->nparams && !st; i++) {
         unit_param *p = &u->params[i];
         if (!p->has_grad) {
