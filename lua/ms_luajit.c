@@ -29,4 +29,5 @@ void ms_lua_setup(lua_State *L, ms_comm *world) {
     lua_pop(L, 2);
     lua_pushlightuserdata(L, world);
     lua_setfield(L, LUA_REGISTRYINDEX, "moonshard.world");
+    ms_lua_register_memory_cap(L);
 }

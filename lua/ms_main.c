@@ -31,16 +31,13 @@
 #include <luajit.h>
 #define PROG "moonshard-jit"
 #define INTERPRETER LUAJIT_VERSION
-/* LuaJIT (GC64) takes no allocator of the host's: its states keep LuaJIT's own */
-#define NEWSTATE() luaL_newstate()
-#define CLOSESTATE(L) lua_close(L)
 #else
 #define PROG "moonshard"
 #define INTERPRETER LUA_RELEASE
-/* the counting allocator, whose limit the policy sandbox sets (core.memory_cap) */
+#endif
+/* the counting allocator, whose limit the policy sandbox sets (ms_alloc.c) */
 #define NEWSTATE() ms_lua_newstate()
 #define CLOSESTATE(L) ms_lua_close(L)
-#endif
 
 #ifdef MOONSHARD_HAVE_MPI
 #include <mpi.h>

@@ -202,6 +202,7 @@ local function as_param_set(ctx, list)
 end
 
 local RESHARD_OK = { [true] = true, [false] = true }
+local UNIT_KINDS = { fp32_island = true, module = true, root = true }
 
 --- Makes `module` a shard unit, like torch's fully_shard(module, mesh=..., mp_policy=...,
 -- reshard_after_forward=..., ignored_params=..., shard_placement_fn=...).
@@ -305,6 +306,10 @@ function Ctx:fully_shard(module, opts)
         "(f32 f16 bf16 f8e4m3 f8e5m2 f64)", k, display(name), mp[k]))
     end
   end
+  if mp.cast_forward_inputs ~= nil and type(mp.cast_forward_inputs) ~= "boolean" then
+    fail(string.format("mp_policy.cast_forward_inputs of unit %s is a %s; expected true or false", display(name),
+      type(mp.cast_forward_inputs)))
+  end
   local raf = opts.reshard_after_forward
   if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then
     fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
@@ -317,6 +322,10 @@ function Ctx:fully_shard(module, opts)
     fail(string.format("offload_policy of unit %s is %s; expected \"cpu\" (CPUOffloadPolicy), \"none\" or nil",
       display(name), type(offload) == "string" and "'" .. offload .. "'" or tostring(offload)))
   end
+  if opts.kind ~= nil and not UNIT_KINDS[opts.kind] then
+    fail(string.format("fully_shard(%s): kind is %s; expected \"fp32_island\", \"module\" or \"root\"",
+      display(name), type(opts.kind) == "string" and "'" .. opts.kind .. "'" or "a " .. type(opts.kind)))
+  end
   local ignored = as_param_set(self, opts.ignored_params)
   local unit = {
     name = name, module = module, mesh_axes = axes,
@@ -324,9 +333,17 @@ function Ctx:fully_shard(module, opts)
     mp = { param_dtype = mp.param_dtype, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
       cast_forward_inputs = mp.cast_forward_inputs ~= false },
     reshard_after_forward = raf, raf_explicit = raf ~= nil,
-    shard_placement_fn = opts.shard_placement_fn, offload = offload == "cpu" and "cpu" or nil,
+    offload = offload == "cpu" and "cpu" or nil,
     params = {}, ignored = {}, index = #self.units + 1, site = site,
   }
+  -- FSDP2 calls shard_placement_fn as fully_shard builds the unit (FSDPParam's init): so does
+  -- the planner, inside the policy's call, and keeps only the dims it returned.
+  local placement_fn = opts.shard_placement_fn
+  if placement_fn ~= nil and type(placement_fn) ~= "function" then
+    fail(string.format("fully_shard(%s): shard_placement_fn is a %s; expected a function (fqn, param) -> dim",
+      display(name), type(placement_fn)))
+  end
+  unit.dims = {}
   for _, np in ipairs(managed_params(self, module)) do
     local fqn, p = np[1], np[2]
     local prev = self.owner[p]
@@ -344,6 +361,14 @@ function Ctx:fully_shard(module, opts)
     else
       unit.params[#unit.params + 1] = p
       self.owner[p] = unit
+      if placement_fn then
+        local d = placement_fn(fqn, self.present and self.present(p) or p)
+        if d ~= nil and not util.is_int(d) then
+          fail(string.format("fully_shard(%s): shard_placement_fn returned %s for parameter %s; expected a dim " ..
+            "(an integer) or nil", display(name), type(d) == "number" and tostring(d) or "a " .. type(d), fqn))
+        end
+        unit.dims[p] = d
+      end
     end
   end
   self.units[#self.units + 1] = unit
@@ -367,8 +392,7 @@ end
 -- ---------------------------------------------------------------- unit layouts (SEMANTICS §3)
 
 local function shard_dim(unit, fqn, p, W)
-  local d = 0
-  if unit.shard_placement_fn then d = unit.shard_placement_fn(fqn, p) or 0 end
+  local d = unit.dims[p] or 0
   local nd = #p.shape
   if nd == 0 then
     fail(string.format("parameter %s of unit %s is a scalar (0-dim); FSDP cannot shard it", fqn, display(unit.name)))
@@ -577,6 +601,254 @@ local function peak_unsharded(ctx, units)
   return peak
 end
 
+-- ---------------------------------------------------------------- what the policy sees
+
+-- A policy is untrusted code, and the planner's own data must be out of its reach: it
+-- sees a copy of the module tree (its own classes, so replacing a method changes only its
+-- copy), a copy of the mesh and the config, and a context whose methods take its copies,
+-- check and copy what it hands them (strings are strings, dtypes are dtypes, modules and
+-- parameters are the copy's), and work on the planner's tree.  The planner keeps nothing of
+-- the policy's: no table and no function of it is read after parallelize returns, so no
+-- policy code runs outside the sandbox's budget, and the plan is made and validated from
+-- data the policy cannot reach.
+
+-- A value of the policy's in a message, running none of its metamethods: a scalar as it
+-- is, anything else by its type.
+local function shown(v)
+  local t = type(v)
+  if t == "string" or t == "number" or t == "boolean" or t == "nil" then return tostring(v) end
+  return "a " .. t
+end
+
+-- Plain data (strings, numbers, booleans, tables of them), copied; the rest left out.
+local function copy_data(v, depth)
+  local t = type(v)
+  if t == "string" or t == "number" or t == "boolean" then return v end
+  if t ~= "table" or depth > 32 then return nil end
+  local c = {}
+  for k, x in next, v do
+    local tk = type(k)
+    if tk == "string" or tk == "number" or tk == "boolean" then c[k] = copy_data(x, depth + 1) end
+  end
+  return c
+end
+
+local function copy_class(class, names)
+  local c = {}
+  for _, n in ipairs(names) do c[n] = class[n] end
+  c.__index = c
+  return c
+end
+
+-- The policy's view of the model and the mesh, and the maps between its copies and the
+-- planner's objects.
+local function new_view(ctx)
+  local VModule = copy_class(ms_module.Module,
+    { "get", "named_modules", "named_parameters", "param_count", "param_bytes", "__tostring" })
+  local VParam = copy_class(ms_module.Param, { "meta", "nbytes", "__tostring" })
+  local view = { of = {}, orig = {} } -- of: planner object -> copy; orig: copy -> planner object
+  function view.param(p)
+    local v = view.of[p]
+    if not v then
+      v = setmetatable({ shape = util.copy(p.shape), dtype = p.dtype, numel = p.numel,
+        requires_grad = p.requires_grad }, VParam)
+      view.of[p], view.orig[v] = v, p
+    end
+    return v
+  end
+  function view.module(m)
+    local v = view.of[m]
+    if v then return v end
+    v = setmetatable({ type = m.type, children = {}, child_order = util.copy(m.child_order), params = {},
+      param_order = util.copy(m.param_order), attrs = copy_data(m.attrs, 0) or {} }, VModule)
+    view.of[m], view.orig[v] = v, m
+    for _, c in ipairs(m.child_order) do v.children[c] = view.module(m.children[c]) end
+    for _, n in ipairs(m.param_order) do v.params[n] = view.param(m.params[n]) end
+    return v
+  end
+  -- after the planner changed m's children (checkpoint wrapping): the copy's follow
+  function view.refresh(m)
+    local v = view.of[m]
+    v.children, v.child_order = {}, util.copy(m.child_order)
+    for _, c in ipairs(m.child_order) do v.children[c] = view.module(m.children[c]) end
+  end
+  return view
+end
+
+-- A module of the policy's (its copy, or a dotted name) as the planner's; errors name what
+-- was given instead.
+local function module_arg(view, m, what)
+  if type(m) == "string" then return m end
+  local o = type(m) == "table" and view.orig[m]
+  if not o or getmetatable(o) ~= ms_module.Module then
+    fail(string.format("%s: expected a module of ctx.model or a module's dotted name, got %s", what,
+      type(m) == "table" and "a table that is not one of ctx.model's modules" or "a " .. type(m)))
+  end
+  return o
+end
+
+local function param_arg(view, p, what)
+  local o = type(p) == "table" and view.orig[p]
+  if not o or getmetatable(o) ~= ms_module.Param then
+    fail(string.format("%s: expected a parameter of ctx.model, got %s", what,
+      type(p) == "table" and "a table that is not one of ctx.model's parameters" or "a " .. type(p)))
+  end
+  return o
+end
+
+local function string_arg(v, what, optional)
+  if v == nil and optional then return nil end
+  if type(v) ~= "string" then fail(string.format("%s is a %s; expected a string", what, type(v))) end
+  return v
+end
+
+-- The options of ctx:fully_shard, copied: the values the planner takes, checked for type,
+-- policy modules and parameters replaced by the planner's.  Unknown keys stay for
+-- Ctx:fully_shard to refuse by name.
+local function shard_options(view, opts, where)
+  if opts == nil then return nil end
+  if type(opts) ~= "table" then fail(string.format("%s: the options are a %s; expected a table", where, type(opts))) end
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  if o.mesh ~= nil then
+    local axes = o.mesh
+    if type(axes) == "string" then axes = { axes } end
+    if type(axes) ~= "table" then fail(string.format("%s: mesh is a %s; expected an axis name or a list of them", where, type(axes))) end
+    o.mesh = {}
+    for i = 1, #axes do o.mesh[i] = string_arg(axes[i], where .. ": mesh[" .. i .. "]") end
+  end
+  if type(o.mp_policy) == "table" then
+    local mp = {}
+    for k, v in pairs(o.mp_policy) do mp[k] = v end
+    for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
+      mp[k] = string_arg(mp[k], where .. ": mp_policy." .. k, true)
+    end
+    o.mp_policy = mp
+  end
+  local raf = o.reshard_after_forward
+  if raf ~= nil and type(raf) ~= "boolean" and type(raf) ~= "number" then
+    fail(string.format("%s: reshard_after_forward is a %s; expected true, false or an integer", where, type(raf)))
+  end
+  if type(o.offload_policy) == "table" then
+    fail(string.format("%s: offload_policy is a table; expected \"cpu\" (CPUOffloadPolicy), \"none\" or nil", where))
+  end
+  o.kind = string_arg(o.kind, where .. ": kind", true)
+  if o.ignored_params ~= nil then
+    if type(o.ignored_params) ~= "table" then
+      fail(string.format("%s: ignored_params is a %s; expected a list of parameters or their names", where,
+        type(o.ignored_params)))
+    end
+    local list = {}
+    for k, v in pairs(o.ignored_params) do
+      local item = (type(k) ~= "number") and k or v
+      if type(item) == "table" and not view.orig[item] and type(item[2]) == "table" then item = item[2] end -- {fqn, param}
+      if type(item) ~= "string" then item = param_arg(view, item, where .. ": ignored_params") end
+      list[#list + 1] = item
+    end
+    o.ignored_params = list
+  end
+  return o
+end
+
+local function mp_arg(mp, what)
+  if mp == nil then return nil end
+  if type(mp) ~= "table" then fail(string.format("%s: mp_policy is a %s; expected a table", what, type(mp))) end
+  return { param_dtype = string_arg(mp.param_dtype, what .. ": mp_policy.param_dtype", true),
+    reduce_dtype = string_arg(mp.reduce_dtype, what .. ": mp_policy.reduce_dtype", true) }
+end
+
+-- The mesh as the policy sees it: its sizes and axes, copied; its methods answer from the
+-- planner's mesh.
+local function mesh_view(mesh)
+  local v = { world = mesh.world, fsdp_axes = util.copy(mesh.fsdp_axes), sizes = copy_data(mesh.sizes, 0) }
+  for _, name in ipairs({ "size", "group_size", "stride", "outside", "coord", "describe", "root_axes" }) do
+    v[name] = function(_, ...) return mesh[name](mesh, ...) end
+  end
+  local group_size = v.group_size
+  function v.group_size(self, axes)
+    if type(axes) ~= "table" then fail("mesh:group_size takes a list of axis names, got a " .. type(axes)) end
+    local copy = {}
+    for i = 1, #axes do copy[i] = string_arg(axes[i], "mesh:group_size: axes[" .. i .. "]") end
+    return group_size(self, copy)
+  end
+  local root_axes = v.root_axes
+  function v.root_axes(self) return copy_data(root_axes(self), 0) end
+  return v
+end
+
+-- The context parallelize(ctx) receives: its own table of methods (closures), so that
+-- replacing one changes nothing but this table.
+local function policy_context(ctx, opts)
+  local view = new_view(ctx)
+  ctx.present = view.param
+  local pub = { model = view.module(ctx.model), mesh = mesh_view(ctx.mesh), config = copy_data(opts.config, 0) }
+  function pub.module(_, m) return view.module(ctx:module(module_arg(view, m, "ctx:module"))) end
+  function pub.name_of(_, m) return ctx:name_of(ctx:module(module_arg(view, m, "ctx:name_of"))) end
+  function pub.params_of(_, m)
+    local out = {}
+    for i, np in ipairs(ctx:params_of(module_arg(view, m, "ctx:params_of"))) do out[i] = { np[1], view.param(np[2]) } end
+    return out
+  end
+  function pub.is_owned(_, p) return ctx:is_owned(param_arg(view, p, "ctx:is_owned")) end
+  function pub.compute_dtype(_, p, mp)
+    return ctx:compute_dtype(param_arg(view, p, "ctx:compute_dtype"), mp_arg(mp, "ctx:compute_dtype"))
+  end
+  function pub.warn(_, msg)
+    if type(msg) ~= "string" then
+      if type(msg) ~= "number" then fail("ctx:warn takes a string, got a " .. type(msg)) end
+      msg = tostring(msg)
+    end
+    ctx:warn(msg)
+  end
+  function pub.checkpoint_wrap(_, list)
+    local m = ctx:module(module_arg(view, list, "ctx:checkpoint_wrap"))
+    ctx:checkpoint_wrap(m)
+    view.refresh(m)
+  end
+  function pub.expert_parallel(_, m, eopts)
+    local o
+    if eopts ~= nil then
+      if type(eopts) ~= "table" then fail("ctx:expert_parallel: the options are a " .. type(eopts) .. "; expected a table") end
+      o = { by = string_arg(eopts.by, "ctx:expert_parallel: by", true) }
+    end
+    local out = {}
+    for i, p in ipairs(ctx:expert_parallel(module_arg(view, m, "ctx:expert_parallel"), o)) do out[i] = view.param(p) end
+    return out
+  end
+  function pub.fully_shard(_, m, sopts)
+    local module = ctx:module(module_arg(view, m, "ctx:fully_shard"))
+    local unit = ctx:fully_shard(module, shard_options(view, sopts, "fully_shard(" .. display(ctx:name_of(module)) .. ")"))
+    -- what the policy may want of it, copied
+    local params = {}
+    for i, p in ipairs(unit.params) do params[i] = view.param(p) end
+    return { name = unit.name, kind = unit.kind, mesh_axes = util.copy(unit.mesh_axes), params = params }
+  end
+  return pub
+end
+
+-- The policy's prefetch, read raw (no metamethod of the policy's runs outside its call).
+local function prefetch_of(policy)
+  local pf = rawget(policy, "prefetch")
+  if pf == nil then return nil end
+  if type(pf) ~= "table" then
+    fail("the policy's prefetch is " .. shown(pf) .. "; expected a table {forward = n, backward = n}")
+  end
+  local out = {}
+  for k, v in next, pf do
+    if k ~= "forward" and k ~= "backward" then
+      fail("the policy's prefetch has the key " .. (type(k) == "string" and k or "of a " .. type(k)) ..
+        "; expected forward and backward only")
+    end
+    -- units fetched ahead; the embedding API hands them to C as ints
+    if not util.is_int(v) or v < 0 or v > 2147483647 then
+      fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units fetched ahead)", k,
+        type(v) == "string" and "'" .. v .. "'" or shown(v)))
+    end
+    out[k] = v
+  end
+  return { forward = out.forward or 1, backward = out.backward or 2 }
+end
+
 -- ---------------------------------------------------------------- the plan
 
 -- Every trainable parameter belongs to exactly one unit or to expert parallelism (units
@@ -605,6 +877,27 @@ local function validate_ownership(ctx, params)
       table.concat(unowned, ", ", 1, math.min(#unowned, 8)), #unowned > 8 and string.format(" (and %d more)", #unowned - 8) or "",
       why))
   end
+end
+
+-- With ep_shard > 1 every expert lives on ep_shard ranks, and its gradients must be reduced
+-- across them: a unit on ep_shard does that (NeMo Automodel's MoE parallelizer shards the
+-- experts with fully_shard on the ep_shard mesh when it has more than one rank).  Trainable
+-- expert parameters in no unit would be replicas whose gradients no one reduces, which the
+-- runtime cannot run as planned: refused, saying what to add.
+local function validate_expert_replicas(ctx, fqn_of)
+  local replicas = ctx.mesh:size("ep_shard")
+  if replicas == 1 then return end
+  local bare = {}
+  for _, p in ipairs(ctx.ep_order) do
+    if p.requires_grad and FLOAT[p.dtype] and not ctx.owner[p] then bare[#bare + 1] = fqn_of[p] end
+  end
+  if #bare == 0 then return end
+  fail(string.format("expert parallelism places %d trainable parameter%s that no unit shards (%s%s), but ep_shard = " ..
+    "%d: each expert is replicated on %d ranks and its gradients must be reduced across them, which a unit on " ..
+    "ep_shard does; shard the experts with ctx:fully_shard(experts, {mesh = {\"ep_shard\"}, ...}) before their " ..
+    "layer (as NeMo Automodel's MoE parallelizer does), or choose ep so that ep_shard = 1",
+    #bare, #bare == 1 and "" or "s", table.concat(bare, ", ", 1, math.min(#bare, 4)),
+    #bare > 4 and string.format(" and %d more", #bare - 4) or "", replicas, replicas))
 end
 
 -- Every parameter's dtype is known and its elements and bytes, and the model's, are exact
@@ -645,34 +938,19 @@ function M.plan(model, mesh, policy, opts)
   end
   if mesh:size("pp") > 1 then fail("pipeline parallelism (pp > 1) is not planned yet; use pp = 1") end
   if mesh:size("tp") > 1 then fail("tensor parallel plans (tp > 1) are not modelled yet; use tp = 1") end
-  if type(policy) ~= "table" or type(policy.parallelize) ~= "function" then
-    fail("the policy has no parallelize(ctx) function")
-  end
+  local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
+  if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
   check_params(model)
   local ctx = M.context(model, mesh, opts)
-  if policy.prefetch ~= nil then
-    local pf = policy.prefetch
-    if type(pf) ~= "table" then
-      fail("the policy's prefetch is " .. tostring(pf) .. "; expected a table {forward = n, backward = n}")
-    end
-    for k, v in pairs(pf) do
-      if k ~= "forward" and k ~= "backward" then
-        fail("the policy's prefetch has the key " .. tostring(k) .. "; expected forward and backward only")
-      end
-      -- units fetched ahead; the embedding API hands them to C as ints
-      if not util.is_int(v) or v < 0 or v > 2147483647 then
-        fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units fetched ahead)", k,
-          type(v) == "string" and "'" .. v .. "'" or tostring(v)))
-      end
-    end
-    ctx.prefetch = { forward = pf.forward or 1, backward = pf.backward or 2 }
-  end
-  policy.parallelize(ctx)
+  ctx.prefetch = prefetch_of(policy) or ctx.prefetch
+  parallelize(policy_context(ctx, opts))
+  ctx.present = nil
   rebuild_names(ctx)
   local params = model:named_parameters()
   local fqn_of = {}
   for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
   validate_ownership(ctx, params)
+  validate_expert_replicas(ctx, fqn_of)
   mark_roots(ctx)
   for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
 
@@ -948,12 +1226,10 @@ function M.audit(plan)
       out[#out + 1] = { fqn = fqn, unit = ue[1].name, kind = ue[1].kind, stored = p.dtype, gathered = ue[2].gather,
         reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
     elseif ep[fqn] then
-      -- Expert parallelism moves no parameters; gradients are reduced by the data parallel
-      -- replicas of the expert (ep_shard of them) in its own dtype: with ep_shard = 1 each
-      -- expert lives on one rank and nothing is reduced.
-      local replicas = plan.mesh:size("ep_shard")
-      out[#out + 1] = { fqn = fqn, unit = nil, kind = "ep", stored = p.dtype, gathered = p.dtype,
-        reduced = p.requires_grad and replicas > 1 and p.dtype or nil }
+      -- Expert parallelism moves no parameters, and an expert parameter in no unit is one the
+      -- plan accepted because ep_shard = 1 (or it is frozen): each expert lives on one rank
+      -- and nothing is reduced.
+      out[#out + 1] = { fqn = fqn, unit = nil, kind = "ep", stored = p.dtype, gathered = p.dtype, reduced = nil }
     else
       out[#out + 1] = { fqn = fqn, unit = nil, kind = "frozen", stored = p.dtype, gathered = p.dtype, reduced = nil }
     end

@@ -22,6 +22,8 @@ local M = {}
 
 local DEFAULT_INSTRUCTIONS = 200000000
 local DEFAULT_MEMORY_MB = 256
+-- Wall-clock seconds per call: a bound on what the instruction count cannot see.
+local DEFAULT_SECONDS = 60
 -- The hook runs every STEP instructions at most (see step_for): rarely enough to cost
 -- little, often enough that a loop cannot allocate much between two memory checks.
 local STEP = 1000
@@ -45,7 +47,11 @@ local jit = rawget(_G, "jit")
 -- loading core.so).  core.memory_refused() says the cap refused an allocation since it was
 -- set.  LuaJIT (GC64) takes no allocator of the host's: never there.
 local memory_cap, memory_refused
-if _VERSION == "Lua 5.4" and not jit then
+local registry = debug.getregistry()
+if type(registry["moonshard.memory_cap"]) == "function" and registry["moonshard.memory_cap"](nil) then
+  -- a state moonshard made (ms_alloc.c), under Lua 5.4 or LuaJIT
+  memory_cap, memory_refused = registry["moonshard.memory_cap"], registry["moonshard.memory_refused"]
+elseif _VERSION == "Lua 5.4" and not jit then
   local ok, core = pcall(require, "moonshard.core")
   if ok and type(core) == "table" and type(core.memory_cap) == "function" and core.memory_cap(nil) then
     memory_cap, memory_refused = core.memory_cap, core.memory_refused
@@ -68,6 +74,14 @@ end
 local util = require "moonshard.util"
 local sorted_keys, read_file = util.sorted_keys, util.read_file
 
+-- A regular file that can be read (never opens a FIFO, which would block).
+local function is_file(path)
+  if util.file_kind then return util.file_kind(path) == "file" end
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
 -- policy line to blame, and how results tell policy functions (wrapped) from host ones.
 local policy_sources = {}
@@ -81,6 +95,7 @@ local policy_sources = {}
 local budget = nil
 
 local run, finish -- the hook leaves their frames alone (see hook)
+local c_depth, leave_c -- string.gsub's nesting (see C_DEPTH)
 
 -- A call's memory is what the heap gained since it began, and garbage in the heap then
 -- would hide as much growth once collected.  So a call begins with a full collection when
@@ -120,6 +135,10 @@ local function step_for(cfg, grown_kb)
   return s > 1 and s or 1
 end
 
+-- The hook is set to come about every SLICE seconds of CPU time at most.
+local SLICE = 0.05
+local clock, os_time = os.clock, os.time
+
 local function hook()
   local b = budget
   -- No budget: a Lua 5.4 coroutine created during a call inherited the hook and runs now.
@@ -127,8 +146,21 @@ local function hook()
   if not b.tripped then
     b.used = b.used + b.step
     local grown = collectgarbage("count") - b.base_kb
+    -- Work in C that the count cannot see (`..` copying long strings, LuaJIT interning them)
+    -- makes a step slow: then the hook comes sooner, so that the time limit holds.
+    local now = clock()
+    local took = now - b.clock
+    b.clock = now
+    if took > SLICE then
+      b.time_step = math.max(1, floor(b.time_step * SLICE / took))
+    elseif took < SLICE / 4 and b.time_step < b.cfg.step then
+      b.time_step = math.min(b.cfg.step, b.time_step * 2)
+    end
     if b.used >= b.cfg.instructions then
       trip(format("instruction budget of %d exceeded (an infinite loop?)", b.cfg.instructions))
+    elseif os_time() - b.started > b.cfg.seconds then
+      trip(format("time limit of %g s exceeded (work in C that the instruction budget does not count, such as " ..
+                  "`..` of long strings, in a loop?)", b.cfg.seconds))
     elseif grown > b.cfg.memory_kb then
       -- the count includes garbage not yet swept: only what is still live counts
       collectgarbage("collect")
@@ -140,7 +172,7 @@ local function hook()
     -- Set again even when unchanged: Lua 5.4 counts the hook's own instructions, and
     -- setting restarts the count (LuaJIT does not count them).
     if not b.tripped then
-      if not b.hard then b.step = step_for(b.cfg, grown) end
+      b.step = math.min(b.hard and b.cfg.step or step_for(b.cfg, grown), b.time_step)
       debug.sethook(hook, "", b.step)
     end
   end
@@ -210,9 +242,25 @@ end
 -- "(error object is not a string)" in C), so an error object that is not one becomes one,
 -- naming the policy line that raised it while the stack still shows it.  A __tostring is
 -- policy code: it runs here, under the budget, protected.
+-- The first Lua frame at stack `level` or above is policy code: the error was raised there
+-- (by the policy's own error() or a runtime error in its line), so its message names it.
+local function raised_by_policy(level)
+  local info = debug.getinfo(level + 1, "S")
+  while info and info.what == "C" do
+    level = level + 1
+    info = debug.getinfo(level + 1, "S")
+  end
+  return info ~= nil and policy_sources[info.source] == true
+end
+
 local function stringify(e)
   local b = budget
-  if type(e) ~= "string" and not (b and b.tripped) then
+  if type(e) == "string" and b and not b.tripped and sub(e, 1, 9) ~= "moonshard" and not raised_by_policy(2) then
+    -- raised in the library or in C on the policy's behalf ("C stack overflow" in a
+    -- sandboxed gsub, an error in a host function it called): the policy line that led there
+    local file, line = policy_position(1)
+    e = format("moonshard: policy %s%s: %s", file, line and ":" .. line or "", e)
+  elseif type(e) ~= "string" and not (b and b.tripped) then
     local file, line = policy_position(1)
     local where = format("moonshard: policy %s%s: ", file, line and ":" .. line or "")
     local mt = debug.getmetatable(e)
@@ -295,8 +343,10 @@ function run(cfg, fn, ...)
   elseif base_kb < swept_kb then
     swept_kb = base_kb
   end
-  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0, base_kb = base_kb }
+  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0, base_kb = base_kb,
+              started = os_time(), clock = clock(), time_step = cfg.step }
   budget = b
+  c_depth = 0
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
   string_mt.__index = cfg.string
   if memory_cap then
@@ -321,7 +371,8 @@ end
 
 -- Rethrows a tripped budget that a policy's pcall/xpcall caught, and trips it when they
 -- caught the hard cap's refusal; otherwise passes results.
-local function rethrow_budget(ok, ...)
+local function rethrow_budget(depth, ok, ...)
+  c_depth = depth
   local b = budget
   if b then
     if not b.tripped and not ok and b.hard and ... == "not enough memory" and memory_refused() then
@@ -595,6 +646,18 @@ local function charge_pattern(cfg, what, s, p, anchor, plain)
          #p > 40 and format("%q...", sub(p, 1, 40)) or format("%q", p), steps, #s)
 end
 
+-- LuaJIT's gsub calls its replacement (a function, or a table's __index) from C with no
+-- limit on how deep such calls nest: a policy recursing through it overflows the C stack
+-- and the process dies (SIGSEGV; Lua 5.4 stops at about 200 with "C stack overflow").  The
+-- sandbox stops both at C_DEPTH.  An error unwinds past leave_c: run() starts every call at
+-- 0, and the sandbox's pcall and xpcall put back the depth they were called at.
+local C_DEPTH = 100
+c_depth = 0
+function leave_c(...)
+  c_depth = c_depth - 1
+  return ...
+end
+
 local function sandbox_string(cfg)
   local s = copy(string)
   s.dump, s.pack = nil, nil
@@ -623,7 +686,14 @@ local function sandbox_string(cfg)
     charge_pattern(cfg, "gsub", str, p, true)
     local bytes = gsub_bytes(len(str), repl, max_n)
     if bytes then reserve(cfg, bytes, "string.gsub") end
-    return real.gsub(str, p, repl, max_n)
+    local t = type(repl)
+    if t ~= "function" and t ~= "table" then return real.gsub(str, p, repl, max_n) end
+    if c_depth >= C_DEPTH then
+      sandbox_error("string.gsub: replacements nest more than %d deep (a replacement that calls string.gsub " ..
+                    "again, recursively?)", C_DEPTH)
+    end
+    c_depth = c_depth + 1
+    return leave_c(real.gsub(str, p, repl, max_n))
   end
   function s.format(fmt, ...)
     reserve(cfg, format_bytes(fmt, ...), "string.format")
@@ -672,10 +742,10 @@ local function sandbox_env(cfg, require)
     rawequal = rawequal, rawget = rawget, rawlen = rawlen, rawset = rawset,
     math = copy(math), string = cfg.string, table = tbl, require = require,
   }
-  function env.pcall(f, ...) return rethrow_budget(pcall(f, ...)) end
+  function env.pcall(f, ...) return rethrow_budget(c_depth, pcall(f, ...)) end
   function env.xpcall(f, handler, ...)
     if type(handler) ~= "function" then return xpcall(f, handler, ...) end
-    return rethrow_budget(xpcall(f, function(e)
+    return rethrow_budget(c_depth, xpcall(f, function(e)
       if budget and budget.tripped then return e end
       return handler(e)
     end, ...))
@@ -724,6 +794,33 @@ end
 
 -- ---------------------------------------------------------------- loading
 
+-- The shipped policies: policies/ of the source tree (lua/moonshard/ -> policies/), or
+-- share/moonshard/policies of an install (share/lua/5.4/moonshard/ -> share/moonshard/).
+local HERE = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
+local shipped_dir = false
+function M.shipped_dir()
+  if shipped_dir == false then
+    shipped_dir = nil
+    for _, d in ipairs({ HERE .. "/../../policies", HERE .. "/../../../moonshard/policies" }) do
+      if is_file(d .. "/fsdp2_default.lua") then
+        shipped_dir = d
+        break
+      end
+    end
+  end
+  return shipped_dir
+end
+
+--- The host modules a policy may require: a copy of moonshard.util's pure helpers (no
+-- function that reads a file).  The CLI and the embedding API pass these.
+function M.host_modules()
+  local u = {}
+  for _, name in ipairs({ "is_int", "idiv", "ceil_div", "sorted_keys", "copy", "fixed1", "bytes", "thousands" }) do
+    u[name] = util[name]
+  end
+  return { ["moonshard.util"] = u }
+end
+
 -- Opens only when path is a directory (POSIX).
 local function is_directory(path)
   local f = io.open(path .. "/.", "rb")
@@ -763,6 +860,14 @@ local function count(n, word)
   return format("%d %s%s", n, word, n == 1 and "" or "s")
 end
 
+-- A key as describe() shows it, with no metamethod run: describe() runs outside any policy
+-- call, so a policy's __tostring must not run there.
+local function key_text(k)
+  local t = type(k)
+  if t == "string" or t == "number" or t == "boolean" then return tostring(k) end
+  return t
+end
+
 -- What describe() says of a value: its type, a list's length and element type, a table's
 -- keys (and, depth levels down, theirs).
 local function kind(v, depth)
@@ -779,9 +884,9 @@ local function kind(v, depth)
     return "list of " .. count(n, elem)
   end
   if depth == 0 then return "table of " .. count(#keys, "key") end
-  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  table.sort(keys, function(a, b) return key_text(a) < key_text(b) end)
   local parts = {}
-  for i, k in ipairs(keys) do parts[i] = tostring(k) .. " = " .. kind(rawget(v, k), depth - 1) end
+  for i, k in ipairs(keys) do parts[i] = key_text(k) .. " = " .. kind(rawget(v, k), depth - 1) end
   return "table {" .. table.concat(parts, ", ") .. "}"
 end
 
@@ -797,12 +902,14 @@ end
 
 --- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
 -- or the only file that has one.
+-- (Read raw: an __index of the policy's would run here, outside any policy call.)
 function M.entry_point(policy, path)
-  if type(policy.main) == "table" and policy.main.parallelize then return policy.main end
-  if type(policy.shard_units) == "table" and policy.shard_units.parallelize then return policy.shard_units end
+  local main, units = policy.main, rawget(policy, "shard_units")
+  if type(main) == "table" and rawget(main, "parallelize") then return main end
+  if type(units) == "table" and rawget(units, "parallelize") then return units end
   local found
-  for k, v in pairs(policy) do
-    if type(v) == "table" and type(v.parallelize) == "function" then
+  for k, v in next, policy do
+    if type(v) == "table" and type(rawget(v, "parallelize")) == "function" then
       if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
       found = v
     end
@@ -823,7 +930,7 @@ end
 -- policy maps each file's stem to the value the file returned; policy.main is that value
 -- for a single file, policy.describe() lists the files (a file named like one of these
 -- fields shadows it).  opts: instructions (per call, default 200e6), memory_mb (per call,
--- default 256), modules (name -> module value the policy may require), files (the names in
+-- default 256), seconds (wall clock per call, default 60), modules (name -> module value the policy may require), files (the names in
 -- the directory, where io.popen is missing).  Loads again from disk on every call.
 function M.load(path, opts)
   opts = opts or {}
@@ -834,6 +941,7 @@ function M.load(path, opts)
   local instructions = math.floor(option(opts, "instructions", DEFAULT_INSTRUCTIONS))
   local memory_mb = option(opts, "memory_mb", DEFAULT_MEMORY_MB)
   local cfg = { instructions = instructions, step = math.min(STEP, instructions),
+                seconds = option(opts, "seconds", DEFAULT_SECONDS),
                 memory_mb = memory_mb, memory_kb = memory_mb * 1024,
                 wrappers = setmetatable({}, { __mode = "k" }), shapes = { anchored = {}, unanchored = {}, count = 0 } }
   cfg.string = sandbox_string(cfg)
@@ -852,19 +960,22 @@ function M.load(path, opts)
     local stem = path:match("([^/]+)$"):gsub("%.lua$", "")
     stems[1], file_of[stem] = stem, path
   end
-  -- The file `require name` loads.  A single file may require the .lua files beside it
-  -- (policies/fsdp2_default.lua requires by_dtype); a directory's files are listed already.
+  -- The file `require name` loads: a file of the policy's directory (a single file's
+  -- directory: policies/fsdp2_default.lua requires by_dtype), else a shipped policy file
+  -- (require "fsdp2_default" from anywhere).  Names are stems, nothing that could reach
+  -- another directory or a file that is not Lua source.
   local function sibling(name)
-    if dir or file_of[name] or type(name) ~= "string" or name:find("^%.") or name:find("/") then
-      return file_of[name]
+    if file_of[name] then return file_of[name] end
+    local dirs = dir and {} or { home }
+    local shipped = M.shipped_dir()
+    if shipped then dirs[#dirs + 1] = shipped end
+    for _, d in ipairs(dirs) do
+      local file = d .. "/" .. name .. ".lua"
+      if is_file(file) then
+        file_of[name] = file
+        return file
+      end
     end
-    local file = home .. "/" .. name .. ".lua"
-    local f = io.open(file, "rb")
-    if f then
-      f:close()
-      file_of[name] = file
-    end
-    return file_of[name]
   end
 
   local modules = {}
@@ -890,11 +1001,18 @@ function M.load(path, opts)
     return value
   end
   env = sandbox_env(cfg, function(name)
-    if modules[name] ~= nil then return modules[name] end
+    if type(name) == "string" and modules[name] ~= nil then return modules[name] end
+    local allowed = next(modules) and table.concat(sorted_keys(modules), ", ") or "none"
+    if type(name) ~= "string" or not find(name, "^[%a_][%w_%-]*$") or #name > 200 then
+      sandbox_error("require %s: not a policy file's name (the stem of a .lua file: letters, digits, '_' " ..
+                    "and '-') nor an allowed module (%s); %s",
+                    type(name) == "string" and format("%q", #name > 60 and sub(name, 1, 60) .. "..." or name)
+                      or "of a " .. type(name), allowed, SANDBOX)
+    end
     if sibling(name) then return load_file(name) end
-    sandbox_error("require '%s': no %s.lua in %s and not an allowed module (%s); %s",
-                  tostring(name), tostring(name), home,
-                  next(modules) and table.concat(sorted_keys(modules), ", ") or "none", SANDBOX)
+    sandbox_error("require '%s': no %s.lua in %s%s and not an allowed module (%s); %s", name, name,
+                  dir and "the policy directory " .. path or home,
+                  M.shipped_dir() and " or the shipped policies" or "", allowed, SANDBOX)
   end)
 
   local p, files = {}, {}

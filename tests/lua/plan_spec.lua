@@ -474,14 +474,27 @@ describe("shard units", function()
     for _, row in ipairs(planner.audit(plan)) do
       if row.kind == "ep" then assert.is_nil(row.reduced, row.fqn) end
     end
+    -- ep_shard = 2 replicas of each expert, whose gradients only a unit on ep_shard reduces:
+    -- refused without one (the runtime could not run it as planned), planned with one
+    local err = errmsg(planner.plan, root, mesh_context.new("dp_shard=4,ep=2"), policy(function(ctx)
+      local ignored = ctx:expert_parallel("moe.experts")
+      ctx:fully_shard("moe.gate")
+      ctx:fully_shard(ctx.model, { ignored_params = ignored })
+    end))
+    assert.equal("moonshard: plan: expert parallelism places 1 trainable parameter that no unit shards " ..
+      "(moe.experts.up), but ep_shard = 2: each expert is replicated on 2 ranks and its gradients must be reduced " ..
+      "across them, which a unit on ep_shard does; shard the experts with ctx:fully_shard(experts, {mesh = " ..
+      "{\"ep_shard\"}, ...}) before their layer (as NeMo Automodel's MoE parallelizer does), or choose ep so that " ..
+      "ep_shard = 1", err)
     local replicated = planner.plan(root, mesh_context.new("dp_shard=4,ep=2"), policy(function(ctx)
       local ignored = ctx:expert_parallel("moe.experts")
+      ctx:fully_shard("moe.experts", { mesh = { "ep_shard" } })
       ctx:fully_shard("moe.gate")
       ctx:fully_shard(ctx.model, { ignored_params = ignored })
     end))
     local reduced = {}
     for _, row in ipairs(planner.audit(replicated)) do reduced[row.fqn] = row.reduced end
-    assert.equal("bf16", reduced["moe.experts.up"]) -- ep_shard = 2 replicas of each expert
+    assert.equal("bf16", reduced["moe.experts.up"])
     -- the tokens' all_to_all is not a parameter's: not counted, and said so
     assert.same({ count = 0, bytes = 0, uncounted_ep = 4 }, plan.comm.all_to_all)
     assert.matches("all_to_all counts none of expert parallelism's token traffic %(ep = 4%)",

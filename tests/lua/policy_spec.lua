@@ -92,7 +92,8 @@ describe("a policy directory", function()
     local err = failure(policy.load, F .. "good", { modules = {} })
     assert.matches("moonshard: policy " .. F .. "good/shard_units.lua:"
                    .. line_of(F .. "good/shard_units.lua", 'require "moonshard.module"')
-                   .. ": require 'moonshard.module': no moonshard.module.lua in " .. F .. "good and not an allowed module (none)",
+                   .. ': require "moonshard.module": not a policy file\'s name (the stem of a .lua file: letters, ' ..
+                   "digits, '_' and '-') nor an allowed module (none)",
                    err, 1, true)
   end)
 
@@ -221,7 +222,9 @@ describe("the budget", function()
     -- a tail call leaves no frame of the policy function: the error names its file only
     assert.equal("moonshard: policy " .. F .. "evil/loops.lua: instruction budget of 1000000 exceeded (an infinite loop?)",
                  failure(loops.tail_callback, host_spin))
-    assert.equal("host says no", failure(loops.callback, function() error("host says no", 0) end))
+    -- an error the host raised for the policy names the policy line that called it
+    assert.equal("moonshard: policy " .. F .. "evil/loops.lua:" .. line_of(F .. "evil/loops.lua", "callback =") ..
+                 ": host says no", failure(loops.callback, function() error("host says no", 0) end))
     assert.equal(42, loops.callback(function() return 42 end))
   end)
 
@@ -412,7 +415,8 @@ describe("the sandbox", function()
   end)
 
   it("requires no host library", function()
-    assert.equal(at("require_os =") .. "require 'os': no os.lua in " .. F .. "evil and not an allowed module (moonshard.module);"
+    assert.equal(at("require_os =") .. "require 'os': no os.lua in " .. F .. "evil or the shipped policies and not an allowed module " ..
+                 "(moonshard.module);"
                  .. " policies run in a sandbox without io, os, package, debug, load",
                  failure(forbidden.require_os))
     -- a tail call leaves no frame of the caller: the error names the file only
