@@ -36,6 +36,10 @@ output:
                        dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
                        the file name)
+the policy sandbox (per call into the policy):
+  --policy-instructions N   the instruction budget (default 200000000)
+  --policy-memory MB        the memory cap in MiB (default 256)
+  --policy-seconds S        the wall-clock limit in seconds (default 60)
   -h, --help           this help
 
 exit status: 0 on success, 1 when the plan is invalid or an input is bad, 2 on usage errors.
@@ -48,7 +52,10 @@ end
 
 local FLAGS = { json = true, audit = true }
 local VALUES = { config = true, safetensors = true, mesh = true, policy = true, svg = true, optimizer = true,
-  name = true }
+  name = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
+-- the sandbox's limits: option -> policy.load's opts key
+local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
+  ["policy-seconds"] = "seconds" }
 
 function M.parse(args)
   local o = {}
@@ -126,9 +133,9 @@ function M.make_plan(o)
   -- for a dense model, and for a checkpoint's tree, whose experts expert_parallel checks)
   sizes.n_routed_experts = config and require("moonshard.models").routed_experts(tree) or nil
   local mesh = mesh_context.new(sizes)
-  local policy = require("moonshard.policy").load(o.policy, {
-    modules = require("moonshard.policy").host_modules(),
-  })
+  local popts = { modules = require("moonshard.policy").host_modules() }
+  for flag, key in pairs(LIMITS) do popts[key] = o.limits and o.limits[key] end
+  local policy = require("moonshard.policy").load(o.policy, popts)
   local entry = require("moonshard.policy").entry_point(policy, o.policy)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
@@ -150,6 +157,18 @@ function M.main(args)
   end
   if not o.mesh then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
   if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
+  for flag, key in pairs(LIMITS) do
+    local v = o[flag]
+    if v then
+      local n = tonumber(v)
+      if not n or n <= 0 or n ~= n or n == math.huge or (key == "instructions" and n ~= math.floor(n)) then
+        return usage_error(string.format("--%s is %s; expected a %s", flag, v,
+          key == "instructions" and "whole number > 0" or "number > 0"))
+      end
+      o.limits = o.limits or {}
+      o.limits[key] = n
+    end
+  end
   if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then
     return usage_error("--optimizer is adamw, torch_adamw or none, not '" .. o.optimizer .. "'")
   end

@@ -85,6 +85,8 @@ end
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
 -- policy line to blame, and how results tell policy functions (wrapped) from host ones.
 local policy_sources = {}
+-- Their names as Lua's error positions show them (debug's short_src: a long path shortened)
+local policy_short_src = {}
 
 -- ---------------------------------------------------------------- the budget
 
@@ -242,22 +244,18 @@ end
 -- "(error object is not a string)" in C), so an error object that is not one becomes one,
 -- naming the policy line that raised it while the stack still shows it.  A __tostring is
 -- policy code: it runs here, under the budget, protected.
--- The first Lua frame at stack `level` or above is policy code: the error was raised there
--- (by the policy's own error() or a runtime error in its line), so its message names it.
-local function raised_by_policy(level)
-  local info = debug.getinfo(level + 1, "S")
-  while info and info.what == "C" do
-    level = level + 1
-    info = debug.getinfo(level + 1, "S")
-  end
-  return info ~= nil and policy_sources[info.source] == true
+-- The message starts with a policy file's position, as Lua writes it ("file:line: ...").
+local function names_policy(e)
+  local src = e:match("^(.-):%d+: ")
+  return src ~= nil and policy_short_src[src] == true
 end
 
 local function stringify(e)
   local b = budget
-  if type(e) == "string" and b and not b.tripped and sub(e, 1, 9) ~= "moonshard" and not raised_by_policy(2) then
-    -- raised in the library or in C on the policy's behalf ("C stack overflow" in a
-    -- sandboxed gsub, an error in a host function it called): the policy line that led there
+  if type(e) == "string" and b and not b.tripped and sub(e, 1, 9) ~= "moonshard" and not names_policy(e) then
+    -- raised in the library or in C on the policy's behalf ("C stack overflow" in
+    -- table.sort, an error in a host function it called), or by error(msg, 0): the policy
+    -- line that led there
     local file, line = policy_position(1)
     e = format("moonshard: policy %s%s: %s", file, line and ":" .. line or "", e)
   elseif type(e) ~= "string" and not (b and b.tripped) then
@@ -352,7 +350,10 @@ function run(cfg, fn, ...)
   if memory_cap then
     -- built now: under the cap, there may be no memory to build it when it is needed
     b.cap_error = format("moonshard: policy %s: memory cap of %g MiB exceeded", b.file, cfg.memory_mb)
-    b.hard = memory_cap(cfg.memory_kb * 1024)
+    -- LuaJIT raises at once when its allocator refuses, where Lua 5.4 first collects and
+    -- asks again: there the hard limit is twice the cap, so garbage the collector has not
+    -- reached yet does not end a call, and the hook (which collects) enforces the cap itself
+    b.hard = memory_cap(cfg.memory_kb * 1024 * (jit and 2 or 1))
   end
   -- with the hard cap, `..` cannot take a string past it between two checks
   b.step = b.hard and cfg.step or step_for(cfg, 0)
@@ -789,6 +790,7 @@ local function compile(path, env)
   -- LuaJIT's compiled traces never call the hook: policy code stays interpreted
   if jit then jit.off(chunk, true) end
   policy_sources["@" .. path] = true
+  policy_short_src[debug.getinfo(chunk, "S").short_src] = true
   return chunk
 end
 

@@ -97,7 +97,7 @@ end
 -- use shared grouped experts ([experts, input, output] tensors) and an untied LM head.
 function M.prepare_model(ctx)
   local model = ctx.model
-  local function reject(what) error("inkling2 policy: " .. what, 0) end
+  local function reject(what) error("inkling2 policy: " .. what, 2) end
   local layers = model:get("model.layers")
   if not layers then reject("the model has no model.layers: only text decoder models are supported") end
   local embed, head = model:get("model.embed_tokens"), model:get("lm_head")

@@ -517,7 +517,9 @@ describe("moonshard plan", function()
     local inkling2 = S.run({ "plan", "--safetensors", path, "--mesh", "dp_shard=2,ep=2", "--policy", "policies/inkling2" })
     os.remove(path)
     assert.equal(1, inkling2.code)
-    assert.equal("moonshard plan: error: inkling2 policy: model.layers.0.mlp.experts is ModuleList (a checkpoint's " ..
+    -- the policy's own error, at its line
+    assert.equal("moonshard plan: error: policies/inkling2/shard_units.lua:118: inkling2 policy: " ..
+      "model.layers.0.mlp.experts is ModuleList (a checkpoint's " ..
       "per-expert layout: Automodel groups the experts when it loads them; plan with --config); shared grouped " ..
       "experts are required\n", inkling2.err)
     assert.equal(0, r.code)

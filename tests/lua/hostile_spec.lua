@@ -1,0 +1,120 @@
+-- hostile_spec.lua: policies written to escape the sandbox, run through the executable
+-- under test (moonshard under Lua 5.4, moonshard-jit under LuaJIT), each a file of
+-- tests/lua/policies/hostile/.  Every escape ends promptly with exit status 1 and a message
+-- naming the policy file, and nothing of the secret files it reaches for shows in the
+-- output; every attempt to falsify the plan leaves the plan exactly the clean policy's.
+-- Each new hole found gets a file here.
+local S = require "support"
+
+local SRC = "tests/lua/policies/hostile"
+local CONFIG = "examples/configs/llama3.1_8b.json"
+local SECRET = "/tmp/moonshard_hostile_secret"
+-- small limits, so that a probe that must run into them does so quickly
+local LIMITS = { "--policy-instructions", "50000000", "--policy-memory", "64", "--policy-seconds", "3" }
+
+local dir, marker
+
+local function plan(name, extra)
+  local args = { "plan", "--config", CONFIG, "--mesh", "dp_shard=8", "--policy", dir .. "/" .. name .. ".lua" }
+  for _, a in ipairs(LIMITS) do args[#args + 1] = a end
+  for _, a in ipairs(extra or {}) do args[#args + 1] = a end
+  return S.run(args)
+end
+
+setup(function()
+  dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p " .. S.quote(dir) .. " && cp " .. SRC .. "/*.lua " .. S.quote(dir)))
+  marker = string.format("SECRET-%d-%d", os.time(), math.random(1, 1e9))
+  -- beside the policies (a file that is not Lua source) and at a fixed absolute path
+  for _, path in ipairs({ SECRET, dir .. "/moonshard_hostile_secret" }) do
+    local f = assert(io.open(path, "wb"))
+    f:write("return '" .. marker .. "'\n" .. marker .. "\n")
+    f:close()
+  end
+end)
+
+teardown(function()
+  os.execute("rm -rf " .. S.quote(dir))
+  os.remove(SECRET)
+end)
+
+-- exit 1, promptly, the message naming the policy file (and matching `expect`), no secret
+local function refused(name, expect)
+  local r = plan(name)
+  local file = dir .. "/" .. name .. ".lua"
+  assert.equal(1, r.code, name .. ": " .. r.err)
+  assert.equal("", r.out, name)
+  assert.truthy(r.err:find(file, 1, true), name .. " does not name its file: " .. r.err)
+  if expect then assert.truthy(r.err:find(expect, 1, true), name .. ": " .. r.err) end
+  assert.is_nil(r.err:find(marker, 1, true), name .. " leaked the secret")
+  assert.is_true(r.seconds <= 20, name .. " took " .. r.seconds .. " s")
+  return r
+end
+
+describe("a hostile policy cannot read files", function()
+  it("through the helper module it may require", function()
+    refused("leak_util", "attempt to call")
+  end)
+  it("through require of a path, a NUL, a library module, a standard library or a file that is not Lua", function()
+    refused("leak_require_path", "not a policy file's name")
+    refused("leak_require_nul", 'require "clean\\0": not a policy file\'s name')
+    refused("leak_require_lib", 'require "moonshard.safetensors": not a policy file\'s name')
+    refused("leak_require_io", "require 'io': no io.lua in " .. dir .. " or the shipped policies")
+    refused("leak_require_stem", "require 'moonshard_hostile_secret': no moonshard_hostile_secret.lua")
+  end)
+end)
+
+describe("policy code the planner calls runs in the policy's budget", function()
+  it("shard_placement_fn: a loop, a memory bomb, a value that is no dim", function()
+    refused("spf_loop", "instruction budget of 50000000 exceeded")
+    refused("spf_alloc", "memory cap of 64 MiB exceeded")
+    refused("spf_value", "shard_placement_fn returned a table for parameter")
+  end)
+  it("values handed to the planner are checked, so none of their metamethods runs later", function()
+    refused("warn_meta", "ctx:warn takes a string, got a table")
+    refused("mp_meta", "mp_policy.param_dtype is a table; expected a string")
+    refused("mesh_meta", "mesh[1] is a table; expected a string")
+    refused("ignored_fake", "ignored_params: expected a parameter of ctx.model, got a table that is not one")
+    refused("module_fake", "ctx:fully_shard: expected a module of ctx.model or a module's dotted name")
+    refused("entry_meta", "no file returns a table with parallelize(ctx)")
+  end)
+end)
+
+describe("a hostile policy cannot get a false plan accepted", function()
+  local clean
+  setup(function()
+    local r = plan("clean", { "--json" })
+    assert.equal(0, r.code, r.err)
+    clean = r.out
+  end)
+  for _, name in ipairs({ "ctx_tamper", "unit_tamper", "tree_tamper", "class_tamper", "mesh_tamper",
+                          "prefetch_meta", "after_return" }) do
+    it(name .. " plans exactly what the clean policy plans", function()
+      local r = plan(name, { "--json" })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      assert.equal(clean, r.out)
+    end)
+  end
+end)
+
+describe("runaway policies end with an error naming the policy", function()
+  it("recursion through C (gsub, sort) and in Lua", function()
+    refused("gsub_recursion", "string.gsub: replacements nest more than 100 deep")
+    refused("sort_recursion", "stack overflow")
+    refused("lua_recursion", "stack overflow")
+  end)
+  it("work in C that the instruction count does not see, bounded by the time limit", function()
+    refused("concat_time", "time limit of 3 s exceeded")
+  end)
+  it("memory, within the cap", function()
+    refused("memory_concat", "memory cap of 64 MiB exceeded")
+    refused("memory_table", "memory cap of 64 MiB exceeded")
+    -- LuaJIT interns the string it builds again and again: time, not memory, ends it there
+    local r = plan("concat_interned")
+    assert.equal(1, r.code)
+    assert.truthy(r.err:find("memory cap of 64 MiB exceeded", 1, true) or r.err:find("time limit of 3 s", 1, true),
+      r.err)
+  end)
+end)
