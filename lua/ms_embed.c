@@ -270,7 +270,8 @@ static ms_status check_lua_binding(void) {
 }
 
 ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
-    if (!out || !world) return ms__fail(MS_ERR_ARG, "interp_new: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(world);
     *out = NULL;
     ms_status bound = check_lua_binding();
     if (bound) return bound;
@@ -309,7 +310,8 @@ void ms_interp_free(ms_interp *in) {
 }
 
 ms_status ms_interp_exec(ms_interp *in, const char *code) {
-    if (!in || !code) return ms__fail(MS_ERR_ARG, "interp_exec: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(code);
     lua_State *L = in->L;
     int top = lua_gettop(L);
     /* both are protected: they return a status instead of raising */
@@ -322,7 +324,9 @@ ms_status ms_interp_exec(ms_interp *in, const char *code) {
 
 ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const int64_t *shape,
                                 ms_dtype dtype, int requires_grad) {
-    if (!in || !fqn || (ndim > 0 && !shape)) return ms__fail(MS_ERR_ARG, "interp_model_param: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(fqn);
+    if (ndim > 0) MS_NOT_NULL(shape);
     if (!ms_dtype_name(dtype)) return ms__fail(MS_ERR_DTYPE, "interp_model_param: %s: invalid dtype %d", fqn, (int)dtype);
     if (ndim < 0 || ndim > MS_MAX_DIMS)
         return ms__fail(MS_ERR_SHAPE, "interp_model_param: %s: %d dims (0 to %d)", fqn, ndim, MS_MAX_DIMS);
@@ -338,13 +342,16 @@ ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const 
 }
 
 ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const char *type_name) {
-    if (!in || !name || !type_name) return ms__fail(MS_ERR_ARG, "interp_model_module_type: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(name);
+    MS_NOT_NULL(type_name);
     embed_call c = {.kind = C_MODULE_TYPE, .s1 = name, .s2 = type_name};
     return call(in, &c);
 }
 
 ms_status ms_interp_model_config(ms_interp *in, const char *config_path) {
-    if (!in || !config_path) return ms__fail(MS_ERR_ARG, "interp_model_config: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(config_path);
     embed_call c = {.kind = C_CONFIG, .s1 = config_path};
     return call(in, &c);
 }
@@ -376,7 +383,9 @@ static int p_warnings(lua_State *L) {
 }
 
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units) {
-    if (!in || !mesh || !policy) return ms__fail(MS_ERR_ARG, "interp_plan: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(mesh);
+    MS_NOT_NULL(policy);
     embed_call c = {.kind = C_PLAN, .s1 = mesh, .s2 = policy};
     ms_status st = call(in, &c);
     if (st) return st;
@@ -393,26 +402,32 @@ ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, in
     return MS_OK;
 }
 
-int ms_interp_warning_count(ms_interp *in) { return in ? in->nwarnings : 0; }
+int ms_interp_warning_count(ms_interp *in) {
+    MS_NOT_NULL_OR(in, -1);
+    return in->nwarnings;
+}
 
 const char *ms_interp_warning(ms_interp *in, int i) {
-    return in && i >= 0 && i < in->nwarnings ? in->warnings[i] : NULL;
+    MS_NOT_NULL_OR(in, NULL);
+    return i >= 0 && i < in->nwarnings ? in->warnings[i] : NULL;
 }
 
 ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer) {
-    if (!in || !optimizer) return ms__fail(MS_ERR_ARG, "interp_set_optimizer: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(optimizer);
     embed_call c = {.kind = C_OPTIMIZER, .s1 = optimizer};
     return call(in, &c);
 }
 
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb) {
-    if (!in) return ms__fail(MS_ERR_ARG, "interp_set_policy_limits: NULL argument");
+    MS_NOT_NULL(in);
     embed_call c = {.kind = C_LIMITS, .d1 = instructions, .d2 = memory_mb};
     return call(in, &c);
 }
 
 ms_status ms_interp_plan_json(ms_interp *in, char **json) {
-    if (!in || !json) return ms__fail(MS_ERR_ARG, "interp_plan_json: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(json);
     embed_call c = {.kind = C_PLAN_JSON};
     ms_status st = call(in, &c);
     if (!st) *json = c.json;
@@ -420,7 +435,9 @@ ms_status ms_interp_plan_json(ms_interp *in, char **json) {
 }
 
 ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward) {
-    if (!in || !forward || !backward) return ms__fail(MS_ERR_ARG, "interp_prefetch: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(forward);
+    MS_NOT_NULL(backward);
     embed_call c = {.kind = C_PREFETCH};
     ms_status st = call(in, &c);
     if (st) return st;
@@ -459,17 +476,17 @@ static int p_materialize(lua_State *L) {
 }
 
 ms_status ms_interp_materialize(ms_interp *in) {
-    if (!in) return ms__fail(MS_ERR_ARG, "interp_materialize: NULL interpreter");
+    MS_NOT_NULL(in);
     return run(in->L, p_materialize, in);
 }
 
-int ms_interp_unit_count(ms_interp *in) { return in ? in->nunits : 0; }
+int ms_interp_unit_count(ms_interp *in) {
+    MS_NOT_NULL_OR(in, -1);
+    return in->nunits;
+}
 
 ms_unit *ms_interp_unit(ms_interp *in, int i) {
-    if (!in) {
-        ms__fail(MS_ERR_ARG, "interp_unit: NULL interpreter");
-        return NULL;
-    }
+    MS_NOT_NULL_OR(in, NULL);
     if (!in->units) {
         ms__fail(MS_ERR_STATE, "interp_unit: no units yet: materialise the plan first");
         return NULL;
@@ -482,7 +499,10 @@ ms_unit *ms_interp_unit(ms_interp *in, int i) {
 }
 
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index) {
-    if (!in || !fqn || !unit || !index) return ms__fail(MS_ERR_ARG, "interp_find_param: NULL argument");
+    MS_NOT_NULL(in);
+    MS_NOT_NULL(fqn);
+    MS_NOT_NULL(unit);
+    MS_NOT_NULL(index);
     embed_call c = {.kind = C_FIND, .s1 = fqn};
     ms_status st = call(in, &c);
     if (st) return st;

@@ -355,6 +355,7 @@ static void push_device(lua_State *L, const ms_tensor *t) {
     case MS_DEVICE_CPU: lua_pushliteral(L, "cpu"); break;
     case MS_DEVICE_META: lua_pushliteral(L, "meta"); break;
     case MS_DEVICE_CUDA: lua_pushfstring(L, "cuda:%d", ms_tensor_device_index(t)); break;
+    case MS_DEVICE_INVALID: lua_pushnil(L); break; /* a NULL tensor: check_tensor never gives one */
     }
 }
 

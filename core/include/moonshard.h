@@ -10,7 +10,16 @@
  *   the core aborts, exits or longjmps.
  * - Handles are opaque and reference counted.  A function that hands out a handle through
  *   `**out` gives the caller one reference, to be dropped with the matching *_release.
- *   *_release(NULL) is a no-op.
+ *   *_retain(NULL) and *_release(NULL) are no-ops.
+ * - Every handle and pointer argument is checked; none may be NULL unless its comment says
+ *   so (a shape of 0 dims, a buffer of 0 bytes, an optional output).  A function returning
+ *   an ms_status returns MS_ERR_ARG for a NULL one, with the message "<function>: <argument>
+ *   is NULL" ("ms_tensor_copy: dst is NULL").  An accessor, which returns a value instead,
+ *   leaves the same message and returns its invalid value: -1 for a count, size, rank or
+ *   index (ms_world_timeout: -1.0), NULL for a pointer or a string, 0 for a yes/no question,
+ *   MS_DTYPE_COUNT for a dtype and MS_DEVICE_INVALID for a device; a void function other
+ *   than retain and release does nothing but leave the message.  tests/c/test_null.c calls
+ *   every function of the public headers so.
  * - Ranks, coordinates, dims and offsets are 0-based.  Sizes are int64_t.
  *
  * The declarations between MS_API_BEGIN and MS_API_END are FFI-clean: no macros inside
@@ -76,7 +85,7 @@ typedef enum ms_dtype {
     MS_DTYPE_COUNT = 11
 } ms_dtype;
 
-/* Bytes per element; 0 for an invalid dtype. */
+/* Bytes per element; 0 for an invalid dtype (MS_DTYPE_COUNT included). */
 int ms_dtype_size(ms_dtype dtype);
 /* "f32", "bf16", ...; NULL for an invalid dtype. */
 const char *ms_dtype_name(ms_dtype dtype);
@@ -89,7 +98,8 @@ int ms_dtype_is_float(ms_dtype dtype);
  * unless dst == src with equal element sizes.  Float to narrower float rounds to nearest
  * even (bf16 and f16 bit-identical to PyTorch for non-NaN inputs; fp8 saturates to the
  * largest finite value); NaN stays NaN.  Float to integer truncates toward zero and
- * saturates, NaN -> 0; integer to integer wraps like a C cast; to bool: nonzero -> 1. */
+ * saturates, NaN -> 0; integer to integer wraps like a C cast; to bool: nonzero -> 1.
+ * dst and src may be NULL when n = 0. */
 ms_status ms_cast(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype src_dtype, int64_t n);
 
 typedef enum ms_cast_impl {
@@ -106,6 +116,7 @@ ms_cast_impl ms_cast_get_impl(void);
 /* ---------------------------------------------------------------- tensors */
 
 typedef enum ms_device_type {
+    MS_DEVICE_INVALID = -1, /* not a device: ms_tensor_device of a NULL tensor */
     MS_DEVICE_CPU = 0,
     MS_DEVICE_META = 1, /* shape and dtype only, no memory */
     MS_DEVICE_CUDA = 2
@@ -122,7 +133,8 @@ typedef struct ms_tensor ms_tensor;
  * int64.  Release with ms_tensor_release. */
 ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype,
                         ms_device_type device, int device_index);
-/* A cpu tensor over memory the caller owns (contiguous); moonshard never frees it. */
+/* A cpu tensor over memory the caller owns (contiguous); moonshard never frees it.  data
+ * may be NULL for a tensor of 0 bytes. */
 ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape,
                          ms_dtype dtype);
 /* The same on a device: a cuda tensor over device memory the caller owns on cuda:device_index
@@ -134,6 +146,9 @@ ms_status ms_tensor_wrap_device(ms_tensor **out, void *data, int ndim, const int
 void ms_tensor_retain(ms_tensor *t);
 void ms_tensor_release(ms_tensor *t);
 
+/* The accessors: for a NULL t, -1 (ndim, size, stride, numel, nbytes, device_index),
+ * MS_DTYPE_COUNT (dtype), MS_DEVICE_INVALID (device), 0 (is_contiguous, overlaps) or NULL
+ * (data), with ms_last_error() naming the function. */
 int ms_tensor_ndim(const ms_tensor *t);
 int64_t ms_tensor_size(const ms_tensor *t, int dim);   /* -1 when dim is out of range */
 int64_t ms_tensor_stride(const ms_tensor *t, int dim); /* in elements */
@@ -145,7 +160,7 @@ int ms_tensor_device_index(const ms_tensor *t);
 int ms_tensor_is_contiguous(const ms_tensor *t);
 /* Address of the first element; NULL for meta tensors and for empty tensors. */
 void *ms_tensor_data(const ms_tensor *t);
-/* 1 when a and b view overlapping bytes of the same storage. */
+/* 1 when a and b view overlapping bytes of the same storage (0 when either is NULL). */
 int ms_tensor_overlaps(const ms_tensor *a, const ms_tensor *b);
 
 /* Views: they retain t's storage and share its memory. */
@@ -213,8 +228,8 @@ int ms_nccl_device(void);
 int ms_mpi_launched(void);
 void ms_world_retain(ms_world *w);
 void ms_world_release(ms_world *w);
-int ms_world_size(const ms_world *w);
-double ms_world_timeout(const ms_world *w);
+int ms_world_size(const ms_world *w);         /* -1 for a NULL w */
+double ms_world_timeout(const ms_world *w);   /* -1.0 for a NULL w */
 /* The whole world as seen from `rank`; call it on that rank's thread. */
 ms_status ms_world_comm(ms_world *w, int rank, ms_comm **out);
 /* Says that `rank` has finished (failed = 0) or failed (failed != 0).  Collectives waiting
@@ -223,6 +238,7 @@ ms_status ms_world_rank_done(ms_world *w, int rank, int failed);
 
 void ms_comm_retain(ms_comm *c);
 void ms_comm_release(ms_comm *c);
+/* For a NULL c: -1 (size, rank, world_rank) or NULL (backend), with the message set. */
 int ms_comm_size(const ms_comm *c);
 int ms_comm_rank(const ms_comm *c);
 /* The world rank of group member `group_rank`; -1 if out of range. */
@@ -264,6 +280,8 @@ ms_status ms_mesh_new(ms_mesh **out, int naxes, const char *const *names, const 
                       ms_comm *world);
 void ms_mesh_retain(ms_mesh *m);
 void ms_mesh_release(ms_mesh *m);
+/* For a NULL m (or name): -1, or NULL for axis_name, with the message set (ms_mesh_rank's
+ * -1 for a shape-only mesh is no error and sets none). */
 int ms_mesh_ndim(const ms_mesh *m);
 const char *ms_mesh_axis_name(const ms_mesh *m, int axis); /* NULL when out of range */
 int64_t ms_mesh_axis_size(const ms_mesh *m, int axis);     /* -1 when out of range */
@@ -325,7 +343,9 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
  * tagged group (ms_comm_group_tagged) runs at once, apart from them.  After a
  * failed collective the unit is unusable (MS_ERR_STATE with the first failure's message).
  * The tensor getters below return NULL with ms_last_error() set on failure, and NULL with
- * an empty message when there is nothing to return. */
+ * an empty message when there is nothing to return.  For a NULL unit the other accessors
+ * return -1 (param_count, adamw_skipped, bytes, record_count) or NULL (name, param_fqn)
+ * with the message set; ms_unit_clear_records(NULL) only sets it. */
 
 typedef struct ms_unit ms_unit;
 

@@ -9,7 +9,9 @@
  *
  * No Lua error ever crosses into the host: every step that touches the Lua state runs
  * protected, and every call returns a status with the message in ms_last_error() (a Lua
- * error object that is not a string comes back through its __tostring).  The statuses:
+ * error object that is not a string comes back through its __tostring).  Pointers are
+ * checked as moonshard.h's conventions say (MS_ERR_ARG, "ms_interp_plan: mesh is NULL"):
+ * none may be NULL but a shape of 0 dims and ms_interp_plan's units.  The statuses:
  * MS_ERR_ARG for a bad model, name, mesh or policy (and any error a policy raises);
  * MS_ERR_STATE for a call out of order (see each call); MS_ERR_IO for a file that cannot be
  * read; MS_ERR_OOM when the interpreter runs out of memory; the core's statuses (shape,
@@ -47,7 +49,7 @@ typedef struct ms_interp ms_interp;
  * library loaded (an error when moonshard's Lua files cannot be found). */
 ms_status ms_interp_new(ms_interp **out, ms_comm *world);
 /* Frees the interpreter, its Lua state and its references to the units (a unit the host
- * retained lives on). */
+ * retained lives on).  ms_interp_free(NULL) is a no-op. */
 void ms_interp_free(ms_interp *in);
 /* Runs a chunk of Lua in the interpreter (`require "moonshard"` works there).  The calls
  * below keep using the moonshard.embed that ms_interp_new loaded, whatever the chunk does
@@ -80,7 +82,8 @@ ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, in
 /* The last plan's warnings (what `moonshard plan` prints under "warnings:": padding, units
  * that reduce in 16 bits, 16-bit AdamW moments, ...): their count (0 before a plan), and
  * warning i (0-based), a string the interpreter owns until the next successful
- * ms_interp_plan or ms_interp_free; NULL out of range. */
+ * ms_interp_plan or ms_interp_free; NULL out of range.  For a NULL interpreter: -1 and NULL,
+ * with the message set. */
 int ms_interp_warning_count(ms_interp *in);
 const char *ms_interp_warning(ms_interp *in, int i);
 /* The optimizer whose state the plans made after this count, and whose state their units
@@ -112,7 +115,8 @@ ms_status ms_interp_plan_json(ms_interp *in, char **json);
  * others fail with MS_ERR_PEER, or MS_ERR_TIMEOUT, instead of waiting). */
 ms_status ms_interp_materialize(ms_interp *in);
 /* Units this rank holds (the plan's and the ep-local ones, so possibly more than
- * ms_interp_plan counted); 0 before materialize.  Loop over these, not over the plan's. */
+ * ms_interp_plan counted); 0 before materialize, -1 (with the message set) for a NULL
+ * interpreter.  Loop over these, not over the plan's. */
 int ms_interp_unit_count(ms_interp *in);
 /* Unit i, 0 <= i < ms_interp_unit_count, or NULL with ms_last_error() set (MS_ERR_STATE
  * before materialize, MS_ERR_ARG out of range).  Borrowed: the interpreter holds a

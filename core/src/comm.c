@@ -261,11 +261,18 @@ void ms_world_release(ms_world *w) {
     if (w && atomic_fetch_sub(&w->refcount, 1) == 1) world_free(w);
 }
 
-int ms_world_size(const ms_world *w) { return w->size; }
-double ms_world_timeout(const ms_world *w) { return w->timeout_s; }
+int ms_world_size(const ms_world *w) {
+    MS_NOT_NULL_OR(w, -1);
+    return w->size;
+}
+double ms_world_timeout(const ms_world *w) {
+    MS_NOT_NULL_OR(w, -1.0);
+    return w->timeout_s;
+}
 
 ms_status ms_world_comm(ms_world *w, int rank, ms_comm **out) {
-    if (!w || !out) return ms__fail(MS_ERR_ARG, "world_comm: NULL argument");
+    MS_NOT_NULL(w);
+    MS_NOT_NULL(out);
     if (rank < 0 || rank >= w->size)
         return ms__fail(MS_ERR_ARG, "world_comm: rank %d is out of range for a world of %d ranks", rank, w->size);
     ms_world_retain(w);
@@ -274,7 +281,7 @@ ms_status ms_world_comm(ms_world *w, int rank, ms_comm **out) {
 }
 
 ms_status ms_world_rank_done(ms_world *w, int rank, int failed) {
-    if (!w) return ms__fail(MS_ERR_ARG, "world_rank_done: world is NULL");
+    MS_NOT_NULL(w);
     if (rank < 0 || rank >= w->size)
         return ms__fail(MS_ERR_ARG, "world_rank_done: rank %d is out of range for a world of %d ranks", rank,
                         w->size);
@@ -292,12 +299,22 @@ void ms_comm_release(ms_comm *c) {
     if (c) ms_world_release(c->world);
 }
 
-int ms_comm_size(const ms_comm *c) { return c->group->n; }
-int ms_comm_rank(const ms_comm *c) { return c->rank; }
+int ms_comm_size(const ms_comm *c) {
+    MS_NOT_NULL_OR(c, -1);
+    return c->group->n;
+}
+int ms_comm_rank(const ms_comm *c) {
+    MS_NOT_NULL_OR(c, -1);
+    return c->rank;
+}
 int ms_comm_world_rank(const ms_comm *c, int group_rank) {
+    MS_NOT_NULL_OR(c, -1);
     return group_rank >= 0 && group_rank < c->group->n ? c->group->world_ranks[group_rank] : -1;
 }
-const char *ms_comm_backend(const ms_comm *c) { return c->world->backend->name; }
+const char *ms_comm_backend(const ms_comm *c) {
+    MS_NOT_NULL_OR(c, NULL);
+    return c->world->backend->name;
+}
 
 /* Checks a member list: strictly increasing world ranks that include `me`. */
 static ms_status check_members(const ms_world *w, int me, int n, const int *ranks) {
@@ -319,8 +336,8 @@ static ms_status check_members(const ms_world *w, int me, int n, const int *rank
     return MS_OK;
 }
 
-ms_status ms_comm_group_tagged(ms_comm *c, int n, const int *world_ranks, int tag, ms_comm **out) {
-    if (!c || !world_ranks || !out) return ms__fail(MS_ERR_ARG, "comm_group: NULL argument");
+/* ms_comm_group_tagged once its pointers are checked. */
+static ms_status comm_group(ms_comm *c, int n, const int *world_ranks, int tag, ms_comm **out) {
     if (tag < 0 || tag > MS_GROUP_TAG_MAX)
         return ms__fail(MS_ERR_ARG, "comm_group: tag %d is outside 0..%d", tag, MS_GROUP_TAG_MAX);
     ms_world *w = c->world;
@@ -344,8 +361,18 @@ ms_status ms_comm_group_tagged(ms_comm *c, int n, const int *world_ranks, int ta
     return ms__ok();
 }
 
-ms_status ms_comm_group(ms_comm *c, int n, const int *world_ranks, ms_comm **out) {
-    return ms_comm_group_tagged(c, n, world_ranks, 0, out);
+ms_status ms_comm_group_tagged(ms_comm *world, int n, const int *world_ranks, int tag, ms_comm **out) {
+    MS_NOT_NULL(world);
+    MS_NOT_NULL(world_ranks);
+    MS_NOT_NULL(out);
+    return comm_group(world, n, world_ranks, tag, out);
+}
+
+ms_status ms_comm_group(ms_comm *world, int n, const int *world_ranks, ms_comm **out) {
+    MS_NOT_NULL(world);
+    MS_NOT_NULL(world_ranks);
+    MS_NOT_NULL(out);
+    return comm_group(world, n, world_ranks, 0, out);
 }
 
 /* ---------------------------------------------------------------- argument checks */
@@ -461,6 +488,9 @@ static ms_status run(ms_comm *c, const ms_coll *unlabelled) {
 /* ---------------------------------------------------------------- collectives */
 
 ms_status ms_all_gather(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(in);
     char where[320];
     ms_status st = check_comm(c, MS_COLL_ALL_GATHER, where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
@@ -475,6 +505,9 @@ ms_status ms_all_gather(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
 }
 
 ms_status ms_reduce_scatter(ms_comm *c, ms_tensor *out, const ms_tensor *in, ms_op op) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(in);
     char where[320];
     ms_status st = check_comm(c, MS_COLL_REDUCE_SCATTER, where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
@@ -490,6 +523,8 @@ ms_status ms_reduce_scatter(ms_comm *c, ms_tensor *out, const ms_tensor *in, ms_
 }
 
 ms_status ms_all_reduce(ms_comm *c, ms_tensor *t, ms_op op) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(t);
     char where[320];
     ms_status st = check_comm(c, MS_COLL_ALL_REDUCE, where, sizeof where);
     if (!st) st = check_tensor(c, where, "t", t);
@@ -501,6 +536,8 @@ ms_status ms_all_reduce(ms_comm *c, ms_tensor *t, ms_op op) {
 }
 
 ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(t);
     char where[320];
     ms_status st = check_comm(c, MS_COLL_BROADCAST, where, sizeof where);
     if (!st) st = check_tensor(c, where, "t", t);
@@ -513,6 +550,9 @@ ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root) {
 }
 
 ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(in);
     char where[320], a[200], b[200];
     ms_status st = check_comm(c, MS_COLL_ALL_TO_ALL, where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
@@ -532,6 +572,7 @@ ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
 }
 
 ms_status ms_barrier(ms_comm *c) {
+    MS_NOT_NULL(c);
     char where[320];
     ms_status st = check_comm(c, MS_COLL_BARRIER, where, sizeof where);
     if (st) return st;

@@ -62,13 +62,15 @@ int ms_mpi_launched(void) {
 #ifndef MOONSHARD_HAVE_MPI
 
 ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
-    (void)out;
+    MS_NOT_NULL(out);
     (void)timeout_s;
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
 }
 
 ms_status ms_mpi_world_from_comm(ms_world **out, const void *mpi_comm, double timeout_s) {
-    (void)out, (void)mpi_comm, (void)timeout_s;
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(mpi_comm);
+    (void)timeout_s;
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without MPI");
 }
 
@@ -734,14 +736,15 @@ static const ms_backend mpi_backend = {
 };
 
 ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {
-    if (!out) return ms__fail(MS_ERR_ARG, "mpi world: out is NULL");
+    MS_NOT_NULL(out);
     ms_status st = mpi_start();
     if (st) return st;
     return ms__world_new(out, &mpi_backend, mpi.size, timeout_s);
 }
 
 ms_status ms_mpi_world_from_comm(ms_world **out, const void *mpi_comm, double timeout_s) {
-    if (!out || !mpi_comm) return ms__fail(MS_ERR_ARG, "mpi world: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(mpi_comm);
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized)

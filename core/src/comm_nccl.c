@@ -72,8 +72,10 @@
 #ifndef MOONSHARD_HAVE_NCCL
 
 ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank) {
-    (void)out, (void)timeout_s;
-    if (rank) *rank = -1;
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(rank);
+    (void)timeout_s;
+    *rank = -1;
     return ms__fail(MS_ERR_NOT_BUILT, "moonshard was built without NCCL (the CUDA toolkit or libnccl was not "
                                       "found when it was configured)");
 }
@@ -597,7 +599,8 @@ static const ms_backend nccl_backend = {
 };
 
 ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank) {
-    if (!out || !rank) return ms__fail(MS_ERR_ARG, "nccl world: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(rank);
     ms_status st = nccl_start(timeout_s);
     if (st) return st;
     *rank = nccl.rank;

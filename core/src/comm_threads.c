@@ -330,5 +330,6 @@ static const ms_backend threads_backend = {
 };
 
 ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s) {
+    MS_NOT_NULL(out);
     return ms__world_new(out, &threads_backend, nranks, timeout_s);
 }

@@ -35,7 +35,7 @@ static ms_status cuda_fail(cudaError_t e, const char *what) {
 #define SYNC(what) CUDA_TRY(what, cudaStreamSynchronize(cudaStreamPerThread))
 
 ms_status ms_cuda_device_count(int *out) {
-    if (!out) return ms__fail(MS_ERR_ARG, "cuda_device_count: out is NULL");
+    MS_NOT_NULL(out);
     *out = 0;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -245,7 +245,8 @@ static ms_status not_built(void) {
 }
 
 ms_status ms_cuda_device_count(int *out) {
-    if (out) *out = 0;
+    MS_NOT_NULL(out);
+    *out = 0;
     return not_built();
 }
 

@@ -32,7 +32,8 @@ static const struct { const char *alias; ms_dtype dtype; } dtype_alias[] = {
 };
 
 ms_status ms_dtype_parse(const char *name, ms_dtype *out) {
-    if (!name || !out) return ms__fail(MS_ERR_ARG, "dtype name is NULL");
+    MS_NOT_NULL(name);
+    MS_NOT_NULL(out);
     for (int d = 0; d < MS_DTYPE_COUNT; d++)
         if (strcmp(name, dtype_name[d]) == 0) {
             *out = (ms_dtype)d;
@@ -53,7 +54,8 @@ static const char *const op_name[] = {"sum", "avg", "max", "min"};
 const char *ms_op_name(ms_op op) { return (unsigned)op < 4u ? op_name[op] : NULL; }
 
 ms_status ms_op_parse(const char *name, ms_op *out) {
-    if (!name || !out) return ms__fail(MS_ERR_ARG, "op name is NULL");
+    MS_NOT_NULL(name);
+    MS_NOT_NULL(out);
     for (int i = 0; i < 4; i++)
         if (strcmp(name, op_name[i]) == 0) {
             *out = (ms_op)i;

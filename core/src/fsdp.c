@@ -430,8 +430,8 @@ static ms_status check_state(const ms_unit *u, const char *call, unsigned allowe
                     state_name[u->state]);
 }
 
+/* Parameter i of u (u checked by the caller). */
 static ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_%s: unit is NULL", call);
     if (i < 0 || i >= u->nparams)
         return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", unit_label(u),
                         call, i, u->nparams);
@@ -540,7 +540,9 @@ static ms_status make_kgroup(ms_unit *u) {
 
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate, int param_dtype,
                       int reduce_dtype, int reshard_after_forward) {
-    if (!out || !name || !shard) return ms__fail(MS_ERR_ARG, "unit_new: out, name and shard are required");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(name);
+    MS_NOT_NULL(shard);
     const ms_backend *be = shard->world->backend;
     if (be->device != MS_DEVICE_CPU && !be->takes_cpu)
         return ms__fail(MS_ERR_NOT_BUILT, "unit '%s': the unit runtime moves cpu tensors; the %s backend moves device "
@@ -622,7 +624,9 @@ void ms_unit_release(ms_unit *u) {
 
 ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape, ms_dtype dtype, int dim,
                             int requires_grad) {
-    if (!u || !fqn) return ms__fail(MS_ERR_ARG, "unit_add_param: NULL unit or fqn");
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(fqn);
+    if (ndim > 0) MS_NOT_NULL(shape);
     if (u->state != ST_BUILDING)
         return ms__fail(MS_ERR_STATE, "unit '%s': add_param '%s': the unit is %s; parameters are added before "
                         "ms_unit_finalize", unit_label(u), fqn, state_name[u->state]);
@@ -670,7 +674,7 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
 }
 
 ms_status ms_unit_finalize(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_finalize: unit is NULL");
+    MS_NOT_NULL(u);
     if (u->state != ST_BUILDING && u->state != ST_FAILED)
         return ms__fail(MS_ERR_STATE, "unit '%s': finalize: the unit is already finalized (it is %s)", unit_label(u),
                         state_name[u->state]);
@@ -724,14 +728,22 @@ ms_status ms_unit_finalize(ms_unit *u) {
 
 /* ---------------------------------------------------------------- accessors */
 
-int ms_unit_param_count(const ms_unit *u) { return u ? u->nparams : 0; }
-const char *ms_unit_name(const ms_unit *u) { return u ? u->name : NULL; }
+int ms_unit_param_count(const ms_unit *u) {
+    MS_NOT_NULL_OR(u, -1);
+    return u->nparams;
+}
+const char *ms_unit_name(const ms_unit *u) {
+    MS_NOT_NULL_OR(u, NULL);
+    return u->name;
+}
 
 const char *ms_unit_param_fqn(const ms_unit *u, int i) {
-    return u && i >= 0 && i < u->nparams ? u->params[i].fqn : NULL;
+    MS_NOT_NULL_OR(u, NULL);
+    return i >= 0 && i < u->nparams ? u->params[i].fqn : NULL;
 }
 
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i) {
+    MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "param_shard", i, &p)) return NULL;
     ms__ok();
@@ -740,11 +752,15 @@ ms_tensor *ms_unit_param_shard(ms_unit *u, int i) {
 
 ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape, ms_dtype *stored, ms_dtype *gather,
                              int *requires_grad) {
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(ndim);
+    MS_NOT_NULL(shape);
+    MS_NOT_NULL(stored);
+    MS_NOT_NULL(gather);
+    MS_NOT_NULL(requires_grad);
     unit_param *p = NULL;
     ms_status st = param_at(u, "param_info", i, &p);
     if (st) return st;
-    if (!ndim || !shape || !stored || !gather || !requires_grad)
-        return ms__fail(MS_ERR_ARG, "unit '%s': param_info: NULL output", unit_label(u));
     if ((st = check_state(u, "param_info", ~ST(ST_BUILDING)))) return st;
     *ndim = p->ndim;
     memcpy(shape, p->shape, (size_t)p->ndim * sizeof *shape);
@@ -755,7 +771,8 @@ ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape,
 }
 
 ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce) {
-    if (!u || !reduce) return ms__fail(MS_ERR_ARG, "unit_reduce_dtype: NULL argument");
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(reduce);
     ms_status st = check_state(u, "reduce_dtype", ~ST(ST_BUILDING));
     if (st) return st;
     *reduce = u->reduce;
@@ -763,6 +780,7 @@ ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce) {
 }
 
 ms_tensor *ms_unit_grad_shard(ms_unit *u, int i) {
+    MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "grad_shard", i, &p)) return NULL;
     ms__ok();
@@ -775,21 +793,24 @@ static void rank_rows(const ms_unit *u, const unit_param *p, int q, int64_t *len
 }
 
 ms_status ms_unit_param_offset(const ms_unit *u, int i, int *dim, int64_t *offset, int64_t *rows) {
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(dim);
+    MS_NOT_NULL(offset);
+    MS_NOT_NULL(rows);
     unit_param *p = NULL;
     ms_status st = param_at(u, "param_offset", i, &p);
     if (st) return st;
-    if (!dim || !offset || !rows)
-        return ms__fail(MS_ERR_ARG, "unit '%s': param_offset '%s': NULL output", unit_label(u), p->fqn);
     *dim = p->dim;
     rank_rows(u, p, u->rank, rows, offset);
     return ms__ok();
 }
 
 ms_status ms_unit_load_full(ms_unit *u, int i, const ms_tensor *full) {
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(full);
     unit_param *p = NULL;
     ms_status st = param_at(u, "load_full", i, &p);
     if (st) return st;
-    if (!full) return ms__fail(MS_ERR_ARG, "unit '%s': load_full '%s': the full tensor is NULL", unit_label(u), p->fqn);
     if ((st = check_state(u, "load_full", ST(ST_BUILDING) | ST(ST_SHARDED)))) return st;
     if (full->ndim != p->ndim || memcmp(full->shape, p->shape, (size_t)p->ndim * sizeof *p->shape)) {
         char a[256], b[256];
@@ -951,7 +972,7 @@ static ms_status prepare_gather(ms_unit *u) {
 }
 
 ms_status ms_unit_unshard(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_unshard: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "unshard", ST(ST_SHARDED) | ST(ST_KEPT) | ST(ST_KWAY));
     if (st) return st;
     if (u->state == ST_KEPT) { /* reshard_after_forward 0: nothing to gather */
@@ -1014,7 +1035,7 @@ static ms_status keep_kway(ms_unit *u) {
 }
 
 ms_status ms_unit_reshard(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_reshard: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "reshard", ST(ST_UNSHARDED));
     if (st) return st;
     if (u->k == 0) {
@@ -1028,7 +1049,7 @@ ms_status ms_unit_reshard(ms_unit *u) {
 }
 
 ms_status ms_unit_release_unsharded(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_release_unsharded: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "release_unsharded", ST_IDLE);
     if (st) return st;
     free_unsharded(u);
@@ -1038,6 +1059,7 @@ ms_status ms_unit_release_unsharded(ms_unit *u) {
 }
 
 ms_tensor *ms_unit_param_full(ms_unit *u, int i) {
+    MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "param_full", i, &p) || check_state(u, "param_full", ST(ST_UNSHARDED) | ST(ST_KEPT))) return NULL;
     ms__ok();
@@ -1047,6 +1069,7 @@ ms_tensor *ms_unit_param_full(ms_unit *u, int i) {
 /* ---------------------------------------------------------------- gradients */
 
 ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
+    MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "grad_full", i, &p) || check_state(u, "grad_full", ST(ST_UNSHARDED))) return NULL;
     if (!p->requires_grad) {
@@ -1070,13 +1093,13 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
 }
 
 ms_status ms_unit_set_requires_gradient_sync(ms_unit *u, int sync) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_requires_gradient_sync: unit is NULL");
+    MS_NOT_NULL(u);
     u->sync = sync != 0;
     return ms__ok();
 }
 
 ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_cpu_offload: unit is NULL");
+    MS_NOT_NULL(u);
     if (u->nparams || u->state != ST_BUILDING)
         return ms__fail(MS_ERR_STATE, "unit '%s': set_cpu_offload: the unit already holds parameters; choose where "
                         "its shards live before the first ms_unit_add_param", unit_label(u));
@@ -1085,7 +1108,7 @@ ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload) {
 }
 
 ms_status ms_unit_set_gradient_divide_factor(ms_unit *u, double factor) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_gradient_divide_factor: unit is NULL");
+    MS_NOT_NULL(u);
     if (!(factor == 0 || (isfinite(factor) && factor > 0)))
         return ms__fail(MS_ERR_ARG, "unit '%s': gradient divide factor %g: expected a finite factor > 0 (or 0 for "
                         "the default)", unit_label(u), factor);
@@ -1187,7 +1210,7 @@ static ms_status prepare_reduce(ms_unit *u) {
 }
 
 ms_status ms_unit_reduce_grads(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_reduce_grads: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "reduce_grads", ST_IDLE);
     if (st) return st;
     bool trainable = false, handed_out = false;
@@ -1264,7 +1287,7 @@ static ms_status finish_reduce(ms_unit *u) {
 }
 
 ms_status ms_unit_wait(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_wait: unit is NULL");
+    MS_NOT_NULL(u);
     if (u->state == ST_FAILED) return check_state(u, "wait", 0);
     if (u->state != ST_GATHERING && u->state != ST_REDUCING) return ms__ok(); /* nothing pending */
     const bool gather = u->state == ST_GATHERING;
@@ -1279,7 +1302,7 @@ ms_status ms_unit_wait(ms_unit *u) {
 #define ST_GRADS (ST_IDLE | ST(ST_GATHERING))
 
 ms_status ms_unit_zero_grad(ms_unit *u) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_zero_grad: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "zero_grad", ST_GRADS);
     if (st) return st;
     for (int i = 0; i < u->nparams; i++) u->params[i].has_grad = false; /* set_to_none: the buffers stay */
@@ -1287,7 +1310,8 @@ ms_status ms_unit_zero_grad(ms_unit *u) {
 }
 
 ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
-    if (!u || !out) return ms__fail(MS_ERR_ARG, "unit_grad_sq_norm: NULL argument");
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(out);
     ms_status st = check_state(u, "grad_sq_norm", ST_GRADS);
     if (st) return st;
     double s = 0;
@@ -1306,7 +1330,7 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
 }
 
 ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_scale_grads: unit is NULL");
+    MS_NOT_NULL(u);
     if (!isfinite(scale))
         return ms__fail(MS_ERR_ARG, "unit '%s': scale_grads: scale %g: expected a finite scale", unit_label(u), scale);
     ms_status st = check_state(u, "scale_grads", ST_GRADS);
@@ -1359,7 +1383,7 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h)
 }
 
 ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_set_adamw: unit is NULL");
+    MS_NOT_NULL(u);
     if (mode != MS_ADAMW_MASTER && mode != MS_ADAMW_TORCH)
         return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
                         unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
@@ -1371,6 +1395,7 @@ ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
 }
 
 ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
+    MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "adamw_state", i, &p)) return NULL;
     if (which < MS_ADAMW_EXP_AVG || which > MS_ADAMW_MASTER_WEIGHTS) {
@@ -1394,6 +1419,7 @@ ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
 }
 
 int64_t ms_unit_adamw_skipped(const ms_unit *u, int i) {
+    MS_NOT_NULL_OR(u, -1);
     unit_param *p = NULL;
     if (param_at(u, "adamw_skipped", i, &p)) return -1;
     ms__ok();
@@ -1401,6 +1427,7 @@ int64_t ms_unit_adamw_skipped(const ms_unit *u, int i) {
 }
 
 ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
+    MS_NOT_NULL(u);
     unit_param *p = NULL;
     ms_status st = param_at(u, "set_adamw_skipped", i, &p);
     if (st) return st;
@@ -1416,7 +1443,7 @@ ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
 
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
                              int64_t step) {
-    if (!u) return ms__fail(MS_ERR_ARG, "unit_adamw_step: unit is NULL");
+    MS_NOT_NULL(u);
     ms_status st = check_state(u, "adamw_step", ST(ST_SHARDED));
     if (st) return st;
     if (!(lr >= 0) || !(eps >= 0) || !(weight_decay >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) ||
@@ -1455,14 +1482,22 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
 /* ---------------------------------------------------------------- audits */
 
 int64_t ms_unit_bytes(const ms_unit *u, int category) {
-    if (!u || category < 0 || category >= CAT_COUNT) return -1;
+    MS_NOT_NULL_OR(u, -1);
+    if (category < 0 || category >= CAT_COUNT) return -1;
     return category == CAT_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
 }
 
-int ms_unit_record_count(const ms_unit *u) { return u ? u->nrecords : 0; }
+int ms_unit_record_count(const ms_unit *u) {
+    MS_NOT_NULL_OR(u, -1);
+    return u->nrecords;
+}
 
 ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size, int64_t *bytes) {
-    if (!u || !kind || !dtype || !group_size || !bytes) return ms__fail(MS_ERR_ARG, "unit_record: NULL argument");
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(kind);
+    MS_NOT_NULL(dtype);
+    MS_NOT_NULL(group_size);
+    MS_NOT_NULL(bytes);
     if (i < 0 || i >= u->nrecords)
         return ms__fail(MS_ERR_ARG, "unit '%s': record %d: out of range (%d recorded)", unit_label(u), i, u->nrecords);
     const unit_record *r = &u->records[i];
@@ -1474,5 +1509,6 @@ ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, in
 }
 
 void ms_unit_clear_records(ms_unit *u) {
-    if (u) u->nrecords = 0;
+    MS_NOT_NULL_OR(u, );
+    u->nrecords = 0;
 }

@@ -5,7 +5,8 @@
 #include "ms_internal.h"
 
 ms_status ms_chunk_extent(int64_t n, int64_t k, int64_t r, int64_t *length, int64_t *offset) {
-    if (!length || !offset) return ms__fail(MS_ERR_ARG, "chunk_extent: NULL output");
+    MS_NOT_NULL(length);
+    MS_NOT_NULL(offset);
     if (n < 0) return ms__fail(MS_ERR_SHAPE, "chunk_extent: size %lld is negative", (long long)n);
     if (k < 1) return ms__fail(MS_ERR_ARG, "chunk_extent: %lld chunks; need at least 1", (long long)k);
     if (r < 0 || r >= k)
@@ -32,14 +33,20 @@ ms_status ms_chunk_extent(int64_t n, int64_t k, int64_t r, int64_t *length, int6
 ms_status ms_local_shape(int ndim, const int64_t *global_shape, int mesh_ndim, const int *kinds,
                          const int *shard_dims, const int64_t *mesh_sizes, const int64_t *coords,
                          int64_t *local_shape, int64_t *global_offset) {
+    if (ndim > 0) MS_NOT_NULL(global_shape);
+    if (mesh_ndim > 0) {
+        MS_NOT_NULL(kinds);
+        MS_NOT_NULL(shard_dims);
+        MS_NOT_NULL(mesh_sizes);
+        MS_NOT_NULL(coords);
+    }
+    MS_NOT_NULL(local_shape);
+    MS_NOT_NULL(global_offset);
     int64_t numel;
     ms_status st = ms__check_shape(ndim, global_shape, &numel);
     if (st) return ms__wrap(st, "local_shape");
     if (mesh_ndim < 0 || mesh_ndim > MS_MAX_DIMS)
         return ms__fail(MS_ERR_ARG, "local_shape: a mesh has 0 to %d dims, got %d", MS_MAX_DIMS, mesh_ndim);
-    if (mesh_ndim > 0 && (!kinds || !shard_dims || !mesh_sizes || !coords))
-        return ms__fail(MS_ERR_ARG, "local_shape: NULL placement, mesh or coordinate array");
-    if (!local_shape || !global_offset) return ms__fail(MS_ERR_ARG, "local_shape: NULL output");
     for (int d = 0; d < ndim; d++) {
         local_shape[d] = global_shape[d];
         global_offset[d] = 0;
@@ -77,6 +84,10 @@ ms_status ms_local_shape(int ndim, const int64_t *global_shape, int mesh_ndim, c
 
 ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t rank, int dim,
                         int64_t *local_shape, int64_t *offset, int64_t *padded_shape) {
+    if (ndim > 0) MS_NOT_NULL(shape);
+    MS_NOT_NULL(local_shape);
+    MS_NOT_NULL(offset);
+    MS_NOT_NULL(padded_shape);
     int64_t numel;
     ms_status st = ms__check_shape(ndim, shape, &numel);
     if (st) return ms__wrap(st, "fsdp_shard");
@@ -91,7 +102,6 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
     if (d != 0 && shape[d] % world != 0)
         return ms__fail(MS_ERR_SHAPE, "fsdp_shard: shard dim %d has size %lld, not divisible by world size %lld "
                         "(only dim 0 may be uneven)", d, (long long)shape[d], (long long)world);
-    if (!local_shape || !offset || !padded_shape) return ms__fail(MS_ERR_ARG, "fsdp_shard: NULL output");
     for (int i = 0; i < ndim; i++) local_shape[i] = padded_shape[i] = shape[i];
     int64_t len, off;
     ms_chunk_extent(shape[d], world, rank, &len, &off);

@@ -30,10 +30,11 @@ struct ms_mesh {
 
 ms_status ms_mesh_new(ms_mesh **out, int naxes, const char *const *names, const int64_t *sizes,
                       ms_comm *world) {
-    if (!out) return ms__fail(MS_ERR_ARG, "mesh: out is NULL");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(names);
+    MS_NOT_NULL(sizes);
     if (naxes < 1 || naxes > MS_MESH_MAX_AXES)
         return ms__fail(MS_ERR_ARG, "mesh: a mesh has 1 to %d axes, got %d", MS_MESH_MAX_AXES, naxes);
-    if (!names || !sizes) return ms__fail(MS_ERR_ARG, "mesh: NULL names or sizes");
     int64_t product = 1;
     for (int i = 0; i < naxes; i++) {
         if (!names[i] || !names[i][0]) return ms__fail(MS_ERR_ARG, "mesh: axis %d has no name", i);
@@ -88,23 +89,37 @@ void ms_mesh_release(ms_mesh *m) {
     free(m);
 }
 
-int ms_mesh_ndim(const ms_mesh *m) { return m->naxes; }
+int ms_mesh_ndim(const ms_mesh *m) {
+    MS_NOT_NULL_OR(m, -1);
+    return m->naxes;
+}
 const char *ms_mesh_axis_name(const ms_mesh *m, int axis) {
+    MS_NOT_NULL_OR(m, NULL);
     return axis >= 0 && axis < m->naxes ? m->names[axis] : NULL;
 }
 int64_t ms_mesh_axis_size(const ms_mesh *m, int axis) {
+    MS_NOT_NULL_OR(m, -1);
     return axis >= 0 && axis < m->naxes ? m->sizes[axis] : -1;
 }
 int ms_mesh_axis_index(const ms_mesh *m, const char *name) {
-    for (int i = 0; name && i < m->naxes; i++)
+    MS_NOT_NULL_OR(m, -1);
+    MS_NOT_NULL_OR(name, -1);
+    for (int i = 0; i < m->naxes; i++)
         if (strcmp(m->names[i], name) == 0) return i;
     return -1;
 }
-int64_t ms_mesh_size(const ms_mesh *m) { return m->size; }
-int64_t ms_mesh_rank(const ms_mesh *m) { return m->world ? ms_comm_rank(m->world) : -1; }
+int64_t ms_mesh_size(const ms_mesh *m) {
+    MS_NOT_NULL_OR(m, -1);
+    return m->size;
+}
+int64_t ms_mesh_rank(const ms_mesh *m) {
+    MS_NOT_NULL_OR(m, -1);
+    return m->world ? ms_comm_rank(m->world) : -1;
+}
 
 ms_status ms_mesh_coords(const ms_mesh *m, int64_t rank, int64_t *coords) {
-    if (!coords) return ms__fail(MS_ERR_ARG, "mesh coords: NULL output");
+    MS_NOT_NULL(m);
+    MS_NOT_NULL(coords);
     if (rank < 0 || rank >= m->size)
         return ms__fail(MS_ERR_ARG, "mesh coords: rank %lld out of range for a mesh of %lld ranks",
                         (long long)rank, (long long)m->size);
@@ -116,7 +131,9 @@ ms_status ms_mesh_coords(const ms_mesh *m, int64_t rank, int64_t *coords) {
 }
 
 ms_status ms_mesh_rank_of(const ms_mesh *m, const int64_t *coords, int64_t *rank) {
-    if (!coords || !rank) return ms__fail(MS_ERR_ARG, "mesh rank_of: NULL argument");
+    MS_NOT_NULL(m);
+    MS_NOT_NULL(coords);
+    MS_NOT_NULL(rank);
     int64_t r = 0;
     for (int i = 0; i < m->naxes; i++) {
         if (coords[i] < 0 || coords[i] >= m->sizes[i])
@@ -129,7 +146,7 @@ ms_status ms_mesh_rank_of(const ms_mesh *m, const int64_t *coords, int64_t *rank
 }
 
 static ms_status check_axes(const ms_mesh *m, int naxes, const int *axes) {
-    if (naxes < 1 || naxes > m->naxes || !axes)
+    if (naxes < 1 || naxes > m->naxes)
         return ms__fail(MS_ERR_ARG, "mesh group: need 1 to %d axes, got %d", m->naxes, naxes);
     for (int i = 0; i < naxes; i++) {
         if (axes[i] < 0 || axes[i] >= m->naxes)
@@ -146,9 +163,12 @@ static ms_status check_axes(const ms_mesh *m, int naxes, const int *axes) {
 
 ms_status ms_mesh_group_ranks(const ms_mesh *m, int naxes, const int *axes, int64_t rank,
                               int64_t *ranks, int64_t *count) {
+    MS_NOT_NULL(m);
+    MS_NOT_NULL(axes);
+    MS_NOT_NULL(ranks);
+    MS_NOT_NULL(count);
     ms_status st = check_axes(m, naxes, axes);
     if (st) return st;
-    if (!ranks || !count) return ms__fail(MS_ERR_ARG, "mesh group: NULL output");
     int64_t coords[MS_MESH_MAX_AXES];
     if ((st = ms_mesh_coords(m, rank, coords))) return st;
     int64_t n = 1;
@@ -167,7 +187,9 @@ ms_status ms_mesh_group_ranks(const ms_mesh *m, int naxes, const int *axes, int6
 }
 
 ms_status ms_mesh_group(ms_mesh *m, int naxes, const int *axes, ms_comm **out) {
-    if (!out) return ms__fail(MS_ERR_ARG, "mesh group: out is NULL");
+    MS_NOT_NULL(m);
+    MS_NOT_NULL(axes);
+    MS_NOT_NULL(out);
     ms_status st = check_axes(m, naxes, axes);
     if (st) return st;
     if (!m->world)

@@ -24,6 +24,25 @@ ms_status ms__fail(ms_status st, const char *fmt, ...) MS_PRINTF(2, 3);
 ms_status ms__ok(void);
 /* Prepends "prefix: " to this thread's message, keeps st. */
 ms_status ms__wrap(ms_status st, const char *fmt, ...) MS_PRINTF(2, 3);
+/* Records "fn: arg is NULL" as this thread's message and returns MS_ERR_ARG. */
+ms_status ms__null_arg(const char *fn, const char *arg);
+
+/* The NULL checks of the public functions (moonshard.h: every handle and pointer argument
+ * is checked).  The message names the public function (__func__: use them in the function
+ * itself, not in a helper it calls) and the argument as the header names it:
+ * "ms_tensor_copy: dst is NULL".  MS_NOT_NULL returns MS_ERR_ARG; MS_NOT_NULL_OR returns
+ * `bad`, the documented value of an accessor that cannot fail otherwise. */
+#define MS_NOT_NULL(p)                                       \
+    do {                                                     \
+        if (!(p)) return ms__null_arg(__func__, #p);         \
+    } while (0)
+#define MS_NOT_NULL_OR(p, bad)                               \
+    do {                                                     \
+        if (!(p)) {                                          \
+            ms__null_arg(__func__, #p);                      \
+            return bad;                                      \
+        }                                                    \
+    } while (0)
 
 /* a*b and a+b with overflow checks: false on overflow. */
 bool ms__mul_ok(int64_t a, int64_t b, int64_t *out);

@@ -62,6 +62,10 @@ ms_status ms__wrap(ms_status st, const char *fmt, ...) {
     return st;
 }
 
+ms_status ms__null_arg(const char *fn, const char *arg) {
+    return ms__fail(MS_ERR_ARG, "%s: %s is NULL", fn, arg);
+}
+
 bool ms__mul_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
 bool ms__add_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_add_overflow(a, b, out); }
 

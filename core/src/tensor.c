@@ -105,7 +105,9 @@ static ms_status new_with_storage(ms_tensor **out, void *data, int64_t nbytes, b
 }
 
 ms_status ms_device_parse(const char *name, ms_device_type *type, int *index) {
-    if (!name || !type || !index) return ms__fail(MS_ERR_ARG, "device name is NULL");
+    MS_NOT_NULL(name);
+    MS_NOT_NULL(type);
+    MS_NOT_NULL(index);
     *index = 0;
     if (strcmp(name, "cpu") == 0) *type = MS_DEVICE_CPU;
     else if (strcmp(name, "meta") == 0) *type = MS_DEVICE_META;
@@ -127,7 +129,8 @@ ms_status ms_device_parse(const char *name, ms_device_type *type, int *index) {
 
 ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype,
                         ms_device_type device, int device_index) {
-    if (!out) return ms__fail(MS_ERR_ARG, "tensor_new: out is NULL");
+    MS_NOT_NULL(out);
+    if (ndim > 0) MS_NOT_NULL(shape);
     if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "tensor_new: invalid dtype %d", (int)dtype);
     int64_t numel, nbytes;
     ms_status st = ms__check_shape(ndim, shape, &numel);
@@ -157,14 +160,16 @@ ms_status ms_tensor_new(ms_tensor **out, int ndim, const int64_t *shape, ms_dtyp
             return ms__wrap(st, "tensor_new: %s on cuda:%d", ms_dtype_name(dtype), device_index);
         return new_with_storage(out, data, nbytes, true, device, device_index, ndim, shape, dtype);
     }
+    case MS_DEVICE_INVALID:
+        break;
     }
     return ms__fail(MS_ERR_DEVICE, "tensor_new: invalid device %d", (int)device);
 }
 
-/* A tensor over memory the caller owns, on the device given (fn names the call in errors). */
+/* A tensor over memory the caller owns, on the device given (fn names the public call in
+ * errors; out and shape checked there). */
 static ms_status wrap(const char *fn, ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
                       ms_device_type device, int device_index) {
-    if (!out) return ms__fail(MS_ERR_ARG, "%s: out is NULL", fn);
     if (!ms__dtype_valid(dtype)) return ms__fail(MS_ERR_DTYPE, "%s: invalid dtype %d", fn, (int)dtype);
     int64_t numel, nbytes;
     ms_status st = ms__check_shape(ndim, shape, &numel);
@@ -179,16 +184,19 @@ static ms_status wrap(const char *fn, ms_tensor **out, void *data, int ndim, con
 }
 
 ms_status ms_tensor_wrap(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype) {
-    return wrap("tensor_wrap", out, data, ndim, shape, dtype, MS_DEVICE_CPU, 0);
+    MS_NOT_NULL(out);
+    if (ndim > 0) MS_NOT_NULL(shape);
+    return wrap(__func__, out, data, ndim, shape, dtype, MS_DEVICE_CPU, 0);
 }
 
 ms_status ms_tensor_wrap_device(ms_tensor **out, void *data, int ndim, const int64_t *shape, ms_dtype dtype,
                                 ms_device_type device, int device_index) {
+    MS_NOT_NULL(out);
+    if (ndim > 0) MS_NOT_NULL(shape);
     if (device != MS_DEVICE_CPU && device != MS_DEVICE_CUDA)
         return ms__fail(MS_ERR_DEVICE, "tensor_wrap_device: device %d: expected MS_DEVICE_CPU or MS_DEVICE_CUDA (a meta "
                         "tensor has no memory to wrap)", (int)device);
-    return wrap(device == MS_DEVICE_CPU ? "tensor_wrap" : "tensor_wrap_device", out, data, ndim, shape, dtype, device,
-                device_index);
+    return wrap(__func__, out, data, ndim, shape, dtype, device, device_index);
 }
 
 void ms_tensor_retain(ms_tensor *t) {
@@ -204,24 +212,49 @@ void ms_tensor_release(ms_tensor *t) {
 
 /* ---------------------------------------------------------------- accessors */
 
-int ms_tensor_ndim(const ms_tensor *t) { return t->ndim; }
+/* The accessors below return their documented invalid value for a NULL tensor, with the
+ * message set; the core's own callers pass tensors they checked. */
+
+int ms_tensor_ndim(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, -1);
+    return t->ndim;
+}
 int64_t ms_tensor_size(const ms_tensor *t, int dim) {
+    MS_NOT_NULL_OR(t, -1);
     return dim >= 0 && dim < t->ndim ? t->shape[dim] : -1;
 }
 int64_t ms_tensor_stride(const ms_tensor *t, int dim) {
+    MS_NOT_NULL_OR(t, -1);
     return dim >= 0 && dim < t->ndim ? t->stride[dim] : -1;
 }
-int64_t ms_tensor_numel(const ms_tensor *t) {
+static int64_t numel_of(const ms_tensor *t) {
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
     return n;
 }
-int64_t ms_tensor_nbytes(const ms_tensor *t) { return ms_tensor_numel(t) * ms_dtype_size(t->dtype); }
-ms_dtype ms_tensor_dtype(const ms_tensor *t) { return t->dtype; }
-ms_device_type ms_tensor_device(const ms_tensor *t) { return t->storage->device; }
-int ms_tensor_device_index(const ms_tensor *t) { return t->storage->device_index; }
+int64_t ms_tensor_numel(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, -1);
+    return numel_of(t);
+}
+int64_t ms_tensor_nbytes(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, -1);
+    return numel_of(t) * ms_dtype_size(t->dtype);
+}
+ms_dtype ms_tensor_dtype(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, MS_DTYPE_COUNT);
+    return t->dtype;
+}
+ms_device_type ms_tensor_device(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, MS_DEVICE_INVALID);
+    return t->storage->device;
+}
+int ms_tensor_device_index(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, -1);
+    return t->storage->device_index;
+}
 
 int ms_tensor_is_contiguous(const ms_tensor *t) {
+    MS_NOT_NULL_OR(t, 0);
     int64_t s = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
         if (t->shape[i] == 0) return 1;
@@ -232,7 +265,8 @@ int ms_tensor_is_contiguous(const ms_tensor *t) {
 }
 
 void *ms_tensor_data(const ms_tensor *t) {
-    if (!t->storage->data || ms_tensor_numel(t) == 0) return NULL;
+    MS_NOT_NULL_OR(t, NULL);
+    if (!t->storage->data || numel_of(t) == 0) return NULL;
     return (char *)t->storage->data + t->offset * ms_dtype_size(t->dtype);
 }
 
@@ -246,7 +280,9 @@ static void byte_span(const ms_tensor *t, int64_t *lo, int64_t *hi) {
 }
 
 int ms_tensor_overlaps(const ms_tensor *a, const ms_tensor *b) {
-    if (ms_tensor_numel(a) == 0 || ms_tensor_numel(b) == 0) return 0;
+    MS_NOT_NULL_OR(a, 0);
+    MS_NOT_NULL_OR(b, 0);
+    if (numel_of(a) == 0 || numel_of(b) == 0) return 0;
     if (a->storage->data != b->storage->data || !a->storage->data) return 0;
     int64_t alo, ahi, blo, bhi;
     byte_span(a, &alo, &ahi);
@@ -287,7 +323,8 @@ static ms_status norm_dim(const char *what, int ndim, int *dim) {
 }
 
 ms_status ms_tensor_narrow(ms_tensor **out, ms_tensor *t, int dim, int64_t start, int64_t length) {
-    if (!out || !t) return ms__fail(MS_ERR_ARG, "narrow: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(t);
     ms_status st = norm_dim("narrow", t->ndim, &dim);
     if (st) return st;
     int64_t n = t->shape[dim];
@@ -302,10 +339,11 @@ ms_status ms_tensor_narrow(ms_tensor **out, ms_tensor *t, int dim, int64_t start
 }
 
 ms_status ms_tensor_view(ms_tensor **out, ms_tensor *t, int ndim, const int64_t *shape) {
-    if (!out || !t) return ms__fail(MS_ERR_ARG, "view: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(t);
+    if (ndim > 0) MS_NOT_NULL(shape);
     if (ndim < 0 || ndim > MS_MAX_DIMS)
         return ms__fail(MS_ERR_SHAPE, "view: a tensor has 0 to %d dims, got %d", MS_MAX_DIMS, ndim);
-    if (ndim > 0 && !shape) return ms__fail(MS_ERR_ARG, "view: shape is NULL");
     char a[256], b[256];
     if (!ms_tensor_is_contiguous(t))
         return ms__fail(MS_ERR_SHAPE, "view: the tensor %s is not contiguous (a narrow of a non-leading dim)",
@@ -343,7 +381,8 @@ ms_status ms_tensor_view(ms_tensor **out, ms_tensor *t, int ndim, const int64_t 
 }
 
 ms_status ms_tensor_chunk(ms_tensor **out, ms_tensor *t, int64_t chunks, int64_t index, int dim) {
-    if (!out || !t) return ms__fail(MS_ERR_ARG, "chunk: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(t);
     ms_status st = norm_dim("chunk", t->ndim, &dim);
     if (st) return st;
     int64_t len, off;
@@ -438,7 +477,8 @@ static bool same_shape(const ms_tensor *a, const ms_tensor *b) {
 }
 
 ms_status ms_tensor_copy(ms_tensor *dst, const ms_tensor *src) {
-    if (!dst || !src) return ms__fail(MS_ERR_ARG, "copy: NULL tensor");
+    MS_NOT_NULL(dst);
+    MS_NOT_NULL(src);
     if (!same_shape(dst, src)) {
         char a[256], b[256];
         return ms__fail(MS_ERR_SHAPE, "copy: destination shape %s differs from source shape %s",
@@ -500,7 +540,6 @@ static void fill_run(void *p, int64_t off, int64_t unused, int64_t n) {
 
 /* Every element of t set to the scalar at value, of dtype vt (f64 or i64). */
 static ms_status fill_scalar(ms_tensor *t, const void *value, ms_dtype vt) {
-    if (!t) return ms__fail(MS_ERR_ARG, "fill: NULL tensor");
     if (t->storage->device == MS_DEVICE_META || ms_tensor_numel(t) == 0) return ms__ok();
     fill_ctx c = {.t = t};
     ms__cast_contig(c.value, t->dtype, value, vt, 1);
@@ -509,12 +548,19 @@ static ms_status fill_scalar(ms_tensor *t, const void *value, ms_dtype vt) {
     return c.st ? ms__wrap(c.st, "fill") : ms__ok();
 }
 
-ms_status ms_tensor_fill(ms_tensor *t, double value) { return fill_scalar(t, &value, MS_F64); }
+ms_status ms_tensor_fill(ms_tensor *t, double value) {
+    MS_NOT_NULL(t);
+    return fill_scalar(t, &value, MS_F64);
+}
 
-ms_status ms_tensor_fill_int(ms_tensor *t, int64_t value) { return fill_scalar(t, &value, MS_I64); }
+ms_status ms_tensor_fill_int(ms_tensor *t, int64_t value) {
+    MS_NOT_NULL(t);
+    return fill_scalar(t, &value, MS_I64);
+}
 
 ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype) {
-    if (!out || !t) return ms__fail(MS_ERR_ARG, "to: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(t);
     ms_tensor *r;
     ms_status st = ms_tensor_new(&r, t->ndim, t->shape, dtype, t->storage->device, t->storage->device_index);
     if (st) return st;
@@ -527,7 +573,8 @@ ms_status ms_tensor_to(ms_tensor **out, const ms_tensor *t, ms_dtype dtype) {
 }
 
 ms_status ms_tensor_to_device(ms_tensor **out, const ms_tensor *t, ms_device_type device, int device_index) {
-    if (!out || !t) return ms__fail(MS_ERR_ARG, "to_device: NULL argument");
+    MS_NOT_NULL(out);
+    MS_NOT_NULL(t);
     ms_tensor *r;
     ms_status st = ms_tensor_new(&r, t->ndim, t->shape, t->dtype, device, device_index);
     if (st) return st;

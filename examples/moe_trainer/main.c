@@ -37,6 +37,7 @@
 #include "model.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -68,9 +69,10 @@ typedef struct {
     long steps;
     unsigned long long seed;
     int records, memory;
-    FILE *save_file;  // --save: written by rank 0 at the end, under the name save_tmp
-    char *save_tmp;   // renamed to save_path once complete
-    char *save_path;  // --save, its symbolic links resolved
+    char *save_path;  // --save, its symbolic links resolved (save_check)
+    char *save_dir;   // the directory it is in, where the new file is made
+    mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
+    char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
     // from --mesh and --config
     int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS
     int ep;         // expert-parallel size: experts split over groups of ep ranks
@@ -102,8 +104,10 @@ static const char USAGE[] =
     "                  batch_size 8, each 1..1048576; the vocabulary is the 256 byte values\n"
     "  --data FILE     the text to learn (default " DATA_DEFAULT_PATH ")\n"
     "  --save FILE     after the last step, write every parameter (f32, model.h names) to a\n"
-    "                  safetensors file: written as FILE.XXXXXX (made before training, so\n"
-    "                  that an unwritable FILE fails at once), renamed to FILE when complete\n"
+    "                  safetensors file: checked before training (a FILE that cannot be\n"
+    "                  written fails at once), then written as FILE.XXXXXX beside it after\n"
+    "                  the last step, synced to disk and renamed to FILE; a run that fails\n"
+    "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
     "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
     "  --memory        at the end, print per rank the bytes its units allocated for\n"
@@ -298,6 +302,7 @@ typedef struct {
     ms_status status;
     char err[2048];
     int64_t bytes[3], planned[3]; // --memory: params, grads, optimizer: allocated and planned
+    char *save_tmp;               // --save, rank 0: the FILE.XXXXXX it wrote, for main to rename
 } RankArgs;
 
 // One layer's routed experts under expert parallelism, kept from forward to backward.  The
@@ -888,6 +893,39 @@ static int write_safetensors(FILE *f, const ModelParam *table, int n, const floa
     return ok ? 0 : -1;
 }
 
+// Rank 0, after the last step: the parameters into a new file FILE.XXXXXX beside FILE,
+// written and synced to disk; main renames it to FILE once every rank has succeeded
+// (save_end).  A failure here removes it.
+static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
+    const Options *o = tr->opt;
+    const size_t len = strlen(o->save_path) + sizeof ".XXXXXX";
+    char *tmp = malloc(len);
+    if (!tmp) return fail(tr, MS_ERR_OOM, "--save", "out of memory");
+    snprintf(tmp, len, "%s.XXXXXX", o->save_path);
+    const int fd = mkstemp(tmp);
+    if (fd < 0) {
+        const int e = errno;
+        free(tmp);
+        return fail(tr, MS_ERR_IO, "--save", "cannot create a file in %s: %s", o->save_dir, strerror(e));
+    }
+    FILE *f = NULL;
+    int ok = fchmod(fd, o->save_mode) == 0 && (f = fdopen(fd, "wb")) != NULL;
+    ok = ok && write_safetensors(f, tr->table, tr->nparams, full, P) == 0 && fsync(fd) == 0; // flushed: fsync
+    int e = errno;
+    if (f ? fclose(f) != 0 : close(fd) != 0) {
+        if (ok) e = errno;
+        ok = 0;
+    }
+    if (!ok) {
+        unlink(tmp);
+        const ms_status st = fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", o->save, tmp, strerror(e));
+        free(tmp);
+        return st;
+    }
+    tr->args->save_tmp = tmp;
+    return MS_OK;
+}
+
 // The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
 // rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
 // fills it (ranks holding the same element hold the same value).  A shard is the rows
@@ -932,10 +970,7 @@ static ms_status save(Trainer *tr) {
     TRY("--save: all_reduce over the world", st);
     for (size_t j = 0; j < P; j++)
         if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
-    if (tr->args->rank == 0 && write_safetensors(tr->opt->save_file, tr->table, tr->nparams, full, P))
-        return fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", tr->opt->save, tr->opt->save_tmp,
-                    strerror(errno));
-    return MS_OK;
+    return tr->args->rank == 0 ? write_save_file(tr, full, P) : MS_OK;
 }
 
 // ----------------------------------------------------------------------------
@@ -1061,9 +1096,11 @@ static void *rank_main(void *p) {
 // ----------------------------------------------------------------------------
 // main
 
-// --save: a new file FILE.XXXXXX beside FILE (through its symbolic links), made before any
-// rank starts so that a FILE that cannot be written fails at once; 0, or 2.
-static int save_begin(Options *o) {
+// --save: FILE checked before any rank starts, so that a FILE that cannot be written fails
+// at once: not a directory nor another kind of file, writable when it exists, in a
+// directory where a new file can be made and renamed over it.  Nothing is created until
+// rank 0 saves after the last step (write_save_file).  0, or 2.
+static int save_check(Options *o) {
     if (!*o->save) return usage_error("--save: expected a file name, got ''");
     struct stat st;
     mode_t mode = umask(0);
@@ -1072,47 +1109,53 @@ static int save_begin(Options *o) {
     if (stat(o->save, &st) == 0) {
         if (S_ISDIR(st.st_mode)) return file_error("--save %s: it is a directory, expected a file name", o->save);
         if (!S_ISREG(st.st_mode)) return file_error("--save %s: it exists and is not a regular file", o->save);
-        if (access(o->save, W_OK)) return file_error("--save %s: %s", o->save, strerror(errno));
+        if (faccessat(AT_FDCWD, o->save, W_OK, AT_EACCESS)) return file_error("--save %s: %s", o->save, strerror(errno));
         mode = st.st_mode & 07777;
         o->save_path = realpath(o->save, NULL);
     } else {
         o->save_path = strdup(o->save);
     }
-    const size_t len = o->save_path ? strlen(o->save_path) + sizeof ".XXXXXX" : 0;
-    if (len) o->save_tmp = malloc(len);
-    if (!o->save_tmp) return file_error("--save %s: %s", o->save, strerror(errno));
-    snprintf(o->save_tmp, len, "%s.XXXXXX", o->save_path);
-    int fd = mkstemp(o->save_tmp);
-    if (fd < 0) {
-        const int e = errno;
-        const char *slash = strrchr(o->save_path, '/');
-        char dir[1024];
-        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - o->save_path) : 1, slash ? o->save_path : ".");
-        return file_error("--save %s: cannot create a file in %s: %s", o->save, *dir ? dir : "/", strerror(e));
-    }
-    if (fchmod(fd, mode) || !(o->save_file = fdopen(fd, "wb"))) {
-        int e = errno;
-        close(fd);
-        unlink(o->save_tmp);
-        return file_error("--save %s: %s: %s", o->save, o->save_tmp, strerror(e));
-    }
+    if (!o->save_path) return file_error("--save %s: %s", o->save, strerror(errno));
+    o->save_mode = mode;
+    const char *slash = strrchr(o->save_path, '/');
+    o->save_dir = !slash ? strdup(".") : strndup(o->save_path, slash == o->save_path ? 1 : (size_t)(slash - o->save_path));
+    if (!o->save_dir) return file_error("--save %s: %s", o->save, strerror(errno));
+    if (faccessat(AT_FDCWD, o->save_dir, W_OK | X_OK, AT_EACCESS))
+        return file_error("--save %s: cannot create a file in %s: %s", o->save, o->save_dir, strerror(errno));
     return 0;
 }
 
-// Renames the file rank 0 wrote to FILE when the run succeeded, else removes it; the exit
-// status given, or 1 when the file cannot be completed.
+// fsync of a directory, so that a rename in it lasts (a file system that cannot sync a
+// directory, EINVAL, has nothing to do).
+static int sync_dir(const char *dir) {
+    const int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int r = fsync(fd), e = errno;
+    if (r && e == EINVAL) r = 0;
+    close(fd);
+    errno = e;
+    return r;
+}
+
+// Renames the file rank 0 wrote to FILE when the run succeeded and syncs the directory,
+// else removes it; the exit status given, or 1 when the file cannot be completed.
 static int save_end(Options *o, int status) {
-    if (o->save_file) {
-        int closed = fclose(o->save_file) == 0, e = errno;
-        if (!status && (!closed || rename(o->save_tmp, o->save_path))) {
-            if (closed) e = errno;
-            fprintf(stderr, "moe_trainer: --save %s: cannot write %s: %s\n", o->save, closed ? o->save_path : o->save_tmp,
-                    strerror(e));
+    if (o->save_tmp) {
+        if (status) {
+            unlink(o->save_tmp);
+        } else if (rename(o->save_tmp, o->save_path)) {
+            fprintf(stderr, "moe_trainer: --save %s: cannot rename %s to %s: %s\n", o->save, o->save_tmp,
+                    o->save_path, strerror(errno));
+            unlink(o->save_tmp);
+            status = 1;
+        } else if (sync_dir(o->save_dir)) {
+            fprintf(stderr, "moe_trainer: --save %s: written, but syncing its directory %s failed: %s\n", o->save,
+                    o->save_dir, strerror(errno));
             status = 1;
         }
-        if (status) unlink(o->save_tmp);
     }
     free(o->save_tmp);
+    free(o->save_dir);
     free(o->save_path);
     return status;
 }
@@ -1130,7 +1173,7 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return st;
     }
-    if (opt.save && (st = save_begin(&opt))) {
+    if (opt.save && (st = save_check(&opt))) {
         dataset_close(&data);
         return save_end(&opt, st);
     }
@@ -1170,5 +1213,6 @@ int main(int argc, char **argv) {
     }
     ms_world_release(world);
     dataset_close(&data);
+    opt.save_tmp = args[0].save_tmp; // rank 0's file, written after the last step
     return save_end(&opt, failed >= 0 ? 1 : 0);
 }

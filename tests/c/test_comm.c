@@ -658,8 +658,8 @@ static void args_rank(rank_ctx *ctx) {
     ms_tensor *strided = NULL, *shifted = rows(f8, 1, 4);
     CHECK_OK(ms_tensor_narrow(&strided, wide, 1, 0, 3));
 
-    CHECK_ST(ms_all_gather(NULL, f8, f4), MS_ERR_ARG, "all_gather: comm is NULL");
-    CHECK_ST(ms_all_reduce(c, NULL, MS_OP_SUM), MS_ERR_ARG, "all_reduce on group [0 1]: t is NULL");
+    CHECK_ST(ms_all_gather(NULL, f8, f4), MS_ERR_ARG, "ms_all_gather: c is NULL");
+    CHECK_ST(ms_all_reduce(c, NULL, MS_OP_SUM), MS_ERR_ARG, "ms_all_reduce: t is NULL");
     CHECK_ST(ms_all_reduce(c, m, MS_OP_SUM), MS_ERR_DEVICE,
              "all_reduce on group [0 1]: t [4] f32 is a meta tensor; meta tensors hold no data");
     CHECK_ST(ms_broadcast(c, strided, 0), MS_ERR_ARG,

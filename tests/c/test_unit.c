@@ -1356,7 +1356,7 @@ static void param_offsets(rank_ctx *c) {
     R_ERR(ms_unit_finalize(u), MS_ERR_STATE, "finalize: the unit is already finalized (it is sharded)");
     check_offsets(u, spec_of, n, W, q, &empty);
     R_ERR(ms_unit_param_offset(u, n, &(int){0}, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "no parameter");
-    R_ERR(ms_unit_param_offset(u, 0, NULL, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "NULL output");
+    R_ERR(ms_unit_param_offset(u, 0, NULL, &(int64_t){0}, &(int64_t){0}), MS_ERR_ARG, "ms_unit_param_offset: dim is NULL");
     const double empties = world_sum(c, (double)empty) / 2;
     if (c->rank == 0) printf("  W=%d  shard offsets of %d parameters, %.0f empty shards\n", W, n, empties);
     ms_unit_release(u);

@@ -320,24 +320,85 @@ describe("moe_trainer", function()
       end)
     end
 
-    it("leaves an existing --save file as it was, and nothing beside it, when the run fails", function()
+    -- --save FILE: a new directory holding FILE ("old"); after a run, what the directory
+    -- lists (nothing but FILE unless a FILE.XXXXXX was left behind) and FILE's text.
+    local function save_dir()
       local dir = os.tmpname()
       os.remove(dir)
       local made = os.execute("mkdir " .. S.quote(dir))
       assert.is_true(made == true or made == 0) -- Lua 5.4 or LuaJIT
-      local path = write_file(dir .. "/params.safetensors", "old")
-      local r = trainer({ "-n", "1", "--mesh", "dp_shard=1", "--policy", "no/such/policy", "--steps", "1", "--seed", "1",
-        "--save", path })
+      return dir, write_file(dir .. "/params.safetensors", "old")
+    end
+    local function save_dir_state(dir, path)
       local ls = io.popen("ls -A " .. S.quote(dir))
       local listing = ls:read("a")
       ls:close()
       local f = assert(io.open(path, "rb"))
       local text = f:read("a")
       f:close()
+      return listing, text
+    end
+    local save_args = { "--policy", "policies/full_fp32.lua", "--seed", "1", "--config", small_config }
+
+    it("leaves an existing --save file as it was, and nothing beside it, when the run fails", function()
+      local dir, path = save_dir()
+      local r = trainer({ "-n", "1", "--mesh", "dp_shard=1", "--policy", "no/such/policy", "--steps", "1", "--seed", "1",
+        "--save", path })
+      local listing, text = save_dir_state(dir, path)
       os.execute("rm -rf " .. S.quote(dir))
       assert.equal(1, r.code)
       assert.matches("rank 0: planning: moonshard io error: policy no/such/policy: No such file or directory", r.err,
         1, true)
+      assert.equal("params.safetensors\n", listing)
+      assert.equal("old", text)
+    end)
+
+    it("leaves no FILE.XXXXXX when killed while training, and a later run saves over FILE", function()
+      local dir, path = save_dir()
+      -- The shell of io.popen prints its pid and becomes the trainer, which is killed
+      -- (SIGKILL: no handler runs) once it has printed step 1, long before it would save.
+      local cmd = { "echo $$; exec", S.quote(TRAINER), "-n", "2", "--mesh", "dp_shard=2", "--steps", "1000000" }
+      for _, a in ipairs(save_args) do cmd[#cmd + 1] = S.quote(a) end
+      cmd[#cmd + 1] = "--save " .. S.quote(path) .. " 2>/dev/null </dev/null"
+      local p = io.popen(table.concat(cmd, " ")) -- run by sh -c
+      local pid = p:read("l")
+      local first = p:read("l")
+      if pid and pid:match("^%d+$") then os.execute("kill -KILL " .. pid) end
+      p:close()
+      local listing, text = save_dir_state(dir, path)
+      local args = { "-n", "2", "--mesh", "dp_shard=2", "--steps", "1", "--save", path }
+      for _, a in ipairs(save_args) do args[#args + 1] = a end
+      local r = trainer(args)
+      local listing_after = save_dir_state(dir, path)
+      local ok, params = pcall(read_params, path)
+      os.execute("rm -rf " .. S.quote(dir))
+      assert.matches("^%d+$", pid)
+      assert.matches("^step 1 loss ", first)
+      assert.equal("params.safetensors\n", listing)
+      assert.equal("old", text)
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      assert.equal("params.safetensors\n", listing_after)
+      assert.is_true(ok, params)
+      local names = 0
+      for _ in pairs(params) do names = names + 1 end
+      assert.equal(24, names)
+    end)
+
+    it("removes FILE.XXXXXX and leaves FILE as it was when writing it fails", function()
+      local dir, path = save_dir()
+      -- Files limited to a few KiB (the parameters take 187 KiB): rank 0's write fails with
+      -- EFBIG after the last step (SIGXFSZ ignored, so that it is an error, not a signal).
+      local args = { "-c", "trap '' XFSZ; ulimit -f 16; exec \"$0\" \"$@\"", TRAINER, "-n", "1", "--mesh", "dp_shard=1",
+        "--steps", "1", "--save", path }
+      for _, a in ipairs(save_args) do args[#args + 1] = a end
+      local r = S.run_with("sh", args)
+      local listing, text = save_dir_state(dir, path)
+      os.execute("rm -rf " .. S.quote(dir))
+      assert.equal(1, r.code)
+      assert.matches("^step 1 loss ", r.out)
+      assert.matches("rank 0: %-%-save: cannot write " .. path:gsub("%p", "%%%0") .. " %(as [^)]*%): File too large",
+        r.err)
       assert.equal("params.safetensors\n", listing)
       assert.equal("old", text)
     end)

@@ -33,7 +33,7 @@ int main(void) {
     int sub = -1;
     MPI_Comm_rank(split, &sub);
     MPI_Comm_free(&split); /* moonshard holds its own duplicate */
-    CHECK_ERR(ms_mpi_world_from_comm(&(ms_world *){NULL}, NULL, 60), MS_ERR_ARG, "NULL argument");
+    CHECK_ERR(ms_mpi_world_from_comm(&(ms_world *){NULL}, NULL, 60), MS_ERR_ARG, "ms_mpi_world_from_comm: mpi_comm is NULL");
     MPI_Comm null = MPI_COMM_NULL;
     CHECK_ERR(ms_mpi_world_from_comm(&(ms_world *){NULL}, &null, 60), MS_ERR_ARG, "MPI_COMM_NULL");
     if (!half) return check_summary("test_mpi_comm");
