@@ -476,6 +476,26 @@ static void ep_local_units(void) {
     }
 }
 
+/* ---------------------------------------------------------------- 7b: hostile policies */
+
+/* A policy planned by a host is held to the sandbox as in the CLI (tests/lua/hostile_spec.lua
+ * has the whole list): no file read through the helpers it may require, its callbacks in its
+ * budget after fully_shard returned to it, the planner's bookkeeping out of its reach. */
+static void hostile_policies(void) {
+    ms_interp *in = model();
+    if (!in) return;
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("leak.lua"), NULL), MS_ERR_ARG, "leak.lua:3: attempt to call");
+    CHECK(!strstr(ms_last_error(), "root:"), "(the message shows /etc/passwd: %s)", ms_last_error());
+    CHECK_OK(ms_interp_set_policy_limits(in, 1e6, 256));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("spin.lua"), NULL), MS_ERR_ARG,
+              "spin.lua: instruction budget of 1000000 exceeded (an infinite loop?) at line 3");
+    CHECK_OK(ms_interp_set_policy_limits(in, 200e6, 256));
+    int units = 0;
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", at("tamper.lua"), &units));
+    CHECK(units == 2, "(%d units: the policy's writes to ctx changed the plan)", units);
+    ms_interp_free(in);
+}
+
 /* ---------------------------------------------------------------- 8: plan options and warnings */
 
 /* torch_adamw planned and materialised (the units keep bf16 moments, no master weights),
@@ -621,6 +641,22 @@ int main(void) {
                                    "  error(setmetatable({}, {__tostring = function() error('boom in tostring', 0) end}))\n"
                                    "end\nreturn M\n");
     write_file("bad.json", "{ \"architectures\": [\n");
+    write_file("leak.lua", "local util = require 'moonshard.util'\n"
+                           "local M = {}\n"
+                           "function M.parallelize(ctx) error(util.read_file('/etc/passwd')) end\n"
+                           "return M\n");
+    write_file("spin.lua", "local M = {}\n"
+                           "function M.parallelize(ctx)\n"
+                           "  ctx:fully_shard(ctx.model, { shard_placement_fn = function() while true do end end })\n"
+                           "end\n"
+                           "return M\n");
+    write_file("tamper.lua", "local M = {}\n"
+                             "function M.parallelize(ctx)\n"
+                             "  ctx:fully_shard('layers.0', {}).params = {}\n"
+                             "  ctx:fully_shard(ctx.model, {})\n"
+                             "  ctx.units, ctx.owner = {}, {}\n"
+                             "end\n"
+                             "return M\n");
     snprintf(good, sizeof good, "%s", at("good.lua"));
     out_of_memory();
     if (ms_threads_world_new(&W1, 1, 60) || ms_world_comm(W1, 0, &C1)) {
@@ -634,12 +670,14 @@ int main(void) {
     statuses();
     ep_local_units();
     plan_options();
+    hostile_policies();
     plans_agree();
 
     ms_comm_release(C1);
     ms_world_release(W1);
     const char *names[] = {"good.lua", "typecheck.lua", "typecheck_config.lua", "unowned.lua", "badprefetch.lua", "tableerr.lua",
-                           "nilerr.lua", "tostringerr.lua", "tostringboom.lua", "bad.json"};
+                           "nilerr.lua", "tostringerr.lua", "tostringboom.lua", "bad.json", "leak.lua",
+                           "spin.lua", "tamper.lua"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) unlink(at(names[i]));
     rmdir(dir);
     printf("test_embed: %d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
