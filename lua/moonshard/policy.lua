@@ -11,12 +11,13 @@
 -- names its file instead of hanging or exhausting the host.  What runs in C, where the hook
 -- never does, is bounded before it runs: pattern matching charges its worst case to the
 -- budget, and string.rep, table.concat, gsub and format check their results against the
--- memory cap.  An error leaves a call as a string naming the policy file.
+-- memory cap; what cannot be bounded before (`..` copying long strings) is bounded by a
+-- wall clock the hook checks.  An error leaves a call as a string naming the policy file.
 --
--- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.  Where the binding's
--- counting allocator runs the state (the moonshard executable and embedding hosts under Lua
--- 5.4: core.memory_cap), the memory cap is also a hard limit on what Lua may allocate during
--- a call, and the hook checks every STEP instructions instead of more often near the cap.
+-- Runs under Lua 5.4 and LuaJIT and needs nothing from the C binding.  Where moonshard's
+-- counting allocator runs the state (both executables and embedding hosts), the memory cap
+-- is also a hard limit on what Lua may allocate during a call, and the hook checks every
+-- STEP instructions instead of more often near the cap.
 
 local M = {}
 
@@ -41,11 +42,12 @@ local unpack = table.unpack or unpack
 local rawlen = rawlen or function(v) return #v end
 local jit = rawget(_G, "jit")
 
--- The hard memory cap: core.memory_cap(bytes) lets Lua allocate `bytes` more than it holds
--- now and refuses more ("not enough memory"), core.memory_cap(nil) lifts it; both return
--- false when the state does not run on the binding's counting allocator (a stock lua5.4
--- loading core.so).  core.memory_refused() says the cap refused an allocation since it was
--- set.  LuaJIT (GC64) takes no allocator of the host's: never there.
+-- The hard memory cap: memory_cap(bytes) lets Lua allocate `bytes` more than it holds now
+-- and refuses more ("not enough memory"), memory_cap(nil) lifts it; both return false when
+-- the state does not run on moonshard's counting allocator (lua/ms_alloc.c).  memory_refused()
+-- says the cap refused an allocation since it was set.  States moonshard makes (both
+-- executables, embedding hosts) keep them in the registry; a stock lua5.4 loading core.so
+-- has core.memory_cap, which answers false; a stock luajit has neither.
 local memory_cap, memory_refused
 local registry = debug.getregistry()
 if type(registry["moonshard.memory_cap"]) == "function" and registry["moonshard.memory_cap"](nil) then

@@ -118,6 +118,18 @@ describe("a policy directory", function()
     assert.matches("shard_units.lua: table {build = function, counter = function, fp32 = list of 6 strings", text, 1, true)
   end)
 
+  it("describes a policy without running its metamethods (outside any call, with no budget)", function()
+    local path = os.tmpname()
+    local f = assert(io.open(path, "wb"))
+    f:write("local function spin() while true do end end\n" ..
+            "local key = setmetatable({}, { __tostring = spin, __lt = spin, __concat = spin })\n" ..
+            "return setmetatable({ [key] = 1, [{}] = 2, name = 'x' }, { __index = spin, __pairs = spin })\n")
+    f:close()
+    local loaded = policy.load(path)
+    os.remove(path)
+    assert.matches(": table {name = string, table = number, table = number}", loaded.describe(), 1, true)
+  end)
+
   it("reports a circular require while loading", function()
     assert.matches("moonshard: policy " .. F .. "circular/a.lua: circular require of 'a' while it loads",
                    failure(load_fast, F .. "circular"), 1, true)
