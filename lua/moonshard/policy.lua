@@ -348,7 +348,7 @@ function run(cfg, fn, ...)
   budget = b
   c_depth = 0
   -- ("x"):rep(n) must find the sandbox's capped rep, not the host's
-  string_mt.__index = cfg.string
+  string_mt.__index = cfg.string_methods
   if memory_cap then
     -- built now: under the cap, there may be no memory to build it when it is needed
     b.cap_error = format("moonshard: policy %s: memory cap of %g MiB exceeded", b.file, cfg.memory_mb)
@@ -702,12 +702,16 @@ local function sandbox_string(cfg)
     reserve(cfg, format_bytes(fmt, ...), "string.format")
     return format(fmt, ...)
   end
-  return setmetatable(s, { __metatable = false, __index = function(_, name)
+  local mt = { __metatable = false, __index = function(_, name)
     if name == "dump" then sandbox_error("string.dump is not available (%s)", SANDBOX) end
     if name == "pack" then
       sandbox_error("string.pack is not available (one call can build gigabytes the memory cap cannot see)")
     end
-  end })
+  end }
+  -- Two tables of the same functions: the policy's global `string`, which it may change,
+  -- and the methods of strings during its calls ("x":rep(n)), which it cannot reach:
+  -- library code the policy calls (name:sub(...) in the planner) gets the real functions.
+  return setmetatable(s, mt), setmetatable(copy(s), mt)
 end
 
 -- table.concat, its result reserved first.  It reads t[i] as the interpreter's does (5.4
@@ -948,7 +952,7 @@ function M.load(path, opts)
                 seconds = option(opts, "seconds", DEFAULT_SECONDS),
                 memory_mb = memory_mb, memory_kb = memory_mb * 1024,
                 wrappers = setmetatable({}, { __mode = "k" }), shapes = { anchored = {}, unanchored = {}, count = 0 } }
-  cfg.string = sandbox_string(cfg)
+  cfg.string, cfg.string_methods = sandbox_string(cfg)
 
   local stems, file_of = {}, {}
   local dir = is_directory(path)

@@ -89,7 +89,7 @@ describe("a hostile policy cannot get a false plan accepted", function()
     clean = r.out
   end)
   for _, name in ipairs({ "ctx_tamper", "unit_tamper", "tree_tamper", "class_tamper", "mesh_tamper",
-                          "prefetch_meta", "after_return" }) do
+                          "prefetch_meta", "after_return", "string_tamper" }) do
     it(name .. " plans exactly what the clean policy plans", function()
       local r = plan(name, { "--json" })
       assert.equal("", r.err)
