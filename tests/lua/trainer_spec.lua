@@ -224,6 +224,28 @@ describe("moe_trainer", function()
       end)
   end
 
+  it("runs every plan the planner accepts as planned, and the planner refuses experts left unreduced", function()
+    -- experts left to expert parallelism alone: refused with ep_shard = 2 (their replicas'
+    -- gradients would be reduced by no one), allocated exactly as planned with ep_shard = 1
+    local r = trainer({ "-n", "4", "--mesh", "dp_shard=4,ep=2", "--policy", "tests/lua/policies/ep_alone.lua",
+      "--steps", "1", "--seed", "7", "--memory" })
+    assert.equal(1, r.code)
+    assert.matches("expert parallelism places 4 trainable parameters that no unit shards %(model%.layers%.0%.mlp%.experts" ..
+      "%.gate_and_up_projs, .*%), but ep_shard = 2", r.err)
+    for _, case in ipairs({ { "dp_shard=4,ep=4", "tests/lua/policies/ep_alone.lua" },
+                            { "dp_replicate=2,dp_shard=2,ep=2", "policies/inkling2" },
+                            { "dp_shard=4,ep=2", "policies/full_fp32.lua" } }) do
+      r = trainer({ "-n", "4", "--mesh", case[1], "--policy", case[2], "--steps", "1", "--seed", "7", "--memory" })
+      assert.equal("", r.err)
+      local seen = 0
+      for rank, cat, alloc, planned in r.out:gmatch("memory rank (%d+) (%S+) allocated=(%d+) planned=(%d+)") do
+        assert.equal(planned, alloc, string.format("%s %s rank %s %s", case[1], case[2], rank, cat))
+        seen = seen + 1
+      end
+      assert.equal(12, seen)
+    end
+  end)
+
   it("keeps each rank's experts on it with expert parallelism: the experts' unit gathers over ep_shard", function()
     -- dp_shard=4, ep=2: experts [0, 2) on ranks 0 and 2, [2, 4) on ranks 1 and 3, each
     -- layer's two expert tensors (2 x H x 2I and 2 x I x H) a bf16 unit over ep_shard = 2.
