@@ -24,6 +24,21 @@ function M.read_file(path)
   return text
 end
 
+--- A name as errors show it: at most max (default 80) bytes of it (cut before a UTF-8
+-- continuation byte), then "..." and its length; bytes below 32 and 127 as \xHH (a NUL
+-- would end the message in C).
+function M.short_name(name, max)
+  name = tostring(name)
+  max = max or 80
+  local s = name
+  if #s > max then
+    local cut = max
+    while cut > 0 and s:byte(cut + 1) >= 128 and s:byte(cut + 1) < 192 do cut = cut - 1 end
+    s = s:sub(1, cut) .. string.format("... (%d bytes)", #name)
+  end
+  return (s:gsub("[%z\1-\31\127]", function(c) return string.format("\\x%02X", c:byte()) end))
+end
+
 --- io.open's reason without the path it starts with ("x: No such file..." -> "No such file...").
 function M.io_reason(path, err)
   err = tostring(err)
