@@ -106,7 +106,7 @@ function M.use_config(path)
       "; describe it by parameters or by a config, not both")
   end
   if path == "" then fail("the config path is empty") end
-  local text, err, opened = require("moonshard.util").read_file(path)
+  local text, err, opened = require("moonshard.util").read_file(path, "json")
   if not text then
     error("moonshard io error: embed: cannot read the config " .. (opened and path .. ": " or "") .. tostring(err), 0)
   end

@@ -162,6 +162,9 @@ end
 -- name), shape, data_offsets, file} sorted by data offset; metadata: the __metadata__ map
 -- (empty when absent).  No tensor data is read.
 function M.read_header(path)
+  -- a FIFO would block the open, /dev/zero would pass for an empty file
+  local regular, why = util.check_regular(path)
+  if not regular then fail(path, "cannot read: %s", why) end
   local f, err = io.open(path, "rb")
   if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
   local ok, header, data_size = pcall(read_json_header, f, path)
@@ -181,7 +184,7 @@ function M.read_header(path)
 end
 
 local function read_file(path)
-  local text, err, opened = util.read_file(path)
+  local text, err, opened = util.read_file(path, "json")
   if not text then
     fail(path, opened and "cannot read: %s" or "cannot open: %s", opened and err or util.io_reason(path, err))
   end
@@ -211,10 +214,12 @@ function M.read_index(path)
   local all, held = {}, {}
   for _, file in ipairs(files) do
     local shard = dir .. "/" .. file
-    local f, err = io.open(shard, "rb")
+    local regular, why = util.check_regular(shard)
+    local f, err
+    if regular then f, err = io.open(shard, "rb") end
     if not f then
       fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", show_name(first_name[file]),
-        show_name(file), util.io_reason(shard, err))
+        show_name(file), why or util.io_reason(shard, err))
     end
     f:close()
     for _, t in ipairs((M.read_header(shard))) do

@@ -298,7 +298,10 @@ static void statuses(void) {
     CHECK_ERR(ms_interp_model_config(in, "/nonexistent/config.json"), MS_ERR_IO,
               "moonshard io error: embed: cannot read the config /nonexistent/config.json: No such file or directory");
     CHECK_ERR(ms_interp_model_config(in, dir), MS_ERR_IO, "embed: cannot read the config ");
-    CHECK(strstr(ms_last_error(), dir) && strstr(ms_last_error(), "Is a directory"), "(%s)", ms_last_error());
+    CHECK(strstr(ms_last_error(), dir) && strstr(ms_last_error(), "is a directory, not a regular file"), "(%s)", ms_last_error());
+    /* what is no regular file is refused before it is opened (a FIFO would block the open) */
+    CHECK_ERR(ms_interp_model_config(in, "/dev/zero"), MS_ERR_IO,
+              "embed: cannot read the config /dev/zero: is a character device, not a regular file");
     CHECK(!strstr(ms_last_error(), "json"), "(%s)", ms_last_error());
     CHECK_ERR(ms_interp_model_config(in, ""), MS_ERR_ARG, "embed: the config path is empty");
     CHECK_ERR(ms_interp_model_config(in, at("bad.json")), MS_ERR_ARG, "bad.json:2:1: unexpected end of input");

@@ -406,7 +406,8 @@ describe("models.from_config errors", function()
   it("names the file it cannot read or parse", function()
     assert.matches("^moonshard: models: nonexistent/config.json: cannot open the config",
       build_error("nonexistent/config.json"))
-    assert.equal("moonshard: models: examples: cannot read the config: Is a directory", build_error("examples"))
+    assert.equal("moonshard: models: examples: cannot read the config: is a directory, not a regular file",
+      build_error("examples"))
     local path = os.tmpname()
     local f = assert(io.open(path, "w"))
     f:write('{"architectures": ["LlamaForCausalLM"],}')

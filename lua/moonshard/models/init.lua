@@ -34,8 +34,12 @@ end
 function M.from_config(config, source)
   if type(config) == "string" then
     source = source or config
-    local text, err, opened = require("moonshard.util").read_file(config)
-    if not text then fail(source, opened and "cannot read the config: %s" or "cannot open the config: %s", err) end
+    local util = require "moonshard.util"
+    local text, err, opened = util.read_file(config, "json")
+    if not text then
+      fail(source, opened and "cannot read the config: %s" or "cannot open the config: %s",
+        opened and err or util.io_reason(config, err))
+    end
     config = json.decode(text, source)
   end
   source = source or "config table"
