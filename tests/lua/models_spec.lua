@@ -390,7 +390,9 @@ describe("models.from_config errors", function()
       build_error(cfg))
     cfg = load_config("llama3.1_8b.json")
     cfg.num_hidden_layers = 1000000000
-    assert.matches("config key 'num_hidden_layers' is 1000000000; expected an integer in 1..65536", build_error(cfg))
+    assert.matches("config key 'num_hidden_layers' is 1000000000; expected an integer in 1..1024", build_error(cfg))
+    cfg.num_hidden_layers = 1025
+    assert.matches("config key 'num_hidden_layers' is 1025; expected an integer in 1..1024", build_error(cfg))
     cfg = load_config("llama3.1_8b.json")
     cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads = 2 ^ 30, 2 ^ 30, 1
     assert.equal("moonshard: models: big.json: LlamaForCausalLM: parameter model.embed_tokens.weight of shape " ..

@@ -33,8 +33,10 @@ end
 -- a small factor (4 * 2^30 * 2^30 = 2^62), so no shape wraps in Lua 5.4; a parameter past
 -- 2^53 elements is refused by name afterwards (models.from_config).
 C.MAX_INT = 2 ^ 30
--- Layers are modules built one by one: more than this is a typo, not a model.
-C.MAX_LAYERS = 65536
+-- Layers are modules built one by one, some 20 modules and parameters each, which planning
+-- names and walks again: more than this is a typo or a hostile config, not a model (the
+-- deepest open models have 126; 65,536 layers took 15 s and 3 GiB to build alone).
+C.MAX_LAYERS = 1024
 
 --- An integer in min (default 1) .. max (default MAX_INT); `default` when absent (an error
 -- when there is none).
