@@ -82,6 +82,13 @@ end
 
 -- ---------------------------------------------------------------- decoding
 
+-- Input text quoted in an error (a key, a number): at most 64 bytes of it, then "..." and
+-- its length, so that a message stays short whatever the input.
+local function clip(s)
+  if #s <= 64 then return s end
+  return sub(s, 1, 64) .. format("... (%d bytes)", #s)
+end
+
 -- How a byte is shown in an error: 'x' when printable, else its code.
 local function show(s, i)
   local c = byte(s, i)
@@ -186,13 +193,13 @@ function Decoder:number(i)
   end
   local text = sub(s, i, j - 1)
   if self.counts and (j - i ~= #digits or #digits > 16 or tonumber(text) > 9007199254740992) then
-    self:fail(i, "number " .. text .. " is not " .. (j - i ~= #digits and "an integer >= 0" or "at most 2^53"),
+    self:fail(i, "number " .. clip(text) .. " is not " .. (j - i ~= #digits and "an integer >= 0" or "at most 2^53"),
       "an integer count from 0 to 2^53")
   end
   -- Integer text that fits in 64 bits reads as a Lua 5.4 integer (tonumber does that; on
   -- LuaJIT every number is a double, exact below 2^53); fractions and exponents as floats.
   local x = tonumber(text)
-  if x == huge or x == -huge then self:fail(i, "number " .. text .. " is out of range", "a finite double") end
+  if x == huge or x == -huge then self:fail(i, "number " .. clip(text) .. " is out of range", "a finite double") end
   return x, j
 end
 
@@ -249,7 +256,7 @@ function Decoder:object(i, depth)
     local key, at = nil, i
     key, i = self:string(i)
     if out[key] ~= nil then
-      self:fail(at, format("duplicate key %q in object", key), "each key once")
+      self:fail(at, format("duplicate key %q in object", clip(key)), "each key once")
     end
     i = self:skip(i)
     if byte(s, i) ~= 58 then self:fail(i, "unexpected " .. show(s, i) .. " after key", "':'") end
@@ -316,7 +323,7 @@ function Encoder:where()
   for _, k in ipairs(self.path) do
     if type(k) == "number" then parts[#parts + 1] = "[" .. (k - 1) .. "]"
     elseif k:match("^[%a_][%w_]*$") then parts[#parts + 1] = "." .. k
-    else parts[#parts + 1] = format("[%q]", k) end
+    else parts[#parts + 1] = format("[%q]", clip(k)) end
   end
   return table.concat(parts)
 end

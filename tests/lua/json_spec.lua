@@ -83,6 +83,25 @@ describe("json.decode", function()
     end
   end)
 
+  it("keeps its messages short whatever the input: 100k '[', long keys and numbers", function()
+    local t0 = os.clock()
+    local err = decode_error(string.rep("[", 100000))
+    assert.matches("^moonshard: json: t.json:1:513: nesting deeper than 512 levels", err)
+    assert.is_true(os.clock() - t0 < 2)
+    local key = string.rep("k", 100000)
+    err = decode_error('{"' .. key .. '": 1, "' .. key .. '": 2}')
+    assert.equal('moonshard: json: t.json:1:100009: duplicate key "' .. string.rep("k", 64) ..
+      '... (100000 bytes)" in object (expected each key once)', err)
+    err = decode_error('{"a\\u0000b": 1, "a\\u0000b": 2}')
+    assert.matches('duplicate key "a\\0b" in object', err, 1, true)
+    err = decode_error("1" .. string.rep("0", 400) .. "e999")
+    assert.equal("moonshard: json: t.json:1:1: number " .. string.rep("1", 1) .. string.rep("0", 63) ..
+      "... (405 bytes) is out of range (expected a finite double)", err)
+    err = select(2, pcall(json.decode, "[" .. string.rep("9", 100) .. "]", "h", { counts = true }))
+    assert.equal("moonshard: json: h:1:2: number " .. string.rep("9", 64) .. "... (100 bytes) is not at most 2^53 " ..
+      "(expected an integer count from 0 to 2^53)", err)
+  end)
+
   it("accepts nesting of exactly 512 levels", function()
     local v = json.decode(string.rep("[", 512) .. string.rep("]", 512))
     for _ = 1, 511 do v = v[1] end
