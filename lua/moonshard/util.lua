@@ -40,6 +40,8 @@ end
 -- permission) passes, for io.open to report in its own words, as does every path when the
 -- core is not loaded (size nil).
 function M.check_regular(path, limit, what)
+  -- io.open would open the path up to the NUL, which may be anything
+  if string.find(path, "\0", 1, true) then return nil, "the path holds a NUL byte" end
   local stat = M.file_stat_fn()
   if not stat then return true end
   local kind, size = stat(path)
@@ -55,6 +57,7 @@ end
 --- Whether something exists at path, asked without opening it when the core is loaded (an
 -- open of a FIFO would block); without the core, whether io.open can open it.
 function M.exists(path)
+  if string.find(path, "\0", 1, true) then return false end
   local stat = M.file_stat_fn()
   if stat then return stat(path) ~= nil end
   local f = io.open(path, "rb")
