@@ -405,6 +405,16 @@ describe("models.from_config errors", function()
     assert.matches("config key 'dtype' is \"float8\"; expected one of bfloat16", build_error(cfg))
   end)
 
+  it("keeps messages short whatever a config holds: values shown in at most 80 bytes, control bytes escaped", function()
+    local cfg = load_config("llama3.1_8b.json")
+    cfg.hidden_size = string.rep("x", 100000)
+    assert.equal("moonshard: models: big.json: LlamaForCausalLM: config key 'hidden_size' is \"" ..
+      string.rep("x", 79) .. "... (100002 bytes); expected an integer in 1..1073741824", build_error(cfg, "big.json"))
+    cfg = load_config("llama3.1_8b.json")
+    cfg.architectures = json.array({ "a\0b" })
+    assert.matches("unknown architecture 'a\\x00b' (known: ", build_error(cfg, "c.json"), 1, true)
+  end)
+
   it("names the file it cannot read or parse", function()
     assert.matches("^moonshard: models: nonexistent/config.json: cannot open the config",
       build_error("nonexistent/config.json"))
