@@ -18,7 +18,8 @@
 -- early (the inputs it ran are still a prefix of the same sequence) when it has used
 -- FUZZ_SECONDS of CPU (default 6).  Environment: FUZZ_SEED (default 20240917), FUZZ_SCALE (a
 -- factor on every target's input count, default 1), FUZZ_OUT (where failing inputs are
--- written; default a temporary directory).
+-- written; default a temporary directory), FUZZ_TRACE (a file to list every input's outcome
+-- in, to compare two runs).
 --
 -- Prints a line per target and ends with "fuzz: ok: N inputs ..." (exit 0) or
 -- "fuzz: FAILED: ..." (exit 1).
@@ -39,6 +40,8 @@ local LIMIT_MB = 512     -- Lua memory one input may hold (checked every HOOK_ST
 local HOOK_STEP = 10000
 local MAX_MESSAGE = 4096
 local interp = type(rawget(_G, "jit")) == "table" and jit.version or _VERSION
+-- FUZZ_TRACE=file: one line per input (value or error and its message), to compare runs
+local TRACE = os.getenv("FUZZ_TRACE") and os.getenv("FUZZ_TRACE") ~= "" and assert(io.open(os.getenv("FUZZ_TRACE"), "w"))
 
 -- ---------------------------------------------------------------- a PRNG both interpreters agree on
 
@@ -128,6 +131,8 @@ local function run(target, input, fn, ...)
   local dt = os.clock() - t0_input
   local ok, why = res[1], nil
   if ok then values = values + 1 end
+  if TRACE then TRACE:write(format("%s-%d %s %s\n", target, total, ok and "value" or "error",
+    ok and "" or util.short_name(tostring(res[2]), 200))) end
   if not ok then
     local clean
     clean, why = clean_error(res[2])
@@ -403,9 +408,18 @@ end
 -- builder through a table, and through text (mutated bytes) now and then.
 local CONFIG_VALUES = { 0, 1, 2, 3, 4, 7, 8, 16, 64, 1023, 1024, 1025, 65536, 2 ^ 30, 2 ^ 30 + 1, 2 ^ 31, 2 ^ 53,
   2 ^ 63, -1, -2 ^ 31, 1.5, 0.5, -0.0, 1e308, "", "bfloat16", "float8", "x", true, false, json.null, json.array(),
-  {}, json.array({ 1, 2, 3 }), json.array({ -1 }), json.array({ 1.5 }), json.array({ "LlamaForCausalLM" }) }
+  {}, json.array({ 1, 2, 3 }), json.array({ -1 }), json.array({ 1.5 }), json.array({ "LlamaForCausalLM" }),
+  rep("x", 100000), json.array({ rep("y", 100000) }), { [rep("k", 100000)] = 1 } }
+do
+  local long = json.array()
+  for i = 1, 3000 do long[i] = i end
+  CONFIG_VALUES[#CONFIG_VALUES + 1] = long
+  local deep = json.array()
+  for _ = 1, 300 do deep = json.array({ deep }) end
+  CONFIG_VALUES[#CONFIG_VALUES + 1] = deep
+end
 local ARCHS = { "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
-  "Inkling2ForCausalLM", "GPT2LMHeadModel", "" }
+  "Inkling2ForCausalLM", "GPT2LMHeadModel", "", rep("A", 100000), "a\0b" }
 
 local function config_input(rng)
   local cfg = json.decode(rng:pick(configs), "seed")
