@@ -145,7 +145,7 @@ function M.plan(mesh, policy_path)
   local mc = require("moonshard.mesh_context").new(mesh)
   local policy = require "moonshard.policy"
   local limits = state.limits or {}
-  local p = policy.load(policy_path, { modules = { ["moonshard.util"] = require "moonshard.util" },
+  local p = policy.load(policy_path, { modules = { ["moonshard.util"] = require("moonshard.util").pure() },
     instructions = limits.instructions, memory_mb = limits.memory_mb })
   local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer })

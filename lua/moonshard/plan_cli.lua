@@ -127,7 +127,7 @@ function M.make_plan(o)
   sizes.n_routed_experts = config and require("moonshard.models").routed_experts(tree) or nil
   local mesh = mesh_context.new(sizes)
   local policy = require("moonshard.policy").load(o.policy, {
-    modules = { ["moonshard.util"] = util },
+    modules = { ["moonshard.util"] = util.pure() }, -- no file access in the sandbox
   })
   local entry = require("moonshard.policy").entry_point(policy, o.policy)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {

@@ -15,8 +15,8 @@ function M.ceil_div(a, b) return math.floor((a + b - 1) / b) end
 --- What moonshard reads whole, at most (bytes), by kind; a larger file is refused by name
 -- before it is read.  "json": a config.json or a model.safetensors.index.json (real ones
 -- are far smaller: a config is a few KiB, DeepSeek-V3's index, some 90,000 tensors, under
--- 10 MiB); "policy": a policy file or any other Lua source, the default.  Safetensors headers have their own limit
--- (moonshard.safetensors.MAX_HEADER).
+-- 10 MiB); "policy": a policy file or any other Lua source, the default.  Safetensors
+-- headers have their own limit (moonshard.safetensors.MAX_HEADER).
 M.READ_LIMITS = { json = 64 * 1024 * 1024, policy = 16 * 1024 * 1024 }
 local READ_WHAT = { json = "a JSON file", policy = "a policy file" }
 
@@ -163,6 +163,17 @@ function M.thousands(n)
   local s = string.format("%d", n)
   local out = s:reverse():gsub("(%d%d%d)", "%1,"):reverse()
   return (out:gsub("^(%-?),", "%1"))
+end
+
+--- The helpers that touch no file (no read_file, file_stat_fn, check_regular, exists): what
+-- the planner hands policies as "moonshard.util", since they run in a sandbox without io.
+function M.pure()
+  local t = {}
+  for _, k in ipairs({ "is_int", "idiv", "ceil_div", "sorted_keys", "copy", "fixed1", "bytes", "thousands",
+                       "short_name", "io_reason" }) do
+    t[k] = M[k]
+  end
+  return t
 end
 
 return M

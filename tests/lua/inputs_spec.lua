@@ -218,6 +218,19 @@ describe("moonshard plan", function()
       "file\n", r.err)
   end)
 
+  it("hands policies moonshard.util without its file functions (policies run without io)", function()
+    local policy = write(tmp("peek.lua"), [[
+local util = require "moonshard.util"
+return { parallelize = function(ctx)
+  error(string.format("read_file %s, file_stat_fn %s, exists %s, bytes %s", type(util.read_file),
+    type(util.file_stat_fn), type(util.exists), type(util.bytes)))
+end }
+]])
+    local r = plan({ "--config", "examples/configs/llama3.1_8b.json", "--policy", policy })
+    assert.equal(1, r.code)
+    assert.matches("read_file nil, file_stat_fn nil, exists nil, bytes function", r.err, 1, true)
+  end)
+
   it("refuses a checkpoint whose one name is 100 KB deep in well under a second", function()
     local path = one_tensor(tmp("plan_deep.safetensors"), string.rep("a.", 50000) .. "w")
     local r = plan({ "--safetensors", path, "--policy", "policies/fsdp2_default.lua" })
