@@ -10,6 +10,10 @@
 -- starts with "moonshard", at most 4096 bytes, no NUL; anything else (a Lua runtime error, a
 -- stack overflow, "not enough memory", an error object that is no string), more than
 -- LIMIT_S seconds of CPU or more than LIMIT_MB of Lua memory for one input is a failure.
+-- Time and memory are checked by a count hook as the input runs (under LuaJIT only where
+-- code is interpreted) and the time again when it returns; a wait in C (an open of a FIFO
+-- that a reader failed to refuse) cannot be interrupted from Lua: ctest's TIMEOUT ends the
+-- run then, and the last line printed names the target before the one that hung.
 --
 -- The inputs are fixed: the seeds of tests/fuzz/corpus/, the example configs, hand-made
 -- edge cases, and mutations of them (byte flips, inserted tokens, deletions, duplications,
