@@ -265,6 +265,10 @@ describe("moe_trainer", function()
     os.remove(fifo)
     assert(os.execute("mkfifo " .. S.quote(fifo)))
     local huge_config = write_file(os.tmpname(), "# " .. string.rep("x", 1024 * 1024) .. "\n")
+    teardown(function()
+      os.remove(fifo)
+      os.remove(huge_config)
+    end)
     for _, case in ipairs({
       { "no -n", {}, "missing %-n RANKS" },
       { "a mesh of another size", { "-n", "2", "--mesh", "dp_shard=4" }, "%-%-mesh dp_shard=4 has 4 ranks but %-n is 2" },
