@@ -1127,6 +1127,30 @@ static int l_dtype_size(lua_State *L) {
     return 1;
 }
 
+/* file_stat(path) -> kind, size: what path names without opening it ("regular file",
+ * "directory", "FIFO (named pipe)", "character device", ...: ms_file_kind_name) and a
+ * regular file's size; nil and "<path>: <reason>" when it cannot be stat'ed, as io.open
+ * reports a failure. */
+static int l_file_stat(lua_State *L) {
+    size_t len;
+    const char *path = luaL_checklstring(L, 1, &len);
+    if (strlen(path) != len) {
+        lua_pushnil(L);
+        lua_pushfstring(L, "%s: the path holds a NUL byte", path);
+        return 2;
+    }
+    ms_file_kind kind;
+    int64_t size;
+    if (ms_file_stat(path, &kind, &size) != MS_OK) {
+        lua_pushnil(L);
+        lua_pushstring(L, ms_last_error());
+        return 2;
+    }
+    lua_pushstring(L, ms_file_kind_name(kind));
+    lua_pushinteger(L, (lua_Integer)size);
+    return 2;
+}
+
 static int l_cast_impl(lua_State *L) {
     if (!lua_isnoneornil(L, 1)) {
         const char *name = luaL_checkstring(L, 1);
@@ -1204,7 +1228,8 @@ int luaopen_moonshard_core(lua_State *L) {
         {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
         {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},
         {"cast_impl", l_cast_impl}, {"unit", l_unit}, {"cuda_device_count", l_cuda_device_count},
-        {"memory_cap", ms_lua_memory_cap}, {"memory_refused", ms_lua_memory_refused}, {NULL, NULL}};
+        {"memory_cap", ms_lua_memory_cap}, {"memory_refused", ms_lua_memory_refused}, {"file_stat", l_file_stat},
+        {NULL, NULL}};
     new_class(L, TENSOR_MT, tensor_methods, tensor_gc, t_tostring);
     new_class(L, MESH_MT, mesh_methods, mesh_gc, m_tostring);
     new_class(L, GROUP_MT, group_methods, group_gc, g_tostring);

@@ -529,6 +529,29 @@ ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, in
                          int64_t *bytes);
 void ms_unit_clear_records(ms_unit *u);
 
+/* ---------------------------------------------------------------- files */
+
+/* What a path names, as stat(2) sees it (symbolic links followed). */
+typedef enum ms_file_kind {
+    MS_FILE_REGULAR = 0,
+    MS_FILE_DIRECTORY = 1,
+    MS_FILE_FIFO = 2,         /* a named pipe: opening it for reading waits for a writer */
+    MS_FILE_CHAR_DEVICE = 3,  /* /dev/zero, a terminal, ... */
+    MS_FILE_BLOCK_DEVICE = 4,
+    MS_FILE_SOCKET = 5,
+    MS_FILE_OTHER = 6
+} ms_file_kind;
+
+/* The kind of file at path and, for a regular file, its size in bytes (0 for any other
+ * kind), without opening it: callers refuse what is not a regular file before an open
+ * could block (a FIFO) or a read could never end (/dev/zero).  MS_ERR_IO with
+ * "<path>: <strerror>" when stat fails (a missing file, a permission), MS_ERR_ARG for a
+ * NULL argument. */
+ms_status ms_file_stat(const char *path, ms_file_kind *kind, int64_t *size);
+/* "regular file", "directory", "FIFO (named pipe)", "character device", "block device",
+ * "socket", "special file": a static string; NULL for an invalid kind. */
+const char *ms_file_kind_name(ms_file_kind kind);
+
 /* MS_API_END */
 
 #ifdef __cplusplus

@@ -4,35 +4,71 @@
 #include "data.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+FILE *data_open_regular(const char *path, long max_bytes, long *size, char *why, size_t whylen, int *opened) {
+    *opened = 0;
+    // O_NONBLOCK: opening a FIFO for reading would wait for a writer; this way it opens at
+    // once, and fstat refuses it.  It makes no difference to a regular file's reads.
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(why, whylen, "%s", strerror(errno));
+        return NULL;
+    }
+    *opened = 1;
+    struct stat st;
+    const char *kind = NULL;
+    FILE *f = NULL;
+    if (fstat(fd, &st) != 0)
+        snprintf(why, whylen, "%s", strerror(errno));
+    else if (S_ISDIR(st.st_mode))
+        kind = "a directory";
+    else if (S_ISFIFO(st.st_mode))
+        kind = "a FIFO (named pipe)";
+    else if (S_ISCHR(st.st_mode))
+        kind = "a character device";
+    else if (S_ISBLK(st.st_mode))
+        kind = "a block device";
+    else if (S_ISSOCK(st.st_mode))
+        kind = "a socket";
+    else if (!S_ISREG(st.st_mode))
+        kind = "a special file";
+    else if (st.st_size > max_bytes)
+        snprintf(why, whylen, "it is %lld bytes, more than the limit of %ld", (long long)st.st_size, max_bytes);
+    else if (!(f = fdopen(fd, "rb")))
+        snprintf(why, whylen, "%s", strerror(errno));
+    if (kind) snprintf(why, whylen, "it is %s%s", kind, S_ISDIR(st.st_mode) ? "" : ", not a regular file");
+    if (!f) {
+        close(fd);
+        return NULL;
+    }
+    if (size) *size = (long)st.st_size;
+    return f;
+}
 
 int dataset_open(Dataset *d, const char *path, char *err, size_t errlen) {
     d->bytes = NULL;
     d->size = 0;
     if (!path) path = DATA_DEFAULT_PATH;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        snprintf(err, errlen, "dataset: cannot open %s: %s%s", path, strerror(errno),
+    char reason[128];
+    int opened;
+    long size = -1;
+    FILE *f = data_open_regular(path, DATA_MAX_BYTES, &size, reason, sizeof reason, &opened);
+    if (!f && !opened) {
+        snprintf(err, errlen, "dataset: cannot open %s: %s%s", path, reason,
                  strcmp(path, DATA_DEFAULT_PATH) ? "" :
                  " (the default text comes with Debian's base-files; pass another text file)");
         return -1;
     }
-    // fopen opens a directory on Linux (its reads fail), and a pipe cannot be measured.
-    struct stat st;
-    const char *why = NULL;
-    long size = -1;
+    const char *why = f ? NULL : reason;
     unsigned char *bytes = NULL;
-    if (fstat(fileno(f), &st) != 0)
-        why = strerror(errno);
-    else if (S_ISDIR(st.st_mode))
-        why = "it is a directory";
-    else if (!S_ISREG(st.st_mode))
-        why = "it is not a regular file";
-    else if (fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0)
-        why = strerror(errno);
+    if (why)
+        ;
     else if (size == 0)
         why = "the file is empty";
     else if (!(bytes = malloc((size_t)size)))
@@ -42,7 +78,7 @@ int dataset_open(Dataset *d, const char *path, char *err, size_t errlen) {
     if (why) {
         snprintf(err, errlen, "dataset: cannot read %s: %s", path, why);
         free(bytes);
-        fclose(f);
+        if (f) fclose(f);
         return -1;
     }
     fclose(f);

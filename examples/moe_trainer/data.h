@@ -11,6 +11,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 // Present on every Debian machine (package base-files).
 #define DATA_DEFAULT_PATH "/usr/share/common-licenses/GPL-3"
@@ -20,8 +21,20 @@ typedef struct {
     size_t size;
 } Dataset;
 
-// Reads the file at path (NULL: DATA_DEFAULT_PATH). Returns 0, or -1 with the reason in err
-// and *d left empty. dataset_close frees it (idempotent).
+// The largest text dataset_open reads (it holds the whole file in memory).
+#define DATA_MAX_BYTES (1L << 30)
+
+// Opens path for reading when it is a regular file of at most max_bytes, refusing anything
+// else before a read could block or never end: a FIFO (opened without waiting for a
+// writer), a directory, a device such as /dev/zero, a socket.  Returns the stream (and its
+// size in *size when size is not NULL), or NULL with the reason in why ("No such file or
+// directory", "it is a directory", "it is a FIFO (named pipe), not a regular file", "it is
+// N bytes, more than the limit of M") and *opened saying whether open(2) succeeded.
+FILE *data_open_regular(const char *path, long max_bytes, long *size, char *why, size_t whylen, int *opened);
+
+// Reads the file at path (NULL: DATA_DEFAULT_PATH): a regular file of at most DATA_MAX_BYTES
+// (data_open_regular). Returns 0, or -1 with the reason in err and *d left empty.
+// dataset_close frees it (idempotent).
 int dataset_open(Dataset *d, const char *path, char *err, size_t errlen);
 void dataset_close(Dataset *d);
 

@@ -59,6 +59,8 @@
 #define DEFAULT_BATCH 8
 #define MAX_RANKS 64
 #define MAX_CONFIG_VALUE (1 << 20)
+// --config is a few lines: a larger file, or one that is no regular file, is refused.
+#define MAX_CONFIG_BYTES (1L << 20)
 
 // ----------------------------------------------------------------------------
 // options
@@ -208,8 +210,10 @@ static int parse_config(Options *o) {
         {"batch_size", &o->batch_size},
     };
     const int nkeys = sizeof keys / sizeof keys[0];
-    FILE *f = fopen(o->config, "r");
-    if (!f) return usage_error("--config %s: %s", o->config, strerror(errno));
+    char why[128];
+    int opened;
+    FILE *f = data_open_regular(o->config, MAX_CONFIG_BYTES, NULL, why, sizeof why, &opened);
+    if (!f) return usage_error("--config %s: %s", o->config, why);
     char line[512];
     int status = 0;
     for (int lineno = 1; !status && fgets(line, sizeof line, f); lineno++) {

@@ -1079,6 +1079,18 @@ function M.cuda_device_count()
   return 0, ffi.string(C.ms_last_error())
 end
 
+local file_kind_out = ffi.new("ms_file_kind[1]")
+
+-- file_stat(path) -> kind, size: what path names without opening it ("regular file",
+-- "directory", "FIFO (named pipe)", "character device", ...) and a regular file's size; nil
+-- and "<path>: <reason>" when it cannot be stat'ed, as io.open reports a failure.
+function M.file_stat(path)
+  path = check_string(path, 1)
+  if path:find("\0", 1, true) then return nil, path:match("^[^%z]*") .. ": the path holds a NUL byte" end
+  if C.ms_file_stat(path, file_kind_out, int64_out) ~= C.MS_OK then return nil, ffi.string(C.ms_last_error()) end
+  return ffi.string(C.ms_file_kind_name(file_kind_out[0])), tonumber(int64_out[0])
+end
+
 local CAST_IMPLS = { auto = C.MS_CAST_AUTO, portable = C.MS_CAST_PORTABLE, avx2 = C.MS_CAST_AVX2 }
 
 function M.cast_impl(name)

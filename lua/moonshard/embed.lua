@@ -36,9 +36,18 @@ local function segments(name, what)
   return parts
 end
 
-local FLOATING = require("moonshard.module").FLOATING
+local module = require "moonshard.module"
+local FLOATING = module.FLOATING
+
+-- A name within the module tree's limits (module.MAX_NAME_BYTES, MAX_NAME_DEPTH), else an
+-- error naming it, shortened.
+local function check_limits(name, what)
+  local why = module.name_limit_error(name)
+  if why then fail(string.format("%s name '%s' %s", what, require("moonshard.util").short_name(name), why)) end
+end
 
 function M.add_param(fqn, shape, dtype, requires_grad)
+  check_limits(fqn, "parameter")
   if state.plan then
     fail_state("parameter '" .. fqn .. "': the model cannot change after it was planned")
   end
@@ -71,7 +80,10 @@ function M.set_module_type(name, type_name)
   if state.plan then
     fail_state("module '" .. name .. "': its type cannot change after the model was planned")
   end
-  if name ~= "" then segments(name, "module") end
+  if name ~= "" then
+    check_limits(name, "module")
+    segments(name, "module")
+  end
   if state.config then
     if not state.config_tree:get(name) then
       fail("no module '" .. name .. "' to give the type " .. type_name .. " in the model of the config " .. state.config)
@@ -94,7 +106,7 @@ function M.use_config(path)
       "; describe it by parameters or by a config, not both")
   end
   if path == "" then fail("the config path is empty") end
-  local text, err, opened = require("moonshard.util").read_file(path)
+  local text, err, opened = require("moonshard.util").read_file(path, "json")
   if not text then
     error("moonshard io error: embed: cannot read the config " .. (opened and path .. ": " or "") .. tostring(err), 0)
   end

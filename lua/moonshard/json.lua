@@ -82,6 +82,13 @@ end
 
 -- ---------------------------------------------------------------- decoding
 
+-- Input text quoted in an error (a key, a number): at most 64 bytes of it, then "..." and
+-- its length, so that a message stays short whatever the input.
+local function clip(s)
+  if #s <= 64 then return s end
+  return sub(s, 1, 64) .. format("... (%d bytes)", #s)
+end
+
 -- How a byte is shown in an error: 'x' when printable, else its code.
 local function show(s, i)
   local c = byte(s, i)
@@ -160,6 +167,34 @@ function Decoder:hex4(k)
   return tonumber(h, 16), k + 6
 end
 
+-- Whether a count's digits (no sign, no leading zero) are above 2^53, compared as text:
+-- LuaJIT's tonumber rounds 9007199254740993 to 2^53.
+local TWO53 = "9007199254740992"
+local function above_2_53(digits)
+  if #digits ~= #TWO53 then return #digits > #TWO53 end
+  for k = 1, #TWO53 do
+    local a, b = byte(digits, k), byte(TWO53, k)
+    if a ~= b then return a > b end
+  end
+  return false
+end
+
+-- The value of a number whose exponent has more than 4 digits, which LuaJIT's tonumber does
+-- not read (nil from about 1e1000000 on, or a wrong value): its significant digits as 0.DDD
+-- with the exponent that goes with them, so that what tonumber sees has a small exponent,
+-- and no tonumber at all when the value is surely out of range (huge) or below the
+-- smallest double (0).  Exact: only zeros are dropped.
+local function big_exponent(negative, int, frac, exp_negative, exp)
+  local all = int .. (frac or "")
+  local zeros = #all:match("^0*")
+  local sig = sub(all, zeros + 1):gsub("0+$", "")
+  if sig == "" then return negative and -0.0 or 0.0 end
+  local eff = #int - zeros + (exp_negative and -1 or 1) * tonumber(exp)  -- value = 0.sig * 10^eff
+  if eff > 400 then return negative and -huge or huge end
+  if eff < -400 then return negative and -0.0 or 0.0 end
+  return tonumber(format("%s0.%se%d", negative and "-" or "", sig, eff))
+end
+
 function Decoder:number(i)
   local s = self.s
   local j = i
@@ -170,8 +205,9 @@ function Decoder:number(i)
     self:fail(i, "leading zero in number", "a single 0 or a number starting with 1-9")
   end
   j = j + #digits
+  local frac, exp, exp_negative
   if byte(s, j) == 46 then
-    local frac = s:match("^%d+", j + 1)
+    frac = s:match("^%d+", j + 1)
     if not frac then self:fail(j + 1, "unexpected " .. show(s, j + 1) .. " after '.'", "a digit") end
     j = j + 1 + #frac
   end
@@ -180,19 +216,22 @@ function Decoder:number(i)
     j = j + 1
     local sign = byte(s, j)
     if sign == 43 or sign == 45 then j = j + 1 end
-    local exp = s:match("^%d+", j)
+    exp_negative = sign == 45
+    exp = s:match("^%d+", j)
     if not exp then self:fail(j, "unexpected " .. show(s, j) .. " in exponent", "a digit") end
     j = j + #exp
   end
   local text = sub(s, i, j - 1)
-  if self.counts and (j - i ~= #digits or #digits > 16 or tonumber(text) > 9007199254740992) then
-    self:fail(i, "number " .. text .. " is not " .. (j - i ~= #digits and "an integer >= 0" or "at most 2^53"),
+  if self.counts and (j - i ~= #digits or above_2_53(digits)) then
+    self:fail(i, "number " .. clip(text) .. " is not " .. (j - i ~= #digits and "an integer >= 0" or "at most 2^53"),
       "an integer count from 0 to 2^53")
   end
   -- Integer text that fits in 64 bits reads as a Lua 5.4 integer (tonumber does that; on
   -- LuaJIT every number is a double, exact below 2^53); fractions and exponents as floats.
-  local x = tonumber(text)
-  if x == huge or x == -huge then self:fail(i, "number " .. text .. " is out of range", "a finite double") end
+  local x
+  if exp and #exp > 4 then x = big_exponent(byte(s, i) == 45, digits, frac, exp_negative, exp)
+  else x = tonumber(text) end
+  if x == huge or x == -huge then self:fail(i, "number " .. clip(text) .. " is out of range", "a finite double") end
   return x, j
 end
 
@@ -249,7 +288,7 @@ function Decoder:object(i, depth)
     local key, at = nil, i
     key, i = self:string(i)
     if out[key] ~= nil then
-      self:fail(at, format("duplicate key %q in object", key), "each key once")
+      self:fail(at, format("duplicate key %q in object", clip(key)), "each key once")
     end
     i = self:skip(i)
     if byte(s, i) ~= 58 then self:fail(i, "unexpected " .. show(s, i) .. " after key", "':'") end
@@ -316,7 +355,7 @@ function Encoder:where()
   for _, k in ipairs(self.path) do
     if type(k) == "number" then parts[#parts + 1] = "[" .. (k - 1) .. "]"
     elseif k:match("^[%a_][%w_]*$") then parts[#parts + 1] = "." .. k
-    else parts[#parts + 1] = format("[%q]", k) end
+    else parts[#parts + 1] = format("[%q]", clip(k)) end
   end
   return table.concat(parts)
 end

@@ -40,6 +40,27 @@ local function fail(msg)
   error("moonshard: " .. msg, level)
 end
 
+--- The longest dotted name a module tree takes from its inputs (a checkpoint's tensor names,
+-- an embedding host's parameters): bytes and parts.  Real names are far shorter (DeepSeek-V3's
+-- longest, "model.layers.60.mlp.experts.255.gate_proj.weight_scale_inv", is 58 bytes in 8
+-- parts).  The limits keep what planning makes from names (every module's full name, the
+-- prefixes of the parameter's) proportional to the input.
+M.MAX_NAME_BYTES = 1024
+M.MAX_NAME_DEPTH = 64
+
+--- nil when the dotted name is within the limits, else why not (without the name itself).
+function M.name_limit_error(name)
+  if #name > M.MAX_NAME_BYTES then
+    return string.format("is %d bytes, more than the %d-byte limit on names", #name, M.MAX_NAME_BYTES)
+  end
+  local parts, at = 1, string.find(name, ".", 1, true)
+  while at do parts, at = parts + 1, string.find(name, ".", at + 1, true) end
+  if parts > M.MAX_NAME_DEPTH then
+    return string.format("has %d dotted parts, more than the %d-part limit on names", parts, M.MAX_NAME_DEPTH)
+  end
+  return nil
+end
+
 local function check_name(name, what)
   if type(name) ~= "string" or name == "" or name:find(".", 1, true) then
     fail(what .. " name must be a non-empty string without dots, got " .. tostring(name))

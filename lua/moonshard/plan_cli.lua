@@ -90,7 +90,7 @@ function M.parse(args)
 end
 
 local function read_file(path)
-  local s, err, opened = util.read_file(path)
+  local s, err, opened = util.read_file(path, "json")
   if not s then
     error("moonshard: cannot read " .. path .. ": " .. (opened and tostring(err) or util.io_reason(path, err)), 0)
   end
@@ -118,8 +118,8 @@ local function load_model(o)
   local path = o.safetensors
   if is_dir(path) then
     local index = path .. "/model.safetensors.index.json"
-    local f = io.open(index, "r")
-    if f then f:close() path = index else path = path .. "/model.safetensors" end
+    -- asked without opening: an index that is a FIFO is refused by name, not waited on
+    if util.exists(index) then path = index else path = path .. "/model.safetensors" end
   end
   return st.tree_from_safetensors(path), o.name or stem(o.safetensors), nil
 end

@@ -76,9 +76,11 @@ end
 local util = require "moonshard.util"
 local sorted_keys, read_file = util.sorted_keys, util.read_file
 
--- A regular file that can be read (never opens a FIFO, which would block).
+-- A regular file (asked without opening it where the core is loaded: an open of a FIFO
+-- would block).
 local function is_file(path)
-  if util.file_kind then return util.file_kind(path) == "file" end
+  local stat = util.file_stat_fn()
+  if stat then return stat(path) == "regular file" end
   local f = io.open(path, "rb")
   if f then f:close() end
   return f ~= nil
@@ -822,11 +824,7 @@ end
 --- The host modules a policy may require: a copy of moonshard.util's pure helpers (no
 -- function that reads a file).  The CLI and the embedding API pass these.
 function M.host_modules()
-  local u = {}
-  for _, name in ipairs({ "is_int", "idiv", "ceil_div", "sorted_keys", "copy", "fixed1", "bytes", "thousands" }) do
-    u[name] = util[name]
-  end
-  return { ["moonshard.util"] = u }
+  return { ["moonshard.util"] = util.pure() }
 end
 
 -- Opens only when path is a directory (POSIX).

@@ -20,8 +20,11 @@ local M = {}
 
 local format = string.format
 
---- Headers longer than this (100 MiB) are refused: real ones are far smaller, and a corrupt
--- length must not make moonshard read a whole checkpoint as JSON.
+--- Headers longer than this (100 MiB) are refused: real ones are far smaller (a shard of
+-- DeepSeek-V3 holds some 1,000 tensors in about 100 KiB of header), and a corrupt length must
+-- not make moonshard read a whole checkpoint as JSON.  The 8-byte length is read as a float,
+-- so no length wraps; a header must also end within the file.  Numbers in a header are
+-- integers from 0 to 2^53 (json's counts mode), and shapes past 2^53 bytes are refused.
 M.MAX_HEADER = 100 * 1024 * 1024
 
 --- safetensors dtype -> {moonshard dtype, bytes per element}; the dtypes moonshard reads.
@@ -48,7 +51,8 @@ local function is_array(v) return getmetatable(v) == json.array_mt end
 
 local function is_count(v) return type(v) == "number" and v >= 0 and v == math.floor(v) end
 
-local sorted_keys = require("moonshard.util").sorted_keys
+local sorted_keys = util.sorted_keys
+local show_name = util.short_name -- tensor names in errors: at most 80 bytes, no control bytes
 
 local function show_list(a)
   local parts = {}
@@ -89,7 +93,7 @@ local function check_metadata(path, meta)
   if not is_object(meta) then fail(path, "__metadata__ is not an object of strings") end
   for k, v in pairs(meta) do
     if type(v) ~= "string" then
-      fail(path, "__metadata__[%q] is %s; metadata values are strings", k, json.encode(v))
+      fail(path, "__metadata__[\"%s\"] is %s; metadata values are strings", show_name(k), show_name(json.encode(v)))
     end
   end
   return meta
@@ -97,7 +101,7 @@ end
 
 -- Validates one header entry; returns {name, dtype, shape, data_offsets, file}.
 local function check_entry(path, name, e, data_size)
-  local function bad(fmt, ...) fail(path, "tensor '%s': " .. fmt, name, ...) end
+  local function bad(fmt, ...) fail(path, "tensor '%s': " .. fmt, show_name(name), ...) end
   if not is_object(e) then bad("entry is not an object {dtype, shape, data_offsets}") end
   if type(e.dtype) ~= "string" then bad("dtype is missing or not a string") end
   local dt = M.dtypes[e.dtype]
@@ -140,11 +144,11 @@ local function check_tiling(path, tensors, data_size)
   for _, t in ipairs(tensors) do
     local b = t.data_offsets[1]
     if b < cursor then
-      fail(path, "tensors '%s' %s and '%s' %s overlap", prev.name, show_list(prev.data_offsets),
-        t.name, show_list(t.data_offsets))
+      fail(path, "tensors '%s' %s and '%s' %s overlap", show_name(prev.name), show_list(prev.data_offsets),
+        show_name(t.name), show_list(t.data_offsets))
     elseif b > cursor then
       fail(path, "bytes [%d, %d) of the data area belong to no tensor (a hole before '%s')",
-        cursor, b, t.name)
+        cursor, b, show_name(t.name))
     end
     cursor, prev = t.data_offsets[2], t
   end
@@ -158,6 +162,9 @@ end
 -- name), shape, data_offsets, file} sorted by data offset; metadata: the __metadata__ map
 -- (empty when absent).  No tensor data is read.
 function M.read_header(path)
+  -- a FIFO would block the open, /dev/zero would pass for an empty file
+  local regular, why = util.check_regular(path)
+  if not regular then fail(path, "cannot read: %s", why) end
   local f, err = io.open(path, "rb")
   if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
   local ok, header, data_size = pcall(read_json_header, f, path)
@@ -177,7 +184,7 @@ function M.read_header(path)
 end
 
 local function read_file(path)
-  local text, err, opened = util.read_file(path)
+  local text, err, opened = util.read_file(path, "json")
   if not text then
     fail(path, opened and "cannot read: %s" or "cannot open: %s", opened and err or util.io_reason(path, err))
   end
@@ -199,7 +206,7 @@ function M.read_index(path)
   for _, name in ipairs(names) do
     local file = weight_map[name]
     if type(file) ~= "string" or file == "" then
-      fail(path, "weight_map[%q] is %s, not a shard file name", name, json.encode(file))
+      fail(path, "weight_map[\"%s\"] is %s, not a shard file name", show_name(name), show_name(json.encode(file)))
     end
     if not first_name[file] then first_name[file], files[#files + 1] = name, file end
   end
@@ -207,18 +214,21 @@ function M.read_index(path)
   local all, held = {}, {}
   for _, file in ipairs(files) do
     local shard = dir .. "/" .. file
-    local f, err = io.open(shard, "rb")
+    local regular, why = util.check_regular(shard)
+    local f, err
+    if regular then f, err = io.open(shard, "rb") end
     if not f then
-      fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", first_name[file], file,
-        util.io_reason(shard, err))
+      fail(path, "weight_map puts '%s' in shard '%s', which cannot be opened: %s", show_name(first_name[file]),
+        show_name(file), why or util.io_reason(shard, err))
     end
     f:close()
     for _, t in ipairs((M.read_header(shard))) do
       local listed = weight_map[t.name]
       if listed == nil then
-        fail(path, "shard '%s' holds tensor '%s', which weight_map does not list", file, t.name)
+        fail(path, "shard '%s' holds tensor '%s', which weight_map does not list", show_name(file), show_name(t.name))
       elseif listed ~= file then
-        fail(path, "weight_map puts tensor '%s' in '%s', but shard '%s' holds it", t.name, listed, file)
+        fail(path, "weight_map puts tensor '%s' in '%s', but shard '%s' holds it", show_name(t.name), show_name(listed),
+          show_name(file))
       end
       held[t.name] = true
       all[#all + 1] = t
@@ -226,7 +236,8 @@ function M.read_index(path)
   end
   for _, name in ipairs(names) do
     if not held[name] then
-      fail(path, "weight_map puts tensor '%s' in shard '%s', which has no such tensor", name, weight_map[name])
+      fail(path, "weight_map puts tensor '%s' in shard '%s', which has no such tensor", show_name(name),
+        show_name(weight_map[name]))
     end
   end
   local metadata = index.metadata
@@ -237,11 +248,12 @@ end
 
 local function is_index(name) return tostring(name):match("%.json$") ~= nil end
 
--- Automodel's grouped experts as a checkpoint stores them: a module named "experts" that
--- holds parameters and no modules, every parameter at least 2-D with the same dim 0 (the
--- expert count), as gate_and_up_projs [E, H, 2I] and down_projs [E, I, H] are.
+-- Automodel's grouped experts as a checkpoint stores them: a module named "experts" (name:
+-- its own, the last part of its dotted name) that holds parameters and no modules, every
+-- parameter at least 2-D with the same dim 0 (the expert count), as gate_and_up_projs
+-- [E, H, 2I] and down_projs [E, I, H] are.
 local function is_grouped_experts(name, m)
-  if not (name == "experts" or name:match("%.experts$")) or #m.child_order > 0 or #m.param_order == 0 then
+  if name ~= "experts" or #m.child_order > 0 or #m.param_order == 0 then
     return false
   end
   local experts
@@ -268,35 +280,47 @@ M.BUFFERS = { e_score_correction_bias = true }
 -- Tensors named in M.BUFFERS are frozen; integer ones are, as in PyTorch, too.
 function M.tree(tensors, source)
   local root = module.new("Module", { source = source })
+  source = source or "tensors"
+  local find, sub = string.find, string.sub
   for _, t in ipairs(tensors) do
-    local parts = {}
-    for part in (t.name .. "."):gmatch("([^.]*)%.") do parts[#parts + 1] = part end
-    local m = root
-    for i, part in ipairs(parts) do
-      if part == "" then
-        fail(source or "tensors", "tensor name '%s' has an empty segment", t.name)
-      end
-      local clash = i < #parts and m.params[part] or (i == #parts and m.children[part])
+    local name = t.name
+    local why = module.name_limit_error(name)
+    if why then fail(source, "tensor name '%s' %s", show_name(name), why) end
+    -- one part at a time: no prefix string is made unless an error names it
+    local m, pos = root, 1
+    while true do
+      local dot = find(name, ".", pos, true)
+      local part = sub(name, pos, (dot or #name + 1) - 1)
+      if part == "" then fail(source, "tensor name '%s' has an empty segment", show_name(name)) end
+      local clash = dot and m.params[part] or (not dot and m.children[part])
       if clash then
-        fail(source or "tensors", "'%s' is both a parameter and a module (tensor '%s')",
-          table.concat(parts, ".", 1, i), t.name)
+        fail(source, "'%s' is both a parameter and a module (tensor '%s')",
+          show_name(sub(name, 1, (dot or #name + 1) - 1)), show_name(name))
       end
-      if i == #parts then
+      if not dot then
         m:param(part, t.shape, t.dtype, M.BUFFERS[part] and { requires_grad = false } or nil)
-      else
-        m = m.children[part] or m:add(part, module.new("Module"))
+        break
       end
+      m = m.children[part] or m:add(part, module.new("Module"))
+      pos = dot + 1
     end
   end
-  for _, nm in ipairs(root:named_modules()) do
-    local m = nm[2]
+  -- every module once, by its own name (no full names: a walk with a stack, not recursion)
+  local stack = { root, "" }
+  while #stack > 0 do
+    local cname = table.remove(stack)
+    local m = table.remove(stack)
     local all_ints = #m.child_order > 0
     for _, c in ipairs(m.child_order) do all_ints = all_ints and c:match("^%d+$") ~= nil end
     if all_ints then
       m.type = "ModuleList"
       table.sort(m.child_order, function(a, b) return tonumber(a) < tonumber(b) end)
-    elseif is_grouped_experts(nm[1], m) then
+    elseif is_grouped_experts(cname, m) then
       m.type = "GroupedExperts"
+    end
+    for _, c in ipairs(m.child_order) do
+      stack[#stack + 1] = m.children[c]
+      stack[#stack + 1] = c
     end
   end
   return root

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 
 static void test_tensor_basics(void) {
@@ -261,8 +263,42 @@ static void test_version(void) {
     CHECK(!strcmp(ms_version(), want));
 }
 
+/* ms_file_stat: kinds and sizes without opening (a FIFO would block an open) */
+static void test_file_stat(void) {
+    char dir[] = "/tmp/ms_test_core_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char reg[64], fifo[64], missing[64];
+    snprintf(reg, sizeof reg, "%s/f", dir);
+    snprintf(fifo, sizeof fifo, "%s/p", dir);
+    snprintf(missing, sizeof missing, "%s/none", dir);
+    FILE *f = fopen(reg, "wb");
+    CHECK(f && fwrite("12345", 1, 5, f) == 5);
+    if (f) fclose(f);
+    CHECK(mkfifo(fifo, 0600) == 0);
+    ms_file_kind kind = MS_FILE_OTHER;
+    int64_t size = -1;
+    CHECK_OK(ms_file_stat(reg, &kind, &size));
+    CHECK(kind == MS_FILE_REGULAR && size == 5);
+    CHECK_OK(ms_file_stat(dir, &kind, &size));
+    CHECK(kind == MS_FILE_DIRECTORY && size == 0);
+    CHECK_OK(ms_file_stat(fifo, &kind, &size));
+    CHECK(kind == MS_FILE_FIFO && size == 0);
+    CHECK_OK(ms_file_stat("/dev/zero", &kind, &size));
+    CHECK(kind == MS_FILE_CHAR_DEVICE && size == 0);
+    CHECK(!strcmp(ms_file_kind_name(MS_FILE_FIFO), "FIFO (named pipe)"));
+    CHECK(!strcmp(ms_file_kind_name(MS_FILE_CHAR_DEVICE), "character device"));
+    CHECK(ms_file_kind_name((ms_file_kind)99) == NULL);
+    CHECK_ERR(ms_file_stat(missing, &kind, &size), MS_ERR_IO, "/none: No such file or directory");
+    CHECK_ERR(ms_file_stat(NULL, &kind, &size), MS_ERR_ARG, "must not be NULL");
+    CHECK_ERR(ms_file_stat(reg, NULL, &size), MS_ERR_ARG, "must not be NULL");
+    unlink(reg);
+    unlink(fifo);
+    rmdir(dir);
+}
+
 int main(void) {
     test_version();
+    test_file_stat();
     test_tensor_basics();
     test_tensor_errors();
     test_layout();

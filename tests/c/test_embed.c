@@ -298,7 +298,10 @@ static void statuses(void) {
     CHECK_ERR(ms_interp_model_config(in, "/nonexistent/config.json"), MS_ERR_IO,
               "moonshard io error: embed: cannot read the config /nonexistent/config.json: No such file or directory");
     CHECK_ERR(ms_interp_model_config(in, dir), MS_ERR_IO, "embed: cannot read the config ");
-    CHECK(strstr(ms_last_error(), dir) && strstr(ms_last_error(), "Is a directory"), "(%s)", ms_last_error());
+    CHECK(strstr(ms_last_error(), dir) && strstr(ms_last_error(), "is a directory, not a regular file"), "(%s)", ms_last_error());
+    /* what is no regular file is refused before it is opened (a FIFO would block the open) */
+    CHECK_ERR(ms_interp_model_config(in, "/dev/zero"), MS_ERR_IO,
+              "embed: cannot read the config /dev/zero: is a character device, not a regular file");
     CHECK(!strstr(ms_last_error(), "json"), "(%s)", ms_last_error());
     CHECK_ERR(ms_interp_model_config(in, ""), MS_ERR_ARG, "embed: the config path is empty");
     CHECK_ERR(ms_interp_model_config(in, at("bad.json")), MS_ERR_ARG, "bad.json:2:1: unexpected end of input");
@@ -335,6 +338,18 @@ static void statuses(void) {
     CHECK_ERR(ms_interp_model_param(in, "", 2, sh, MS_F32, 1), MS_ERR_ARG, "embed: parameter name '' has an empty segment");
     CHECK_ERR(ms_interp_model_param(in, "x..w.", 2, sh, MS_F32, 1), MS_ERR_ARG,
               "embed: parameter name 'x..w.' has an empty segment");
+    {   /* names past the module tree's limits (64 dotted parts, 1024 bytes) */
+        char deep[200] = "", wide[1100];
+        for (int i = 0; i < 65; i++) strcat(deep, i ? ".a" : "a");
+        CHECK_ERR(ms_interp_model_param(in, deep, 2, sh, MS_F32, 1), MS_ERR_ARG,
+                  "has 65 dotted parts, more than the 64-part limit on names");
+        memset(wide, 'w', 1025);
+        wide[1025] = '\0';
+        CHECK_ERR(ms_interp_model_param(in, wide, 2, sh, MS_F32, 1), MS_ERR_ARG,
+                  "(1025 bytes)' is 1025 bytes, more than the 1024-byte limit on names");
+        deep[127] = '\0'; /* 64 parts */
+        CHECK_OK(ms_interp_model_param(in, deep, 2, sh, MS_F32, 1));
+    }
     CHECK_ERR(ms_interp_model_param(in, "layers.0.weight.sub", 2, sh, MS_F32, 1), MS_ERR_ARG,
               "parameter 'layers.0.weight.sub': 'layers.0.weight' is already a parameter, so it cannot be a module");
     CHECK_ERR(ms_interp_model_param(in, "layers.0", 2, sh, MS_F32, 1), MS_ERR_ARG,

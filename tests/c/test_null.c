@@ -136,6 +136,15 @@ static void test_core_without_handles(void) {
     CHECK(ms_op_name((ms_op)99) == NULL);
     NO_POINTERS(ms_nccl_device);
     NO_POINTERS(ms_mpi_launched);
+    NO_POINTERS(ms_file_kind_name);
+    CHECK(ms_file_kind_name((ms_file_kind)99) == NULL);
+    {
+        ms_file_kind kind;
+        int64_t size;
+        REFUSE(ms_file_stat, path, NULL, &kind, &size);
+        REFUSE(ms_file_stat, kind, "/", NULL, &size);
+        REFUSE(ms_file_stat, size, "/", &kind, NULL);
+    }
 
     ms_dtype dt;
     REFUSE(ms_dtype_parse, name, NULL, &dt);

@@ -83,6 +83,52 @@ describe("json.decode", function()
     end
   end)
 
+  it("keeps its messages short whatever the input: 100k '[', long keys and numbers", function()
+    local t0 = os.clock()
+    local err = decode_error(string.rep("[", 100000))
+    assert.matches("^moonshard: json: t.json:1:513: nesting deeper than 512 levels", err)
+    assert.is_true(os.clock() - t0 < 2)
+    local key = string.rep("k", 100000)
+    err = decode_error('{"' .. key .. '": 1, "' .. key .. '": 2}')
+    assert.equal('moonshard: json: t.json:1:100009: duplicate key "' .. string.rep("k", 64) ..
+      '... (100000 bytes)" in object (expected each key once)', err)
+    err = decode_error('{"a\\u0000b": 1, "a\\u0000b": 2}')
+    assert.matches('duplicate key "a\\0b" in object', err, 1, true)
+    err = decode_error("1" .. string.rep("0", 400) .. "e999")
+    assert.equal("moonshard: json: t.json:1:1: number " .. string.rep("1", 1) .. string.rep("0", 63) ..
+      "... (405 bytes) is out of range (expected a finite double)", err)
+    err = select(2, pcall(json.decode, "[" .. string.rep("9", 100) .. "]", "h", { counts = true }))
+    assert.equal("moonshard: json: h:1:2: number " .. string.rep("9", 64) .. "... (100 bytes) is not at most 2^53 " ..
+      "(expected an integer count from 0 to 2^53)", err)
+  end)
+
+  it("reads long exponents alike under both interpreters (LuaJIT's tonumber gives nil past 1e1048575)", function()
+    assert.equal(0, json.decode("1e-4294967296"))
+    assert.equal(0, json.decode("0e99999999999"))
+    assert.equal(125, json.decode("12.5e00001"))
+    assert.equal(1, json.decode("0." .. string.rep("0", 20000) .. "1e20001"))
+    assert.equal(1e10, json.decode("1" .. string.rep("0", 20000) .. "e-19990"))
+    assert.equal(1.7976931348623157e308, json.decode("1.7976931348623157e00308"))
+    for _, text in ipairs({ "1e854775808", "-1e2147483647", "1.8e00308", "0.000123e10004" }) do
+      assert.equal("moonshard: json: t.json:1:1: number " .. text .. " is out of range (expected a finite double)",
+        decode_error(text))
+    end
+    local v = json.decode("[123451e-26789012345678, 1]")
+    assert.equal(0, v[1])
+    assert.equal(1, v[2])
+  end)
+
+  it("reads counts past 2^53 as too large under both interpreters (LuaJIT rounds 2^53 + 1 down)", function()
+    local counts = { counts = true }
+    assert.equal(9007199254740992, json.decode("9007199254740992", "c", counts))
+    for _, text in ipairs({ "9007199254740993", "9007199254740999", "10000000000000000" }) do
+      local ok, err = pcall(json.decode, text, "c", counts)
+      assert.is_false(ok)
+      assert.equal("moonshard: json: c:1:1: number " .. text .. " is not at most 2^53 (expected an integer count " ..
+        "from 0 to 2^53)", err)
+    end
+  end)
+
   it("accepts nesting of exactly 512 levels", function()
     local v = json.decode(string.rep("[", 512) .. string.rep("]", 512))
     for _ = 1, 511 do v = v[1] end

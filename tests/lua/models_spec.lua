@@ -390,7 +390,9 @@ describe("models.from_config errors", function()
       build_error(cfg))
     cfg = load_config("llama3.1_8b.json")
     cfg.num_hidden_layers = 1000000000
-    assert.matches("config key 'num_hidden_layers' is 1000000000; expected an integer in 1..65536", build_error(cfg))
+    assert.matches("config key 'num_hidden_layers' is 1000000000; expected an integer in 1..1024", build_error(cfg))
+    cfg.num_hidden_layers = 1025
+    assert.matches("config key 'num_hidden_layers' is 1025; expected an integer in 1..1024", build_error(cfg))
     cfg = load_config("llama3.1_8b.json")
     cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads = 2 ^ 30, 2 ^ 30, 1
     assert.equal("moonshard: models: big.json: LlamaForCausalLM: parameter model.embed_tokens.weight of shape " ..
@@ -403,10 +405,21 @@ describe("models.from_config errors", function()
     assert.matches("config key 'dtype' is \"float8\"; expected one of bfloat16", build_error(cfg))
   end)
 
+  it("keeps messages short whatever a config holds: values shown in at most 80 bytes, control bytes escaped", function()
+    local cfg = load_config("llama3.1_8b.json")
+    cfg.hidden_size = string.rep("x", 100000)
+    assert.equal("moonshard: models: big.json: LlamaForCausalLM: config key 'hidden_size' is \"" ..
+      string.rep("x", 79) .. "... (100002 bytes); expected an integer in 1..1073741824", build_error(cfg, "big.json"))
+    cfg = load_config("llama3.1_8b.json")
+    cfg.architectures = json.array({ "a\0b" })
+    assert.matches("unknown architecture 'a\\x00b' (known: ", build_error(cfg, "c.json"), 1, true)
+  end)
+
   it("names the file it cannot read or parse", function()
     assert.matches("^moonshard: models: nonexistent/config.json: cannot open the config",
       build_error("nonexistent/config.json"))
-    assert.equal("moonshard: models: examples: cannot read the config: Is a directory", build_error("examples"))
+    assert.equal("moonshard: models: examples: cannot read the config: is a directory, not a regular file",
+      build_error("examples"))
     local path = os.tmpname()
     local f = assert(io.open(path, "w"))
     f:write('{"architectures": ["LlamaForCausalLM"],}')

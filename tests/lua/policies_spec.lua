@@ -631,10 +631,10 @@ describe("moonshard plan", function()
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=8,ep=3", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
     assert.matches("ep = 3 does not divide", r.err)
-    -- a directory opens but cannot be read
+    -- a directory is refused by what it is
     r = S.run({ "plan", "--config", "examples", "--mesh", "dp_shard=8", "--policy", "policies/inkling2" })
     assert.equal(1, r.code)
-    assert.equal("moonshard plan: error: cannot read examples: Is a directory\n", r.err)
+    assert.equal("moonshard plan: error: cannot read examples: is a directory, not a regular file\n", r.err)
     r = S.run({ "plan", "--config", INKLING2_SMALL, "--mesh", "dp_shard=9223372036854775807", "--policy",
       "policies/inkling2" })
     assert.equal(1, r.code)
@@ -659,8 +659,8 @@ end }
     os.execute("mkdir -p " .. dir .. "/ckpt/model.safetensors")
     r = S.run({ "plan", "--safetensors", dir .. "/ckpt", "--mesh", "dp_shard=8", "--policy", dir .. "/layers_only.lua" })
     assert.equal(1, r.code)
-    assert.equal("moonshard plan: error: safetensors: " .. dir .. "/ckpt/model.safetensors: cannot read: Is a " ..
-      "directory\n", r.err)
+    assert.equal("moonshard plan: error: safetensors: " .. dir .. "/ckpt/model.safetensors: cannot read: is a " ..
+      "directory, not a regular file\n", r.err)
     -- fully_shard twice on one module: both lines of the policy, through its helper; a
     -- prefetch that is no depth
     f = assert(io.open(dir .. "/twice.lua", "wb"))

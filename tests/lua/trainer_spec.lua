@@ -282,6 +282,15 @@ describe("moe_trainer", function()
     local bad_config = write_file(os.tmpname(), "hidden_size = 32\nheads = 4\n")
     local big_config = write_file(os.tmpname(), "# over the cap\nseq_len = 100000000\n")
     local word_config = write_file(os.tmpname(), "seq_len = 32\nnum_layers = two  # a comment\n")
+    -- a FIFO no one writes to: opening it for reading would wait forever
+    local fifo = os.tmpname()
+    os.remove(fifo)
+    assert(os.execute("mkfifo " .. S.quote(fifo)))
+    local huge_config = write_file(os.tmpname(), "# " .. string.rep("x", 1024 * 1024) .. "\n")
+    teardown(function()
+      os.remove(fifo)
+      os.remove(huge_config)
+    end)
     for _, case in ipairs({
       { "no -n", {}, "missing %-n RANKS" },
       { "a mesh of another size", { "-n", "2", "--mesh", "dp_shard=4" }, "%-%-mesh dp_shard=4 has 4 ranks but %-n is 2" },
@@ -306,6 +315,14 @@ describe("moe_trainer", function()
         ":2: seq_len = 100000000 exceeds the limit of 1048576" },
       { "a config value that is no number", { "-n", "1", "--mesh", "dp_shard=1", "--config", word_config },
         ":2: expected 'KEY = N' with N a positive integer, got 'num_layers = two'" },
+      { "a --config that is a character device", { "-n", "1", "--mesh", "dp_shard=1", "--config", "/dev/zero" },
+        "%-%-config /dev/zero: it is a character device, not a regular file" },
+      { "a --config that is a FIFO", { "-n", "1", "--mesh", "dp_shard=1", "--config", fifo },
+        "%-%-config " .. fifo:gsub("%p", "%%%0") .. ": it is a FIFO %(named pipe%), not a regular file" },
+      { "a --config that is a directory", { "-n", "1", "--mesh", "dp_shard=1", "--config", "." },
+        "%-%-config %.: it is a directory" },
+      { "a --config over 1 MiB", { "-n", "1", "--mesh", "dp_shard=1", "--config", huge_config },
+        "%-%-config " .. huge_config:gsub("%p", "%%%0") .. ": it is 1048579 bytes, more than the limit of 1048576" },
       { "an empty --save", { "-n", "1", "--mesh", "dp_shard=1", "--save", "" }, "%-%-save: expected a file name, got ''" },
       { "an unknown flag", { "-n", "1", "--mesh", "dp_shard=1", "--frobnicate" }, "unexpected argument '%-%-frobnicate'" },
       { "an option given twice", { "-n", "1", "--mesh", "dp_shard=1", "--seed", "2" }, "%-%-seed given twice" },
@@ -329,6 +346,10 @@ describe("moe_trainer", function()
         missing_dir:gsub("%p", "%%%0") .. ": No such file or directory" },
       { "--save naming a directory", { "--save", "." }, "%-%-save %.: it is a directory, expected a file name" },
       { "--data naming a directory", { "--data", "." }, "dataset: cannot read %.: it is a directory" },
+      { "--data naming a character device", { "--data", "/dev/zero" },
+        "dataset: cannot read /dev/zero: it is a character device, not a regular file" },
+      { "--data naming a FIFO", { "--data", fifo },
+        "dataset: cannot read " .. fifo:gsub("%p", "%%%0") .. ": it is a FIFO %(named pipe%), not a regular file" },
       { "a text shorter than a row", { "--data", short_text },
         "dataset: " .. short_text:gsub("%p", "%%%0") .. " has 3 bytes, fewer than seq_len %+ 1 = 65" },
     }) do

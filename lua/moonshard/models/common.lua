@@ -7,6 +7,14 @@
 
 local module = require "moonshard.module"
 local json = require "moonshard.json"
+local util = require "moonshard.util"
+
+-- A config value as an error shows it: its JSON, at most 80 bytes of it, control bytes
+-- escaped (a config may hold a megabyte string where a size should be).
+local function shown(v)
+  local ok, text = pcall(json.encode, v)
+  return util.short_name(ok and text or tostring(v))
+end
 
 local C = {}
 
@@ -33,8 +41,10 @@ end
 -- a small factor (4 * 2^30 * 2^30 = 2^62), so no shape wraps in Lua 5.4; a parameter past
 -- 2^53 elements is refused by name afterwards (models.from_config).
 C.MAX_INT = 2 ^ 30
--- Layers are modules built one by one: more than this is a typo, not a model.
-C.MAX_LAYERS = 65536
+-- Layers are modules built one by one, some 20 modules and parameters each, which planning
+-- names and walks again: more than this is a typo or a hostile config, not a model (the
+-- deepest open models have 126; 65,536 layers took 15 s and 3 GiB to build alone).
+C.MAX_LAYERS = 1024
 
 --- An integer in min (default 1) .. max (default MAX_INT); `default` when absent (an error
 -- when there is none).
@@ -46,7 +56,7 @@ function Config:int(key, default, min, max)
   end
   min, max = min or 1, max or C.MAX_INT
   if type(v) ~= "number" or v ~= math.floor(v) or v < min or v > max then
-    self:fail("config key '%s' is %s; expected an integer in %d..%d", key, json.encode(v), min, max)
+    self:fail("config key '%s' is %s; expected an integer in %d..%d", key, shown(v), min, max)
   end
   return math.floor(v)  -- an integer in 5.4 even when the config wrote 4096.0
 end
@@ -62,7 +72,7 @@ end
 function Config:bool(key, default)
   local v = self:get(key)
   if v == nil then return default end
-  if type(v) ~= "boolean" then self:fail("config key '%s' is %s; expected true or false", key, json.encode(v)) end
+  if type(v) ~= "boolean" then self:fail("config key '%s' is %s; expected true or false", key, shown(v)) end
   return v
 end
 
@@ -70,10 +80,10 @@ end
 function Config:ints(key, default)
   local v = self:get(key)
   if v == nil then return default end
-  if type(v) ~= "table" then self:fail("config key '%s' is %s; expected a list of integers", key, json.encode(v)) end
+  if type(v) ~= "table" then self:fail("config key '%s' is %s; expected a list of integers", key, shown(v)) end
   for i, x in ipairs(v) do
     if type(x) ~= "number" or x ~= math.floor(x) or x < 0 then
-      self:fail("config key '%s'[%d] is %s; expected an integer >= 0", key, i - 1, json.encode(x))
+      self:fail("config key '%s'[%d] is %s; expected an integer >= 0", key, i - 1, shown(x))
     end
   end
   return v
@@ -91,7 +101,7 @@ function Config:dtype()
   if v == nil then return "f32" end
   local dt = torch_dtypes[v]
   if not dt then
-    self:fail("config key '%s' is %s; expected one of bfloat16, float16, float32, float64", key, json.encode(v))
+    self:fail("config key '%s' is %s; expected one of bfloat16, float16, float32, float64", key, shown(v))
   end
   return dt
 end

@@ -34,8 +34,12 @@ end
 function M.from_config(config, source)
   if type(config) == "string" then
     source = source or config
-    local text, err, opened = require("moonshard.util").read_file(config)
-    if not text then fail(source, opened and "cannot read the config: %s" or "cannot open the config: %s", err) end
+    local util = require "moonshard.util"
+    local text, err, opened = util.read_file(config, "json")
+    if not text then
+      fail(source, opened and "cannot read the config: %s" or "cannot open the config: %s",
+        opened and err or util.io_reason(config, err))
+    end
     config = json.decode(text, source)
   end
   source = source or "config table"
@@ -47,7 +51,9 @@ function M.from_config(config, source)
     fail(source, "config key 'architectures' is missing or not a list of names (known: %s)", known())
   end
   local builder = M.builders[archs[1]]
-  if not builder then fail(source, "unknown architecture '%s' (known: %s)", archs[1], known()) end
+  if not builder then
+    fail(source, "unknown architecture '%s' (known: %s)", require("moonshard.util").short_name(archs[1]), known())
+  end
   if type(builder) == "string" then builder = require(builder) end
   local tree = builder(C.config(config, source, archs[1]))
   -- what the planner counts exactly (module.MAX_COUNT): refused here, by name
