@@ -289,8 +289,8 @@ static void test_file_stat(void) {
     CHECK(!strcmp(ms_file_kind_name(MS_FILE_CHAR_DEVICE), "character device"));
     CHECK(ms_file_kind_name((ms_file_kind)99) == NULL);
     CHECK_ERR(ms_file_stat(missing, &kind, &size), MS_ERR_IO, "/none: No such file or directory");
-    CHECK_ERR(ms_file_stat(NULL, &kind, &size), MS_ERR_ARG, "must not be NULL");
-    CHECK_ERR(ms_file_stat(reg, NULL, &size), MS_ERR_ARG, "must not be NULL");
+    CHECK_ERR(ms_file_stat(NULL, &kind, &size), MS_ERR_ARG, "ms_file_stat: path is NULL");
+    CHECK_ERR(ms_file_stat(reg, NULL, &size), MS_ERR_ARG, "ms_file_stat: kind is NULL");
     unlink(reg);
     unlink(fifo);
     rmdir(dir);
