@@ -521,6 +521,77 @@ describe("shard units", function()
   end)
 end)
 
+describe("the peak of unsharded bytes", function()
+  -- Its definition, summed over every unit at every step of forward and backward (O(n^2)):
+  -- what the planner's walk must come to.
+  local function reference(plan, model, prefetch)
+    local pre, name = {}, {}
+    for i, nm in ipairs(model:named_modules()) do pre[nm[2]], name[nm[2]] = i, nm[1] end
+    local order = {}
+    for _, u in ipairs(plan.units) do order[#order + 1] = u end
+    table.sort(order, function(a, b)
+      if pre[a.module] ~= pre[b.module] then return pre[a.module] < pre[b.module] end
+      return a.index < b.index
+    end)
+    local function contains(a, b)
+      local na, nb = name[a.module], name[b.module]
+      return a ~= b and (na == "" or nb:sub(1, #na + 1) == na .. ".")
+    end
+    local function kept(u)
+      if u.reshard == false then return u.unsharded_bytes end
+      if type(u.reshard) == "number" then return math.floor(u.unsharded_bytes / u.reshard) end
+      return 0
+    end
+    local n, peak = #order, 0
+    local function live(t, prefetched)
+      local sum = 0
+      for i = 1, n do
+        if i == t or prefetched(i) or (i < t and contains(order[i], order[t])) then sum = sum + order[i].unsharded_bytes
+        elseif i < t then sum = sum + kept(order[i]) end
+      end
+      return sum
+    end
+    for t = 1, n do
+      peak = math.max(peak, live(t, function(i) return i > t and i <= t + prefetch.forward end))
+      peak = math.max(peak, order[t].unsharded_grad_bytes +
+        live(t, function(i) return i < t and i >= t - prefetch.backward end))
+    end
+    return peak
+  end
+
+  it("is the sum over every unit at every step, on random trees, units, reshard rules and prefetch depths", function()
+    math.randomseed(17)
+    local RESHARD = { true, false, 1, 2, 4 }
+    for trial = 1, 150 do
+      local root = module.new("Root")
+      local mods = { { "", root } }
+      local function grow(m, prefix, depth)
+        for c = 1, math.random(0, depth > 0 and 3 or 0) do
+          local child = m:add("m" .. c, module.new("M"))
+          local name = prefix == "" and "m" .. c or prefix .. ".m" .. c
+          mods[#mods + 1] = { name, child }
+          if math.random() < 0.8 then child:param("w", { math.random(1, 9), math.random(1, 5) }, "f32") end
+          grow(child, name, depth - 1)
+        end
+      end
+      root:param("b", { math.random(1, 7) }, "f32")
+      grow(root, "", 3)
+      local prefetch = { forward = math.random(0, 3), backward = math.random(0, 3) }
+      local plan = planner.plan(root, mesh_context.new("dp_shard=4"), { prefetch = prefetch, parallelize = function(ctx)
+        -- children before parents: the modules in reverse pre-order, some of them
+        for i = #mods, 2, -1 do
+          if math.random() < 0.5 then
+            ctx:fully_shard(mods[i][1], { reshard_after_forward = RESHARD[math.random(1, #RESHARD)],
+              mp_policy = math.random() < 0.5 and { param_dtype = "bf16" } or nil })
+          end
+        end
+        ctx:fully_shard(ctx.model)
+      end })
+      assert.equal(reference(plan, root, prefetch), plan.memory.peak_unsharded, "trial " .. trial)
+    end
+  end)
+end)
+
 describe("the policy's prefetch", function()
   local function plan_with(prefetch)
     return planner.plan(small_tree(), mesh_context.new("dp_shard=2"), { prefetch = prefetch,
