@@ -148,7 +148,8 @@ function M.plan(mesh, policy_path)
   local p = policy.load(policy_path, { modules = policy.host_modules(),
     instructions = limits.instructions, memory_mb = limits.memory_mb })
   local entry = policy.entry_point(p, policy_path)
-  state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer })
+  state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer,
+    policy_name = policy_path })
   return #state.plan.units
 end
 

@@ -28,8 +28,12 @@ M.PER_RANK_LIMIT = 1048576
 
 -- A plan error; raised while a policy call runs, it names the policy line that called
 -- (unless the message names its call sites itself: `sited`).
+-- The policy being planned (its path), while M.plan runs: a check after its call returned
+-- names it, as one during the call names its line.
+local planning
 local function fail(msg, sited)
   local at = not sited and require("moonshard.policy").position()
+  if not at and not sited then at = planning end
   error("moonshard: plan: " .. msg .. (at and " (policy " .. at .. ")" or ""), 0)
 end
 
@@ -146,6 +150,16 @@ end
 -- activation-checkpoint wrapper: full-layer activation checkpointing.
 function Ctx:checkpoint_wrap(list)
   list = self:module(list)
+  -- wrapping renames the modules under the list: a unit made before would keep a name that
+  -- no longer is its module's (Automodel wraps before it shards)
+  local prefix = self:name_of(list)
+  for _, u in ipairs(self.units) do
+    local n = self:name_of(u.module)
+    if prefix == "" or n == prefix or n:sub(1, #prefix + 1) == prefix .. "." then
+      fail(string.format("checkpoint_wrap(%s) after fully_shard(%s): wrap the layers before sharding them",
+        display(prefix), display(n)))
+    end
+  end
   for _, name in ipairs(list.child_order) do
     if list.children[name].type ~= "CheckpointWrapper" then list:checkpoint_wrap(name) end
   end
@@ -162,6 +176,13 @@ end
 function Ctx:expert_parallel(module, opts)
   opts = opts or {}
   local ep = self.mesh:size("ep")
+  module = self:module(module)
+  -- Automodel's expert parallelism shards a MoE block's GroupedExperts ([experts, ...]
+  -- tensors) on dim 0; any other module split on dim 0 would never be gathered
+  if type(module.type) ~= "string" or not module.type:find("^GroupedExperts") then
+    fail(string.format("expert_parallel(%s): the module is a %s, not grouped experts (GroupedExperts: tensors of " ..
+      "[experts, ...] that expert parallelism splits on dim 0)", display(self:name_of(module)), tostring(module.type)))
+  end
   local owned = {}
   for _, np in ipairs(self:params_of(module)) do
     local fqn, p = np[1], np[2]
@@ -201,6 +222,7 @@ local function as_param_set(ctx, list)
   return set
 end
 
+local check_shard_dim -- (below, with the layouts)
 local RESHARD_OK = { [true] = true, [false] = true }
 local UNIT_KINDS = { fp32_island = true, module = true, root = true }
 
@@ -368,6 +390,7 @@ function Ctx:fully_shard(module, opts)
             "(an integer) or nil", display(name), type(d) == "number" and tostring(d) or "a " .. type(d), fqn))
         end
         unit.dims[p] = d
+        check_shard_dim(self, unit, fqn, p, d)
       end
     end
   end
@@ -391,7 +414,13 @@ end
 
 -- ---------------------------------------------------------------- unit layouts (SEMANTICS §3)
 
-local function shard_dim(unit, fqn, p, W)
+-- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
+local function fsdp_shape(ctx, p)
+  local e = ctx.ep[p]
+  return e and e.local_shape or p.shape
+end
+
+local function shard_dim(unit, fqn, p, W, shape)
   local d = unit.dims[p] or 0
   local nd = #p.shape
   if nd == 0 then
@@ -401,17 +430,18 @@ local function shard_dim(unit, fqn, p, W)
     fail(string.format("shard dim %s of parameter %s is out of range for %d dims", tostring(d), fqn, nd))
   end
   if d < 0 then d = d + nd end
-  if d ~= 0 and p.shape[d + 1] % W ~= 0 then
+  if d ~= 0 and (shape or p.shape)[d + 1] % W ~= 0 then
     fail(string.format("parameter %s: Shard(%d) needs size %d divisible by the shard size %d", fqn, d,
-      p.shape[d + 1], W))
+      (shape or p.shape)[d + 1], W))
   end
   return d
 end
 
--- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
-local function fsdp_shape(ctx, p)
-  local e = ctx.ep[p]
-  return e and e.local_shape or p.shape
+-- The dim shard_placement_fn gave, checked as fully_shard takes it (so the error names the
+-- policy line that called fully_shard).
+function check_shard_dim(ctx, unit, fqn, p, d)
+  if d == nil then return end
+  shard_dim(unit, fqn, p, ctx.mesh:size(unit.mesh_axes[#unit.mesh_axes]), fsdp_shape(ctx, p))
 end
 
 local function numel_of(shape)
@@ -463,7 +493,7 @@ local function finish_unit(ctx, unit, fqn_of)
   for _, p in ipairs(unit.params) do
     local fqn = fqn_of[p]
     local shape = fsdp_shape(ctx, p)
-    local d = shard_dim(unit, fqn, p, W)
+    local d = shard_dim(unit, fqn, p, W, shape)
     local padded = util.copy(shape)
     padded[d + 1] = util.ceil_div(shape[d + 1], W)
     local pn = numel_of(padded)
@@ -818,7 +848,10 @@ local function policy_context(ctx, opts)
       if type(msg) ~= "number" then fail("ctx:warn takes a string, got a " .. type(msg)) end
       msg = tostring(msg)
     end
-    ctx:warn(msg)
+    -- printed with the plan: no control characters (a newline or an escape sequence could
+    -- forge lines of the report), at most 2000 bytes
+    if #msg > 2000 then msg = msg:sub(1, 2000) .. string.format("... (%d bytes)", #msg) end
+    ctx:warn((msg:gsub("[%z\1-\31\127]", function(c) return string.format("\\x%02X", c:byte()) end)))
   end
   function pub.checkpoint_wrap(_, list)
     local m = ctx:module(module_arg(view, list, "ctx:checkpoint_wrap"))
@@ -830,6 +863,10 @@ local function policy_context(ctx, opts)
     if eopts ~= nil then
       if type(eopts) ~= "table" then fail("ctx:expert_parallel: the options are a " .. type(eopts) .. "; expected a table") end
       o = { by = string_arg(eopts.by, "ctx:expert_parallel: by", true) }
+      if o.by and not (o.by:find("^[%a_][%w_]*$") and #o.by <= 32) then
+        fail("ctx:expert_parallel: by is a label for the plan (letters, digits and _, at most 32), got " ..
+          string.format("%q", o.by:sub(1, 40)))
+      end
     end
     local out = {}
     for i, p in ipairs(ctx:expert_parallel(module_arg(view, m, "ctx:expert_parallel"), o)) do out[i] = view.param(p) end
@@ -920,6 +957,34 @@ local function validate_expert_replicas(ctx, fqn_of)
     #bare > 4 and string.format(" and %d more", #bare - 4) or "", replicas, replicas))
 end
 
+-- A unit's trainable parameters live on every data-parallel rank (pp = tp = 1 here): the
+-- dense ones on all dp_replicate x dp_shard x cp ranks, an expert's on the ep_shard ranks
+-- that hold it.  Their gradients are reduced over the unit's mesh only, so a mesh of fewer
+-- ranks (a size-1 axis, dp_shard alone under HSDP, ep_shard for dense layers) leaves
+-- replicas that drift apart: FSDP2 would run it, and train wrong.  Refused, naming the mesh
+-- that covers them.
+local function validate_unit_meshes(ctx, fqn_of)
+  local mesh = ctx.mesh
+  local dense = mesh:group_size(mesh.fsdp_axes)
+  for _, u in ipairs(ctx.units) do
+    local covered = mesh:group_size(u.mesh_axes)
+    for _, p in ipairs(u.params) do
+      if p.requires_grad and FLOAT[p.dtype] then
+        local expert = ctx.ep[p] ~= nil
+        local need = expert and mesh:size("ep_shard") or dense
+        if covered ~= need then
+          fail(string.format("unit %s reduces the gradient of %s over %d rank%s (mesh {%s}), but the %s lives on %d " ..
+            "data-parallel ranks: the other replicas would never see it and drift apart; shard it on %s",
+            display(u.name), fqn_of[p], covered, covered == 1 and "" or "s", table.concat(u.mesh_axes, ", "),
+            expert and "expert parameter" or "parameter", need,
+            expert and "{ep_shard} (the ranks holding the same experts)" or
+              "the FSDP mesh {" .. table.concat(mesh.fsdp_axes, ", ") .. "} (the default)"))
+        end
+      end
+    end
+  end
+end
+
 -- Every parameter's dtype is known and its elements and bytes, and the model's, are exact
 -- counts (at most 2^53): what every figure of the plan is made of.
 local function check_params(model)
@@ -948,9 +1013,8 @@ M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
 --- plan(model, mesh, policy, opts) -> plan
 -- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward}).
 -- opts: config (the model config), name, architecture, optimizer (M.OPTIMIZERS; default
--- "adamw").
-function M.plan(model, mesh, policy, opts)
-  opts = opts or {}
+-- "adamw"), policy_name (the policy's path, named by errors found after its call).
+local function plan(model, mesh, policy, opts)
   local optimizer = opts.optimizer or "adamw"
   if not M.OPTIMIZERS[optimizer] then
     fail(string.format("optimizer %s: expected adamw, torch_adamw or none",
@@ -971,6 +1035,7 @@ function M.plan(model, mesh, policy, opts)
   for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
   validate_ownership(ctx, params)
   validate_expert_replicas(ctx, fqn_of)
+  validate_unit_meshes(ctx, fqn_of)
   mark_roots(ctx)
   for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
 
@@ -1227,6 +1292,15 @@ function M.plan(model, mesh, policy, opts)
     fqn_of = fqn_of,
     params = params,
   }
+end
+
+function M.plan(model, mesh, policy, opts)
+  opts = opts or {}
+  planning = type(opts.policy_name) == "string" and opts.policy_name or nil
+  local ok, result = pcall(plan, model, mesh, policy, opts)
+  planning = nil
+  if not ok then error(result, 0) end
+  return result
 end
 
 --- The dtype audit: for every parameter, where it lives and its stored, gathered and

@@ -139,7 +139,7 @@ function M.make_plan(o)
   local entry = require("moonshard.policy").entry_point(policy, o.policy)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
-    optimizer = o.optimizer,
+    optimizer = o.optimizer, policy_name = o.policy,
   })
   return plan
 end

@@ -21,6 +21,10 @@
 
 local M = {}
 
+-- LuaJIT's compiled traces never call the hook: the sandbox's own functions (the loops of
+-- table.concat's wrapper, the pattern bounds) stay interpreted, so their work is counted.
+if rawget(_G, "jit") then rawget(_G, "jit").off(true, true) end
+
 local DEFAULT_INSTRUCTIONS = 200000000
 local DEFAULT_MEMORY_MB = 256
 -- Wall-clock seconds per call: a bound on what the instruction count cannot see.
@@ -35,7 +39,8 @@ local GROWTH = math.log(1.32)
 local SANDBOX = "policies run in a sandbox without io, os, package, debug, load"
 
 -- Captured now: the sandbox swaps the string metatable's __index during policy calls.
-local byte, find, format, rep, sub = string.byte, string.find, string.format, string.rep, string.sub
+local byte, find, format, match, rep, sub = string.byte, string.find, string.format, string.match, string.rep,
+  string.sub
 local concat = table.concat
 local unpack = table.unpack or unpack
 -- LuaJIT has no rawlen, but its # on a table or string never calls a metamethod.
@@ -85,6 +90,9 @@ local function is_file(path)
   if f then f:close() end
   return f ~= nil
 end
+
+-- What M.load made, for entry_point: policy -> {cfg, main (a single file's value), path, dir}
+local records = setmetatable({}, { __mode = "k" })
 
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
 -- policy line to blame, and how results tell policy functions (wrapped) from host ones.
@@ -190,28 +198,49 @@ local function hook()
   end
 end
 
--- Wraps every policy function reachable from value (tables, their metatables, nested
--- tables) so that the host's later calls run under a budget.  Tables are changed in place;
--- host functions are left as they are.
-local function wrap_all(cfg, value, seen)
-  local t = type(value)
-  if t == "function" then
-    if not policy_sources[debug.getinfo(value, "S").source] then return value end
-    local w = cfg.wrappers[value]
-    if not w then
-      w = function(...) return run(cfg, value, ...) end
-      cfg.wrappers[value] = w
-    end
-    return w
+-- Wraps every function reachable from value (tables, their metatables, nested tables) so
+-- that the host's later calls run under a budget: the policy's own, and host functions it
+-- stored (parallelize = error runs for the policy too).  Tables are changed in place; keys
+-- are left as they are.  The walk runs between calls, outside any budget: it visits at most
+-- WRAP_LIMIT entries, with a stack of its own (a table nested 300,000 deep is no recursion).
+local WRAP_LIMIT = 1000000
+local function wrap_fn(cfg, f)
+  if cfg.unwrapped[f] then return f end -- one of ours already
+  local w = cfg.wrappers[f]
+  if not w then
+    w = function(...) return run(cfg, f, ...) end
+    cfg.wrappers[f], cfg.unwrapped[w] = w, f
   end
-  if t == "table" and not seen[value] then
-    seen[value] = true
-    for k, v in next, value do
-      local w = wrap_all(cfg, v, seen)
-      if w ~= v then rawset(value, k, w) end
+  return w
+end
+
+local function wrap_all(cfg, value, seen, file)
+  local t = type(value)
+  if t == "function" then return wrap_fn(cfg, value) end
+  if t ~= "table" then return value end
+  local todo, visited = { value }, 0
+  while #todo > 0 do
+    local tbl = todo[#todo]
+    todo[#todo] = nil
+    if not seen[tbl] then
+      seen[tbl] = true
+      for k, v in next, tbl do
+        visited = visited + 1
+        if visited > WRAP_LIMIT then
+          error(format("moonshard: policy %s: what it returned holds more than %d table entries; a policy returns " ..
+                       "its functions and small data", file, WRAP_LIMIT), 0)
+        end
+        local tv = type(v)
+        if tv == "function" then
+          local w = wrap_fn(cfg, v)
+          if w ~= v then rawset(tbl, k, w) end
+        elseif tv == "table" then
+          todo[#todo + 1] = v
+        end
+      end
+      local mt = debug.getmetatable(tbl)
+      if type(mt) == "table" then todo[#todo + 1] = mt end
     end
-    local mt = debug.getmetatable(value)
-    if mt then wrap_all(cfg, mt, seen) end
   end
   return value
 end
@@ -250,16 +279,31 @@ end
 -- policy code: it runs here, under the budget, protected.
 -- The message starts with a policy file's position, as Lua writes it ("file:line: ...").
 local function names_policy(e)
-  local src = e:match("^(.-):%d+: ")
+  local src = match(e, "^(.-):%d+: ")
   return src ~= nil and policy_short_src[src] == true
+end
+
+-- The error was raised by policy code: the first Lua frame from the raiser (stack level
+-- `level`: error() or a C function it called, or the policy line itself) is the policy's,
+-- or is run's own: then the raiser was the function run called, or one it tail-called
+-- (LuaJIT keeps no frame of a policy's `return error(...)`).
+local function raised_by_policy(level)
+  local info = debug.getinfo(level + 1, "Sf")
+  while info and info.what == "C" do
+    level = level + 1
+    info = debug.getinfo(level + 1, "Sf")
+  end
+  return info ~= nil and (policy_sources[info.source] == true or info.func == run)
 end
 
 local function stringify(e)
   local b = budget
-  if type(e) == "string" and b and not b.tripped and sub(e, 1, 9) ~= "moonshard" and not names_policy(e) then
-    -- raised in the library or in C on the policy's behalf ("C stack overflow" in
-    -- table.sort, an error in a host function it called), or by error(msg, 0): the policy
-    -- line that led there
+  -- A string names the policy line already, or is the library's own ("moonshard: ..."),
+  -- or it gets the policy line that led there: raised in the library or in C on the
+  -- policy's behalf ("C stack overflow" in table.sort), by error(msg, 0), or by a policy
+  -- that writes "moonshard: config ..." to pass its error off as the library's.
+  local keep = type(e) == "string" and (names_policy(e) or sub(e, 1, 9) == "moonshard" and not raised_by_policy(2))
+  if type(e) == "string" and b and not b.tripped and not keep then
     local file, line = policy_position(1)
     e = format("moonshard: policy %s%s: %s", file, line and ":" .. line or "", e)
   elseif type(e) ~= "string" and not (b and b.tripped) then
@@ -322,9 +366,12 @@ function finish(b, saved, ok, ...)
     end
     error(format("moonshard: policy %s: %s", b.file, tostring(e)), 0)
   end
+  -- what the call returned, and again what the policy's files returned: the call may have
+  -- put a function of its own into one of their tables, for the host to call later
   local seen = {}
   local results = pack(...)
-  for i = 1, results.n do results[i] = wrap_all(b.cfg, results[i], seen) end
+  for i = 1, results.n do results[i] = wrap_all(b.cfg, results[i], seen, b.file) end
+  for _, root in ipairs(b.cfg.roots) do wrap_all(b.cfg, root, seen, b.file) end
   return unpack(results, 1, results.n)
 end
 
@@ -345,7 +392,9 @@ function run(cfg, fn, ...)
   elseif base_kb < swept_kb then
     swept_kb = base_kb
   end
-  local b = { cfg = cfg, file = sub(debug.getinfo(fn, "S").source, 2), used = 0, base_kb = base_kb,
+  -- a host function the policy handed over (parallelize = error) runs for the policy too
+  local src = type(fn) == "function" and debug.getinfo(fn, "S").source
+  local b = { cfg = cfg, file = policy_sources[src] and sub(src, 2) or cfg.path, used = 0, base_kb = base_kb,
               started = os_time(), clock = clock(), time_step = cfg.step }
   budget = b
   c_depth = 0
@@ -669,9 +718,10 @@ local function sandbox_string(cfg)
   local real = string
   -- Lua 5.4 copies n times, even an empty string
   function s.rep(str, n, sep)
-    if type(n) == "number" and n > 0 then
-      reserve(cfg, len(str) * n + len(sep) * (n - 1), "string.rep")
-      charge(cfg, n, "string.rep of %.0f copies", n)
+    local count = tonumber(n) -- "1e17" is a count too
+    if count and count > 0 then
+      reserve(cfg, len(str) * count + len(sep) * (count - 1), "string.rep")
+      charge(cfg, count, "string.rep of %.0f copies", count)
     end
     return rep(str, n, sep)
   end
@@ -712,7 +762,7 @@ local function sandbox_string(cfg)
   end }
   -- Two tables of the same functions: the policy's global `string`, which it may change,
   -- and the methods of strings during its calls ("x":rep(n)), which it cannot reach:
-  -- library code the policy calls (name:sub(...) in the planner) gets the real functions.
+  -- library code the policy calls (name:sub(...) in the planner) gets the sandbox's own, unchanged.
   return setmetatable(s, mt), setmetatable(copy(s), mt)
 end
 
@@ -722,9 +772,9 @@ local raw_concat = jit ~= nil
 local function sandbox_concat(cfg)
   return function(t, sep, i, j)
     if type(t) ~= "table" then return concat(t, sep, i, j) end
-    i = i == nil and 1 or i
-    if j == nil then j = raw_concat and rawlen(t) or #t end
-    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i, j) end
+    i = i == nil and 1 or tonumber(i) -- "1e12" is a bound too
+    if j == nil then j = raw_concat and rawlen(t) or #t else j = tonumber(j) end
+    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i, j) end -- it raises
     local values, bytes = {}, 0
     for k = i, j do
       local v = raw_concat and rawget(t, k) or t[k]
@@ -738,6 +788,53 @@ local function sandbox_concat(cfg)
   end
 end
 
+-- table.sort, insert, remove and move loop in C, where the hook never runs: each is charged
+-- what it will do before it runs (a sort n log2 n comparisons, insert and remove the
+-- elements they shift, move the elements it copies).  A table's length is its raw length
+-- there: a __len (Lua 5.4) could make C loop over 2^40 elements of nothing, so a table with
+-- one is refused (LuaJIT's table library ignores __len).
+local sort, insert, remove, move = table.sort, table.insert, table.remove, table.move
+local function table_length(cfg, what, t)
+  if type(t) ~= "table" then return 0 end
+  if not jit then
+    local mt = debug.getmetatable(t)
+    if type(mt) == "table" and rawget(mt, "__len") ~= nil then
+      sandbox_error("%s: a table whose metatable has __len is refused here (its length would let C loop " ..
+                    "without a bound the budget sees)", what)
+    end
+  end
+  return rawlen(t)
+end
+local function sandbox_table_fns(cfg, tbl)
+  function tbl.sort(t, comp)
+    local n = table_length(cfg, "table.sort", t)
+    if n > 1 then
+      local steps = n * math.log(n) / math.log(2)
+      charge(cfg, steps, "table.sort of %d elements: about %.3g comparisons", n, steps)
+    end
+    return sort(t, comp)
+  end
+  function tbl.insert(t, ...)
+    local n = table_length(cfg, "table.insert", t)
+    if select("#", ...) >= 2 then charge(cfg, n, "table.insert shifting up to %d elements", n) end
+    return insert(t, ...)
+  end
+  function tbl.remove(t, ...)
+    local n = table_length(cfg, "table.remove", t)
+    charge(cfg, n, "table.remove shifting up to %d elements", n)
+    return remove(t, ...)
+  end
+  if move then
+    function tbl.move(a1, f, e, t, a2)
+      local first, last = tonumber(f), tonumber(e)
+      if first and last and last >= first then
+        charge(cfg, last - first + 1, "table.move of %.0f elements", last - first + 1)
+      end
+      return move(a1, f, e, t, a2)
+    end
+  end
+end
+
 -- The globals every file of one load sees.  The libraries are copies, so a policy that
 -- replaces string.format changes only its own view.
 local function sandbox_env(cfg, require)
@@ -745,6 +842,7 @@ local function sandbox_env(cfg, require)
   tbl.unpack = unpack
   tbl.concat = sandbox_concat(cfg)
   tbl.pack = tbl.pack or pack
+  sandbox_table_fns(cfg, tbl)
   local env = {
     assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs,
     select = select, tonumber = tonumber, tostring = tostring, type = type, unpack = unpack,
@@ -907,24 +1005,37 @@ function M.position()
 end
 
 --- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
--- or the only file that has one.
--- (Read raw: an __index of the policy's would run here, outside any policy call.)
+-- or the only file that has one.  For a policy M.load made, what the planner gets is a table
+-- of the host's: parallelize calls the policy's function under the policy's budget whatever
+-- the function is (one a later file put there, a host function), and prefetch is the
+-- policy's value, which the planner reads raw.  Everything is read raw: an __index of the
+-- policy's would run here, outside any policy call.
 function M.entry_point(policy, path)
-  local main, units = policy.main, rawget(policy, "shard_units")
-  if type(main) == "table" and rawget(main, "parallelize") then return main end
-  if type(units) == "table" and rawget(units, "parallelize") then return units end
+  local rec = records[policy]
+  local function has(v) return type(v) == "table" and type(rawget(v, "parallelize")) == "function" end
   local found
-  for k, v in next, policy do
-    if type(v) == "table" and type(rawget(v, "parallelize")) == "function" then
-      if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
-      found = v
+  if rec and rec.main ~= nil then
+    found = has(rec.main) and rec.main or nil
+  elseif has(rawget(policy, "shard_units")) then
+    found = rawget(policy, "shard_units")
+  elseif not rec and has(rawget(policy, "main")) then
+    found = rawget(policy, "main")
+  else
+    for _, v in next, policy do
+      if has(v) then
+        if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
+        found = v
+      end
     end
   end
   if not found then
     error("moonshard: policy " .. path .. ": no file returns a table with parallelize(ctx) " ..
       "(shard_units.lua usually does)", 0)
   end
-  return found
+  if not rec then return found end
+  local fn = rawget(found, "parallelize")
+  fn = rec.cfg.unwrapped[fn] or fn
+  return { prefetch = rawget(found, "prefetch"), parallelize = function(ctx) return run(rec.cfg, fn, ctx) end }
 end
 
 function M.describe(p)
@@ -949,7 +1060,8 @@ function M.load(path, opts)
   local cfg = { instructions = instructions, step = math.min(STEP, instructions),
                 seconds = option(opts, "seconds", DEFAULT_SECONDS),
                 memory_mb = memory_mb, memory_kb = memory_mb * 1024,
-                wrappers = setmetatable({}, { __mode = "k" }), shapes = { anchored = {}, unanchored = {}, count = 0 } }
+                wrappers = setmetatable({}, { __mode = "k" }), unwrapped = setmetatable({}, { __mode = "k" }),
+                shapes = { anchored = {}, unanchored = {}, count = 0 }, path = path, roots = {} }
   cfg.string, cfg.string_methods = sandbox_string(cfg)
 
   local stems, file_of = {}, {}
@@ -990,6 +1102,8 @@ function M.load(path, opts)
   end
 
   local loaded, loading = {}, {}
+  collectgarbage("collect")
+  local load_base_kb = collectgarbage("count")
   local env
   local function load_file(stem)
     if loaded[stem] ~= nil then return loaded[stem] end
@@ -1004,6 +1118,17 @@ function M.load(path, opts)
       error(format("moonshard: policy %s: returned nothing (a policy file returns its data or functions)", file), 0)
     end
     loaded[stem] = value
+    cfg.roots[#cfg.roots + 1] = value
+    -- A call's cap counts what it adds; what the files keep counts together, or K files
+    -- could keep K times the cap.
+    if collectgarbage("count") - load_base_kb > cfg.memory_kb then
+      collectgarbage("collect")
+      local kept = collectgarbage("count") - load_base_kb
+      if kept > cfg.memory_kb then
+        error(format("moonshard: policy %s: the policy's files keep %.0f MiB once loaded, more than the memory cap " ..
+                     "of %g MiB", file, kept / 1024, cfg.memory_mb), 0)
+      end
+    end
     return value
   end
   env = sandbox_env(cfg, function(name)
@@ -1023,10 +1148,15 @@ function M.load(path, opts)
 
   local p, files = {}, {}
   for i, stem in ipairs(stems) do
-    p[stem] = wrap_all(cfg, load_file(stem), {})
+    p[stem] = wrap_all(cfg, load_file(stem), {}, file_of[stem])
     files[i] = file_of[stem]
   end
+  -- every function the files' values hold, once more: a later file may have put one of
+  -- its own into an earlier file's table
+  local seen = {}
+  for _, stem in ipairs(stems) do wrap_all(cfg, p[stem], seen, file_of[stem]) end
   local fields = { path = path, files = files, main = not dir and p[stems[1]] or nil }
+  records[p] = { cfg = cfg, main = fields.main, path = path, dir = dir }
   function fields.describe()
     local lines = { format("policy %s: %s", path, count(#stems, "file")) }
     for i, stem in ipairs(stems) do

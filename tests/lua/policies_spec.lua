@@ -689,7 +689,7 @@ end }
     os.execute("rm -rf " .. dir)
     assert.equal(1, r.code)
     assert.equal("moonshard plan: error: plan: the policy's prefetch.forward is -3; expected an integer >= 0 " ..
-      "(units fetched ahead)\n", r.err)
+      "(units fetched ahead) (policy " .. dir .. "/prefetch.lua)\n", r.err)
   end)
 
   it("plans every C int of ranks at once, and refuses a JSON that would list them all", function()

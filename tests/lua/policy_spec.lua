@@ -175,15 +175,32 @@ describe("the entry point", function()
   it("is the table with parallelize: the single file's, shard_units.lua's, else the one file's", function()
     local d = tmpdir()
     write(d .. "/precision.lua", "return { param_dtype = 'bf16' }\n")
-    write(d .. "/units.lua", "return { parallelize = function(ctx) end }\n")
+    write(d .. "/units.lua", "return { prefetch = { forward = 3 }, parallelize = function(ctx) return 'units' end }\n")
     local p = load_fast(d)
-    assert.equal(p.units, policy.entry_point(p, d))
+    -- the host's table: the policy's prefetch, and its parallelize called under its budget
+    local entry = policy.entry_point(p, d)
+    assert.equal("units", entry.parallelize())
+    assert.equal(p.units.prefetch, entry.prefetch)
     write(d .. "/other.lua", "return { parallelize = function(ctx) end }\n")
     assert.equal("moonshard: policy " .. d .. ": more than one file has parallelize(ctx)",
       failure(policy.entry_point, load_fast(d), d))
-    write(d .. "/shard_units.lua", "return { parallelize = function(ctx) end }\n")
+    -- shard_units.lua first, also before a main.lua (a file's stem, not the single file's)
+    write(d .. "/shard_units.lua", "return { parallelize = function(ctx) return 'shard_units' end }\n")
+    write(d .. "/main.lua", "return { parallelize = function(ctx) return 'main' end }\n")
     p = load_fast(d)
-    assert.equal(p.shard_units, policy.entry_point(p, d))
+    assert.equal("shard_units", policy.entry_point(p, d).parallelize())
+    -- a later file that puts a function of its own into the entry table: still budgeted
+    write(d .. "/zz.lua", "local su = require 'shard_units'\n" ..
+      "su.parallelize = function(ctx) while true do end end\nreturn true\n")
+    p = load_fast(d)
+    assert.matches("^moonshard: policy " .. d .. "/zz.lua: instruction budget of %d+ exceeded",
+      failure(policy.entry_point(p, d).parallelize))
+    -- a host function as parallelize runs for the policy, its error naming the policy
+    os.remove(d .. "/zz.lua")
+    write(d .. "/shard_units.lua", "return { parallelize = error }\n")
+    p = load_fast(d)
+    assert.matches("^moonshard: policy " .. d .. ": error object %(a table%) is not a string",
+      failure(policy.entry_point(p, d).parallelize, {}))
     rmdir(d)
     local single = load_fast(F .. "single.lua")
     assert.equal("moonshard: policy " .. F .. "single.lua: no file returns a table with parallelize(ctx) " ..
@@ -482,7 +499,11 @@ describe("policy errors", function()
     local raises = load_fast(file).main
     assert.equal(file .. ":" .. line_of(file, "fail =") .. ": no unit for 'x'", failure(raises.fail, "x"))
     assert.matches(file .. ":" .. line_of(file, "index_nil =") .. ": attempt to index", failure(raises.index_nil), 1, true)
-    assert.equal("moonshard: bad shape", failure(raises.call, error, "moonshard: bad shape", 0))
+    -- a message the policy raises as the library's own is not taken for it
+    -- (LuaJIT keeps no frame of the tail call: the file alone)
+    local err = failure(raises.call, error, "moonshard: bad shape", 0)
+    assert.is_true(err == "moonshard: policy " .. file .. ":" .. line_of(file, "call =") .. ": moonshard: bad shape" or
+      (jit ~= nil and err == "moonshard: policy " .. file .. ": moonshard: bad shape"), err)
   end)
 
   it("are strings naming the policy line when the policy raised something else", function()

@@ -1,0 +1,2 @@
+-- A host function as parallelize runs for the policy, in its budget, its error naming it.
+return { parallelize = error }
