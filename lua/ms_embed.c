@@ -131,7 +131,8 @@ typedef enum {
     C_PLAN_JSON,
     C_FIND,
     C_OPTIMIZER,
-    C_LIMITS
+    C_LIMITS,
+    C_SECONDS
 } call_kind;
 
 typedef struct {
@@ -147,7 +148,8 @@ typedef struct {
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
-                                 "plan_json", "find", "set_optimizer", "set_policy_limits"};
+                                 "plan_json", "find", "set_optimizer", "set_policy_limits",
+                                 "set_policy_seconds"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -199,6 +201,7 @@ static int p_call(lua_State *L) {
         lua_pushnumber(L, c->d2);
         nargs = 2;
         break;
+    case C_SECONDS: lua_pushnumber(L, c->d1); nargs = 1; break;
     case C_PREFETCH: nres = 2; break;
     case C_PLAN_JSON: nres = 1; break;
     case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
@@ -422,6 +425,12 @@ ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer) {
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb) {
     MS_NOT_NULL(in);
     embed_call c = {.kind = C_LIMITS, .d1 = instructions, .d2 = memory_mb};
+    return call(in, &c);
+}
+
+ms_status ms_interp_set_policy_seconds(ms_interp *in, double seconds) {
+    MS_NOT_NULL(in);
+    embed_call c = {.kind = C_SECONDS, .d1 = seconds};
     return call(in, &c);
 }
 

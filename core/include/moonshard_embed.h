@@ -96,6 +96,10 @@ ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer);
  * instructions it may run and the MiB it may allocate (defaults 200e6 and 256).  MS_ERR_ARG
  * below 1 instruction or at or below 0 MiB. */
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb);
+/* The sandbox's wall-clock limit per policy call, in seconds, for the plans made after this
+ * (default 60): the bound on work in C that the instruction count does not see.
+ * MS_ERR_ARG at or below 0. */
+ms_status ms_interp_set_policy_seconds(ms_interp *in, double seconds);
 /* How many units ahead the policy prefetches: in forward (its prefetch.forward, default 1)
  * and in backward (prefetch.backward, default 2), as the planner counted them.
  * MS_ERR_STATE before a plan. */

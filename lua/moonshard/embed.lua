@@ -146,7 +146,7 @@ function M.plan(mesh, policy_path)
   local policy = require "moonshard.policy"
   local limits = state.limits or {}
   local p = policy.load(policy_path, { modules = policy.host_modules(),
-    instructions = limits.instructions, memory_mb = limits.memory_mb })
+    instructions = limits.instructions, memory_mb = limits.memory_mb, seconds = limits.seconds })
   local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer,
     policy_name = policy_path })
@@ -168,7 +168,16 @@ function M.set_policy_limits(instructions, memory_mb)
     fail(string.format("policy limits %.17g instructions, %.17g MiB: expected at least 1 instruction and more " ..
       "than 0 MiB", instructions, memory_mb))
   end
-  state.limits = { instructions = instructions, memory_mb = memory_mb }
+  state.limits = { instructions = instructions, memory_mb = memory_mb, seconds = state.limits and state.limits.seconds }
+end
+
+--- The policy sandbox's wall-clock limit per call for the plans made after this.
+function M.set_policy_seconds(seconds)
+  if not (seconds > 0 and seconds < 2 ^ 40) then
+    fail(string.format("policy time limit %.17g s: expected more than 0 seconds", seconds))
+  end
+  state.limits = state.limits or {}
+  state.limits.seconds = seconds
 end
 
 --- The last plan's warnings, a list of strings.

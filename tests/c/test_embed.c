@@ -505,6 +505,11 @@ static void hostile_policies(void) {
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("spin.lua"), NULL), MS_ERR_ARG,
               "spin.lua: instruction budget of 1000000 exceeded (an infinite loop?) at line 3");
     CHECK_OK(ms_interp_set_policy_limits(in, 200e6, 256));
+    /* work in C the count does not see ends at the host's wall clock */
+    CHECK_ERR(ms_interp_set_policy_seconds(in, 0), MS_ERR_ARG, "expected more than 0 seconds");
+    CHECK_OK(ms_interp_set_policy_seconds(in, 1));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("slow.lua"), NULL), MS_ERR_ARG, "slow.lua: time limit of 1 s exceeded");
+    CHECK_OK(ms_interp_set_policy_seconds(in, 60));
     int units = 0;
     CHECK_OK(ms_interp_plan(in, "dp_shard=1", at("tamper.lua"), &units));
     CHECK(units == 2, "(%d units: the policy's writes to ctx changed the plan)", units);
@@ -665,6 +670,12 @@ int main(void) {
                            "  ctx:fully_shard(ctx.model, { shard_placement_fn = function() while true do end end })\n"
                            "end\n"
                            "return M\n");
+    write_file("slow.lua", "local M = {}\n"
+                           "function M.parallelize(ctx)\n"
+                           "  local s = string.rep(string.rep('x', 4096), 4096)\n"
+                           "  for _ = 1, 1e9 do local _ = s .. 'y' end\n"
+                           "end\n"
+                           "return M\n");
     write_file("tamper.lua", "local M = {}\n"
                              "function M.parallelize(ctx)\n"
                              "  ctx:fully_shard('layers.0', {}).params = {}\n"
@@ -692,7 +703,7 @@ int main(void) {
     ms_world_release(W1);
     const char *names[] = {"good.lua", "typecheck.lua", "typecheck_config.lua", "unowned.lua", "badprefetch.lua", "tableerr.lua",
                            "nilerr.lua", "tostringerr.lua", "tostringboom.lua", "bad.json", "leak.lua",
-                           "spin.lua", "tamper.lua"};
+                           "spin.lua", "tamper.lua", "slow.lua"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) unlink(at(names[i]));
     rmdir(dir);
     printf("test_embed: %d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));

@@ -455,6 +455,7 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_set_optimizer, in, NULL, "adamw");
     REFUSE(ms_interp_set_optimizer, optimizer, in, NULL);
     REFUSE(ms_interp_set_policy_limits, in, NULL, 1e6, 64);
+    REFUSE(ms_interp_set_policy_seconds, in, NULL, 5);
 
     const char *policy = MOONSHARD_SOURCE_DIR "/policies/fsdp2_default.lua";
     int units;
