@@ -91,7 +91,7 @@ local function is_file(path)
   return f ~= nil
 end
 
--- What M.load made, for entry_point: policy -> {cfg, main (a single file's value), path, dir}
+-- What M.load made, for entry_point: policy -> {cfg, main (a single file's value)}
 local records = setmetatable({}, { __mode = "k" })
 
 -- "@path" (the chunk name) of every policy file loaded so far: how the budget finds the
@@ -279,10 +279,6 @@ local function describe_error(e)
   return "{" .. concat(fields, ", ") .. (keys.more and ", ..." or "") .. "}"
 end
 
--- The message handler of a policy call.  The host reads errors as strings (a table is
--- "(error object is not a string)" in C), so an error object that is not one becomes one,
--- naming the policy line that raised it while the stack still shows it.  A __tostring is
--- policy code: it runs here, under the budget, protected.
 -- The message starts with a policy file's position, as Lua writes it ("file:line: ...").
 local function names_policy(e)
   local src = match(e, "^(.-):%d+: ")
@@ -302,6 +298,10 @@ local function raised_by_policy(level)
   return info ~= nil and (policy_sources[info.source] == true or info.func == run)
 end
 
+-- The message handler of a policy call.  The host reads errors as strings (a table is
+-- "(error object is not a string)" in C), so an error object that is not one becomes one,
+-- naming the policy line that raised it while the stack still shows it.  A __tostring is
+-- policy code: it runs here, under the budget, protected.
 local function stringify(e)
   local b = budget
   -- A string names the policy line already, or is the library's own ("moonshard: ..."),
@@ -768,7 +768,7 @@ local function sandbox_string(cfg)
   end }
   -- Two tables of the same functions: the policy's global `string`, which it may change,
   -- and the methods of strings during its calls ("x":rep(n)), which it cannot reach:
-  -- library code the policy calls (name:sub(...) in the planner) gets the sandbox's own, unchanged.
+  -- library code the policy calls (the planner's name:sub(...)) gets the sandbox's own.
   return setmetatable(s, mt), setmetatable(copy(s), mt)
 end
 
@@ -776,11 +776,11 @@ end
 -- through __index, LuaJIT raw), once: the values go to a plain table for the real concat.
 local raw_concat = jit ~= nil
 local function sandbox_concat(cfg)
-  return function(t, sep, i, j)
-    if type(t) ~= "table" then return concat(t, sep, i, j) end
-    i = i == nil and 1 or tonumber(i) -- "1e12" is a bound too
-    if j == nil then j = raw_concat and rawlen(t) or #t else j = tonumber(j) end
-    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i, j) end -- it raises
+  return function(t, sep, i0, j0)
+    if type(t) ~= "table" then return concat(t, sep, i0, j0) end
+    local i = i0 == nil and 1 or tonumber(i0) -- "1e12" is a bound too
+    local j = j0 == nil and (raw_concat and rawlen(t) or #t) or tonumber(j0)
+    if type(i) ~= "number" or type(j) ~= "number" then return concat(t, sep, i0, j0) end -- it raises
     local values, bytes = {}, 0
     for k = i, j do
       local v = raw_concat and rawget(t, k) or t[k]
@@ -1053,8 +1053,9 @@ end
 -- policy maps each file's stem to the value the file returned; policy.main is that value
 -- for a single file, policy.describe() lists the files (a file named like one of these
 -- fields shadows it).  opts: instructions (per call, default 200e6), memory_mb (per call,
--- default 256), seconds (wall clock per call, default 60), modules (name -> module value the policy may require), files (the names in
--- the directory, where io.popen is missing).  Loads again from disk on every call.
+-- default 256), seconds (wall clock per call, default 60), modules (name -> module value
+-- the policy may require), files (the names in the directory, where io.popen is missing).
+-- Loads again from disk on every call.
 function M.load(path, opts)
   opts = opts or {}
   if type(path) ~= "string" or path == "" then
@@ -1157,12 +1158,8 @@ function M.load(path, opts)
     p[stem] = wrap_all(cfg, load_file(stem), {}, file_of[stem])
     files[i] = file_of[stem]
   end
-  -- every function the files' values hold, once more: a later file may have put one of
-  -- its own into an earlier file's table
-  local seen = {}
-  for _, stem in ipairs(stems) do wrap_all(cfg, p[stem], seen, file_of[stem]) end
   local fields = { path = path, files = files, main = not dir and p[stems[1]] or nil }
-  records[p] = { cfg = cfg, main = fields.main, path = path, dir = dir }
+  records[p] = { cfg = cfg, main = fields.main }
   function fields.describe()
     local lines = { format("policy %s: %s", path, count(#stems, "file")) }
     for i, stem in ipairs(stems) do

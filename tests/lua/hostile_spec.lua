@@ -124,6 +124,7 @@ describe("what a tester found, each held now", function()
     refused("table_move", "table.move of 1000000000000 elements")
     refused("rep_string_count", "string.rep of 100000000000000000 copies")
     refused("concat_string_bounds", { "instruction budget of 50000000 exceeded", "memory cap of 64 MiB exceeded" })
+    refused("concat_bad_bound", "bad argument #3 to 'concat'")
     refused("sort_big", "table.sort of 2000000 elements")
     if not jit then refused("len_insert", "table.insert: a table whose metatable has __len is refused") end
   end)
