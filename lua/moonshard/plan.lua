@@ -26,11 +26,12 @@ M.PADDING_WASTE = 0.05
 -- memory.per_rank (a table per rank) is built, when read, up to this many ranks.
 M.PER_RANK_LIMIT = 1048576
 
--- A plan error; raised while a policy call runs, it names the policy line that called
--- (unless the message names its call sites itself: `sited`).
 -- The policy being planned (its path), while M.plan runs: a check after its call returned
 -- names it, as one during the call names its line.
 local planning
+
+-- A plan error; raised while a policy call runs, it names the policy line that called
+-- (unless the message names its call sites itself: `sited`).
 local function fail(msg, sited)
   local at = not sited and require("moonshard.policy").position()
   if not at and not sited then at = planning end
@@ -69,6 +70,14 @@ end
 -- How a unit or module is named in messages: the root has the empty name.
 local function display(name) return name == "" and "<root>" or name end
 M.display = display
+
+-- A value of the policy's in a message, running none of its metamethods: a scalar as it
+-- is, anything else by its type.
+local function shown(v)
+  local t = type(v)
+  if t == "string" or t == "number" or t == "boolean" or t == "nil" then return tostring(v) end
+  return "a " .. t
+end
 
 local function check_dtype(d, what)
   if d ~= nil and not DTYPE_SIZE[d] then
@@ -335,14 +344,14 @@ function Ctx:fully_shard(module, opts)
   local raf = opts.reshard_after_forward
   if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then
     fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
-      display(name), tostring(raf)))
+      display(name), shown(raf)))
   end
   -- "cpu" is FSDP2's CPUOffloadPolicy; "none" (or nil) its default OffloadPolicy, which
   -- keeps everything on the device
   local offload = opts.offload_policy
   if offload ~= nil and offload ~= "cpu" and offload ~= "none" then
     fail(string.format("offload_policy of unit %s is %s; expected \"cpu\" (CPUOffloadPolicy), \"none\" or nil",
-      display(name), type(offload) == "string" and "'" .. offload .. "'" or tostring(offload)))
+      display(name), type(offload) == "string" and "'" .. offload .. "'" or shown(offload)))
   end
   if opts.kind ~= nil and not UNIT_KINDS[opts.kind] then
     fail(string.format("fully_shard(%s): kind is %s; expected \"fp32_island\", \"module\" or \"root\"",
@@ -614,17 +623,15 @@ local function peak_unsharded(ctx, units)
     return 0
   end
   local what = "the unsharded bytes alive at once"
-  -- PU, PK: prefix sums of the gathered and the kept bytes (PK <= PU); D = U - K
+  -- PU, PK: prefix sums of the gathered and the kept bytes (PK <= PU); D = U - K of a unit
   local PU, PK = { [0] = 0 }, { [0] = 0 }
   for i, u in ipairs(order) do
     PU[i] = add(PU[i - 1], u.unsharded_bytes, what)
     PK[i] = PK[i - 1] + kept_bytes(u)
   end
-  local function D(i) return order[i].unsharded_bytes - kept_bytes(order[i]) end
   local df, db = ctx.prefetch.forward, ctx.prefetch.backward
   local stack, SD = {}, { [0] = 0 } -- the units containing the current one; prefix sums of their D
   local peak = 0
-  local forward, backward = {}, {}
   for t = 1, n do
     local mod = order[t].module
     while #stack > 0 and not is_ancestor(ctx, order[stack[#stack]].module, mod) do
@@ -634,7 +641,7 @@ local function peak_unsharded(ctx, units)
     local base = add(add(PK[t - 1], SD[top], what), order[t].unsharded_bytes, what)
     -- forward: the next df units are prefetched
     local last = math.min(n, t + df)
-    forward[t] = add(base, PU[last] - PU[t], what)
+    peak = math.max(peak, add(base, PU[last] - PU[t], what))
     -- backward: the previous db units are prefetched (those not already counted as
     -- containing t); t holds its gradient too
     local lo = math.max(1, t - db)
@@ -644,10 +651,9 @@ local function peak_unsharded(ctx, units)
       if stack[mid] >= lo then z = mid else a = mid + 1 end
     end
     local window = (PU[t - 1] - PU[lo - 1]) - (PK[t - 1] - PK[lo - 1]) - (SD[top] - SD[a - 1])
-    backward[t] = add(add(base, window, what), order[t].unsharded_grad_bytes, what)
-    stack[top + 1], SD[top + 1] = t, SD[top] + D(t)
+    peak = math.max(peak, add(add(base, window, what), order[t].unsharded_grad_bytes, what))
+    stack[top + 1], SD[top + 1] = t, SD[top] + (PU[t] - PU[t - 1]) - (PK[t] - PK[t - 1])
   end
-  for t = 1, n do peak = math.max(peak, forward[t], backward[t]) end
   return peak
 end
 
@@ -661,14 +667,6 @@ end
 -- the policy's: no table and no function of it is read after parallelize returns, so no
 -- policy code runs outside the sandbox's budget, and the plan is made and validated from
 -- data the policy cannot reach.
-
--- A value of the policy's in a message, running none of its metamethods: a scalar as it
--- is, anything else by its type.
-local function shown(v)
-  local t = type(v)
-  if t == "string" or t == "number" or t == "boolean" or t == "nil" then return tostring(v) end
-  return "a " .. t
-end
 
 -- Plain data (strings, numbers, booleans, tables of them), copied; the rest left out.
 local function copy_data(v, depth)
@@ -692,7 +690,7 @@ end
 
 -- The policy's view of the model and the mesh, and the maps between its copies and the
 -- planner's objects.
-local function new_view(ctx)
+local function new_view()
   local VModule = copy_class(ms_module.Module,
     { "get", "named_modules", "named_parameters", "param_count", "param_bytes", "__tostring" })
   local VParam = copy_class(ms_module.Param, { "meta", "nbytes", "__tostring" })
@@ -725,25 +723,25 @@ local function new_view(ctx)
   return view
 end
 
--- A module of the policy's (its copy, or a dotted name) as the planner's; errors name what
+-- The planner's object (of `class`) behind one of the policy's copies; the error names what
 -- was given instead.
-local function module_arg(view, m, what)
-  if type(m) == "string" then return m end
-  local o = type(m) == "table" and view.orig[m]
-  if not o or getmetatable(o) ~= ms_module.Module then
-    fail(string.format("%s: expected a module of ctx.model or a module's dotted name, got %s", what,
-      type(m) == "table" and "a table that is not one of ctx.model's modules" or "a " .. type(m)))
+local function planner_object(view, x, class, what, expected, plural)
+  local o = type(x) == "table" and view.orig[x]
+  if not o or getmetatable(o) ~= class then
+    fail(string.format("%s: expected %s, got %s", what, expected,
+      type(x) == "table" and "a table that is not one of ctx.model's " .. plural or "a " .. type(x)))
   end
   return o
 end
 
+-- A module of the policy's (its copy, or a dotted name) as the planner's.
+local function module_arg(view, m, what)
+  if type(m) == "string" then return m end
+  return planner_object(view, m, ms_module.Module, what, "a module of ctx.model or a module's dotted name", "modules")
+end
+
 local function param_arg(view, p, what)
-  local o = type(p) == "table" and view.orig[p]
-  if not o or getmetatable(o) ~= ms_module.Param then
-    fail(string.format("%s: expected a parameter of ctx.model, got %s", what,
-      type(p) == "table" and "a table that is not one of ctx.model's parameters" or "a " .. type(p)))
-  end
-  return o
+  return planner_object(view, p, ms_module.Param, what, "a parameter of ctx.model", "parameters")
 end
 
 local function string_arg(v, what, optional)
@@ -752,9 +750,9 @@ local function string_arg(v, what, optional)
   return v
 end
 
--- The options of ctx:fully_shard, copied: the values the planner takes, checked for type,
--- policy modules and parameters replaced by the planner's.  Unknown keys stay for
--- Ctx:fully_shard to refuse by name.
+-- The options of ctx:fully_shard, copied: the mesh's axes and the dtypes checked to be
+-- strings, policy parameters replaced by the planner's.  Ctx:fully_shard checks the rest
+-- (its messages run no metamethod) and refuses unknown keys by name.
 local function shard_options(view, opts, where)
   if opts == nil then return nil end
   if type(opts) ~= "table" then fail(string.format("%s: the options are a %s; expected a table", where, type(opts))) end
@@ -763,7 +761,9 @@ local function shard_options(view, opts, where)
   if o.mesh ~= nil then
     local axes = o.mesh
     if type(axes) == "string" then axes = { axes } end
-    if type(axes) ~= "table" then fail(string.format("%s: mesh is a %s; expected an axis name or a list of them", where, type(axes))) end
+    if type(axes) ~= "table" then
+      fail(string.format("%s: mesh is a %s; expected an axis name or a list of them", where, type(axes)))
+    end
     o.mesh = {}
     for i = 1, #axes do o.mesh[i] = string_arg(axes[i], where .. ": mesh[" .. i .. "]") end
   end
@@ -775,14 +775,6 @@ local function shard_options(view, opts, where)
     end
     o.mp_policy = mp
   end
-  local raf = o.reshard_after_forward
-  if raf ~= nil and type(raf) ~= "boolean" and type(raf) ~= "number" then
-    fail(string.format("%s: reshard_after_forward is a %s; expected true, false or an integer", where, type(raf)))
-  end
-  if type(o.offload_policy) == "table" then
-    fail(string.format("%s: offload_policy is a table; expected \"cpu\" (CPUOffloadPolicy), \"none\" or nil", where))
-  end
-  o.kind = string_arg(o.kind, where .. ": kind", true)
   if o.ignored_params ~= nil then
     if type(o.ignored_params) ~= "table" then
       fail(string.format("%s: ignored_params is a %s; expected a list of parameters or their names", where,
@@ -791,7 +783,8 @@ local function shard_options(view, opts, where)
     local list = {}
     for k, v in pairs(o.ignored_params) do
       local item = (type(k) ~= "number") and k or v
-      if type(item) == "table" and not view.orig[item] and type(item[2]) == "table" then item = item[2] end -- {fqn, param}
+      -- a {fqn, param} pair, as ctx:params_of gives them
+      if type(item) == "table" and not view.orig[item] and type(item[2]) == "table" then item = item[2] end
       if type(item) ~= "string" then item = param_arg(view, item, where .. ": ignored_params") end
       list[#list + 1] = item
     end
@@ -829,14 +822,16 @@ end
 -- The context parallelize(ctx) receives: its own table of methods (closures), so that
 -- replacing one changes nothing but this table.
 local function policy_context(ctx, opts)
-  local view = new_view(ctx)
+  local view = new_view()
   ctx.present = view.param
   local pub = { model = view.module(ctx.model), mesh = mesh_view(ctx.mesh), config = copy_data(opts.config, 0) }
   function pub.module(_, m) return view.module(ctx:module(module_arg(view, m, "ctx:module"))) end
   function pub.name_of(_, m) return ctx:name_of(ctx:module(module_arg(view, m, "ctx:name_of"))) end
   function pub.params_of(_, m)
     local out = {}
-    for i, np in ipairs(ctx:params_of(module_arg(view, m, "ctx:params_of"))) do out[i] = { np[1], view.param(np[2]) } end
+    for i, np in ipairs(ctx:params_of(module_arg(view, m, "ctx:params_of"))) do
+      out[i] = { np[1], view.param(np[2]) }
+    end
     return out
   end
   function pub.is_owned(_, p) return ctx:is_owned(param_arg(view, p, "ctx:is_owned")) end
@@ -861,7 +856,9 @@ local function policy_context(ctx, opts)
   function pub.expert_parallel(_, m, eopts)
     local o
     if eopts ~= nil then
-      if type(eopts) ~= "table" then fail("ctx:expert_parallel: the options are a " .. type(eopts) .. "; expected a table") end
+      if type(eopts) ~= "table" then
+        fail("ctx:expert_parallel: the options are a " .. type(eopts) .. "; expected a table")
+      end
       o = { by = string_arg(eopts.by, "ctx:expert_parallel: by", true) }
       if o.by and not (o.by:find("^[%a_][%w_]*$") and #o.by <= 32) then
         fail("ctx:expert_parallel: by is a label for the plan (letters, digits and _, at most 32), got " ..
@@ -874,7 +871,8 @@ local function policy_context(ctx, opts)
   end
   function pub.fully_shard(_, m, sopts)
     local module = ctx:module(module_arg(view, m, "ctx:fully_shard"))
-    local unit = ctx:fully_shard(module, shard_options(view, sopts, "fully_shard(" .. display(ctx:name_of(module)) .. ")"))
+    local where = "fully_shard(" .. display(ctx:name_of(module)) .. ")"
+    local unit = ctx:fully_shard(module, shard_options(view, sopts, where))
     -- what the policy may want of it, copied
     local params = {}
     for i, p in ipairs(unit.params) do params[i] = view.param(p) end
