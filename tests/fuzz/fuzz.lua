@@ -65,21 +65,8 @@ function Rng:chance(p) return self:next() % 1000 < p * 1000 end
 
 -- ---------------------------------------------------------------- files
 
-local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
-
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write(path, s)
-  local f = assert(io.open(path, "wb"))
-  assert(f:write(s))
-  f:close()
-  return path
-end
+local S = require "support" -- tests/lua/support.lua: file helpers shared with the specs
+local shell_quote, read, write = S.quote, S.read_file, S.write_file
 
 local function mkdir(path) assert(os.execute("mkdir -p " .. shell_quote(path))) end
 

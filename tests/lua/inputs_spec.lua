@@ -13,12 +13,7 @@ local tmpdir, fifo
 local function tmp(name) return tmpdir .. "/" .. name end
 local function lit(s) return (s:gsub("%p", "%%%0")) end
 
-local function write(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-  return path
-end
+local write = S.write_file
 
 -- A regular file of `size` bytes that takes no room (a hole, then one byte).
 local function sparse(path, size)

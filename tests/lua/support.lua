@@ -23,6 +23,21 @@ local function slurp(path)
   return s
 end
 
+--- read_file(path) -> the whole file; write_file(path, text) -> path (assert on failure)
+function S.read_file(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+function S.write_file(path, text)
+  local f = assert(io.open(path, "wb"))
+  assert(f:write(text))
+  f:close()
+  return path
+end
+
 local function shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end

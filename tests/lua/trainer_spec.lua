@@ -18,12 +18,7 @@ local function trainer(args)
   return r
 end
 
-local function write_file(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-  return path
-end
+local write_file = S.write_file
 
 -- A small model (H=32, I=32, T=32, 47,816 parameters): the whole spec takes seconds on 2
 -- cores (half a minute under AddressSanitizer).
