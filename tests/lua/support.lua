@@ -38,6 +38,34 @@ function S.write_file(path, text)
   return path
 end
 
+--- refdata(file) -> {name = {type = t, n = count, values = {...}}}: a file of
+-- tests/reference/data (made by tests/reference/make.sh; format in tests/reference/refdata.py).
+-- x8/x16/x32 and i64 values are numbers (i64 exact to 2^53), x64 hexadecimal strings, f64
+-- numbers. A missing file is an error that says how to make it.
+function S.refdata(file)
+  local path = "tests/reference/data/" .. file
+  local f, why = io.open(path, "rb")
+  if not f then error(path .. ": " .. tostring(why) .. " (run tests/reference/make.sh to make it)", 2) end
+  local recs, lineno = {}, 0
+  for line in f:lines() do
+    lineno = lineno + 1
+    if not line:match("^%s*#") and line:match("%S") then
+      local name, typ, n, rest = line:match("^(%S+) (%S+) (%d+) ?(.*)$")
+      assert(name, path .. ":" .. lineno .. ": expected: name type count values")
+      local values = {}
+      for tok in rest:gmatch("%S+") do
+        if typ == "x64" then values[#values + 1] = tok
+        elseif typ:sub(1, 1) == "x" then values[#values + 1] = tonumber(tok, 16)
+        else values[#values + 1] = tonumber(tok) end
+      end
+      assert(#values == tonumber(n), path .. ":" .. lineno .. ": " .. name .. ": count " .. n .. ", " .. #values .. " values")
+      recs[name] = { type = typ, n = #values, values = values }
+    end
+  end
+  f:close()
+  return recs
+end
+
 local function shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
