@@ -1470,7 +1470,7 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
         }
         const double t = (double)(step - p->skipped_steps);
         ms_adamw_hyper h = {.d = {.decay = 1 - lr * weight_decay, .w1 = 1 - beta1, .b2 = beta2, .c2 = 1 - beta2,
-                                  .step_size = lr / (1 - pow(beta1, t)), .bc2_sqrt = sqrt(1 - pow(beta2, t)),
+                                  .step_size = lr / (1 - pow(beta1, t)), .bc2_sqrt = pow(1 - pow(beta2, t), 0.5),
                                   .eps = eps}};
         h.decay = (float)h.d.decay, h.w1 = (float)h.d.w1, h.b2 = (float)h.d.b2, h.c2 = (float)h.d.c2;
         h.step_size = (float)h.d.step_size, h.bc2_sqrt = (float)h.d.bc2_sqrt, h.eps = (float)h.d.eps;

@@ -38,14 +38,14 @@ typedef struct refdata {
     int64_t n, cap;
 } refdata;
 
-static void refdata_die(const char *path, long line, const char *what) {
+static inline void refdata_die(const char *path, long line, const char *what) {
     fprintf(stderr, "%s:%ld: %s\n", path, line, what);
     exit(2);
 }
 
 /* Loads MS_REFDATA_DIR/<file>; exits with a message naming the file and line when it is
  * missing or malformed. */
-static refdata *refdata_load(const char *file) {
+static inline refdata *refdata_load(const char *file) {
     refdata *d = calloc(1, sizeof *d);
     if (!d) refdata_die(file, 0, "out of memory");
     snprintf(d->path, sizeof d->path, "%s/%s", MS_REFDATA_DIR, file);
@@ -101,7 +101,7 @@ static refdata *refdata_load(const char *file) {
 }
 
 /* The record `name`, which must exist (the test exits naming it otherwise). */
-static const refrec *refdata_get(const refdata *d, const char *name) {
+static inline const refrec *refdata_get(const refdata *d, const char *name) {
     for (int64_t i = 0; i < d->n; i++)
         if (!strcmp(d->recs[i].name, name)) return &d->recs[i];
     fprintf(stderr, "%s: no record '%s' (regenerate with tests/reference/make.sh)\n", d->path, name);
@@ -109,20 +109,20 @@ static const refrec *refdata_get(const refdata *d, const char *name) {
 }
 
 /* The record `name`, or NULL. */
-static const refrec *refdata_find(const refdata *d, const char *name) {
+static inline const refrec *refdata_find(const refdata *d, const char *name) {
     for (int64_t i = 0; i < d->n; i++)
         if (!strcmp(d->recs[i].name, name)) return &d->recs[i];
     return NULL;
 }
 
 /* Element i of an f64 record. */
-static double refdata_f64(const refrec *r, int64_t i) {
+static inline double refdata_f64(const refrec *r, int64_t i) {
     double x;
     memcpy(&x, &r->v[i], sizeof x);
     return x;
 }
 
-static void refdata_free(refdata *d) {
+static inline void refdata_free(refdata *d) {
     if (!d) return;
     for (int64_t i = 0; i < d->n; i++) free(d->recs[i].v);
     free(d->recs);
