@@ -1055,6 +1055,19 @@ static int u_bytes(lua_State *L) {
     return 1;
 }
 
+/* unit:rank_allocated() -> {params=, grads=, optimizer=, unsharded=}: the memory allocated
+ * for every unit of the rank, counted at the allocator (ms_unit_rank_allocated) */
+static int u_rank_allocated(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    static const char *const names[] = {"params", "grads", "optimizer", "unsharded"};
+    lua_createtable(L, 0, 4);
+    for (int c = 0; c < 4; c++) {
+        lua_pushinteger(L, (lua_Integer)ms_unit_rank_allocated(u, c));
+        lua_setfield(L, -2, names[c]);
+    }
+    return 1;
+}
+
 /* unit:records() -> list of {kind=, dtype=, group_size=, bytes=} */
 static int u_records(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
@@ -1244,7 +1257,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"release_unsharded", u_release_unsharded}, {"zero_grad", u_zero_grad},
         {"grad_sq_norm", u_grad_sq_norm}, {"scale_grads", u_scale_grads},
         {"adamw_step", u_adamw_step}, {"set_adamw", u_set_adamw}, {"adamw_state", u_adamw_state},
-        {"adamw_skipped", u_adamw_skipped}, {"set_adamw_skipped", u_set_adamw_skipped}, {"bytes", u_bytes}, {"records", u_records},
+        {"adamw_skipped", u_adamw_skipped}, {"set_adamw_skipped", u_set_adamw_skipped}, {"bytes", u_bytes}, {"rank_allocated", u_rank_allocated}, {"records", u_records},
         {"clear_records", u_clear_records}, {"release", unit_gc}, {NULL, NULL}};
     new_class(L, UNIT_MT, unit_methods, unit_gc, u_tostring);
     luaL_newlib(L, funcs);

@@ -521,6 +521,14 @@ ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, 
  * any unit of the rank.  -1 for another category.  Summed over the units of a rank, the
  * categories count everything the rank holds for them. */
 int64_t ms_unit_bytes(const ms_unit *u, int category);
+/* The memory allocated for the units of u's rank (every unit of its world and world rank,
+ * which share a buffer cache), by category: 0 shards, 1 gradient shards, 2 optimizer state,
+ * 3 unsharded and cached buffers (ms_unit_bytes' 3 and 4 together).  Counted where storage
+ * is allocated and freed (the calloc / cudaMalloc sizes of the buffers the units made, taken
+ * off when the last reference to one goes, a caller's included), not from the units' own
+ * books, so a host can hold both the books and the planner to the memory really used.  -1
+ * with the message set for a NULL unit or another category. */
+int64_t ms_unit_rank_allocated(const ms_unit *u, int category);
 
 /* The collectives a unit has issued, for audits: kind 0 all_gather, 1 reduce_scatter,
  * 2 all_reduce; the dtype and the group size and the bytes of the whole buffer. */

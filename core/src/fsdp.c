@@ -224,6 +224,8 @@ struct buf_cache {
     cache_bin *bins;      /* (nbins), capacity bcap; a bin stays when it empties */
     int nbins, bcap;
     buf_cache *next;      /* registry link */
+    ms__account *account; /* the memory allocated for the rank's units, counted at the allocator
+                           * (ms_unit_rank_allocated); categories 0-2 as CAT_*, 3 unsharded and cached */
 };
 
 static pthread_mutex_t cache_registry_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -234,7 +236,11 @@ static ms_status cache_acquire(ms_world *w, int rank, buf_cache **out) {
     pthread_mutex_lock(&cache_registry_lock);
     buf_cache *c = cache_registry;
     while (c && (c->world != w || c->rank != rank)) c = c->next;
-    if (!c && (c = calloc(1, sizeof *c))) {
+    if (!c && (c = calloc(1, sizeof *c)) && !(c->account = ms__account_new())) {
+        free(c);
+        c = NULL;
+    }
+    if (c && !c->world) {
         c->world = w;
         c->rank = rank;
         pthread_mutex_init(&c->lock, NULL);
@@ -265,6 +271,7 @@ static void cache_release(buf_cache *c) {
     }
     free(c->bins);
     pthread_mutex_destroy(&c->lock);
+    ms__account_release(c->account);
     free(c);
 }
 
@@ -388,8 +395,11 @@ static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const i
         ms_tensor_release(cached);
         if (!st && zero) st = zero_elems(*out, 0, numel);
     } else if (!st) {
+        /* counted at the allocator: cached buffers are transient ones, so 3 holds both */
+        const ms__account_scope outer = ms__account_enter(u->cache->account, cat < CAT_UNSHARDED ? cat : CAT_UNSHARDED);
         st = ms_tensor_new(out, ndim, shape, dtype, on_device ? MS_DEVICE_CUDA : MS_DEVICE_CPU,
                            on_device ? u->device : 0);
+        ms__account_leave(outer);
     }
     if (st) return ms__wrap(st, "unit '%s'", unit_label(u));
     u->bytes[cat] += ms_tensor_nbytes(*out);
@@ -1485,6 +1495,16 @@ int64_t ms_unit_bytes(const ms_unit *u, int category) {
     MS_NOT_NULL_OR(u, -1);
     if (category < 0 || category >= CAT_COUNT) return -1;
     return category == CAT_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
+}
+
+int64_t ms_unit_rank_allocated(const ms_unit *u, int category) {
+    MS_NOT_NULL_OR(u, -1);
+    if (category < 0 || category >= MS__ACCOUNT_CATS) {
+        ms__fail(MS_ERR_ARG, "unit '%s': rank_allocated: category %d: expected 0 (shards), 1 (gradient shards), "
+                 "2 (optimizer state) or 3 (unsharded and cached buffers)", unit_label(u), category);
+        return -1;
+    }
+    return atomic_load(&u->cache->account->bytes[category]);
 }
 
 int ms_unit_record_count(const ms_unit *u) {

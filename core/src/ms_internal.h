@@ -85,6 +85,30 @@ void ms__cast_contig(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype sr
 
 /* ---------------------------------------------------------------- tensor.c */
 
+/* An allocation account: the bytes of memory allocated (calloc, cudaMalloc) for the storages
+ * made while it was this thread's account (ms__account_enter), by category, taken off when
+ * such a storage is freed, on whichever thread.  Counted at the allocator, apart from any
+ * caller's own books: the shard units keep one per rank (fsdp.c) so that a test can hold
+ * their books and the planner to the memory really allocated (ms_unit_rank_allocated).
+ * Refcounted: a storage retains the account it was counted in. */
+enum { MS__ACCOUNT_CATS = 4 };
+typedef struct ms__account {
+    atomic_int refcount;
+    _Atomic int64_t bytes[MS__ACCOUNT_CATS];
+} ms__account;
+
+/* A new account (refcount 1, zero bytes), or NULL when out of memory. */
+ms__account *ms__account_new(void);
+void ms__account_release(ms__account *a);
+/* Makes (a, cat) this thread's account until ms__account_leave (a NULL account counts
+ * nothing); nests. */
+typedef struct ms__account_scope {
+    ms__account *account;
+    int cat;
+} ms__account_scope;
+ms__account_scope ms__account_enter(ms__account *a, int cat);
+void ms__account_leave(ms__account_scope previous);
+
 typedef struct ms_storage {
     atomic_int refcount;
     void *data;      /* NULL for meta */
@@ -92,6 +116,8 @@ typedef struct ms_storage {
     bool owned;      /* false for ms_tensor_wrap */
     ms_device_type device;
     int device_index;
+    ms__account *account; /* retained: where this storage's allocation was counted, else NULL */
+    int account_cat;
 } ms_storage;
 
 struct ms_tensor {

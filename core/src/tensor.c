@@ -52,9 +52,47 @@ static void free_data(ms_device_type device, int device_index, void *data) {
     else free(data);
 }
 
+/* ---------------------------------------------------------------- allocation accounts */
+
+static _Thread_local ms__account_scope current_account; /* this thread's (ms__account_enter) */
+
+ms__account *ms__account_new(void) {
+    ms__account *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    atomic_init(&a->refcount, 1);
+    for (int c = 0; c < MS__ACCOUNT_CATS; c++) atomic_init(&a->bytes[c], 0);
+    return a;
+}
+
+void ms__account_release(ms__account *a) {
+    if (a && atomic_fetch_sub(&a->refcount, 1) == 1) free(a);
+}
+
+ms__account_scope ms__account_enter(ms__account *a, int cat) {
+    const ms__account_scope previous = current_account;
+    current_account = (ms__account_scope){a, cat};
+    return previous;
+}
+
+void ms__account_leave(ms__account_scope previous) { current_account = previous; }
+
+/* Counts an owned allocation of s in this thread's account, if any. */
+static void account_storage(ms_storage *s) {
+    ms__account *a = current_account.account;
+    if (!a || !s->owned || !s->data) return;
+    atomic_fetch_add(&a->refcount, 1);
+    atomic_fetch_add(&a->bytes[current_account.cat], s->nbytes);
+    s->account = a;
+    s->account_cat = current_account.cat;
+}
+
 static void storage_release(ms_storage *s) {
     if (s && atomic_fetch_sub(&s->refcount, 1) == 1) {
         if (s->owned) free_data(s->device, s->device_index, s->data);
+        if (s->account) {
+            atomic_fetch_sub(&s->account->bytes[s->account_cat], s->nbytes);
+            ms__account_release(s->account);
+        }
         free(s);
     }
 }
@@ -85,6 +123,7 @@ static ms_status storage_new(ms_storage **out, void *data, int64_t nbytes, bool 
     s->owned = owned;
     s->device = device;
     s->device_index = device_index;
+    account_storage(s);
     *out = s;
     return MS_OK;
 }

@@ -53,9 +53,9 @@
 #define LR 3e-3
 #define BETA1 0.9
 #define BETA2 0.95
-#define ADAM_EPS 1e-8
+#define ADAM_EPS 1e-8 // --eps
 #define WEIGHT_DECAY 0.0
-#define CLIP_NORM 1.0
+#define CLIP_NORM 1.0 // --max-norm
 #define DEFAULT_BATCH 8
 #define MAX_RANKS 64
 #define MAX_CONFIG_VALUE (1 << 20)
@@ -70,6 +70,7 @@ typedef struct {
     const char *mesh, *policy, *config, *data, *save;
     long steps;
     unsigned long long seed;
+    double eps, max_norm; // AdamW's eps and the gradient norm clipped at (0: no clipping)
     int records, memory;
     char *save_path;  // --save, its symbolic links resolved (save_check)
     char *save_dir;   // the directory it is in, where the new file is made
@@ -110,16 +111,20 @@ static const char USAGE[] =
     "                  written fails at once), then written as FILE.XXXXXX beside it after\n"
     "                  the last step, synced to disk and renamed to FILE; a run that fails\n"
     "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
+    "  --eps E         AdamW's eps (default 1e-8)\n"
+    "  --max-norm X    the gradient norm is clipped at X (default 1.0; 0: no clipping)\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
     "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
     "  --memory        at the end, print per rank the bytes its units allocated for\n"
-    "                  parameters, gradients and optimizer state after the first step,\n"
-    "                  against the planner's figures\n"
+    "                  parameters, gradients and optimizer state after the first step\n"
+    "                  (counted where the memory is allocated), against the planner's\n"
+    "                  figures and the units' own books: \"memory rank R CATEGORY\n"
+    "                  allocated=N planned=N books=N ratio=X\"\n"
     "  -h, --help      this text\n"
     "\n"
     "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
-    "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps 1e-8, no weight decay; gradient\n"
-    "norm clipped at 1.0; e_score_correction_bias is frozen.\n"
+    "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight decay; gradient\n"
+    "norm clipped at --max-norm; e_score_correction_bias is frozen.\n"
     "\n"
     "Expert parallelism (ep > 1): the ranks form groups of ep consecutive ranks; rank r\n"
     "holds experts [(r mod ep) E/ep, (r mod ep + 1) E/ep) of every layer, and each layer\n"
@@ -152,6 +157,16 @@ static int parse_long(const char *s, long lo, long hi, long *out) {
     errno = 0;
     long v = strtol(s, &end, 10);
     if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+// A finite number, the whole of s; 0 on success.
+static int parse_double(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    const double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return -1;
     *out = v;
     return 0;
 }
@@ -246,10 +261,11 @@ static int parse_options(int argc, char **argv, Options *o) {
     memset(o, 0, sizeof *o);
     model_config_default(&o->model);
     o->batch_size = DEFAULT_BATCH;
-    const char *n = NULL, *steps = NULL, *seed = NULL;
+    const char *n = NULL, *steps = NULL, *seed = NULL, *eps = NULL, *max_norm = NULL;
     const struct { const char *flag; const char **value; } valued[] = {
         {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
         {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
+        {"--eps", &eps},      {"--max-norm", &max_norm},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -281,6 +297,12 @@ static int parse_options(int argc, char **argv, Options *o) {
     errno = 0;
     o->seed = strtoull(seed, &end, 10);
     if (errno || end == seed || *end || *seed == '-') return usage_error("--seed %s: expected an integer >= 0", seed);
+    o->eps = ADAM_EPS;
+    o->max_norm = CLIP_NORM;
+    if (eps && (parse_double(eps, &o->eps) || !(o->eps > 0)))
+        return usage_error("--eps %s: expected a finite number > 0", eps);
+    if (max_norm && (parse_double(max_norm, &o->max_norm) || o->max_norm < 0))
+        return usage_error("--max-norm %s: expected a finite number >= 0 (0: no clipping)", max_norm);
     int st = parse_mesh(o);
     if (!st && o->config) st = parse_config(o);
     if (st) return st;
@@ -305,7 +327,8 @@ typedef struct {
     // results
     ms_status status;
     char err[2048];
-    int64_t bytes[3], planned[3]; // --memory: params, grads, optimizer: allocated and planned
+    int64_t bytes[3], books[3], planned[3]; // --memory: params, grads, optimizer: allocated (counted at
+                                            // the allocator), in the units' books, and planned
     char *save_tmp;               // --save, rank 0: the FILE.XXXXXX it wrote, for main to rename
 } RankArgs;
 
@@ -787,7 +810,7 @@ static ms_status backward(Trainer *tr) {
 // ----------------------------------------------------------------------------
 // one step
 
-// Clips the global gradient norm at CLIP_NORM, then AdamW on every unit's shards.
+// Clips the global gradient norm at --max-norm (unless 0), then AdamW on every unit's shards.
 static ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
     for (int u = 0; u < tr->nunits; u++) {
@@ -798,8 +821,9 @@ static ms_status update(Trainer *tr, long step) {
     CHECK(all_reduce_one(tr, &sq, MS_OP_SUM));
     double norm = sqrt(sq);
     for (int u = 0; u < tr->nunits; u++) {
-        if (norm > CLIP_NORM) TRY("clipping", ms_unit_scale_grads(tr->units[u], CLIP_NORM / norm));
-        TRY("adamw_step", ms_unit_adamw_step(tr->units[u], LR, BETA1, BETA2, ADAM_EPS, WEIGHT_DECAY, step));
+        const double max_norm = tr->opt->max_norm;
+        if (max_norm > 0 && norm > max_norm) TRY("clipping", ms_unit_scale_grads(tr->units[u], max_norm / norm));
+        TRY("adamw_step", ms_unit_adamw_step(tr->units[u], LR, BETA1, BETA2, tr->opt->eps, WEIGHT_DECAY, step));
         TRY("zero_grad", ms_unit_zero_grad(tr->units[u]));
     }
     return MS_OK;
@@ -852,8 +876,10 @@ static ms_status measure_memory(Trainer *tr) {
     char *json = NULL;
     TRY("reading the plan JSON", ms_interp_plan_json(tr->in, &json));
     for (int c = 0; c < 3; c++) {
-        tr->args->bytes[c] = 0;
-        for (int u = 0; u < tr->nunits; u++) tr->args->bytes[c] += ms_unit_bytes(tr->units[u], c);
+        // every unit of the rank shares one account of what the allocator handed out
+        tr->args->bytes[c] = tr->nunits ? ms_unit_rank_allocated(tr->units[0], c) : 0;
+        tr->args->books[c] = 0;
+        for (int u = 0; u < tr->nunits; u++) tr->args->books[c] += ms_unit_bytes(tr->units[u], c);
         tr->args->planned[c] = planned_bytes(json, tr->args->rank, keys[c]);
     }
     free(json);
@@ -1211,8 +1237,8 @@ int main(int argc, char **argv) {
         static const char *const cats[3] = {"params", "grads", "optimizer"};
         for (int r = 0; r < opt.nranks; r++)
             for (int c = 0; c < 3; c++)
-                printf("memory rank %d %s allocated=%lld planned=%lld ratio=%.6f\n", r, cats[c],
-                       (long long)args[r].bytes[c], (long long)args[r].planned[c],
+                printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", r, cats[c],
+                       (long long)args[r].bytes[c], (long long)args[r].planned[c], (long long)args[r].books[c],
                        args[r].planned[c] > 0 ? (double)args[r].bytes[c] / (double)args[r].planned[c] : 0.0);
     }
     ms_world_release(world);

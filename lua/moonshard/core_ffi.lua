@@ -1037,6 +1037,15 @@ function unit_methods.bytes(self)
   return out
 end
 
+-- unit:rank_allocated() -> {params=, grads=, optimizer=, unsharded=}: the memory allocated
+-- for every unit of the rank, counted at the allocator (ms_unit_rank_allocated)
+function unit_methods.rank_allocated(self)
+  local u = check_unit(self, 1)
+  local out = {}
+  for c = 1, 4 do out[BYTE_CATEGORIES[c]] = num(C.ms_unit_rank_allocated(u, c - 1)) end
+  return out
+end
+
 local RECORD_KINDS = { [0] = "all_gather", "reduce_scatter", "all_reduce" }
 
 -- unit:records() -> list of {kind=, dtype=, group_size=, bytes=}

@@ -176,6 +176,14 @@ function Rank:bytes()
   return total
 end
 
+--- The memory allocated for this rank's units, counted at the allocator rather than from
+-- their books: {params=, grads=, optimizer=, unsharded=} (unsharded: the transient buffers,
+-- the cached ones included). Zeros for a rank without units.
+function Rank:allocated()
+  local u = self.units[1]
+  return u and u:rank_allocated() or { params = 0, grads = 0, optimizer = 0, unsharded = 0 }
+end
+
 --- Every collective the units issued: a list of {unit=, kind=, dtype=, group_size=, bytes=}.
 function Rank:records()
   local out = {}

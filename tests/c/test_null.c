@@ -413,6 +413,7 @@ static void test_units(ms_comm *c) {
     REFUSE(ms_unit_set_adamw_skipped, u, NULL, 0, 0);
     REFUSE(ms_unit_adamw_step, u, NULL, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1);
     REFUSE_VALUE(ms_unit_bytes, u, -1, NULL, 0);
+    REFUSE_VALUE(ms_unit_rank_allocated, u, -1, NULL, 0);
     REFUSE_VALUE(ms_unit_record_count, u, -1, NULL);
     REFUSE(ms_unit_record, u, NULL, 0, &kind, &dt, &gs, &bytes);
     REFUSE(ms_unit_record, kind, u, 0, NULL, &dt, &gs, &bytes);

@@ -443,9 +443,26 @@ static int64_t sum_local_trainable(int W, int q) {
     return s;
 }
 
+/* The units' books (ms_unit_bytes, summed over the n units of a rank, 3 and 4 together)
+ * against the memory the allocator really handed out for them (ms_unit_rank_allocated),
+ * with `held` more bytes of category 3 that a caller keeps alive. */
+static void check_allocated(ms_unit *const *units, int n, int64_t held) {
+    int64_t books[4] = {0, 0, 0, held};
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < 5; c++) books[c < 3 ? c : 3] += ms_unit_bytes(units[i], c);
+    for (int c = 0; c < 4; c++) {
+        const int64_t real = ms_unit_rank_allocated(units[0], c);
+        R_CHECK(real == books[c]);
+        if (real != books[c])
+            LOCKED(fprintf(stderr, "  category %d: %lld bytes allocated, %lld in the units' books\n", c, (long long)real,
+                           (long long)books[c]));
+    }
+}
+
 static void check_bytes(ms_unit *u, int64_t params, int64_t grads, int64_t optim, int64_t unsharded) {
     R_CHECK(ms_unit_bytes(u, 0) == params && ms_unit_bytes(u, 1) == grads && ms_unit_bytes(u, 2) == optim &&
             ms_unit_bytes(u, 3) == unsharded);
+    check_allocated(&u, 1, 0); /* the rank's only unit */
 }
 
 /* ---------------------------------------------------------------- scenario: two steps */
@@ -1269,13 +1286,16 @@ static void cache(rank_ctx *c) {
     ms_unit *a = build_unit("a", pol, c->world, NULL, 1), *b = build_unit("b", pol, c->world, NULL, 1);
     ms_unit *w = build_unit_of("w", &policies[3], c->world, NULL, 1, 0, 1); /* f32 throughout: in place */
     if (!a || !b || !w) return;
+    ms_unit *const units[3] = {a, b, w};
     R_CHECK(ms_unit_bytes(a, 4) == 0);
+    check_allocated(units, 3, 0);
 
     /* a step leaves the gather buffer, the unsharded parameters and gradients and the reduce
      * buffer cached; the next step reuses every one of them */
     for (int step = 1; step <= 2; step++) {
         unit_step(a, step, c->rank, 0, NSPEC);
         R_CHECK(ms_unit_bytes(a, 3) == 0 && ms_unit_bytes(a, 4) == flat + full + gfull + rflat);
+        check_allocated(units, 3, 0);
     }
     int64_t steady = -1;
     for (int step = 1; step <= 3; step++) {
@@ -1292,6 +1312,7 @@ static void cache(rank_ctx *c) {
     R_CHECK(ms_unit_bytes(a, 4) == gfull + rflat);
     R_OK(ms_unit_release_unsharded(a));
     R_CHECK(ms_unit_bytes(a, 4) == 0 && ms_unit_bytes(b, 4) == flat);
+    check_allocated(units, 3, 0);
 
     /* a parameter the caller holds on to keeps its memory: it is not cached when b reshards,
      * and a's gather does not write into it */
@@ -1302,6 +1323,7 @@ static void cache(rank_ctx *c) {
     const int64_t held_bytes = ms_tensor_nbytes(held);
     R_OK(ms_unit_reshard(b));
     R_CHECK(ms_unit_bytes(b, 3) == 0 && ms_unit_bytes(b, 4) == flat + full - held_bytes);
+    check_allocated(units, 3, held_bytes); /* the caller's tensor is still allocated memory */
     R_OK(ms_unit_unshard(a));
     R_OK(ms_unit_wait(a));
     R_CHECK(ms_tensor_data(ms_unit_param_full(a, 0)) != ms_tensor_data(held));
@@ -1309,7 +1331,9 @@ static void cache(rank_ctx *c) {
     R_CHECK(same_bits(held, before));
     R_CHECK(ms_unit_param_full(b, 0) == NULL); /* the state rule stands */
     ms_tensor_release(before);
+    check_allocated(units, 3, held_bytes);
     ms_tensor_release(held);
+    check_allocated(units, 3, 0);
 
     ms_unit_release(a);
     ms_unit_release(b);

@@ -163,12 +163,13 @@ for _, w in ipairs(work) do
   end
 end
 
--- memory: what this rank allocated against the planner (parameters and gradients now)
-local bytes = rank_state:bytes()
+-- memory: what the allocator handed out for this rank's units against the planner and the
+-- units' own books (parameters and gradients now), exactly
+local bytes, real = rank_state:bytes(), rank_state:allocated()
 for _, cat in ipairs({ "params", "grads" }) do
   local planned = plan.memory[cat]
-  check(math.abs(bytes[cat] - planned) <= 0.01 * planned,
-    string.format("%s: %d bytes allocated, %d planned", cat, bytes[cat], planned))
+  check(real[cat] == planned and bytes[cat] == planned,
+    string.format("%s: %d bytes allocated (%d in the units' books), %d planned", cat, real[cat], bytes[cat], planned))
 end
 
 if #wrong > 0 then error(string.format("rank %d: %d checks failed:\n  %s", rank, #wrong, table.concat(wrong, "\n  ")), 0) end
