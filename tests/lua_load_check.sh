@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 lua54=$1 luajit=$2
 
 # Left out on purpose: a policy fixture that is a syntax error for policy_spec to report.
-mapfile -t shared < <(find lua/moonshard policies examples tools tests/lua tests/mpi tests/fuzz -name '*.lua' \
+mapfile -t shared < <(find lua/moonshard policies examples tools tests/lua tests/mpi tests/fuzz tests/reference -name '*.lua' \
   ! -path tests/lua/policies/broken/syntax.lua | sort)
 # LuaJIT's own tests may use its extensions (64-bit integer literals, ...).
 mapfile -t jit_only < <(find tests/luajit -name '*.lua' | sort)
