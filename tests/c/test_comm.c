@@ -7,8 +7,10 @@
  * (f32 and the narrower floats, rounded once with cast.c's scalar converters), f64, or
  * wrapping 64-bit integers.  Wrong elements are counted per rank and the largest float
  * difference is printed.  Then the failure paths, each in a fresh world: ranks that
- * disagree (MS_ERR_MISMATCH on every rank, data untouched), a rank that never arrives
- * (MS_ERR_TIMEOUT), ranks reported done (MS_ERR_PEER), comms unusable afterwards
+ * disagree on count, dtype, op, collective, root or label (the shard unit a call is for:
+ * MS_ERR_MISMATCH on every rank, naming what each posted, data untouched), a rank that
+ * never arrives (MS_ERR_TIMEOUT, not before the timeout), ranks reported done (MS_ERR_PEER,
+ * well before the timeout), comms unusable afterwards
  * (MS_ERR_STATE), and argument errors, all by their messages.  Also ms__async_run, which the
  * nccl backend sends every collective through: it runs on the rank's communication thread
  * after what is queued there, inline when already on that thread, and passes failures back.
@@ -515,6 +517,24 @@ static ms_status barrier_differs(ms_comm *c, ms_tensor *t, int r) {
     return r == 3 ? ms_barrier(c) : ms_all_reduce(c, t, MS_OP_SUM);
 }
 
+/* The same all_reduce issued for different shard units: the label (comm.h: the unit's name,
+ * which fsdp.c sets around a unit's collectives) is part of the call, so ranks 0 1 (unit
+ * "layers.0") and ranks 2 3 (unit "layers.1") disagree although dtype, count and op agree. */
+static ms_status label_differs(ms_comm *c, ms_tensor *t, int r) {
+    ms__coll_label = r < 2 ? "layers.0" : "layers.1";
+    ms_status st = ms_all_reduce(c, t, MS_OP_SUM);
+    ms__coll_label = NULL;
+    return st;
+}
+
+/* A unit's all_reduce against the same all_reduce made by the rank itself (no label). */
+static ms_status label_missing(ms_comm *c, ms_tensor *t, int r) {
+    ms__coll_label = r == 3 ? NULL : "layers.0";
+    ms_status st = ms_all_reduce(c, t, MS_OP_SUM);
+    ms__coll_label = NULL;
+    return st;
+}
+
 static const mismatch_case mismatch_cases[] = {
     {"count", count_differs, "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum"},
     {"dtype", dtype_differs, "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 2 3: 16 x f32 sum; rank 1: 16 x bf16 sum"},
@@ -526,6 +546,12 @@ static const mismatch_case mismatch_cases[] = {
     {"barrier", barrier_differs,
      "collectives on group [0 1 2 3]: ranks disagree on the collective: ranks 0 1 2: all_reduce 16 x f32 sum; "
      "rank 3: barrier"},
+    {"label", label_differs,
+     "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 1: 16 x f32 sum for unit layers.0; "
+     "ranks 2 3: 16 x f32 sum for unit layers.1"},
+    {"no label", label_missing,
+     "all_reduce on group [0 1 2 3]: ranks disagree: ranks 0 1 2: 16 x f32 sum for unit layers.0; "
+     "rank 3: 16 x f32 sum"},
 };
 
 static void mismatch_rank(rank_ctx *ctx) {
@@ -554,8 +580,17 @@ static void test_mismatch(void) {
 
 /* ---------------------------------------------------------------- timeout */
 
+/* Wall-clock checks here bound waits from below, where the code promises "not before":
+ * those hold however loaded the machine is.  An upper bound only tells "fired" from "hung,
+ * or fired on the wrong scale" (or "failed at once" from "waited for the timeout"): it is
+ * HANG_FACTOR times the expected time and at least HANG_MIN_S, far beyond any scheduling
+ * delay of a busy CI machine (ASan included); ctest's TIMEOUT catches a real hang. */
+#define HANG_FACTOR 10.0
+#define HANG_MIN_S 5.0
+
 typedef struct timeout_case {
-    atomic_int returned; /* ranks that have come back from the timed-out call */
+    atomic_int returned;      /* ranks that have come back from the timed-out call */
+    _Atomic double called[2]; /* when ranks 0 and 1 called it (now_s); 0 until then */
     const char *message;
 } timeout_case;
 
@@ -565,11 +600,20 @@ static void timeout_rank(rank_ctx *ctx) {
     double timeout = ms_world_timeout(ctx->w);
     ms_tensor *t = tensor(MS_F32, 1, 5, 0);
     if (ctx->rank < 2) {
-        double t0 = now_s();
+        atomic_store(&tc->called[ctx->rank], now_s());
         CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_TIMEOUT, tc->message);
-        double waited = now_s() - t0;
-        CHECK(waited >= timeout - 0.1 && waited < timeout + 0.5, "(rank %d waited %.3f s for a %g s timeout)",
+        /* The rank that gives up first does so a timeout after its own call, and the other
+         * then fails with it at once (a rank that called late waited less, or not at all):
+         * so the wait to check runs from the earlier of the two calls.  That rank stored its
+         * time before it called, so it is seen here. */
+        double c0 = atomic_load(&tc->called[0]), c1 = atomic_load(&tc->called[1]);
+        double first = c0 == 0 ? c1 : c1 == 0 ? c0 : fmin(c0, c1);
+        double waited = now_s() - first;
+        /* never before the timeout (1 ms: only the clock's rounding) */
+        CHECK(waited >= timeout - 1e-3, "(rank %d back %.3f s after the first call, before the %g s timeout)",
               ctx->rank, waited, timeout);
+        CHECK(waited < fmax(HANG_FACTOR * timeout, HANG_MIN_S),
+              "(rank %d back %.3f s after the first call: far past the %g s timeout)", ctx->rank, waited, timeout);
         CHECK_ST(ms_all_reduce(ctx->world, t, MS_OP_SUM), MS_ERR_STATE, tc->message);
         atomic_fetch_add(&tc->returned, 1);
     } else {
@@ -610,7 +654,9 @@ typedef struct peer_case {
 } peer_case;
 
 /* World of 4, 30 s timeout.  Ranks 2 (finished) and 3 (failed) leave without joining;
- * ranks 0 and 1 must fail at once on the world; rank 1 also on its group [1 3]. */
+ * ranks 0 and 1 must fail at once on the world; rank 1 also on its group [1 3].  "At once"
+ * is checked as "well before the timeout" (half of it, 15 s): that tells failing from the
+ * reports apart from waiting out the timeout, and no scheduling delay reaches it. */
 static void peer_rank(rank_ctx *ctx) {
     peer_case *pc = ctx->arg;
     if (ctx->rank >= 2) {
@@ -630,8 +676,9 @@ static void peer_rank(rank_ctx *ctx) {
         CHECK_ST(ms_all_gather(g, out, t), MS_ERR_PEER, "all_gather on group [1 3]: rank 3 failed");
         ms_comm_release(g);
     }
-    double waited = now_s() - t0;
-    CHECK(waited < 0.5, "(rank %d waited %.3f s for ranks reported done)", ctx->rank, waited);
+    double waited = now_s() - t0, timeout = ms_world_timeout(ctx->w);
+    CHECK(waited < timeout / 2, "(rank %d waited %.3f s for ranks reported done, with a %g s timeout)", ctx->rank,
+          waited, timeout);
     CHECK_ST(ms_barrier(ctx->world), MS_ERR_STATE, "rank 3 failed");
     ms_tensor_release(out);
     ms_tensor_release(t);

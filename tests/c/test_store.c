@@ -24,6 +24,15 @@
  * Errors are checked by status and message.  Forked children count their failures with
  * the same checks and report them through their exit status.  Ports come from binding port
  * 0 on 127.0.0.1.
+ *
+ * Time.  A timeout is checked from below (never before its length: that holds however
+ * loaded the machine is); from above only against a hang or a timeout on the wrong scale,
+ * at HANG_FACTOR times its length.  "At once" (a dead peer, a closing server) is checked as
+ * "well before the timeout": those stores get a long one (LONG_TIMEOUT_S), so that the
+ * bound, half of it, is far beyond any scheduling delay of a busy CI machine.  A check
+ * that a call waited (for a later set, for a peer's close) makes the peer start its pause
+ * only once the waiting rank has recorded its start time, so the lower bound holds
+ * whatever the scheduling.  ctest's TIMEOUT catches a real hang.
  */
 #include "store.h"
 
@@ -42,6 +51,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#define HANG_FACTOR 10.0
+static const double LONG_TIMEOUT_S = 30.0;
 
 static void sleep_ms(int ms) {
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -124,9 +136,19 @@ typedef struct rank_arg {
 
 static unsigned char big_byte(size_t i) { return (unsigned char)(i * 31u + 7u + (i >> 12)); }
 
-/* Rank 3 sets "late" 200 ms after the others start waiting for it. */
+/* Waits (up to 30 s, so that a rank lost earlier cannot hang the test) until *n >= want. */
+static void wait_count(atomic_int *n, int want) {
+    for (int i = 0; i < 30000 && atomic_load(n) < want; i++) sleep_ms(1);
+}
+
+/* Rank 3 sets "late" 200 ms after the others have all started waiting for it: each one
+ * counts itself in after taking its start time, so its get returns at least 200 ms after
+ * that start, however the threads are scheduled. */
+static atomic_int late_waiters;
+
 static void late_set(ms_store *s, int rank) {
     if (rank == 3) {
+        wait_count(&late_waiters, WORLD - 1);
         sleep_ms(200);
         CHECK_OK(ms__store_set(s, "late", "later", 5));
         return;
@@ -134,8 +156,10 @@ static void late_set(ms_store *s, int rank) {
     char got[8];
     size_t len = 0;
     double t0 = now_s();
+    atomic_fetch_add(&late_waiters, 1);
     CHECK_OK(ms__store_get(s, "late", got, sizeof got, &len));
-    CHECK(now_s() - t0 > 0.15);
+    CHECK(now_s() - t0 > 0.15, "(rank %d: got \"late\" %.3f s after asking; it was set 0.2 s after that)", rank,
+          now_s() - t0);
     CHECK(len == 5 && memcmp(got, "later", 5) == 0);
 }
 
@@ -194,7 +218,9 @@ static void missing_key(ms_store *s, int rank) {
     double t0 = now_s();
     CHECK_ST(ms__store_get(s, key, got, sizeof got, &len), MS_ERR_TIMEOUT, needle);
     double waited = now_s() - t0;
-    CHECK(waited >= THREAD_TIMEOUT_S - 0.01 && waited < THREAD_TIMEOUT_S + 1.0);
+    CHECK(waited >= THREAD_TIMEOUT_S - 0.01, "(rank %d: timed out after %.3f s, before the store's %g s)", rank,
+          waited, THREAD_TIMEOUT_S);
+    CHECK(waited < HANG_FACTOR * THREAD_TIMEOUT_S, "(rank %d: timed out only after %.3f s)", rank, waited);
     CHECK(strstr(ms_last_error(), "127.0.0.1:") != NULL);
 }
 
@@ -230,6 +256,8 @@ static void test_threads(void) {
 
 /* ---------------------------------------------------------------- rank 0 closes first */
 
+static atomic_int rank0_closing; /* set by rank 0 right before ms__store_close */
+
 static void *close_first_rank(void *p) {
     const rank_arg *a = p;
     ms_store *s = NULL;
@@ -237,16 +265,20 @@ static void *close_first_rank(void *p) {
     if (!s) return NULL;
     if (a->rank == 0) {
         CHECK_OK(ms__store_set(s, "nccl-id", "0123456789", 10));
-    } else {
-        char got[16];
-        size_t len = 0;
-        sleep_ms(200); /* rank 0 is in ms__store_close by now */
-        CHECK_OK(ms__store_get(s, "nccl-id", got, sizeof got, &len));
-        CHECK(len == 10 && memcmp(got, "0123456789", 10) == 0);
+        double t0 = now_s();
+        atomic_store(&rank0_closing, 1);
+        ms__store_close(s);
+        /* it served rank 1 until rank 1 closed, which is 200 ms after t0 at the earliest */
+        CHECK(now_s() - t0 > 0.15, "(rank 0's close returned after %.3f s)", now_s() - t0);
+        return NULL;
     }
-    double t0 = now_s();
+    char got[16];
+    size_t len = 0;
+    wait_count(&rank0_closing, 1);
+    sleep_ms(200); /* rank 0 is in ms__store_close by now */
+    CHECK_OK(ms__store_get(s, "nccl-id", got, sizeof got, &len));
+    CHECK(len == 10 && memcmp(got, "0123456789", 10) == 0);
     ms__store_close(s);
-    if (a->rank == 0) CHECK(now_s() - t0 > 0.1); /* it served rank 1 until rank 1 closed */
     return NULL;
 }
 
@@ -335,7 +367,8 @@ static void test_no_server(void) {
     double t0 = now_s();
     CHECK_ST(ms__store_open(&s, "127.0.0.1", port, 1, 2, 0.5), MS_ERR_TIMEOUT, needle);
     double waited = now_s() - t0;
-    CHECK(waited >= 0.45 && waited < 1.0);
+    CHECK(waited >= 0.5 - 0.01, "(gave up after %.3f s, before its 0.5 s)", waited);
+    CHECK(waited < HANG_FACTOR * 0.5, "(gave up only after %.3f s)", waited);
     CHECK(strstr(ms_last_error(), "Connection refused") != NULL);
     CHECK(s == NULL);
 }
@@ -343,7 +376,7 @@ static void test_no_server(void) {
 /* ---------------------------------------------------------------- a rank that dies */
 
 enum { DEAD_WORLD = 3 };
-static const double DEAD_TIMEOUT_S = 3.0;
+static const double DEAD_TIMEOUT_S = LONG_TIMEOUT_S; /* the peers must fail long before it */
 
 /* Rank 1 waits in the barrier; rank 2 joins, then exits without closing. */
 static void dead_test_rank(int rank, int port) {
@@ -369,7 +402,7 @@ static void test_dead_rank(void) {
                  "barrier \"dead\": store 127.0.0.1:");
         CHECK(strstr(ms_last_error(), "key \"barrier/dead/2\" is not set and rank 2 left without "
                                       "closing the store") != NULL);
-        CHECK(now_s() - t0 < DEAD_TIMEOUT_S / 2);
+        CHECK(now_s() - t0 < DEAD_TIMEOUT_S / 2, "(rank 0 failed only after %.3f s)", now_s() - t0);
         char got[4];
         size_t len = 1;
         CHECK_OK(ms__store_get(s, "barrier/dead/0", got, sizeof got, &len)); /* still usable */
@@ -396,7 +429,7 @@ static int raw_connect(int port) {
 static void test_stray_clients(void) {
     int port = free_port();
     ms_store *s = NULL;
-    CHECK_OK(ms__store_open(&s, "127.0.0.1", port, 0, 1, 2.0));
+    CHECK_OK(ms__store_open(&s, "127.0.0.1", port, 0, 1, LONG_TIMEOUT_S));
     if (!s) return;
     int fd = raw_connect(port);
     const char http[] = "GET /index HTTP/1.0\n"; /* one header's worth: nothing left unread */
@@ -417,7 +450,8 @@ static void test_stray_clients(void) {
     CHECK_OK(ms__store_barrier(s, "alone"));
     double t0 = now_s();
     ms__store_close(s);
-    CHECK(now_s() - t0 < 0.5); /* its one rank closed: the server stops at once */
+    /* its one rank closed: the server stops at once, not one timeout after rank 0's BYE */
+    CHECK(now_s() - t0 < LONG_TIMEOUT_S / 2, "(the close took %.3f s)", now_s() - t0);
 }
 
 /* ---------------------------------------------------------------- the server dies */
@@ -443,7 +477,7 @@ static void test_server_dies(void) {
         CHECK_ST(ms__store_get(s, "never", got, sizeof got, &len), MS_ERR_PEER,
                  "(rank 1 of 2): get \"never\": the server closed the connection: "
                  "rank 0 stopped serving or died");
-        CHECK(now_s() - t0 < DEAD_TIMEOUT_S / 2);
+        CHECK(now_s() - t0 < DEAD_TIMEOUT_S / 2, "(rank 1 failed only after %.3f s)", now_s() - t0);
         CHECK_ST(ms__store_set(s, "k", "v", 1), MS_ERR_STATE,
                  "set \"k\": unusable after an earlier failure: store 127.0.0.1:");
         ms__store_close(s);
@@ -605,7 +639,9 @@ static void torch_rank(int rank, int port) {
         double t0 = now_s();
         CHECK_ST(ms__store_get(s, "never", big, 8, &len), MS_ERR_TIMEOUT,
                  "(torchrun's) (rank 1 of 2): get \"never\": the key was not set within 1.0 s");
-        CHECK(now_s() - t0 < 3.0);
+        double waited = now_s() - t0;
+        CHECK(waited >= 1.0 - 0.01, "(timed out after %.3f s, before its 1 s)", waited);
+        CHECK(waited < HANG_FACTOR * 1.0, "(timed out only after %.3f s)", waited);
         CHECK_ST(ms__store_set(s, "late", "x", 1), MS_ERR_STATE, "unusable after an earlier failure");
     }
     ms__store_close(s);

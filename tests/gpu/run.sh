@@ -218,8 +218,34 @@ print("the failed collective and the next call: errors as expected")'
     env MS_SIM_NCCL_ENQUEUE_ERROR=3 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
   step "sim faults: an asynchronous error, then the group is unusable" \
     env MS_SIM_NCCL_ASYNC_ERROR=4 "${nccl2s[@]}" -e "$errors_lua"
-  step "sim faults: a finalization that never completes (aborted after 2 s)" \
-    env MS_SIM_NCCL_HANG_FINALIZE=1 "${nccl2s[@]}" tests/lua/scripts/collectives.lua
+  # The first ncclCommFinalize never completes: at exit moonshard must wait the --timeout
+  # (2 s) for it, then abort that communicator, and the script still succeeds.  The
+  # simulation's NCCL_DEBUG=INFO line "- Abort COMPLETE (its ncclCommFinalize in progress for
+  # S s)" shows the abort and how long the finalization had waited: at least 1.5 s (the 2 s
+  # less a margin, as moonshard may take its deadline just before it calls ncclCommFinalize;
+  # an abort at once would be milliseconds) and under 60 s: 30 times the timeout, far beyond
+  # any delay of a loaded machine, and far under the 300 s that a finalization bounded by the
+  # default timeout instead of --timeout would wait.  The whole run takes at least the 2 s.
+  finalize_aborted() {
+    local out rc=0 t0 ms pending
+    t0=$(date +%s%N)
+    out=$(env MS_SIM_NCCL_HANG_FINALIZE=1 NCCL_DEBUG=INFO timeout 300 "${nccl2s[@]}" \
+      tests/lua/scripts/collectives.lua 2>&1) || rc=$?
+    ms=$((($(date +%s%N) - t0) / 1000000))
+    pending=$(sed -n 's/.* - Abort COMPLETE (its ncclCommFinalize in progress for \([0-9.]*\) s)$/\1/p' \
+      <<<"$out" | head -1)
+    grep -E "checks ok|NCCL (INFO|WARN)" <<<"$out"
+    echo "exit $rc after $((ms / 1000)).$((ms % 1000 / 100)) s; the pending finalization aborted after ${pending:-(none)} s"
+    if [ $rc != 0 ] || ! grep -q "^rank 0: [0-9]* checks ok" <<<"$out"; then
+      printf '%s\n' "$out" | tail -5
+      return 1
+    fi
+    [ -n "$pending" ] || { echo "no communicator was aborted while its ncclCommFinalize was pending"; return 1; }
+    awk -v p="$pending" 'BEGIN { exit !(p >= 1.5 && p < 60) }' ||
+      { echo "the finalization was aborted after $pending s, not after the 2 s timeout"; return 1; }
+    ((ms >= 2000)) || { echo "the run took $ms ms, less than the 2 s timeout"; return 1; }
+  }
+  step "sim faults: a finalization that never completes (aborted after 2 s)" finalize_aborted
 fi
 [ "$sim" = 1 ] || step "bench_cuda" "$build/bench/bench_cuda"
 summary

@@ -6,7 +6,8 @@
 #     2, 3 and 4 ranks, the same check counts as the threads backend; again with tiny MPI
 #     calls (MOONSHARD_MPI_MAX_BYTES=16) so the piecewise and above-INT_MAX paths run;
 #     a 20 MiB all_reduce and reduce_scatter (big.lua) in several pieces
-#   - a host's own communicator (test_mpi_comm: two halves of the world as worlds of their own)
+#   - a host's own communicator (test_mpi_comm: two halves of the world as worlds of their own;
+#     there also ranks posting the same collective for different shard units: a mismatch)
 #   - the same reductions of inexact values bit for bit equal to the threads backend's
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
@@ -95,7 +96,7 @@ if [ -x "$BUILD_DIR/test_mpi_comm" ]; then
   timeout -k 5 "$LIMIT" "${LAUNCH[@]}" -np 4 "$BUILD_DIR/test_mpi_comm" >"$TMP/comm.out" 2>"$TMP/comm.err" </dev/null
   code=$?
   if [ "$code" = 0 ] && every_rank comm 4 "^rank R: mpi comm ok "; then
-    ok "a host's communicator split in halves: each half a moonshard world beside MPI_COMM_WORLD's, every rank's sums and gathers right"
+    ok "a host's communicator split in halves: each half a moonshard world beside MPI_COMM_WORLD's, every rank's sums and gathers right, a label mismatch named on every rank"
   else
     fail "a host's communicator (exit $code)" "$TMP/comm.out" "$TMP/comm.err"
   fi

@@ -8,11 +8,15 @@
  *   - on each half: an all_reduce (sum of the global ranks + 1: 1 + 3 = 4, 2 + 4 = 6), an
  *     all_gather (the global ranks, in the half's rank order) and a group of the half's
  *     rank 0 alone; on the whole world, an all_reduce after them (1 + 2 + 3 + 4 = 10);
- *   - errors: a NULL pointer, MPI_COMM_NULL.
+ *   - errors: a NULL pointer, MPI_COMM_NULL;
+ *   - a mismatch last: on each half, the same all_reduce (dtype, count, op) posted for two
+ *     different shard units (comm.h's label, which travels in the MPI backend's exchanged
+ *     descriptors): both ranks fail with MS_ERR_MISMATCH naming both units.
  *
  * Every rank checks its own results and prints "rank R: mpi comm ok (...)".
  */
 #include "check.h"
+#include "comm.h" /* ms__coll_label */
 
 #include <mpi.h>
 
@@ -63,6 +67,14 @@ int main(void) {
     CHECK_OK(ms_tensor_fill(t, rank + 1));
     CHECK_OK(ms_all_reduce(wc, t, MS_OP_SUM));
     CHECK(one(t) == 10);
+    /* Agreement covers the label: rank 0 of the half posts for unit layers.0, rank 1 for
+     * layers.1, and each gets the message naming both. */
+    ms__coll_label = sub == 0 ? "layers.0" : "layers.1";
+    CHECK_ERR(ms_all_reduce(hc, t, MS_OP_SUM), MS_ERR_MISMATCH,
+              "all_reduce on group [0 1]: ranks disagree: rank 0: 1 x f32 sum for unit layers.0; "
+              "rank 1: 1 x f32 sum for unit layers.1");
+    ms__coll_label = NULL;
+    CHECK(one(t) == 10); /* a mismatch touches no data */
     if (!check_failed)
         printf("rank %d: mpi comm ok (half %d of 2 ranks: sum %g, gathered %g %g; world sum %g)\n", rank, rank % 2,
                (double)half_sum, (double)g[0], (double)g[1], (double)one(t));

@@ -135,7 +135,10 @@
  *    stays ncclInProgress until aborted.
  *  - MS_SIM_NCCL_HANG_FINALIZE=N: the N-th ncclCommFinalize of a nonblocking communicator
  *    never completes.
- * NCCL_DEBUG=WARN (or INFO, TRACE) prints each error's message to stderr, as NCCL does.
+ * NCCL_DEBUG=WARN (or INFO, TRACE) prints each error's message to stderr, as NCCL does;
+ * INFO (or TRACE) also a line for each communicator destroyed or aborted, as NCCL's INFO
+ * lines "comm ... - Destroy COMPLETE" and "- Abort COMPLETE" (an abort's saying how long the
+ * communicator's ncclCommFinalize had been in progress, when one was).
  *
  * Thread safety: NCCL may be called from several threads, on several communicators; one
  * mutex guards the registry and every communicator's state.  Group state is per thread, as
@@ -202,6 +205,7 @@ struct ncclComm {
     std::shared_ptr<Channel> ch;
     uint64_t coll_seq;                    /* collectives and splits posted: each one's number */
     std::vector<uint64_t> sent, received; /* sends to / receives from each peer posted so far */
+    std::chrono::steady_clock::time_point finalized_at; /* when ncclCommFinalize was called */
 };
 
 namespace {
@@ -225,6 +229,14 @@ bool debug_warn() {
     static const bool on = [] {
         const char *v = getenv("NCCL_DEBUG");
         return v && (!strcasecmp(v, "WARN") || !strcasecmp(v, "INFO") || !strcasecmp(v, "TRACE"));
+    }();
+    return on;
+}
+
+bool debug_info() {
+    static const bool on = [] {
+        const char *v = getenv("NCCL_DEBUG");
+        return v && (!strcasecmp(v, "INFO") || !strcasecmp(v, "TRACE"));
     }();
     return on;
 }
@@ -453,7 +465,7 @@ struct Rendezvous {
 /* A communicator of rank ch->rank of ch->nranks. */
 ncclComm *new_comm(int device, bool blocking, std::shared_ptr<Channel> ch) {
     auto *c = new ncclComm{++comms_made, device, ch->rank, ch->nranks, blocking, ncclComm::kLive, false, ncclSuccess,
-                           ncclSuccess, 0, nullptr, nullptr, ch, 0, {}, {}};
+                           ncclSuccess, 0, nullptr, nullptr, ch, 0, {}, {}, {}};
     c->sent.assign((size_t)ch->nranks, 0);
     c->received.assign((size_t)ch->nranks, 0);
     registry().insert(c);
@@ -1287,6 +1299,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     if (comm->finalize_called)
         return fail(ncclInvalidArgument, "ncclCommFinalize : communicator #%lu was finalized already", comm->serial);
     comm->finalize_called = true;
+    comm->finalized_at = std::chrono::steady_clock::now();
     if (comm->blocking) return ncclSuccess;
     const long n = ++inject().finalizes;
     start_progress(comm, n == inject().hang_finalize, [] { return ncclSuccess; });
@@ -1302,6 +1315,9 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (r == ncclSuccess) r = ensure_ready(comm, "ncclCommDestroy");
     if (r != ncclSuccess) return r;
     comm->life = ncclComm::kDestroyed; /* implicitly finalized (the simulation's finalize waits for nobody) */
+    if (debug_info())
+        fprintf(stderr, "nccl_sim: NCCL INFO comm #%lu rank %d nRanks %d - Destroy COMPLETE\n", comm->serial,
+                comm->rank, comm->nranks);
     return ncclSuccess;
 }
 
@@ -1310,6 +1326,14 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     std::lock_guard<std::mutex> g(lock_);
     ncclResult_t r = check_comm(comm, "ncclCommAbort");
     if (r != ncclSuccess) return r;
+    if (debug_info()) {
+        char finalizing[96] = "";
+        if (comm->finalize_called && comm->state == ncclInProgress)
+            snprintf(finalizing, sizeof finalizing, " (its ncclCommFinalize in progress for %.3f s)",
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - comm->finalized_at).count());
+        fprintf(stderr, "nccl_sim: NCCL INFO comm #%lu rank %d nRanks %d - Abort COMPLETE%s\n", comm->serial,
+                comm->rank, comm->nranks, finalizing);
+    }
     /* any state, at once, never waiting for a peer: what was in progress never completes (a
      * split's child is never made), the stream operations still pending give up (the
      * streams go on), and this rank's segments that no peer has read yet are unlinked */
