@@ -57,7 +57,9 @@ describe("moonshard -n N", function()
     assert.equal(1, r.code)
     assert.matches("%[ranks 0,1,3%] .*moonshard timeout error: all_reduce on group %[0 1 2 3%].*timed out after 2 s.*rank.* 2", r.err)
     assert.matches("%[rank 2%] still running 3 s after another rank failed; abandoned", r.err)
-    assert.is_true(r.seconds <= 2 + 5, "took " .. r.seconds .. " s")
+    -- the 2 s timeout must have passed (os.time counts whole seconds: at least 1 apart);
+    -- the upper bound only tells a hang from the expected 2 + 3 s on a loaded machine
+    assert.is_true(r.seconds >= 1 and r.seconds <= 2 + 3 + 45, "took " .. r.seconds .. " s")
   end)
 
   it("fails at once when a rank ends without joining the collective", function()
