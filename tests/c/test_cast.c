@@ -12,11 +12,20 @@
  *  4. every pair of dtypes on a vector of interesting values against a model of the rules.
  *  5. lengths around the vector width, unaligned pointers, guard bytes, in-place casts.
  *  6. argument errors, by status and message.
+ *  7. against PyTorch's `.to()` as measured by tests/reference/casts.py into
+ *     tests/reference/data/casts.txt (the versions are in its header): part 1's sweep also
+ *     folds ms_cast's output into the script's per-chunk digests and decodes its exact fp8
+ *     outputs; part 7 compares the raw samples around the hard places, f64 -> the narrow
+ *     floats (double-rounding cases included), every narrow value -> f32, and the integer
+ *     and bool casts.  The README's stated differences (torch_diffs) are checked to hold on
+ *     exactly the inputs it names.
  *
- * MOONSHARD_TEST_QUICK=1 sweeps 1 block in 61 of part 1 (for sanitizer builds).
+ * MOONSHARD_TEST_QUICK=1 sweeps 1 block in 61 of part 1 (for sanitizer builds) and the whole
+ * chunks of TORCH_QUICK_CHUNKS for the torch comparisons.
  * Prints each check with its mismatch count; exits 1 when any count is not 0.
  */
 #include "ms_internal.h"
+#include "refdata.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -155,9 +164,84 @@ static uint32_t ref_encode(const ref_fmt *f, float x) {
     return (u >> 31 ? f->sign_bit : 0) | ref_code(f, u & 0x7FFFFFFF);
 }
 
+/* ---------------------------------------------------------------- PyTorch, as measured */
+
+static refdata *casts_ref;    /* tests/reference/data/casts.txt */
+static char torch_name[32];   /* "torch 2.15.0", from its torch_version record */
+
+/* The digest of casts.py (its docstring defines it): a chunk's output codes o_0 .. o_{n-1}
+ * folded h = h * P + o_i mod 2^64, i.e. h = sum o_i * P^(n-1-i), with the output for a NaN
+ * input taken as the all-ones code when it is a NaN.  P is odd, so every P^k is a unit mod
+ * 2^64: one changed output always changes the digest.  The sum form lets each block fold its
+ * own outputs and be added in at its place, P^(BLOCK * blocks after it), in any order. */
+#define DIGEST_P 0x9E3779B97F4A7C15ull
+enum { TORCH_CHUNK = 1 << 24, TORCH_NCHUNKS = 256 };
+
+static uint64_t pow_p(uint64_t e) {
+    uint64_t r = 1, b = DIGEST_P;
+    for (; e; e >>= 1, b *= b)
+        if (e & 1) r *= b;
+    return r;
+}
+
+/* h = h * P + o[i] over n codes (n a multiple of 4), as four interleaved folds by P^4 so
+ * that the multiplies do not wait on each other. */
+static uint64_t fold_codes(const uint32_t *o, uint32_t n) {
+    const uint64_t p = DIGEST_P, p4 = p * p * p * p;
+    uint64_t h0 = 0, h1 = 0, h2 = 0, h3 = 0;
+    for (uint32_t i = 0; i < n; i += 4) {
+        h0 = h0 * p4 + o[i];
+        h1 = h1 * p4 + o[i + 1];
+        h2 = h2 * p4 + o[i + 2];
+        h3 = h3 * p4 + o[i + 3];
+    }
+    return ((h0 * p + h1) * p + h2) * p + h3;
+}
+
+/* The differences from PyTorch that the README states: inputs of magnitude bits lo..hi (of
+ * the f32 that is rounded) where moonshard gives sign | ms_code and torch sign | torch_code.
+ * The torch comparisons take torch's code there when moonshard gives its own, and count the
+ * inputs: the count must be every input of the range, or moonshard no longer does what the
+ * README says.  e4m3fn, bf16 and f16 have none: torch saturates e4m3fn as moonshard does. */
+typedef struct torch_diff {
+    int fmt;
+    uint32_t lo, hi, ms_code, torch_code;
+    const char *what;
+} torch_diff;
+
+static const torch_diff torch_diffs[] = {
+    {E5M2, 0x47700000, 0x7F800000, 0x7B, 0x7C, "|x| >= 61440, inf too: torch +-inf, moonshard +-57344"},
+};
+enum { NDIFFS = sizeof torch_diffs / sizeof torch_diffs[0] };
+
+/* Whole chunks compared under MOONSHARD_TEST_QUICK (5 of 256, the added time of a sanitizer
+ * build in mind): where the formats' hard places are.  0x3B: 2^-9 .. 2^-7, e4m3's subnormals;
+ * 0x47: 32768 .. 131072, e5m2's 57344 and 61440 (the README's difference), f16's 65504 and
+ * 65520; 0x7F: bf16's largest, inf and the NaNs; 0xB7: -2^-17 .. -2^-15, f16's and e5m2's
+ * subnormals; 0xC3: -128 .. -512, e4m3's -448, -464, -480. */
+static const int TORCH_QUICK_CHUNKS[] = {0x3B, 0x47, 0x7F, 0xB7, 0xC3};
+
+static bool torch_chunk_wanted(int c) {
+    if (!quick) return true;
+    for (size_t i = 0; i < sizeof TORCH_QUICK_CHUNKS / sizeof TORCH_QUICK_CHUNKS[0]; i++)
+        if (TORCH_QUICK_CHUNKS[i] == c) return true;
+    return false;
+}
+
 /* ---------------------------------------------------------------- 1. every f32 */
 
-enum { BLOCK = 1 << 16, NBLOCKS = 1 << 16 };
+enum { BLOCK = 1 << 16, NBLOCKS = 1 << 16, BLOCKS_PER_CHUNK = TORCH_CHUNK / BLOCK };
+
+/* Against torch, per path: PORT the portable scalars, KERN ms_cast's kernel (AVX2 when
+ * present).  Part 1 checks that the two agree anyway; comparing both with torch names the
+ * one that moved. */
+enum { PORT, KERN };
+
+/* The first input whose expected output differs from torch's exact fp8 output. */
+typedef struct torch_first {
+    uint64_t u; /* UINT64_MAX: none */
+    uint32_t torch, want;
+} torch_first;
 
 typedef struct sweep_counts {
     long long kernel[NFMT]; /* ms_cast (AVX2 when present) != portable scalar */
@@ -165,6 +249,12 @@ typedef struct sweep_counts {
     long long nan[NFMT];    /* NaN input did not give the NaN of the rule */
     long long f16c;         /* portable f16 != _cvtss_sh */
     long long inputs;
+    /* against torch, over the chunks torch_chunk_wanted */
+    uint64_t digest[2][NFMT][TORCH_NCHUNKS]; /* each block's fold, placed (see fold_codes) */
+    long long diff_range[2][NDIFFS];         /* inputs in a torch_diffs range */
+    long long diff_applied[2][NDIFFS];       /* ... where moonshard gave its documented code */
+    long long runs_bad[2][NFMT];             /* fp8: inputs whose output != torch's exact one */
+    torch_first runs_first[2][NFMT];
 } sweep_counts;
 
 typedef struct sweep_job {
@@ -173,10 +263,143 @@ typedef struct sweep_job {
     sweep_counts total;
 } sweep_job;
 
+static void sweep_counts_init(sweep_counts *n) {
+    memset(n, 0, sizeof *n);
+    for (int p = 0; p < 2; p++)
+        for (int f = 0; f < NFMT; f++) n->runs_first[p][f].u = UINT64_MAX;
+}
+
 static bool sweep_block_wanted(int b) {
     /* quick: 1 in 61 blocks (an odd stride, so every exponent region is visited), and the
      * blocks around 0 and inf/NaN of both signs. */
     return !quick || b % 61 == 0 || (b & 0x7FFF) == 0 || (b & 0x7FFF) == 0x7F80 || (b & 0x7FFF) == 0x7F7F;
+}
+
+/* torch's data for the sweep, from casts.txt (torch_load). */
+static const refrec *torch_digest[NFMT];              /* f32_<t>_digest: 256 chunks */
+static const refrec *torch_run_start[NFMT], *torch_run_code[NFMT]; /* fp8 only */
+static uint64_t block_place[BLOCKS_PER_CHUNK];        /* P^(BLOCK * blocks after block k) */
+
+static bool is_nan_code(const ref_fmt *F, uint32_t c) { return isnan(F->value[c]); }
+
+/* Whether expect_torch_block has anything to change in the block of inputs from u0. */
+static bool block_needs_expect(int f, uint32_t u0) {
+    const uint32_t a0 = u0 & 0x7FFFFFFF, a1 = a0 + (BLOCK - 1);
+    if (a1 > 0x7F800000) return true;
+    for (int d = 0; d < NDIFFS; d++)
+        if (torch_diffs[d].fmt == f && a1 >= torch_diffs[d].lo && a0 <= torch_diffs[d].hi) return true;
+    return false;
+}
+
+/* Turns moonshard's codes for the block of inputs from u0 into torch's output as the README
+ * predicts it, in place: the output for a NaN input becomes the all-ones code when it is a
+ * NaN (the digests' rule), and torch_diffs apply where moonshard gives its documented code.
+ * Adds each difference's inputs in the block to range[] and those changed to applied[]. */
+static void expect_torch_block(int f, uint32_t u0, uint32_t *o, long long range[], long long applied[]) {
+    const ref_fmt *F = &fmts[f];
+    const uint32_t a0 = u0 & 0x7FFFFFFF, a1 = a0 + (BLOCK - 1), sign = u0 >> 31 ? F->sign_bit : 0;
+    if (a1 > 0x7F800000) /* NaN inputs are the top of a block */
+        for (uint32_t i = a0 > 0x7F800000 ? 0 : 0x7F800001 - a0; i < BLOCK; i++)
+            if (is_nan_code(F, o[i])) o[i] = 2 * F->sign_bit - 1;
+    for (int d = 0; d < NDIFFS; d++) {
+        const torch_diff *D = &torch_diffs[d];
+        if (D->fmt != f || a1 < D->lo || a0 > D->hi) continue;
+        const uint32_t i0 = D->lo > a0 ? D->lo - a0 : 0, i1 = D->hi < a1 ? D->hi - a0 : BLOCK - 1;
+        const uint32_t ms = sign | D->ms_code, torch = sign | D->torch_code;
+        long long changed = 0;
+        for (uint32_t i = i0; i <= i1; i++) {
+            const bool hit = o[i] == ms;
+            o[i] = hit ? torch : o[i];
+            changed += hit;
+        }
+        range[d] += i1 - i0 + 1;
+        applied[d] += changed;
+    }
+}
+
+/* Compares the expected codes of the block of inputs from u0 with torch's exact fp8 output,
+ * decoded from its runs (the run holding u0 found by bisection; a block spans one or two). */
+static void runs_block(int f, uint32_t u0, const uint32_t *want, long long *bad, torch_first *first) {
+    const ref_fmt *F = &fmts[f];
+    const refrec *st = torch_run_start[f], *cd = torch_run_code[f];
+    int64_t r = 0, hi = st->n - 1; /* the last run that starts at or before u0 */
+    while (r < hi) {
+        int64_t mid = (r + hi + 1) / 2;
+        if (st->v[mid] <= u0) r = mid;
+        else hi = mid - 1;
+    }
+    const uint32_t a0 = u0 & 0x7FFFFFFF;
+    const uint32_t nan_from = a0 > 0x7F800000 ? 0 : a0 + (BLOCK - 1) > 0x7F800000 ? 0x7F800001 - a0 : BLOCK;
+    const uint64_t end = (uint64_t)u0 + BLOCK;
+    for (; r < st->n && st->v[r] < end; r++) {
+        const uint32_t i0 = st->v[r] > u0 ? (uint32_t)(st->v[r] - u0) : 0;
+        const uint32_t i1 = r + 1 < st->n && st->v[r + 1] < end ? (uint32_t)(st->v[r + 1] - u0) : BLOCK;
+        const uint32_t code = (uint32_t)cd->v[r];
+        /* the inputs below nan_from, then the NaN inputs (whose NaN output is all ones) */
+        for (int nan_part = 0; nan_part < 2; nan_part++) {
+            const uint32_t j0 = nan_part && i0 < nan_from ? nan_from : i0;
+            const uint32_t j1 = !nan_part && i1 > nan_from ? nan_from : i1;
+            const uint32_t t = nan_part && is_nan_code(F, code) ? 2 * F->sign_bit - 1 : code;
+            long long b = 0;
+            for (uint32_t i = j0; i < j1; i++) b += want[i] != t;
+            if (!b) continue;
+            *bad += b;
+            uint32_t i = j0;
+            while (want[i] == t) i++;
+            if (u0 + i < first->u) *first = (torch_first){u0 + i, code, want[i]};
+        }
+    }
+}
+
+/* One path's torch comparisons of one format on a block: its fold placed in the chunk's
+ * digest, the README's differences, the fp8 runs. */
+typedef struct torch_result {
+    uint64_t placed;
+    long long range[NDIFFS], applied[NDIFFS], runs_bad;
+    torch_first first;
+} torch_result;
+
+/* The comparisons of the codes of the block of inputs from u0 (expected torch output made in
+ * `scratch` when the block needs it; scratch may be codes itself). */
+static torch_result torch_compare_block(int f, uint32_t u0, const uint32_t *codes, uint32_t *scratch) {
+    torch_result r = {.first = {UINT64_MAX, 0, 0}};
+    if (block_needs_expect(f, u0)) {
+        if (scratch != codes) memcpy(scratch, codes, BLOCK * sizeof *scratch);
+        expect_torch_block(f, u0, scratch, r.range, r.applied);
+        codes = scratch;
+    }
+    r.placed = fold_codes(codes, BLOCK) * block_place[u0 % TORCH_CHUNK / BLOCK];
+    if (torch_run_start[f]) runs_block(f, u0, codes, &r.runs_bad, &r.first);
+    return r;
+}
+
+static void torch_add(sweep_counts *n, int path, int f, uint32_t u0, const torch_result *r) {
+    n->digest[path][f][u0 / TORCH_CHUNK] += r->placed;
+    for (int d = 0; d < NDIFFS; d++) {
+        n->diff_range[path][d] += r->range[d];
+        n->diff_applied[path][d] += r->applied[d];
+    }
+    n->runs_bad[path][f] += r->runs_bad;
+    if (r->first.u < n->runs_first[path][f].u) n->runs_first[path][f] = r->first;
+}
+
+/* The torch comparisons of one format on the block of inputs from u0: port is the portable
+ * scalars' output, out ms_cast's (kernel_differs: they are not the same); want and kern are
+ * scratch blocks. */
+static void torch_block(int f, uint32_t u0, const uint32_t *port, const void *out, bool kernel_differs,
+                        uint32_t *want, uint32_t *kern, sweep_counts *n) {
+    const torch_result r = torch_compare_block(f, u0, port, want);
+    torch_add(n, PORT, f, u0, &r);
+    if (!kernel_differs) { /* the same outputs: the same results */
+        torch_add(n, KERN, f, u0, &r);
+        return;
+    }
+    if (ms_dtype_size(fmts[f].dtype) == 2)
+        for (uint32_t i = 0; i < BLOCK; i++) kern[i] = ((const uint16_t *)out)[i];
+    else
+        for (uint32_t i = 0; i < BLOCK; i++) kern[i] = ((const uint8_t *)out)[i];
+    const torch_result rk = torch_compare_block(f, u0, kern, kern);
+    torch_add(n, KERN, f, u0, &rk);
 }
 
 #ifdef HAVE_X86
@@ -198,8 +421,20 @@ static void portable_block(ms_dtype t, const float *x, uint32_t *out) {
     }
 }
 
-static void sweep_one_block(int b, float *x, uint32_t *port, void *out, sweep_counts *n) {
+/* Scratch blocks of a sweep thread. */
+typedef struct sweep_bufs {
+    float *x;
+    uint32_t *port, *want, *kern;
+    void *out;
+} sweep_bufs;
+
+/* Part 1's checks on block b when `full`, and the torch comparisons when `torch` (in quick
+ * mode the torch chunks are swept whole, most of their blocks for torch alone). */
+static void sweep_one_block(int b, bool full, bool torch, const sweep_bufs *buf, sweep_counts *n) {
     const uint32_t u0 = (uint32_t)b * BLOCK;
+    float *x = buf->x;
+    uint32_t *port = buf->port;
+    void *out = buf->out;
     for (uint32_t i = 0; i < BLOCK; i++) x[i] = float_of(u0 + i);
     for (int f = 0; f < NFMT; f++) {
         const ref_fmt *F = &fmts[f];
@@ -213,6 +448,8 @@ static void sweep_one_block(int b, float *x, uint32_t *port, void *out, sweep_co
             for (uint32_t i = 0; i < BLOCK; i++) kernel += ((uint16_t *)out)[i] != port[i];
         else
             for (uint32_t i = 0; i < BLOCK; i++) kernel += ((uint8_t *)out)[i] != port[i];
+        if (torch) torch_block(f, u0, port, out, kernel != 0, buf->want, buf->kern, n);
+        if (!full) continue;
         /* |x| grows with the bits within a block (one sign): walk the reference code up
          * over the f32 rounding boundaries. */
         const uint32_t sign = u0 >> 31 ? F->sign_bit : 0, *up = F->up;
@@ -236,56 +473,121 @@ static void sweep_one_block(int b, float *x, uint32_t *port, void *out, sweep_co
         }
 #endif
     }
-    n->inputs += BLOCK;
+    n->inputs += full ? BLOCK : 0;
 }
 
 static void *sweep_worker(void *arg) {
     sweep_job *job = arg;
-    sweep_counts n = {0};
-    float *x = malloc(BLOCK * sizeof(float));
-    uint32_t *port = malloc(BLOCK * sizeof(uint32_t));
-    void *out = malloc(BLOCK * 2);
-    for (int b; (b = atomic_fetch_add(&job->next_block, 1)) < NBLOCKS;)
-        if (sweep_block_wanted(b)) sweep_one_block(b, x, port, out, &n);
-    pthread_mutex_lock(&job->lock);
-    for (int f = 0; f < NFMT; f++) {
-        job->total.kernel[f] += n.kernel[f];
-        job->total.ref[f] += n.ref[f];
-        job->total.nan[f] += n.nan[f];
+    sweep_counts *n = malloc(sizeof *n);
+    sweep_counts_init(n);
+    sweep_bufs buf = {malloc(BLOCK * sizeof(float)), malloc(BLOCK * sizeof(uint32_t)), malloc(BLOCK * sizeof(uint32_t)),
+                      malloc(BLOCK * sizeof(uint32_t)), malloc(BLOCK * 2)};
+    for (int b; (b = atomic_fetch_add(&job->next_block, 1)) < NBLOCKS;) {
+        const bool full = sweep_block_wanted(b), torch = torch_chunk_wanted(b / BLOCKS_PER_CHUNK);
+        if (full || torch) sweep_one_block(b, full, torch, &buf, n);
     }
-    job->total.f16c += n.f16c;
-    job->total.inputs += n.inputs;
+    pthread_mutex_lock(&job->lock);
+    sweep_counts *t = &job->total;
+    for (int f = 0; f < NFMT; f++) {
+        t->kernel[f] += n->kernel[f];
+        t->ref[f] += n->ref[f];
+        t->nan[f] += n->nan[f];
+        for (int p = 0; p < 2; p++) {
+            for (int c = 0; c < TORCH_NCHUNKS; c++) t->digest[p][f][c] += n->digest[p][f][c];
+            t->runs_bad[p][f] += n->runs_bad[p][f];
+            if (n->runs_first[p][f].u < t->runs_first[p][f].u) t->runs_first[p][f] = n->runs_first[p][f];
+        }
+    }
+    for (int p = 0; p < 2; p++)
+        for (int d = 0; d < NDIFFS; d++) {
+            t->diff_range[p][d] += n->diff_range[p][d];
+            t->diff_applied[p][d] += n->diff_applied[p][d];
+        }
+    t->f16c += n->f16c;
+    t->inputs += n->inputs;
     pthread_mutex_unlock(&job->lock);
-    free(x);
-    free(port);
-    free(out);
+    free(buf.x);
+    free(buf.port);
+    free(buf.want);
+    free(buf.kern);
+    free(buf.out);
+    free(n);
     return NULL;
+}
+
+/* The torch lines of part 1: per format and path, the chunks whose digests differ (each
+ * named with its inputs), the fp8 outputs that differ from torch's exact ones (the first
+ * named), and whether the README's differences cover exactly their ranges. */
+static void report_torch_sweep(const sweep_counts *t) {
+    const char *paths[2] = {"portable scalar", has_avx2 ? "AVX2 kernel" : "portable kernel"};
+    int chunks = 0;
+    for (int c = 0; c < TORCH_NCHUNKS; c++) chunks += torch_chunk_wanted(c);
+    char what[160], inputs[32];
+    if (quick) snprintf(inputs, sizeof inputs, "%d x 2^24 inputs", chunks);
+    else snprintf(inputs, sizeof inputs, "2^32 inputs");
+    for (int f = 0; f < NFMT; f++)
+        for (int p = 0; p < 2; p++) {
+            long long bad = 0;
+            for (int c = 0; c < TORCH_NCHUNKS; c++) {
+                if (!torch_chunk_wanted(c) || t->digest[p][f][c] == torch_digest[f]->v[c]) continue;
+                if (bad++ < 4)
+                    printf("    f32->%s %s: chunk %02x (inputs %08x..%08x, %g .. %g) digest %016" PRIx64
+                           ", torch's %016" PRIx64 "\n",
+                           fmts[f].name, paths[p], c, (uint32_t)c << 24, ((uint32_t)c << 24) | 0xFFFFFF,
+                           (double)float_of((uint32_t)c << 24), (double)float_of(((uint32_t)c << 24) | 0xFFFFFF),
+                           t->digest[p][f][c], torch_digest[f]->v[c]);
+            }
+            snprintf(what, sizeof what, "f32->%s vs %s, %s: %d of 256 chunks (%s) by digest", fmts[f].name, torch_name,
+                     paths[p], chunks, inputs);
+            report(what, bad);
+            if (!torch_run_start[f]) continue;
+            const torch_first *first = &t->runs_first[p][f];
+            if (first->u != UINT64_MAX)
+                printf("    f32->%s %s: first differing input %08" PRIx64 " (%a): torch %02x, moonshard %02x"
+                       " (a NaN for a NaN input as ff)\n",
+                       fmts[f].name, paths[p], first->u, (double)float_of((uint32_t)first->u), first->torch,
+                       first->want);
+            snprintf(what, sizeof what, "f32->%s vs %s, %s: exact output (runs), %s", fmts[f].name, torch_name,
+                     paths[p], inputs);
+            report(what, t->runs_bad[p][f]);
+        }
+    for (int d = 0; d < NDIFFS; d++)
+        for (int p = 0; p < 2; p++) {
+            snprintf(what, sizeof what, "f32->%s vs %s, %s: the README's difference on %lld inputs, %s",
+                     fmts[torch_diffs[d].fmt].name, torch_name, paths[p], t->diff_range[p][d], torch_diffs[d].what);
+            report(what, t->diff_range[p][d] - t->diff_applied[p][d]);
+        }
 }
 
 static void check_every_f32(void) {
     enum { NTHREADS = 2 };
     double t0 = now_s();
-    sweep_job job = {.lock = PTHREAD_MUTEX_INITIALIZER};
-    atomic_init(&job.next_block, 0);
+    sweep_job *job = malloc(sizeof *job);
+    sweep_counts_init(&job->total);
+    pthread_mutex_init(&job->lock, NULL);
+    atomic_init(&job->next_block, 0);
     set_impl(has_avx2 ? MS_CAST_AVX2 : MS_CAST_PORTABLE);
     pthread_t th[NTHREADS];
-    for (int t = 0; t < NTHREADS; t++) pthread_create(&th[t], NULL, sweep_worker, &job);
+    for (int t = 0; t < NTHREADS; t++) pthread_create(&th[t], NULL, sweep_worker, job);
     for (int t = 0; t < NTHREADS; t++) pthread_join(th[t], NULL);
-    printf("1. f32 -> bf16, f16, e4m3, e5m2 on %lld inputs%s (%.1f s)\n", job.total.inputs,
+    printf("1. f32 -> bf16, f16, e4m3, e5m2 on %lld inputs%s (%.1f s)\n", job->total.inputs,
            quick ? " (quick: a subset)" : " (all 2^32)", now_s() - t0);
     char what[128];
     for (int f = 0; f < NFMT; f++) {
         snprintf(what, sizeof what, "f32->%s: %s == portable scalar", fmts[f].name,
                  has_avx2 ? "AVX2 kernel" : "portable kernel");
-        report(what, job.total.kernel[f]);
+        report(what, job->total.kernel[f]);
         snprintf(what, sizeof what, "f32->%s: portable == definition (non-NaN)", fmts[f].name);
-        report(what, job.total.ref[f]);
+        report(what, job->total.ref[f]);
         snprintf(what, sizeof what, "f32->%s: NaN inputs -> NaN of the rule", fmts[f].name);
-        report(what, job.total.nan[f]);
+        report(what, job->total.nan[f]);
     }
 #ifdef HAVE_X86
-    report("f32->f16: portable == F16C _cvtss_sh (all inputs, NaNs too)", job.total.f16c);
+    report("f32->f16: portable == F16C _cvtss_sh (all inputs, NaNs too)", job->total.f16c);
 #endif
+    report_torch_sweep(&job->total);
+    pthread_mutex_destroy(&job->lock);
+    free(job);
 }
 
 /* ---------------------------------------------------------------- 2. every narrow value to f32 */
@@ -648,6 +950,317 @@ static void check_errors(void) {
     report("statuses and messages", bad);
 }
 
+/* ---------------------------------------------------------------- 7. PyTorch, the rest */
+
+/* A record of casts.txt with the count the test expects (-1: any). */
+static const refrec *torch_rec(const char *name, int64_t n) {
+    const refrec *r = refdata_find(casts_ref, name);
+    if (!r) {
+        fprintf(stderr, "%s: no record %s (tests/reference/casts.py writes it: tests/reference/make.sh casts)\n",
+                casts_ref->path, name);
+        exit(2);
+    }
+    if (n >= 0 && r->n != n) {
+        fprintf(stderr, "%s: record %s has %lld values, expected %lld (tests/reference/make.sh casts remakes it)\n",
+                casts_ref->path, name, (long long)r->n, (long long)n);
+        exit(2);
+    }
+    return r;
+}
+
+static const refrec *torch_recf(int64_t n, const char *fmt, const char *a, const char *b) {
+    char name[96];
+    snprintf(name, sizeof name, fmt, a, b);
+    return torch_rec(name, n);
+}
+
+/* Loads casts.txt and what the sweep reads of it. */
+static void torch_load(void) {
+    casts_ref = refdata_load("casts.txt");
+    const refrec *v = refdata_get(casts_ref, "torch_version");
+    if (v->n != 3) {
+        fprintf(stderr, "%s: torch_version has %lld values, expected 3 (major minor patch)\n", casts_ref->path,
+                (long long)v->n);
+        exit(2);
+    }
+    snprintf(torch_name, sizeof torch_name, "torch %lld.%lld.%lld", (long long)v->v[0], (long long)v->v[1],
+             (long long)v->v[2]);
+    for (int f = 0; f < NFMT; f++) {
+        torch_digest[f] = torch_recf(TORCH_NCHUNKS, "f32_%s_digest", fmts[f].name, "");
+        if (ms_dtype_size(fmts[f].dtype) != 1) continue;
+        torch_run_start[f] = torch_recf(-1, "f32_%s_run_start", fmts[f].name, "");
+        torch_run_code[f] = torch_recf(torch_run_start[f]->n, "f32_%s_run_code", fmts[f].name, "");
+        const refrec *st = torch_run_start[f];
+        bool ok = st->n > 0 && st->v[0] == 0;
+        for (int64_t r = 1; r < st->n; r++) ok = ok && st->v[r] > st->v[r - 1] && st->v[r] <= UINT32_MAX;
+        if (!ok) {
+            fprintf(stderr, "%s: f32_%s_run_start must start at 0 and increase\n", casts_ref->path, fmts[f].name);
+            exit(2);
+        }
+    }
+    for (int k = 0; k < BLOCKS_PER_CHUNK; k++) block_place[k] = pow_p((uint64_t)BLOCK * (BLOCKS_PER_CHUNK - 1 - k));
+}
+
+static const char *impl_name(ms_cast_impl impl) { return impl == MS_CAST_AVX2 ? "AVX2" : "portable"; }
+
+/* Whether moonshard's code ms stands for torch's code t, for an input whose f32 (the value
+ * rounded to f32, the hub every narrow float goes through; NaN for a NaN input) has the bits
+ * u: both NaN for a NaN input (counted in *nan_bits when the bits differ); in a torch_diffs
+ * range, the two codes it names (counted in *documented); else equal. */
+static bool torch_agrees(int f, uint32_t u, uint32_t ms, uint32_t t, long long *documented, long long *nan_bits) {
+    const ref_fmt *F = &fmts[f];
+    const uint32_t a = u & 0x7FFFFFFF, sign = u >> 31 ? F->sign_bit : 0;
+    if (a > 0x7F800000 && is_nan_code(F, ms) && is_nan_code(F, t)) {
+        *nan_bits += ms != t;
+        return true;
+    }
+    for (int d = 0; d < NDIFFS; d++) {
+        const torch_diff *D = &torch_diffs[d];
+        if (D->fmt == f && a >= D->lo && a <= D->hi) {
+            const bool ok = ms == (sign | D->ms_code) && t == (sign | D->torch_code);
+            *documented += ok;
+            return ok;
+        }
+    }
+    return ms == t;
+}
+
+static uint32_t code_at(const void *p, int size, int64_t i) {
+    return size == 2 ? ((const uint16_t *)p)[i] : size == 1 ? ((const uint8_t *)p)[i] : ((const uint32_t *)p)[i];
+}
+
+/* What the README's differences and NaN bits add to a line, or "". */
+static const char *torch_notes(long long documented, long long nan_bits) {
+    static char buf[96];
+    buf[0] = '\0';
+    if (documented) snprintf(buf, sizeof buf, ", %lld by the README's difference", documented);
+    if (nan_bits)
+        snprintf(buf + strlen(buf), sizeof buf - strlen(buf), ", %lld NaNs with other bits than torch's", nan_bits);
+    return buf;
+}
+
+/* 7a. f32 -> each narrow float on the samples around the hard places, values printed. */
+static void check_torch_samples(const ms_cast_impl impls[], int nimpl) {
+    for (int f = 0; f < NFMT; f++) {
+        const refrec *in = torch_recf(-1, "f32_%s_sample_in", fmts[f].name, "");
+        const refrec *want = torch_recf(in->n, "f32_%s_sample_out", fmts[f].name, "");
+        const int size = ms_dtype_size(fmts[f].dtype);
+        float *x = malloc((size_t)in->n * sizeof *x);
+        uint16_t *y = malloc((size_t)in->n * sizeof *y);
+        for (int64_t i = 0; i < in->n; i++) x[i] = float_of((uint32_t)in->v[i]);
+        for (int k = 0; k < nimpl; k++) {
+            set_impl(impls[k]);
+            ms_cast(y, fmts[f].dtype, x, MS_F32, in->n);
+            long long bad = 0, documented = 0, nan_bits = 0;
+            for (int64_t i = 0; i < in->n; i++) {
+                const uint32_t ms = code_at(y, size, i), t = (uint32_t)want->v[i];
+                if (torch_agrees(f, (uint32_t)in->v[i], ms, t, &documented, &nan_bits)) continue;
+                if (bad++ < 6)
+                    printf("    f32->%s %s: %a (%08x): torch %0*x, moonshard %0*x\n", fmts[f].name, impl_name(impls[k]),
+                           (double)x[i], (uint32_t)in->v[i], 2 * size, t, 2 * size, ms);
+            }
+            char what[160];
+            snprintf(what, sizeof what, "f32->%s vs %s, %s: %lld samples%s", fmts[f].name, torch_name,
+                     impl_name(impls[k]), (long long)in->n, torch_notes(documented, nan_bits));
+            report(what, bad);
+        }
+        free(x);
+        free(y);
+    }
+}
+
+/* 7b. f64 -> each narrow float.  `_direct` is the code one correct rounding of the f64 would
+ * give; where torch's differs (the double-rounding cases) torch went through f32, and
+ * moonshard must give torch's code there too. */
+static void check_torch_f64(const ms_cast_impl impls[], int nimpl) {
+    const refrec *in = torch_rec("f64_in", -1);
+    double *x = malloc((size_t)in->n * sizeof *x);
+    uint16_t *y = malloc((size_t)in->n * sizeof *y);
+    for (int64_t i = 0; i < in->n; i++) x[i] = refdata_f64(in, i);
+    for (int f = 0; f < NFMT; f++) {
+        const refrec *want = torch_recf(in->n, "f64_%s", fmts[f].name, "");
+        const refrec *direct = torch_recf(in->n, "f64_%s_direct", fmts[f].name, "");
+        const int size = ms_dtype_size(fmts[f].dtype);
+        long long twice = 0; /* inputs where torch's code is not the once-rounded one */
+        for (int64_t i = 0; i < in->n; i++) twice += !isnan(x[i]) && want->v[i] != direct->v[i];
+        for (int k = 0; k < nimpl; k++) {
+            set_impl(impls[k]);
+            ms_cast(y, fmts[f].dtype, x, MS_F64, in->n);
+            long long bad = 0, documented = 0, nan_bits = 0;
+            for (int64_t i = 0; i < in->n; i++) {
+                const uint32_t ms = code_at(y, size, i), t = (uint32_t)want->v[i];
+                if (torch_agrees(f, bits_of((float)x[i]), ms, t, &documented, &nan_bits)) continue;
+                if (bad++ < 6)
+                    printf("    f64->%s %s: %a: torch %0*x, moonshard %0*x, once rounded %0*x\n", fmts[f].name,
+                           impl_name(impls[k]), x[i], 2 * size, t, 2 * size, ms, 2 * size, (uint32_t)direct->v[i]);
+            }
+            char what[160];
+            snprintf(what, sizeof what, "f64->%s vs %s, %s: %lld inputs, %lld rounded twice by torch%s", fmts[f].name,
+                     torch_name, impl_name(impls[k]), (long long)in->n, twice, torch_notes(documented, nan_bits));
+            report(what, bad);
+        }
+        /* Without such inputs the line above would not show that the f32 step is taken. */
+        if (!twice) {
+            printf("    f64->%s: casts.txt holds no input that torch rounds differently from once\n", fmts[f].name);
+            report("f64 inputs where one rounding differs from two", 1);
+        }
+    }
+    free(x);
+    free(y);
+}
+
+/* 7c. every bf16 and f16 -> f32 by the digests of 256 codes at a time (NaN outputs of NaN
+ * codes as all ones), every e4m3 and e5m2 -> f32 raw; NaN bits counted apart. */
+static void check_torch_widening(const ms_cast_impl impls[], int nimpl) {
+    uint16_t *codes = malloc(65536 * sizeof *codes);
+    uint32_t *got = malloc(65536 * sizeof *got);
+    for (uint32_t c = 0; c < 65536; c++) codes[c] = (uint16_t)c;
+    uint8_t codes8[256];
+    for (uint32_t c = 0; c < 256; c++) codes8[c] = (uint8_t)c;
+    for (int f = 0; f < NFMT; f++) {
+        const ref_fmt *F = &fmts[f];
+        const uint32_t ncodes = 2 * F->sign_bit;
+        const refrec *digests = NULL, *nan_out = NULL, *raw = NULL;
+        uint32_t nnan = 0;
+        for (uint32_t c = 0; c < ncodes; c++) nnan += is_nan_code(F, c);
+        if (ncodes == 65536) {
+            digests = torch_recf(256, "%s_f32_digest", F->name, "");
+            nan_out = torch_recf(nnan, "%s_f32_nan_out", F->name, "");
+        } else {
+            raw = torch_recf(ncodes, "%s_f32", F->name, "");
+        }
+        for (int k = 0; k < nimpl; k++) {
+            set_impl(impls[k]);
+            ms_cast(got, MS_F32, ncodes == 65536 ? (const void *)codes : (const void *)codes8, F->dtype, ncodes);
+            long long bad = 0, nan_bits = 0;
+            /* NaN codes: torch's raw bits; both NaN is agreement (the bits counted apart),
+             * and the digests take such an output as all ones */
+            for (uint32_t c = 0, j = 0; c < ncodes; c++) {
+                if (!is_nan_code(F, c)) continue;
+                const uint32_t t = raw ? (uint32_t)raw->v[c] : (uint32_t)nan_out->v[j++];
+                if (isnan(float_of(got[c])) && isnan(float_of(t))) {
+                    nan_bits += got[c] != t;
+                    got[c] = 0xFFFFFFFF;
+                } else if (raw && bad++ < 6) {
+                    printf("    %s->f32 %s: code %02x: torch %08x, moonshard %08x\n", F->name, impl_name(impls[k]), c,
+                           t, got[c]);
+                }
+            }
+            if (raw) {
+                for (uint32_t c = 0; c < ncodes; c++)
+                    if (!is_nan_code(F, c) && got[c] != (uint32_t)raw->v[c] && bad++ < 6)
+                        printf("    %s->f32 %s: code %02x: torch %08x, moonshard %08x\n", F->name, impl_name(impls[k]),
+                               c, (uint32_t)raw->v[c], got[c]);
+            } else {
+                for (uint32_t c = 0; c < ncodes; c += 256)
+                    if (fold_codes(got + c, 256) != digests->v[c / 256] && bad++ < 6)
+                        printf("    %s->f32 %s: codes %04x..%04x differ from torch's (by digest)\n", F->name,
+                               impl_name(impls[k]), c, c + 255);
+            }
+            char what[160];
+            snprintf(what, sizeof what, "%s->f32 vs %s, %s: %u codes%s%s", F->name, torch_name, impl_name(impls[k]),
+                     ncodes, raw ? "" : " (256 digests)", torch_notes(0, nan_bits));
+            report(what, bad);
+        }
+    }
+    free(codes);
+    free(got);
+}
+
+/* Casts a record's values (i64 values, or f64 ones made `src`) to `dst` and compares with
+ * torch's record `want`: exactly, or for a narrow float by torch_agrees on the value's f32.
+ * (Element bits are read little-endian, as x86 and the reference script have them.) */
+static long long torch_cast_values(const ms_cast_impl impl, const refrec *in, ms_dtype src, ms_dtype dst,
+                                   const refrec *want, const char *label, long long *documented, long long *nan_bits) {
+    const int ss = ms_dtype_size(src), ds = ms_dtype_size(dst);
+    unsigned char *x = malloc((size_t)(in->n * ss + 1)), *y = malloc((size_t)(in->n * ds + 1));
+    for (int64_t i = 0; i < in->n; i++) { /* in: i64 values, or f64 values (kept as bits) */
+        if (src == MS_F32) {
+            const float v = (float)refdata_f64(in, i);
+            memcpy(x + i * 4, &v, 4);
+        } else if (src == MS_I32) {
+            const int32_t v = (int32_t)(int64_t)in->v[i];
+            memcpy(x + i * 4, &v, 4);
+        } else {
+            memcpy(x + i * 8, &in->v[i], 8); /* i64 or f64 */
+        }
+    }
+    set_impl(impl);
+    ms_cast(y, dst, x, src, in->n);
+    long long bad = 0;
+    const ref_fmt *F = fmt_of(dst);
+    for (int64_t i = 0; i < in->n; i++) {
+        uint64_t ms = 0;
+        memcpy(&ms, y + i * ds, (size_t)ds);
+        const uint64_t t = want->v[i];
+        bool ok = ms == t;
+        if (F) { /* a narrow float: by the value's f32 */
+            float f32;
+            if (src == MS_F32) memcpy(&f32, x + i * 4, 4);
+            else if (src == MS_F64) f32 = (float)refdata_f64(in, i);
+            else f32 = (float)(int64_t)in->v[i];
+            ok = torch_agrees((int)(F - fmts), bits_of(f32), (uint32_t)ms, (uint32_t)t, documented, nan_bits);
+        }
+        if (!ok && bad++ < 6) {
+            char v[40];
+            if (src == MS_F32 || src == MS_F64) snprintf(v, sizeof v, "%a", refdata_f64(in, i));
+            else snprintf(v, sizeof v, "%lld", (long long)(int64_t)in->v[i]);
+            printf("    %s %s: %s: torch %0*llx, moonshard %0*llx\n", label, impl_name(impl), v, 2 * ds,
+                   (unsigned long long)t, 2 * ds, (unsigned long long)ms);
+        }
+    }
+    free(x);
+    free(y);
+    return bad;
+}
+
+/* 7d. integers -> floats and integers, floats -> bool and (values in range) -> integers. */
+static void check_torch_integers(const ms_cast_impl impls[], int nimpl) {
+    static const struct {
+        const char *in, *src_name;
+        ms_dtype src;
+        const char *dst_name;
+        ms_dtype dst;
+    } pairs[] = {
+        {"i64_in", "i64", MS_I64, "f32", MS_F32},       {"i64_in", "i64", MS_I64, "bf16", MS_BF16},
+        {"i64_in", "i64", MS_I64, "f16", MS_F16},       {"i64_in", "i64", MS_I64, "e4m3", MS_F8E4M3},
+        {"i64_in", "i64", MS_I64, "e5m2", MS_F8E5M2},   {"i32_in", "i32", MS_I32, "f32", MS_F32},
+        {"i32_in", "i32", MS_I32, "bf16", MS_BF16},     {"i32_in", "i32", MS_I32, "f16", MS_F16},
+        {"i32_in", "i32", MS_I32, "e4m3", MS_F8E4M3},   {"i32_in", "i32", MS_I32, "e5m2", MS_F8E5M2},
+        {"i64_in", "i64", MS_I64, "i32", MS_I32},       {"i64_in", "i64", MS_I64, "i8", MS_I8},
+        {"i64_in", "i64", MS_I64, "u8", MS_U8},         {"i64_in", "i64", MS_I64, "bool", MS_BOOL},
+        {"bool_f64_in", "f32", MS_F32, "bool", MS_BOOL}, {"bool_f64_in", "f64", MS_F64, "bool", MS_BOOL},
+        {"trunc_i64_in", "f32", MS_F32, "i64", MS_I64}, {"trunc_i64_in", "f64", MS_F64, "i64", MS_I64},
+        {"trunc_i32_in", "f32", MS_F32, "i32", MS_I32}, {"trunc_i32_in", "f64", MS_F64, "i32", MS_I32},
+        {"trunc_i8_in", "f32", MS_F32, "i8", MS_I8},    {"trunc_i8_in", "f64", MS_F64, "i8", MS_I8},
+        {"trunc_u8_in", "f32", MS_F32, "u8", MS_U8},    {"trunc_u8_in", "f64", MS_F64, "u8", MS_U8},
+    };
+    for (int k = 0; k < nimpl; k++) {
+        long long bad = 0, documented = 0, nan_bits = 0, values = 0;
+        for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+            const refrec *in = torch_rec(pairs[p].in, -1);
+            const refrec *want = torch_recf(in->n, "%s_%s", pairs[p].src_name, pairs[p].dst_name);
+            char label[48];
+            snprintf(label, sizeof label, "%s->%s", pairs[p].src_name, pairs[p].dst_name);
+            bad += torch_cast_values(impls[k], in, pairs[p].src, pairs[p].dst, want, label, &documented, &nan_bits);
+            values += in->n;
+        }
+        char what[160];
+        snprintf(what, sizeof what, "%d integer and bool pairs vs %s, %s: %lld values%s",
+                 (int)(sizeof pairs / sizeof pairs[0]), torch_name, impl_name(impls[k]), values,
+                 torch_notes(documented, nan_bits));
+        report(what, bad);
+    }
+}
+
+static void check_torch(const ms_cast_impl impls[], int nimpl) {
+    printf("7. against %s's .to() (tests/reference/data/casts.txt; the sweep's lines are in 1.)\n", torch_name);
+    check_torch_samples(impls, nimpl);
+    check_torch_f64(impls, nimpl);
+    check_torch_widening(impls, nimpl);
+    check_torch_integers(impls, nimpl);
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(void) {
@@ -661,6 +1274,7 @@ int main(void) {
     printf("NOTICE: not x86-64: the F16C comparisons are skipped\n");
 #endif
     for (int f = 0; f < NFMT; f++) ref_init(&fmts[f]);
+    torch_load();
     double t0 = now_s();
     check_every_f32();
     check_widening(impls, nimpl);
@@ -668,6 +1282,8 @@ int main(void) {
     check_pairs(impls, nimpl);
     check_lengths(impls, nimpl);
     check_errors();
+    check_torch(impls, nimpl);
+    refdata_free(casts_ref);
     for (int f = 0; f < NFMT; f++) {
         free(fmts[f].value);
         free(fmts[f].up);
