@@ -67,10 +67,11 @@ MS_HD static inline float ms_round16(float x, int kind) {
  * tensor's dtype first.  f32 results are torch's bits, and bf16 and f16 ones too (the
  * state kept in those dtypes: torch.optim.AdamW on 16-bit parameters), measured in
  * tests/c/test_adamw_torch.c against tests/reference/data/adamw.txt.  Two known
- * exceptions: torch's CPU sqrt is not always correctly rounded (0.65% of f32 values 1 ulp
- * off, under every ATEN_CPU_CAPABILITY; sqrtf here is correctly rounded, deliberately, as
- * torch's CUDA sqrt is), and torch run with ATEN_CPU_CAPABILITY=default does not fuse
- * (2,900 of the test's 25,600 values differ then). */
+ * exceptions: torch's CPU sqrt is Intel MKL's, which is not always correctly rounded (f32
+ * on MKL's AVX-512 code, 0.65% of values 1 ulp off; f64 on every dispatch; sqrtf here is
+ * correctly rounded, deliberately, as torch's CUDA sqrt is: torch with
+ * MKL_ENABLE_INSTRUCTIONS=AVX2 gives these bits in f32), and torch run with
+ * ATEN_CPU_CAPABILITY=default does not fuse (2,900 of the test's 25,600 values differ then). */
 MS_HD static inline void ms_adamw_update_as(float *w, float *m, float *v, float g, const ms_adamw_hyper *h, int kind) {
     const float wd = ms_round16(*w * h->decay, kind);
     const float d = g - *m;

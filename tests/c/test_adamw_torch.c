@@ -14,11 +14,14 @@
  * over.  After the last step the stored parameters, exp_avg, exp_avg_sq, the master weights
  * and each parameter's step count (torch's state['step']) are compared with the two runs
  * the file records of every case:
- *   - sqrt/: torch.optim.AdamW with Tensor.sqrt made correctly rounded, every other op
- *     torch's own kernel: every value bit for bit;
- *   - torch/: torch.optim.AdamW as shipped, whose CPU sqrt is not always correctly rounded
- *     (0.65% of f32 values 1 ulp off under every ATEN_CPU_CAPABILITY) where moonshard's
- *     deliberately is, as torch's CUDA sqrt is: the values that differ are counted and printed, and the test fails when
+ *   - avx2/: torch.optim.AdamW with MKL_ENABLE_INSTRUCTIONS=AVX2 (torch's f32 and f64 CPU
+ *     sqrt is Intel MKL's, whose AVX2 code is correctly rounded) and ATEN_CPU_CAPABILITY=avx2
+ *     (ATen's AVX2 kernels fuse the lerp's and the addcmul's multiply-adds as its AVX-512
+ *     and CUDA kernels do), MKL's f64 sqrt (not correctly rounded on any dispatch) replaced
+ *     by numpy's IEEE one: every value bit for bit;
+ *   - torch/: torch.optim.AdamW on this machine's defaults, where MKL's AVX-512 sqrt is not
+ *     always correctly rounded (0.65% of f32 values 1 ulp off) and moonshard's is, as torch's
+ *     CUDA sqrt is: the values that differ are counted and printed, and the test fails when
  *     they are more than that sqrt explains (TORCH_SQRT_* below).
  * The device kernels (core/cuda/unit.cu) call the same update functions element by element;
  * tests/gpu compares a unit on the GPU with one on the CPU.
@@ -48,7 +51,7 @@ enum { STEPS = 5, NPARAM = 2 };
 static const char *const pnames[NPARAM] = {"a", "b"};
 static bool skips(int p, int step) { return p == 1 && (step == 2 || step == 4); }
 
-/* Against torch/ (torch's CPU sqrt, 1 ulp off for about 0.7% of f32 and f64 square roots,
+/* Against torch/ (MKL's AVX-512 sqrt, 1 ulp off for about 0.7% of f32 and f64 square roots,
  * carried on through later steps): at most this fraction of values may differ, each by at
  * most this much relative to the value (2 of 3072 f32 values differ, by at most 1.6e-7). */
 static const double TORCH_SQRT_FRACTION = 0.01, TORCH_SQRT_REL = 1e-6;
@@ -194,7 +197,7 @@ static void run_variant(const refdata *d, const char *variant, bool exact) {
 
 int main(void) {
     refdata *d = refdata_load("adamw.txt");
-    run_variant(d, "sqrt", true);
+    run_variant(d, "avx2", true);
     run_variant(d, "torch", false);
     refdata_free(d);
     return check_summary("test_adamw_torch");

@@ -14,19 +14,20 @@ Modes:
           gradients widened to f32, the stored parameter being the copy rounded back after
           every step: what a unit with f32 master weights computes.
 
-Each case runs twice, and both results are recorded:
-  torch/...  torch.optim.AdamW exactly as shipped.  Its CPU Tensor.sqrt is not always
-             correctly rounded: 6,790 of 2^20 random f32 values (0.65%) come out 1 ulp
-             off, the same under ATEN_CPU_CAPABILITY=default, avx2 and avx512 (so it is
-             not ATen's own vector code; the PyPI wheel links Intel MKL).
-  sqrt/...   the same optimizer code and kernels with Tensor.sqrt replaced by a correctly
-             rounded one (f32: the f64 sqrt rounded once, which is exact for f32; f64:
-             numpy's IEEE sqrt; 16-bit: torch's own, computed in f32 and rounded to the
-             16-bit dtype, where the 1-ulp f32 error almost never shows).  This isolates
-             the one deliberate difference: moonshard's sqrt is correctly rounded, as
-             PyTorch's CUDA sqrt is.
+Each case runs twice, in two processes, and both results are recorded:
+  torch/...  torch.optim.AdamW exactly as shipped, on this machine's defaults.  Its f32 and
+             f64 CPU Tensor.sqrt is Intel MKL's (the PyPI wheel's), whatever
+             ATEN_CPU_CAPABILITY says, and MKL's AVX-512 code is not always correctly
+             rounded: 0.65% of random f32 values come out 1 ulp off.
+  avx2/...   the same with MKL_ENABLE_INSTRUCTIONS=AVX2 (and ATEN_CPU_CAPABILITY=avx2),
+             whose f32 sqrt is correctly rounded (0 of 2^20 random values off): torch's own
+             kernels for every op.  MKL's f64 sqrt is not correctly rounded on either
+             dispatch (15,153 of 2^20 values 1 ulp off under AVX2, 7,668 under AVX-512), so
+             here, for f64 tensors only, Tensor.sqrt is numpy's IEEE one.  These are the
+             bits moonshard reproduces (its sqrt is correctly rounded, as CUDA's is).
 """
 import os
+import subprocess
 import sys
 import time
 
@@ -46,19 +47,6 @@ SKIP_B = (2, 4)
 NA, NB = 200, 56
 
 
-def exact_sqrt(torch, original):
-    """A correctly rounded Tensor.sqrt (see the module's docstring)."""
-    import numpy as np
-
-    def sqrt(self):
-        if self.dtype == torch.float32:
-            return original(self.double()).float()
-        if self.dtype == torch.float64:
-            return torch.from_numpy(np.sqrt(self.detach().numpy()))
-        return original(self)
-    return sqrt
-
-
 def optimize(torch, w0, grads, dtype, mode, hyper):
     """Runs torch.optim.AdamW over the steps; returns (stored params, master, state)."""
     _, lr, b1, b2, eps, wd = hyper
@@ -75,66 +63,98 @@ def optimize(torch, w0, grads, dtype, mode, hyper):
     return stored, params, opt.state
 
 
-def main():
-    import torch
-    import refdata
+def inputs(torch, gen, d):
+    """One case's initial values in [-1, 1) and gradients of magnitudes 1 to 1e-4 (so eps and
+    the 16-bit roundings of v show), rounded to the stored dtype d."""
+    w0 = {"a": (torch.rand(NA, generator=gen, dtype=torch.float64) * 2 - 1).to(d),
+          "b": (torch.rand(NB, generator=gen, dtype=torch.float64) * 2 - 1).to(d)}
+    grads = []
+    for s in range(1, STEPS + 1):
+        g = {}
+        for k, n in (("a", NA), ("b", NB)):
+            mag = torch.pow(10.0, -torch.randint(0, 5, (n,), generator=gen).double())
+            g[k] = ((torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * mag).to(d)
+        grads.append(g)
+    return w0, grads
+
+
+def cases(torch):
     dt = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
-    t0 = time.time()
-    w = refdata.Writer(os.path.join(here, "data", "adamw.txt"), "adamw.py", __doc__.split("\n\n")[0] + "\n" +
-                       "cases: %s; steps %d; b skips steps %s" %
-                       ("; ".join("%s = lr %g, betas (%g, %g), eps %g, weight_decay %g" % c for c in CASES),
-                        STEPS, SKIP_B))
-    gen = torch.Generator().manual_seed(2026)
-    original_sqrt = torch.Tensor.sqrt
-    misrounded = {}
     for dname in DTYPES:
         for mode in (["torch", "master"] if dname in ("bf16", "f16") else ["torch"]):
             for hyper in CASES:
-                tag = "%s/%s/%s" % (dname, mode, hyper[0])
-                d = dt[dname]
-                # initial values in [-1, 1) and gradients of magnitudes 1 to 1e-4 (so eps and
-                # the 16-bit roundings of v show), rounded to the stored dtype
-                w0 = {"a": (torch.rand(NA, generator=gen, dtype=torch.float64) * 2 - 1).to(d),
-                      "b": (torch.rand(NB, generator=gen, dtype=torch.float64) * 2 - 1).to(d)}
-                grads = []
+                yield "%s/%s/%s" % (dname, mode, hyper[0]), dt[dname], mode, hyper
+
+
+def run(variant, path):
+    """One process: the variant's results (and, for torch/, the inputs) into path."""
+    import torch
+    import refdata
+    w = refdata.Writer(path, "adamw.py", "variant %s" % variant)
+    if variant == "avx2":
+        import numpy as np
+        original = torch.Tensor.sqrt
+
+        def sqrt(self):  # f64 only: numpy's correctly rounded sqrt
+            if self.dtype == torch.float64:
+                return torch.from_numpy(np.sqrt(self.detach().numpy()))
+            return original(self)
+        torch.Tensor.sqrt = sqrt
+    gen = torch.Generator().manual_seed(2026)
+    for tag, d, mode, hyper in cases(torch):
+        w0, grads = inputs(torch, gen, d)
+        if variant == "torch":
+            for k in ("a", "b"):
+                w.bits("%s/%s/w0" % (tag, k), w0[k])
                 for s in range(1, STEPS + 1):
-                    g = {}
-                    for k, n in (("a", NA), ("b", NB)):
-                        mag = torch.pow(10.0, -torch.randint(0, 5, (n,), generator=gen).double())
-                        g[k] = ((torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * mag).to(d)
-                    grads.append(g)
-                for k in ("a", "b"):
-                    w.bits("%s/%s/w0" % (tag, k), w0[k])
-                    for s in range(1, STEPS + 1):
-                        if not (k == "b" and s in SKIP_B):
-                            w.bits("%s/%s/g%d" % (tag, k, s), grads[s - 1][k])
-                for variant in ("torch", "sqrt"):
-                    torch.Tensor.sqrt = original_sqrt if variant == "torch" else exact_sqrt(torch, original_sqrt)
-                    try:
-                        stored, params, state = optimize(torch, w0, grads, d, mode, hyper)
-                    finally:
-                        torch.Tensor.sqrt = original_sqrt
-                    for k in ("a", "b"):
-                        st = state[params[k]]
-                        name = "%s/%s/%s/" % (variant, tag, k)
-                        w.bits(name + "w", stored[k])
-                        if mode == "master":
-                            w.bits(name + "master", params[k].detach())
-                        w.bits(name + "exp_avg", st["exp_avg"])
-                        w.bits(name + "exp_avg_sq", st["exp_avg_sq"])
-                        w.rec(name + "step", "i64", [int(st["step"].item())])
-                        if variant == "torch":
-                            misrounded[(tag, k)] = stored[k]
-                        else:
-                            key = dname + "/" + mode
-                            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[stored[k].element_size()]
-                            same = int((misrounded[(tag, k)].view(bits) != stored[k].view(bits)).sum())
-                            misrounded[key] = misrounded.get(key, 0) + same
-    for key in sorted(k for k in misrounded if isinstance(k, str)):
-        w.comment("%s: %d stored values differ between torch/ and sqrt/" % (key, misrounded[key]))
-    w.comment("made in %.1f s" % (time.time() - t0))
+                    if not (k == "b" and s in SKIP_B):
+                        w.bits("%s/%s/g%d" % (tag, k, s), grads[s - 1][k])
+        stored, params, state = optimize(torch, w0, grads, d, mode, hyper)
+        for k in ("a", "b"):
+            st = state[params[k]]
+            name = "%s/%s/%s/" % (variant, tag, k)
+            w.bits(name + "w", stored[k])
+            if mode == "master":
+                w.bits(name + "master", params[k].detach())
+            w.bits(name + "exp_avg", st["exp_avg"])
+            w.bits(name + "exp_avg_sq", st["exp_avg_sq"])
+            w.rec(name + "step", "i64", [int(st["step"].item())])
     w.close()
 
 
+def main():
+    import refdata
+    t0 = time.time()
+    out = os.path.join(here, "data", "adamw.txt")
+    parts = {}
+    # MKL reads MKL_ENABLE_INSTRUCTIONS when it loads: one process per variant
+    for variant, env_set in (("torch", {}), ("avx2", {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})):
+        env = dict(os.environ)
+        for k in ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+            env.pop(k, None)
+        env.update(env_set)
+        parts[variant] = out + "." + variant
+        subprocess.run([sys.executable, __file__, variant, parts[variant]], env=env, check=True)
+    with open(out + ".tmp", "w") as f:
+        f.write("# made by tests/reference/adamw.py (tests/reference/make.sh); do not edit\n")
+        for line in __doc__.split("\n\n")[0].splitlines():
+            f.write("# " + line + "\n")
+        f.write("# cases: %s; steps %d; b skips steps %s\n" %
+                ("; ".join("%s = lr %g, betas (%g, %g), eps %g, weight_decay %g" % c for c in CASES),
+                 STEPS, SKIP_B))
+        for variant, path in parts.items():
+            with open(path) as part:
+                for line in part:
+                    if line.startswith("# made by") or line.startswith("# variant"):
+                        continue
+                    f.write(line.replace("# ", "# %s: " % variant, 1) if line.startswith("# ") else line)
+            os.remove(path)
+        f.write("# made in %.1f s\n" % (time.time() - t0))
+    os.replace(out + ".tmp", out)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3:
+        run(sys.argv[1], sys.argv[2])
+    else:
+        main()

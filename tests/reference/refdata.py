@@ -20,7 +20,7 @@ def versions():
     t = sys.modules.get("torch")
     if t is not None:
         out.append("torch cpu capability " + t.backends.cpu.get_cpu_capability())
-    for k in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS"):
+    for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS"):
         if k in os.environ:
             out.append(k + "=" + os.environ[k])
     return out
