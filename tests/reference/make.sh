@@ -19,10 +19,11 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "make.sh: creating the virtual environment $venv" >&2
     python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -m pip freeze 2>/dev/null | sort | comm -13 - <(grep -v '^#' "$here/requirements.txt" | sort) | grep -q .; then
-    :
-else
-    echo "make.sh: installing $here/requirements.txt (PyPI)" >&2
+# the pinned lines that `pip freeze` does not show yet
+missing="$(comm -13 <("$venv/bin/python" -m pip freeze 2>/dev/null | sort) \
+                    <(grep -v '^#' "$here/requirements.txt" | grep . | sort))"
+if [ -n "$missing" ]; then
+    echo "make.sh: installing $here/requirements.txt from PyPI (missing: $(echo $missing))" >&2
     "$venv/bin/python" -m pip install -q -r "$here/requirements.txt"
 fi
 
