@@ -231,19 +231,27 @@ struct buf_cache {
 static pthread_mutex_t cache_registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static buf_cache *cache_registry; /* every cache in use */
 
+/* A new, empty cache of (w, rank) with its allocation account, or NULL when out of memory. */
+static buf_cache *cache_new(ms_world *w, int rank) {
+    buf_cache *c = calloc(1, sizeof *c);
+    if (c && !(c->account = ms__account_new())) {
+        free(c);
+        return NULL;
+    }
+    if (c) {
+        c->world = w;
+        c->rank = rank;
+        pthread_mutex_init(&c->lock, NULL);
+    }
+    return c;
+}
+
 /* The cache of (w, rank), created if needed; the caller uses it until cache_release. */
 static ms_status cache_acquire(ms_world *w, int rank, buf_cache **out) {
     pthread_mutex_lock(&cache_registry_lock);
     buf_cache *c = cache_registry;
     while (c && (c->world != w || c->rank != rank)) c = c->next;
-    if (!c && (c = calloc(1, sizeof *c)) && !(c->account = ms__account_new())) {
-        free(c);
-        c = NULL;
-    }
-    if (c && !c->world) {
-        c->world = w;
-        c->rank = rank;
-        pthread_mutex_init(&c->lock, NULL);
+    if (!c && (c = cache_new(w, rank))) {
         c->next = cache_registry;
         cache_registry = c;
     }
