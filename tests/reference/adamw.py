@@ -48,7 +48,8 @@ NA, NB = 200, 56
 
 
 def optimize(torch, w0, grads, dtype, mode, hyper):
-    """Runs torch.optim.AdamW over the steps; returns (stored params, master, state)."""
+    """Runs torch.optim.AdamW over the steps; returns (the parameters in the stored dtype,
+    the optimizer's parameters, its state)."""
     _, lr, b1, b2, eps, wd = hyper
     odt = torch.float32 if mode == "master" else dtype
     params = {k: torch.nn.Parameter(w0[k].to(odt).clone()) for k in ("a", "b")}
@@ -91,6 +92,11 @@ def run(variant, path):
     import torch
     import refdata
     w = refdata.Writer(path, "adamw.py", "variant %s" % variant)
+    if variant == "torch":  # the setup, for the test to read rather than repeat
+        for name, lr, b1, b2, eps, wd in CASES:
+            w.rec("hyper/" + name, "f64", [lr, b1, b2, eps, wd])
+        w.rec("steps", "i64", [STEPS])
+        w.rec("b_skips", "i64", SKIP_B)
     if variant == "avx2":
         import numpy as np
         original = torch.Tensor.sqrt
