@@ -1043,14 +1043,16 @@ static int u_set_adamw(lua_State *L) {
     return 1;
 }
 
+/* ms_unit_bytes' categories by name; ms_unit_rank_allocated takes the first four */
+static const char *const byte_categories[] = {"params", "grads", "optimizer", "unsharded", "cached"};
+
 /* unit:bytes() -> {params=, grads=, optimizer=, unsharded=, cached=} */
 static int u_bytes(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
-    static const char *const names[] = {"params", "grads", "optimizer", "unsharded", "cached"};
     lua_createtable(L, 0, 5);
     for (int c = 0; c < 5; c++) {
         lua_pushinteger(L, (lua_Integer)ms_unit_bytes(u, c));
-        lua_setfield(L, -2, names[c]);
+        lua_setfield(L, -2, byte_categories[c]);
     }
     return 1;
 }
@@ -1059,11 +1061,10 @@ static int u_bytes(lua_State *L) {
  * for every unit of the rank, counted at the allocator (ms_unit_rank_allocated) */
 static int u_rank_allocated(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
-    static const char *const names[] = {"params", "grads", "optimizer", "unsharded"};
     lua_createtable(L, 0, 4);
     for (int c = 0; c < 4; c++) {
         lua_pushinteger(L, (lua_Integer)ms_unit_rank_allocated(u, c));
-        lua_setfield(L, -2, names[c]);
+        lua_setfield(L, -2, byte_categories[c]);
     }
     return 1;
 }
