@@ -1,23 +1,56 @@
--- fsdp2_default.lua: Automodel's default parallelizer (SEMANTICS.md §6).
+-- fsdp2_default.lua: NeMo Automodel's default FSDP2 parallelizers, rule by rule.
 --
--- Dense models: every decoder layer becomes a unit, then the root.  MoE models (when the
--- mesh has ep > 1): per decoder layer, the experts (on the expert mesh, when ep_shard > 1)
--- and then the layer sharded by dtype, ignoring the expert parameters; then embed_tokens
--- (when untied), embed_norm (when the model has one), lm_head (with the FP32 policy when
--- the head is stored in FP32), and the root.  reshard_after_forward is the override below
--- when set, else false under pipeline parallelism, else true for every layer but the last;
--- the root never reshards after forward.  offload_policy is passed to every unit.
+-- Dense path (ep = 1): Automodel's DefaultParallelizationStrategy.parallelize
+-- (components/distributed/parallelizer.py) over apply_fsdp2_sharding_recursively: the walk
+-- goes through the whole model; in every ModuleList (and ModuleDict) the nested lists come
+-- first, then each other child becomes one unit; reshard_after_forward is the option when
+-- set, else false under pipeline parallelism, else true for every child of the list but its
+-- last.  Then the root, one unit that does not reshard after forward.  Precision: FSDP2Config's
+-- default mp_policy (bf16 gather, f32 reduce, bf16 output, inputs cast).
+--
+-- Expert-parallel path (ep > 1): Automodel's MoE parallelizer (components/moe/parallelizer.py,
+-- parallelize_model and apply_fsdp), which replaces the dense path whenever ep > 1
+-- (_transformers/infrastructure.py, instantiate_infrastructure).  Expert parallelism first
+-- (apply_ep: every decoder layer's grouped experts, Shard(0) over ep); then per decoder
+-- layer the experts as a unit on ep_shard (when ep_shard > 1; placement dim 1) and the layer
+-- by fully_shard_by_dtype (by_dtype.lua) with its experts ignored and the model's
+-- _keep_in_fp32_modules_strict names pinned to f32; then embed_tokens (when untied),
+-- embed_norm (when present), lm_head (when untied: in f32, inputs still cast, only when
+-- lm_head_precision = "f32"), the inner `model` (which holds the final norm) and, when
+-- wrap_outer_model, the outer root, which has nothing left to hold.  reshard_after_forward is
+-- the option when set, else false for every unit (MoEParallelizerConfig's default).  The
+-- routers' e_score_correction_bias is a buffer, replicated on every rank, never gathered.
+--
+-- Prefetch: Automodel's FSDP2Config.enable_fsdp2_prefetch is false by default, so FSDP2
+-- prefetches implicitly: the next unit's all-gather is issued while the current one computes
+-- (forward 1) and backward prefetches the unit before it in forward order (backward 1).  With
+-- the option `prefetch` true (or {forward = n, backward = n}) the dense path sets explicit
+-- chains at Automodel's depths (fsdp2_forward_prefetch_depth 1, fsdp2_backward_prefetch_depth
+-- 2), except when reshard_after_forward is false or under pipeline parallelism, where
+-- Automodel sets none; the MoE path never sets chains.  The plan shows the peak both ways.
 
 local by_dtype = require "by_dtype"
 
 local M = {}
 
+-- FSDP2Config's default mp_policy (components/distributed/config.py).
 M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }
-M.fp32 = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
-M.reshard_after_forward = nil -- true, false or an integer to override the rule above
-M.offload_policy = nil -- "cpu" for FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory
+-- apply_fsdp's lm_head policy when lm_head_precision is f32: MixedPrecisionPolicy(f32, f32,
+-- f32), cast_forward_inputs left at its default (true).
+M.fp32_head = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true }
+
+-- The knobs, Automodel's defaults.
+M.reshard_after_forward = nil -- true, false or an integer; nil: the path's rule above
+M.offload_policy = nil -- "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory)
 M.activation_checkpointing = false
-M.prefetch = { forward = 1, backward = 2 }
+M.prefetch_explicit = false -- FSDP2Config.enable_fsdp2_prefetch
+M.prefetch_depths = { forward = 1, backward = 2 } -- fsdp2_forward/backward_prefetch_depth
+M.lm_head_precision = nil -- "f32": MoEParallelizerConfig.lm_head_precision
+M.wrap_outer_model = true -- MoEParallelizerConfig.wrap_outer_model
+
+-- FSDP2's implicit prefetch: what the planner counts when no explicit chain is set.
+M.IMPLICIT_PREFETCH = { forward = 1, backward = 1 }
+M.prefetch = M.IMPLICIT_PREFETCH
 
 --- The grouped experts ([experts, ...] tensors, module type GroupedExperts) of a decoder
 -- layer, nil when it has none: what expert parallelism splits on dim 0, whatever the MoE
@@ -37,57 +70,93 @@ function M.tied(model)
   return embed ~= nil and head ~= nil and head.params.weight ~= nil and head.params.weight == embed.params.weight
 end
 
-function M.parallelize(ctx)
+--- apply_fsdp2_sharding_recursively's walk: calls shard(child, reshard_after_forward) for each
+-- child of every ModuleList / ModuleDict below `module` (nested lists first, not descending
+-- into a child it shards).  A ModuleList's children that are ModuleLists are nested lists; a
+-- ModuleDict's that are ModuleLists or ModuleDicts are.  Returns the children sharded.
+function M.apply_recursively(ctx, module, shard, reshard_override)
+  local pp = ctx.mesh:size("pp") > 1
+  local sharded = {}
+  local function walk(m)
+    if m.type == "ModuleList" or m.type == "ModuleDict" then
+      local flat = {}
+      for _, k in ipairs(m.child_order) do
+        local c = m.children[k]
+        local nested = c.type == "ModuleList" or (m.type == "ModuleDict" and c.type == "ModuleDict")
+        if nested then walk(c) else flat[#flat + 1] = c end
+      end
+      for i, c in ipairs(flat) do
+        local raf = reshard_override
+        if raf == nil then
+          if pp then raf = false else raf = i < #flat end
+        end
+        shard(c, raf)
+        sharded[#sharded + 1] = c
+      end
+    else
+      for _, k in ipairs(m.child_order) do walk(m.children[k]) end
+    end
+  end
+  walk(module)
+  return sharded
+end
+
+local function dense(ctx)
+  local raf = M.reshard_after_forward
+  M.apply_recursively(ctx, ctx.model, function(layer, reshard)
+    ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = reshard,
+      offload_policy = M.offload_policy })
+  end, raf)
+  -- "do not reshard after forward for root model because its parameters will be used in
+  -- backward immediately" (DefaultParallelizationStrategy.parallelize)
+  ctx:fully_shard(ctx.model, { mp_policy = M.precision, reshard_after_forward = false,
+    offload_policy = M.offload_policy })
+end
+
+local function expert_parallel(ctx)
   local mesh = ctx.mesh
   local layers = ctx:module("model.layers")
-  local moe = mesh:size("ep") > 1
-  local ignored = {}
-  if moe then
-    for _, i in ipairs(layers.child_order) do
-      local experts = experts_of(layers.children[i])
-      if experts then
-        for _, p in ipairs(ctx:expert_parallel(experts)) do ignored[#ignored + 1] = p end
-      end
-    end
+  local raf = M.reshard_after_forward
+  if raf == nil then raf = false end
+  local owned = {} -- layer -> the parameters expert parallelism took from it
+  for _, i in ipairs(layers.child_order) do
+    local experts = experts_of(layers.children[i])
+    if experts then owned[layers.children[i]] = ctx:expert_parallel(experts) end
   end
-  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
-
-  local n = #layers.child_order
-  for k, i in ipairs(layers.child_order) do
+  for _, i in ipairs(layers.child_order) do
     local layer = layers.children[i]
-    if layer.type ~= "ModuleList" and layer.type ~= "ModuleDict" then
-      local raf = M.reshard_after_forward
-      if raf == nil then
-        if mesh:size("pp") > 1 then raf = false else raf = k < n end
-      end
-      if moe then
-        local experts = experts_of(layer)
-        if experts and mesh:size("ep_shard") > 1 then
-          ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
-            shard_placement_fn = function() return 1 end, offload_policy = M.offload_policy })
-        end
-        by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
-          ignored_params = ignored, offload_policy = M.offload_policy })
-      else
-        ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf,
-          offload_policy = M.offload_policy })
-      end
+    local experts = experts_of(layer)
+    if experts and mesh:size("ep_shard") > 1 then
+      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
+        shard_placement_fn = function() return 1 end, offload_policy = M.offload_policy })
     end
+    by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
+      ignored_params = owned[layer], offload_policy = M.offload_policy })
   end
+  local model = ctx.model
+  local inner = model:get("model") or model
+  local embed, head, tied = model:get("model.embed_tokens"), model:get("lm_head"), M.tied(model)
+  local common = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = M.offload_policy }
+  if embed and not tied then ctx:fully_shard(embed, common) end
+  local embed_norm = model:get("model.embed_norm")
+  if embed_norm then ctx:fully_shard(embed_norm, common) end
+  if head and not tied then
+    if M.lm_head_precision == "f32" then
+      ctx:fully_shard(head, { mp_policy = M.fp32_head, reshard_after_forward = raf, offload_policy = M.offload_policy })
+    else
+      ctx:fully_shard(head, common)
+    end
+  elseif head and M.lm_head_precision ~= nil then
+    ctx:warn("lm_head.weight is tied to model.embed_tokens.weight: lm_head_precision = " ..
+      tostring(M.lm_head_precision) .. " is not applied (Automodel skips the separate lm_head unit)")
+  end
+  ctx:fully_shard(inner, common)
+  if M.wrap_outer_model and inner ~= model then ctx:fully_shard(model, common) end
+end
 
-  if moe then
-    local embed, head, tied = ctx.model:get("model.embed_tokens"), ctx.model:get("lm_head"), M.tied(ctx.model)
-    if embed and not tied then
-      ctx:fully_shard(embed, { mp_policy = M.precision, offload_policy = M.offload_policy })
-    end
-    local embed_norm = ctx.model:get("model.embed_norm")
-    if embed_norm then ctx:fully_shard(embed_norm, { mp_policy = M.precision, offload_policy = M.offload_policy }) end
-    if head and not tied then
-      local fp32_head = head.params.weight and head.params.weight.dtype == "f32"
-      ctx:fully_shard(head, { mp_policy = fp32_head and M.fp32 or M.precision, offload_policy = M.offload_policy })
-    end
-  end
-  ctx:fully_shard(ctx.model, { mp_policy = M.precision, ignored_params = ignored, offload_policy = M.offload_policy })
+function M.parallelize(ctx)
+  if M.activation_checkpointing then ctx:checkpoint_wrap("model.layers") end
+  if ctx.mesh:size("ep") > 1 then expert_parallel(ctx) else dense(ctx) end
 end
 
 return M

@@ -123,7 +123,7 @@ local function tree()
     root = require("moonshard.models").from_config(state.config_data, state.config)
   else
     if #state.tensors == 0 then fail_state("no model yet: describe its parameters or give a config first") end
-    root = require("moonshard.safetensors").tree(state.tensors, "host model")
+    root = require("moonshard.safetensors").tree(state.tensors, "host model", { host = true })
   end
   for name, t in pairs(state.types) do
     local m = root:get(name)

@@ -7,7 +7,12 @@
 -- parameter shared by two modules (tied weights) is listed once, under its first name.
 --
 -- Parameters are plain tables {shape = {...}, dtype = "bf16", numel = n, requires_grad =
--- true}; param:meta() makes a meta tensor of the same shape when one is wanted.  Counts are
+-- true}; param:meta() makes a meta tensor of the same shape when one is wanted.  A parameter
+-- read from a checkpoint also records checkpoint_dtype, the dtype the file stores it in
+-- (Automodel's _hf_compute_dtype: the dtype its fully_shard_by_dtype computes it in).
+-- Buffers (module:buffer) are tensors a module keeps that are not parameters: no gradient, no
+-- optimizer state, never sharded (FSDP2 leaves them whole on every rank); they are listed
+-- apart (named_buffers) and counted by nobody's param_count, as in PyTorch.  Counts are
 -- exact Lua integers up to 2^53 (MAX_COUNT), where LuaJIT's doubles stop being exact; a
 -- larger count is kept as a float (Lua 5.4's integers would wrap) for the planner to refuse.
 
@@ -111,7 +116,7 @@ end
 --- A new module of the given type name.
 function M.new(type_name, attrs)
   local m = setmetatable({ type = type_name or "Module", children = {}, child_order = {},
-    params = {}, param_order = {}, attrs = attrs or {} }, Module)
+    params = {}, param_order = {}, buffers = {}, buffer_order = {}, attrs = attrs or {} }, Module)
   return m
 end
 
@@ -127,11 +132,25 @@ end
 --- Adds a parameter (a shape and dtype, or a param made with M.param); returns it.
 function Module:param(name, shape, dtype, opts)
   check_name(name, "parameter")
-  if self.params[name] then fail("parameter '" .. name .. "' is already registered") end
+  if self.params[name] or (self.buffers and self.buffers[name]) then
+    fail("parameter '" .. name .. "' is already registered")
+  end
   local p = getmetatable(shape) == Param and shape or M.param(shape, dtype, opts)
   self.params[name] = p
   self.param_order[#self.param_order + 1] = name
   return p
+end
+
+--- Adds a buffer: a plain table {shape, dtype, numel, persistent} (persistent: saved in the
+-- state dict; default true), never a parameter.  Returns it.
+function Module:buffer(name, shape, dtype, opts)
+  check_name(name, "buffer")
+  if self.buffers[name] or self.params[name] then fail("'" .. name .. "' is already registered") end
+  local p = M.param(shape, dtype, { requires_grad = false })
+  local b = { shape = p.shape, dtype = p.dtype, numel = p.numel, persistent = not (opts and opts.persistent == false) }
+  self.buffers[name] = b
+  self.buffer_order[#self.buffer_order + 1] = name
+  return b
 end
 
 local function join(prefix, name)
@@ -163,6 +182,17 @@ function Module:named_parameters(prefix)
         seen[p] = true
         out[#out + 1] = { join(mname, pname), p, mname }
       end
+    end
+  end
+  return out
+end
+
+--- Every buffer as a list of {fqn, buffer, owner_module_name}, in PyTorch's order.
+function Module:named_buffers(prefix)
+  local out = {}
+  for _, nm in ipairs(self:named_modules(prefix)) do
+    for _, bname in ipairs(nm[2].buffer_order or {}) do
+      out[#out + 1] = { join(nm[1], bname), nm[2].buffers[bname], nm[1] }
     end
   end
   return out

@@ -102,7 +102,9 @@ function M.context(model, mesh, opts)
     ep = {},           -- param -> {placements, local_shape}
     ep_order = {},     -- params in the order expert_parallel saw them
     warnings = {},
-    prefetch = { forward = 1, backward = 2 },
+    -- FSDP2's implicit prefetch (no explicit chain set): the next unit's all-gather is
+    -- issued while one computes, and backward prefetches one unit ahead
+    prefetch = { forward = 1, backward = 1 },
     names = nil,       -- module -> name cache, rebuilt after checkpoint wrapping
     unit_of = {},      -- module -> its unit
   }, Ctx)
@@ -692,14 +694,14 @@ end
 -- planner's objects.
 local function new_view()
   local VModule = copy_class(ms_module.Module,
-    { "get", "named_modules", "named_parameters", "param_count", "param_bytes", "__tostring" })
+    { "get", "named_modules", "named_parameters", "named_buffers", "param_count", "param_bytes", "__tostring" })
   local VParam = copy_class(ms_module.Param, { "meta", "nbytes", "__tostring" })
   local view = { of = {}, orig = {} } -- of: planner object -> copy; orig: copy -> planner object
   function view.param(p)
     local v = view.of[p]
     if not v then
       v = setmetatable({ shape = util.copy(p.shape), dtype = p.dtype, numel = p.numel,
-        requires_grad = p.requires_grad }, VParam)
+        requires_grad = p.requires_grad, checkpoint_dtype = p.checkpoint_dtype }, VParam)
       view.of[p], view.orig[v] = v, p
     end
     return v
@@ -708,7 +710,8 @@ local function new_view()
     local v = view.of[m]
     if v then return v end
     v = setmetatable({ type = m.type, children = {}, child_order = util.copy(m.child_order), params = {},
-      param_order = util.copy(m.param_order), attrs = copy_data(m.attrs, 0) or {} }, VModule)
+      param_order = util.copy(m.param_order), buffers = copy_data(m.buffers, 0) or {},
+      buffer_order = util.copy(m.buffer_order or {}), attrs = copy_data(m.attrs, 0) or {} }, VModule)
     view.of[m], view.orig[v] = v, m
     for _, c in ipairs(m.child_order) do v.children[c] = view.module(m.children[c]) end
     for _, n in ipairs(m.param_order) do v.params[n] = view.param(m.params[n]) end
@@ -901,7 +904,7 @@ local function prefetch_of(policy)
     end
     out[k] = v
   end
-  return { forward = out.forward or 1, backward = out.backward or 2 }
+  return { forward = out.forward or 1, backward = out.backward or 1 } -- FSDP2's implicit depths
 end
 
 -- ---------------------------------------------------------------- the plan
@@ -1104,6 +1107,21 @@ local function plan(model, mesh, policy, opts)
     end
   end
   mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
+  -- the same peak with the other common prefetch: FSDP2's implicit (1, 1) against Automodel's
+  -- explicit chains (enable_fsdp2_prefetch: forward 1, backward 2), so a reader sees both
+  do
+    local pf = ctx.prefetch
+    local other = (pf.forward == 1 and pf.backward == 1) and { forward = 1, backward = 2 } or { forward = 1, backward = 1 }
+    ctx.prefetch = other
+    mem.peak_unsharded_other = { prefetch = other, bytes = peak_unsharded(ctx, ctx.units) }
+    ctx.prefetch = pf
+  end
+  -- Buffers are never sharded: every rank holds all of them (FSDP2 moves them to the device
+  -- whole; Automodel's MoE parallelizer replicates e_score_correction_bias over the FSDP mesh).
+  mem.buffers = 0
+  for _, nb in ipairs(model:named_buffers()) do
+    mem.buffers = add(mem.buffers, nb[2].numel * DTYPE_SIZE[nb[2].dtype], "the buffer bytes per rank")
+  end
   -- Each axis's steps: starts (0-based coordinates, ascending, from 0) and the bytes from
   -- each start on.  Axis a gives rank r the coordinate floor(r / stride) % size.
   local axes = {}
@@ -1130,7 +1148,8 @@ local function plan(model, mesh, policy, opts)
   -- Ranks in runs of equal figures, walked from step boundary to step boundary: as many
   -- runs as the steps' pattern over the ranks has, not one table per rank.
   local runs = {}
-  local base = add(add(mem.params, mem.grads, "the bytes per rank"), mem.peak_unsharded, "the bytes per rank")
+  local base = add(add(add(mem.params, mem.grads, "the bytes per rank"), mem.peak_unsharded, "the bytes per rank"),
+    mem.buffers, "the bytes per rank")
   local host_base = host.params + host.grads
   local r, world = 0, mesh.world
   while r < world do
@@ -1168,7 +1187,7 @@ local function plan(model, mesh, policy, opts)
     for _, run in ipairs(runs) do
       for rank = run.first, run.first + run.count - 1 do
         list[rank + 1] = { rank = rank, params = t.params, grads = t.grads, optimizer = run.optimizer,
-          peak_unsharded = t.peak_unsharded, total = run.total, offloaded = run.offloaded }
+          peak_unsharded = t.peak_unsharded, buffers = t.buffers, total = run.total, offloaded = run.offloaded }
       end
     end
     rawset(t, "per_rank", list)
@@ -1214,7 +1233,7 @@ local function plan(model, mesh, policy, opts)
   end
   if #unset_reduce > 0 then
     warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype and reduce%s gradients " ..
-      "in param_dtype (FSDP2's documented rule, SEMANTICS.md §4), where PyTorch 2.15's FSDP2 reduces them in the " ..
+      "in param_dtype (FSDP2's documented rule), where PyTorch 2.15's FSDP2 reduces them in the " ..
       "stored dtype: set reduce_dtype to choose: %s", #unset_reduce, #unset_reduce == 1 and "" or "s",
       #unset_reduce == 1 and "s" or "", listing(unset_reduce))
   end
@@ -1227,6 +1246,40 @@ local function plan(model, mesh, policy, opts)
     warnings[#warnings + 1] = string.format("%d unit%s more than %d%% of %s gathered elements: %s",
       #padded, #padded == 1 and " pads" or "s pad", math.floor(100 * M.PADDING_WASTE + 0.5),
       #padded == 1 and "its" or "their", listing(padded))
+  end
+  -- A builder that follows Automodel's model where transformers 5 stores some parameters in
+  -- f32 (attrs.transformers_fp32: name substrings, _keep_in_fp32_modules_strict): a unit that
+  -- holds such a parameter beside trainable parameters of another dtype is planned here, and
+  -- FSDP2 would refuse it on the transformers model ("FSDP expects uniform original
+  -- parameter dtype").
+  local tf32 = model.attrs.transformers_fp32
+  if type(tf32) == "table" and #tf32 > 0 then
+    local refused, example = {}, nil
+    for _, u in ipairs(ctx.units) do
+      local hit, other
+      for _, e in ipairs(u.entries) do
+        local matches = false
+        for _, token in ipairs(tf32) do matches = matches or e.fqn:find(token, 1, true) ~= nil end
+        if e.param.requires_grad then
+          if matches and e.param.dtype ~= "f32" then hit = hit or e.fqn
+          elseif not matches and e.param.dtype ~= "f32" then other = true end
+        end
+      end
+      if hit and other then
+        refused[#refused + 1] = display(u.name)
+        example = example or hit
+      end
+    end
+    if #refused > 0 then
+      warnings[#warnings + 1] = string.format("%s is built as %s builds it (%s in %s); transformers 5 " ..
+        "keeps it in f32 (_keep_in_fp32_modules_strict), and FSDP2 on the transformers model would refuse the %d " ..
+        "unit%s holding it beside %s weights (\"FSDP expects uniform original parameter dtype\"): %s; a " ..
+        "transformers checkpoint (--safetensors) planned with fully_shard_by_dtype (policies/by_dtype.lua, or " ..
+        "fsdp2_default with ep > 1) gives it a unit of its own",
+        tostring(model.attrs.architecture or model.type), tostring(model.attrs.convention or "this builder"), example,
+        tostring(model.attrs.dtype or "the model's dtype"), #refused, #refused == 1 and "" or "s",
+        tostring(model.attrs.dtype or "other"), listing(refused))
+    end
   end
   -- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
   -- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends

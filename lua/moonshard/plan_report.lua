@@ -106,7 +106,7 @@ end
 local function rank_tail(m, run)
   return "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
     jstr("optimizer") .. ":" .. jnum(run.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
-    jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
+    jstr("buffers") .. ":" .. jnum(m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
 end
 
 -- About the bytes the per-rank and per-coordinate lists take (at most: every rank
@@ -160,7 +160,13 @@ function M.to_json(plan, opts)
     local tail = rank_tail(m, run)
     for r = run.first, run.first + run.count - 1 do ranks[r + 1] = '{"rank":' .. jnum(r) .. tail end
   end
-  add(' "memory":{"per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
+  local function jprefetch(pf)
+    return jobj({ { "forward", jnum(pf.forward) }, { "backward", jnum(pf.backward) } })
+  end
+  local other = m.peak_unsharded_other
+  add(' "memory":{"prefetch":' .. jprefetch(plan.prefetch) .. ',"peak_unsharded_other":' ..
+    jobj({ { "prefetch", jprefetch(other.prefetch) }, { "bytes", jnum(other.bytes) } }) ..
+    ',\n  "per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
   local comm = {}
   for i, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     comm[i] = jstr(k) .. ":" .. jobj({ { "count", jnum(plan.comm[k].count) }, { "bytes", jnum(plan.comm[k].bytes) } })
@@ -243,6 +249,14 @@ function M.to_text(plan, opts)
   add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s (%s), peak unsharded %s, total %s",
     lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),
     util.bytes(m.optimizer), plan.optimizer or "adamw", util.bytes(m.peak_unsharded), util.bytes(m.total)))
+  local pf, other = plan.prefetch, m.peak_unsharded_other
+  add(string.format("  peak unsharded with prefetch forward %d, backward %d: %s; with forward %d, backward %d " ..
+    "(%s): %s", pf.forward, pf.backward, util.bytes(m.peak_unsharded), other.prefetch.forward,
+    other.prefetch.backward, other.prefetch.backward == 2 and "Automodel's enable_fsdp2_prefetch" or
+    "FSDP2's implicit prefetch", util.bytes(other.bytes)))
+  if m.buffers > 0 then
+    add(string.format("  buffers on every rank (never sharded): %s", util.bytes(m.buffers)))
+  end
   if lo ~= hi then
     add(string.format("  optimizer state differs across ranks by %s: from %s to %s bytes (AdamW keeps the rows " ..
       "a rank holds)", util.bytes(hi - lo), util.thousands(lo), util.thousands(hi)))

@@ -265,10 +265,10 @@ local function is_grouped_experts(name, m)
   return true
 end
 
---- Tensor names (the last segment) that models keep as buffers, not trainable parameters:
--- planned as frozen parameters (no gradient, no optimizer state), as the config builders
--- make them.  e_score_correction_bias only shifts the router's top-k choice (DeepSeek-V3,
--- f32 in a bf16 checkpoint).
+--- Tensor names (the last segment) that models keep as buffers, not parameters: planned as
+-- buffers (no gradient, no optimizer state, whole on every rank), as the config builders make
+-- them.  e_score_correction_bias only shifts the router's top-k choice (DeepSeek-V3, f32 in a
+-- bf16 checkpoint; a buffer in Automodel's Gate and in transformers' DeepSeek-V3 router).
 M.BUFFERS = { e_score_correction_bias = true }
 
 --- tree(tensors, source?) -> a module tree with one parameter per tensor, modules following
@@ -277,8 +277,13 @@ M.BUFFERS = { e_score_correction_bias = true }
 -- (data-offset order is name order, which puts "10" before "2").  A module named "experts"
 -- holding only parameters of at least two dims with one dim 0 is "GroupedExperts" (Automodel's
 -- grouped layout, which expert parallelism splits on dim 0).  Other modules: "Module".
--- Tensors named in M.BUFFERS are frozen; integer ones are, as in PyTorch, too.
-function M.tree(tensors, source)
+-- Tensors named in M.BUFFERS are buffers; integer ones are frozen parameters, as in PyTorch.
+-- Every parameter records its checkpoint_dtype (the dtype on disk), which Automodel's
+-- fully_shard_by_dtype computes it in (model_init.py records it as _hf_compute_dtype).
+-- opts.host: the tensors are a host's parameters (the embedding API), not a checkpoint's:
+-- every one is a parameter, and none records a checkpoint dtype.
+function M.tree(tensors, source, opts)
+  local host = opts and opts.host
   local root = module.new("Module", { source = source })
   source = source or "tensors"
   local find, sub = string.find, string.sub
@@ -292,13 +297,19 @@ function M.tree(tensors, source)
       local dot = find(name, ".", pos, true)
       local part = sub(name, pos, (dot or #name + 1) - 1)
       if part == "" then fail(source, "tensor name '%s' has an empty segment", show_name(name)) end
-      local clash = dot and m.params[part] or (not dot and m.children[part])
+      local clash = dot and (m.params[part] or m.buffers[part]) or (not dot and m.children[part])
       if clash then
         fail(source, "'%s' is both a parameter and a module (tensor '%s')",
           show_name(sub(name, 1, (dot or #name + 1) - 1)), show_name(name))
       end
       if not dot then
-        m:param(part, t.shape, t.dtype, M.BUFFERS[part] and { requires_grad = false } or nil)
+        if host then
+          m:param(part, t.shape, t.dtype)
+        elseif M.BUFFERS[part] then
+          m:buffer(part, t.shape, t.dtype).checkpoint_dtype = t.dtype
+        else
+          m:param(part, t.shape, t.dtype).checkpoint_dtype = t.dtype
+        end
         break
       end
       m = m.children[part] or m:add(part, module.new("Module"))

@@ -184,7 +184,7 @@ end)
 describe("DeepSeek-V3", function()
   local tree = models.from_config(CONFIGS .. "deepseek_v3.json")
 
-  it("counts 671,026,419,200 parameters without the MTP module", function()
+  it("counts 671,026,404,352 parameters without the MTP module (the 58 routers' correction biases are buffers)", function()
     local V, H, L, dense_layers = 129280, 7168, 61, 3
     local nh, q_lora, kv_lora, nope, rope, vd = 128, 1536, 512, 128, 64, 128
     local attn = H * q_lora + q_lora                 -- q_a_proj, q_a_layernorm
@@ -194,13 +194,13 @@ describe("DeepSeek-V3", function()
       + nh * vd * H                                  -- o_proj
     local dense_mlp = 3 * H * 18432
     local E, I, shared = 256, 2048, 1
-    local moe = E * H + E                            -- router weight + e_score_correction_bias
+    local moe = E * H                                -- router weight (e_score_correction_bias: a buffer)
       + E * 3 * H * I                                -- routed experts
       + 3 * H * (I * shared)                         -- the shared expert
     local norms = 2 * H
     local total = V * H + dense_layers * (attn + dense_mlp + norms)
       + (L - dense_layers) * (attn + moe + norms) + H + V * H
-    assert.equal(671026419200, total)
+    assert.equal(671026404352, total)
     assert.equal(total, tree:param_count())
   end)
 
@@ -217,13 +217,15 @@ describe("DeepSeek-V3", function()
     assert.same({ 18432, 7168 }, p["model.layers.2.mlp.gate_proj.weight"].shape)
     assert.equal("MoE", tree:get("model.layers.3.mlp").type)
     assert.same({ "gate", "experts", "shared_experts" }, tree:get("model.layers.3.mlp").child_order)
-    assert.same({ 256 }, p["model.layers.3.mlp.gate.e_score_correction_bias"].shape)
     -- as deepseek-ai's checkpoints store them: a bf16 router, an f32 correction bias, which
-    -- only shifts the top-k choice and so has no gradient (a buffer in transformers)
+    -- only shifts the top-k choice: a buffer, as in Automodel's Gate and transformers' router
     assert.equal("bf16", p["model.layers.3.mlp.gate.weight"].dtype)
     assert.is_true(p["model.layers.3.mlp.gate.weight"].requires_grad)
-    assert.equal("f32", p["model.layers.3.mlp.gate.e_score_correction_bias"].dtype)
-    assert.is_false(p["model.layers.3.mlp.gate.e_score_correction_bias"].requires_grad)
+    assert.is_nil(p["model.layers.3.mlp.gate.e_score_correction_bias"])
+    local bias = tree:get("model.layers.3.mlp.gate").buffers.e_score_correction_bias
+    assert.same({ { 256 }, "f32", true }, { bias.shape, bias.dtype, bias.persistent })
+    assert.equal(58, #tree:named_buffers())
+    assert.same({ "e_score_correction_bias" }, tree.attrs.keep_in_fp32_strict)
     assert.equal("MLP", tree:get("model.layers.60.mlp.shared_experts").type)
     assert.same({ 7168, 2048 }, p["model.layers.60.mlp.shared_experts.down_proj.weight"].shape)
     assert.is_nil(tree:get("model.layers.61"))
@@ -249,7 +251,7 @@ describe("Inkling2", function()
       + (2 * max_rel + 1) * nh                       -- relative_table
       + d                                            -- value_norm
       + H * nh * d                                   -- wo_ud
-    local moe = E * H + E                            -- router + e_score_correction_bias
+    local moe = E * H                                -- router (e_score_correction_bias: a buffer)
       + E * H * 2 * I + E * I * H                    -- grouped experts
       + 3 * Is * H                                   -- shared experts
     local layer = H + H * K                          -- attn_norms, attn_sconv
@@ -258,13 +260,15 @@ describe("Inkling2", function()
       + moe
     local total = V * H + L * layer + (L - 1) * H    -- attn_query on layers 1..L-1
       + H + H + V * H                                -- norm, output_query, lm_head
-    assert.equal(8164064, total)
+    assert.equal(8164000, total)
     assert.equal(total, tree:param_count())
   end)
 
   it("has exactly the parameters of DESIGN.md, with the FP32 ones in f32", function()
     local got = {}
-    for _, np in ipairs(tree:named_parameters()) do
+    local tensors = tree:named_parameters()
+    for _, nb in ipairs(tree:named_buffers()) do tensors[#tensors + 1] = nb end
+    for _, np in ipairs(tensors) do
       local name = np[1]:gsub("^model%.layers%.1%.", "L.")
       if not name:match("^model%.layers%.") then
         got[#got + 1] = name .. " " .. np[2].dtype .. " [" .. table.concat(np[2].shape, ",") .. "]"
@@ -322,8 +326,9 @@ describe("Inkling2", function()
     assert.equal(16, tree:get("model.layers.3.mlp").attrs.n_experts)
   end)
 
-  it("freezes the router's correction bias, as the moe_trainer does", function()
-    assert.is_false(params_of(tree)["model.layers.1.mlp.gate.e_score_correction_bias"].requires_grad)
+  it("keeps the router's correction bias as an f32 buffer, as transformers' Inkling2 router does", function()
+    assert.is_nil(params_of(tree)["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert.equal("f32", tree:get("model.layers.1.mlp.gate").buffers.e_score_correction_bias.dtype)
     assert.is_true(params_of(tree)["model.layers.1.mlp.gate.weight"].requires_grad)
   end)
 
@@ -348,12 +353,12 @@ describe("Inkling2", function()
     cfg.tie_word_embeddings = true
     local tied = models.from_config(cfg)
     assert.is_true(tied.attrs.tie_word_embeddings)
-    assert.equal(8164064 - 1024 * 256, tied:param_count())
+    assert.equal(8164000 - 1024 * 256, tied:param_count())
   end)
 
   it("builds the realistic example config", function()
     local t = models.from_config(CONFIGS .. "inkling2_16b.json")
-    assert.equal(16939341504, t:param_count())
+    assert.equal(16939339712, t:param_count()) -- 28 x 64 correction biases are buffers
     assert.same({ 64, 2048, 2 * 1408 }, t:get("model.layers.27.mlp.experts").params.gate_and_up_projs.shape)
     assert.same({ 2 * 1408, 2048 }, t:get("model.layers.27.mlp.shared_experts.up_proj").params.weight.shape)
   end)

@@ -598,8 +598,9 @@ describe("the policy's prefetch", function()
       parallelize = function(ctx) ctx:fully_shard(ctx.model) end })
   end
 
-  it("takes integers >= 0 and defaults the missing one", function()
-    assert.same({ forward = 0, backward = 2 }, plan_with({ forward = 0 }).prefetch)
+  it("takes integers >= 0 and defaults the missing one to FSDP2's implicit depth, 1", function()
+    assert.same({ forward = 0, backward = 1 }, plan_with({ forward = 0 }).prefetch)
+    assert.same({ forward = 1, backward = 1 }, plan_with(nil).prefetch)
   end)
 
   it("refuses other values, naming the key", function()

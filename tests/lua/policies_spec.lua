@@ -5,6 +5,7 @@ local mesh_context = require "moonshard.mesh_context"
 local planner = require "moonshard.plan"
 local policy = require "moonshard.policy"
 local models = require "moonshard.models"
+local util = require "moonshard.util"
 local json = require "moonshard.json"
 local S = require "support"
 
@@ -189,8 +190,9 @@ describe("the offload_policy knob", function()
   it("reaches every fsdp2_default unit, through fully_shard_by_dtype too", function()
     local plan = plan_with_offload(config("examples/configs/mixtral_8x7b.json"), "dp_shard=4,ep=2",
       "policies/fsdp2_default.lua", "cpu")
-    -- 32 layers, each: experts on ep_shard = 2, then the layer; then embed, head, root
-    assert.equal(32 * 2 + 3, #plan.units)
+    -- 32 layers, each: experts on ep_shard = 2, then the layer; then embed, head, the inner
+    -- model and the (empty) outer root
+    assert.equal(32 * 2 + 4, #plan.units)
     local got = {}
     for r, m in ipairs(plan.memory.per_rank) do got[r] = m.offloaded end
     assert.same(S.offloaded_bytes(plan), got)
@@ -210,8 +212,8 @@ describe("by_dtype", function()
     return root, layer
   end
 
-  local function units_of(root, fn)
-    local plan = planner.plan(root, mesh_context.new("dp_shard=2"), { parallelize = fn })
+  local function units_of(root, fn, mesh)
+    local plan = planner.plan(root, mesh_context.new(mesh or "dp_shard=2"), { parallelize = fn })
     local names = {}
     for i, u in ipairs(plan.units) do names[i] = u.name end
     return names, plan
@@ -227,7 +229,9 @@ describe("by_dtype", function()
     assert.same({ "layer.router", "layer", "" }, names)
   end)
 
-  it("gives every maximal uniform subtree a unit when there are three groups", function()
+  it("gives every maximal uniform subtree a unit with three groups, and not the module itself", function()
+    -- Automodel's rule 4: with three or more groups the module is a unit only when
+    -- ignored_params were given (parallelizer_utils.fully_shard_by_dtype's last branch)
     local root = layer_tree(function(layer)
       local n = layer:add("norm", module.new("Norm"))
       n:param("weight", { 8 }, "f16")
@@ -236,7 +240,119 @@ describe("by_dtype", function()
       by_dtype.fully_shard_by_dtype(ctx, "layer", { mp_policy = { reduce_dtype = "f32" } })
       ctx:fully_shard(ctx.model)
     end)
+    assert.same({ "layer.attn", "layer.mlp", "layer.router", "layer.norm", "" }, names)
+  end)
+
+  it("makes the module a unit after three groups, or none, when ignored_params were given", function()
+    local function tree(extra)
+      return layer_tree(function(layer)
+        local e = layer:add("experts", module.new("GroupedExperts"))
+        e:param("w", { 2, 8, 8 }, "bf16")
+        if extra then extra(layer) end
+      end)
+    end
+    local function run(root, mp)
+      return units_of(root, function(ctx)
+        local owned = ctx:expert_parallel("layer.experts")
+        by_dtype.fully_shard_by_dtype(ctx, "layer", { mp_policy = mp, ignored_params = owned })
+        ctx:fully_shard(ctx.model, { ignored_params = owned })
+      end, "dp_shard=2,ep=2")
+    end
+    local names, plan = run(tree(function(layer) layer:add("norm", module.new("Norm")):param("weight", { 8 }, "f16") end),
+      { reduce_dtype = "f32" })
     assert.same({ "layer.attn", "layer.mlp", "layer.router", "layer.norm", "layer", "" }, names)
+    assert.equal(0, #plan.units[5].entries)
+    -- the caller's policy, not one rewritten for a group
+    assert.same({ nil, "f32" }, { plan.units[5].mp.param_dtype, plan.units[5].mp.reduce_dtype })
+    -- no group at all (every parameter ignored): the module is still a unit, when ignored ones were given
+    local only = module.new("Root")
+    only:add("layer", module.new("Layer")):add("experts", module.new("GroupedExperts")):param("w", { 2, 8, 8 }, "bf16")
+    assert.same({ "layer", "" }, (run(only)))
+  end)
+
+  it("picks the minority by parameter count, not elements, and the first group met on a tie", function()
+    -- bf16: attn.weight and mlp.weight (2 parameters, 128 elements); f32: router.a, b, c
+    -- (3 parameters, 24 elements): the bf16 group is the minority
+    local root = layer_tree(function(layer)
+      local r = layer.children.router
+      r.params, r.param_order = {}, {}
+      for _, n in ipairs({ "a", "b", "c" }) do r:param(n, { 8 }, "f32") end
+    end)
+    local fp32 = { fp32_names = { "router" } }
+    local function run(opts)
+      return units_of(root, function(ctx)
+        by_dtype.fully_shard_by_dtype(ctx, "layer", opts)
+        ctx:fully_shard(ctx.model)
+      end)
+    end
+    local names, plan = run(fp32)
+    assert.same({ "layer.attn", "layer.mlp", "layer", "" }, names)
+    assert.equal("f32", plan.units[3].mp.param_dtype) -- the majority's (f32) policy for the layer
+    -- a tie (one bf16 parameter in attn, one f32 in router): the group named_parameters meets first
+    local tie = layer_tree(function(layer) layer.children.mlp.params.weight.dtype = "f32" end)
+    tie.children.layer.children.mlp.params.weight.dtype = "bf16"
+    tie.children.layer.children.attn.params.weight.dtype = "bf16"
+    local t = layer_tree()
+    t.children.layer.child_order = { "router", "attn", "mlp" }
+    assert.same({ "layer.router", "layer", "" }, (units_of(t, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer", fp32) ctx:fully_shard(ctx.model) end)))
+    local one = module.new("Root")
+    local l = one:add("layer", module.new("Layer"))
+    l:add("attn", module.new("Linear")):param("weight", { 8, 8 }, "bf16")
+    l:add("router", module.new("Gate")):param("weight", { 4, 8 }, "f32")
+    assert.same({ "layer.attn", "layer", "" }, (units_of(one, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer", fp32) ctx:fully_shard(ctx.model) end)))
+  end)
+
+  it("gives an f32 group the fp32 policy: f32 gather, reduce and output, no input cast", function()
+    local root = layer_tree()
+    local _, plan = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer", { fp32_names = { "router" } })
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.equal("layer.router", plan.units[1].name)
+    local mp = plan.units[1].mp
+    assert.same({ "f32", "f32", "f32", false }, { mp.param_dtype, mp.reduce_dtype, mp.output_dtype,
+      mp.cast_forward_inputs })
+    mp = plan.units[2].mp
+    assert.same({ "bf16", "f32", "bf16", true }, { mp.param_dtype, mp.reduce_dtype, mp.output_dtype,
+      mp.cast_forward_inputs })
+  end)
+
+  it("computes in f32 what the model's _keep_in_fp32_modules_strict names, and what a checkpoint stored in f32", function()
+    -- unpinned, the f32 router is an f32 master weight computing in bf16: still a group of
+    -- its own (stored f32), gathered in bf16
+    local root = layer_tree()
+    local _, plan = units_of(root, function(ctx) by_dtype.fully_shard_by_dtype(ctx, "layer") ctx:fully_shard(ctx.model) end)
+    assert.same({ "layer.router", "bf16" }, { plan.units[1].name, plan.units[1].mp.param_dtype })
+    -- pinned by the model (a substring of the name below the layer, as Automodel matches it):
+    -- even a bf16 router then computes in f32, a group of its own
+    root = layer_tree()
+    root.children.layer.children.router.params.weight.dtype = "bf16"
+    root.attrs.keep_in_fp32_strict = { "router.weight" }
+    _, plan = units_of(root, function(ctx) by_dtype.fully_shard_by_dtype(ctx, "layer") ctx:fully_shard(ctx.model) end)
+    assert.same({ "layer.router", "f32" }, { plan.units[1].name, plan.units[1].mp.param_dtype })
+    -- read from a checkpoint that stores it in f32 (Automodel's _hf_compute_dtype)
+    root = layer_tree()
+    root.children.layer.children.router.params.weight.checkpoint_dtype = "f32"
+    _, plan = units_of(root, function(ctx) by_dtype.fully_shard_by_dtype(ctx, "layer") ctx:fully_shard(ctx.model) end)
+    assert.same({ "layer.router", "f32" }, { plan.units[1].name, plan.units[1].mp.param_dtype })
+  end)
+
+  it("counts floating buffers when it looks for uniform subtrees", function()
+    -- router: an f32 projection (pinned) below it and a bf16 buffer of its own: the router is
+    -- not uniform, its projection is
+    local root = layer_tree(function(layer)
+      local r = layer.children.router
+      r.params, r.param_order = {}, {}
+      r:add("proj", module.new("Linear")):param("weight", { 4, 8 }, "f32")
+      r:buffer("bias", { 4 }, "bf16")
+    end)
+    local names = units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer", { fp32_names = { "proj" } })
+      ctx:fully_shard(ctx.model)
+    end)
+    assert.same({ "layer.router.proj", "layer", "" }, names)
   end)
 
   it("one group: one unit", function()
@@ -257,22 +373,32 @@ describe("by_dtype", function()
       by_dtype.fully_shard_by_dtype(ctx, "layer")
       ctx:fully_shard(ctx.model)
     end)
-    assert.matches("place them in a dedicated parameter%-owning module", msg)
-    assert.matches("f32%->bf16: layer.scale", msg)
+    assert.matches("could not isolate parameters with a distinct dtype from siblings in the same module: " ..
+      "layer.scale. Place them in a dedicated parameter-owning module", msg, 1, true)
   end)
 
-  it("leaves a frozen parameter that no subtree isolates to the module's unit", function()
-    -- DeepSeek-V3's router: bf16 weight, frozen f32 e_score_correction_bias beside it
+  it("refuses a frozen parameter that no subtree isolates too", function()
+    -- a router holding a bf16 weight beside a frozen f32 parameter: Automodel's check covers
+    -- every parameter of the groups to isolate, trainable or not
     local root = layer_tree(function(layer)
       layer.children.router.params.weight.dtype = "bf16"
       layer.children.router:param("e_score_correction_bias", { 4 }, "f32", { requires_grad = false })
     end)
-    local names, plan = units_of(root, function(ctx)
+    local msg = errmsg(units_of, root, function(ctx)
       by_dtype.fully_shard_by_dtype(ctx, "layer")
       ctx:fully_shard(ctx.model)
     end)
-    assert.same({ "layer", "" }, names)
-    assert.equal(4, #plan.units[1].entries)
+    assert.matches("could not isolate parameters with a distinct dtype from siblings in the same module: " ..
+      "layer.router.e_score_correction_bias. Place them in a dedicated parameter-owning module", msg, 1, true)
+    -- as a buffer (Automodel's Gate), nothing is to isolate: one unit
+    root = layer_tree(function(layer)
+      layer.children.router.params.weight.dtype = "bf16"
+      layer.children.router:buffer("e_score_correction_bias", { 4 }, "f32")
+    end)
+    assert.same({ "layer", "" }, (units_of(root, function(ctx)
+      by_dtype.fully_shard_by_dtype(ctx, "layer")
+      ctx:fully_shard(ctx.model)
+    end)))
   end)
 end)
 
@@ -294,8 +420,9 @@ describe("fsdp2_default", function()
     local plan = plan_of(config("examples/configs/qwen3_30b_a3b.json"), "dp_shard=16,ep=8", "policies/fsdp2_default.lua")
     local names = {}
     for i, u in ipairs(plan.units) do names[i] = u.name end
-    -- 48 layers, each: experts on ep_shard = 2, then the layer; then embed, head, root
-    assert.equal(48 * 2 + 3, #names)
+    -- 48 layers, each: experts on ep_shard = 2, then the layer; then embed, head, the inner
+    -- model and the outer root
+    assert.equal(48 * 2 + 4, #names)
     assert.equal("model.layers.0.mlp.experts", names[1])
     assert.same({ "ep_shard" }, plan.units[1].mesh_axes)
     -- experts are already split on dim 0 by ep; ep_shard shards them on dim 1:
@@ -305,8 +432,123 @@ describe("fsdp2_default", function()
     assert.same({ 16, 2048, 1536 }, e.shape)
     assert.same({ 16, 1024, 1536 }, e.padded)
     assert.equal("model.layers.0", names[2])
-    assert.same({ "model.embed_tokens", "lm_head", "" }, { names[97], names[98], names[99] })
+    assert.same({ "model.embed_tokens", "lm_head", "model", "" }, { names[97], names[98], names[99], names[100] })
     assert.equal(96, #plan.owned)
+  end)
+end)
+
+describe("fsdp2_default follows Automodel's parallelizers", function()
+  -- plans cfg on mesh with fsdp2_default after setting its knobs
+  local function plan_knobs(cfg, mesh, knobs)
+    local p = entry(policy.load("policies/fsdp2_default.lua"))
+    for k, v in pairs(knobs or {}) do p[k] = v end
+    return planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), p)
+  end
+  local function names_of(plan)
+    local names = {}
+    for i, u in ipairs(plan.units) do names[i] = u.name end
+    return names
+  end
+  local qwen3 = config("examples/configs/qwen3_30b_a3b.json")
+
+  it("keeps every unit gathered after forward on the expert-parallel path (MoEParallelizerConfig)", function()
+    local plan = plan_knobs(qwen3, "dp_shard=8,ep=4")
+    for _, u in ipairs(plan.units) do assert.is_false(u.reshard, u.name) end
+    -- Qwen3-30B-A3B on dp_shard=8, ep=4: every layer stays gathered from its forward to its
+    -- backward: 17.0 GiB of unsharded parameters at the peak; the dense path's rule (all
+    -- layers but the last reshard) would count 1.4 GiB
+    assert.equal("17.0 GiB", util.bytes(plan.memory.peak_unsharded))
+    local dense_rule = plan_knobs(qwen3, "dp_shard=8,ep=4", { reshard_after_forward = true })
+    assert.equal("1.4 GiB", util.bytes(dense_rule.memory.peak_unsharded))
+  end)
+
+  it("shards the inner model, then the outer root holding nothing, on the expert-parallel path", function()
+    local plan = plan_knobs(qwen3, "dp_shard=8,ep=4")
+    local n = #plan.units
+    assert.same({ "model.embed_tokens", "lm_head", "model", "" }, { plan.units[n - 3].name, plan.units[n - 2].name,
+      plan.units[n - 1].name, plan.units[n].name })
+    assert.same({ "model.norm.weight" }, { plan.units[n - 1].entries[1].fqn })
+    assert.equal(1, #plan.units[n - 1].entries)
+    assert.equal(0, #plan.units[n].params)
+    plan = plan_knobs(qwen3, "dp_shard=8,ep=4", { wrap_outer_model = false })
+    assert.equal("model", plan.units[#plan.units].name)
+  end)
+
+  it("keeps DeepSeek-V3's e_score_correction_bias an f32 buffer on every rank, never gathered", function()
+    local cfg = config("tests/reference/configs/deepseek_v3_tiny.json")
+    local plan = plan_knobs(cfg, "dp_shard=2,ep=2")
+    for _, u in ipairs(plan.units) do
+      for _, e in ipairs(u.entries) do assert.is_nil(e.fqn:find("e_score_correction_bias", 1, true), e.fqn) end
+    end
+    local tree = models.from_config(cfg, "spec")
+    local bytes = 0
+    for _, nb in ipairs(tree:named_buffers()) do
+      assert.matches("%.mlp%.gate%.e_score_correction_bias$", nb[1])
+      bytes = bytes + 4 * nb[2].numel
+    end
+    assert.is_true(bytes > 0)
+    for _, m in ipairs(plan.memory.per_rank) do assert.equal(bytes, m.buffers) end
+  end)
+
+  it("counts FSDP2's implicit prefetch unless explicit prefetch is enabled, and shows both", function()
+    local llama = config("examples/configs/llama3.1_8b.json")
+    local plan = plan_knobs(llama, "dp_shard=8")
+    assert.same({ forward = 1, backward = 1 }, plan.prefetch)
+    assert.same({ forward = 1, backward = 2 }, plan.memory.peak_unsharded_other.prefetch)
+    local explicit = plan_knobs(llama, "dp_shard=8", { prefetch_explicit = true })
+    assert.same({ forward = 1, backward = 2 }, explicit.prefetch)
+    assert.equal(explicit.memory.peak_unsharded, plan.memory.peak_unsharded_other.bytes)
+    assert.equal(plan.memory.peak_unsharded, explicit.memory.peak_unsharded_other.bytes)
+    -- Automodel sets no chain when layers keep their parameters, nor on the MoE path
+    assert.same({ forward = 1, backward = 1 },
+      plan_knobs(llama, "dp_shard=8", { prefetch_explicit = true, reshard_after_forward = false }).prefetch)
+    assert.same({ forward = 1, backward = 1 }, plan_knobs(qwen3, "dp_shard=8,ep=4", { prefetch_explicit = true }).prefetch)
+  end)
+
+  it("gives lm_head an f32 policy only when lm_head_precision asks, inputs still cast", function()
+    local cfg = config("tests/reference/configs/qwen3_moe_tiny.json")
+    local function head(plan)
+      for _, u in ipairs(plan.units) do if u.name == "lm_head" then return u end end
+    end
+    local u = head(plan_knobs(cfg, "dp_shard=2,ep=2"))
+    assert.same({ "bf16", true }, { u.mp.param_dtype, u.mp.cast_forward_inputs })
+    u = head(plan_knobs(cfg, "dp_shard=2,ep=2", { lm_head_precision = "f32" }))
+    assert.same({ "f32", "f32", "f32", true }, { u.mp.param_dtype, u.mp.reduce_dtype, u.mp.output_dtype,
+      u.mp.cast_forward_inputs })
+  end)
+
+  it("says which convention DeepSeek-V3 is built in, and warns where FSDP2 would refuse transformers' layout", function()
+    local plan = plan_knobs(config("tests/reference/configs/deepseek_v3_tiny.json"), "dp_shard=4")
+    local found
+    for _, w in ipairs(plan.warnings) do
+      if w:find("transformers 5 keeps it in f32", 1, true) then found = w end
+    end
+    assert.is_not_nil(found)
+    assert.matches("^DeepseekV3ForCausalLM is built as NeMo Automodel's DeepseekV3ForCausalLM builds it " ..
+      "%(model%.layers%.1%.mlp%.gate%.weight in bf16%).*refuse the 1 unit holding it beside bf16 weights.*: " ..
+      "model%.layers%.1;", found)
+    for _, w in ipairs(plan_knobs(config("tests/reference/configs/llama_tiny.json"), "dp_shard=4").warnings) do
+      assert.is_nil(w:find("transformers 5 keeps", 1, true))
+    end
+  end)
+
+  it("wraps the children of every ModuleList and ModuleDict in the model, nested lists first", function()
+    local root = module.new("M")
+    local inner = root:add("model", module.new("Model"))
+    local layers = inner:add("layers", module.new("ModuleList"))
+    for i = 0, 2 do layers:add(tostring(i), module.new("Layer")):param("w", { 4, 4 }, "bf16") end
+    local tower = root:add("tower", module.new("Tower"))
+    local blocks = tower:add("blocks", module.new("ModuleDict"))
+    blocks:add("a", module.new("Block")):param("w", { 4, 4 }, "bf16")
+    local nested = blocks:add("nested", module.new("ModuleList"))
+    nested:add("0", module.new("Block")):param("w", { 4, 4 }, "bf16")
+    blocks:add("b", module.new("Block")):param("w", { 4, 4 }, "bf16")
+    root:add("head", module.new("Linear")):param("weight", { 4, 4 }, "bf16")
+    local plan = planner.plan(root, mesh_context.new("dp_shard=2"), entry(policy.load("policies/fsdp2_default.lua")))
+    local got = {}
+    for i, u in ipairs(plan.units) do got[i] = { u.name, u.reshard } end
+    assert.same({ { "model.layers.0", true }, { "model.layers.1", true }, { "model.layers.2", false },
+      { "tower.blocks.nested.0", false }, { "tower.blocks.a", true }, { "tower.blocks.b", false }, { "", false } }, got)
   end)
 end)
 
@@ -377,7 +619,7 @@ describe("moonshard plan", function()
     local plan = json.decode(r.out, "plan JSON")
     assert.equal(1, plan.moonshard_plan)
     assert.equal("Inkling2ForCausalLM", plan.model.architecture)
-    assert.equal(8164064, plan.model.params)
+    assert.equal(8164000, plan.model.params)
     assert.equal(8, plan.mesh.world)
     assert.equal(27, #plan.units)
     local island = plan.units[1]
@@ -484,8 +726,12 @@ describe("moonshard plan", function()
     local path = os.tmpname()
     local st_dtype = { f32 = "F32", bf16 = "BF16" }
     local tensors = {}
-    for _, np in ipairs(models.from_config(config(INKLING2_SMALL), INKLING2_SMALL):named_parameters()) do
+    local tree = models.from_config(config(INKLING2_SMALL), INKLING2_SMALL)
+    for _, np in ipairs(tree:named_parameters()) do
       tensors[#tensors + 1] = { np[1], assert(st_dtype[np[2].dtype]), np[2].shape }
+    end
+    for _, nb in ipairs(tree:named_buffers()) do -- the routers' correction biases
+      tensors[#tensors + 1] = { nb[1], assert(st_dtype[nb[2].dtype]), nb[2].shape }
     end
     S.write_safetensors(path, tensors)
     local mesh = "dp_replicate=2,dp_shard=4,ep=4"
@@ -557,10 +803,11 @@ describe("moonshard plan", function()
     assert.matches("^ep = 2 but expert parallelism places no parameter", plan.warnings[#plan.warnings])
   end)
 
-  it("plans DeepSeek-V3's checkpoint layout from safetensors: bf16 router, frozen f32 correction bias", function()
+  it("plans DeepSeek-V3's checkpoint layout from safetensors: bf16 router, f32 correction bias buffer", function()
     local function checkpoint(gate_dtype, mesh)
       local tensors = { { "model.embed_tokens.weight", "BF16", { 32, 8 } } }
       local p = "model.layers.0."
+      tensors[#tensors + 1] = { p .. "self_attn.q_proj.weight", "BF16", { 8, 8 } }
       tensors[#tensors + 1] = { p .. "self_attn.o_proj.weight", "BF16", { 8, 8 } }
       tensors[#tensors + 1] = { p .. "mlp.gate.weight", gate_dtype, { 4, 8 } }
       tensors[#tensors + 1] = { p .. "mlp.gate.e_score_correction_bias", "F32", { 4 } }
@@ -572,21 +819,21 @@ describe("moonshard plan", function()
     local r = checkpoint("BF16", "dp_shard=4,ep=2")
     assert.equal("", r.err)
     local plan = json.decode(r.out)
-    local bias
-    for _, a in ipairs(plan.audit) do
-      if a.fqn == "model.layers.0.mlp.gate.e_score_correction_bias" then bias = a end
-    end
-    assert.same({ "model.layers.0", "f32", "bf16" }, { bias.unit, bias.stored, bias.gathered })
-    assert.equal(json.null, bias.reduced) -- no gradient
+    -- the correction bias is a buffer: in no unit, whole on every rank (16 bytes)
+    for _, a in ipairs(plan.audit) do assert.not_equal("model.layers.0.mlp.gate.e_score_correction_bias", a.fqn) end
+    for _, m in ipairs(plan.memory.per_rank) do assert.equal(16, m.buffers) end
     assert.equal(0, checkpoint("BF16", "dp_shard=4").code)
-    -- transformers 5 saves the router in f32 too: fully_shard_by_dtype (ep > 1) gives it a
-    -- unit of its own (mlp, the experts being expert parallelism's); one unit per layer (the dense rule) would hold a trainable f32 and
-    -- bf16 parameters, which FSDP2 refuses ("FSDP expects uniform original parameter dtype")
+    -- transformers 5 saves the router in f32: the checkpoint's dtype is its compute dtype
+    -- (Automodel's _hf_compute_dtype), so fully_shard_by_dtype (ep > 1) gives the mlp (the
+    -- gate's f32 weight and bias buffer, the experts being ignored) an fp32 unit; one unit per layer (the dense
+    -- rule) would hold trainable f32 and bf16 parameters, which FSDP2 refuses ("FSDP expects
+    -- uniform original parameter dtype")
     r = checkpoint("F32", "dp_shard=4,ep=2")
     assert.equal("", r.err)
     local units = json.decode(r.out).units
     assert.same({ "model.layers.0.mlp.experts", "model.layers.0.mlp", "model.layers.0" },
       { units[1].name, units[2].name, units[3].name })
+    assert.same({ "f32", false }, { units[2].param_dtype, units[2].cast_forward_inputs })
     r = checkpoint("F32", "dp_shard=4")
     assert.equal(1, r.code)
     assert.matches("unit model.layers.0 mixes stored dtypes %(bf16: .*; f32: model.layers.0.mlp.gate.weight%)", r.err)

@@ -279,16 +279,24 @@ describe("safetensors.tree_from_safetensors", function()
     assert.equal("Module", tree:get("a.mlp").type)
   end)
 
-  it("freezes the tensors models keep as buffers, and integer ones", function()
-    local tree = st.tree({
+  it("makes buffers of the tensors models keep as buffers, freezes integer ones, records dtypes", function()
+    local tensors = {
       { name = "mlp.gate.weight", dtype = "bf16", shape = { 8, 4 } },
       { name = "mlp.gate.e_score_correction_bias", dtype = "f32", shape = { 8 } },
       { name = "mlp.gate.tokens_per_expert", dtype = "i64", shape = { 8 } },
-    })
-    local gate = tree:get("mlp.gate").params
-    assert.is_true(gate.weight.requires_grad)
-    assert.is_false(gate.e_score_correction_bias.requires_grad)
-    assert.is_false(gate.tokens_per_expert.requires_grad)
+    }
+    local gate = st.tree(tensors):get("mlp.gate")
+    assert.is_true(gate.params.weight.requires_grad)
+    assert.equal("bf16", gate.params.weight.checkpoint_dtype)
+    assert.is_nil(gate.params.e_score_correction_bias)
+    assert.same({ { 8 }, "f32", "f32" }, { gate.buffers.e_score_correction_bias.shape,
+      gate.buffers.e_score_correction_bias.dtype, gate.buffers.e_score_correction_bias.checkpoint_dtype })
+    assert.is_false(gate.params.tokens_per_expert.requires_grad)
+    -- a host's parameters (the embedding API) are all parameters, and no checkpoint's
+    local host = st.tree(tensors, "host model", { host = true }):get("mlp.gate")
+    assert.equal("f32", host.params.e_score_correction_bias.dtype)
+    assert.is_nil(host.params.weight.checkpoint_dtype)
+    assert.same({}, host.buffer_order)
   end)
 
   it("refuses names that are both a parameter and a module, or have empty segments", function()

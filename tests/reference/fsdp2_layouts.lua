@@ -6,7 +6,8 @@
 -- `moonshard plan` does (moonshard.plan_cli.make_plan), and `describe` gives:
 --   tree   the module tree the policy left (checkpoint wrappers included): per module its
 --          type, its own parameters {name, shape, dtype, requires_grad, same_as} (same_as:
---          the fqn of a parameter object met earlier, a tied weight) and its children;
+--          the fqn of a parameter object met earlier, a tied weight), its buffers {name,
+--          shape, dtype, persistent} and its children;
 --   calls  the fully_shard calls in order: module, mesh axes, mp_policy as given,
 --          reshard_after_forward as given (null: FSDP2's default), ignored_params (fqns),
 --          the dims shard_placement_fn returned (fqn -> dim), offload_policy;
@@ -63,11 +64,18 @@ function M.tree(plan)
         same_as = nullable(first[p]) })
       first[p] = first[p] or fqn
     end
+    local buffers = json.array()
+    for _, bname in ipairs(m.buffer_order or {}) do
+      local b = m.buffers[bname]
+      buffers[#buffers + 1] = json.object({ "name", "shape", "dtype", "persistent" }, {
+        name = bname, shape = ints(b.shape), dtype = b.dtype, persistent = b.persistent })
+    end
     local children = json.array()
     for _, cname in ipairs(m.child_order) do
       children[#children + 1] = json.array({ cname, walk(m.children[cname], name == "" and cname or name .. "." .. cname) })
     end
-    return json.object({ "type", "params", "children" }, { type = m.type, params = params, children = children })
+    return json.object({ "type", "params", "buffers", "children" },
+      { type = m.type, params = params, buffers = buffers, children = children })
   end
   return walk(root_of(plan), "")
 end

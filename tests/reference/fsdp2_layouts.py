@@ -153,6 +153,8 @@ def build(desc):
                 param = nn.Parameter(t, requires_grad=p["requires_grad"])
             made.setdefault(fqn, param)
             m.register_parameter(p["name"], param)
+        for b in d.get("buffers", []):
+            m.register_buffer(b["name"], torch.zeros(b["shape"], dtype=DTYPES[b["dtype"]]), persistent=b["persistent"])
         for cname, c in d["children"]:
             if c["type"] == "CheckpointWrapper":
                 (inner_name, inner), = c["children"]

@@ -159,15 +159,16 @@ end
 --- parent.name = an MoE block in Automodel's layout: gate (router), experts (grouped
 -- [experts, in, out] tensors) and, when o.shared_inter > 0, shared_experts (one fused MLP).
 -- o: experts, top_k, hidden, inter, dtype; gate_dtype (default dtype); correction_bias (the
--- gate's e_score_correction_bias [experts]: f32 whatever the model's dtype, as DeepSeek-V3's
--- checkpoints store it, and frozen: it only shifts the top-k choice, so it never has a
--- gradient, and transformers and Automodel keep it as a buffer updated outside the optimizer).
+-- gate's e_score_correction_bias [experts]: an f32 buffer whatever the model's dtype, as
+-- Automodel's Gate registers it (components/moe/layers.py) and DeepSeek-V3's checkpoints store
+-- it: it only shifts the top-k choice, is updated outside the optimizer, and FSDP2 leaves it
+-- whole on every rank; Automodel's MoE parallelizer replicates it over the FSDP mesh).
 function C.moe(parent, name, o)
   local block = parent:add(name, module.new("MoE", { n_experts = o.experts, top_k = o.top_k }))
   local gate = block:add("gate", module.new("Gate"))
   gate:param("weight", { o.experts, o.hidden }, o.gate_dtype or o.dtype)
   if o.correction_bias then
-    gate:param("e_score_correction_bias", { o.experts }, "f32", { requires_grad = false })
+    gate:buffer("e_score_correction_bias", { o.experts }, "f32")
   end
   local experts = block:add("experts", module.new("GroupedExperts"))
   experts:param("gate_and_up_projs", { o.experts, o.hidden, 2 * o.inter }, o.dtype)

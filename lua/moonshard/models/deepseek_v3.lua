@@ -1,13 +1,14 @@
 -- moonshard.models.deepseek_v3: DeepseekV3ForCausalLM.  Multi-head latent attention (MLA:
 -- low-rank q and kv projections with their norms); the first first_k_dense_replace layers
 -- have a dense MLP of intermediate_size, the others (every moe_layer_freq-th) an MoE block of
--- n_routed_experts experts of moe_intermediate_size, a gate with e_score_correction_bias (f32
--- and frozen: see common.moe) and n_shared_experts shared experts fused into one MLP.
+-- n_routed_experts experts of moe_intermediate_size, a gate with e_score_correction_bias (an f32
+-- buffer: see common.moe) and n_shared_experts shared experts fused into one MLP.
 --
 -- The multi-token-prediction modules (num_nextn_predict_layers) are not built: they are not
 -- part of the model transformers instantiates (the checkpoint stores the one MTP module of
 -- DeepSeek-V3 as model.layers.61, which transformers skips on load).  DeepSeek-V3 therefore
--- counts 671,026,419,200 parameters here, the 671B without MTP.
+-- counts 671,026,404,352 parameters here, the 671B without MTP (and 58 x 256 f32 correction
+-- biases, buffers).
 
 local module = require "moonshard.module"
 local C = require "moonshard.models.common"
@@ -51,6 +52,13 @@ return function(cfg)
     hidden = hidden, inter = inter, dtype = dtype, correction_bias = true,
     shared_inter = inter * cfg:int("n_shared_experts", nil, 0) }
   local root, _, layers = C.causal_lm(cfg, "DeepseekV3Model", vocab, hidden, dtype)
+  -- Automodel's DeepseekV3ForCausalLM (components/models/deepseek_v3/model.py) pins this name
+  -- to fp32 compute (_keep_in_fp32_modules_strict), which its fully_shard_by_dtype reads.
+  -- transformers 5's class pins "gate.weight" too and builds the router weight in f32; this
+  -- builder follows Automodel's model (router weight in the model's dtype): see convention.
+  root.attrs.keep_in_fp32_strict = { "e_score_correction_bias" }
+  root.attrs.convention = "NeMo Automodel's DeepseekV3ForCausalLM"
+  root.attrs.transformers_fp32 = { "mlp.gate.weight" }
   C.decoder_layers(layers, n_layers, "DeepseekV3DecoderLayer", hidden, dtype, function(layer, i)
     mla(layer, m, dtype)
     if i >= first_dense and i % freq == 0 then
