@@ -403,7 +403,7 @@ describe("shard units", function()
     end))
     assert.equal("bf16", plan.units[1].reduce_dtype_eff)
     assert.equal("1 unit set param_dtype but not reduce_dtype and reduces gradients in param_dtype (FSDP2's " ..
-      "documented rule, SEMANTICS.md §4), where PyTorch 2.15's FSDP2 reduces them in the stored dtype: set " ..
+      "documented rule), where PyTorch 2.15's FSDP2 reduces them in the stored dtype: set " ..
       "reduce_dtype to choose: a (bf16)", plan.warnings[1])
   end)
 
