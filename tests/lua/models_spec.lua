@@ -360,11 +360,16 @@ describe("Inkling2", function()
 end)
 
 describe("models.from_config errors", function()
-  it("names an unknown architecture and the config", function()
+  it("names an unknown architecture, the config, the builders there are and --safetensors", function()
     local err = build_error({ architectures = { "GPT2LMHeadModel" } }, "gpt2/config.json")
     assert.equal("moonshard: models: gpt2/config.json: unknown architecture 'GPT2LMHeadModel' " ..
-      "(known: DeepseekV3ForCausalLM, Inkling2ForCausalLM, LlamaForCausalLM, MixtralForCausalLM, " ..
-      "Qwen3MoeForCausalLM)", err)
+      "(known: DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Inkling2ForCausalLM, " ..
+      "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, " ..
+      "Qwen3MoeForCausalLM); plan from the checkpoint instead: --safetensors FILE|INDEX|DIR takes the names, " ..
+      "shapes and dtypes from its safetensors headers", err)
+    -- the multimodal Gemma 3 is another architecture; its text model is Gemma3ForCausalLM
+    assert.matches("unknown architecture 'Gemma3ForConditionalGeneration' (known: ",
+      build_error({ architectures = { "Gemma3ForConditionalGeneration" } }), 1, true)
     assert.matches("^moonshard: models: config table: config key 'architectures' is missing",
       build_error({ hidden_size = 4 }))
   end)
