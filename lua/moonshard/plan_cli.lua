@@ -16,8 +16,10 @@ layouts, what expert parallelism owns, memory per rank and communication per ste
 
 model (one of):
   --config FILE        a Hugging Face config.json; architectures[0] picks the builder
-                       (LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
-                       DeepseekV3ForCausalLM, Inkling2ForCausalLM)
+                       (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                       Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                       MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
+                       Inkling2ForCausalLM)
   --safetensors PATH   a .safetensors file, a model.safetensors.index.json, or a directory
                        holding one: names, dtypes and shapes as on disk (no data read)
 required:
