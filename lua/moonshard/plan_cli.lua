@@ -1,6 +1,6 @@
 -- moonshard.plan_cli: `moonshard plan`, the planner on the command line.
 --
---   moonshard plan (--config config.json | --safetensors PATH) --mesh dp_shard=8,ep=8
+--   moonshard plan (--config config.json | --safetensors PATH | --model ORG/NAME) --mesh dp_shard=8,ep=8
 --                  --policy policies/inkling2 [--json] [--svg FILE] [--audit]
 
 local util = require "moonshard.util"
@@ -8,7 +8,8 @@ local util = require "moonshard.util"
 local M = {}
 
 M.usage = [[
-usage: moonshard plan (--config FILE | --safetensors PATH) --mesh SIZES --policy PATH [options]
+usage: moonshard plan (--config FILE | --safetensors PATH | --model ORG/NAME [--checkpoint])
+                     --mesh SIZES --policy PATH [options]
 
 Applies a sharding policy to a model on a mesh, without GPUs, and prints what every rank
 holds and sends: the shard units in the order fully_shard is called, their precision and
@@ -16,10 +17,20 @@ layouts, what expert parallelism owns, memory per rank and communication per ste
 
 model (one of):
   --config FILE        a Hugging Face config.json; architectures[0] picks the builder
-                       (LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
-                       DeepseekV3ForCausalLM, Inkling2ForCausalLM)
+                       (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                       Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                       MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
+                       Inkling2ForCausalLM)
   --safetensors PATH   a .safetensors file, a model.safetensors.index.json, or a directory
                        holding one: names, dtypes and shapes as on disk (no data read)
+  --model ORG/NAME     a model in the local Hugging Face cache, never downloaded: its
+                       config.json, as --config; with --checkpoint, its safetensors
+                       headers, as --safetensors.  The cache is $HF_HUB_CACHE, else
+                       $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else
+                       $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub (as
+                       huggingface_hub resolves it); the revision is the one refs/main
+                       names, else the only snapshot, else the one modified last (said on
+                       stderr)
 required:
   --mesh SIZES         e.g. dp_replicate=2,dp_shard=4,ep=8 (axes pp dp_replicate dp_shard
                        cp tp ep; unset sizes are 1; the world is their product without ep)
@@ -35,7 +46,7 @@ output:
                        (torch.optim.AdamW on the stored parameters: moments of their
                        dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
-                       the file name)
+                       the file name; ORG/NAME with --model)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
   --policy-memory MB        the memory cap in MiB (default 256)
@@ -50,8 +61,8 @@ local function usage_error(msg)
   return 2
 end
 
-local FLAGS = { json = true, audit = true }
-local VALUES = { config = true, safetensors = true, mesh = true, policy = true, svg = true, optimizer = true,
+local FLAGS = { json = true, audit = true, checkpoint = true }
+local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
   name = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
 local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
@@ -105,8 +116,37 @@ local function is_dir(path)
   return false
 end
 
+-- --model: the config.json, or with --checkpoint the snapshot folder, of the model in the
+-- local Hugging Face cache (moonshard.hf_cache); a note on stderr when refs/main did not say
+-- which revision.
+local function from_cache(o)
+  local hf = require "moonshard.hf_cache"
+  local path, info
+  if o.checkpoint then
+    info, path = hf.snapshot(o.model)
+    if info then
+      path = info.dir
+      if not util.exists(path .. "/model.safetensors.index.json") and not util.exists(path .. "/model.safetensors") then
+        error(string.format("moonshard: %s: revision %s (%s) has neither model.safetensors.index.json nor " ..
+          "model.safetensors (download them with `hf download %s`, or plan from its config.json without " ..
+          "--checkpoint)", o.model, info.revision, path, o.model), 0)
+      end
+    end
+  else
+    path, info = hf.find(o.model, "config.json")
+  end
+  if not path then error("moonshard: " .. info, 0) end
+  if info.note then io.stderr:write("moonshard plan: note: " .. info.note .. "\n") end
+  return path
+end
+
 -- The model tree, its name and its config (nil for safetensors).
 local function load_model(o)
+  if o.model then
+    local path = from_cache(o)
+    if o.checkpoint then o = { safetensors = path, name = o.name or o.model } else
+      o = { config = path, name = o.name or o.model } end
+  end
   if o.config then
     local json = require "moonshard.json"
     local config = json.decode(read_file(o.config), o.config)
@@ -152,8 +192,19 @@ function M.main(args)
     io.stdout:write(M.usage)
     return 0
   end
-  if (o.config and o.safetensors) or not (o.config or o.safetensors) then
-    return usage_error("give the model with exactly one of --config FILE or --safetensors PATH")
+  local models_given = (o.config and 1 or 0) + (o.safetensors and 1 or 0) + (o.model and 1 or 0)
+  if models_given ~= 1 then
+    return usage_error("give the model with exactly one of --config FILE, --safetensors PATH or --model ORG/NAME")
+  end
+  if o.checkpoint and not o.model then
+    return usage_error("--checkpoint goes with --model ORG/NAME (give a checkpoint's files with --safetensors PATH)")
+  end
+  if o.model then
+    local ok, why = require("moonshard.hf_cache").check_repo_id(o.model)
+    if not ok then
+      return usage_error(string.format("--model '%s' is no Hugging Face model id (ORG/NAME, e.g. Qwen/Qwen3-8B): it %s",
+        util.short_name(o.model), why))
+    end
   end
   if not o.mesh then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
   if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end

@@ -240,7 +240,9 @@ end
 
 local CONFIG_FILES = { "examples/configs/deepseek_v3.json", "examples/configs/inkling2_16b.json",
   "examples/configs/inkling2_small.json", "examples/configs/llama3.1_8b.json",
-  "examples/configs/mixtral_8x7b.json", "examples/configs/qwen3_30b_a3b.json", "tests/lua/configs/inkling2_tiny.json" }
+  "examples/configs/mixtral_8x7b.json", "examples/configs/qwen3_30b_a3b.json", "tests/lua/configs/inkling2_tiny.json",
+  "examples/configs/qwen2.5_7b.json", "examples/configs/qwen3_8b.json", "examples/configs/mistral_7b_v0.3.json",
+  "examples/configs/gemma2_9b.json", "examples/configs/gemma3_1b.json" }
 local configs = {}
 for i, path in ipairs(CONFIG_FILES) do configs[i] = read(path) end
 local json_seeds = corpus("^json_.*%.json$")
@@ -410,7 +412,8 @@ do
   CONFIG_VALUES[#CONFIG_VALUES + 1] = deep
 end
 local ARCHS = { "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
-  "Inkling2ForCausalLM", "GPT2LMHeadModel", "", rep("A", 100000), "a\0b" }
+  "Inkling2ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
+  "Gemma3ForCausalLM", "GPT2LMHeadModel", "", rep("A", 100000), "a\0b" }
 
 local function config_input(rng)
   local cfg = json.decode(rng:pick(configs), "seed")

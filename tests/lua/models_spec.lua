@@ -364,12 +364,66 @@ describe("Inkling2", function()
   end)
 end)
 
+describe("the dense builders of transformers 5's Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3", function()
+  -- a decoder's count: embed + layers * (attention + 3 * H * I MLP + norms) + final norm + head
+  local function count(V, H, L, I, heads, kv, hd, o)
+    local attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
+    attn = attn + (o.qkv_bias and (heads + 2 * kv) * hd or 0) + (o.qk_norm and 2 * hd or 0)
+    return V * H + L * (attn + 3 * H * I + o.norms * H) + H + (o.tied and 0 or V * H)
+  end
+
+  it("count the published sizes of Qwen2.5-7B, Qwen3-8B, Mistral-7B-v0.3, gemma-2-9b and gemma-3-1b", function()
+    local cases = {
+      { "qwen2.5_7b.json", 7615616512, count(152064, 3584, 28, 18944, 28, 4, 128, { qkv_bias = true, norms = 2 }) },
+      { "qwen3_8b.json", 8190735360, count(151936, 4096, 36, 12288, 32, 8, 128, { qk_norm = true, norms = 2 }) },
+      { "mistral_7b_v0.3.json", 7248023552, count(32768, 4096, 32, 14336, 32, 8, 128, { norms = 2 }) },
+      { "gemma2_9b.json", 9241705984, count(256000, 3584, 42, 14336, 16, 8, 256, { norms = 4, tied = true }) },
+      { "gemma3_1b.json", 999885952, count(262144, 1152, 26, 6912, 4, 1, 256, { qk_norm = true, norms = 4, tied = true }) },
+    }
+    for _, c in ipairs(cases) do
+      assert.equal(c[2], c[3], c[1])
+      assert.equal(c[2], models.from_config(CONFIGS .. c[1]):param_count(), c[1])
+    end
+  end)
+
+  it("store what the config says: gemma-2-9b in f32 (torch_dtype), its head tied by default", function()
+    local g = models.from_config(CONFIGS .. "gemma2_9b.json")
+    assert.equal("f32", g:get("model.norm").params.weight.dtype)
+    assert.equal(g:get("model.embed_tokens").params.weight, g:get("lm_head").params.weight)
+    local p = params_of(g)
+    assert.same({ 3584 }, p["model.layers.41.pre_feedforward_layernorm.weight"].shape)
+    assert.same({ 3584 }, p["model.layers.41.post_feedforward_layernorm.weight"].shape)
+    local cfg = load_config("gemma3_1b.json")
+    cfg.tie_word_embeddings, cfg.dtype = false, "float32"
+    local t = models.from_config(cfg)
+    assert.is_false(t.attrs.tie_word_embeddings)
+    assert.equal("f32", t:get("lm_head").params.weight.dtype)
+    assert.same({ 256 }, params_of(t)["model.layers.0.self_attn.k_norm.weight"].shape)
+    -- Qwen2's biases are on q, k and v only
+    local q = params_of(models.from_config(CONFIGS .. "qwen2.5_7b.json"))
+    assert.same({ 512 }, q["model.layers.0.self_attn.k_proj.bias"].shape)
+    assert.is_nil(q["model.layers.0.self_attn.o_proj.bias"])
+  end)
+
+  it("refuse a multimodal Gemma 3 config (text_config) by what to give instead", function()
+    local cfg = load_config("gemma3_1b.json")
+    cfg.text_config = { hidden_size = 1152 }
+    assert.matches("Gemma3ForCausalLM: config key 'text_config' is there: this builds the text model only; give a " ..
+      "config of text_config's keys with model_type gemma3_text", build_error(cfg), 1, true)
+  end)
+end)
+
 describe("models.from_config errors", function()
-  it("names an unknown architecture and the config", function()
+  it("names an unknown architecture, the config, the builders there are and --safetensors", function()
     local err = build_error({ architectures = { "GPT2LMHeadModel" } }, "gpt2/config.json")
     assert.equal("moonshard: models: gpt2/config.json: unknown architecture 'GPT2LMHeadModel' " ..
-      "(known: DeepseekV3ForCausalLM, Inkling2ForCausalLM, LlamaForCausalLM, MixtralForCausalLM, " ..
-      "Qwen3MoeForCausalLM)", err)
+      "(known: DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Inkling2ForCausalLM, " ..
+      "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, " ..
+      "Qwen3MoeForCausalLM); plan from the checkpoint instead: --safetensors FILE|INDEX|DIR takes the names, " ..
+      "shapes and dtypes from its safetensors headers", err)
+    -- the multimodal Gemma 3 is another architecture; its text model is Gemma3ForCausalLM
+    assert.matches("unknown architecture 'Gemma3ForConditionalGeneration' (known: ",
+      build_error({ architectures = { "Gemma3ForConditionalGeneration" } }), 1, true)
     assert.matches("^moonshard: models: config table: config key 'architectures' is missing",
       build_error({ hidden_size = 4 }))
   end)

@@ -6,6 +6,7 @@
 #
 #   bash tests/reference/make.sh            every reference
 #   bash tests/reference/make.sh adamw      only tests/reference/adamw.py (several may be named)
+#   bash tests/reference/make.sh model_params   transformers' parameters for the model builders
 #
 # MOONSHARD_REF_VENV names the virtual environment (default ~/.cache/moonshard-reference-venv);
 # it is made, and the pinned packages installed, when missing.  Scripts that run moonshard

@@ -107,15 +107,21 @@ function Config:dtype()
 end
 
 --- The sizes of a grouped-query-attention decoder: vocab, hidden, layers, heads, kv_heads
--- (default heads) and head_dim (default hidden / heads, as transformers does).
-function Config:gqa_dims()
+-- (default heads) and head_dim (default hidden / heads, as transformers does).  defaults
+-- (optional) holds the defaults of the architecture's transformers config class where they
+-- differ: head_dim (Qwen3Config 128, Gemma2Config 256) when the key is absent or null, and
+-- kv_heads when the key is absent (MistralConfig: 8; null still means heads).
+function Config:gqa_dims(defaults)
+  defaults = defaults or {}
   local d = { vocab = self:int("vocab_size"), hidden = self:int("hidden_size"),
     layers = self:int("num_hidden_layers", nil, 1, C.MAX_LAYERS), heads = self:int("num_attention_heads") }
-  d.kv_heads = self:int("num_key_value_heads", d.heads)
-  if self:get("head_dim") == nil and d.hidden % d.heads ~= 0 then
+  local kv_default = d.heads
+  if self.raw.num_key_value_heads == nil and defaults.kv_heads then kv_default = defaults.kv_heads end
+  d.kv_heads = self:int("num_key_value_heads", kv_default)
+  if self:get("head_dim") == nil and not defaults.head_dim and d.hidden % d.heads ~= 0 then
     self:fail("hidden_size %d is not a multiple of num_attention_heads %d; give head_dim", d.hidden, d.heads)
   end
-  d.head_dim = self:int("head_dim", math.floor(d.hidden / d.heads))
+  d.head_dim = self:int("head_dim", defaults.head_dim or math.floor(d.hidden / d.heads))
   return d
 end
 
@@ -146,13 +152,21 @@ function C.mlp(parent, name, type_name, hidden, inter, dtype, bias)
   return m
 end
 
---- parent.self_attn = grouped-query attention of the given type with q/k/v/o_proj.
-function C.attention(parent, type_name, d, dtype, bias)
+--- parent.self_attn = grouped-query attention of the given type with q/k/v/o_proj.  bias:
+-- true for biases on all four projections, "qkv" for q, k and v only (Qwen2), false or nil
+-- for none.  With o.qk_norm, q_norm and k_norm (RMSNorm [head_dim], Qwen3 and Gemma3) follow
+-- o_proj, in transformers' registration order.
+function C.attention(parent, type_name, d, dtype, bias, o)
   local m = parent:add("self_attn", module.new(type_name))
-  C.linear(m, "q_proj", d.heads * d.head_dim, d.hidden, dtype, bias)
-  C.linear(m, "k_proj", d.kv_heads * d.head_dim, d.hidden, dtype, bias)
-  C.linear(m, "v_proj", d.kv_heads * d.head_dim, d.hidden, dtype, bias)
-  C.linear(m, "o_proj", d.hidden, d.heads * d.head_dim, dtype, bias)
+  local qkv_bias = bias == true or bias == "qkv"
+  C.linear(m, "q_proj", d.heads * d.head_dim, d.hidden, dtype, qkv_bias)
+  C.linear(m, "k_proj", d.kv_heads * d.head_dim, d.hidden, dtype, qkv_bias)
+  C.linear(m, "v_proj", d.kv_heads * d.head_dim, d.hidden, dtype, qkv_bias)
+  C.linear(m, "o_proj", d.hidden, d.heads * d.head_dim, dtype, bias == true)
+  if o and o.qk_norm then
+    C.norm(m, "q_norm", d.head_dim, dtype)
+    C.norm(m, "k_norm", d.head_dim, dtype)
+  end
   return m
 end
 
@@ -181,10 +195,11 @@ end
 
 --- The causal-LM skeleton: root (type = the architecture) with model {embed_tokens, layers,
 -- norm} and lm_head, whose weight is the embedding's own parameter object when
--- tie_word_embeddings is true (so it is counted once, as in PyTorch).  Returns root, model,
--- layers; the builder fills layers.
-function C.causal_lm(cfg, model_type, vocab, hidden, dtype)
-  local tied = cfg:bool("tie_word_embeddings", false)
+-- tie_word_embeddings is true (so it is counted once, as in PyTorch; when the key is absent,
+-- tie_default, the architecture's config class default: false unless given).  Returns root,
+-- model, layers; the builder fills layers.
+function C.causal_lm(cfg, model_type, vocab, hidden, dtype, tie_default)
+  local tied = cfg:bool("tie_word_embeddings", tie_default or false)
   local root = module.new(cfg.arch, { architecture = cfg.arch, dtype = dtype,
     tie_word_embeddings = tied, config = cfg.raw, source = cfg.source })
   local model = root:add("model", module.new(model_type))
@@ -199,13 +214,15 @@ end
 
 --- Adds n Hugging Face decoder layers "0".."n-1" of the given type: fill(layer, i) adds
 -- self_attn and the MLP, then come input_layernorm and post_attention_layernorm, the
--- registration order of the transformers classes.
-function C.decoder_layers(layers, n, type_name, hidden, dtype, fill)
+-- registration order of the transformers classes, and the norms named in extra_norms (a
+-- list, optional: Gemma's pre_feedforward_layernorm and post_feedforward_layernorm).
+function C.decoder_layers(layers, n, type_name, hidden, dtype, fill, extra_norms)
   for i = 0, n - 1 do
     local layer = layers:add(tostring(i), module.new(type_name))
     fill(layer, i)
     C.norm(layer, "input_layernorm", hidden, dtype)
     C.norm(layer, "post_attention_layernorm", hidden, dtype)
+    for _, norm in ipairs(extra_norms or {}) do C.norm(layer, norm, hidden, dtype) end
   end
 end
 

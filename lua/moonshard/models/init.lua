@@ -12,6 +12,11 @@ local M = {}
 
 M.builders = {
   LlamaForCausalLM = "moonshard.models.llama",
+  MistralForCausalLM = "moonshard.models.mistral",
+  Qwen2ForCausalLM = "moonshard.models.qwen2",
+  Qwen3ForCausalLM = "moonshard.models.qwen3",
+  Gemma2ForCausalLM = "moonshard.models.gemma2",
+  Gemma3ForCausalLM = "moonshard.models.gemma3",
   MixtralForCausalLM = "moonshard.models.mixtral",
   Qwen3MoeForCausalLM = "moonshard.models.qwen3_moe",
   DeepseekV3ForCausalLM = "moonshard.models.deepseek_v3",
@@ -52,7 +57,9 @@ function M.from_config(config, source)
   end
   local builder = M.builders[archs[1]]
   if not builder then
-    fail(source, "unknown architecture '%s' (known: %s)", require("moonshard.util").short_name(archs[1]), known())
+    fail(source, "unknown architecture '%s' (known: %s); plan from the checkpoint instead: " ..
+      "--safetensors FILE|INDEX|DIR takes the names, shapes and dtypes from its safetensors headers",
+      require("moonshard.util").short_name(archs[1]), known())
   end
   if type(builder) == "string" then builder = require(builder) end
   local tree = builder(C.config(config, source, archs[1]))
