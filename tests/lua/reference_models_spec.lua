@@ -9,7 +9,7 @@
 -- tied parameters, the buffers and the element count.  This spec builds each config with
 -- moonshard.models and compares, exactly: the names and their order, each parameter's shape,
 -- dtype and requires_grad, the ties and the count.  Where moonshard differs on purpose or
--- by a known disagreement, the difference is listed below with its reason (MAPS, AS_BUFFER,
+-- by a known disagreement, the difference is listed below with its reason (MAPS,
 -- KNOWN); anything else fails, and so does a listed difference that no longer occurs.
 
 local json = require "moonshard.json"
@@ -55,11 +55,9 @@ local MAPS = {
   },
 }
 
--- Parameters moonshard plans that transformers keeps as buffers (by design, README: the
--- router's e_score_correction_bias is a frozen f32 parameter, as deepseek-ai's checkpoints
--- store it).  They must be buffers of the same shape and dtype there, and they account for
--- the whole difference in the element count.
-local AS_BUFFER = "%.e_score_correction_bias$"
+-- moonshard's buffers (the routers' e_score_correction_bias) must be buffers of
+-- transformers' model too, with the same shape and dtype; transformers has more of them
+-- (rotary inv_freq), which no plan needs.
 
 -- Differences left after the maps, as Lua patterns over the lines this spec reports, each
 -- with its reason.  Every one must still occur.
@@ -139,7 +137,16 @@ local function compare(t)
     tf_names[i] = p[1]
     tf[p[1]] = { shape = p[2], dtype = p[3], requires_grad = p[4] }
   end
-  local ms, ms_names, as_buffers, exact = {}, {}, 0, 0
+  local ms, ms_names, exact = {}, {}, 0
+  for _, nb in ipairs(tree:named_buffers()) do
+    local buf = buffers[nb[1]]
+    if not buf then
+      out[#out + 1] = nb[1] .. ": a buffer in moonshard, and no buffer in transformers"
+    elseif not (same(buf[2], nb[2].shape) and buf[3] == nb[2].dtype) then
+      out[#out + 1] = string.format("%s: a %s %s buffer in moonshard, a %s %s buffer in transformers",
+        nb[1], nb[2].dtype, show(nb[2].shape), buf[3], show(buf[2]))
+    end
+  end
   for _, np in ipairs(tree:named_parameters()) do
     local name, p = np[1], np[2]
     local shape = p.shape
@@ -147,16 +154,7 @@ local function compare(t)
     if b and same(shape, b.shape) and p.dtype == b.dtype and p.requires_grad == b.requires_grad then
       exact = exact + 1
     end
-    if name:match(AS_BUFFER) then
-      local buf = buffers[name]
-      if not buf then
-        out[#out + 1] = name .. ": a parameter in moonshard, and no buffer in transformers"
-      elseif not (same(buf[2], shape) and buf[3] == p.dtype and p.requires_grad == false) then
-        out[#out + 1] = string.format("%s: a frozen %s %s parameter in moonshard, a %s %s buffer in transformers",
-          name, p.dtype, show(shape), buf[3], show(buf[2]))
-      end
-      as_buffers = as_buffers + p.numel
-    else
+    do
       for i, m in ipairs(MAPS) do
         if not m.arch or m.arch == t.architecture then
           local n2, s2 = m.map(name, shape)
@@ -200,10 +198,9 @@ local function compare(t)
     out[#out + 1] = string.format("ties: moonshard {%s}, transformers {%s}", table.concat(ties, "; "),
       table.concat(tf_ties, "; "))
   end
-  -- every element counted once; parameters transformers keeps as buffers are not its parameters
-  if tree:param_count() - as_buffers ~= t.count then
-    out[#out + 1] = string.format("count: moonshard %.0f (%.0f of them buffers in transformers), transformers %.0f",
-      tree:param_count(), as_buffers, t.count)
+  -- every element counted once; buffers are no parameters, in either
+  if tree:param_count() ~= t.count then
+    out[#out + 1] = string.format("count: moonshard %.0f, transformers %.0f", tree:param_count(), t.count)
   end
   return out, { params = #t.params, exact = exact, agree = agree, maps_used = maps_used }
 end
