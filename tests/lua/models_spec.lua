@@ -363,7 +363,8 @@ describe("models.from_config errors", function()
   it("names an unknown architecture and the config", function()
     local err = build_error({ architectures = { "GPT2LMHeadModel" } }, "gpt2/config.json")
     assert.equal("moonshard: models: gpt2/config.json: unknown architecture 'GPT2LMHeadModel' " ..
-      "(known: DeepseekV3ForCausalLM, Inkling2ForCausalLM, LlamaForCausalLM, MixtralForCausalLM, " ..
+      "(known: DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Inkling2ForCausalLM, LlamaForCausalLM, " ..
+      "MixtralForCausalLM, " ..
       "Qwen3MoeForCausalLM)", err)
     assert.matches("^moonshard: models: config table: config key 'architectures' is missing",
       build_error({ hidden_size = 4 }))
