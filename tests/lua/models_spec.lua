@@ -417,7 +417,7 @@ describe("models.from_config errors", function()
   it("names an unknown architecture, the config, the builders there are and --safetensors", function()
     local err = build_error({ architectures = { "GPT2LMHeadModel" } }, "gpt2/config.json")
     assert.equal("moonshard: models: gpt2/config.json: unknown architecture 'GPT2LMHeadModel' " ..
-      "(known: DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Inkling2ForCausalLM, " ..
+      "(known: DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Inkling2ForCausalLM, " ..
       "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, " ..
       "Qwen3MoeForCausalLM); plan from the checkpoint instead: --safetensors FILE|INDEX|DIR takes the names, " ..
       "shapes and dtypes from its safetensors headers", err)

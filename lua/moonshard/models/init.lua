@@ -21,6 +21,7 @@ M.builders = {
   Qwen3MoeForCausalLM = "moonshard.models.qwen3_moe",
   DeepseekV3ForCausalLM = "moonshard.models.deepseek_v3",
   Inkling2ForCausalLM = "moonshard.models.inkling2",
+  DeepseekV4ForCausalLM = "moonshard.models.deepseek_v4",
 }
 
 local function fail(source, fmt, ...)

@@ -1,0 +1,348 @@
+-- shard_units.lua: how DeepSeek-V4 becomes FSDP shard units, as NeMo Automodel's MoE
+-- parallelizer makes them (components/moe/parallelizer.py parallelize_model and apply_fsdp,
+-- with components/models/deepseek_v4/fsdp.py fully_shard_deepseek_v4 as the fully_shard of
+-- every call, and components/distributed/parallelizer_utils.py fully_shard_by_dtype for each
+-- block).  The Inkling2 pattern: the FP32 modules of fp32_modules.lua become their own units
+-- with an FP32 policy, then the module around them with the caller's policy.
+--
+-- Units in the order Automodel calls fully_shard:
+--   per decoder block (model.layers.*, then the MTP blocks mtp.layers.*: _iter_moe_blocks):
+--     the grouped experts on ep_shard when ep > 1 and ep_shard > 1, then the block's FP32
+--     modules (all-f32 storage), one unit each, then the block;
+--   model.embed_tokens; lm_head (an all-f32 module: one FP32 unit); model's own FP32 modules
+--   still unsharded (hc_head), then model; then the root (wrap_outer_model).
+-- Parameters owned by expert parallelism are passed on as ignored and keep their placements.
+
+local FP32_MODULES = require "fp32_modules"
+local precision = require "precision"
+
+local M = {}
+
+-- The caller's mixed-precision policy: apply_fsdp's default when the recipe gives none.
+M.mp_policy = precision.compute
+
+-- reshard_after_forward of every unit: false, the default of the MoE path
+-- (parallelize_model and apply_fsdp: reshard_after_forward=False; the DeepSeek-V4 recipes
+-- set distributed.moe.reshard_after_forward: false too).  With true, the
+-- DeepseekV4FP32Parameter holders still keep theirs false (fsdp.py _fp32_module_fsdp_kwargs),
+-- and the MTP blocks' experts too (apply_fsdp: experts_reshard_after_forward).
+M.reshard_after_forward = false
+
+-- apply_fsdp's wrap_outer_model (default True): shard the root DeepseekV4ForCausalLM last.
+-- The DeepSeek-V4 recipes set it false (their pipeline-parallel runs have no outer root).
+M.wrap_outer_model = true
+
+-- apply_fsdp's lm_head_precision: nil (the default: lm_head goes through
+-- fully_shard_deepseek_v4, which gives an all-f32 module its FP32 unit) or "f32" (a plain
+-- fully_shard with MixedPrecisionPolicy(fp32, fp32, fp32), cast_forward_inputs true).
+M.lm_head_precision = nil
+
+-- parallelize_model's activation_checkpointing (default False; the Flash recipes leave it
+-- off).  When true the decoder blocks are wrapped first (apply_ac; the MTP blocks are not).
+M.activation_checkpointing = false
+
+-- Prefetch depth in forward and backward, as policies/inkling2 sets it.
+M.prefetch = { forward = 1, backward = 2 }
+
+-- The offload policy of every unit: nil (or "none") or "cpu" (FSDP2's CPUOffloadPolicy).
+M.offload_policy = nil
+
+local CHECKPOINT = "_checkpoint_wrapped_module"
+
+-- Tensors the builder models as frozen parameters that Automodel keeps as buffers
+-- (models/deepseek_v4.lua): not parameters to fully_shard_by_dtype's grouping.
+local BUFFERS = { e_score_correction_bias = true, tid2eid = true }
+
+local FLOATING = { f32 = true, f16 = true, bf16 = true, f64 = true, f8e4m3 = true, f8e5m2 = true }
+
+-- fsdp.py _DSV4_CLASS_NAMES
+local DSV4_CLASSES = { DeepseekV4ForCausalLM = true, DeepseekV4Model = true, DeepseekV4Block = true }
+
+local function strip_checkpoint(name)
+  local parts = {}
+  for part in name:gmatch("[^.]+") do
+    if part ~= CHECKPOINT then parts[#parts + 1] = part end
+  end
+  return table.concat(parts, ".")
+end
+
+--- fsdp.py _matches_suffix against every entry of fp32_modules.lua, on a name relative to
+-- the module being sharded (named_modules() of it), activation-checkpoint segments removed.
+function M.is_fp32_module_name(name)
+  local n = strip_checkpoint(name)
+  for _, entry in ipairs(FP32_MODULES) do
+    if n == entry or n:sub(-(#entry + 1)) == "." .. entry then return true end
+  end
+  return false
+end
+
+local function param_name(fqn) return fqn:match("([^.]+)$") end
+
+-- The dtypes of a module's floating parameters (fsdp.py _floating_param_dtypes; every
+-- parameter, ignored ones too, buffers not).
+local function floating_dtypes(ctx, m)
+  local set, n = {}, 0
+  for _, np in ipairs(ctx:params_of(m)) do
+    local p = np[2]
+    if FLOATING[p.dtype] and not BUFFERS[param_name(np[1])] and not set[p.dtype] then set[p.dtype], n = true, n + 1 end
+  end
+  return set, n
+end
+
+local function all_fp32(ctx, m)
+  local set, n = floating_dtypes(ctx, m)
+  return n == 1 and set.f32 == true
+end
+
+-- fsdp.py _is_deepseek_v4_module: a DeepSeek-V4 class, a module whose config says
+-- model_type deepseek_v4 (attrs.model_type), or one with such a module below it.
+local function is_dsv4(m)
+  for _, nm in ipairs(m:named_modules()) do
+    local x = nm[2]
+    if DSV4_CLASSES[x.type] or x.attrs.model_type == "deepseek_v4" then return true end
+  end
+  return false
+end
+
+-- The modules already sharded (torch: _get_module_fsdp_state(module) is not None).
+local sharded = {}
+
+-- fsdp.py _fully_shard_once: nothing when the module is already a unit; ignored_params kept
+-- to the module's own parameters (_fsdp_kwargs_for_module).
+local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind)
+  if sharded[m] then return end
+  local ignored = {}
+  if o.ignored then
+    for _, np in ipairs(ctx:params_of(m)) do
+      if o.ignored[np[2]] then ignored[#ignored + 1] = np[2] end
+    end
+  end
+  ctx:fully_shard(m, { mesh = o.mesh, mp_policy = mp_policy, reshard_after_forward = reshard, kind = kind,
+    offload_policy = M.offload_policy, ignored_params = ignored })
+  sharded[m] = true
+end
+
+-- fsdp.py _fp32_module_fsdp_kwargs: a DeepseekV4FP32Parameter returns its raw tensor to its
+-- parent, so it stays gathered after forward.
+local function holder_reshard(m, reshard)
+  if m.type == "DeepseekV4FP32Parameter" then return false end
+  return reshard
+end
+
+--- fsdp.py fully_shard_deepseek_v4(module, mesh, mp_policy, reshard_after_forward,
+-- ignored_params).  o: mesh, mp_policy, reshard, ignored (a set of params).
+function M.fully_shard_deepseek_v4(ctx, m, o)
+  local dsv4 = is_dsv4(m)
+  local pd = o.mp_policy and o.mp_policy.param_dtype
+  -- the all-fp32 fast path: one FP32 unit (a non-DeepSeek-V4 module, or a DeepSeek-V4 one
+  -- under an fp32 or unset policy)
+  if all_fp32(ctx, m) and (not dsv4 or pd == nil or pd == "f32") then
+    return fully_shard_once(ctx, m, o, precision.fp32_of(o.mp_policy), holder_reshard(m, o.reshard), "fp32_island")
+  end
+  if not dsv4 then return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard) end
+  -- _iter_dsv4_fp32_modules: every module below whose name matches and whose floating
+  -- parameters are all f32, in named_modules() order
+  for _, nm in ipairs(m:named_modules()) do
+    local name, sub = nm[1], nm[2]
+    if name ~= "" and M.is_fp32_module_name(name) and all_fp32(ctx, sub) then
+      fully_shard_once(ctx, sub, o, precision.fp32_of(o.mp_policy), holder_reshard(sub, o.reshard), "fp32_island")
+    end
+  end
+  return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard)
+end
+
+-- parallelizer_utils.py _mp_policy_with_param_dtype
+local function with_param_dtype(mp, dt)
+  if dt == "f32" then return precision.pinned_fp32_of(mp) end
+  return { param_dtype = dt, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
+    cast_forward_inputs = mp.cast_forward_inputs }
+end
+
+--- parallelizer_utils.py fully_shard_by_dtype(block, fully_shard_fn=fully_shard_deepseek_v4,
+-- fp32_compute_module_names=the model's _keep_in_fp32_modules_strict): the parameters
+-- grouped by (stored dtype, compute dtype); with two groups the smaller one's maximal
+-- uniform subtrees are units first, then the block with the larger one's compute dtype.
+-- A parameter computes in f32 when it is pinned (Automodel pins by
+-- _keep_in_fp32_modules_strict, whose entries name exactly the parameters of the modules of
+-- fp32_modules.lua: this policy pins those), else in the policy's dtype when stored in f32
+-- (an f32 master weight), else in its own.
+function M.fully_shard_by_dtype(ctx, block, o)
+  local mp = o.mp_policy
+  local pinned = {}
+  for _, nm in ipairs(block:named_modules()) do
+    if nm[1] ~= "" and M.is_fp32_module_name(nm[1]) then
+      for _, np in ipairs(ctx:params_of(nm[2])) do pinned[np[2]] = true end
+    end
+  end
+  local function key_of(fqn, p) -- nil: not grouped
+    if not FLOATING[p.dtype] or (o.ignored and o.ignored[p]) then return nil end
+    local compute
+    if pinned[p] or BUFFERS[param_name(fqn)] then -- the e_score_correction_bias buffer is pinned too
+      compute = "f32"
+    elseif mp and mp.param_dtype and p.dtype == "f32" and mp.param_dtype ~= "f32" then
+      compute = mp.param_dtype
+    else
+      compute = p.dtype
+    end
+    return p.dtype .. "/" .. compute, compute
+  end
+  -- _group_params_by_dtype: parameters only (named_parameters), in order
+  local groups, order, compute_of = {}, {}, {}
+  for _, np in ipairs(ctx:params_of(block)) do
+    if not BUFFERS[param_name(np[1])] then
+      local k, compute = key_of(np[1], np[2])
+      if k then
+        if not groups[k] then groups[k], order[#order + 1], compute_of[k] = 0, k, compute end
+        groups[k] = groups[k] + 1
+      end
+    end
+  end
+  local function by_fn(m, policy) M.fully_shard_deepseek_v4(ctx, m, { mesh = o.mesh, mp_policy = policy,
+    reshard = o.reshard, ignored = o.ignored }) end
+  if #order == 0 then
+    if o.ignored then by_fn(block, mp) end
+    return
+  elseif #order == 1 then
+    return by_fn(block, with_param_dtype(mp, compute_of[order[1]]))
+  end
+  local least = order[1]
+  for _, k in ipairs(order) do if groups[k] < groups[least] then least = k end end
+  -- iter_maximal_uniform_dtype_subtrees: floating tensors (buffers too), ignored ones left out
+  local function visit(m, name)
+    local keys, n = {}, 0
+    for _, pname in ipairs(m.param_order) do
+      local k = key_of(pname, m.params[pname])
+      if k and not keys[k] then keys[k], n = true, n + 1 end
+    end
+    local found = {}
+    for _, c in ipairs(m.child_order) do
+      local ckeys, cfound = visit(m.children[c], name == "" and c or name .. "." .. c)
+      for k in pairs(ckeys) do if not keys[k] then keys[k], n = true, n + 1 end end
+      for _, f in ipairs(cfound) do found[#found + 1] = f end
+    end
+    if n == 1 then return keys, { { m, next(keys) } } end
+    return keys, found
+  end
+  local _, subtrees = visit(block, "")
+  for _, st in ipairs(subtrees) do
+    local m, k = st[1], st[2]
+    if #order > 2 or k == least then
+      local policy = with_param_dtype(mp, compute_of[k] or k:match("/(.*)$"))
+      if m.type == "ModuleList" then -- _fully_shard: a ModuleList's children one by one
+        for _, c in ipairs(m.child_order) do by_fn(m.children[c], policy) end
+      else
+        by_fn(m, policy)
+      end
+    end
+  end
+  if #order == 2 then
+    local parent = order[1] == least and order[2] or order[1]
+    by_fn(block, with_param_dtype(mp, compute_of[parent]))
+  elseif o.ignored then
+    by_fn(block, mp)
+  end
+end
+
+--- Checks the text topology before anything is sharded: model.layers, model.embed_tokens,
+-- an untied lm_head, and MoE blocks with grouped experts ([experts, input, output] tensors).
+function M.prepare_model(ctx)
+  local model = ctx.model
+  local function reject(what) error("deepseek_v4 policy: " .. what, 2) end
+  local layers = model:get("model.layers")
+  if not layers then reject("the model has no model.layers: only DeepSeek-V4 text models are supported") end
+  local embed, head = model:get("model.embed_tokens"), model:get("lm_head")
+  if not embed or not head then reject("the model needs model.embed_tokens and lm_head") end
+  if head.params.weight == embed.params.weight then
+    reject("lm_head.weight is tied to model.embed_tokens.weight; DeepSeek-V4 is untied only")
+  end
+  for _, nm in ipairs(model:named_modules()) do
+    local name, m = nm[1], nm[2]
+    if m.type == "MoE" then
+      local experts = m.children.experts
+      if not experts or experts.type ~= "GroupedExperts" then
+        reject(string.format("%s.experts is %s; grouped experts (GroupedExperts) are required", name,
+          experts and experts.type or "missing"))
+      end
+      for _, pname in ipairs(experts.param_order) do
+        if #experts.params[pname].shape ~= 3 then
+          reject(string.format("%s.experts.%s is not [experts, input, output]", name, pname))
+        end
+      end
+    end
+  end
+end
+
+local function experts_of(block)
+  return block:get(CHECKPOINT .. ".mlp.experts") or block:get("mlp.experts")
+end
+
+--- Automodel's MoE parallelizer (parallelize_model: apply_ep, apply_ac, apply_fsdp) on
+-- DeepSeek-V4.
+function M.parallelize(ctx)
+  M.prepare_model(ctx)
+  sharded = {}
+  local mesh = ctx.mesh
+  local fsdp_mesh = mesh.fsdp_axes
+  local mp = M.mp_policy
+  local reshard = M.reshard_after_forward
+  local use_ep = mesh:size("ep") > 1
+  local layers = ctx:module("model.layers")
+  local mtp_layers = ctx.model:get("mtp.layers")
+
+  -- _iter_moe_blocks: the decoder blocks, then the MTP blocks
+  local function blocks()
+    local out = {}
+    for _, i in ipairs(layers.child_order) do out[#out + 1] = { layers.children[i], false } end
+    if mtp_layers then
+      for _, i in ipairs(mtp_layers.child_order) do out[#out + 1] = { mtp_layers.children[i], true } end
+    end
+    return out
+  end
+
+  -- apply_ep first: every MoE block's experts, Shard(0) on ep
+  local ignored_of = {}
+  if use_ep then
+    for _, b in ipairs(blocks()) do
+      local experts = experts_of(b[1])
+      if experts then
+        local set = {}
+        for _, p in ipairs(ctx:expert_parallel(experts)) do set[p] = true end
+        ignored_of[b[1]] = set
+      end
+    end
+  end
+
+  -- apply_ac: the decoder blocks (apply_ac leaves the MTP blocks unwrapped)
+  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
+
+  for _, b in ipairs(blocks()) do
+    local block, is_mtp = b[1], b[2]
+    local experts = experts_of(block)
+    if use_ep and experts and mesh:size("ep_shard") > 1 then
+      -- apply_fsdp: the experts on ep_shard, sharded on dim 1 (_moe_shard_placement: dim 0
+      -- for a 1-D tensor), with the caller's policy; the MTP blocks' experts never reshard
+      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = mp, offload_policy = M.offload_policy,
+        reshard_after_forward = (not is_mtp) and reshard or false,
+        shard_placement_fn = function(_, p) return #p.shape < 2 and 0 or 1 end })
+      sharded[experts] = true
+    end
+    M.fully_shard_by_dtype(ctx, block, { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard,
+      ignored = ignored_of[block] })
+  end
+
+  local o = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard }
+  M.fully_shard_deepseek_v4(ctx, ctx:module("model.embed_tokens"), o)
+  local head = ctx:module("lm_head")
+  if M.lm_head_precision == "f32" then
+    ctx:fully_shard(head, { mesh = fsdp_mesh, reshard_after_forward = reshard, kind = "fp32_island",
+      offload_policy = M.offload_policy,
+      mp_policy = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true } })
+    sharded[head] = true
+  else
+    M.fully_shard_deepseek_v4(ctx, head, o)
+  end
+  M.fully_shard_deepseek_v4(ctx, ctx:module("model"), o)
+  if M.wrap_outer_model then M.fully_shard_deepseek_v4(ctx, ctx.model, o) end
+end
+
+return M
