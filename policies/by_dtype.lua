@@ -116,8 +116,10 @@ local function maximal_uniform(module, key_of, skip)
 end
 
 --- Shards `module` by dtype groups.  opts: as for ctx:fully_shard (mp_policy defaults to
--- M.precision; ignored_params), plus fp32_names (default the model's keep_in_fp32_strict).
--- Returns the units made, in order.
+-- M.precision; ignored_params), plus fp32_names (default the model's keep_in_fp32_strict) and
+-- fully_shard_fn (Automodel's fully_shard_fn: called as fn(module, options) for every unit
+-- instead of ctx:fully_shard; DeepSeek-V4 passes its fully_shard_deepseek_v4).  Returns the
+-- units ctx:fully_shard made, in order.
 function M.fully_shard_by_dtype(ctx, module, opts)
   opts = opts or {}
   module = ctx:module(module)
@@ -154,11 +156,15 @@ function M.fully_shard_by_dtype(ctx, module, opts)
   local function unit(m, mp_policy)
     local o = {}
     for k, v in pairs(opts) do
-      if k ~= "fp32_names" then o[k] = v end
+      if k ~= "fp32_names" and k ~= "fully_shard_fn" then o[k] = v end
     end
     o.mp_policy = mp_policy
     if #ignored == 0 then o.ignored_params = nil end
-    units[#units + 1] = ctx:fully_shard(m, o)
+    if opts.fully_shard_fn then
+      opts.fully_shard_fn(m, o)
+    else
+      units[#units + 1] = ctx:fully_shard(m, o)
+    end
   end
 
   -- rule 3

@@ -15,6 +15,7 @@
 
 local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
+local by_dtype = require "by_dtype"
 
 local M = {}
 
@@ -41,17 +42,14 @@ M.lm_head_precision = nil
 -- off).  When true the decoder blocks are wrapped first (apply_ac; the MTP blocks are not).
 M.activation_checkpointing = false
 
--- Prefetch depth in forward and backward, as policies/inkling2 sets it.
-M.prefetch = { forward = 1, backward = 2 }
+-- Prefetch depth in forward and backward: Automodel's MoE parallelizer sets no explicit
+-- chain (apply_fsdp), so FSDP2 prefetches implicitly: one unit ahead each way.
+M.prefetch = { forward = 1, backward = 1 }
 
 -- The offload policy of every unit: nil (or "none") or "cpu" (FSDP2's CPUOffloadPolicy).
 M.offload_policy = nil
 
 local CHECKPOINT = "_checkpoint_wrapped_module"
-
--- Tensors the builder models as frozen parameters that Automodel keeps as buffers
--- (models/deepseek_v4.lua): not parameters to fully_shard_by_dtype's grouping.
-local BUFFERS = { e_score_correction_bias = true, tid2eid = true }
 
 local FLOATING = { f32 = true, f16 = true, bf16 = true, f64 = true, f8e4m3 = true, f8e5m2 = true }
 
@@ -76,15 +74,13 @@ function M.is_fp32_module_name(name)
   return false
 end
 
-local function param_name(fqn) return fqn:match("([^.]+)$") end
-
 -- The dtypes of a module's floating parameters (fsdp.py _floating_param_dtypes; every
 -- parameter, ignored ones too, buffers not).
 local function floating_dtypes(ctx, m)
   local set, n = {}, 0
   for _, np in ipairs(ctx:params_of(m)) do
     local p = np[2]
-    if FLOATING[p.dtype] and not BUFFERS[param_name(np[1])] and not set[p.dtype] then set[p.dtype], n = true, n + 1 end
+    if FLOATING[p.dtype] and not set[p.dtype] then set[p.dtype], n = true, n + 1 end
   end
   return set, n
 end
@@ -151,96 +147,36 @@ function M.fully_shard_deepseek_v4(ctx, m, o)
   return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard)
 end
 
--- parallelizer_utils.py _mp_policy_with_param_dtype
-local function with_param_dtype(mp, dt)
-  if dt == "f32" then return precision.pinned_fp32_of(mp) end
-  return { param_dtype = dt, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
-    cast_forward_inputs = mp.cast_forward_inputs }
+--- The names fully_shard_by_dtype computes in f32 (its fp32_compute_module_names, substrings
+-- of a tensor's name): every entry of fp32_modules.lua, the routers' correction bias and the
+-- rotary embeddings.  Automodel reads the model's _keep_in_fp32_modules_strict instead
+-- (model.py), whose entries name exactly the tensors of these modules: the same tensors,
+-- which deepseek_v4_spec checks on every tensor of the model; taking them from the list keeps
+-- fp32_modules.lua the one file to edit.
+function M.fp32_names()
+  local names = { "e_score_correction_bias", "rotary_emb" }
+  for _, entry in ipairs(FP32_MODULES) do names[#names + 1] = entry end
+  return names
 end
 
 --- parallelizer_utils.py fully_shard_by_dtype(block, fully_shard_fn=fully_shard_deepseek_v4,
--- fp32_compute_module_names=the model's _keep_in_fp32_modules_strict): the parameters
--- grouped by (stored dtype, compute dtype); with two groups the smaller one's maximal
--- uniform subtrees are units first, then the block with the larger one's compute dtype.
--- A parameter computes in f32 when it is pinned (Automodel pins by
--- _keep_in_fp32_modules_strict, whose entries name exactly the parameters of the modules of
--- fp32_modules.lua: this policy pins those), else in the policy's dtype when stored in f32
--- (an f32 master weight), else in its own.
+-- fp32_compute_module_names=M.fp32_names()), as by_dtype.lua implements it.  o: mesh,
+-- mp_policy, reshard, ignored (a set of params).
 function M.fully_shard_by_dtype(ctx, block, o)
-  local mp = o.mp_policy
-  local pinned = {}
-  for _, nm in ipairs(block:named_modules()) do
-    if nm[1] ~= "" and M.is_fp32_module_name(nm[1]) then
-      for _, np in ipairs(ctx:params_of(nm[2])) do pinned[np[2]] = true end
-    end
-  end
-  local function key_of(fqn, p) -- nil: not grouped
-    if not FLOATING[p.dtype] or (o.ignored and o.ignored[p]) then return nil end
-    local compute
-    if pinned[p] or BUFFERS[param_name(fqn)] then -- the e_score_correction_bias buffer is pinned too
-      compute = "f32"
-    elseif mp and mp.param_dtype and p.dtype == "f32" and mp.param_dtype ~= "f32" then
-      compute = mp.param_dtype
-    else
-      compute = p.dtype
-    end
-    return p.dtype .. "/" .. compute, compute
-  end
-  -- _group_params_by_dtype: parameters only (named_parameters), in order
-  local groups, order, compute_of = {}, {}, {}
+  local ignored = {}
   for _, np in ipairs(ctx:params_of(block)) do
-    if not BUFFERS[param_name(np[1])] then
-      local k, compute = key_of(np[1], np[2])
-      if k then
-        if not groups[k] then groups[k], order[#order + 1], compute_of[k] = 0, k, compute end
-        groups[k] = groups[k] + 1
-      end
-    end
+    if o.ignored and o.ignored[np[2]] then ignored[#ignored + 1] = np[2] end
   end
-  local function by_fn(m, policy) M.fully_shard_deepseek_v4(ctx, m, { mesh = o.mesh, mp_policy = policy,
-    reshard = o.reshard, ignored = o.ignored }) end
-  if #order == 0 then
-    if o.ignored then by_fn(block, mp) end
-    return
-  elseif #order == 1 then
-    return by_fn(block, with_param_dtype(mp, compute_of[order[1]]))
-  end
-  local least = order[1]
-  for _, k in ipairs(order) do if groups[k] < groups[least] then least = k end end
-  -- iter_maximal_uniform_dtype_subtrees: floating tensors (buffers too), ignored ones left out
-  local function visit(m, name)
-    local keys, n = {}, 0
-    for _, pname in ipairs(m.param_order) do
-      local k = key_of(pname, m.params[pname])
-      if k and not keys[k] then keys[k], n = true, n + 1 end
-    end
-    local found = {}
-    for _, c in ipairs(m.child_order) do
-      local ckeys, cfound = visit(m.children[c], name == "" and c or name .. "." .. c)
-      for k in pairs(ckeys) do if not keys[k] then keys[k], n = true, n + 1 end end
-      for _, f in ipairs(cfound) do found[#found + 1] = f end
-    end
-    if n == 1 then return keys, { { m, next(keys) } } end
-    return keys, found
-  end
-  local _, subtrees = visit(block, "")
-  for _, st in ipairs(subtrees) do
-    local m, k = st[1], st[2]
-    if #order > 2 or k == least then
-      local policy = with_param_dtype(mp, compute_of[k] or k:match("/(.*)$"))
-      if m.type == "ModuleList" then -- _fully_shard: a ModuleList's children one by one
-        for _, c in ipairs(m.child_order) do by_fn(m.children[c], policy) end
-      else
-        by_fn(m, policy)
-      end
-    end
-  end
-  if #order == 2 then
-    local parent = order[1] == least and order[2] or order[1]
-    by_fn(block, with_param_dtype(mp, compute_of[parent]))
-  elseif o.ignored then
-    by_fn(block, mp)
-  end
+  local fp32_names = M.fp32_names()
+  by_dtype.fully_shard_by_dtype(ctx, block, { mesh = o.mesh, mp_policy = o.mp_policy,
+    reshard_after_forward = o.reshard, ignored_params = ignored, offload_policy = M.offload_policy,
+    fp32_names = fp32_names,
+    fully_shard_fn = function(m, so)
+      local set = {}
+      for _, p in ipairs(so.ignored_params or {}) do set[p] = true end
+      M.fully_shard_deepseek_v4(ctx, m, { mesh = so.mesh, mp_policy = so.mp_policy,
+        reshard = so.reshard_after_forward, ignored = set })
+    end })
 end
 
 --- Checks the text topology before anything is sharded: model.layers, model.embed_tokens,

@@ -11,9 +11,7 @@
 -- fully_shard call in order: the module, its parameters in order, its mesh, its mixed
 -- precision (param, reduce and output dtypes, cast_forward_inputs) and reshard_after_forward;
 -- and the builder's parameters (names, shapes, dtypes, requires_grad) with Automodel's model
--- on the meta device.  Where moonshard and Automodel differ on purpose, the rule is below:
--- Automodel keeps e_score_correction_bias and tid2eid as buffers, which the builder makes
--- frozen parameters of their gate (its unit holds them; torch's FSDP param group does not).
+-- on the meta device, and its buffers (e_score_correction_bias, tid2eid) with Automodel's.
 local mesh_context = require "moonshard.mesh_context"
 local planner = require "moonshard.plan"
 local policy = require "moonshard.policy"
@@ -24,10 +22,6 @@ local S = require "support"
 local CONFIG = "tests/lua/configs/deepseek_v4_tiny.json"
 local REF = "tests/reference/data/deepseek_v4_units.json"
 local POLICY = "policies/deepseek_v4"
-
--- Automodel's buffers that the builder makes frozen parameters (models/deepseek_v4.lua)
-local BUFFER_NAMES = { e_score_correction_bias = true, tid2eid = true }
-local function is_buffer(fqn) return BUFFER_NAMES[fqn:match("([^.]+)$")] == true end
 
 local ref = json.decode(S.read_file(REF), REF)
 
@@ -41,7 +35,7 @@ end
 local function unit_record(u)
   local params = {}
   for _, e in ipairs(u.entries) do
-    if not is_buffer(e.fqn) then params[#params + 1] = e.fqn end
+    params[#params + 1] = e.fqn
   end
   local mp = u.mp
   local empty = #params == 0
@@ -88,33 +82,43 @@ describe("policies/deepseek_v4 against Automodel's own MoE parallelizer", functi
 end)
 
 describe("the DeepSeek-V4 builder against Automodel's DeepseekV4ForCausalLM", function()
-  it("has Automodel's parameters, in order, with their shapes, dtypes and requires_grad; its buffers are frozen parameters", function()
+  it("has Automodel's parameters, in order, with their shapes, dtypes and requires_grad, and its buffers", function()
     local tree = models.from_config(CONFIG, "spec")
     local got = {}
-    local frozen = {}
     for _, np in ipairs(tree:named_parameters()) do
       local p = np[2]
-      if is_buffer(np[1]) then
-        frozen[np[1]] = { p.shape, p.dtype, p.requires_grad }
-      else
-        got[#got + 1] = { np[1], p.shape, p.dtype, p.requires_grad }
-      end
+      got[#got + 1] = { np[1], p.shape, p.dtype, p.requires_grad }
     end
     local want = {}
     for i, p in ipairs(ref.model.params) do want[i] = { p[1], p[2], p[3], p[4] } end
     for i = 1, math.max(#got, #want) do assert.same(want[i], got[i], "parameter " .. i) end
     -- every buffer Automodel has, but the rotary embeddings' (non-persistent) inv_freq, is a
-    -- frozen parameter of the same shape and dtype here
-    local n = 0
+    -- buffer of the same shape and dtype here, in the same order
+    local bufs, want_bufs = {}, {}
+    for _, nb in ipairs(tree:named_buffers()) do bufs[#bufs + 1] = { nb[1], nb[2].shape, nb[2].dtype } end
     for _, b in ipairs(ref.model.buffers) do
-      if not b[1]:find("inv_freq$") then
-        n = n + 1
-        assert.same({ b[2], b[3], false }, frozen[b[1]], b[1])
-      end
+      if not b[1]:find("inv_freq$") then want_bufs[#want_bufs + 1] = { b[1], b[2], b[3] } end
     end
-    local m = 0
-    for _ in pairs(frozen) do m = m + 1 end
-    assert.equal(n, m)
+    assert.is_true(#want_bufs > 0)
+    assert.same(want_bufs, bufs)
+  end)
+
+  it("pins by fp32_modules.lua exactly the tensors Automodel's _keep_in_fp32_modules_strict pins", function()
+    local tree = models.from_config(CONFIG, "spec")
+    local units = policy.load(POLICY).shard_units
+    local list = units.fp32_names()
+    local function pinned(names, fqn)
+      for _, t in ipairs(names) do if fqn:find(t, 1, true) then return true end end
+      return false
+    end
+    local tensors = tree:named_parameters()
+    for _, nb in ipairs(tree:named_buffers()) do tensors[#tensors + 1] = nb end
+    local n = 0
+    for _, np in ipairs(tensors) do
+      assert.equal(pinned(tree.attrs.keep_in_fp32_strict, np[1]), pinned(list, np[1]), np[1])
+      if pinned(list, np[1]) then n = n + 1 end
+    end
+    assert.is_true(n > 20, n)
   end)
 
   it("counts DeepSeek-V4-Flash and -Pro as published (284B and 1.6T without the MTP layer)", function()

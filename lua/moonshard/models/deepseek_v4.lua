@@ -19,9 +19,9 @@
 -- mlp.gate.e_score_correction_bias ([experts], f32, on the score-routed gates: Gate creates
 -- it because gate_bias_update_factor = 1e-3 > 0), mlp.gate.tid2eid ([vocab, top_k], int64,
 -- persistent, on the hash gates of the first num_hash_layers layers) and the rotary
--- embeddings' inv_freq (non-persistent).  Here, as the other builders do today, the first
--- two are frozen parameters (requires_grad = false) of their gate, so that they are counted
--- and owned by the gate's unit; inv_freq is not built (no state in a checkpoint).
+-- embeddings' inv_freq (non-persistent).  The first two are buffers here too (whole on
+-- every rank, in no unit); inv_freq is not built (no state in a checkpoint, and it lives in
+-- model.rotary_emb*, outside every block that fully_shard_by_dtype looks into).
 --
 -- Multi-token prediction: num_nextn_predict_layers (default 1, as config.py and the released
 -- Flash and Pro configs) DeepseekV4MTPBlock modules under mtp.layers.<depth> are built,
@@ -123,9 +123,9 @@ local function moe(layer, d, hash)
   local gate = block:add("gate", module.new(hash and "DeepseekV4HashGate" or "Gate"))
   gate:param("weight", { d.experts, d.hidden }, dt)
   if hash then
-    gate:param("tid2eid", { d.vocab, d.top_k }, "i64", { requires_grad = false })       -- a buffer in Automodel
+    gate:buffer("tid2eid", { d.vocab, d.top_k }, "i64")
   else
-    gate:param("e_score_correction_bias", { d.experts }, "f32", { requires_grad = false }) -- a buffer in Automodel
+    gate:buffer("e_score_correction_bias", { d.experts }, "f32")
   end
   local experts = block:add("experts", module.new("GroupedExperts"))
   experts:param("gate_and_up_projs", { d.experts, d.hidden, 2 * d.inter }, dt)
@@ -175,6 +175,14 @@ return function(cfg)
 
   local root = module.new(cfg.arch, { architecture = cfg.arch, dtype = dtype, tie_word_embeddings = false,
     config = cfg.raw, source = cfg.source, model_type = "deepseek_v4" })
+  -- model.py DeepseekV4ForCausalLM._keep_in_fp32_modules_strict: the names (substrings of a
+  -- tensor's name) Automodel's fully_shard_by_dtype computes in f32
+  root.attrs.keep_in_fp32_strict = { "attn_hc.fn", "attn_hc.base", "attn_hc.scale", "ffn_hc.fn", "ffn_hc.base",
+    "ffn_hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale", "self_attn.sinks",
+    "self_attn.compressor.wkv", "self_attn.compressor.wgate", "self_attn.compressor.ape",
+    "self_attn.compressor.indexer.wkv", "self_attn.compressor.indexer.wgate", "self_attn.compressor.indexer.ape",
+    "e_score_correction_bias", "lm_head", "rotary_emb" }
+  root.attrs.convention = "NeMo Automodel's DeepseekV4ForCausalLM"
   local model = root:add("model", module.new("DeepseekV4Model", { model_type = "deepseek_v4" }))
   model:add("embed_tokens", module.new("Embedding")):param("weight", { d.vocab, d.hidden }, dtype)
   local layers = model:add("layers", module.new("ModuleDict"))
