@@ -1332,7 +1332,8 @@ local function plan(model, mesh, policy, opts)
   return {
     optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
-      params = model:param_count(), bytes = model:param_bytes() },
+      params = model:param_count(), bytes = model:param_bytes(),
+      convention = type(model.attrs.convention) == "string" and model.attrs.convention or nil },
     mesh = mesh,
     units = ctx.units,
     owned = owned,

@@ -137,7 +137,8 @@ function M.to_json(plan, opts)
   local function add(s) out[#out + 1] = s end
   add('{"moonshard_plan":1,\n')
   add(' "model":' .. jobj({ { "name", jstr(plan.model.name) }, { "architecture", jstr(plan.model.architecture) },
-    { "params", jnum(plan.model.params) }, { "bytes", jnum(plan.model.bytes) } }) .. ",\n")
+    { "params", jnum(plan.model.params) }, { "bytes", jnum(plan.model.bytes) },
+    { "convention", plan.model.convention and jstr(plan.model.convention) or "null" } }) .. ",\n")
   local axes = {}
   for i, a in ipairs(mesh:root_axes()) do axes[i] = jobj({ { "name", jstr(a.name) }, { "size", jnum(a.size) } }) end
   add(' "mesh":' .. jobj({ { "world", jnum(mesh.world) }, { "axes", "[" .. table.concat(axes, ",") .. "]" },
@@ -205,6 +206,7 @@ function M.to_text(plan, opts)
   local mesh = plan.mesh
   add(string.format("model   %s (%s): %s params, %s", plan.model.name, plan.model.architecture,
     util.thousands(plan.model.params), util.bytes(plan.model.bytes)))
+  if plan.model.convention then add("        built as " .. plan.model.convention) end
   add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
   if opts.policy then add("policy  " .. opts.policy) end

@@ -24,6 +24,8 @@ return function(cfg)
   for _, i in ipairs(cfg:ints("mlp_only_layers", {})) do dense_only[i] = true end
   local dense_inter = cfg:int("intermediate_size")
   local root, _, layers = C.causal_lm(cfg, "Qwen3MoeModel", d.vocab, d.hidden, dtype)
+  root.attrs.convention = "NeMo Automodel's Qwen3MoeForCausalLM (grouped experts, the router before them; " ..
+    "transformers 5 registers the experts first)"
   C.decoder_layers(layers, d.layers, "Qwen3MoeDecoderLayer", d.hidden, dtype, function(layer, i)
     local attn = C.attention(layer, "Qwen3MoeAttention", d, dtype, attention_bias)
     C.norm(attn, "q_norm", d.head_dim, dtype)
