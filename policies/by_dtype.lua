@@ -13,7 +13,11 @@
 local M = {}
 
 M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }
-M.prefetch = { forward = 1, backward = 2 }
+M.options = {
+  ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward" },
+  ["prefetch.backward"] = { default = 2, min = 0, doc = "units gathered ahead in backward" },
+}
+M.with = require("derive").with_of(M)
 
 local function key_of(ctx, p, mp)
   return p.dtype .. "->" .. ctx:compute_dtype(p, mp)
@@ -123,6 +127,7 @@ end
 
 --- Every decoder layer, then the root, sharded by dtype.
 function M.parallelize(ctx)
+  if ctx.options.prefetch then ctx:set_prefetch(ctx.options.prefetch) end
   local layers = ctx:module("model.layers")
   local n = #layers.child_order
   for k, i in ipairs(layers.child_order) do

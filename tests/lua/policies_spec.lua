@@ -150,20 +150,22 @@ describe("the inkling2 policy", function()
   end)
 end)
 
--- Plans `config` on `mesh` with the policy at `path` after setting its offload_policy knob
--- (nil: left as shipped); checks every unit got the knob's value and returns the plan.
+-- Plans `config` on `mesh` with the policy at `path` with its offload_policy option set
+-- (nil: left as shipped); checks every unit got the option's value and returns the plan.
 local function plan_with_offload(cfg, mesh, path, offload)
   local p = policy.load(path)
-  entry(p).offload_policy = offload
-  local plan = planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), entry(p))
+  local plan = planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), entry(p),
+    { options = { offload_policy = offload } })
   for _, u in ipairs(plan.units) do assert.equal(offload, u.offload, u.name) end
   return plan
 end
 
-describe("the offload_policy knob", function()
+describe("the offload_policy option", function()
   it("is unset in the shipped policies, so nothing offloads", function()
     for _, path in ipairs({ "policies/inkling2", "policies/fsdp2_default.lua" }) do
-      assert.is_nil(entry(policy.load(path)).offload_policy, path)
+      local decl = entry(policy.load(path)).options.offload_policy
+      assert.is_nil(decl.default, path)
+      assert.equal("nil|string", decl.type, path)
     end
     local plan = plan_with_offload(config("tests/lua/configs/inkling2_tiny.json"), "dp_shard=4", "policies/inkling2")
     assert.equal(0, plan.memory.offloaded)
@@ -518,7 +520,7 @@ describe("moonshard plan", function()
     os.remove(path)
     assert.equal(1, inkling2.code)
     -- the policy's own error, at its line
-    assert.equal("moonshard plan: error: policies/inkling2/shard_units.lua:118: inkling2 policy: " ..
+    assert.equal("moonshard plan: error: policies/inkling2/shard_units.lua:122: inkling2 policy: " ..
       "model.layers.0.mlp.experts is ModuleList (a checkpoint's " ..
       "per-expert layout: Automodel groups the experts when it loads them; plan with --config); shared grouped " ..
       "experts are required\n", inkling2.err)
