@@ -20,16 +20,27 @@ local function names_of(options)
   return names
 end
 
---- A policy like `base` whose options default to `overrides`.
-function M.with(base, overrides)
+-- The type the planner gives an option declared without one: its default's.
+local function type_of(v)
+  local t = type(v)
+  if t == "number" then return v == math.floor(v) and "integer" or "number" end
+  if t == "table" then return "list" end
+  if t == "nil" then return nil end
+  return t
+end
+
+-- (errors name the line that called with: 3 levels up from here)
+local function derive(base, overrides)
   if type(overrides) ~= "table" then
     error("with: expected a table of option values, e.g. with{ reshard_after_forward = false }, got a " ..
-      type(overrides), 2)
+      type(overrides), 3)
   end
   local options = {}
   for name, decl in pairs(base.options or {}) do
     local copy = {}
     for k, v in pairs(decl) do copy[k] = v end
+    -- a type the planner took from the base's default stays the option's type
+    if copy.type == nil then copy.type = type_of(copy.default) end
     options[name] = copy
   end
   local unknown
@@ -48,18 +59,21 @@ function M.with(base, overrides)
   if unknown then
     local known = names_of(options)
     error(string.format("with: unknown option '%s'; the options are: %s", unknown,
-      #known > 0 and table.concat(known, ", ") or "none (the policy declares no options)"), 2)
+      #known > 0 and table.concat(known, ", ") or "none (the policy declares no options)"), 3)
   end
   local derived = {}
   for k, v in pairs(base) do derived[k] = v end
   derived.options = options
-  derived.with = function(more) return M.with(derived, more) end
+  derived.with = function(more) return (derive(derived, more)) end
   return derived
 end
 
+--- A policy like `base` whose options default to `overrides`.
+function M.with(base, overrides) return (derive(base, overrides)) end
+
 --- with(overrides) for a policy table M: M.with = derive.with_of(M).
 function M.with_of(policy)
-  return function(overrides) return M.with(policy, overrides) end
+  return function(overrides) return (derive(policy, overrides)) end
 end
 
 return M
