@@ -482,7 +482,8 @@ end
 -- "every:K" or {every = K}, every K-th (positions K-1, 2K-1, ...: the K-th, 2K-th, ... layer,
 -- as torchtitan counts its selective layer checkpointing); a list of positions {0, 3, 5} or
 -- {only = {0, 3, 5}}, those (0-based, as ModuleList names its layers).  Returns a set of
--- positions, or nil for all.
+-- positions, or nil for all.  A table of the policy's is read raw, and the loops over it
+-- stop at the first key that does not belong.
 local function wrap_positions(which, n, where)
   if which == nil or which == true then return nil end
   local set = {}
@@ -496,7 +497,7 @@ local function wrap_positions(which, n, where)
     end
     every = tonumber(k)
   elseif type(which) == "table" then
-    every, only = which.every, which.only
+    every, only = rawget(which, "every"), rawget(which, "only")
     local list = false
     if every == nil and only == nil then only, list = which, true end
     for k in next, which do
@@ -1306,8 +1307,8 @@ local function policy_context(ctx, opts)
   end
   function pub.checkpoint_wrap(_, list, which)
     local m = ctx:module(module_arg(view, list, "ctx:checkpoint_wrap"))
-    -- the choice copied (plain data, read raw); wrap_positions checks it
-    local made = ctx:checkpoint_wrap(m, type(which) == "table" and copy_data(which, 0) or which)
+    -- the choice is read raw (rawget, next, rawlen) by wrap_positions, during the policy's call
+    local made = ctx:checkpoint_wrap(m, which)
     view.refresh(m)
     return made
   end
@@ -1317,7 +1318,8 @@ local function policy_context(ctx, opts)
     ctx.prefetch = prefetch_value(pf, "ctx:set_prefetch: prefetch", ctx.prefetch)
   end
   function pub.log(_, ...)
-    ctx:log(log_line(ctx, view, ...))
+    -- once the plan's lines are spent, nothing more is formatted
+    if (ctx.log_bytes or 0) < M.LOG_TOTAL_BYTES then ctx:log(log_line(ctx, view, ...)) end
   end
   function pub.expert_parallel(_, m, eopts)
     local o
