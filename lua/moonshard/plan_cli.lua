@@ -52,6 +52,11 @@ the policy sandbox (per call into the policy):
   --policy-seconds S        the wall-clock limit in seconds (default 60)
   -h, --help           this help
 
+The policy's ctx:log lines go to stderr as it runs, prefixed with "policy PATH: " (at most
+64 KiB a plan); the warnings it added (ctx:warn) are shown with the plan, and on stderr
+before the error when the plan fails.  The table and the JSON record the options used,
+the prefetch depths and the modules wrapped for activation checkpointing.
+
 exit status: 0 on success, 1 when the plan is invalid or an input is bad, 2 on usage errors.
 ]]
 

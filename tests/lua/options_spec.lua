@@ -506,6 +506,8 @@ describe("moonshard plan with options", function()
     assert_has(r.out, "  --set NAME=VALUE     set an option, repeatable")
     assert_has(r.out, "  --list-options       print the policy's options")
     assert_has(r.out, "       moonshard plan --policy PATH --list-options\n")
+    assert_has(r.out, "The policy's ctx:log lines go to stderr as it runs")
+    assert_has(r.out, "on stderr\nbefore the error when the plan fails")
   end)
 
   it("refuses --set without NAME=VALUE, and an unknown option with the list", function()
