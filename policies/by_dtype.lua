@@ -38,7 +38,13 @@
 local M = {}
 
 M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16", cast_forward_inputs = true }
-M.prefetch = { forward = 1, backward = 1 }
+-- Automodel's Qwen3_5ParallelizationStrategy drops the prefetch settings: FSDP2's implicit
+-- prefetch, one unit ahead each way, unless set here.
+M.options = {
+  ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
+  ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
+}
+M.with = require("derive").with_of(M)
 
 local FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
 
@@ -227,6 +233,7 @@ end
 -- (Automodel's Qwen3_5ParallelizationStrategy, which swaps fully_shard_by_dtype into
 -- apply_fsdp2_sharding_recursively).
 function M.parallelize(ctx)
+  if ctx.options.prefetch then ctx:set_prefetch(ctx.options.prefetch) end
   local fsdp2_default = require "fsdp2_default"
   local mp = M.precision
   fsdp2_default.apply_recursively(ctx, ctx.model, function(layer, reshard)

@@ -24,10 +24,15 @@
 -- Prefetch: Automodel's FSDP2Config.enable_fsdp2_prefetch is false by default, so FSDP2
 -- prefetches implicitly: the next unit's all-gather is issued while the current one computes
 -- (forward 1) and backward prefetches the unit before it in forward order (backward 1).  With
--- the option `prefetch` true (or {forward = n, backward = n}) the dense path sets explicit
--- chains at Automodel's depths (fsdp2_forward_prefetch_depth 1, fsdp2_backward_prefetch_depth
--- 2), except when reshard_after_forward is false or under pipeline parallelism, where
--- Automodel sets none; the MoE path never sets chains.  The plan shows the peak both ways.
+-- prefetch.explicit true, or a depth set (prefetch.forward, prefetch.backward), the dense path
+-- sets explicit chains at those depths (Automodel's fsdp2_forward_prefetch_depth 1 and
+-- fsdp2_backward_prefetch_depth 2 for the one not set), except when reshard_after_forward is
+-- false or under pipeline parallelism, where Automodel sets none; the MoE path never sets
+-- chains (the plan warns when asked).  The plan shows the peak both ways.
+--
+-- The knobs are options (M.options, read from ctx.options), Automodel's defaults:
+-- `moonshard plan --set NAME=VALUE`, `--list-options`, or a policy of one line:
+--   return require("fsdp2_default").with{ reshard_after_forward = false }
 
 local by_dtype = require "by_dtype"
 
@@ -39,18 +44,29 @@ M.precision = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16
 -- f32), cast_forward_inputs left at its default (true).
 M.fp32_head = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true }
 
--- The knobs, Automodel's defaults.
-M.reshard_after_forward = nil -- true, false or an integer; nil: the path's rule above
-M.offload_policy = nil -- "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory)
-M.activation_checkpointing = false
-M.prefetch_explicit = false -- FSDP2Config.enable_fsdp2_prefetch
-M.prefetch_depths = { forward = 1, backward = 2 } -- fsdp2_forward/backward_prefetch_depth
-M.lm_head_precision = nil -- "f32": MoEParallelizerConfig.lm_head_precision
-M.wrap_outer_model = true -- MoEParallelizerConfig.wrap_outer_model
+M.options = {
+  reshard_after_forward = { default = nil, type = "nil|boolean|integer",
+    doc = "true, false or an integer for every unit (none: Automodel's rule: dense, all layers of a list but " ..
+      "its last; expert-parallel, false)" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+    doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
+  activation_checkpointing = { default = false, type = "boolean|list|string",
+    doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
+  ["prefetch.explicit"] = { default = false,
+    doc = "Automodel's enable_fsdp2_prefetch: explicit chains on the dense path (false: FSDP2's implicit 1/1)" },
+  ["prefetch.forward"] = { default = nil, type = "nil|integer", min = 0,
+    doc = "explicit forward depth (fsdp2_forward_prefetch_depth, 1 when unset); setting it enables the chains" },
+  ["prefetch.backward"] = { default = nil, type = "nil|integer", min = 0,
+    doc = "explicit backward depth (fsdp2_backward_prefetch_depth, 2 when unset); setting it enables the chains" },
+  lm_head_precision = { default = nil, type = "nil|string", values = { "f32" },
+    doc = "MoEParallelizerConfig.lm_head_precision: f32 gives lm_head an f32 unit on the expert-parallel path" },
+  wrap_outer_model = { default = true,
+    doc = "MoEParallelizerConfig.wrap_outer_model: shard the outer root after the inner model (ep > 1)" },
+}
+M.with = require("derive").with_of(M)
 
 -- FSDP2's implicit prefetch: what the planner counts when no explicit chain is set.
 M.IMPLICIT_PREFETCH = { forward = 1, backward = 1 }
-M.prefetch = M.IMPLICIT_PREFETCH
 
 --- The grouped experts ([experts, ...] tensors, module type GroupedExperts) of a decoder
 -- layer, nil when it has none: what expert parallelism splits on dim 0, whatever the MoE
@@ -101,23 +117,43 @@ function M.apply_recursively(ctx, module, shard, reshard_override)
   return sharded
 end
 
-local function dense(ctx)
-  local raf = M.reshard_after_forward
+-- The explicit prefetch asked for, nil when none (Automodel's default).
+local function explicit_prefetch(o)
+  local pf = o.prefetch or {}
+  if not (pf.explicit or pf.forward ~= nil or pf.backward ~= nil) then return nil end
+  return { forward = pf.forward or 1, backward = pf.backward or 2 }
+end
+
+local function dense(ctx, o)
+  local raf = o.reshard_after_forward
   M.apply_recursively(ctx, ctx.model, function(layer, reshard)
     ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = reshard,
-      offload_policy = M.offload_policy })
+      offload_policy = o.offload_policy })
   end, raf)
   -- "do not reshard after forward for root model because its parameters will be used in
   -- backward immediately" (DefaultParallelizationStrategy.parallelize)
   ctx:fully_shard(ctx.model, { mp_policy = M.precision, reshard_after_forward = false,
-    offload_policy = M.offload_policy })
+    offload_policy = o.offload_policy })
+  -- apply_fsdp2_sharding_recursively: chains only when layers reshard and there is no pipeline
+  local explicit = explicit_prefetch(o)
+  if explicit and (raf == false or ctx.mesh:size("pp") > 1) then
+    ctx:warn("prefetch: Automodel sets no explicit prefetch chain when reshard_after_forward is false or under " ..
+      "pipeline parallelism; FSDP2's implicit prefetch (forward 1, backward 1) is counted")
+    explicit = nil
+  end
+  ctx:set_prefetch(explicit or M.IMPLICIT_PREFETCH)
 end
 
-local function expert_parallel(ctx)
+local function expert_parallel(ctx, o)
   local mesh = ctx.mesh
   local layers = ctx:module("model.layers")
-  local raf = M.reshard_after_forward
+  local raf = o.reshard_after_forward
   if raf == nil then raf = false end
+  if explicit_prefetch(o) then
+    ctx:warn("prefetch: Automodel's MoE parallelizer (ep > 1) sets no explicit prefetch chain; FSDP2's implicit " ..
+      "prefetch (forward 1, backward 1) is counted")
+  end
+  ctx:set_prefetch(M.IMPLICIT_PREFETCH)
   local owned = {} -- layer -> the parameters expert parallelism took from it
   for _, i in ipairs(layers.child_order) do
     local experts = experts_of(layers.children[i])
@@ -128,35 +164,36 @@ local function expert_parallel(ctx)
     local experts = experts_of(layer)
     if experts and mesh:size("ep_shard") > 1 then
       ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
-        shard_placement_fn = function() return 1 end, offload_policy = M.offload_policy })
+        shard_placement_fn = function() return 1 end, offload_policy = o.offload_policy })
     end
     by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
-      ignored_params = owned[layer], offload_policy = M.offload_policy })
+      ignored_params = owned[layer], offload_policy = o.offload_policy })
   end
   local model = ctx.model
   local inner = model:get("model") or model
   local embed, head, tied = model:get("model.embed_tokens"), model:get("lm_head"), M.tied(model)
-  local common = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = M.offload_policy }
+  local common = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy }
   if embed and not tied then ctx:fully_shard(embed, common) end
   local embed_norm = model:get("model.embed_norm")
   if embed_norm then ctx:fully_shard(embed_norm, common) end
   if head and not tied then
-    if M.lm_head_precision == "f32" then
-      ctx:fully_shard(head, { mp_policy = M.fp32_head, reshard_after_forward = raf, offload_policy = M.offload_policy })
+    if o.lm_head_precision == "f32" then
+      ctx:fully_shard(head, { mp_policy = M.fp32_head, reshard_after_forward = raf, offload_policy = o.offload_policy })
     else
       ctx:fully_shard(head, common)
     end
-  elseif head and M.lm_head_precision ~= nil then
+  elseif head and o.lm_head_precision ~= nil then
     ctx:warn("lm_head.weight is tied to model.embed_tokens.weight: lm_head_precision = " ..
-      tostring(M.lm_head_precision) .. " is not applied (Automodel skips the separate lm_head unit)")
+      tostring(o.lm_head_precision) .. " is not applied (Automodel skips the separate lm_head unit)")
   end
   ctx:fully_shard(inner, common)
-  if M.wrap_outer_model and inner ~= model then ctx:fully_shard(model, common) end
+  if o.wrap_outer_model and inner ~= model then ctx:fully_shard(model, common) end
 end
 
 function M.parallelize(ctx)
-  if M.activation_checkpointing then ctx:checkpoint_wrap("model.layers") end
-  if ctx.mesh:size("ep") > 1 then expert_parallel(ctx) else dense(ctx) end
+  local o = ctx.options
+  if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
+  if ctx.mesh:size("ep") > 1 then expert_parallel(ctx, o) else dense(ctx, o) end
 end
 
 return M

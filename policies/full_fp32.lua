@@ -20,10 +20,19 @@ local fsdp2_default = require "fsdp2_default"
 local M = {}
 
 M.fp32 = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
-M.prefetch = { forward = 1, backward = 2 }
+M.options = {
+  activation_checkpointing = { default = false, type = "boolean|list|string",
+    doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
+  ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward" },
+  ["prefetch.backward"] = { default = 2, min = 0, doc = "units gathered ahead in backward" },
+}
+M.with = require("derive").with_of(M)
 
 function M.parallelize(ctx)
+  local o = ctx.options
+  if o.prefetch then ctx:set_prefetch(o.prefetch) end
   local layers = ctx:module("model.layers")
+  if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
   local n = #layers.child_order
   local use_ep, ep_shard = ctx.mesh:size("ep") > 1, ctx.mesh:size("ep_shard") > 1
   local ignored = {}

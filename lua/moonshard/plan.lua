@@ -14,6 +14,9 @@ local util = require "moonshard.util"
 
 local M = {}
 
+-- LuaJIT has no rawlen, but its # on a table never calls a metamethod.
+local rawlen = rawlen or function(v) return #v end
+
 local DTYPE_SIZE = { f32 = 4, f16 = 2, bf16 = 2, f8e4m3 = 1, f8e5m2 = 1, f64 = 8, i64 = 8, i32 = 4,
   i8 = 1, u8 = 1, bool = 1 }
 local FLOAT = ms_module.FLOATING
@@ -85,6 +88,298 @@ local function check_dtype(d, what)
   end
 end
 
+-- ---------------------------------------------------------------- options (a policy's knobs)
+
+-- A policy declares its options (knobs) in its entry table, one entry per dotted name:
+--   M.options = {
+--     reshard_after_forward = { default = nil, type = "nil|boolean|integer", doc = "..." },
+--     ["prefetch.forward"] = { default = 1, min = 0, doc = "..." },
+--   }
+-- An entry has `doc` (one line, required), `default`, and optionally `type` (alternatives
+-- of M.OPTION_TYPES joined by "|"; else the default's type), `values` (the strings a string
+-- option takes) and `min`/`max` (bounds of a number).  The planner merges the defaults with
+-- the caller's values (plan opts.options, typed; opts.set, "name=value" strings as
+-- `moonshard plan --set` gives them, parsed by the declared type), refuses unknown names and
+-- wrong types, and hands the policy a copy as ctx.options, dotted names as nested tables
+-- (ctx.options.prefetch.forward).  The declaration is read raw (rawget, next) before the
+-- policy's call: no metamethod of the policy's runs outside its call.
+
+-- The types an option may take, in the order a --set string is tried against them.
+M.OPTION_TYPES = { "nil", "boolean", "integer", "number", "list", "string" }
+local OPTION_TYPE = {}
+for _, t in ipairs(M.OPTION_TYPES) do OPTION_TYPE[t] = true end
+local OPTION_KEYS = { default = true, doc = true, type = true, values = true, min = true, max = true }
+M.MAX_OPTIONS, M.MAX_OPTION_LIST = 256, 4096
+local MAX_DOC = 300
+local OPTION_NAME = "^[%a_][%w_]*$"
+
+-- A policy's string in a message or the report: control characters escaped, at most `max` bytes.
+local function clean(s, max)
+  if #s > max then s = s:sub(1, max) .. "..." end
+  return (s:gsub("[%z\1-\31\127]", function(c) return string.format("\\x%02X", c:byte()) end))
+end
+
+local function is_option_name(name)
+  if type(name) ~= "string" or #name > 64 then return false end
+  for part in (name .. "."):gmatch("([^.]*)%.") do
+    if not part:find(OPTION_NAME) then return false end
+  end
+  return true
+end
+
+--- An option's value as --set takes it: none, true, 2, 0.5, 0,3,5 (a list), every:2.
+function M.option_text(v)
+  local t = type(v)
+  if v == nil then return "none" end
+  if t == "number" then return count_str(v) end
+  if t == "table" then
+    local parts = {}
+    for i, x in ipairs(v) do parts[i] = count_str(x) end
+    return #parts == 0 and "[]" or table.concat(parts, ",")
+  end
+  return clean(tostring(v), 80)
+end
+
+-- What an option takes, in words.
+local function expected_of(e)
+  local parts = {}
+  for _, t in ipairs(M.OPTION_TYPES) do
+    if e.types[t] then
+      if t == "nil" then parts[#parts + 1] = "none"
+      elseif t == "boolean" then parts[#parts + 1] = "true, false"
+      elseif t == "integer" or t == "number" then
+        local bound = (e.min and e.max) and string.format(" in %s..%s", count_str(e.min), count_str(e.max)) or
+          e.min and " >= " .. count_str(e.min) or e.max and " <= " .. count_str(e.max) or ""
+        parts[#parts + 1] = (t == "integer" and "an integer" or "a number") .. bound
+      elseif t == "list" then parts[#parts + 1] = "a list of integers (0,3,5)"
+      elseif e.values then
+        local q = {}
+        for i, s in ipairs(e.values) do q[i] = "'" .. s .. "'" end
+        parts[#parts + 1] = table.concat(q, ", ")
+      else parts[#parts + 1] = "a string" end
+    end
+  end
+  if #parts == 1 then return parts[1] end
+  return table.concat(parts, ", ", 1, #parts - 1) .. " or " .. parts[#parts]
+end
+
+-- A value in a message, as given: strings quoted, running no metamethod.
+local function given(v)
+  if type(v) == "string" then return "'" .. clean(v, 60) .. "'" end
+  if type(v) == "table" then return "a table" end
+  return shown(v)
+end
+
+-- The value checked against the option and copied (a list into a new table); `what` says
+-- where it came from in the error.  The string "none" is nil for an option that takes nil
+-- and no string (Lua tables cannot hold a nil).
+local function option_value(e, v, what)
+  local t = type(v)
+  local function wrong(why)
+    fail(string.format("option %s%s is %s; expected %s%s", e.name, what, given(v), expected_of(e), why or ""))
+  end
+  if v == nil then
+    if not e.types["nil"] then wrong() end
+    return nil
+  elseif t == "string" and v == "none" and e.types["nil"] and not e.types.string then
+    return nil
+  elseif t == "boolean" then
+    if not e.types.boolean then wrong() end
+  elseif t == "number" then
+    local int = util.is_int(v) and math.abs(v) < 2 ^ 53
+    if not ((int and e.types.integer) or (e.types.number and v == v and math.abs(v) ~= math.huge)) then wrong() end
+    if (e.min and v < e.min) or (e.max and v > e.max) then wrong() end
+  elseif t == "string" then
+    if not e.types.string then wrong() end
+    if e.values then
+      local ok = false
+      for _, s in ipairs(e.values) do ok = ok or s == v end
+      if not ok then wrong() end
+    end
+  elseif t == "table" then
+    if not e.types.list then wrong() end
+    local n, copy = rawlen(v), {}
+    if n > M.MAX_OPTION_LIST then wrong(string.format(" (at most %d elements)", M.MAX_OPTION_LIST)) end
+    for k in next, v do
+      if not (util.is_int(k) and k >= 1 and k <= n) then wrong(" (a list: keys 1..n only)") end
+    end
+    for i = 1, n do
+      local x = rawget(v, i)
+      if not (util.is_int(x) and math.abs(x) < 2 ^ 53) then wrong(string.format(" (element %d is %s)", i, given(x))) end
+      copy[i] = x
+    end
+    return copy
+  else
+    wrong()
+  end
+  return v
+end
+
+-- A --set string as the option's type reads it: tried against each type it takes, in
+-- M.OPTION_TYPES's order.
+local function parse_option(e, s)
+  for _, t in ipairs(M.OPTION_TYPES) do
+    if e.types[t] then
+      if t == "nil" and (s == "none" or s == "nil") then return nil
+      elseif t == "boolean" and (s == "true" or s == "false") then return s == "true"
+      elseif t == "integer" and s:find("^[+-]?%d+$") and #s < 17 then return option_value(e, math.floor(tonumber(s)), "")
+      elseif t == "number" and tonumber(s) and s:find("^[%d+%-.eE]+$") then return option_value(e, tonumber(s), "")
+      elseif t == "list" and (s:find("^%[?%s*[+-]?%d+%s*[,%d%s+-]*%]?$") or s == "[]") then
+        local list = {}
+        local body = s:gsub("^%[", ""):gsub("%]$", "")
+        local ok = true
+        for item in (body .. ","):gmatch("%s*([^,]*),") do
+          if item:find("^[+-]?%d+%s*$") and #item < 17 then list[#list + 1] = math.floor(tonumber((item:gsub("%s", ""))))
+          elseif item ~= "" or body:find("%S") then ok = false end
+        end
+        if ok then return option_value(e, list, "") end
+      elseif t == "string" then
+        return option_value(e, s, "")
+      end
+    end
+  end
+  fail(string.format("option %s is '%s'; expected %s", e.name, clean(s, 60), expected_of(e)))
+end
+
+--- The options a policy declares (its entry table's `options`), read raw and checked: a
+-- list of {name, doc, default, types, type (as declared), values, min, max}, by name.
+function M.declared_options(policy)
+  local decl = type(policy) == "table" and rawget(policy, "options") or nil
+  if decl == nil then return {} end
+  if type(decl) ~= "table" then
+    fail("the policy's options are " .. shown(decl) .. "; expected a table {name = {default = ..., doc = \"...\"}}")
+  end
+  local list, by_name = {}, {}
+  for name, d in next, decl do
+    if #list == M.MAX_OPTIONS then fail(string.format("the policy declares more than %d options", M.MAX_OPTIONS)) end
+    if not is_option_name(name) then
+      fail(string.format("the policy's options: %s is not an option name (letters, digits and _, parts joined " ..
+        "by dots, at most 64 bytes)", given(name)))
+    end
+    local where = "the policy's option " .. name
+    if type(d) ~= "table" then fail(where .. " is " .. given(d) .. "; expected a table {default = ..., doc = \"...\"}") end
+    for k in next, d do
+      if not OPTION_KEYS[k] then
+        fail(string.format("%s has the key %s; expected default, doc, type, values, min and max", where, given(k)))
+      end
+    end
+    local doc, ty, default = rawget(d, "doc"), rawget(d, "type"), rawget(d, "default")
+    if type(doc) ~= "string" or not doc:find("%S") then fail(where .. " has no doc (one line saying what it does)") end
+    local e = { name = name, doc = clean(doc, MAX_DOC), types = {} }
+    if ty == nil then
+      local t = type(default)
+      if t == "nil" then fail(where .. ": its default is none; declare its type (type = \"nil|boolean\", ...)") end
+      e.type = t == "number" and (util.is_int(default) and "integer" or "number") or t == "table" and "list" or t
+    elseif type(ty) == "string" and #ty <= 64 then
+      e.type = ty
+    else
+      fail(where .. ": type is " .. given(ty) .. "; expected types joined by | (" .. table.concat(M.OPTION_TYPES, " ") .. ")")
+    end
+    for t in (e.type .. "|"):gmatch("([^|]*)|") do
+      if not OPTION_TYPE[t] then
+        fail(string.format("%s: type %s: '%s' is not a type (%s)", where, given(e.type), clean(t, 20),
+          table.concat(M.OPTION_TYPES, " ")))
+      end
+      e.types[t] = true
+    end
+    local values = rawget(d, "values")
+    if values ~= nil then
+      if not e.types.string or type(values) ~= "table" or rawlen(values) == 0 or rawlen(values) > 64 then
+        fail(where .. ": values is the list of the strings it takes (1 to 64), for an option of type string")
+      end
+      e.values = {}
+      for i = 1, rawlen(values) do
+        local s = rawget(values, i)
+        if type(s) ~= "string" or #s > 64 then fail(string.format("%s: values[%d] is %s; expected a string", where, i, given(s))) end
+        e.values[i] = s
+      end
+    end
+    for _, k in ipairs({ "min", "max" }) do
+      local b = rawget(d, k)
+      if b ~= nil and (type(b) ~= "number" or b ~= b) then fail(string.format("%s: %s is %s; expected a number", where, k, given(b))) end
+      e[k] = b
+    end
+    e.default = option_value(e, default, " (its default)")
+    list[#list + 1], by_name[name] = e, e
+  end
+  table.sort(list, function(a, b) return a.name < b.name end)
+  for _, e in ipairs(list) do
+    local prefix = e.name
+    for i in prefix:gmatch("()%.") do
+      if by_name[prefix:sub(1, i - 1)] then
+        fail(string.format("the policy's options %s and %s clash: a dotted name is a field of the other's table",
+          prefix:sub(1, i - 1), prefix))
+      end
+    end
+  end
+  return list
+end
+
+--- The options as text: per option its name, default and what it takes, then its doc.
+function M.options_text(decl)
+  if #decl == 0 then return "  (the policy declares no options)\n" end
+  local out = {}
+  for _, e in ipairs(decl) do
+    out[#out + 1] = string.format("  %s = %s  (%s)\n      %s", e.name, M.option_text(e.default), expected_of(e), e.doc)
+  end
+  return table.concat(out, "\n") .. "\n"
+end
+
+--- resolve_options(decl, values, sets) -> list of {name, value, set}, by name; nested
+-- table for ctx.options.  values: name -> value (typed; a nested table for dotted names
+-- works too); sets: a list of "name=value" strings (--set), applied after values.
+function M.resolve_options(decl, values, sets)
+  local by_name = {}
+  for _, e in ipairs(decl) do by_name[e.name] = e end
+  local value, set = {}, {}
+  for _, e in ipairs(decl) do value[e.name] = e.default end
+  local function entry(name)
+    local e = by_name[name]
+    if e then return e end
+    local head = decl[1] and "the policy's options are:\n" .. M.options_text(decl) or "the policy declares no options"
+    error(string.format("moonshard: plan: unknown option %s%s; %s", given(name),
+      planning and " (policy " .. planning .. ")" or "", head:gsub("\n$", "")), 0)
+  end
+  local function put(name, v)
+    local e = by_name[name]
+    if not e and type(v) == "table" and type(name) == "string" then
+      local nested = false
+      for _, d in ipairs(decl) do nested = nested or d.name:sub(1, #name + 1) == name .. "." end
+      if nested then
+        for k, x in pairs(v) do put(name .. "." .. tostring(k), x) end
+        return
+      end
+    end
+    e = entry(name)
+    value[e.name], set[e.name] = option_value(e, v, ""), true
+  end
+  if values ~= nil then
+    if type(values) ~= "table" then fail("options is " .. given(values) .. "; expected a table {name = value}") end
+    local names = {}
+    for k in pairs(values) do names[#names + 1] = k end
+    table.sort(names, function(a, b) return tostring(a) < tostring(b) end)
+    for _, k in ipairs(names) do put(k, values[k]) end
+  end
+  for _, s in ipairs(sets or {}) do
+    local name, v = tostring(s):match("^([^=]+)=(.*)$")
+    if not name then fail(string.format("option setting '%s' is not name=value", clean(tostring(s), 60))) end
+    local e = entry(name)
+    value[e.name], set[e.name] = parse_option(e, v), true
+  end
+  local list, nested = {}, {}
+  for _, e in ipairs(decl) do
+    list[#list + 1] = { name = e.name, value = value[e.name], set = set[e.name] or false }
+    local t, parts = nested, {}
+    for part in e.name:gmatch("[^.]+") do parts[#parts + 1] = part end
+    for i = 1, #parts - 1 do
+      t[parts[i]] = t[parts[i]] or {}
+      t = t[parts[i]]
+    end
+    t[parts[#parts]] = value[e.name]
+  end
+  return list, nested
+end
+
 -- ---------------------------------------------------------------- the context policies see
 
 local Ctx = {}
@@ -107,10 +402,38 @@ function M.context(model, mesh, opts)
     prefetch = { forward = 1, backward = 1 },
     names = nil,       -- module -> name cache, rebuilt after checkpoint wrapping
     unit_of = {},      -- module -> its unit
+    checkpointed = {}, -- the wrappers checkpoint_wrap made, in order
+    warnings_out = type(opts.warnings) == "table" and opts.warnings or nil,
+    log_sink = type(opts.log) == "function" and opts.log or nil,
+    policy_name = type(opts.policy_name) == "string" and clean(opts.policy_name, 200) or nil,
+    options = {},      -- the options, nested (ctx.options is a copy)
   }, Ctx)
 end
 
-function Ctx:warn(msg) self.warnings[#self.warnings + 1] = msg end
+-- ctx:log's sink: the host's opts.log(line), else stderr; every line prefixed with the
+-- policy's name.  A plan prints at most LOG_TOTAL_BYTES.
+function Ctx:log(line)
+  local used = self.log_bytes or 0
+  if used >= M.LOG_TOTAL_BYTES then return end
+  if used + #line > M.LOG_TOTAL_BYTES then line = line:sub(1, M.LOG_TOTAL_BYTES - used) .. "..." end
+  self.log_bytes = used + #line
+  local prefix = self.policy_name and "policy " .. self.policy_name .. ": " or "policy: "
+  local sink = self.log_sink or function(s)
+    if io and io.stderr then io.stderr:write(s, "\n") end
+  end
+  sink(prefix .. line)
+  if self.log_bytes >= M.LOG_TOTAL_BYTES then
+    sink(prefix .. string.format("(ctx:log: the %d bytes a plan may print are spent; later lines are dropped)",
+      M.LOG_TOTAL_BYTES))
+  end
+end
+
+-- A warning is kept for the plan and, as it is added, in the host's opts.warnings (so a
+-- plan that fails later still has it to show).
+function Ctx:warn(msg)
+  self.warnings[#self.warnings + 1] = msg
+  if self.warnings_out then self.warnings_out[#self.warnings_out + 1] = msg end
+end
 
 local function rebuild_names(ctx)
   local names, order = {}, {}
@@ -157,13 +480,73 @@ function Ctx:compute_dtype(p, mp_policy)
   return gather
 end
 
---- Wraps every child of a layer list (a ModuleList, given as module or name) in an
--- activation-checkpoint wrapper: full-layer activation checkpointing.
-function Ctx:checkpoint_wrap(list)
+-- Which layers of a list of n checkpoint_wrap wraps: nil or true, all of them; false, none;
+-- "every:K" or {every = K}, every K-th (positions K-1, 2K-1, ...: the K-th, 2K-th, ... layer,
+-- as torchtitan counts its selective layer checkpointing); a list of positions {0, 3, 5} or
+-- {only = {0, 3, 5}}, those (0-based, as ModuleList names its layers).  Returns a set of
+-- positions, or nil for all.  A table of the policy's is read raw, and the loops over it
+-- stop at the first key that does not belong.
+local function wrap_positions(which, n, where)
+  if which == nil or which == true then return nil end
+  local set = {}
+  if which == false then return set end
+  local every, only
+  if type(which) == "string" then
+    local k = which:match("^every:%s*([+-]?%d+)$")
+    if not k then
+      fail(string.format("%s: '%s' is not a choice of layers (true, false, \"every:K\", {every = K}, a list " ..
+        "of positions or {only = {...}})", where, clean(which, 40)))
+    end
+    every = tonumber(k)
+  elseif type(which) == "table" then
+    every, only = rawget(which, "every"), rawget(which, "only")
+    local list = false
+    if every == nil and only == nil then only, list = which, true end
+    for k in next, which do
+      if not list and k ~= "every" and k ~= "only" then
+        fail(string.format("%s: unknown key %s (every = K or only = {positions})", where, given(k)))
+      end
+    end
+    if every ~= nil and only ~= nil then fail(where .. ": every and only together; give one") end
+  else
+    fail(string.format("%s: the layers to wrap are %s; expected true, false, \"every:K\", {every = K}, a list of " ..
+      "positions or {only = {...}}", where, given(which)))
+  end
+  if every ~= nil then
+    if not util.is_int(every) or every < 1 or every > 2147483647 then
+      fail(string.format("%s: every is %s; expected an integer K >= 1 (every K-th layer)", where, given(every)))
+    end
+    for i = every - 1, n - 1, every do set[i] = true end
+    return set
+  end
+  if type(only) ~= "table" then fail(string.format("%s: only is %s; expected a list of positions", where, given(only))) end
+  local count = rawlen(only)
+  for k in next, only do
+    if not (util.is_int(k) and k >= 1 and k <= count) then
+      fail(string.format("%s: the positions are a list (keys 1..n), not a table with the key %s", where, given(k)))
+    end
+  end
+  for i = 1, count do
+    local p = rawget(only, i)
+    if not util.is_int(p) or p < 0 or p >= n then
+      fail(string.format("%s: position %s is out of range: the list has %d layers, positions 0..%d", where,
+        given(p), n, n - 1))
+    end
+    if set[p] then fail(string.format("%s: position %s is given twice", where, count_str(p))) end
+    set[p] = true
+  end
+  return set
+end
+
+--- Wraps children of a layer list (a ModuleList, given as module or name) in activation-
+-- checkpoint wrappers: every child, or those `which` chooses (wrap_positions).  Children
+-- already wrapped stay as they are.  Returns the names of the wrappers made.
+function Ctx:checkpoint_wrap(list, which)
   list = self:module(list)
   -- wrapping renames the modules under the list: a unit made before would keep a name that
   -- no longer is its module's (Automodel wraps before it shards)
   local prefix = self:name_of(list)
+  local positions = wrap_positions(which, #list.child_order, "checkpoint_wrap(" .. display(prefix) .. ")")
   for _, u in ipairs(self.units) do
     local n = self:name_of(u.module)
     if prefix == "" or n == prefix or n:sub(1, #prefix + 1) == prefix .. "." then
@@ -171,10 +554,16 @@ function Ctx:checkpoint_wrap(list)
         display(prefix), display(n)))
     end
   end
-  for _, name in ipairs(list.child_order) do
-    if list.children[name].type ~= "CheckpointWrapper" then list:checkpoint_wrap(name) end
+  local made = {}
+  for i, name in ipairs(list.child_order) do
+    if (not positions or positions[i - 1]) and list.children[name].type ~= "CheckpointWrapper" then
+      local wrapper = list:checkpoint_wrap(name)
+      self.checkpointed[#self.checkpointed + 1] = wrapper
+      made[#made + 1] = prefix == "" and name or prefix .. "." .. name
+    end
   end
   self.names = nil
+  return made
 end
 
 local function is_ancestor(ctx, a, b) -- module a is b or an ancestor of b
@@ -822,6 +1211,74 @@ local function mesh_view(mesh)
   return v
 end
 
+local prefetch_value -- (below, with the policy's prefetch)
+
+-- ctx:log: each call prints one line of at most LOG_CALL_BYTES, a plan at most
+-- LOG_TOTAL_BYTES; later lines are dropped (one line says so).
+M.LOG_CALL_BYTES, M.LOG_TOTAL_BYTES = 2000, 65536
+
+-- ctx:log's values as one line, running no metamethod of the policy's and bounded whatever
+-- they hold: strings with control characters escaped, tables read raw (next) three levels
+-- deep and 16 entries wide, modules and parameters of ctx.model by what they are.
+local function log_line(ctx, view, ...)
+  local parts, left = {}, M.LOG_CALL_BYTES
+  local function emit(s)
+    if left <= 0 then return false end
+    if #s > left then s = s:sub(1, left) .. "..." end
+    parts[#parts + 1] = s
+    left = left - #s
+    return left > 0
+  end
+  local function value(v, depth, quoted)
+    local t = type(v)
+    if t == "string" then return emit(quoted and '"' .. clean(v, 200) .. '"' or clean(v, math.max(left, 1))) end
+    if t == "number" then return emit(count_str(v)) end
+    if t == "boolean" or t == "nil" then return emit(tostring(v)) end
+    if t ~= "table" then return emit("<" .. t .. ">") end
+    local o = view.orig[v]
+    if o and getmetatable(o) == ms_module.Module then
+      if not ctx.names then rebuild_names(ctx) end
+      return emit(string.format("<module %s (%s)>", display(ctx.names[o] or "?"), clean(tostring(o.type), 60)))
+    elseif o and getmetatable(o) == ms_module.Param then
+      return emit(string.format("<param %s %s>", shape_str(o.shape), tostring(o.dtype)))
+    end
+    if depth >= 3 then return emit("{...}") end
+    if not emit("{") then return false end
+    -- up to 256 keys, sorted (numbers first, then strings, then the rest), the first 16 shown
+    local keys, more = {}, false
+    for k in next, v do
+      if #keys == 256 then more = true break end
+      keys[#keys + 1] = k
+    end
+    local rank = { number = 1, string = 2 }
+    table.sort(keys, function(a, b)
+      local ra, rb = rank[type(a)] or 3, rank[type(b)] or 3
+      if ra ~= rb or ra == 3 then return ra < rb end
+      return a < b
+    end)
+    for i, k in ipairs(keys) do
+      local x = rawget(v, k)
+      if i > 16 then more = true break end
+      if i > 1 and not emit(", ") then return false end
+      if k ~= i then
+        local key = type(k) == "string" and k:find("^[%a_][%w_]*$") and #k <= 60 and k
+        if key then
+          if not emit(key .. " = ") then return false end
+        else
+          if not emit("[") or not value(k, depth + 1, true) or not emit("] = ") then return false end
+        end
+      end
+      if not value(x, depth + 1, true) then return false end
+    end
+    if more and not emit(", ...") then return false end
+    return emit("}")
+  end
+  for i = 1, select("#", ...) do
+    if (i > 1 and not emit(" ")) or not value((select(i, ...)), 0, false) then break end
+  end
+  return table.concat(parts)
+end
+
 -- The context parallelize(ctx) receives: its own table of methods (closures), so that
 -- replacing one changes nothing but this table.
 local function policy_context(ctx, opts)
@@ -851,10 +1308,21 @@ local function policy_context(ctx, opts)
     if #msg > 2000 then msg = msg:sub(1, 2000) .. string.format("... (%d bytes)", #msg) end
     ctx:warn((msg:gsub("[%z\1-\31\127]", function(c) return string.format("\\x%02X", c:byte()) end)))
   end
-  function pub.checkpoint_wrap(_, list)
+  function pub.checkpoint_wrap(_, list, which)
     local m = ctx:module(module_arg(view, list, "ctx:checkpoint_wrap"))
-    ctx:checkpoint_wrap(m)
+    -- the choice is read raw (rawget, next, rawlen) by wrap_positions, during the policy's call
+    local made = ctx:checkpoint_wrap(m, which)
     view.refresh(m)
+    return made
+  end
+  -- the options, a copy (the policy may change it; the plan records the planner's)
+  pub.options = copy_data(ctx.options, 0) or {}
+  function pub.set_prefetch(_, pf)
+    ctx.prefetch = prefetch_value(pf, "ctx:set_prefetch: prefetch", ctx.prefetch)
+  end
+  function pub.log(_, ...)
+    -- once the plan's lines are spent, nothing more is formatted
+    if (ctx.log_bytes or 0) < M.LOG_TOTAL_BYTES then ctx:log(log_line(ctx, view, ...)) end
   end
   function pub.expert_parallel(_, m, eopts)
     local o
@@ -884,27 +1352,34 @@ local function policy_context(ctx, opts)
   return pub
 end
 
--- The policy's prefetch, read raw (no metamethod of the policy's runs outside its call).
-local function prefetch_of(policy)
-  local pf = rawget(policy, "prefetch")
-  if pf == nil then return nil end
+-- A prefetch table {forward = n, backward = n} checked and copied (read raw: no metamethod
+-- of the policy's runs); keys it does not give keep their value in `base`.  `what` names it.
+function prefetch_value(pf, what, base)
   if type(pf) ~= "table" then
-    fail("the policy's prefetch is " .. shown(pf) .. "; expected a table {forward = n, backward = n}")
+    fail(what .. " is " .. shown(pf) .. "; expected a table {forward = n, backward = n}")
   end
   local out = {}
   for k, v in next, pf do
     if k ~= "forward" and k ~= "backward" then
-      fail("the policy's prefetch has the key " .. (type(k) == "string" and k or "of a " .. type(k)) ..
+      fail(what .. " has the key " .. (type(k) == "string" and clean(k, 40) or "of a " .. type(k)) ..
         "; expected forward and backward only")
     end
     -- units fetched ahead; the embedding API hands them to C as ints
     if not util.is_int(v) or v < 0 or v > 2147483647 then
-      fail(string.format("the policy's prefetch.%s is %s; expected an integer >= 0 (units fetched ahead)", k,
-        type(v) == "string" and "'" .. v .. "'" or shown(v)))
+      fail(string.format("%s.%s is %s; expected an integer >= 0 (units fetched ahead)", what, k,
+        type(v) == "string" and "'" .. clean(v, 40) .. "'" or shown(v)))
     end
     out[k] = v
   end
-  return { forward = out.forward or 1, backward = out.backward or 1 } -- FSDP2's implicit depths
+  return { forward = out.forward or base.forward, backward = out.backward or base.backward }
+end
+
+-- The policy's static prefetch (its entry table's), read raw; a missing depth is FSDP2's
+-- implicit one.
+local function prefetch_of(policy)
+  local pf = rawget(policy, "prefetch")
+  if pf == nil then return nil end
+  return prefetch_value(pf, "the policy's prefetch", { forward = 1, backward = 1 })
 end
 
 -- ---------------------------------------------------------------- the plan
@@ -1012,9 +1487,16 @@ end
 M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
 
 --- plan(model, mesh, policy, opts) -> plan
--- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward}).
+-- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward} and
+-- options, its declared knobs: see M.declared_options).
 -- opts: config (the model config), name, architecture, optimizer (M.OPTIMIZERS; default
--- "adamw"), policy_name (the policy's path, named by errors found after its call).
+-- "adamw"), policy_name (the policy's path, named by errors found after its call and
+-- prefixed to ctx:log's lines), options (name -> value, over the declared defaults), set (a
+-- list of "name=value" strings, as --set gives them, applied after options), warnings (a
+-- table: ctx:warn's messages are appended to it as they come, so a plan that fails still
+-- has them), log (function(line): where ctx:log's lines go; default stderr).
+-- The plan records options (a list of {name, value, set}) and checkpointed (the names of
+-- the modules checkpoint_wrap wrapped).
 local function plan(model, mesh, policy, opts)
   local optimizer = opts.optimizer or "adamw"
   if not M.OPTIMIZERS[optimizer] then
@@ -1026,11 +1508,16 @@ local function plan(model, mesh, policy, opts)
   local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
   if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
   check_params(model)
+  -- the options: declared defaults, then opts.options, then opts.set
+  local option_list, options = M.resolve_options(M.declared_options(policy), opts.options, opts.set)
   local ctx = M.context(model, mesh, opts)
   ctx.prefetch = prefetch_of(policy) or ctx.prefetch
+  ctx.options = options
   parallelize(policy_context(ctx, opts))
   ctx.present = nil
   rebuild_names(ctx)
+  local checkpointed = {}
+  for i, w in ipairs(ctx.checkpointed) do checkpointed[i] = ctx.names[w] end
   local params = model:named_parameters()
   local fqn_of = {}
   for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
@@ -1341,6 +1828,8 @@ local function plan(model, mesh, policy, opts)
     comm = comm,
     warnings = warnings,
     prefetch = ctx.prefetch,
+    options = option_list,
+    checkpointed = checkpointed,
     fqn_of = fqn_of,
     params = params,
   }

@@ -1,7 +1,8 @@
 -- moonshard.plan_cli: `moonshard plan`, the planner on the command line.
 --
 --   moonshard plan (--config config.json | --safetensors PATH | --model ORG/NAME) --mesh dp_shard=8,ep=8
---                  --policy policies/inkling2 [--json] [--svg FILE] [--audit]
+--                  --policy policies/inkling2 [--set NAME=VALUE ...] [--json] [--svg FILE] [--audit]
+--   moonshard plan --policy PATH --list-options
 
 local util = require "moonshard.util"
 
@@ -10,6 +11,7 @@ local M = {}
 M.usage = [[
 usage: moonshard plan (--config FILE | --safetensors PATH | --model ORG/NAME [--checkpoint])
                      --mesh SIZES --policy PATH [options]
+       moonshard plan --policy PATH --list-options
 
 Applies a sharding policy to a model on a mesh, without GPUs, and prints what every rank
 holds and sends: the shard units in the order fully_shard is called, their precision and
@@ -36,6 +38,14 @@ required:
                        cp tp ep; unset sizes are 1; the world is their product without ep)
   --policy PATH        a policy directory (e.g. policies/inkling2) or one policy file
                        (e.g. policies/fsdp2_default.lua)
+the policy's options (declared by the policy, read by it from ctx.options):
+  --set NAME=VALUE     set an option, repeatable (--set reshard_after_forward=false
+                       --set prefetch.forward=2 --set activation_checkpointing=every:2);
+                       VALUE is read as the option's type: none, true, false, an
+                       integer, a number, a list of integers (0,3,5) or a string; an
+                       unknown NAME or a VALUE of the wrong type is an error
+  --list-options       print the policy's options (defaults, types, docs) and exit;
+                       needs only --policy
 output:
   --json               the plan JSON (DESIGN.md, version 1) on stdout instead of the table
   --svg FILE           also draw the units and the per-rank memory into FILE
@@ -53,6 +63,11 @@ the policy sandbox (per call into the policy):
   --policy-seconds S        the wall-clock limit in seconds (default 60)
   -h, --help           this help
 
+The policy's ctx:log lines go to stderr as it runs, prefixed with "policy PATH: " (at most
+64 KiB a plan); the warnings it added (ctx:warn) are shown with the plan, and on stderr
+before the error when the plan fails.  The table and the JSON record the options used,
+the prefetch depths and the modules wrapped for activation checkpointing.
+
 exit status: 0 on success, 1 when the plan is invalid or an input is bad, 2 on usage errors.
 ]]
 
@@ -61,7 +76,9 @@ local function usage_error(msg)
   return 2
 end
 
-local FLAGS = { json = true, audit = true, checkpoint = true }
+local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] = true }
+-- options given any number of times: option -> list of values
+local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
   name = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
@@ -82,6 +99,18 @@ function M.parse(args)
       if FLAGS[key] then
         if inline then return nil, "--" .. key .. " takes no value (got '" .. a .. "')" end
         o[key] = true
+      elseif REPEATED[key] then
+        local v = inline
+        if not v then
+          i = i + 1
+          v = args[i]
+        end
+        if v == nil or v == "" then return nil, "--" .. key .. " needs a value" end
+        if key == "set" and not v:find("^[^=]+=") then
+          return nil, "--set takes NAME=VALUE (e.g. --set reshard_after_forward=false), got '" .. v .. "'"
+        end
+        o[key] = o[key] or {}
+        o[key][#o[key] + 1] = v
       elseif VALUES[key] then
         local v = inline
         if not v then
@@ -173,15 +202,27 @@ function M.make_plan(o)
   -- for a dense model, and for a checkpoint's tree, whose experts expert_parallel checks)
   sizes.n_routed_experts = config and require("moonshard.models").routed_experts(tree) or nil
   local mesh = mesh_context.new(sizes)
-  local popts = { modules = require("moonshard.policy").host_modules() }
-  for flag, key in pairs(LIMITS) do popts[key] = o.limits and o.limits[key] end
-  local policy = require("moonshard.policy").load(o.policy, popts)
-  local entry = require("moonshard.policy").entry_point(policy, o.policy)
+  local entry = M.load_policy(o)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
-    optimizer = o.optimizer, policy_name = o.policy,
+    optimizer = o.optimizer, policy_name = o.policy, set = o.set, warnings = o.warnings,
   })
   return plan
+end
+
+--- The policy's entry table, loaded in the sandbox with the limits given.
+function M.load_policy(o)
+  local popts = { modules = require("moonshard.policy").host_modules() }
+  for _, key in pairs(LIMITS) do popts[key] = o.limits and o.limits[key] end
+  local policy = require("moonshard.policy").load(o.policy, popts)
+  return require("moonshard.policy").entry_point(policy, o.policy)
+end
+
+--- --list-options: the policy's options as text.
+function M.options_listing(o)
+  local planner = require "moonshard.plan"
+  local decl = planner.declared_options(M.load_policy(o))
+  return string.format("options of policy %s (set with --set NAME=VALUE):\n", o.policy) .. planner.options_text(decl)
 end
 
 --- Runs `moonshard plan` with a list of arguments; returns the exit status.
@@ -193,7 +234,9 @@ function M.main(args)
     return 0
   end
   local models_given = (o.config and 1 or 0) + (o.safetensors and 1 or 0) + (o.model and 1 or 0)
-  if models_given ~= 1 then
+  if o["list-options"] then
+    if not o.policy then return usage_error("--list-options needs --policy") end
+  elseif models_given ~= 1 then
     return usage_error("give the model with exactly one of --config FILE, --safetensors PATH or --model ORG/NAME")
   end
   if o.checkpoint and not o.model then
@@ -206,7 +249,7 @@ function M.main(args)
         util.short_name(o.model), why))
     end
   end
-  if not o.mesh then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
+  if not o.mesh and not o["list-options"] then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
   if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
   for flag, key in pairs(LIMITS) do
     local v = o[flag]
@@ -223,7 +266,23 @@ function M.main(args)
   if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then
     return usage_error("--optimizer is adamw, torch_adamw or none, not '" .. o.optimizer .. "'")
   end
+  -- "moonshard: x" and "moonshard <status> error: x" alike print as x
+  local function print_error(err)
+    local msg = tostring(err):gsub("^moonshard [%a_]+ error: ", ""):gsub("^moonshard: ", "")
+    io.stderr:write("moonshard plan: error: " .. msg .. "\n")
+  end
+  if o["list-options"] then
+    local ok, text = pcall(M.options_listing, o)
+    if not ok then
+      print_error(text)
+      return 1
+    end
+    io.stdout:write(text)
+    return 0
+  end
   local report = require "moonshard.plan_report"
+  -- ctx:warn's messages as they come: a plan that fails still shows them
+  o.warnings = {}
   -- Everything is rendered, and the picture written, before anything is printed: a failure
   -- leaves no partial plan on stdout.
   local ok, result = pcall(M.make_plan, o)
@@ -237,9 +296,9 @@ function M.main(args)
     if not ok then result = text end
   end
   if not ok then
-    -- "moonshard: x" and "moonshard <status> error: x" alike print as x
-    local msg = tostring(result):gsub("^moonshard [%a_]+ error: ", ""):gsub("^moonshard: ", "")
-    io.stderr:write("moonshard plan: error: " .. msg .. "\n")
+    -- the policy's warnings up to the failure (a plan shows them with the plan)
+    for _, w in ipairs(o.warnings) do io.stderr:write("moonshard plan: warning: " .. w .. "\n") end
+    print_error(result)
     return 1
   end
   if svg then

@@ -145,6 +145,22 @@ function M.to_json(plan, opts)
     { "ep", jnum(mesh:size("ep")) }, { "ep_shard", jnum(mesh:size("ep_shard")) },
     { "fsdp_axes", jstrs(mesh.fsdp_axes) } }) .. ",\n")
   add(' "optimizer":' .. jstr(plan.optimizer or "adamw") .. ",\n")
+  -- the policy's options as used (flat, dotted names; none is null), which were set, the
+  -- prefetch depths and the modules wrapped for activation checkpointing
+  local options, set = {}, {}
+  for i, op in ipairs(plan.options or {}) do
+    local v = op.value
+    options[i] = { op.name, v == nil and "null" or type(v) == "boolean" and jbool(v) or type(v) == "number" and jnum(v)
+      or type(v) == "table" and jints(v) or jstr(v) }
+    if op.set then set[#set + 1] = op.name end
+  end
+  add(' "options":' .. jobj(options) .. ",\n")
+  add(' "options_set":' .. jstrs(set) .. ",\n")
+  if plan.prefetch then
+    add(' "prefetch":' .. jobj({ { "forward", jnum(plan.prefetch.forward) }, { "backward", jnum(plan.prefetch.backward) } }) ..
+      ",\n")
+  end
+  add(' "checkpointed":' .. jstrs(plan.checkpointed or {}) .. ",\n")
   local units = {}
   for i, u in ipairs(plan.units) do units[i] = unit_json(u) end
   add(' "units":[\n' .. table.concat(units, ",\n") .. "\n ],\n")
@@ -210,6 +226,21 @@ function M.to_text(plan, opts)
   add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
   if opts.policy then add("policy  " .. opts.policy) end
+  if plan.options and #plan.options > 0 then
+    local parts = {}
+    for i, op in ipairs(plan.options) do
+      parts[i] = op.name .. "=" .. plan_mod.option_text(op.value) .. (op.set and " (set)" or "")
+    end
+    add("options " .. table.concat(parts, ", "))
+  end
+  if plan.prefetch then
+    add(string.format("prefetch forward %d, backward %d", plan.prefetch.forward, plan.prefetch.backward))
+  end
+  if plan.checkpointed and #plan.checkpointed > 0 then
+    local c = plan.checkpointed
+    add(string.format("activation checkpointing: %d module%s: %s", #c, #c == 1 and "" or "s",
+      table.concat(c, ", ", 1, math.min(#c, 16)) .. (#c > 16 and string.format(" (and %d more)", #c - 16) or "")))
+  end
   add("")
   local nw, mw, offload, replicated = 12, 4, false, false
   for _, u in ipairs(plan.units) do

@@ -1013,8 +1013,8 @@ end
 --- The table of a policy that has parallelize(ctx): the single file's, or shard_units.lua's,
 -- or the only file that has one.  For a policy M.load made, what the planner gets is a table
 -- of the host's: parallelize calls the policy's function under the policy's budget whatever
--- the function is (one a later file put there, a host function), and prefetch is the
--- policy's value, which the planner reads raw.  Everything is read raw: an __index of the
+-- the function is (one a later file put there, a host function), and prefetch and options
+-- (its declared knobs) are the policy's values, which the planner reads raw.  Everything is read raw: an __index of the
 -- policy's would run here, outside any policy call.
 function M.entry_point(policy, path)
   local rec = records[policy]
@@ -1041,7 +1041,8 @@ function M.entry_point(policy, path)
   if not rec then return found end
   local fn = rawget(found, "parallelize")
   fn = rec.cfg.unwrapped[fn] or fn
-  return { prefetch = rawget(found, "prefetch"), parallelize = function(ctx) return run(rec.cfg, fn, ctx) end }
+  return { prefetch = rawget(found, "prefetch"), options = rawget(found, "options"),
+    parallelize = function(ctx) return run(rec.cfg, fn, ctx) end }
 end
 
 function M.describe(p)

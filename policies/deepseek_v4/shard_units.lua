@@ -22,32 +22,30 @@ local M = {}
 -- The caller's mixed-precision policy: apply_fsdp's default when the recipe gives none.
 M.mp_policy = precision.compute
 
--- reshard_after_forward of every unit: false, the default of the MoE path
--- (parallelize_model and apply_fsdp: reshard_after_forward=False; the DeepSeek-V4 recipes
--- set distributed.moe.reshard_after_forward: false too).  With true, the
--- DeepseekV4FP32Parameter holders still keep theirs false (fsdp.py _fp32_module_fsdp_kwargs),
--- and the MTP blocks' experts too (apply_fsdp: experts_reshard_after_forward).
-M.reshard_after_forward = false
-
--- apply_fsdp's wrap_outer_model (default True): shard the root DeepseekV4ForCausalLM last.
--- The DeepSeek-V4 recipes set it false (their pipeline-parallel runs have no outer root).
-M.wrap_outer_model = true
-
--- apply_fsdp's lm_head_precision: nil (the default: lm_head goes through
--- fully_shard_deepseek_v4, which gives an all-f32 module its FP32 unit) or "f32" (a plain
--- fully_shard with MixedPrecisionPolicy(fp32, fp32, fp32), cast_forward_inputs true).
-M.lm_head_precision = nil
-
--- parallelize_model's activation_checkpointing (default False; the Flash recipes leave it
--- off).  When true the decoder blocks are wrapped first (apply_ac; the MTP blocks are not).
-M.activation_checkpointing = false
-
--- Prefetch depth in forward and backward: Automodel's MoE parallelizer sets no explicit
--- chain (apply_fsdp), so FSDP2 prefetches implicitly: one unit ahead each way.
-M.prefetch = { forward = 1, backward = 1 }
-
--- The offload policy of every unit: nil (or "none") or "cpu" (FSDP2's CPUOffloadPolicy).
-M.offload_policy = nil
+-- The knobs are options (ctx.options; `moonshard plan --set NAME=VALUE`, `--list-options`),
+-- Automodel's defaults:
+M.options = {
+  -- the default of the MoE path (parallelize_model and apply_fsdp: reshard_after_forward=False;
+  -- the DeepSeek-V4 recipes set distributed.moe.reshard_after_forward: false too).  With true,
+  -- the DeepseekV4FP32Parameter holders still keep theirs false (fsdp.py
+  -- _fp32_module_fsdp_kwargs), and the MTP blocks' experts too (experts_reshard_after_forward)
+  reshard_after_forward = { default = false, doc = "every unit's reshard_after_forward (Automodel's MoE path: false)" },
+  -- the DeepSeek-V4 recipes set it false (their pipeline-parallel runs have no outer root)
+  wrap_outer_model = { default = true, doc = "apply_fsdp's wrap_outer_model: shard the root DeepseekV4ForCausalLM last" },
+  -- nil: lm_head goes through fully_shard_deepseek_v4, which gives an all-f32 module its FP32
+  -- unit; "f32": a plain fully_shard with MixedPrecisionPolicy(fp32, fp32, fp32), inputs cast
+  lm_head_precision = { default = nil, type = "nil|string", values = { "f32" },
+    doc = "apply_fsdp's lm_head_precision: f32 for a plain fp32 lm_head unit" },
+  -- parallelize_model's activation_checkpointing (default False; the Flash recipes leave it
+  -- off): the decoder blocks are wrapped first (apply_ac; the MTP blocks are not)
+  activation_checkpointing = { default = false, type = "boolean|list|string",
+    doc = "checkpoint the decoder blocks: true (all), false, \"every:K\" or a list of positions" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+    doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
+  -- Automodel's MoE parallelizer sets no explicit chain (apply_fsdp): FSDP2's implicit prefetch
+  ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
+  ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
+}
 
 local CHECKPOINT = "_checkpoint_wrapped_module"
 
@@ -114,7 +112,7 @@ local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind)
     end
   end
   ctx:fully_shard(m, { mesh = o.mesh, mp_policy = mp_policy, reshard_after_forward = reshard, kind = kind,
-    offload_policy = M.offload_policy, ignored_params = ignored })
+    offload_policy = ctx.options.offload_policy, ignored_params = ignored })
   sharded[m] = true
 end
 
@@ -169,7 +167,7 @@ function M.fully_shard_by_dtype(ctx, block, o)
   end
   local fp32_names = M.fp32_names()
   by_dtype.fully_shard_by_dtype(ctx, block, { mesh = o.mesh, mp_policy = o.mp_policy,
-    reshard_after_forward = o.reshard, ignored_params = ignored, offload_policy = M.offload_policy,
+    reshard_after_forward = o.reshard, ignored_params = ignored, offload_policy = ctx.options.offload_policy,
     fp32_names = fp32_names,
     fully_shard_fn = function(m, so)
       local set = {}
@@ -220,7 +218,9 @@ function M.parallelize(ctx)
   local mesh = ctx.mesh
   local fsdp_mesh = mesh.fsdp_axes
   local mp = M.mp_policy
-  local reshard = M.reshard_after_forward
+  local o = ctx.options
+  if o.prefetch then ctx:set_prefetch(o.prefetch) end
+  local reshard = o.reshard_after_forward
   local use_ep = mesh:size("ep") > 1
   local layers = ctx:module("model.layers")
   local mtp_layers = ctx.model:get("mtp.layers")
@@ -249,7 +249,7 @@ function M.parallelize(ctx)
   end
 
   -- apply_ac: the decoder blocks (apply_ac leaves the MTP blocks unwrapped)
-  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
+  if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
 
   for _, b in ipairs(blocks()) do
     local block, is_mtp = b[1], b[2]
@@ -257,7 +257,7 @@ function M.parallelize(ctx)
     if use_ep and experts and mesh:size("ep_shard") > 1 then
       -- apply_fsdp: the experts on ep_shard, sharded on dim 1 (_moe_shard_placement: dim 0
       -- for a 1-D tensor), with the caller's policy; the MTP blocks' experts never reshard
-      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = mp, offload_policy = M.offload_policy,
+      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = mp, offload_policy = o.offload_policy,
         reshard_after_forward = (not is_mtp) and reshard or false,
         shard_placement_fn = function(_, p) return #p.shape < 2 and 0 or 1 end })
       sharded[experts] = true
@@ -266,19 +266,19 @@ function M.parallelize(ctx)
       ignored = ignored_of[block] })
   end
 
-  local o = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard }
-  M.fully_shard_deepseek_v4(ctx, ctx:module("model.embed_tokens"), o)
+  local so = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard }
+  M.fully_shard_deepseek_v4(ctx, ctx:module("model.embed_tokens"), so)
   local head = ctx:module("lm_head")
-  if M.lm_head_precision == "f32" then
+  if o.lm_head_precision == "f32" then
     ctx:fully_shard(head, { mesh = fsdp_mesh, reshard_after_forward = reshard, kind = "fp32_island",
-      offload_policy = M.offload_policy,
+      offload_policy = o.offload_policy,
       mp_policy = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true } })
     sharded[head] = true
   else
-    M.fully_shard_deepseek_v4(ctx, head, o)
+    M.fully_shard_deepseek_v4(ctx, head, so)
   end
-  M.fully_shard_deepseek_v4(ctx, ctx:module("model"), o)
-  if M.wrap_outer_model then M.fully_shard_deepseek_v4(ctx, ctx.model, o) end
+  M.fully_shard_deepseek_v4(ctx, ctx:module("model"), so)
+  if o.wrap_outer_model then M.fully_shard_deepseek_v4(ctx, ctx.model, so) end
 end
 
 return M

@@ -13,17 +13,23 @@ local precision = require "precision"
 
 local M = {}
 
--- Whole decoder layers are activation-checkpointed (the residual histories are explicit
--- immutable inputs of each layer), which renames their modules with
--- "_checkpoint_wrapped_module": is_fp32_module_name looks through that.
-M.activation_checkpointing = true
-
--- Prefetch depth in forward and backward (Automodel's defaults).
-M.prefetch = { forward = 1, backward = 2 }
-
--- The offload policy of every unit: nil (or "none") keeps everything on the device; "cpu"
--- is FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory.
-M.offload_policy = nil
+-- The knobs, read from ctx.options (`moonshard plan --set NAME=VALUE`):
+-- activation_checkpointing: whole decoder layers are activation-checkpointed (the residual
+--   histories are explicit immutable inputs of each layer), which renames their modules with
+--   "_checkpoint_wrapped_module": is_fp32_module_name looks through that.
+-- prefetch: the depth in forward and backward.  Automodel's MoE parallelizer, which this one
+-- extends, sets no explicit chain (components/moe/parallelizer.py apply_fsdp): FSDP2's
+-- implicit prefetch, one unit ahead each way.
+-- offload_policy: of every unit: none (or "none") keeps everything on the device; "cpu" is
+--   FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory.
+M.options = {
+  activation_checkpointing = { default = true, type = "boolean|list|string",
+    doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
+  ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
+  ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+    doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
+}
 
 local CHECKPOINT = "_checkpoint_wrapped_module"
 
@@ -132,6 +138,8 @@ end
 
 --- Automodel's MoE parallelizer with the Inkling2 islands.
 function M.parallelize(ctx)
+  local o = ctx.options
+  if o.prefetch then ctx:set_prefetch(o.prefetch) end
   M.prepare_model(ctx)
   local mesh = ctx.mesh
   local fsdp_mesh = mesh.fsdp_axes
@@ -149,7 +157,10 @@ function M.parallelize(ctx)
     end
   end
 
-  if M.activation_checkpointing then ctx:checkpoint_wrap(layers) end
+  -- (on by default, also under a ctx whose options do not name it)
+  local ac = o.activation_checkpointing
+  if ac == nil then ac = true end
+  if ac then ctx:checkpoint_wrap(layers, ac) end
 
   local n = #layers.child_order
   for k, i in ipairs(layers.child_order) do
@@ -160,18 +171,18 @@ function M.parallelize(ctx)
     if use_ep and experts and mesh:size("ep_shard") > 1 then
       ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = precision.compute,
         reshard_after_forward = reshard, shard_placement_fn = function() return 1 end,
-        offload_policy = M.offload_policy })
+        offload_policy = o.offload_policy })
     end
-    M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, M.offload_policy, reshard, ignored)
+    M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, o.offload_policy, reshard, ignored)
   end
 
   ctx:fully_shard("model.embed_tokens", { mesh = fsdp_mesh, mp_policy = precision.compute,
-    offload_policy = M.offload_policy })
+    offload_policy = o.offload_policy })
   local head_fp32 = M.is_fp32_module_name("lm_head")
   ctx:fully_shard("lm_head", { mesh = fsdp_mesh, mp_policy = head_fp32 and precision.fp32 or precision.compute,
-    kind = head_fp32 and "fp32_island" or nil, offload_policy = M.offload_policy })
+    kind = head_fp32 and "fp32_island" or nil, offload_policy = o.offload_policy })
   -- The root never reshards after forward (its reshard_after_forward default).
-  M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, M.offload_policy, nil, ignored)
+  M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, o.offload_policy, nil, ignored)
 end
 
 return M

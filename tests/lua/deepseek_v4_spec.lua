@@ -25,10 +25,10 @@ local POLICY = "policies/deepseek_v4"
 
 local ref = json.decode(S.read_file(REF), REF)
 
-local function plan_of(mesh, knobs)
+local function plan_of(mesh, options)
   local p = policy.load(POLICY)
-  for k, v in pairs(knobs or {}) do p.shard_units[k] = v end
-  return planner.plan(models.from_config(CONFIG, "spec"), mesh_context.new(mesh), p.shard_units)
+  return planner.plan(models.from_config(CONFIG, "spec"), mesh_context.new(mesh), p.shard_units,
+    { options = options })
 end
 
 -- A unit as the reference writes it.

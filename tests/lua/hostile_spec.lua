@@ -113,6 +113,25 @@ describe("a hostile policy cannot get a false plan accepted", function()
   end
 end)
 
+describe("a policy's options, prefetch, layer choice and log", function()
+  it("run none of its metamethods (options_meta)", function()
+    local r = plan("options_meta", { "--json" })
+    assert.equal(0, r.code, r.err)
+    assert.equal("policy " .. policy_path("options_meta") .. ": {knob = 1} {}\n", r.err)
+    assert.matches('"options":{"knob":1}', r.out, 1, true)
+    assert.matches('"prefetch":{"forward":2,"backward":1}', r.out, 1, true)
+    assert.matches('"checkpointed":["model.layers.15","model.layers.31"]', r.out, 1, true)
+  end)
+  it("print a bounded log however often it is called (log_flood)", function()
+    local r = plan("log_flood")
+    assert.equal(0, r.code, r.err:sub(-300))
+    local planner = require "moonshard.plan"
+    local prefix = "policy " .. policy_path("log_flood") .. ": "
+    assert.is_true(#r.err < planner.LOG_TOTAL_BYTES + 60 * (#prefix + 10) + 200, #r.err)
+    assert.matches("ctx:log: the 65536 bytes a plan may print are spent; later lines are dropped%)\n$", r.err)
+  end)
+end)
+
 describe("what a tester found, each held now", function()
   it("a later file of a directory swaps parallelize for a loop: it runs in the budget", function()
     refused("dir_replace/", "instruction budget of 50000000 exceeded")

@@ -86,7 +86,7 @@ describe("plans under Lua 5.4 and LuaJIT", function()
     end)
   end
 
-  -- `moonshard plan` has no offload option: the policy's knob is set by a script
+  -- the policy's offload_policy option set by a script (plan's opts.options)
   it("are the same bytes with every unit offloaded to the host (offload_policy)", function()
     local code = [[
       local json = require "moonshard.json"
@@ -94,9 +94,9 @@ describe("plans under Lua 5.4 and LuaJIT", function()
       local config = json.decode(f:read("a"))
       f:close()
       local policy = require("moonshard.policy").load("policies/inkling2")
-      policy.shard_units.offload_policy = "cpu"
       local plan = require("moonshard.plan").plan(require("moonshard.models").from_config(config, "tiny"),
-        require("moonshard.mesh_context").new("dp_replicate=2,dp_shard=3"), policy.shard_units)
+        require("moonshard.mesh_context").new("dp_replicate=2,dp_shard=3"), policy.shard_units,
+        { options = { offload_policy = "cpu" } })
       local report = require "moonshard.plan_report"
       io.write(report.to_json(plan), report.to_text(plan))
     ]]

@@ -151,20 +151,22 @@ describe("the inkling2 policy", function()
   end)
 end)
 
--- Plans `config` on `mesh` with the policy at `path` after setting its offload_policy knob
--- (nil: left as shipped); checks every unit got the knob's value and returns the plan.
+-- Plans `config` on `mesh` with the policy at `path` with its offload_policy option set
+-- (nil: left as shipped); checks every unit got the option's value and returns the plan.
 local function plan_with_offload(cfg, mesh, path, offload)
   local p = policy.load(path)
-  entry(p).offload_policy = offload
-  local plan = planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), entry(p))
+  local plan = planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), entry(p),
+    { options = { offload_policy = offload } })
   for _, u in ipairs(plan.units) do assert.equal(offload, u.offload, u.name) end
   return plan
 end
 
-describe("the offload_policy knob", function()
+describe("the offload_policy option", function()
   it("is unset in the shipped policies, so nothing offloads", function()
     for _, path in ipairs({ "policies/inkling2", "policies/fsdp2_default.lua" }) do
-      assert.is_nil(entry(policy.load(path)).offload_policy, path)
+      local decl = entry(policy.load(path)).options.offload_policy
+      assert.is_nil(decl.default, path)
+      assert.equal("nil|string", decl.type, path)
     end
     local plan = plan_with_offload(config("tests/lua/configs/inkling2_tiny.json"), "dp_shard=4", "policies/inkling2")
     assert.equal(0, plan.memory.offloaded)
@@ -439,10 +441,9 @@ end)
 
 describe("fsdp2_default follows Automodel's parallelizers", function()
   -- plans cfg on mesh with fsdp2_default after setting its knobs
-  local function plan_knobs(cfg, mesh, knobs)
+  local function plan_knobs(cfg, mesh, options)
     local p = entry(policy.load("policies/fsdp2_default.lua"))
-    for k, v in pairs(knobs or {}) do p[k] = v end
-    return planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), p)
+    return planner.plan(models.from_config(cfg, "spec"), mesh_context.new(mesh), p, { options = options })
   end
   local function names_of(plan)
     local names = {}
@@ -495,14 +496,14 @@ describe("fsdp2_default follows Automodel's parallelizers", function()
     local plan = plan_knobs(llama, "dp_shard=8")
     assert.same({ forward = 1, backward = 1 }, plan.prefetch)
     assert.same({ forward = 1, backward = 2 }, plan.memory.peak_unsharded_other.prefetch)
-    local explicit = plan_knobs(llama, "dp_shard=8", { prefetch_explicit = true })
+    local explicit = plan_knobs(llama, "dp_shard=8", { ["prefetch.explicit"] = true })
     assert.same({ forward = 1, backward = 2 }, explicit.prefetch)
     assert.equal(explicit.memory.peak_unsharded, plan.memory.peak_unsharded_other.bytes)
     assert.equal(plan.memory.peak_unsharded, explicit.memory.peak_unsharded_other.bytes)
     -- Automodel sets no chain when layers keep their parameters, nor on the MoE path
     assert.same({ forward = 1, backward = 1 },
-      plan_knobs(llama, "dp_shard=8", { prefetch_explicit = true, reshard_after_forward = false }).prefetch)
-    assert.same({ forward = 1, backward = 1 }, plan_knobs(qwen3, "dp_shard=8,ep=4", { prefetch_explicit = true }).prefetch)
+      plan_knobs(llama, "dp_shard=8", { ["prefetch.explicit"] = true, reshard_after_forward = false }).prefetch)
+    assert.same({ forward = 1, backward = 1 }, plan_knobs(qwen3, "dp_shard=8,ep=4", { ["prefetch.explicit"] = true }).prefetch)
   end)
 
   it("gives lm_head an f32 policy only when lm_head_precision asks, inputs still cast", function()
@@ -764,7 +765,7 @@ describe("moonshard plan", function()
     os.remove(path)
     assert.equal(1, inkling2.code)
     -- the policy's own error, at its line
-    assert.equal("moonshard plan: error: policies/inkling2/shard_units.lua:118: inkling2 policy: " ..
+    assert.equal("moonshard plan: error: policies/inkling2/shard_units.lua:122: inkling2 policy: " ..
       "model.layers.0.mlp.experts is ModuleList (a checkpoint's " ..
       "per-expert layout: Automodel groups the experts when it loads them; plan with --config); shared grouped " ..
       "experts are required\n", inkling2.err)

@@ -42,8 +42,8 @@ describe("materialised plans", function()
     local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
     local mesh = require("moonshard.mesh_context").new(arg[1])
     local policy = require("moonshard.policy").load("policies/inkling2")
-    policy.shard_units.offload_policy = "cpu"
-    local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units, { optimizer = arg[2] })
+    local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units,
+      { optimizer = arg[2], options = { offload_policy = "cpu" } })
     local state = require("moonshard.runtime").materialize(plan)
     local frozen, strip = {}, require("moonshard.module").strip_checkpoint -- e_score_correction_bias
     for _, np in ipairs(tree:named_parameters()) do frozen[strip(np[1])] = not np[2].requires_grad end

@@ -1,6 +1,6 @@
 -- units.lua: the inkling2 plan of a config made real on every rank
 -- (moonshard -n 4 units.lua MESH [CONFIG [offload]], CONFIG default
--- tests/lua/configs/inkling2_tiny.json; "offload": the policy's offload_policy = "cpu"):
+-- tests/lua/configs/inkling2_tiny.json; "offload": the policy's option offload_policy = "cpu"):
 -- parameters gathered in each unit's param dtype and checked against the full values
 -- computed here, gradients reduced and checked against the mean computed here, the
 -- collectives each unit recorded, the bytes each rank allocated against the planner's
@@ -17,8 +17,8 @@ local tree = require("moonshard.models").from_config(config, arg[2] or "inkling2
 local mesh = require("moonshard.mesh_context").new(mesh_spec)
 local policy = require("moonshard.policy").load("policies/inkling2")
 local offload = arg[3] == "offload"
-if offload then policy.shard_units.offload_policy = "cpu" end
-local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units)
+local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units,
+  { options = { offload_policy = offload and "cpu" or nil } })
 local rank_state = require("moonshard.runtime").materialize(plan)
 local rank = ms.rank()
 local dp = mesh:size("dp_replicate") * mesh:size("dp_shard")
