@@ -154,11 +154,13 @@ local function expert_parallel(ctx, o)
       "prefetch (forward 1, backward 1) is counted")
   end
   ctx:set_prefetch(M.IMPLICIT_PREFETCH)
-  local owned = {} -- layer -> the parameters expert parallelism took from it
+  local owned = {} -- layer name -> the parameters expert parallelism took from it
   for _, i in ipairs(layers.child_order) do
     local experts = experts_of(layers.children[i])
-    if experts then owned[layers.children[i]] = ctx:expert_parallel(experts) end
+    if experts then owned[i] = ctx:expert_parallel(experts) end
   end
+  -- parallelize_model: apply_ep, then apply_ac, then apply_fsdp
+  if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
   for _, i in ipairs(layers.child_order) do
     local layer = layers.children[i]
     local experts = experts_of(layer)
@@ -167,7 +169,7 @@ local function expert_parallel(ctx, o)
         shard_placement_fn = function() return 1 end, offload_policy = o.offload_policy })
     end
     by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
-      ignored_params = owned[layer], offload_policy = o.offload_policy })
+      ignored_params = owned[i], offload_policy = o.offload_policy })
   end
   local model = ctx.model
   local inner = model:get("model") or model
@@ -192,8 +194,13 @@ end
 
 function M.parallelize(ctx)
   local o = ctx.options
-  if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
-  if ctx.mesh:size("ep") > 1 then expert_parallel(ctx, o) else dense(ctx, o) end
+  if ctx.mesh:size("ep") > 1 then
+    expert_parallel(ctx, o)
+  else
+    -- DefaultParallelizationStrategy.parallelize: activation checkpointing, then FSDP
+    if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
+    dense(ctx, o)
+  end
 end
 
 return M
