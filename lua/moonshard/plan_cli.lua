@@ -47,7 +47,7 @@ the policy's options (declared by the policy, read by it from ctx.options):
   --list-options       print the policy's options (defaults, types, docs) and exit;
                        needs only --policy
 output:
-  --json               the plan JSON (DESIGN.md, version 1) on stdout instead of the table
+  --json               the plan JSON (version 1, described in README.md) on stdout instead of the table
   --svg FILE           also draw the units and the per-rank memory into FILE
   --audit              every parameter's stored, gathered and reduced dtype (added to the
                        JSON as "audit" with --json)
