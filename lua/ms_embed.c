@@ -16,7 +16,6 @@
 #define _GNU_SOURCE /* dladdr */
 #endif
 #include "moonshard_embed.h"
-#include "ms_internal.h"
 #include "ms_lua.h"
 
 #include <lauxlib.h>
@@ -24,9 +23,66 @@
 
 #include <dlfcn.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Failures are reported through the core's per-thread message (ms_set_error and
+ * ms_last_error of moonshard.h), as the core reports its own: this file uses the public API
+ * and nothing internal to the core. */
+#if defined(__GNUC__)
+#define EMB_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define EMB_PRINTF(a, b)
+#endif
+
+static ms_status emb_fail(ms_status st, const char *fmt, ...) EMB_PRINTF(2, 3);
+static ms_status emb_fail(ms_status st, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return ms_set_error(st, msg);
+}
+
+static ms_status emb_ok(void) { return ms_set_error(MS_OK, NULL); }
+
+/* Prepends "<fmt ...>: " to this thread's message; keeps st. */
+static ms_status emb_wrap(ms_status st, const char *fmt, ...) EMB_PRINTF(2, 3);
+static ms_status emb_wrap(ms_status st, const char *fmt, ...) {
+    char old[1024], msg[1024];
+    snprintf(old, sizeof old, "%s", ms_last_error());
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    size_t len = strlen(msg), room = sizeof msg - 1 - len, n = strlen(old);
+    if (room >= 2) {
+        memcpy(msg + len, ": ", 2);
+        len += 2;
+        room -= 2;
+        if (n > room) n = room;
+        memcpy(msg + len, old, n);
+        len += n;
+    }
+    msg[len] = '\0';
+    return ms_set_error(st, msg);
+}
+
+/* "<function>: <argument> is NULL", as the core's functions say it (and return `bad`) */
+#define EMB_NOT_NULL_OR(p, bad)                                               \
+    do {                                                                      \
+        if (!(p)) {                                                           \
+            emb_fail(MS_ERR_ARG, "%s: %s is NULL", __func__, #p);             \
+            return bad;                                                       \
+        }                                                                     \
+    } while (0)
+#define EMB_NOT_NULL(p)                                                          \
+    do {                                                                         \
+        if (!(p)) return emb_fail(MS_ERR_ARG, "%s: %s is NULL", __func__, #p);    \
+    } while (0)
 
 #define EMBED_KEY "moonshard.embed.module" /* registry: the module table of moonshard.embed */
 
@@ -88,7 +144,7 @@ static ms_status lua_failure(lua_State *L, int lst, int top) {
     if (lua_type(L, -1) == LUA_TSTRING) { /* lua_tostring of a string neither allocates nor raises */
         const char *msg = lua_tostring(L, -1);
         s = lst == LUA_ERRMEM ? MS_ERR_OOM : status_of(msg);
-        ms__fail(s, "%s", msg);
+        emb_fail(s, "%s", msg);
     } else {
         const char *type = luaL_typename(L, -1); /* static strings */
         lua_pushcfunction(L, p_error_text);
@@ -97,12 +153,12 @@ static ms_status lua_failure(lua_State *L, int lst, int top) {
         if (st == LUA_OK && lua_type(L, -1) == LUA_TSTRING) {
             const char *msg = lua_tostring(L, -1);
             s = lst == LUA_ERRMEM ? MS_ERR_OOM : status_of(msg);
-            ms__fail(s, "%s", msg);
+            emb_fail(s, "%s", msg);
         } else {
             s = lst == LUA_ERRMEM || st == LUA_ERRMEM ? MS_ERR_OOM : MS_ERR_ARG;
             if (lua_type(L, -1) == LUA_TSTRING)
-                ms__fail(s, "(error object is a %s value; its __tostring failed: %s)", type, lua_tostring(L, -1));
-            else ms__fail(s, "(error object is a %s value; its __tostring failed)", type);
+                emb_fail(s, "(error object is a %s value; its __tostring failed: %s)", type, lua_tostring(L, -1));
+            else emb_fail(s, "(error object is a %s value; its __tostring failed)", type);
         }
     }
     lua_settop(L, top);
@@ -117,7 +173,7 @@ static ms_status run(lua_State *L, lua_CFunction f, void *arg) {
     int st = lua_pcall(L, 1, 0, 0);
     if (st != LUA_OK) return lua_failure(L, st, top);
     lua_settop(L, top);
-    return ms__ok();
+    return emb_ok();
 }
 
 /* ---------------------------------------------------------------- calls into moonshard.embed */
@@ -262,7 +318,7 @@ static ms_status check_lua_binding(void) {
     for (size_t i = 1; i < sizeof fns / sizeof fns[0]; i++) {
         Dl_info d;
         if (dladdr(fns[i].f.p, &d) && d.dli_fname && strcmp(d.dli_fname, first.dli_fname))
-            return ms__fail(MS_ERR_STATE, "interp_new: this process binds Lua's C functions to two libraries "
+            return emb_fail(MS_ERR_STATE, "interp_new: this process binds Lua's C functions to two libraries "
                             "(%s from %s, %s from %s): the host has another Lua (LuaJIT?) ahead of the Lua 5.4 "
                             "that moonshard's embedding library runs on.  Load the library with "
                             "dlopen(\"libmoonshard_embed.so.0\", RTLD_NOW | RTLD_DEEPBIND), which binds it to its "
@@ -273,20 +329,20 @@ static ms_status check_lua_binding(void) {
 }
 
 ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
-    MS_NOT_NULL(out);
-    MS_NOT_NULL(world);
+    EMB_NOT_NULL(out);
+    EMB_NOT_NULL(world);
     *out = NULL;
     ms_status bound = check_lua_binding();
     if (bound) return bound;
     ms_interp *in = calloc(1, sizeof *in);
     if (!in || !(in->L = ms_lua_newstate())) {
         free(in);
-        return ms__fail(MS_ERR_OOM, "interp_new: cannot create a Lua state");
+        return emb_fail(MS_ERR_OOM, "interp_new: cannot create a Lua state");
     }
     setup_arg a = {world};
     ms_status st = run(in->L, p_setup, &a);
     if (st) {
-        ms__wrap(st, "interp_new");
+        emb_wrap(st, "interp_new");
         ms_lua_close(in->L);
         free(in);
         return st;
@@ -294,7 +350,7 @@ ms_status ms_interp_new(ms_interp **out, ms_comm *world) {
     ms_comm_retain(world);
     in->world = world;
     *out = in;
-    return ms__ok();
+    return emb_ok();
 }
 
 static void warnings_free(char **list, int n) {
@@ -313,8 +369,8 @@ void ms_interp_free(ms_interp *in) {
 }
 
 ms_status ms_interp_exec(ms_interp *in, const char *code) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(code);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(code);
     lua_State *L = in->L;
     int top = lua_gettop(L);
     /* both are protected: they return a status instead of raising */
@@ -322,22 +378,33 @@ ms_status ms_interp_exec(ms_interp *in, const char *code) {
     if (st == LUA_OK) st = lua_pcall(L, 0, 0, 0);
     if (st != LUA_OK) return lua_failure(L, st, top);
     lua_settop(L, top);
-    return ms__ok();
+    return emb_ok();
 }
 
 ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const int64_t *shape,
                                 ms_dtype dtype, int requires_grad) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(fqn);
-    if (ndim > 0) MS_NOT_NULL(shape);
-    if (!ms_dtype_name(dtype)) return ms__fail(MS_ERR_DTYPE, "interp_model_param: %s: invalid dtype %d", fqn, (int)dtype);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(fqn);
+    if (ndim > 0) EMB_NOT_NULL(shape);
+    if (!ms_dtype_name(dtype)) return emb_fail(MS_ERR_DTYPE, "interp_model_param: %s: invalid dtype %d", fqn, (int)dtype);
     if (ndim < 0 || ndim > MS_MAX_DIMS)
-        return ms__fail(MS_ERR_SHAPE, "interp_model_param: %s: %d dims (0 to %d)", fqn, ndim, MS_MAX_DIMS);
-    int64_t numel = 0, bytes = 0;
-    ms_status st = ms__check_shape(ndim, shape, &numel); /* sizes >= 0, elements within int64 */
-    if (st) return ms__wrap(st, "interp_model_param: %s", fqn);
-    if (!ms__mul_ok(numel, (int64_t)ms_dtype_size(dtype), &bytes))
-        return ms__fail(MS_ERR_OVERFLOW, "interp_model_param: %s: %lld elements of %s are more than 2^63 bytes", fqn,
+        return emb_fail(MS_ERR_SHAPE, "interp_model_param: %s: %d dims (0 to %d)", fqn, ndim, MS_MAX_DIMS);
+    int64_t numel = 1, bytes = 0; /* sizes >= 0, elements and bytes within int64 */
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return emb_fail(MS_ERR_SHAPE, "interp_model_param: %s: size of dim %d is %lld; sizes must be >= 0", fqn, i,
+                            (long long)shape[i]);
+        if (__builtin_mul_overflow(numel, shape[i], &numel)) {
+            char dims[256];
+            size_t len = (size_t)snprintf(dims, sizeof dims, "[");
+            for (int k = 0; k < ndim && len < sizeof dims; k++)
+                len += (size_t)snprintf(dims + len, sizeof dims - len, k ? ", %lld" : "%lld", (long long)shape[k]);
+            if (len < sizeof dims) snprintf(dims + len, sizeof dims - len, "]");
+            return emb_fail(MS_ERR_OVERFLOW, "interp_model_param: %s: shape %s has more than 2^63 elements", fqn, dims);
+        }
+    }
+    if (__builtin_mul_overflow(numel, (int64_t)ms_dtype_size(dtype), &bytes))
+        return emb_fail(MS_ERR_OVERFLOW, "interp_model_param: %s: %lld elements of %s are more than 2^63 bytes", fqn,
                         (long long)numel, ms_dtype_name(dtype));
     embed_call c = {.kind = C_ADD_PARAM, .s1 = fqn, .ndim = ndim, .shape = shape, .dtype = dtype,
                     .requires_grad = requires_grad};
@@ -345,16 +412,16 @@ ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const 
 }
 
 ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const char *type_name) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(name);
-    MS_NOT_NULL(type_name);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(name);
+    EMB_NOT_NULL(type_name);
     embed_call c = {.kind = C_MODULE_TYPE, .s1 = name, .s2 = type_name};
     return call(in, &c);
 }
 
 ms_status ms_interp_model_config(ms_interp *in, const char *config_path) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(config_path);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(config_path);
     embed_call c = {.kind = C_CONFIG, .s1 = config_path};
     return call(in, &c);
 }
@@ -386,9 +453,9 @@ static int p_warnings(lua_State *L) {
 }
 
 ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, int *units) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(mesh);
-    MS_NOT_NULL(policy);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(mesh);
+    EMB_NOT_NULL(policy);
     embed_call c = {.kind = C_PLAN, .s1 = mesh, .s2 = policy};
     ms_status st = call(in, &c);
     if (st) return st;
@@ -396,7 +463,7 @@ ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, in
     st = run(in->L, p_warnings, &w);
     if (st) {
         warnings_free(w.list, w.n);
-        return ms__wrap(st, "interp_plan: the plan's warnings");
+        return emb_wrap(st, "interp_plan: the plan's warnings");
     }
     warnings_free(in->warnings, in->nwarnings);
     in->warnings = w.list;
@@ -406,37 +473,37 @@ ms_status ms_interp_plan(ms_interp *in, const char *mesh, const char *policy, in
 }
 
 int ms_interp_warning_count(ms_interp *in) {
-    MS_NOT_NULL_OR(in, -1);
+    EMB_NOT_NULL_OR(in, -1);
     return in->nwarnings;
 }
 
 const char *ms_interp_warning(ms_interp *in, int i) {
-    MS_NOT_NULL_OR(in, NULL);
+    EMB_NOT_NULL_OR(in, NULL);
     return i >= 0 && i < in->nwarnings ? in->warnings[i] : NULL;
 }
 
 ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(optimizer);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(optimizer);
     embed_call c = {.kind = C_OPTIMIZER, .s1 = optimizer};
     return call(in, &c);
 }
 
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb) {
-    MS_NOT_NULL(in);
+    EMB_NOT_NULL(in);
     embed_call c = {.kind = C_LIMITS, .d1 = instructions, .d2 = memory_mb};
     return call(in, &c);
 }
 
 ms_status ms_interp_set_policy_seconds(ms_interp *in, double seconds) {
-    MS_NOT_NULL(in);
+    EMB_NOT_NULL(in);
     embed_call c = {.kind = C_SECONDS, .d1 = seconds};
     return call(in, &c);
 }
 
 ms_status ms_interp_plan_json(ms_interp *in, char **json) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(json);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(json);
     embed_call c = {.kind = C_PLAN_JSON};
     ms_status st = call(in, &c);
     if (!st) *json = c.json;
@@ -444,9 +511,9 @@ ms_status ms_interp_plan_json(ms_interp *in, char **json) {
 }
 
 ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(forward);
-    MS_NOT_NULL(backward);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(forward);
+    EMB_NOT_NULL(backward);
     embed_call c = {.kind = C_PREFETCH};
     ms_status st = call(in, &c);
     if (st) return st;
@@ -485,33 +552,33 @@ static int p_materialize(lua_State *L) {
 }
 
 ms_status ms_interp_materialize(ms_interp *in) {
-    MS_NOT_NULL(in);
+    EMB_NOT_NULL(in);
     return run(in->L, p_materialize, in);
 }
 
 int ms_interp_unit_count(ms_interp *in) {
-    MS_NOT_NULL_OR(in, -1);
+    EMB_NOT_NULL_OR(in, -1);
     return in->nunits;
 }
 
 ms_unit *ms_interp_unit(ms_interp *in, int i) {
-    MS_NOT_NULL_OR(in, NULL);
+    EMB_NOT_NULL_OR(in, NULL);
     if (!in->units) {
-        ms__fail(MS_ERR_STATE, "interp_unit: no units yet: materialise the plan first");
+        emb_fail(MS_ERR_STATE, "interp_unit: no units yet: materialise the plan first");
         return NULL;
     }
     if (i < 0 || i >= in->nunits) {
-        ms__fail(MS_ERR_ARG, "interp_unit: no unit %d (there are %d, numbered from 0)", i, in->nunits);
+        emb_fail(MS_ERR_ARG, "interp_unit: no unit %d (there are %d, numbered from 0)", i, in->nunits);
         return NULL;
     }
     return in->units[i];
 }
 
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index) {
-    MS_NOT_NULL(in);
-    MS_NOT_NULL(fqn);
-    MS_NOT_NULL(unit);
-    MS_NOT_NULL(index);
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(fqn);
+    EMB_NOT_NULL(unit);
+    EMB_NOT_NULL(index);
     embed_call c = {.kind = C_FIND, .s1 = fqn};
     ms_status st = call(in, &c);
     if (st) return st;

@@ -61,6 +61,10 @@ const char *ms_status_name(ms_status status);
 /* The message of the last failure on this thread ("" when none).  Valid until the next
  * moonshard call on this thread. */
 const char *ms_last_error(void);
+/* Sets this thread's message to `message` (NULL or "" clears it) and returns `status`: for
+ * code built on the library (the embedding API, a host's own layer) that reports its
+ * failures through ms_last_error as the library does.  The message is cut at 1023 bytes. */
+ms_status ms_set_error(ms_status status, const char *message);
 /* "0.1.0": the library's version; MS_VERSION_* are the headers' (a host built against them
  * compares the two at run time). */
 const char *ms_version(void);

@@ -32,6 +32,11 @@ const char *ms_status_name(ms_status st) {
 
 const char *ms_last_error(void) { return ms_msg; }
 
+ms_status ms_set_error(ms_status status, const char *message) {
+    snprintf(ms_msg, sizeof ms_msg, "%s", message ? message : "");
+    return status;
+}
+
 const char *ms_version(void) { return MOONSHARD_VERSION; }
 
 ms_status ms__ok(void) {

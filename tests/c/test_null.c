@@ -122,6 +122,9 @@ static void test_core_without_handles(void) {
     NO_POINTERS(ms_status_name);
     CHECK(ms_status_name(MS_ERR_ARG) && ms_status_name((ms_status)999));
     NO_POINTERS(ms_last_error);
+    ALLOW(ms_set_error, message, 1, MS_OK, NULL);
+    CHECK(ms_set_error(MS_ERR_IO, "host: cannot read x") == MS_ERR_IO && !strcmp(ms_last_error(), "host: cannot read x"));
+    CHECK(ms_set_error(MS_OK, NULL) == MS_OK && !strcmp(ms_last_error(), ""));
     NO_POINTERS(ms_version);
     CHECK(ms_version() != NULL);
     NO_POINTERS(ms_dtype_size);

@@ -22,6 +22,17 @@ for f in policies/fsdp2_default.lua policies/by_dtype.lua policies/inkling2/fp32
 done
 
 libdir=$(dirname "$(find "$prefix" -name 'libmoonshard.so' | head -1)")
+# the installed libraries export their headers' functions and nothing else (no ms__ internals,
+# none of the Lua binding inside libmoonshard_embed)
+for pair in "libmoonshard.so:moonshard.h" "libmoonshard_embed.so:moonshard_embed.h"; do
+  lib=$libdir/${pair%%:*} header=$prefix/include/${pair#*:}
+  [ -f "$lib" ] || continue
+  names=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TDBRVWGS]$/ {print $3}')
+  [ -n "$names" ] || { echo "$lib exports nothing"; exit 1; }
+  for sym in $names; do
+    grep -q "\<$sym(" "$header" || { echo "$lib exports $sym, which $header does not declare"; exit 1; }
+  done
+done
 # the embedding library finds libmoonshard beside it (RUNPATH $ORIGIN), wherever the prefix is
 if ldd "$libdir/libmoonshard_embed.so.0" | grep -q 'not found'; then
   echo "installed libmoonshard_embed has unresolved libraries:"; ldd "$libdir/libmoonshard_embed.so.0"; exit 1
@@ -77,4 +88,4 @@ cc -std=c11 -Wall -Werror examples/embed_host/host.c $(pkg-config --cflags --lib
    -Wl,-rpath,"$libdir" -o "$prefix/host2"
 "$prefix/host2" 1 examples/configs/inkling2_small.json policies/inkling2 | grep -q "27 units (27 planned" ||
   { echo "the pkg-config embed host failed"; exit 1; }
-echo "install test: installed executable, installed policies and configs, stock lua5.4 require, pkg-config host, find_package embed host: ok"
+echo "install test: exported symbols as the headers declare them, installed executable, installed policies and configs, stock lua5.4 require, pkg-config host, find_package embed host: ok"
