@@ -22,7 +22,7 @@ model (one of):
                        (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                        Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
                        MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-                       Inkling2ForCausalLM)
+                       DeepseekV4ForCausalLM, Inkling2ForCausalLM)
   --safetensors PATH   a .safetensors file, a model.safetensors.index.json, or a directory
                        holding one: names, dtypes and shapes as on disk (no data read)
   --model ORG/NAME     a model in the local Hugging Face cache, never downloaded: its
@@ -47,7 +47,7 @@ the policy's options (declared by the policy, read by it from ctx.options):
   --list-options       print the policy's options (defaults, types, docs) and exit;
                        needs only --policy
 output:
-  --json               the plan JSON (version 1, described in README.md) on stdout instead of the table
+  --json               the plan JSON (version 1, described in docs/planning.md) on stdout instead of the table
   --svg FILE           also draw the units and the per-rank memory into FILE
   --audit              every parameter's stored, gathered and reduced dtype (added to the
                        JSON as "audit" with --json)

@@ -960,3 +960,18 @@ end }
     assert.matches("^moonshard plan: error: plan JSON: for 2147483647 ranks its lists would take up to [%d.]+ TiB", r.err)
   end)
 end)
+
+describe("moonshard plan --help", function()
+  it("names every model builder there is, and no file outside the repository", function()
+    local r = S.run({ "plan", "--help" })
+    assert.equal(0, r.code)
+    local text = r.out:gsub("%s+", " ")
+    for arch in pairs(models.builders) do assert.is_truthy(text:find(arch, 1, true), arch) end
+    for path in text:gmatch("([%w_%-%.]+/[%w_%-%./]+%.md)") do
+      local f = io.open(path, "rb")
+      assert.is_not_nil(f, path)
+      f:close()
+    end
+    assert.is_nil(text:find("DESIGN.md", 1, true))
+  end)
+end)
