@@ -119,13 +119,13 @@ local KNOWN_PLAN = {
   },
 }
 
--- nccl-tests bus bytes of a collective on a buffer of S bytes over n ranks (README).
+-- nccl-tests bus bytes of a collective on a buffer of S bytes over n ranks (docs/planning.md).
 local function bus(S, n) return S - util.ceil_div(S, n) end
 local function bus_all_reduce(S, n) return 2 * S - util.ceil_div(2 * S, n) end
 
 local function display(name) return name == "" and "<root>" or name end
 
--- Figures over every case (the README quotes them).
+-- Figures over every case (docs/verification.md quotes them).
 local totals = { cases = 0, params = 0, param_ranks = 0, units = 0, ranks = 0, checks = 0, known = 0, meshes = {} }
 
 -- ------------------------------------------------------------------ one case
@@ -295,10 +295,10 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
     it(string.format("%s: %s on %s", case.name, case.policy, case.mesh), function() check_case(case) end)
   end
 
-  it("covers what the README says it covers", function()
+  it("covers what docs/verification.md says it covers", function()
     local meshes = 0
     for _ in pairs(totals.meshes) do meshes = meshes + 1 end
-    -- the figures README.md quotes: cases (plans), parameters, parameter x rank layouts,
+    -- the figures docs/verification.md quotes: cases (plans), parameters, parameter x rank layouts,
     -- units, ranks (memory per rank), values compared, known differences, meshes
     assert.same({ cases = 15, params = 466, param_ranks = 1835, units = 104, ranks = 59, checks = 7727, known = 6,
       meshes = 7 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
@@ -334,9 +334,8 @@ local RULES = {
     end,
   },
 }
--- Parameters moonshard plans that transformers keeps as buffers (by design, README: the
--- router's e_score_correction_bias is a frozen f32 parameter, as deepseek-ai's checkpoints
--- store it; FSDP2 shards a parameter and leaves a buffer whole on every rank).
+-- What transformers keeps as buffers moonshard keeps as buffers too (the routers'
+-- e_score_correction_bias): a parameter of that name is a difference.
 local AS_BUFFER = "%.e_score_correction_bias$"
 
 -- What is left after the rules: known disagreements, reported as they are.
@@ -388,12 +387,7 @@ describe("moonshard's model builders against transformers 5.24 (" .. DATA .. ")"
       for _, np in ipairs(tree:named_parameters()) do
         local name, shape = np[1], np[2].shape
         if name:match(AS_BUFFER) then
-          local buffer
-          for _, b in ipairs(t.buffers) do
-            if b[1] == name then buffer = b end
-          end
-          assert(buffer, t.architecture .. ": " .. name .. " is no buffer of transformers' model either")
-          assert.same({ buffer[2], buffer[3], false }, { shape, np[2].dtype, np[2].requires_grad })
+          found[#found + 1] = t.architecture .. ": " .. name .. ": a parameter in moonshard, a buffer in transformers"
         else
           for i, rule in ipairs(RULES) do
             if not rule.arch or rule.arch == t.architecture then

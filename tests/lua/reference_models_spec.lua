@@ -270,7 +270,7 @@ describe("moonshard's model builders against transformers 5.24 (" .. DATA .. ")"
     end
     io.stderr:write(string.format("\n  all: %d configs, %d of %d parameters agree\n", total.models, total.agree,
       total.params))
-    -- the figures README.md quotes (configs, parameters, agreeing)
+    -- the figures docs/verification.md quotes (configs, parameters, agreeing)
     assert.same({ models = 21, params = 4139, agree = 4080 }, total)
   end)
 end)

@@ -75,7 +75,7 @@ end
 
 describe("moe_trainer", function()
   -- Parity: each mesh's run against the 1-rank run of the same global batch.  The figures
-  -- README.md and examples/moe_trainer/README.md state for these runs (measured: the order of
+  -- docs/verification.md and examples/moe_trainer/README.md state for these runs (measured: the order of
   -- the f32 sums is all that differs), and the test holds each run to twice them: `loss`, the
   -- largest relative difference of a step's loss; `param`, the largest absolute difference
   -- of a parameter element after the last step; `loose`, the elements differing by more
