@@ -1,5 +1,5 @@
 /*
- * bench.h: what every benchmark of bench/ needs to time and summarise trials (PERF.md).
+ * bench.h: what every benchmark of bench/ needs to time and summarise trials (docs/performance.md).
  */
 #ifndef MS_BENCH_H
 #define MS_BENCH_H

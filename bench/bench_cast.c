@@ -1,5 +1,5 @@
 /*
- * bench_cast.c: ms_cast throughput against memcpy, measured in the same run (PERF.md).
+ * bench_cast.c: ms_cast throughput against memcpy, measured in the same run (docs/performance.md).
  *
  * For each pair: a 64 MiB source, cast to a fresh destination; bytes moved = source bytes +
  * destination bytes.  The reference is a memcpy moving the same bytes (a copy of half of
@@ -88,7 +88,7 @@ static void fill_source(void *src, ms_dtype t, int64_t n) {
 
 typedef struct pair {
     ms_dtype src, dst;
-    bool target; /* PERF.md sets the 0.75 target on it */
+    bool target; /* docs/performance.md states the 0.75 target on it */
 } pair;
 
 static const pair pairs[] = { /* USAGE lists their names */

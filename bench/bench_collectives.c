@@ -5,7 +5,7 @@
  *   reduce_scatter (f32 sum)    vs  each of n threads summing n local S/n-byte arrays
  *   all_reduce (f32 sum)           busbw only
  *   barrier, 4 KiB all_reduce      latency per call
- * S is the collective's whole buffer (PERF.md): the all_gather output, the reduce_scatter
+ * S is the collective's whole buffer (docs/performance.md): the all_gather output, the reduce_scatter
  * input, the all_reduce buffer.  A and B alternate (A, B, A, B, ...) over the trials; the
  * ratio of each trial is t_reference / t_collective, printed as min / median / max.
  * Ratios are meaningful at n = 2 on this 2-core machine; n = 4 oversubscribes it and is

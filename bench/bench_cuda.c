@@ -1,6 +1,6 @@
 /*
  * bench_cuda.c: casts on a CUDA device against the device's own memory bandwidth, measured
- * in the same run by a device-to-device copy (PERF.md: ratios, interleaved, 7 trials).
+ * in the same run by a device-to-device copy (docs/performance.md: ratios, interleaved, 7 trials).
  *
  * For each f32 <-> bf16 / f16 / e4m3 / e5m2 pair: a source of N elements (default 2^28,
  * 1 GiB of f32) cast into a device tensor; bytes moved = source + destination bytes.  The

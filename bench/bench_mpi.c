@@ -1,6 +1,6 @@
 /*
  * bench_mpi.c: moonshard's MPI backend against OpenMPI's own collectives, same buffers,
- * same ranks, same run (PERF.md).
+ * same ranks, same run (docs/performance.md).
  *
  *   all_gather      ms_all_gather           vs  MPI_Allgather
  *   reduce_scatter  ms_reduce_scatter (f32) vs  MPI_Reduce_scatter_block (MPI_FLOAT, MPI_SUM)
@@ -184,7 +184,7 @@ static double timed(ms_comm *c, bufs *b, op o, side s, int iters) {
     return slowest;
 }
 
-/* The bytes of the whole buffer and the busbw factor of o (PERF.md). */
+/* The bytes of the whole buffer and the busbw factor of o (docs/performance.md). */
 static void sizes_of(const bufs *b, op o, double *S, double *factor) {
     const double n = nranks;
     switch (o) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench_plan.sh [BUILD_DIR] [TRIALS]: planning DeepSeek-V3 (671B parameters) with the
 # inkling2 policy on a 4096-rank mesh with ep=64, as a whole process, against interpreter
-# start-up (`moonshard -e ''`) measured in the same run, interleaved (PERF.md).
+# start-up (`moonshard -e ''`) measured in the same run, interleaved (docs/performance.md).
 # The plan itself = plan process - start-up.  Target: under 0.5 s.
 # When moonshard-jit was built, the same under LuaJIT, interleaved with the Lua 5.4 runs,
 # and LuaJIT against Lua 5.4: the per-trial ratio of the plan itself.

@@ -24,7 +24,7 @@
  *   hidden  1 - exposed_on / exposed_off, exposed = t_step - t_compute, t_compute the
  *           kernels of one step alone: the share of communication time prefetch hides
  * The four measurements alternate (hand, off, on, compute, hand, ...) over the trials and
- * print min / median / max.  PERF.md: on 2 cores, n = 2 with its 2 communication threads
+ * print min / median / max.  docs/performance.md: on 2 cores, n = 2 with its 2 communication threads
  * already oversubscribes; figures at n = 4 are for scaling only.
  *
  * usage: see USAGE.

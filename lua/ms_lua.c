@@ -802,7 +802,7 @@ static int l_unit(lua_State *L) {
     ms_comm *shard = check_group(L, 2);
     ms_comm *replicate = lua_isnoneornil(L, 3) ? NULL : check_group(L, 3);
     int pd = opt_dtype_or_unset(L, 4), rd = opt_dtype_or_unset(L, 5);
-    /* true / false, or an integer k where (SEMANTICS.md §3) k = 1 means keep: the C API's 0 */
+    /* true / false, or an integer k where (PyTorch's rule) k = 1 means keep: the C API's 0 */
     int raf = 1;
     if (lua_isboolean(L, 6)) raf = lua_toboolean(L, 6);
     else if (!lua_isnoneornil(L, 6)) {

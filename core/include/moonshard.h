@@ -328,7 +328,7 @@ ms_status ms_fsdp_shard(int ndim, const int64_t *shape, int64_t world, int64_t r
 
 /* ---------------------------------------------------------------- shard units (FSDP2 runtime)
  *
- * A unit is one rank's part of an FSDP2 shard unit (SEMANTICS.md §3-§4): the padded shards
+ * A unit is one rank's part of an FSDP2 shard unit: the padded shards
  * of its parameters in their stored dtype, a flat all-gather buffer in the param dtype (bytes
  * when the parameters gather in different dtypes, as FSDP2's uint8 all-gather does), the
  * unsharded parameters and gradients while gathered, and the sharded gradients.  Lifecycle:
@@ -355,7 +355,7 @@ typedef struct ms_unit ms_unit;
 
 /* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
  * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes (floating),
- * -1 for unset (FSDP2 clamps them per parameter, SEMANTICS.md §4: an integer parameter
+ * -1 for unset (FSDP2 clamps them per parameter: an integer parameter
  * or one already stored in param_dtype is gathered as stored).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
  * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
  * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
@@ -399,7 +399,7 @@ const char *ms_unit_param_fqn(const ms_unit *u, int i);
 ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
 /* Parameter i as the host's forward sees it, in any state after finalize: its global shape
  * (shape: room for MS_MAX_DIMS), stored dtype, the dtype it is gathered and computed in
- * (SEMANTICS.md §4), and whether it requires gradients.  MS_ERR_STATE before finalize. */
+ * (FSDP2's rule), and whether it requires gradients.  MS_ERR_STATE before finalize. */
 ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape, ms_dtype *stored, ms_dtype *gather,
                              int *requires_grad);
 /* The dtype the unit reduces its gradients in (after finalize; MS_ERR_STATE before). */
@@ -439,7 +439,7 @@ ms_status ms_unit_reshard(ms_unit *u);
 ms_tensor *ms_unit_grad_full(ms_unit *u, int i);
 /* Reduces the unsharded gradients of the parameters handed out by grad_full since the last
  * reduce (and those accumulated with sync off): reduce-scatter in the reduce dtype over the
- * shard group (divide factors of SEMANTICS.md §3), all-reduce over the replicate group for
+ * shard group (FSDP2's divide factors, docs/numerics.md), all-reduce over the replicate group for
  * HSDP, cast back and accumulate into the sharded gradients (asynchronous: ms_unit_wait).
  * With sync off, adds them into an unsharded accumulator in the reduce dtype instead (no
  * collective).  Either way it then frees the unsharded parameters and gradients, as FSDP2

@@ -104,7 +104,7 @@ ms_status ms_interp_set_policy_seconds(ms_interp *in, double seconds);
  * and in backward (prefetch.backward, default 2), as the planner counted them.
  * MS_ERR_STATE before a plan. */
 ms_status ms_interp_prefetch(ms_interp *in, int *forward, int *backward);
-/* The plan JSON (DESIGN.md, version 1); *json is malloc'd: the host frees it.  MS_ERR_STATE
+/* The plan JSON (version 1, docs/planning.md); *json is malloc'd: the host frees it.  MS_ERR_STATE
  * before a plan. */
 ms_status ms_interp_plan_json(ms_interp *in, char **json);
 /* Builds this rank's units from the plan: the plan's units in plan order, then one

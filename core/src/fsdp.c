@@ -1,5 +1,5 @@
 /*
- * fsdp.c: shard units, one rank's FSDP2 runtime (SEMANTICS.md §3-§4).
+ * fsdp.c: shard units, one rank's FSDP2 runtime.
  *
  * A unit holds the padded shards of its parameters in their stored dtype (the shard dim
  * has ceil(n/W) rows on every rank for dim 0, n/W for another dim; the padding is zero and
@@ -118,7 +118,7 @@ typedef struct unit_param {
     int dim;                           /* shard dim, normalised */
     bool requires_grad;
     ms_dtype dtype;  /* stored */
-    ms_dtype gather; /* the dtype it is gathered (computed) in, per SEMANTICS.md §4 (finalize) */
+    ms_dtype gather; /* the dtype it is gathered (computed) in, by FSDP2's rule (finalize) */
     int64_t padded_numel;
     int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
     int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
@@ -175,7 +175,7 @@ struct ms_unit {
     int k;              /* reshard_after_forward: 0 keep, 1 free, else the k-way size */
     int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
     ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
-                                      * SEMANTICS.md §4, from finalize */
+                                      * FSDP2's rule, from finalize */
     unit_state state;
     char failure[1024]; /* the first failure's message (ST_FAILED) */
     unit_param *params; /* (nparams), capacity cap */
@@ -706,7 +706,7 @@ ms_status ms_unit_finalize(ms_unit *u) {
         const int rank = p->requires_grad ? 2 : ms_dtype_is_float(p->dtype) ? 1 : 0;
         if (rank > best) u->stored = p->dtype, best = rank;
     }
-    /* SEMANTICS.md §4: reduce_dtype unset when equal to param_dtype; param_dtype unset when
+    /* FSDP2: reduce_dtype unset when equal to param_dtype; param_dtype unset when
      * equal to the stored dtype or when the parameter is not floating point. */
     int pd = u->policy_param, rd = u->policy_reduce;
     if (rd == pd) rd = -1;

@@ -1,6 +1,6 @@
 /*
  * layout.c: where a shard lives.  torch.chunk extents, DTensor local shapes and global
- * offsets over a mesh (SEMANTICS.md §2) and FSDP2 padded shards (§3).  Pure integer math.
+ * offsets over a mesh and FSDP2 padded shards.  Pure integer math.
  */
 #include "ms_internal.h"
 

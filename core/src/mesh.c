@@ -1,5 +1,5 @@
 /*
- * mesh.c: device meshes (SEMANTICS.md §1).  Ordered named axes, row-major rank <->
+ * mesh.c: device meshes.  Ordered named axes, row-major rank <->
  * coordinates, and one group per axis or per flattened set of axes, made on first use and
  * cached for the mesh's life.
  */

@@ -860,7 +860,7 @@ static void print_records(const Trainer *tr) {
 }
 
 // The integer after `key` in the plan JSON's memory record of this rank: a minimal scan of
-// '{"rank":R,"params":N,"grads":N,"optimizer":N,...}' (DESIGN.md, plan JSON version 1).
+// '{"rank":R,"params":N,"grads":N,"optimizer":N,...}' (plan JSON version 1, docs/planning.md).
 static int64_t planned_bytes(const char *json, int rank, const char *key) {
     char anchor[32], k[32];
     snprintf(anchor, sizeof anchor, "{\"rank\":%d,", rank);

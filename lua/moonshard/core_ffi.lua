@@ -831,7 +831,7 @@ function M.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
   local shard_c = check_group(shard, 2)
   local replicate_c = replicate ~= nil and check_group(replicate, 3) or nil
   local pd, rd = opt_dtype_or_unset(param_dtype, 4), opt_dtype_or_unset(reduce_dtype, 5)
-  -- true / false, or an integer k where (SEMANTICS.md §3) k = 1 means keep: the C API's 0
+  -- true / false, or an integer k where (PyTorch's rule) k = 1 means keep: the C API's 0
   local raf = 1
   if type(reshard) == "boolean" then
     raf = reshard and 1 or 0

@@ -1,6 +1,6 @@
 -- moonshard: the Lua face of libmoonshard.
 --
--- `local ms = require "moonshard"` gives the contract of DESIGN.md: ranks, tensors, meshes,
+-- `local ms = require "moonshard"` gives the Lua API (docs/lua-api.md): ranks, tensors, meshes,
 -- groups and collectives come from the binding of libmoonshard: the C binding
 -- (moonshard.core) under Lua 5.4, the FFI binding (moonshard.core_ffi) under LuaJIT, with
 -- the same functions and messages; placements and the layout helpers that take them are

@@ -1,4 +1,4 @@
--- moonshard.mesh_context: Automodel's MeshContext (SEMANTICS.md §1), as shapes.
+-- moonshard.mesh_context: Automodel's MeshContext, as shapes.
 --
 -- The root mesh is (pp, dp_replicate, dp_shard, cp, tp) with the flattened axes
 -- dp = (dp_replicate, dp_shard), dp_shard_cp = (dp_shard, cp), dp_cp = (dp_replicate,
@@ -117,7 +117,7 @@ function M.new(sizes)
   s.dp = dp
   s.dp_shard_cp = s.dp_shard * s.cp
   s.dp_cp = dp * s.cp
-  -- FSDP mesh: SEMANTICS.md §1
+  -- FSDP mesh: Automodel's MeshContext rule
   if s.cp == 1 and s.dp_replicate == 1 then ctx.fsdp_axes = { "dp_shard" }
   elseif s.cp == 1 then ctx.fsdp_axes = { "dp_replicate", "dp_shard" }
   elseif s.dp_replicate == 1 then ctx.fsdp_axes = { "dp_shard_cp" }

@@ -4,7 +4,7 @@
 -- The policy's parallelize(ctx) calls ctx:fully_shard(...) in the order PyTorch's
 -- fully_shard would be called (children before parents), ctx:expert_parallel(...) for
 -- what expert parallelism owns and ctx:checkpoint_wrap(...) for activation checkpointing.
--- The planner records those calls (SEMANTICS.md §3-§6), validates them, and computes per
+-- The planner records those calls (FSDP2's rules, and Automodel's in the shipped policies), validates them, and computes per
 -- unit: the parameters it owns with their shard layouts, its effective precision, and its
 -- collectives; per rank: memory by category; per step: communication.  Parameters are
 -- identified by object, so names stay right after checkpoint wrapping renames them.

@@ -1,5 +1,5 @@
 -- moonshard.plan_report: a plan as a person reads it (a table), as a machine reads it (the
--- plan JSON of DESIGN.md, version 1), as a dtype audit, and as an SVG picture.
+-- plan JSON, version 1 (docs/planning.md)), as a dtype audit, and as an SVG picture.
 
 local plan_mod = require "moonshard.plan"
 local util = require "moonshard.util"
@@ -123,7 +123,7 @@ local function json_lists_size(plan)
   return bytes
 end
 
---- The plan JSON (DESIGN.md, version 1), with "audit" added when opts.audit is set.
+--- The plan JSON (version 1, docs/planning.md), with "audit" added when opts.audit is set.
 function M.to_json(plan, opts)
   opts = opts or {}
   local mesh = plan.mesh

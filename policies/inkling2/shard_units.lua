@@ -1,5 +1,5 @@
 -- shard_units.lua: how Inkling2 becomes FSDP shard units (the seed's Inkling2Parallelizer,
--- SEMANTICS.md §5).
+-- docs/policies.md).
 --
 -- FP32 modules ("islands") become their own units with the FP32 policy, then the module
 -- around them is sharded with the compute policy; parameters owned by expert parallelism

@@ -263,7 +263,7 @@ static const policy policies[] = {
 };
 enum { NPOLICY = sizeof policies / sizeof policies[0] };
 
-/* SEMANTICS.md §4, written out. */
+/* FSDP2's mixed-precision rules, written out. */
 static ms_dtype gather_dtype(const policy *pol) {
     return pol->param_dtype >= 0 && pol->param_dtype != (int)pol->stored ? (ms_dtype)pol->param_dtype : pol->stored;
 }

@@ -243,7 +243,7 @@ end)
 describe("Inkling2", function()
   local tree = models.from_config(CONFIGS .. "inkling2_small.json")
 
-  it("counts the small model by DESIGN.md's parameter list", function()
+  it("counts the small model by its parameter list", function()
     local V, H, L, nh, nkv, d, E, I, Is, K, max_rel = 1024, 256, 4, 8, 2, 32, 16, 128, 128, 4, 64
     local attn = (2 * nh + 2 * nkv) * d * H          -- qkvr
       + nh * d + nkv * d + nh * d                    -- q/k/rel L2 clips
@@ -264,7 +264,7 @@ describe("Inkling2", function()
     assert.equal(total, tree:param_count())
   end)
 
-  it("has exactly the parameters of DESIGN.md, with the FP32 ones in f32", function()
+  it("has exactly the parameters of the Inkling2 layout, with the FP32 ones in f32", function()
     local got = {}
     local tensors = tree:named_parameters()
     for _, nb in ipairs(tree:named_buffers()) do tensors[#tensors + 1] = nb end

@@ -1,4 +1,4 @@
--- plan_spec.lua: the planner's rules (SEMANTICS.md §1, §3, §4) on small trees, with the
+-- plan_spec.lua: the planner's rules (meshes, FSDP2's layouts and precision) on small trees, with the
 -- expected layouts, bytes and errors worked out by hand in the comments.
 local module = require "moonshard.module"
 local mesh_context = require "moonshard.mesh_context"

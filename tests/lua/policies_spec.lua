@@ -1,4 +1,4 @@
--- policies_spec.lua: the shipped policies (SEMANTICS.md §5, §6) applied by the planner,
+-- policies_spec.lua: the shipped policies (docs/policies.md) applied by the planner,
 -- and `moonshard plan` end to end, against layouts worked out by hand.
 local module = require "moonshard.module"
 local mesh_context = require "moonshard.mesh_context"
@@ -614,7 +614,7 @@ describe("moonshard plan", function()
     assert.matches("all_gather", r.out)
   end)
 
-  it("writes the plan JSON of DESIGN.md", function()
+  it("writes the plan JSON of docs/planning.md", function()
     local r = S.run(args("--json"))
     assert.equal(0, r.code)
     local plan = json.decode(r.out, "plan JSON")

@@ -1,4 +1,4 @@
--- moonshard.models.inkling2: Inkling2ForCausalLM, the reference architecture of DESIGN.md
+-- moonshard.models.inkling2: Inkling2ForCausalLM, the reference architecture moonshard's Inkling2 parallelizer shards
 -- ("The inkling2 reference architecture"), reconstructed from the public NeMo Automodel
 -- documentation: its code is not public, so this file is where a user corrects it.
 --
