@@ -174,7 +174,7 @@ static void *rank_main(void *p) {
                            tensor(cfg->rows / cfg->n), tensor(cfg->rows / cfg->n)};
         char name[32];
         snprintf(name, sizeof name, "layers.%d", i);
-        must(ms_unit_new(&u[i], name, c, NULL, -1, -1, 1), "unit_new");
+        must(ms_unit_new(&u[i], name, c, NULL, -1, -1, MS_RESHARD_FULL), "unit_new");
         must(ms_unit_add_param(u[i], "weight", 2, (int64_t[]){cfg->rows, COLS}, MS_F32, 0, 1), "add_param");
         must(ms_unit_finalize(u[i]), "finalize");
         must(ms_tensor_fill(ms_unit_param_shard(u[i], 0), 0.5), "fill");

@@ -802,13 +802,10 @@ static int l_unit(lua_State *L) {
     ms_comm *shard = check_group(L, 2);
     ms_comm *replicate = lua_isnoneornil(L, 3) ? NULL : check_group(L, 3);
     int pd = opt_dtype_or_unset(L, 4), rd = opt_dtype_or_unset(L, 5);
-    /* true / false, or an integer k where (PyTorch's rule) k = 1 means keep: the C API's 0 */
-    int raf = 1;
-    if (lua_isboolean(L, 6)) raf = lua_toboolean(L, 6);
-    else if (!lua_isnoneornil(L, 6)) {
-        int k = check_int(L, 6, "unit: reshard_after_forward");
-        raf = k == 1 ? 0 : k;
-    }
+    /* PyTorch's: true (the default), false or the integer the C API takes */
+    int raf = MS_RESHARD_FULL;
+    if (lua_isboolean(L, 6)) raf = lua_toboolean(L, 6) ? MS_RESHARD_FULL : MS_RESHARD_KEEP;
+    else if (!lua_isnoneornil(L, 6)) raf = check_int(L, 6, "unit: reshard_after_forward");
     box *b = box_new(L, UNIT_MT);
     ms_unit *u;
     CHECK(L, ms_unit_new(&u, name, shard, replicate, pd, rd, raf));

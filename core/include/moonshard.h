@@ -356,12 +356,16 @@ typedef struct ms_unit ms_unit;
 /* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
  * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes (floating),
  * -1 for unset (FSDP2 clamps them per parameter: an integer parameter
- * or one already stored in param_dtype is gathered as stored).  reshard_after_forward: 1 = free the unsharded parameters after forward, 0 = keep
- * them, 2 <= k < W dividing W = keep a k-way shard and gather over k consecutive ranks of
- * the shard group in backward; k = W is taken as 1, other k are MS_ERR_ARG.  The unit
+ * or one already stored in param_dtype is gathered as stored).  reshard_after_forward is
+ * PyTorch's, as an integer: the size of the group the parameters stay sharded over after
+ * forward.  MS_RESHARD_FULL (0) or k = W reshards over the whole shard group (PyTorch's
+ * True: the unsharded parameters are freed); MS_RESHARD_KEEP (1) keeps them unsharded
+ * (False); 2 <= k < W dividing W keeps a k-way shard and gathers over k consecutive ranks
+ * of the shard group in backward.  Other values are MS_ERR_ARG.  The unit
  * retains the comms.  On the nccl backend every buffer of the unit is a cuda tensor on the
  * rank's GPU (shards, gradient shards, optimizer state, the unsharded parameters and
  * gradients, the gather and reduce buffers), unless ms_unit_set_cpu_offload. */
+typedef enum { MS_RESHARD_FULL = 0, MS_RESHARD_KEEP = 1 } ms_reshard;
 ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *replicate,
                       int param_dtype, int reduce_dtype, int reshard_after_forward);
 void ms_unit_retain(ms_unit *u);
@@ -429,7 +433,7 @@ ms_status ms_unit_unshard(ms_unit *u);
  * when nothing is pending. */
 ms_status ms_unit_wait(ms_unit *u);
 /* The unsharded parameter i (global shape, gather dtype) while unsharded (or kept by
- * reshard_after_forward 0).  Borrowed. */
+ * MS_RESHARD_KEEP).  Borrowed. */
 ms_tensor *ms_unit_param_full(ms_unit *u, int i);
 /* Frees (or keeps, per reshard_after_forward) the unsharded parameters after forward. */
 ms_status ms_unit_reshard(ms_unit *u);

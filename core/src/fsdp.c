@@ -89,7 +89,7 @@ typedef enum unit_state {
     ST_SHARDED,   /* the shards only */
     ST_GATHERING, /* an all_gather is pending (ms_unit_wait copies out) */
     ST_UNSHARDED, /* the unsharded parameters are alive */
-    ST_KEPT,      /* resharded with reshard_after_forward 0: the unsharded parameters are kept */
+    ST_KEPT,      /* resharded with MS_RESHARD_KEEP: the unsharded parameters are kept */
     ST_KWAY,      /* resharded to a k-way shard (u->kept) */
     ST_REDUCING,  /* a reduce_grads is pending (ms_unit_wait accumulates) */
     ST_FAILED     /* a collective failed: u->failure */
@@ -172,7 +172,7 @@ struct ms_unit {
     ms_comm *replicate; /* retained; R ranks; NULL for a 1-D mesh */
     ms_comm *kgroup;    /* retained; the k consecutive shard ranks of a k-way reshard, else NULL */
     int W, R, rank;     /* rank: in the shard group */
-    int k;              /* reshard_after_forward: 0 keep, 1 free, else the k-way size */
+    int k;              /* after forward: 0 keep, 1 free (the whole shard group), else the k-way size */
     int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
     ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
                                       * FSDP2's rule, from finalize */
@@ -571,11 +571,14 @@ ms_status ms_unit_new(ms_unit **out, const char *name, ms_comm *shard, ms_comm *
     if (!st) st = check_policy_dtype(name, "reduce_dtype", reduce_dtype);
     if (st) return st;
     const int W = ms_comm_size(shard);
-    int k = reshard_after_forward;
-    if (k < 0 || (k >= 2 && (k > W || W % k)))
-        return ms__fail(MS_ERR_ARG, "unit '%s': reshard_after_forward %d: expected 0 (keep), 1 (free) or a k-way "
-                        "size 2 <= k <= W that divides the shard size W = %d", name, k, W);
-    if (k == W && k >= 2) k = 1;
+    /* PyTorch's integer (_get_post_forward_mesh_info): 1 keeps, W frees, k keeps a k-way
+     * shard; MS_RESHARD_FULL stands for its True.  u->k: 0 keep, 1 free, else k-way. */
+    const int r = reshard_after_forward;
+    if (r < 0 || (r >= 2 && (r > W || W % r)))
+        return ms__fail(MS_ERR_ARG, "unit '%s': reshard_after_forward %d: expected MS_RESHARD_FULL (0, the whole shard "
+                        "group), MS_RESHARD_KEEP (1) or a group size 2 <= k <= W that divides the shard size W = %d",
+                        name, r, W);
+    const int k = r == MS_RESHARD_KEEP ? 0 : (r == MS_RESHARD_FULL || r == W) ? 1 : r;
 
     ms_unit *u = calloc(1, sizeof *u);
     if (!u || !(u->name = strdup(name))) {
@@ -993,7 +996,7 @@ ms_status ms_unit_unshard(ms_unit *u) {
     MS_NOT_NULL(u);
     ms_status st = check_state(u, "unshard", ST(ST_SHARDED) | ST(ST_KEPT) | ST(ST_KWAY));
     if (st) return st;
-    if (u->state == ST_KEPT) { /* reshard_after_forward 0: nothing to gather */
+    if (u->state == ST_KEPT) { /* MS_RESHARD_KEEP: nothing to gather */
         u->state = ST_UNSHARDED;
         return ms__ok();
     }

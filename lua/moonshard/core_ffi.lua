@@ -831,13 +831,12 @@ function M.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
   local shard_c = check_group(shard, 2)
   local replicate_c = replicate ~= nil and check_group(replicate, 3) or nil
   local pd, rd = opt_dtype_or_unset(param_dtype, 4), opt_dtype_or_unset(reduce_dtype, 5)
-  -- true / false, or an integer k where (PyTorch's rule) k = 1 means keep: the C API's 0
-  local raf = 1
+  -- PyTorch's: true (the default), false or the integer the C API takes
+  local raf = C.MS_RESHARD_FULL
   if type(reshard) == "boolean" then
-    raf = reshard and 1 or 0
+    raf = reshard and C.MS_RESHARD_FULL or C.MS_RESHARD_KEEP
   elseif reshard ~= nil then
-    local k = check_int(reshard, 6, "unit: reshard_after_forward")
-    raf = k == 1 and 0 or k
+    raf = check_int(reshard, 6, "unit: reshard_after_forward")
   end
   check(C.ms_unit_new(unit_out, name, shard_c, replicate_c, pd, rd, raf))
   return Unit(unit_out[0])

@@ -129,7 +129,7 @@ static void run_case(const refdata *d, const char *variant, ms_comm *world, cons
     CHECK(snprintf(tag, sizeof tag, "%s/%s/%s", dname, mode, h->name) < (int)sizeof tag);
     const bool master = !strcmp(mode, "master");
     ms_unit *u = NULL;
-    CHECK_OK(ms_unit_new(&u, tag, world, NULL, -1, -1, 1));
+    CHECK_OK(ms_unit_new(&u, tag, world, NULL, -1, -1, MS_RESHARD_FULL));
     if (!u) return;
     CHECK_OK(ms_unit_set_adamw(u, master ? MS_ADAMW_MASTER : MS_ADAMW_TORCH));
     static unsigned char buf[8 * 4096];

@@ -360,7 +360,7 @@ static void test_units(ms_comm *c) {
     REFUSE(ms_unit_new, shard, &u, "u", NULL, NULL, -1, -1, 1);
     ALLOW(ms_unit_new, replicate, 1, &r, "r", c, NULL, -1, -1, 1); /* a 1-D mesh */
     ms_unit_release(r);
-    CHECK_OK(ms_unit_new(&u, "u", c, NULL, -1, -1, 1));
+    CHECK_OK(ms_unit_new(&u, "u", c, NULL, -1, -1, MS_RESHARD_FULL));
 
     ALLOW_VOID(ms_unit_retain, u, NULL);
     ALLOW_VOID(ms_unit_release, u, NULL);

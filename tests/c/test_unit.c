@@ -10,7 +10,7 @@
  * are computed here in double, with the layout math (torch.chunk) written out again, and
  * rounded with ms_cast as the dtypes of each stage dictate.  Checked on every rank: the
  * unsharded parameters bit for bit, the gradient shards after one and two steps, gradient
- * accumulation with sync off, the reshard modes 0, 1 and k, AdamW with fp32 master weights,
+ * accumulation with sync off, the reshard modes keep, full and k, AdamW with fp32 master weights,
  * the gradient norm, the collective records, the bytes held, state errors by message and a
  * failed collective.  Units of one parameter (in place where the layout allows) must give
  * the same bits as the parameter inside the full unit; the rank's buffer cache must serve a
@@ -467,7 +467,7 @@ static void check_bytes(ms_unit *u, int64_t params, int64_t grads, int64_t optim
 
 /* ---------------------------------------------------------------- scenario: two steps */
 
-/* unshard, reshard (1), regather, backward, reduce; then a second step accumulating into
+/* unshard, reshard (full), regather, backward, reduce; then a second step accumulating into
  * the gradient shards.  Checks the parameters, gradients, norm, records and bytes. */
 static void two_steps(rank_ctx *c) {
     const scenario *sc = c->arg;
@@ -475,7 +475,7 @@ static void two_steps(rank_ctx *c) {
     const int W = sc->l.W, q = c->rank % W;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *u = build_unit("layers.0", pol, shard, replicate, 1);
+    ms_unit *u = build_unit("layers.0", pol, shard, replicate, MS_RESHARD_FULL);
     if (!u) return;
     const ms_dtype g = gather_dtype(pol), rd = reduce_dtype(pol);
     const int64_t ges = ms_dtype_size(g), res = ms_dtype_size(rd), ses = ms_dtype_size(pol->stored);
@@ -554,7 +554,7 @@ static void sync_off(rank_ctx *c) {
     const int W = sc->l.W, q = c->rank % W;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *a = build_unit("a", sc->pol, shard, replicate, 1), *b = build_unit("b", sc->pol, shard, replicate, 1);
+    ms_unit *a = build_unit("a", sc->pol, shard, replicate, MS_RESHARD_FULL), *b = build_unit("b", sc->pol, shard, replicate, MS_RESHARD_FULL);
     if (!a || !b) return;
     const int64_t rfull = sum_full(true) * ms_dtype_size(reduce_dtype(sc->pol));
 
@@ -618,7 +618,7 @@ static void sync_off(rank_ctx *c) {
 static void sync_off_rounding(rank_ctx *c) {
     ms_unit *u = NULL;
     const int64_t shape[1] = {4};
-    R_OK(ms_unit_new(&u, "acc", c->world, NULL, -1, MS_F16, 1));
+    R_OK(ms_unit_new(&u, "acc", c->world, NULL, -1, MS_F16, MS_RESHARD_FULL));
     if (!u) return;
     R_OK(ms_unit_add_param(u, "w", 1, shape, MS_F32, 0, 1));
     R_OK(ms_unit_finalize(u));
@@ -642,13 +642,13 @@ static void sync_off_rounding(rank_ctx *c) {
 
 /* ---------------------------------------------------------------- scenario: reshard modes */
 
-/* Three units with reshard_after_forward 0, 1 and 2 on W = 4, unsharded together (the
+/* Three units with reshard_after_forward MS_RESHARD_KEEP, MS_RESHARD_FULL and 2 on W = 4, unsharded together (the
  * second and third prefetched behind the first on the communication thread), resharded and
  * regathered: the same unsharded parameters, the expected collectives and bytes. */
 static void reshard_modes(rank_ctx *c) {
     const scenario *sc = c->arg;
     const policy *pol = sc->pol;
-    const int W = sc->l.W, modes[3] = {0, 1, 2};
+    const int W = sc->l.W, modes[3] = {MS_RESHARD_KEEP, MS_RESHARD_FULL, 2};
     ms_unit *u[3];
     for (int m = 0; m < 3; m++) u[m] = build_unit(m == 0 ? "keep" : m == 1 ? "free" : "two_way", pol, c->world,
                                                   NULL, modes[m]);
@@ -690,7 +690,7 @@ static void reshard_modes(rank_ctx *c) {
     worst = world_max(c, worst);
     gd = world_max(c, gd);
     if (c->rank == 0)
-        printf("  W=%d      reshard_after_forward 0, 1, 2 (prefetched): params max|diff| %g, grads after the 2-way "
+        printf("  W=%d      reshard_after_forward keep, full, 2 (prefetched): params max|diff| %g, grads after the 2-way "
                "regather %g\n", W, worst, gd);
     for (int m = 0; m < 3; m++) ms_unit_release(u[m]);
 }
@@ -774,7 +774,7 @@ static void adamw(rank_ctx *c) {
     const int W = sc->l.W, q = c->rank % W;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *u = build_unit("adamw", pol, shard, replicate, 1);
+    ms_unit *u = build_unit("adamw", pol, shard, replicate, MS_RESHARD_FULL);
     if (!u) return;
     adamw_steps(c, u, 0, ADAM_STEPS);
     const int64_t local = sum_local_trainable(W, q);
@@ -839,7 +839,7 @@ static void adamw_torch(rank_ctx *c) {
     const int W = sc->l.W, q = c->rank % W;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *u = build_unit("adamw_torch", pol, shard, replicate, 1);
+    ms_unit *u = build_unit("adamw_torch", pol, shard, replicate, MS_RESHARD_FULL);
     if (!u) return;
     R_OK(ms_unit_set_adamw(u, MS_ADAMW_TORCH));
     R_ERR(ms_unit_set_adamw(u, 7), MS_ERR_ARG, "mode 7: expected MS_ADAMW_MASTER (0) or MS_ADAMW_TORCH (1)");
@@ -904,7 +904,7 @@ static void no_grad(rank_ctx *c) {
     const int W = sc->l.W, q = c->rank % W;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
-    ms_unit *u = build_unit("no_grad", pol, shard, replicate, 1);
+    ms_unit *u = build_unit("no_grad", pol, shard, replicate, MS_RESHARD_FULL);
     if (!u) return;
     R_OK(ms_unit_unshard(u));
     R_OK(ms_unit_wait(u));
@@ -1054,7 +1054,7 @@ static void divide_factors(rank_ctx *c) {
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &dc->l, &shard, &replicate);
     const policy pol = {"f32", MS_F32, -1, -1, dc->factor};
-    ms_unit *u = build_unit_of("divide", &pol, shard, replicate, 1, 0, 1);
+    ms_unit *u = build_unit_of("divide", &pol, shard, replicate, MS_RESHARD_FULL, 0, 1);
     if (!u) return;
     R_OK(ms_unit_unshard(u));
     R_OK(ms_unit_wait(u));
@@ -1123,7 +1123,7 @@ static void checkpoint(rank_ctx *c) {
     const scenario sc = {k->l, k->pol};
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &k->l, &shard, &replicate);
-    ms_unit *a = build_unit("ckpt_a", k->pol, shard, replicate, 1), *b = build_unit("ckpt_b", k->pol, shard, replicate, 1);
+    ms_unit *a = build_unit("ckpt_a", k->pol, shard, replicate, MS_RESHARD_FULL), *b = build_unit("ckpt_b", k->pol, shard, replicate, MS_RESHARD_FULL);
     if (!a || !b) return;
     R_OK(ms_unit_set_adamw(a, k->adamw));
     R_OK(ms_unit_set_adamw(b, k->adamw));
@@ -1195,18 +1195,18 @@ static void checkpoint(rank_ctx *c) {
  * the gradient when the reduce dtype is the gather dtype, are views of the padded flat
  * buffers), the others copy as usual; the unsharded parameters and the gradient shards must
  * be the same bits, through a regather, two reduces and a sync-off accumulation.  The
- * single units reshard with k = 2 on W = 4, keep (0) on W = 2, free (1) otherwise. */
+ * single units reshard with k = 2 on W = 4, keep on W = 2, over the whole group otherwise. */
 static void one_param(rank_ctx *c) {
     const scenario *sc = c->arg;
     const policy *pol = sc->pol;
-    const int W = sc->l.W, k = W == 4 ? 2 : W == 2 ? 0 : 1;
+    const int W = sc->l.W, k = W == 4 ? 2 : W == 2 ? MS_RESHARD_KEEP : MS_RESHARD_FULL;
     const ms_dtype g = gather_dtype(pol);
     const int64_t ges = ms_dtype_size(g);
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, &sc->l, &shard, &replicate);
     int64_t wrong = 0;
     for (int j = 0; j < NSPEC; j++) {
-        ms_unit *all = build_unit("all", pol, shard, replicate, 1), *one = build_unit_of("one", pol, shard, replicate,
+        ms_unit *all = build_unit("all", pol, shard, replicate, MS_RESHARD_FULL), *one = build_unit_of("one", pol, shard, replicate,
                                                                                        k, j, 1);
         if (!all || !one) return;
         const bool place = in_place_spec(j), train = specs[j].requires_grad;
@@ -1223,7 +1223,7 @@ static void one_param(rank_ctx *c) {
             if (pass) break;
             R_OK(ms_unit_reshard(all));
             R_OK(ms_unit_reshard(one));
-            R_CHECK((ms_unit_param_full(one, 0) != NULL) == (k == 0)); /* freed views stay state errors */
+            R_CHECK((ms_unit_param_full(one, 0) != NULL) == (k == MS_RESHARD_KEEP)); /* freed views stay state errors */
         }
         /* step 1; steps 2 (sync off) and 3 accumulated into one reduce */
         for (int step = 1; step <= 3; step++) {
@@ -1283,8 +1283,8 @@ static void cache(rank_ctx *c) {
     const int64_t ges = ms_dtype_size(gather_dtype(pol)), res = ms_dtype_size(reduce_dtype(pol));
     const int64_t flat = W * sum_padded(W, false) * ges, rflat = W * sum_padded(W, true) * res;
     const int64_t full = sum_full(false) * ges, gfull = sum_full(true) * ges;
-    ms_unit *a = build_unit("a", pol, c->world, NULL, 1), *b = build_unit("b", pol, c->world, NULL, 1);
-    ms_unit *w = build_unit_of("w", &policies[3], c->world, NULL, 1, 0, 1); /* f32 throughout: in place */
+    ms_unit *a = build_unit("a", pol, c->world, NULL, MS_RESHARD_FULL), *b = build_unit("b", pol, c->world, NULL, MS_RESHARD_FULL);
+    ms_unit *w = build_unit_of("w", &policies[3], c->world, NULL, MS_RESHARD_FULL, 0, 1); /* f32 throughout: in place */
     if (!a || !b || !w) return;
     ms_unit *const units[3] = {a, b, w};
     R_CHECK(ms_unit_bytes(a, 4) == 0);
@@ -1365,7 +1365,7 @@ static void check_offsets(ms_unit *u, const int *spec_of, int n, int W, int q, i
 static void param_offsets(rank_ctx *c) {
     const int W = c->nranks, q = c->rank;
     ms_unit *u = NULL;
-    R_OK(ms_unit_new(&u, "offsets", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_new(&u, "offsets", c->world, NULL, -1, -1, MS_RESHARD_FULL));
     if (!u) return;
     int spec_of[NSPEC], n = 0;
     for (int i = 0; i < NSPEC; i++) {
@@ -1390,7 +1390,7 @@ static void param_offsets(rank_ctx *c) {
 
 static void errors(rank_ctx *c) {
     const policy *pol = &policies[0];
-    ms_unit *u = build_unit("errs", pol, c->world, NULL, 1), *x = NULL;
+    ms_unit *u = build_unit("errs", pol, c->world, NULL, MS_RESHARD_FULL), *x = NULL;
     if (!u) return;
     const int64_t shape[2] = {4, 3};
     R_ERR(ms_unit_add_param(u, "late", 2, shape, MS_F32, 0, 1), MS_ERR_STATE, "unit 'errs': add_param 'late'");
@@ -1418,7 +1418,7 @@ static void errors(rank_ctx *c) {
     R_OK(ms_unit_unshard(u));
     ms_unit_release(u);
 
-    R_OK(ms_unit_new(&x, "mixed", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_new(&x, "mixed", c->world, NULL, -1, -1, MS_RESHARD_FULL));
     R_OK(ms_unit_set_cpu_offload(x, 1)); /* accepted on the host: every buffer is there already */
     R_OK(ms_unit_add_param(x, "a.weight", 2, shape, MS_F32, 0, 1));
     R_ERR(ms_unit_set_cpu_offload(x, 0), MS_ERR_STATE, "'mixed': set_cpu_offload: the unit already holds parameters");
@@ -1429,19 +1429,19 @@ static void errors(rank_ctx *c) {
     R_ERR(ms_unit_add_param(x, "cols", 2, shape, MS_F32, 1, 1), MS_ERR_SHAPE, "not divisible"); /* 3 cols, W = 2 */
     ms_unit_release(x);
     x = NULL;
-    R_OK(ms_unit_new(&x, "ints", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_new(&x, "ints", c->world, NULL, -1, -1, MS_RESHARD_FULL));
     R_ERR(ms_unit_add_param(x, "ids", 2, shape, MS_I64, 0, 1), MS_ERR_DTYPE, "cannot require gradients");
     ms_unit_release(x);
     x = NULL;
     /* the root unit has the empty name: messages call it <root>, as the planner does */
-    R_OK(ms_unit_new(&x, "", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_new(&x, "", c->world, NULL, -1, -1, MS_RESHARD_FULL));
     R_ERR(ms_unit_scale_grads(x, NAN), MS_ERR_ARG, "unit '<root>': scale_grads: scale nan");
     ms_unit_release(x);
     x = NULL;
     R_ERR(ms_unit_new(&x, "k3", c->world, NULL, -1, -1, 3), MS_ERR_ARG, "reshard_after_forward 3");
-    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, 1), MS_ERR_DTYPE,
+    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, MS_I32, -1, MS_RESHARD_FULL), MS_ERR_DTYPE,
           "unit 'dt': param_dtype i32 is not a floating dtype");
-    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, -1, 42, 1), MS_ERR_DTYPE,
+    R_ERR(ms_unit_new(&x, "dt", c->world, NULL, -1, 42, MS_RESHARD_FULL), MS_ERR_DTYPE,
           "unit 'dt': reduce_dtype 42 is not a dtype (a floating ms_dtype, or -1 for unset)");
     R_CHECK(x == NULL);
 }
@@ -1476,7 +1476,7 @@ typedef struct fm_case {
 static void frozen_mixed(rank_ctx *c) {
     const fm_case *fc = c->arg;
     const layout *l = &fc->l;
-    const int W = l->W, N = l->W * l->R, k = W == 4 ? 2 : 1;
+    const int W = l->W, N = l->W * l->R, k = W == 4 ? 2 : MS_RESHARD_FULL;
     ms_comm *shard = NULL, *replicate = NULL;
     layout_comms(c, l, &shard, &replicate);
     ms_unit *u = NULL;
@@ -1578,7 +1578,7 @@ static void frozen_mixed(rank_ctx *c) {
 static void failed_collective(rank_ctx *c) {
     ms_unit *u = NULL;
     const int64_t shape[2] = {4 + 2 * c->rank, 3};
-    R_OK(ms_unit_new(&u, "bad", c->world, NULL, -1, -1, 1));
+    R_OK(ms_unit_new(&u, "bad", c->world, NULL, -1, -1, MS_RESHARD_FULL));
     R_OK(ms_unit_add_param(u, "w", 2, shape, MS_F32, 0, 1));
     R_OK(ms_unit_finalize(u));
     R_OK(ms_unit_unshard(u));

@@ -124,7 +124,7 @@ static void groups(ms_comm *world) {
 static void queued(ms_comm *world) {
     ms_unit *u = NULL;
     const int64_t shape[2] = {256, 64};
-    CHECK_OK(ms_unit_new(&u, "queued", world, NULL, MS_BF16, -1, 1));
+    CHECK_OK(ms_unit_new(&u, "queued", world, NULL, MS_BF16, -1, MS_RESHARD_FULL));
     if (!u) return;
     CHECK_OK(ms_unit_add_param(u, "w", 2, shape, MS_F32, 0, 1));
     CHECK_OK(ms_unit_finalize(u));
@@ -177,7 +177,7 @@ static void train(ms_comm *c, const unit_cfg *k, int offload, int steps, ms_tens
     const ms_device_type shard_dev = gpu && !offload ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
     const ms_device_type full_dev = gpu ? MS_DEVICE_CUDA : MS_DEVICE_CPU;
     ms_unit *u = NULL;
-    CHECK_OK(ms_unit_new(&u, "layer", c, NULL, (int)k->gather, (int)k->reduce, 1));
+    CHECK_OK(ms_unit_new(&u, "layer", c, NULL, (int)k->gather, (int)k->reduce, MS_RESHARD_FULL));
     if (!u) return;
     CHECK_OK(ms_unit_set_cpu_offload(u, offload));
     CHECK_OK(ms_unit_set_gradient_divide_factor(u, k->divide));
