@@ -799,7 +799,7 @@ function Ctx:fully_shard(module, opts)
   return unit
 end
 
--- ---------------------------------------------------------------- precision (SEMANTICS §4)
+-- ---------------------------------------------------------------- precision (FSDP2's rules)
 
 --- Effective dtypes of a parameter in a unit: the dtype it is gathered (computed) in and
 -- the dtype its gradient is reduced in (nil for a non-float parameter), as FSDP2 clamps them.
@@ -812,7 +812,7 @@ function M.effective_dtypes(stored, mp)
   return gather, rd or gather
 end
 
--- ---------------------------------------------------------------- unit layouts (SEMANTICS §3)
+-- ---------------------------------------------------------------- unit layouts (FSDP2's padded shards)
 
 -- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
 local function fsdp_shape(ctx, p)
