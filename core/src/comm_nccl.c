@@ -3,7 +3,7 @@
  *
  * The world.  A process learns its rank and the world size from MPI when an MPI launcher
  * started it (ms_mpi_launched), else from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
- * (torchrun and friends; store.c's TCP store, served by rank 0, is the rendezvous, or
+ * (torchrun and friends; store.h's TCP store, served by rank 0, is the rendezvous, or
  * torchrun's own store when TORCHELASTIC_USE_AGENT_STORE=True says it serves one), else it
  * is a world of one.  Its GPU is LOCAL_RANK when set, else rank mod the number of devices.
  * Rank 0 makes the NCCL unique id and hands it to the others (MPI_Bcast, or the store's

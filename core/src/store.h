@@ -11,7 +11,7 @@
  * bounded by the store's timeout, and a rank whose connection ends without closing the
  * store (a crashed process) makes every get of a key not yet set fail with MS_ERR_PEER
  * naming that rank, instead of waiting out the timeout.  The wire protocol and the server's
- * design are described at the top of store.c.
+ * design are described in store_internal.h and store_server.c.
  *
  * One ms_store is one client connection: use it from one thread at a time.  Several stores
  * may live in one process (the tests run ranks as threads).
@@ -44,8 +44,8 @@ ms_status ms__store_open(ms_store **out, const char *host, int port, int rank, i
  * expected.  Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the store at
  * MASTER_ADDR:MASTER_PORT is torchrun's own: every rank joins it as a client, in PyTorch's
  * TCPStore protocol, its keys under "moonshard/<TORCHELASTIC_RUN_ID>/<restart count>/";
- * there a second set of a key overwrites it, and a dead peer shows as a timeout (store.c,
- * "torchrun's store"). */
+ * there a second set of a key overwrites it, and a dead peer shows as a timeout
+ * (store_client.c, "torchrun's store"). */
 ms_status ms__store_open_env(ms_store **out, double timeout_s);
 
 int ms__store_rank(const ms_store *s);
