@@ -18,7 +18,7 @@
  * ranks instead of leaving them waiting in a collective.
  *
  * One source, two executables: moonshard runs each rank on a Lua 5.4 state with the C
- * binding (ms_lua.c); moonshard-jit, built with MOONSHARD_LUAJIT, on a LuaJIT state that
+ * binding (ms_lua*.c); moonshard-jit, built with MOONSHARD_LUAJIT, on a LuaJIT state that
  * reaches the same core through the FFI (ms_luajit.c).  Both provide ms_lua_setup.
  */
 #include "moonshard.h"

@@ -24,17 +24,18 @@
  *
  * With expert parallelism (ep > 1) a rank holds E/ep experts of each layer; a layer's
  * routed experts run between its two halves, their tokens sent to the experts' ranks and
- * the results brought back with all_to_all on the rank's ep group (README.md, "Expert
- * parallelism").
+ * the results brought back with all_to_all on the rank's ep group (route.c; README.md,
+ * "Expert parallelism").
  *
- * Rank 0 prints "step K loss L" per step; --records, --memory and --save expose what the
- * runtime did, for the checks of tests/lua/trainer_spec.lua.
+ * Rank 0 prints "step K loss L" per step; --records, --memory and --save (written by
+ * save.c) expose what the runtime did, for the checks of tests/lua/trainer_spec.lua.
  */
 #include <moonshard.h>
 #include <moonshard_embed.h>
 
-#include "data.h"
-#include "model.h"
+#include "route.h"
+#include "save.h"
+#include "trainer.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -64,24 +65,6 @@
 
 // ----------------------------------------------------------------------------
 // options
-
-typedef struct {
-    int nranks;
-    const char *mesh, *policy, *config, *data, *save;
-    long steps;
-    unsigned long long seed;
-    double eps, max_norm; // AdamW's eps and the gradient norm clipped at (0: no clipping)
-    int records, memory;
-    char *save_path;  // --save, its symbolic links resolved (save_check)
-    char *save_dir;   // the directory it is in, where the new file is made
-    mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
-    char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
-    // from --mesh and --config
-    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS
-    int ep;         // expert-parallel size: experts split over groups of ep ranks
-    int batch_size; // B, global rows per step
-    ModelConfig model;
-} Options;
 
 static const char USAGE[] =
     "usage: moe_trainer -n RANKS --mesh SPEC --policy PATH --steps N --seed S [options]\n"
@@ -318,63 +301,8 @@ static int parse_options(int argc, char **argv, Options *o) {
 // ----------------------------------------------------------------------------
 // one rank
 
-typedef struct {
-    // shared, read-only
-    const Options *opt;
-    const Dataset *data;
-    ms_world *world;
-    int rank;
-    // results
-    ms_status status;
-    char err[2048];
-    int64_t bytes[3], books[3], planned[3]; // --memory: params, grads, optimizer: allocated (counted at
-                                            // the allocator), in the units' books, and planned
-    char *save_tmp;               // --save, rank 0: the FILE.XXXXXX it wrote, for main to rename
-} RankArgs;
-
-// One layer's routed experts under expert parallelism, kept from forward to backward.  The
-// pairs (position, slot) of this rank go to the ranks of its ep group that hold their
-// experts, in chunks of `cap` rows (the largest count any rank sends any peer).
-typedef struct {
-    int cap;                  // rows a chunk holds in this layer's exchanges
-    int *send_count;          // (ep) pairs sent to each peer
-    int *recv_count;          // (ep) rows received from each peer
-    int *order;               // (BT*K) this rank's pairs, grouped by destination
-    int nrecv;                // rows received in all, computed here
-    int *ids;                 // (nrecv) local expert of each received row
-    float *x, *gu, *act;      // (nrecv, H), (nrecv, 2I), (nrecv, I): inputs and saved activations
-} EpLayer;
-
-typedef struct {
-    const Options *opt;
-    const ModelConfig *cfg;
-    RankArgs *args;
-    ms_comm *world;
-    ms_interp *in;
-    int nunits, nparams, nstages; // stages: 0 embed, 1..L the layers, L+1 the head
-    int prefetch_fwd, prefetch_bwd; // stages gathered ahead, as the policy prefetches units
-    ModelParam *table;            // (nparams) model.h's parameter table
-    ms_unit **units;              // (nunits) borrowed from the interpreter
-    int *unit_of, *index_of;      // (nparams) the unit holding parameter i and its index there
-    int *stage_of;                // (nparams) the stage that reads parameter i
-    int *first_stage, *last_stage;// (nunits) the stages reading a unit's parameters, -1 when none
-    int *gathered;                // (nunits) 1 from unshard until reshard or reduce_grads
-    float *params;                // (P) f32 copies of the gathered parameters, laid out as table
-    float *grads;                 // (P) f32 gradients of this rank's rows
-    float **param_ptrs, **grad_ptrs; // (nparams) into params and grads
-    int rows;                     // B / dp rows of the global batch on this rank
-    int *tokens;                  // (rows, T+1)
-    void *ws;                     // model_workspace_size(cfg, rows) bytes
-    // expert parallelism: this rank holds experts [ep_base, ep_base + ep_local) of each layer
-    int ep, ep_local, ep_base;
-    ms_comm *ep_group;            // this rank's ep group, tag 1: apart from the units' groups
-    EpLayer *ep_layers;           // (L)
-    float *ep_send, *ep_recv;     // exchange buffers, ep_cap floats each
-    size_t ep_cap;
-} Trainer;
-
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st.
-static ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...) {
+ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...) {
     char detail[1536];
     va_list ap;
     va_start(ap, fmt);
@@ -383,24 +311,6 @@ static ms_status fail(Trainer *tr, ms_status st, const char *what, const char *f
     snprintf(tr->args->err, sizeof tr->args->err, "%s: %s", what, detail);
     return st;
 }
-
-// A moonshard call that must succeed; its message explains a failure.
-#define TRY(what, call)                                                                     \
-    do {                                                                                    \
-        ms_status st_ = (call);                                                             \
-        if (st_) return fail(tr, st_, what, "%s", ms_last_error());                         \
-    } while (0)
-// A call of this file that already recorded its failure.
-#define CHECK(call)                                                                         \
-    do {                                                                                    \
-        ms_status st_ = (call);                                                             \
-        if (st_) return st_;                                                                \
-    } while (0)
-// A tensor getter of the unit API: NULL means failure (ms_last_error says why).
-#define GET(var, what, call)                                                                \
-    do {                                                                                    \
-        if (!((var) = (call))) return fail(tr, MS_ERR_STATE, what, "%s", ms_last_error());  \
-    } while (0)
 
 static ms_status all_reduce_one(Trainer *tr, double *v, ms_op op) {
     ms_tensor *t = NULL;
@@ -422,7 +332,7 @@ static int is_expert_param(const ModelConfig *cfg, int i) {
 // The part of parameter i this rank's units hold: the whole tensor, or under expert
 // parallelism the experts [ep_base, ep_base + ep_local) of an expert tensor.  Returns the
 // offset in floats; *numel and shape (the part's) are filled.
-static size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
+size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
     const ModelParam *p = &tr->table[i];
     for (int d = 0; d < 3; d++) shape[d] = p->shape[d];
     if (tr->ep == 1 || !is_expert_param(tr->cfg, i)) {
@@ -575,175 +485,6 @@ static ms_status reduce_unit(Trainer *tr, int u) {
     return MS_OK;
 }
 
-// ----------------------------------------------------------------------------
-// expert parallelism: tokens to the experts' ranks and back with all_to_all
-
-// At least n floats in each exchange buffer.
-static ms_status ep_reserve(Trainer *tr, size_t n) {
-    if (n <= tr->ep_cap) return MS_OK;
-    float *a = realloc(tr->ep_send, n * sizeof(float)), *b = a ? realloc(tr->ep_recv, n * sizeof(float)) : NULL;
-    if (a) tr->ep_send = a;
-    if (b) tr->ep_recv = b;
-    if (!a || !b) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory for %zu floats", n);
-    tr->ep_cap = n;
-    return MS_OK;
-}
-
-// all_to_all on the ep group of chunks of `cap` rows of `width` floats (ep_send -> ep_recv).
-static ms_status ep_exchange(Trainer *tr, int cap, int width) {
-    int64_t n = (int64_t)tr->ep * cap * width;
-    ms_tensor *in = NULL, *out = NULL;
-    ms_status st = ms_tensor_wrap(&in, tr->ep_send, 1, &n, MS_F32);
-    if (!st) st = ms_tensor_wrap(&out, tr->ep_recv, 1, &n, MS_F32);
-    if (!st) st = ms_all_to_all(tr->ep_group, out, in);
-    ms_tensor_release(in);
-    ms_tensor_release(out);
-    TRY("all_to_all on the ep group", st);
-    return MS_OK;
-}
-
-// Routes layer l's pairs: who gets which, how many each peer sends here, the chunk size.
-static ms_status ep_route(Trainer *tr, int l, EpLayer *el) {
-    const int P = tr->rows * tr->cfg->seq_len * tr->cfg->top_k, ep = tr->ep;
-    const int *choice = model_routing(tr->cfg, l, tr->ws);
-    memset(el->send_count, 0, (size_t)ep * sizeof(int));
-    for (int p = 0; p < P; p++) el->send_count[choice[p] / tr->ep_local]++;
-    int *next = el->recv_count; // scratch: where each destination's pairs go in `order`
-    for (int j = 0, at = 0; j < ep; at += el->send_count[j], j++) next[j] = at;
-    for (int p = 0; p < P; p++) el->order[next[choice[p] / tr->ep_local]++] = p;
-    // counts to every peer (one row of one float each), then the largest over the group
-    CHECK(ep_reserve(tr, (size_t)ep));
-    int most = 0;
-    for (int j = 0; j < ep; j++) {
-        tr->ep_send[j] = (float)el->send_count[j];
-        if (el->send_count[j] > most) most = el->send_count[j];
-    }
-    CHECK(ep_exchange(tr, 1, 1));
-    el->nrecv = 0;
-    for (int j = 0; j < ep; j++) el->nrecv += el->recv_count[j] = (int)tr->ep_recv[j];
-    double cap = most;
-    ms_tensor *t = NULL;
-    int64_t one = 1;
-    TRY("wrapping a scalar", ms_tensor_wrap(&t, &cap, 1, &one, MS_F64));
-    ms_status st = ms_all_reduce(tr->ep_group, t, MS_OP_MAX);
-    ms_tensor_release(t);
-    TRY("all_reduce on the ep group", st);
-    el->cap = (int)cap;
-    return MS_OK;
-}
-
-// Sends rows of `width` floats, one per pair of this rank (row(p) gives pair p's), to the
-// experts' ranks: on return ep_recv holds chunk j from peer j.
-typedef const float *(*pair_row_fn)(Trainer *tr, int l, int p);
-static ms_status ep_send_pairs(Trainer *tr, int l, EpLayer *el, int width, pair_row_fn row, int with_id) {
-    const int stride = width + with_id;
-    CHECK(ep_reserve(tr, (size_t)tr->ep * el->cap * stride));
-    const int *choice = model_routing(tr->cfg, l, tr->ws);
-    for (int j = 0, at = 0; j < tr->ep; at += el->send_count[j], j++)
-        for (int s = 0; s < el->send_count[j]; s++) {
-            int p = el->order[at + s];
-            float *dst = tr->ep_send + ((size_t)j * el->cap + s) * stride;
-            memcpy(dst, row(tr, l, p), (size_t)width * sizeof(float));
-            if (with_id) dst[width] = (float)(choice[p] - j * tr->ep_local); // the owner's local expert
-        }
-    return ep_exchange(tr, el->cap, stride);
-}
-
-// The reverse: rows (width floats) of the rows received, in the order received, go back to
-// their senders; each arrives in out + p * width of its pair p.
-static ms_status ep_return_rows(Trainer *tr, EpLayer *el, const float *rows, int width, float *out) {
-    CHECK(ep_reserve(tr, (size_t)tr->ep * el->cap * width));
-    for (int j = 0, r = 0; j < tr->ep; j++)
-        for (int s = 0; s < el->recv_count[j]; s++, r++)
-            memcpy(tr->ep_send + ((size_t)j * el->cap + s) * width, rows + (size_t)r * width,
-                   (size_t)width * sizeof(float));
-    CHECK(ep_exchange(tr, el->cap, width));
-    for (int j = 0, at = 0; j < tr->ep; at += el->send_count[j], j++)
-        for (int s = 0; s < el->send_count[j]; s++)
-            memcpy(out + (size_t)el->order[at + s] * width, tr->ep_recv + ((size_t)j * el->cap + s) * width,
-                   (size_t)width * sizeof(float));
-    return MS_OK;
-}
-
-// The rows received (chunks of rows of `stride` floats) packed: their first `width` floats
-// into rows, and with ids the float after them (the local expert) into ids.
-static void ep_unpack(const Trainer *tr, const EpLayer *el, int stride, int width, float *rows, int *ids) {
-    for (int j = 0, r = 0; j < tr->ep; j++)
-        for (int s = 0; s < el->recv_count[j]; s++, r++) {
-            const float *src = tr->ep_recv + ((size_t)j * el->cap + s) * stride;
-            memcpy(rows + (size_t)r * width, src, (size_t)width * sizeof(float));
-            if (ids) ids[r] = (int)src[width];
-        }
-}
-
-// Grows a layer's per-row buffers to hold nrecv rows.
-static ms_status ep_layer_reserve(Trainer *tr, EpLayer *el) {
-    const size_t n = (size_t)(el->nrecv ? el->nrecv : 1), H = tr->cfg->hidden_size, I = tr->cfg->expert_dim;
-    int *ids = realloc(el->ids, n * sizeof(int));
-    if (ids) el->ids = ids;
-    float **bufs[3] = {&el->x, &el->gu, &el->act};
-    const size_t width[3] = {H, 2 * I, I};
-    int ok = ids != NULL;
-    for (int k = 0; ok && k < 3; k++) {
-        float *b = realloc(*bufs[k], n * width[k] * sizeof(float));
-        if (b) *bufs[k] = b;
-        ok = b != NULL;
-    }
-    return ok ? MS_OK : fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory for %d rows", el->nrecv);
-}
-
-static const float *pair_input(Trainer *tr, int l, int p) {
-    return model_layer_moe_input(tr->cfg, l, tr->ws) + (size_t)(p / tr->cfg->top_k) * tr->cfg->hidden_size;
-}
-static const float *pair_dout(Trainer *tr, int l, int p) {
-    (void)l;
-    return model_layer_expert_dout(tr->cfg, tr->ws) + (size_t)p * tr->cfg->hidden_size;
-}
-
-// This rank's slice of an expert tensor of layer l (its experts, local index 0..ep_local).
-static float *local_experts(const Trainer *tr, float *const *ptrs, int l, int k) {
-    int i = model_layer_param(tr->cfg, l, k);
-    size_t numel;
-    int64_t shape[3];
-    return ptrs[i] + param_part(tr, i, &numel, shape);
-}
-
-// Layer l's routed experts, forward: pairs out, experts run here on what arrives, back.
-static ms_status ep_forward(Trainer *tr, int l) {
-    EpLayer *el = &tr->ep_layers[l];
-    const int H = tr->cfg->hidden_size;
-    CHECK(ep_route(tr, l, el));
-    CHECK(ep_send_pairs(tr, l, el, H, pair_input, 1));
-    CHECK(ep_layer_reserve(tr, el));
-    ep_unpack(tr, el, H + 1, H, el->x, el->ids);
-    float *out = malloc((size_t)(el->nrecv ? el->nrecv : 1) * H * sizeof(float));
-    if (!out) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory");
-    model_experts_forward(tr->cfg, local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_GATE_UP),
-                          local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_DOWN), el->ids, el->x, 1, el->nrecv,
-                          out, el->gu, el->act);
-    ms_status st = ep_return_rows(tr, el, out, H, model_layer_expert_out(tr->cfg, l, tr->ws));
-    free(out);
-    return st;
-}
-
-// Layer l's routed experts, backward: d output of each pair to the expert's rank, the
-// expert gradients accumulated there, d input of each pair back.
-static ms_status ep_backward(Trainer *tr, int l) {
-    EpLayer *el = &tr->ep_layers[l];
-    const int H = tr->cfg->hidden_size;
-    CHECK(ep_send_pairs(tr, l, el, H, pair_dout, 0));
-    float *dout = malloc((size_t)(el->nrecv ? el->nrecv : 1) * 2 * H * sizeof(float));
-    if (!dout) return fail(tr, MS_ERR_OOM, "expert parallelism", "out of memory");
-    float *dx = dout + (size_t)(el->nrecv ? el->nrecv : 1) * H;
-    ep_unpack(tr, el, H, H, dout, NULL);
-    model_experts_backward(tr->cfg, local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_GATE_UP),
-                           local_experts(tr, tr->param_ptrs, l, LP_EXPERTS_DOWN), el->ids, el->x, 1, el->nrecv,
-                           el->gu, el->act, dout, dx, local_experts(tr, tr->grad_ptrs, l, LP_EXPERTS_GATE_UP),
-                           local_experts(tr, tr->grad_ptrs, l, LP_EXPERTS_DOWN), tr->ws);
-    ms_status st = ep_return_rows(tr, el, dx, H, model_layer_expert_dh(tr->cfg, tr->ws));
-    free(dout);
-    return st;
-}
 
 static ms_status forward_layer(Trainer *tr, int l) {
     if (tr->ep == 1) {
@@ -887,123 +628,6 @@ static ms_status measure_memory(Trainer *tr) {
 }
 
 // ----------------------------------------------------------------------------
-// --save: the full f32 parameters in a safetensors file
-
-static void put_le(FILE *f, uint64_t v, int nbytes) {
-    for (int k = 0; k < nbytes; k++) fputc((int)(v >> (8 * k) & 0xff), f);
-}
-
-// The header JSON (names in table order, offsets contiguous, padded with spaces to a
-// multiple of 8 bytes as safetensors writers do), then the data as little-endian f32.
-static int write_safetensors(FILE *f, const ModelParam *table, int n, const float *data, size_t numel) {
-    char *header = NULL;
-    size_t len = 0;
-    FILE *h = open_memstream(&header, &len);
-    if (!h) return -1;
-    for (int i = 0; i < n; i++) {
-        const ModelParam *p = &table[i];
-        fprintf(h, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[", i ? "," : "{", p->name);
-        for (int d = 0; d < p->ndim; d++) fprintf(h, "%s%d", d ? "," : "", p->shape[d]);
-        fprintf(h, "],\"data_offsets\":[%zu,%zu]}", 4 * p->offset, 4 * (p->offset + p->numel));
-    }
-    fputc('}', h);
-    while (ftell(h) % 8) fputc(' ', h);
-    int ok = fclose(h) == 0;
-    if (ok) {
-        put_le(f, len, 8);
-        fwrite(header, 1, len, f);
-        for (size_t j = 0; j < numel; j++) {
-            uint32_t bits;
-            memcpy(&bits, &data[j], 4);
-            put_le(f, bits, 4);
-        }
-        ok = fflush(f) == 0 && !ferror(f);
-    }
-    free(header);
-    return ok ? 0 : -1;
-}
-
-// Rank 0, after the last step: the parameters into a new file FILE.XXXXXX beside FILE,
-// written and synced to disk; main renames it to FILE once every rank has succeeded
-// (save_end).  A failure here removes it.
-static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
-    const Options *o = tr->opt;
-    const size_t len = strlen(o->save_path) + sizeof ".XXXXXX";
-    char *tmp = malloc(len);
-    if (!tmp) return fail(tr, MS_ERR_OOM, "--save", "out of memory");
-    snprintf(tmp, len, "%s.XXXXXX", o->save_path);
-    const int fd = mkstemp(tmp);
-    if (fd < 0) {
-        const int e = errno;
-        free(tmp);
-        return fail(tr, MS_ERR_IO, "--save", "cannot create a file in %s: %s", o->save_dir, strerror(e));
-    }
-    FILE *f = NULL;
-    int ok = fchmod(fd, o->save_mode) == 0 && (f = fdopen(fd, "wb")) != NULL;
-    ok = ok && write_safetensors(f, tr->table, tr->nparams, full, P) == 0 && fsync(fd) == 0; // flushed: fsync
-    int e = errno;
-    if (f ? fclose(f) != 0 : close(fd) != 0) {
-        if (ok) e = errno;
-        ok = 0;
-    }
-    if (!ok) {
-        unlink(tmp);
-        const ms_status st = fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", o->save, tmp, strerror(e));
-        free(tmp);
-        return st;
-    }
-    tr->args->save_tmp = tmp;
-    return MS_OK;
-}
-
-// The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
-// rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
-// fills it (ranks holding the same element hold the same value).  A shard is the rows
-// [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
-// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
-static ms_status save(Trainer *tr) {
-    const size_t P = model_param_numel(tr->cfg);
-    float *full = tr->grads; // (P) reused: the assembled parameters
-    for (size_t j = 0; j < P; j++) full[j] = -INFINITY;
-    for (int i = 0; i < tr->nparams; i++) {
-        const ModelParam *p = &tr->table[i];
-        ms_unit *u = tr->units[tr->unit_of[i]];
-        size_t numel;
-        int64_t shape[3], offset, rows;
-        int dim;
-        const size_t part = param_part(tr, i, &numel, shape);
-        ms_tensor *shard, *values = NULL;
-        TRY("--save", ms_unit_param_offset(u, tr->index_of[i], &dim, &offset, &rows));
-        GET(shard, "--save", ms_unit_param_shard(u, tr->index_of[i]));
-        TRY("--save: reading a shard", ms_tensor_to(&values, shard, MS_F32));
-        // values: the part's (outer, shape[dim], inner) narrowed to (outer, rows, inner)
-        size_t outer = 1, inner = 1;
-        for (int d = 0; d < dim; d++) outer *= (size_t)shape[d];
-        for (int d = dim + 1; d < p->ndim; d++) inner *= (size_t)shape[d];
-        const size_t run = (size_t)rows * inner;
-        const float *v = ms_tensor_data(values);
-        float *dst = full + p->offset + part;
-        const int fits =
-            (size_t)ms_tensor_numel(values) == outer * run && outer * (size_t)shape[dim] * inner == numel;
-        for (size_t o = 0; fits && run && o < outer; o++)
-            memcpy(dst + (o * (size_t)shape[dim] + (size_t)offset) * inner, v + o * run, run * sizeof *v);
-        ms_tensor_release(values);
-        if (!fits)
-            return fail(tr, MS_ERR_INTERNAL, "--save", "the shard of %s does not match its part of the parameter",
-                        p->name);
-    }
-    ms_tensor *t = NULL;
-    int64_t n = (int64_t)P;
-    TRY("--save", ms_tensor_wrap(&t, full, 1, &n, MS_F32));
-    ms_status st = ms_all_reduce(tr->world, t, MS_OP_MAX);
-    ms_tensor_release(t);
-    TRY("--save: all_reduce over the world", st);
-    for (size_t j = 0; j < P; j++)
-        if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
-    return tr->args->rank == 0 ? write_save_file(tr, full, P) : MS_OK;
-}
-
-// ----------------------------------------------------------------------------
 // a rank's life
 
 // Everything indexed by parameter, and the kernels' buffers.
@@ -1129,7 +753,7 @@ static void *rank_main(void *p) {
 // --save: FILE checked before any rank starts, so that a FILE that cannot be written fails
 // at once: not a directory nor another kind of file, writable when it exists, in a
 // directory where a new file can be made and renamed over it.  Nothing is created until
-// rank 0 saves after the last step (write_save_file).  0, or 2.
+// rank 0 saves after the last step (write_save_file in save.c).  0, or 2.
 static int save_check(Options *o) {
     if (!*o->save) return usage_error("--save: expected a file name, got ''");
     struct stat st;

@@ -1,6 +1,6 @@
 -- moonshard.core_ffi: the LuaJIT binding of libmoonshard, through the FFI.
 --
--- The same module table as the Lua 5.4 C binding (lua/ms_lua.c, `moonshard.core`): the
+-- The same module table as the Lua 5.4 C binding (lua/ms_lua*.c, `moonshard.core`): the
 -- same functions and methods, the same results and the same error messages, so that
 -- `require "moonshard"` (init.lua picks this file under LuaJIT) behaves alike in both.
 -- Tensors, meshes, groups and units are small FFI boxes around the core's handles: the
@@ -433,7 +433,7 @@ local BOOL = tonumber(C.MS_BOOL)
 local INT64_MAX_U = ffi.cast(uint64_t, TWO63) - 1
 
 -- v (a number, an int64 cdata or a boolean) as an element of the integer dtype dt, for
--- from_table and fill_, as int_element in ms_lua.c: integers exact, floats truncated toward
+-- from_table and fill_, as int_element in ms_lua_tensor.c: integers exact, floats truncated toward
 -- zero, booleans 0 / 1; bool takes any number (nonzero is true).  A value dt cannot hold is
 -- an error, as in PyTorch, where a cast (t:to) would saturate.  `what` names the value.
 local function int_element(v, dt, what)
@@ -943,7 +943,7 @@ function unit_methods.scale_grads(self, scale)
 end
 
 -- Field `name` of an options table: a number (required, or def when absent), as
--- opt_field_number in ms_lua.c.
+-- opt_field_number in ms_lua_unit.c.
 local function field_number(o, fn, name, required, def)
   local v = o[name]
   local n = tonumber(v)

@@ -1,0 +1,127 @@
+/*
+ * save.c: moe_trainer's --save: the full f32 parameters in a safetensors file.
+ */
+#include "save.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static void put_le(FILE *f, uint64_t v, int nbytes) {
+    for (int k = 0; k < nbytes; k++) fputc((int)(v >> (8 * k) & 0xff), f);
+}
+
+// The header JSON (names in table order, offsets contiguous, padded with spaces to a
+// multiple of 8 bytes as safetensors writers do), then the data as little-endian f32.
+static int write_safetensors(FILE *f, const ModelParam *table, int n, const float *data, size_t numel) {
+    char *header = NULL;
+    size_t len = 0;
+    FILE *h = open_memstream(&header, &len);
+    if (!h) return -1;
+    for (int i = 0; i < n; i++) {
+        const ModelParam *p = &table[i];
+        fprintf(h, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[", i ? "," : "{", p->name);
+        for (int d = 0; d < p->ndim; d++) fprintf(h, "%s%d", d ? "," : "", p->shape[d]);
+        fprintf(h, "],\"data_offsets\":[%zu,%zu]}", 4 * p->offset, 4 * (p->offset + p->numel));
+    }
+    fputc('}', h);
+    while (ftell(h) % 8) fputc(' ', h);
+    int ok = fclose(h) == 0;
+    if (ok) {
+        put_le(f, len, 8);
+        fwrite(header, 1, len, f);
+        for (size_t j = 0; j < numel; j++) {
+            uint32_t bits;
+            memcpy(&bits, &data[j], 4);
+            put_le(f, bits, 4);
+        }
+        ok = fflush(f) == 0 && !ferror(f);
+    }
+    free(header);
+    return ok ? 0 : -1;
+}
+
+// Rank 0, after the last step: the parameters into a new file FILE.XXXXXX beside FILE,
+// written and synced to disk; main renames it to FILE once every rank has succeeded
+// (save_end).  A failure here removes it.
+static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
+    const Options *o = tr->opt;
+    const size_t len = strlen(o->save_path) + sizeof ".XXXXXX";
+    char *tmp = malloc(len);
+    if (!tmp) return fail(tr, MS_ERR_OOM, "--save", "out of memory");
+    snprintf(tmp, len, "%s.XXXXXX", o->save_path);
+    const int fd = mkstemp(tmp);
+    if (fd < 0) {
+        const int e = errno;
+        free(tmp);
+        return fail(tr, MS_ERR_IO, "--save", "cannot create a file in %s: %s", o->save_dir, strerror(e));
+    }
+    FILE *f = NULL;
+    int ok = fchmod(fd, o->save_mode) == 0 && (f = fdopen(fd, "wb")) != NULL;
+    ok = ok && write_safetensors(f, tr->table, tr->nparams, full, P) == 0 && fsync(fd) == 0; // flushed: fsync
+    int e = errno;
+    if (f ? fclose(f) != 0 : close(fd) != 0) {
+        if (ok) e = errno;
+        ok = 0;
+    }
+    if (!ok) {
+        unlink(tmp);
+        const ms_status st = fail(tr, MS_ERR_IO, "--save", "cannot write %s (as %s): %s", o->save, tmp, strerror(e));
+        free(tmp);
+        return st;
+    }
+    tr->args->save_tmp = tmp;
+    return MS_OK;
+}
+
+// The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
+// rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
+// fills it (ranks holding the same element hold the same value).  A shard is the rows
+// [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
+// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
+ms_status save(Trainer *tr) {
+    const size_t P = model_param_numel(tr->cfg);
+    float *full = tr->grads; // (P) reused: the assembled parameters
+    for (size_t j = 0; j < P; j++) full[j] = -INFINITY;
+    for (int i = 0; i < tr->nparams; i++) {
+        const ModelParam *p = &tr->table[i];
+        ms_unit *u = tr->units[tr->unit_of[i]];
+        size_t numel;
+        int64_t shape[3], offset, rows;
+        int dim;
+        const size_t part = param_part(tr, i, &numel, shape);
+        ms_tensor *shard, *values = NULL;
+        TRY("--save", ms_unit_param_offset(u, tr->index_of[i], &dim, &offset, &rows));
+        GET(shard, "--save", ms_unit_param_shard(u, tr->index_of[i]));
+        TRY("--save: reading a shard", ms_tensor_to(&values, shard, MS_F32));
+        // values: the part's (outer, shape[dim], inner) narrowed to (outer, rows, inner)
+        size_t outer = 1, inner = 1;
+        for (int d = 0; d < dim; d++) outer *= (size_t)shape[d];
+        for (int d = dim + 1; d < p->ndim; d++) inner *= (size_t)shape[d];
+        const size_t run = (size_t)rows * inner;
+        const float *v = ms_tensor_data(values);
+        float *dst = full + p->offset + part;
+        const int fits =
+            (size_t)ms_tensor_numel(values) == outer * run && outer * (size_t)shape[dim] * inner == numel;
+        for (size_t o = 0; fits && run && o < outer; o++)
+            memcpy(dst + (o * (size_t)shape[dim] + (size_t)offset) * inner, v + o * run, run * sizeof *v);
+        ms_tensor_release(values);
+        if (!fits)
+            return fail(tr, MS_ERR_INTERNAL, "--save", "the shard of %s does not match its part of the parameter",
+                        p->name);
+    }
+    ms_tensor *t = NULL;
+    int64_t n = (int64_t)P;
+    TRY("--save", ms_tensor_wrap(&t, full, 1, &n, MS_F32));
+    ms_status st = ms_all_reduce(tr->world, t, MS_OP_MAX);
+    ms_tensor_release(t);
+    TRY("--save: all_reduce over the world", st);
+    for (size_t j = 0; j < P; j++)
+        if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
+    return tr->args->rank == 0 ? write_save_file(tr, full, P) : MS_OK;
+}

@@ -1,0 +1,17 @@
+/*
+ * save.h: moe_trainer's --save (save.c); main.c checks FILE before the ranks start
+ * (save_check) and completes it after the run (save_end).
+ */
+#ifndef MOE_SAVE_H
+#define MOE_SAVE_H
+
+#include "trainer.h"
+
+// The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
+// rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
+// fills it (ranks holding the same element hold the same value).  A shard is the rows
+// [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
+// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
+ms_status save(Trainer *tr);
+
+#endif

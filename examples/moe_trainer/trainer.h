@@ -1,0 +1,123 @@
+/*
+ * trainer.h: what moe_trainer's main.c, route.c and save.c share: the options, a rank's
+ * state (Trainer) and the error handling of its functions.
+ */
+#ifndef MOE_TRAINER_H
+#define MOE_TRAINER_H
+
+#include <moonshard.h>
+#include <moonshard_embed.h>
+
+#include "data.h"
+#include "model.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+// ----------------------------------------------------------------------------
+// options
+
+typedef struct {
+    int nranks;
+    const char *mesh, *policy, *config, *data, *save;
+    long steps;
+    unsigned long long seed;
+    double eps, max_norm; // AdamW's eps and the gradient norm clipped at (0: no clipping)
+    int records, memory;
+    char *save_path;  // --save, its symbolic links resolved (save_check)
+    char *save_dir;   // the directory it is in, where the new file is made
+    mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
+    char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
+    // from --mesh and --config
+    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS
+    int ep;         // expert-parallel size: experts split over groups of ep ranks
+    int batch_size; // B, global rows per step
+    ModelConfig model;
+} Options;
+
+// ----------------------------------------------------------------------------
+// one rank
+
+typedef struct {
+    // shared, read-only
+    const Options *opt;
+    const Dataset *data;
+    ms_world *world;
+    int rank;
+    // results
+    ms_status status;
+    char err[2048];
+    int64_t bytes[3], books[3], planned[3]; // --memory: params, grads, optimizer: allocated (counted at
+                                            // the allocator), in the units' books, and planned
+    char *save_tmp;               // --save, rank 0: the FILE.XXXXXX it wrote, for main to rename
+} RankArgs;
+
+// One layer's routed experts under expert parallelism, kept from forward to backward.  The
+// pairs (position, slot) of this rank go to the ranks of its ep group that hold their
+// experts, in chunks of `cap` rows (the largest count any rank sends any peer).
+typedef struct {
+    int cap;                  // rows a chunk holds in this layer's exchanges
+    int *send_count;          // (ep) pairs sent to each peer
+    int *recv_count;          // (ep) rows received from each peer
+    int *order;               // (BT*K) this rank's pairs, grouped by destination
+    int nrecv;                // rows received in all, computed here
+    int *ids;                 // (nrecv) local expert of each received row
+    float *x, *gu, *act;      // (nrecv, H), (nrecv, 2I), (nrecv, I): inputs and saved activations
+} EpLayer;
+
+typedef struct {
+    const Options *opt;
+    const ModelConfig *cfg;
+    RankArgs *args;
+    ms_comm *world;
+    ms_interp *in;
+    int nunits, nparams, nstages; // stages: 0 embed, 1..L the layers, L+1 the head
+    int prefetch_fwd, prefetch_bwd; // stages gathered ahead, as the policy prefetches units
+    ModelParam *table;            // (nparams) model.h's parameter table
+    ms_unit **units;              // (nunits) borrowed from the interpreter
+    int *unit_of, *index_of;      // (nparams) the unit holding parameter i and its index there
+    int *stage_of;                // (nparams) the stage that reads parameter i
+    int *first_stage, *last_stage;// (nunits) the stages reading a unit's parameters, -1 when none
+    int *gathered;                // (nunits) 1 from unshard until reshard or reduce_grads
+    float *params;                // (P) f32 copies of the gathered parameters, laid out as table
+    float *grads;                 // (P) f32 gradients of this rank's rows
+    float **param_ptrs, **grad_ptrs; // (nparams) into params and grads
+    int rows;                     // B / dp rows of the global batch on this rank
+    int *tokens;                  // (rows, T+1)
+    void *ws;                     // model_workspace_size(cfg, rows) bytes
+    // expert parallelism: this rank holds experts [ep_base, ep_base + ep_local) of each layer
+    int ep, ep_local, ep_base;
+    ms_comm *ep_group;            // this rank's ep group, tag 1: apart from the units' groups
+    EpLayer *ep_layers;           // (L)
+    float *ep_send, *ep_recv;     // exchange buffers, ep_cap floats each
+    size_t ep_cap;
+} Trainer;
+
+// Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
+ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...);
+
+// A moonshard call that must succeed; its message explains a failure.
+#define TRY(what, call)                                                                     \
+    do {                                                                                    \
+        ms_status st_ = (call);                                                             \
+        if (st_) return fail(tr, st_, what, "%s", ms_last_error());                         \
+    } while (0)
+// A call of the trainer's own that already recorded its failure.
+#define CHECK(call)                                                                         \
+    do {                                                                                    \
+        ms_status st_ = (call);                                                             \
+        if (st_) return st_;                                                                \
+    } while (0)
+// A tensor getter of the unit API: NULL means failure (ms_last_error says why).
+#define GET(var, what, call)                                                                \
+    do {                                                                                    \
+        if (!((var) = (call))) return fail(tr, MS_ERR_STATE, what, "%s", ms_last_error());  \
+    } while (0)
+
+// The part of parameter i this rank's units hold: the whole tensor, or under expert
+// parallelism the experts [ep_base, ep_base + ep_local) of an expert tensor.  Returns the
+// offset in floats; *numel and shape (the part's) are filled. (main.c)
+size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]);
+
+#endif
