@@ -75,7 +75,10 @@ int l_backend(lua_State *L) {
 
 /* device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu" */
 int l_device(lua_State *L) {
-    if (strcmp(ms_comm_backend(get_world(L)), "nccl") == 0) lua_pushfstring(L, "cuda:%d", ms_nccl_device());
+    ms_device_type type = MS_DEVICE_CPU;
+    int index = -1;
+    CHECK(L, ms_comm_device(get_world(L), &type, &index));
+    if (type == MS_DEVICE_CUDA) lua_pushfstring(L, "cuda:%d", index);
     else lua_pushliteral(L, "cpu");
     return 1;
 }

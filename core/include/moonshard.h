@@ -249,6 +249,10 @@ int ms_comm_rank(const ms_comm *c);
 int ms_comm_world_rank(const ms_comm *c, int group_rank);
 /* "threads", "mpi" or "nccl". */
 const char *ms_comm_backend(const ms_comm *c);
+/* Where this rank's tensors for c's collectives live: *type MS_DEVICE_CPU (index -1) on
+ * threads and MPI, MS_DEVICE_CUDA and the rank's GPU on nccl.  A host asks this instead of
+ * comparing backend names. */
+ms_status ms_comm_device(const ms_comm *c, ms_device_type *type, int *index);
 /* The group of the given world ranks (strictly increasing, including this rank) seen from
  * this rank.  Every member must ask for the same list; asking again returns the same group. */
 ms_status ms_comm_group(ms_comm *world, int n, const int *world_ranks, ms_comm **out);

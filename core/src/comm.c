@@ -315,6 +315,14 @@ const char *ms_comm_backend(const ms_comm *c) {
     MS_NOT_NULL_OR(c, NULL);
     return c->world->backend->name;
 }
+ms_status ms_comm_device(const ms_comm *c, ms_device_type *type, int *index) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(type);
+    MS_NOT_NULL(index);
+    *type = c->world->backend->device;
+    *index = *type == MS_DEVICE_CUDA ? ms_nccl_device() : -1;
+    return ms__ok();
+}
 
 /* Checks a member list: strictly increasing world ranks that include `me`. */
 static ms_status check_members(const ms_world *w, int me, int n, const int *ranks) {

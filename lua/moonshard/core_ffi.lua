@@ -396,8 +396,10 @@ function M.memory_cap() return false end
 function M.memory_refused() return false end
 
 -- device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu"
+local device_type, device_index = ffi.new("ms_device_type[1]"), ffi.new("int[1]")
 function M.device()
-  if M.backend() == "nccl" then return "cuda:" .. C.ms_nccl_device() end
+  check(C.ms_comm_device(get_world(), device_type, device_index))
+  if device_type[0] == C.MS_DEVICE_CUDA then return "cuda:" .. device_index[0] end
   return "cpu"
 end
 

@@ -282,6 +282,12 @@ static void test_worlds_and_comms(ms_world *w, ms_comm *c) {
     REFUSE_VALUE(ms_comm_rank, c, -1, NULL);
     REFUSE_VALUE(ms_comm_world_rank, c, -1, NULL, 0);
     REFUSE_VALUE(ms_comm_backend, c, NULL, NULL);
+    ms_device_type dev_type = MS_DEVICE_INVALID;
+    int dev_index = 0;
+    REFUSE(ms_comm_device, c, NULL, &dev_type, &dev_index);
+    REFUSE(ms_comm_device, type, c, NULL, &dev_index);
+    REFUSE(ms_comm_device, index, c, &dev_type, NULL);
+    CHECK(ms_comm_device(c, &dev_type, &dev_index) == MS_OK && dev_type == MS_DEVICE_CPU && dev_index == -1);
     const int ranks[1] = {0};
     REFUSE(ms_comm_group, world, NULL, 1, ranks, &got);
     REFUSE(ms_comm_group, world_ranks, c, 1, NULL, &got);
