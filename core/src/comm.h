@@ -57,7 +57,7 @@ typedef struct ms_coll {
 } ms_coll;
 
 /* The name the collectives this thread calls next are labelled with (a shard unit's, set
- * around its collectives by fsdp.c); NULL for none. */
+ * around its collectives by unit.c); NULL for none. */
 extern _Thread_local const char *ms__coll_label;
 /* Fills call's label_hash and label from ms__coll_label. */
 void ms__coll_set_label(ms_coll *call);
@@ -138,7 +138,7 @@ ms_status ms__mpi_bcast(void *buf, int bytes, int root);
  * One communication thread per (world, world rank), created on first use, runs the calls
  * queued for that rank in FIFO order: a rank that queues its collectives in program order
  * issues them in the same order as its peers, whatever thread queued them.  Used by the
- * shard units (fsdp.c) so that compute on the rank's thread overlaps communication. */
+ * shard units (unit.c) so that compute on the rank's thread overlaps communication. */
 
 typedef ms_status (*ms_async_fn)(void *arg);
 

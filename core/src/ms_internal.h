@@ -88,8 +88,8 @@ void ms__cast_contig(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype sr
 /* An allocation account: the bytes of memory allocated (calloc, cudaMalloc) for the storages
  * made while it was this thread's account (ms__account_enter), by category, taken off when
  * such a storage is freed, on whichever thread.  Counted at the allocator, apart from any
- * caller's own books: the shard units keep one per rank (fsdp.c) so that a test can hold
- * their books and the planner to the memory really allocated (ms_unit_rank_allocated).
+ * caller's own books: the shard units keep one per rank (unit_cache.c) so that a test can
+ * hold their books and the planner to the memory really allocated (ms_unit_rank_allocated).
  * Refcounted: a storage retains the account it was counted in. */
 enum { MS__ACCOUNT_CATS = 4 };
 typedef struct ms__account {

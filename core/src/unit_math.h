@@ -1,10 +1,10 @@
 /*
- * unit_math.h: the element-wise arithmetic of the shard units (fsdp.c): scaling and
- * accumulating gradients, their sum of squares, and the AdamW update.  unit_math.c runs it
- * on host memory; core/cuda/unit.cu runs it on device memory (cuda.h: ms__cuda_ew,
- * ms__cuda_sum_sq, ms__cuda_adamw) through the same scalar functions (the AdamW update
- * below, the element-wise step of core/cuda/unit_element.h), so a unit computes the same
- * bits on either side, except for the order of the f64 sum of squares.
+ * unit_math.h: the element-wise arithmetic of the shard units (unit.c, unit_adamw.c):
+ * scaling and accumulating gradients, their sum of squares, and the AdamW update.
+ * unit_math.c runs it on host memory; core/cuda/unit.cu runs it on device memory (cuda.h:
+ * ms__cuda_ew, ms__cuda_sum_sq, ms__cuda_adamw) through the same scalar functions (the
+ * AdamW update below, the element-wise step of core/cuda/unit_element.h), so a unit
+ * computes the same bits on either side, except for the order of the f64 sum of squares.
  *
  * The rules are PyTorch's opmath: a 16- or 8-bit value is widened to f32, computed in f32
  * and rounded once into its dtype; f64 computes in f64.

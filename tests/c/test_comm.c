@@ -518,7 +518,7 @@ static ms_status barrier_differs(ms_comm *c, ms_tensor *t, int r) {
 }
 
 /* The same all_reduce issued for different shard units: the label (comm.h: the unit's name,
- * which fsdp.c sets around a unit's collectives) is part of the call, so ranks 0 1 (unit
+ * which unit.c sets around a unit's collectives) is part of the call, so ranks 0 1 (unit
  * "layers.0") and ranks 2 3 (unit "layers.1") disagree although dtype, count and op agree. */
 static ms_status label_differs(ms_comm *c, ms_tensor *t, int r) {
     ms__coll_label = r < 2 ? "layers.0" : "layers.1";

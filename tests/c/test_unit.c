@@ -1,5 +1,6 @@
 /*
- * test_unit.c: shard units (fsdp.c, comm_async.c) on ranks run as threads.
+ * test_unit.c: shard units (unit.c, unit_cache.c, unit_adamw.c; comm_async.c) on ranks run
+ * as threads.
  *
  * Every rank builds the same units over a 1-D mesh of W = 1, 2, 3, 4 ranks or an HSDP 2x2
  * mesh (replicate 2 x shard 2), with parameters of uneven dim-0 sizes (one smaller than W,

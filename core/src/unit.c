@@ -1,6 +1,18 @@
 /*
- * fsdp.c: shard units, one rank's FSDP2 runtime.
- *
+ * unit.c: shard units, one rank's FSDP2 runtime: the unit itself (its parameters and
+ * states), unshard and reshard, its gradients and their reduction.  Its buffers are
+ * unit_cache.c's, its optimizer unit_adamw.c's; unit_internal.h is what the three share.
+ */
+#include "unit_internal.h"
+#include "cuda.h"
+#include "unit_math.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/*
  * A unit holds the padded shards of its parameters in their stored dtype (the shard dim
  * has ceil(n/W) rows on every rank for dim 0, n/W for another dim; the padding is zero and
  * stays zero) and moves them with the collectives of comm.c, queued on the rank's
@@ -23,38 +35,10 @@
  *            buffer (no copy-out), and when the reduce dtype is the gather dtype the
  *            unsharded gradient is a view of the zeroed reduce_scatter input (no packing).
  *
- * Every buffer the unit allocates goes through buf_new / buf_free, which keep the byte
- * counts of ms_unit_bytes exact.  All unit state belongs to the rank's thread; while an op
- * is pending, the communication thread touches only that op's tensors (unit_op).
- *
- * The buffer cache.  A step makes and drops the same transient buffers again and again:
- * the flat gather and reduce buffers, the unsharded parameters and gradients, the k-way
- * shard, the sync-off accumulator (all of category unsharded; the shards, gradient shards
- * and optimizer states are made once and stay).  Fresh memory costs a page fault and a
- * kernel zero-fill per page, which on a CPU rank cost as much as the collectives
- * themselves, so buf_free keeps freed transient buffers in a cache for buf_new to hand out
- * again: a steady-state step allocates nothing.
- *   - One cache per (world, world rank), shared by all units of the rank and created with
- *     the first of them: a buffer freed by unit i is reused by unit i+1, as a caching device
- *     allocator would, so the cache holds about the rank's peak of live transient buffers
- *     (one or two units' worth), not an unsharded copy of every unit.  It has its own lock
- *     (units of a rank may be driven from several threads, one at a time each).
- *   - Buffers are matched by (dtype, numel) exactly and handed out as a view of the wanted
- *     shape; the last freed is reused first (warm in cache).  The number of buffers of one
- *     size never exceeds the most that were live at once, so the cache is bounded.
- *   - Only a buffer nothing else references is kept: if a caller still holds the tensor or
- *     a view of it (ms_tensor_retain on a borrowed tensor), it is released as before and
- *     lives on in the caller's hands; the cache never hands out memory someone can reach.
- *     The state rules are unchanged: after reshard, param_full is an error whether the
- *     memory went to the cache or back to the allocator.
- *   - A reused buffer is not zeroed unless the unit needs zeros: the gather buffer and the
- *     unsharded parameters are overwritten whole, packed buffers get their padding rows
- *     zeroed (move_block), the unsharded gradients and the sync-off accumulator are zeroed.
- *   - Accounting: a cached buffer is no longer counted under params, grads, optimizer or
- *     unsharded; it is counted under category 4 (cached) of the unit that freed it (taking it
- *     moves it to the taker's live category), so summing ms_unit_bytes over the units of a
- *     rank gives everything the rank holds.  ms_unit_release_unsharded and ms_unit_release
- *     free the unit's cached buffers.
+ * Every buffer the unit allocates goes through buf_new / buf_free (unit_cache.c), which
+ * keep the byte counts of ms_unit_bytes exact.  All unit state belongs to the rank's
+ * thread; while an op is pending, the communication thread touches only that op's tensors
+ * (unit_op).
  *
  * On a CUDA backend (nccl) every buffer lives on the rank's GPU: the shards, gradient
  * shards and optimizer state, the gather and reduce buffers, the unsharded parameters and
@@ -66,34 +50,8 @@
  * (ms_tensor_copy across devices), the reduced chunk comes back to the host before the
  * post-divide and the accumulation, and the optimizer runs on the host.
  */
-#include "comm.h"
-#include "cuda.h"
-#include "unit_math.h"
 
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* ---------------------------------------------------------------- types */
-
-/* ms_unit_bytes categories: the buffers the unit holds, then the free buffers it left in the
- * rank's cache. */
-enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_CACHED = 4, CAT_COUNT = 5 };
-
-/* Record kinds of ms_unit_record. */
-enum { REC_ALL_GATHER = 0, REC_REDUCE_SCATTER = 1, REC_ALL_REDUCE = 2 };
-
-typedef enum unit_state {
-    ST_BUILDING,  /* parameters are being added */
-    ST_SHARDED,   /* the shards only */
-    ST_GATHERING, /* an all_gather is pending (ms_unit_wait copies out) */
-    ST_UNSHARDED, /* the unsharded parameters are alive */
-    ST_KEPT,      /* resharded with MS_RESHARD_KEEP: the unsharded parameters are kept */
-    ST_KWAY,      /* resharded to a k-way shard (u->kept) */
-    ST_REDUCING,  /* a reduce_grads is pending (ms_unit_wait accumulates) */
-    ST_FAILED     /* a collective failed: u->failure */
-} unit_state;
+/* ---------------------------------------------------------------- buffers and states */
 
 static const char *const state_name[] = {
     [ST_BUILDING] = "building (not finalized)",
@@ -106,330 +64,10 @@ static const char *const state_name[] = {
     [ST_FAILED] = "failed",
 };
 
-#define ST(s) (1u << (s))
-/* Finalized with no pending op. */
-#define ST_IDLE (ST(ST_SHARDED) | ST(ST_UNSHARDED) | ST(ST_KEPT) | ST(ST_KWAY))
-
-typedef struct unit_param {
-    char *fqn;
-    int ndim;
-    int64_t shape[MS_MAX_DIMS];        /* global */
-    int64_t padded_shape[MS_MAX_DIMS]; /* the padded shard */
-    int dim;                           /* shard dim, normalised */
-    bool requires_grad;
-    ms_dtype dtype;  /* stored */
-    ms_dtype gather; /* the dtype it is gathered (computed) in, by FSDP2's rule (finalize) */
-    int64_t padded_numel;
-    int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
-    int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
-    bool in_reduce;      /* part of the pending reduce_grads */
-    ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; CAT_PARAMS */
-    ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
-    ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
-    ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
-    bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
-                             * (PyTorch's grad = None; the buffer stays) */
-    int64_t skipped_steps;  /* adamw_step calls that found no gradient: the parameter's own step
-                             * count is the caller's step less these (torch's state['step']) */
-    ms_tensor *exp_avg;     /* (shard numel) AdamW first moment, f32 (the stored dtype with
-                             * MS_ADAMW_TORCH); CAT_OPTIM */
-    ms_tensor *exp_avg_sq;  /* (shard numel) AdamW second moment, as exp_avg; CAT_OPTIM */
-    ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
-    /* (shape) gather dtype: the unsharded parameter and this backward's gradient;
-     * CAT_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
-    ms_tensor *full, *grad_full;
-    ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; CAT_UNSHARDED */
-    ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; CAT_UNSHARDED */
-    ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; CAT_UNSHARDED */
-} unit_param;
-
-/* The pending collective.  Between submit and wait only the communication thread uses it. */
-typedef struct unit_op {
-    ms_ticket ticket;
-    ms_comm *comm;      /* borrowed: the all_gather's or reduce_scatter's group */
-    ms_tensor *flat;    /* borrowed: u->flat, the collective's whole buffer */
-    ms_tensor *slice;   /* owned view: this rank's slice of flat (all_gather in, reduce_scatter out) */
-    ms_op op;           /* reduce_scatter */
-    ms_comm *replicate; /* borrowed: HSDP all_reduce of slice over this group, else NULL */
-    ms_op replicate_op;
-    const char *label;  /* borrowed: the unit's name in messages, labelling its collectives */
-    double post_divide; /* reduce: slice /= post_divide on wait */
-} unit_op;
-
-typedef struct buf_cache buf_cache;
-
-typedef struct unit_record {
-    int kind;
-    ms_dtype dtype;
-    int group_size;
-    int64_t bytes;
-} unit_record;
-
-struct ms_unit {
-    atomic_int refcount;
-    char *name;
-    ms_comm *shard;     /* retained; W ranks */
-    ms_comm *replicate; /* retained; R ranks; NULL for a 1-D mesh */
-    ms_comm *kgroup;    /* retained; the k consecutive shard ranks of a k-way reshard, else NULL */
-    int W, R, rank;     /* rank: in the shard group */
-    int k;              /* after forward: 0 keep, 1 free (the whole shard group), else the k-way size */
-    int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
-    ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
-                                      * FSDP2's rule, from finalize */
-    unit_state state;
-    char failure[1024]; /* the first failure's message (ST_FAILED) */
-    unit_param *params; /* (nparams), capacity cap */
-    int nparams, cap;
-    int64_t S;          /* elements of one rank's gather chunk */
-    bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
-    bool gather_bytes;  /* parameters gathered in different dtypes: the gather buffers are u8 and S
-                         * counts bytes (FSDP2's uint8 all-gather of frozen parameters of other dtypes) */
-    int device;         /* the CUDA device of the transient buffers, or -1 for the host */
-    bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
-    int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
-    bool adamw_made;    /* the AdamW state exists (an adamw_step or ms_unit_adamw_state made it) */
-    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
-    ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
-    unit_op op;
-    bool sync;            /* requires_gradient_sync */
-    double divide_factor; /* 0 = default (W * R) */
-    buf_cache *cache;     /* the rank's buffer cache, shared with its other units */
-    int64_t bytes[CAT_CACHED]; /* the categories held; the cache counts CAT_CACHED */
-    unit_record *records; /* (nrecords), capacity rcap */
-    int nrecords, rcap;
-};
-
-/* ---------------------------------------------------------------- the rank's buffer cache */
-
-/* A free buffer: a contiguous tensor whose storage only the cache references, and the unit
- * that freed it (ms_unit_bytes counts it there). */
-typedef struct cache_entry {
-    ms_tensor *t;
-    const ms_unit *owner;
-} cache_entry;
-
-/* The free buffers of one dtype and numel: a stack, the last freed reused first. */
-typedef struct cache_bin {
-    ms_dtype dtype;
-    int64_t numel;
-    cache_entry *entries; /* (n), capacity cap */
-    int n, cap;
-} cache_bin;
-
-struct buf_cache {
-    ms_world *world;      /* the key: a world (kept alive by the comms of the units using the cache) */
-    int rank;             /* and a world rank */
-    int users;            /* units using the cache; under cache_registry_lock */
-    pthread_mutex_t lock; /* guards the bins */
-    cache_bin *bins;      /* (nbins), capacity bcap; a bin stays when it empties */
-    int nbins, bcap;
-    buf_cache *next;      /* registry link */
-    ms__account *account; /* the memory allocated for the rank's units, counted at the allocator
-                           * (ms_unit_rank_allocated); categories 0-2 as CAT_*, 3 unsharded and cached */
-};
-
-static pthread_mutex_t cache_registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static buf_cache *cache_registry; /* every cache in use */
-
-/* A new, empty cache of (w, rank) with its allocation account, or NULL when out of memory. */
-static buf_cache *cache_new(ms_world *w, int rank) {
-    buf_cache *c = calloc(1, sizeof *c);
-    if (c && !(c->account = ms__account_new())) {
-        free(c);
-        return NULL;
-    }
-    if (c) {
-        c->world = w;
-        c->rank = rank;
-        pthread_mutex_init(&c->lock, NULL);
-    }
-    return c;
-}
-
-/* The cache of (w, rank), created if needed; the caller uses it until cache_release. */
-static ms_status cache_acquire(ms_world *w, int rank, buf_cache **out) {
-    pthread_mutex_lock(&cache_registry_lock);
-    buf_cache *c = cache_registry;
-    while (c && (c->world != w || c->rank != rank)) c = c->next;
-    if (!c && (c = cache_new(w, rank))) {
-        c->next = cache_registry;
-        cache_registry = c;
-    }
-    if (c) c->users++;
-    pthread_mutex_unlock(&cache_registry_lock);
-    *out = c;
-    return c ? MS_OK : ms__fail(MS_ERR_OOM, "out of memory creating the buffer cache of rank %d", rank);
-}
-
-/* Ends a use of c; the last frees it with whatever it still holds. */
-static void cache_release(buf_cache *c) {
-    if (!c) return;
-    pthread_mutex_lock(&cache_registry_lock);
-    const bool last = --c->users == 0;
-    if (last) {
-        buf_cache **link = &cache_registry;
-        while (*link != c) link = &(*link)->next;
-        *link = c->next;
-    }
-    pthread_mutex_unlock(&cache_registry_lock);
-    if (!last) return;
-    for (int b = 0; b < c->nbins; b++) {
-        for (int i = 0; i < c->bins[b].n; i++) ms_tensor_release(c->bins[b].entries[i].t);
-        free(c->bins[b].entries);
-    }
-    free(c->bins);
-    pthread_mutex_destroy(&c->lock);
-    ms__account_release(c->account);
-    free(c);
-}
-
-/* A free buffer of (dtype, numel) out of c, or NULL. */
-static ms_tensor *cache_take(buf_cache *c, ms_dtype dtype, int64_t numel) {
-    ms_tensor *t = NULL;
-    if (!c) return NULL;
-    pthread_mutex_lock(&c->lock);
-    for (int b = 0; b < c->nbins && !t; b++) {
-        cache_bin *bin = &c->bins[b];
-        if (bin->dtype == dtype && bin->numel == numel && bin->n) t = bin->entries[--bin->n].t;
-    }
-    pthread_mutex_unlock(&c->lock);
-    return t;
-}
-
-/* items (capacity *cap elements of `size` bytes) with room for more than n of them: items
- * itself, or a larger copy and *cap its capacity; NULL when out of memory (items intact). */
-static void *grow(void *items, int *cap, int n, size_t size) {
-    if (n < *cap) return items;
-    const int want = *cap ? 2 * *cap : 8;
-    void *p = realloc(items, (size_t)want * size);
-    if (p) *cap = want;
-    return p;
-}
-
-/* Keeps t, freed by `owner`, for reuse and takes over the caller's reference; false when t
- * is shared (another reference to it or to its storage: a caller's view, which must keep
- * its memory), empty, or there is no memory to track it: the caller releases it then. */
-static bool cache_put(buf_cache *c, ms_tensor *t, const ms_unit *owner) {
-    if (!c || ms_tensor_nbytes(t) == 0 || atomic_load(&t->refcount) != 1 || atomic_load(&t->storage->refcount) != 1)
-        return false;
-    const ms_dtype dtype = ms_tensor_dtype(t);
-    const int64_t numel = ms_tensor_numel(t);
-    bool kept = false;
-    pthread_mutex_lock(&c->lock);
-    int b = 0;
-    while (b < c->nbins && (c->bins[b].dtype != dtype || c->bins[b].numel != numel)) b++;
-    if (b == c->nbins) {
-        cache_bin *bins = grow(c->bins, &c->bcap, c->nbins, sizeof *bins);
-        if (bins) {
-            c->bins = bins;
-            c->bins[c->nbins++] = (cache_bin){.dtype = dtype, .numel = numel};
-        }
-    }
-    if (b < c->nbins) {
-        cache_bin *bin = &c->bins[b];
-        cache_entry *entries = grow(bin->entries, &bin->cap, bin->n, sizeof *entries);
-        if (entries) {
-            bin->entries = entries;
-            bin->entries[bin->n++] = (cache_entry){t, owner};
-            kept = true;
-        }
-    }
-    pthread_mutex_unlock(&c->lock);
-    return kept;
-}
-
-/* Frees the buffers `owner` left in c. */
-static void cache_drop(buf_cache *c, const ms_unit *owner) {
-    if (!c) return;
-    pthread_mutex_lock(&c->lock);
-    for (int b = 0; b < c->nbins; b++) {
-        cache_bin *bin = &c->bins[b];
-        int kept = 0;
-        for (int i = 0; i < bin->n; i++) {
-            if (bin->entries[i].owner == owner) ms_tensor_release(bin->entries[i].t);
-            else bin->entries[kept++] = bin->entries[i];
-        }
-        bin->n = kept;
-    }
-    pthread_mutex_unlock(&c->lock);
-}
-
-/* Bytes of the buffers `owner` left in c. */
-static int64_t cache_bytes(buf_cache *c, const ms_unit *owner) {
-    int64_t bytes = 0;
-    if (!c) return 0;
-    pthread_mutex_lock(&c->lock);
-    for (int b = 0; b < c->nbins; b++)
-        for (int i = 0; i < c->bins[b].n; i++)
-            if (c->bins[b].entries[i].owner == owner) bytes += ms_tensor_nbytes(c->bins[b].entries[i].t);
-    pthread_mutex_unlock(&c->lock);
-    return bytes;
-}
-
-/* ---------------------------------------------------------------- buffers and states */
-
-/* Elements [off, off + n) of a contiguous buffer set to zero, on the host or the device. */
-static ms_status zero_elems(ms_tensor *t, int64_t off, int64_t n) {
-    if (n <= 0) return MS_OK;
-    if (ms_tensor_device(t) == MS_DEVICE_CPU) {
-        const int64_t es = ms_dtype_size(ms_tensor_dtype(t));
-        memset((char *)ms_tensor_data(t) + off * es, 0, (size_t)(n * es));
-        return MS_OK;
-    }
-    ms_tensor *flat = NULL, *part = NULL;
-    const int64_t all = ms_tensor_numel(t);
-    ms_status st = ms_tensor_view(&flat, t, 1, &all);
-    if (!st) st = ms_tensor_narrow(&part, flat, 0, off, n);
-    if (!st) st = ms_tensor_fill(part, 0);
-    ms_tensor_release(part);
-    ms_tensor_release(flat);
-    return st;
-}
-
-/* How messages name a unit: the root (the empty name) as "<root>", as the planner shows it. */
-static const char *unit_label(const ms_unit *u) { return u->name[0] ? u->name : "<root>"; }
-
-/* A contiguous buffer of category cat for u: for a transient (unsharded) one, a free one of
- * the same dtype and numel from the rank's cache, holding what it held (zero-filled when
- * `zero`); else a new zero-filled one. */
-static ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype,
-                         bool zero) {
-    int64_t numel;
-    ms_status st = ms__check_shape(ndim, shape, &numel);
-    ms_tensor *cached = st || !numel || cat != CAT_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
-    const bool on_device = u->device >= 0 && (cat == CAT_UNSHARDED || !u->offload);
-    if (cached) {
-        st = ms_tensor_view(out, cached, ndim, shape); /* the view holds the storage alone */
-        ms_tensor_release(cached);
-        if (!st && zero) st = zero_elems(*out, 0, numel);
-    } else if (!st) {
-        /* counted at the allocator: cached buffers are transient ones, so 3 holds both */
-        const ms__account_scope outer = ms__account_enter(u->cache->account, cat < CAT_UNSHARDED ? cat : CAT_UNSHARDED);
-        st = ms_tensor_new(out, ndim, shape, dtype, on_device ? MS_DEVICE_CUDA : MS_DEVICE_CPU,
-                           on_device ? u->device : 0);
-        ms__account_leave(outer);
-    }
-    if (st) return ms__wrap(st, "unit '%s'", unit_label(u));
-    u->bytes[cat] += ms_tensor_nbytes(*out);
-    return MS_OK;
-}
-
-/* Drops u's reference to a buffer of category cat: a transient (unsharded) one goes into
- * the rank's cache unless it is shared. */
-static void buf_free(ms_unit *u, int cat, ms_tensor **t) {
-    if (!*t) return;
-    u->bytes[cat] -= ms_tensor_nbytes(*t);
-    if (cat != CAT_UNSHARDED || !cache_put(u->cache, *t, u)) ms_tensor_release(*t);
-    *t = NULL;
-}
-
 static void view_free(ms_tensor **t) {
     ms_tensor_release(*t);
     *t = NULL;
 }
-
-/* The shards, gradient shards and optimizer state are on the unit's GPU. */
-static bool shards_on_device(const ms_unit *u) { return u->device >= 0 && !u->offload; }
 
 /* Element i of a contiguous buffer (NULL stays NULL: empty tensors have no data). */
 static void *at(ms_tensor *t, int64_t i) {
@@ -437,9 +75,7 @@ static void *at(ms_tensor *t, int64_t i) {
     return d ? d + i * ms_dtype_size(ms_tensor_dtype(t)) : NULL;
 }
 
-/* MS_OK when u's state is one of `allowed`, else MS_ERR_STATE naming the unit, the call
- * and the state (with the first failure's message once the unit failed). */
-static ms_status check_state(const ms_unit *u, const char *call, unsigned allowed) {
+ms_status check_state(const ms_unit *u, const char *call, unsigned allowed) {
     if (allowed & ST(u->state)) return MS_OK;
     if (u->state == ST_FAILED)
         return ms__fail(MS_ERR_STATE, "unit '%s': %s: the unit is unusable after a failed collective: %s", unit_label(u),
@@ -448,8 +84,7 @@ static ms_status check_state(const ms_unit *u, const char *call, unsigned allowe
                     state_name[u->state]);
 }
 
-/* Parameter i of u (u checked by the caller). */
-static ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) {
+ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) {
     if (i < 0 || i >= u->nparams)
         return ms__fail(MS_ERR_ARG, "unit '%s': %s: no parameter %d (the unit has %d, numbered from 0)", unit_label(u),
                         call, i, u->nparams);
@@ -945,8 +580,7 @@ static ms_status op_submit(ms_unit *u, ms_async_fn fn, unit_state pending) {
 
 /* ---------------------------------------------------------------- unshard and reshard */
 
-/* flat[at, at + numel(src)) <- src (contiguous, any device), cast to flat's dtype. */
-static ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src) {
+ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src) {
     const int64_t n = ms_tensor_numel(src);
     ms_tensor *part = NULL, *line = NULL;
     ms_status st = ms_tensor_narrow(&part, flat, 0, at, n);
@@ -1317,7 +951,7 @@ ms_status ms_unit_wait(ms_unit *u) {
     return st ? unit_fail(u, st, gather ? "unshard" : "reduce_grads") : ms__ok();
 }
 
-/* ---------------------------------------------------------------- optimizer and clipping */
+/* ---------------------------------------------------------------- zero_grad and clipping */
 
 /* The gradient states: finalized, no reduce writing the gradient shards. */
 #define ST_GRADS (ST_IDLE | ST(ST_GATHERING))
@@ -1365,158 +999,7 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     return st ? ms__wrap(st, "unit '%s': scale_grads", unit_label(u)) : ms__ok();
 }
 
-/* p's AdamW state, made once: zero moments (f32, or the stored dtype with MS_ADAMW_TORCH),
- * and f32 master weights from the stored shard (MS_ADAMW_MASTER, stored dtype not f32). */
-static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
-    if (p->exp_avg) return MS_OK;
-    const int64_t n = ms_tensor_numel(p->shard);
-    const ms_dtype mdt = u->adamw == MS_ADAMW_TORCH ? u->stored : MS_F32;
-    ms_status st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, mdt, true);
-    if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, mdt, true);
-    if (!st && u->adamw == MS_ADAMW_MASTER && u->stored != MS_F32 &&
-        !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
-        st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
-    return st;
-}
-
-/* One AdamW step on the n real elements of p's shard (a prefix of its padded buffer), where
- * the shard is. */
-static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h) {
-    const int64_t n = ms_tensor_numel(p->shard);
-    ms_status st = adamw_state_make(u, p);
-    if (st) return st;
-    if (u->adamw == MS_ADAMW_TORCH) { /* torch.optim.AdamW: the moments in the stored dtype, no master */
-        if (!n) return MS_OK;
-        void *w = ms_tensor_data(p->padded), *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
-        const void *grad = ms_tensor_data(p->grad_padded);
-        if (shards_on_device(u)) return ms__cuda_adamw_torch(u->device, w, m, v, grad, u->stored, n, h);
-        ms__adamw_torch(w, m, v, grad, u->stored, n, h);
-        return MS_OK;
-    }
-    if (!n) return MS_OK;
-    float *w = ms_tensor_data(p->master ? p->master : p->padded);
-    float *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
-    const void *grad = ms_tensor_data(p->grad_padded);
-    void *stored = p->master ? ms_tensor_data(p->padded) : NULL;
-    if (shards_on_device(u)) return ms__cuda_adamw(u->device, w, m, v, grad, u->stored, stored, u->stored, n, h);
-    ms__adamw(w, m, v, grad, u->stored, stored, u->stored, n, h);
-    return MS_OK;
-}
-
-ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
-    MS_NOT_NULL(u);
-    if (mode != MS_ADAMW_MASTER && mode != MS_ADAMW_TORCH)
-        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
-                        unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
-    if (u->adamw_made && mode != u->adamw)
-        return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit's AdamW state exists already (an adamw_step or "
-                        "ms_unit_adamw_state made it); choose how it is kept before it is made", unit_label(u));
-    u->adamw = mode;
-    return ms__ok();
-}
-
-ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
-    MS_NOT_NULL_OR(u, NULL);
-    unit_param *p = NULL;
-    if (param_at(u, "adamw_state", i, &p)) return NULL;
-    if (which < MS_ADAMW_EXP_AVG || which > MS_ADAMW_MASTER_WEIGHTS) {
-        ms__fail(MS_ERR_ARG, "unit '%s': adamw_state: which %d: expected MS_ADAMW_EXP_AVG (0), MS_ADAMW_EXP_AVG_SQ (1) "
-                 "or MS_ADAMW_MASTER_WEIGHTS (2)", unit_label(u), which);
-        return NULL;
-    }
-    ms__ok();
-    if (!p->requires_grad) return NULL; /* no gradient, no state */
-    if (check_state(u, "adamw_state", ST_IDLE)) return NULL;
-    if (!p->exp_avg) {
-        ms_status st = adamw_state_make(u, p);
-        if (st) {
-            ms__wrap(st, "unit '%s': adamw_state", unit_label(u));
-            return NULL;
-        }
-        u->adamw_made = true; /* the state exists: its mode is fixed */
-    }
-    ms__ok();
-    return which == MS_ADAMW_EXP_AVG ? p->exp_avg : which == MS_ADAMW_EXP_AVG_SQ ? p->exp_avg_sq : p->master;
-}
-
-int64_t ms_unit_adamw_skipped(const ms_unit *u, int i) {
-    MS_NOT_NULL_OR(u, -1);
-    unit_param *p = NULL;
-    if (param_at(u, "adamw_skipped", i, &p)) return -1;
-    ms__ok();
-    return p->skipped_steps;
-}
-
-ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
-    MS_NOT_NULL(u);
-    unit_param *p = NULL;
-    ms_status st = param_at(u, "set_adamw_skipped", i, &p);
-    if (st) return st;
-    if (skipped < 0)
-        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw_skipped: parameter '%s': %lld: expected a count >= 0",
-                        unit_label(u), p->fqn, (long long)skipped);
-    if (!p->requires_grad && skipped)
-        return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw_skipped: parameter '%s' is frozen: it takes no AdamW steps, so "
-                        "it skips none", unit_label(u), p->fqn);
-    p->skipped_steps = skipped;
-    return ms__ok();
-}
-
-ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
-                             int64_t step) {
-    MS_NOT_NULL(u);
-    ms_status st = check_state(u, "adamw_step", ST(ST_SHARDED));
-    if (st) return st;
-    if (!(lr >= 0) || !(eps >= 0) || !(weight_decay >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) ||
-        step < 1)
-        return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: lr %g, betas (%g, %g), eps %g, weight_decay %g, step %lld: "
-                        "expected lr, eps, weight_decay >= 0, 0 <= beta < 1 and step >= 1", unit_label(u), lr, beta1, beta2,
-                        eps, weight_decay, (long long)step);
-    /* torch counts steps per parameter (state['step'] advances only with a gradient): a
-     * parameter that skipped k steps takes step - k in its bias corrections. */
-    for (int i = 0; i < u->nparams; i++) {
-        const unit_param *p = &u->params[i];
-        if (p->has_grad && step - p->skipped_steps < 1)
-            return ms__fail(MS_ERR_ARG, "unit '%s': adamw_step: step %lld: parameter '%s' had no gradient in %lld "
-                            "earlier steps, so this would be its step %lld: expected step to count every adamw_step "
-                            "call from 1", unit_label(u), (long long)step, p->fqn, (long long)p->skipped_steps,
-                            (long long)(step - p->skipped_steps));
-    }
-    u->adamw_made = true;
-    for (int i = 0; i < u->nparams && !st; i++) {
-        unit_param *p = &u->params[i];
-        if (!p->has_grad) {
-            p->skipped_steps += p->requires_grad; /* a frozen one takes no steps */
-            continue;
-        }
-        const double t = (double)(step - p->skipped_steps);
-        ms_adamw_hyper h = {.d = {.decay = 1 - lr * weight_decay, .w1 = 1 - beta1, .b2 = beta2, .c2 = 1 - beta2,
-                                  .step_size = lr / (1 - pow(beta1, t)), .bc2_sqrt = pow(1 - pow(beta2, t), 0.5),
-                                  .eps = eps}};
-        h.decay = (float)h.d.decay, h.w1 = (float)h.d.w1, h.b2 = (float)h.d.b2, h.c2 = (float)h.d.c2;
-        h.step_size = (float)h.d.step_size, h.bc2_sqrt = (float)h.d.bc2_sqrt, h.eps = (float)h.d.eps;
-        st = adamw_param(u, p, &h);
-    }
-    return st ? ms__wrap(st, "unit '%s': adamw_step", unit_label(u)) : ms__ok();
-}
-
 /* ---------------------------------------------------------------- audits */
-
-int64_t ms_unit_bytes(const ms_unit *u, int category) {
-    MS_NOT_NULL_OR(u, -1);
-    if (category < 0 || category >= CAT_COUNT) return -1;
-    return category == CAT_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
-}
-
-int64_t ms_unit_rank_allocated(const ms_unit *u, int category) {
-    MS_NOT_NULL_OR(u, -1);
-    if (category < 0 || category >= MS__ACCOUNT_CATS) {
-        ms__fail(MS_ERR_ARG, "unit '%s': rank_allocated: category %d: expected 0 (shards), 1 (gradient shards), "
-                 "2 (optimizer state) or 3 (unsharded and cached buffers)", unit_label(u), category);
-        return -1;
-    }
-    return atomic_load(&u->cache->account->bytes[category]);
-}
 
 int ms_unit_record_count(const ms_unit *u) {
     MS_NOT_NULL_OR(u, -1);

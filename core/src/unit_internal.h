@@ -1,0 +1,162 @@
+/*
+ * unit_internal.h: private to the shard units' files (unit.c, unit_cache.c, unit_adamw.c):
+ * the unit's structs and states, and the functions the three files share.  Nothing else
+ * includes it.
+ */
+#ifndef MS_UNIT_INTERNAL_H
+#define MS_UNIT_INTERNAL_H
+
+#include "comm.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---------------------------------------------------------------- types */
+
+/* ms_unit_bytes categories: the buffers the unit holds, then the free buffers it left in the
+ * rank's cache. */
+enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_CACHED = 4, CAT_COUNT = 5 };
+
+/* Record kinds of ms_unit_record. */
+enum { REC_ALL_GATHER = 0, REC_REDUCE_SCATTER = 1, REC_ALL_REDUCE = 2 };
+
+typedef enum unit_state {
+    ST_BUILDING,  /* parameters are being added */
+    ST_SHARDED,   /* the shards only */
+    ST_GATHERING, /* an all_gather is pending (ms_unit_wait copies out) */
+    ST_UNSHARDED, /* the unsharded parameters are alive */
+    ST_KEPT,      /* resharded with MS_RESHARD_KEEP: the unsharded parameters are kept */
+    ST_KWAY,      /* resharded to a k-way shard (u->kept) */
+    ST_REDUCING,  /* a reduce_grads is pending (ms_unit_wait accumulates) */
+    ST_FAILED     /* a collective failed: u->failure */
+} unit_state;
+
+#define ST(s) (1u << (s))
+/* Finalized with no pending op. */
+#define ST_IDLE (ST(ST_SHARDED) | ST(ST_UNSHARDED) | ST(ST_KEPT) | ST(ST_KWAY))
+
+typedef struct unit_param {
+    char *fqn;
+    int ndim;
+    int64_t shape[MS_MAX_DIMS];        /* global */
+    int64_t padded_shape[MS_MAX_DIMS]; /* the padded shard */
+    int dim;                           /* shard dim, normalised */
+    bool requires_grad;
+    ms_dtype dtype;  /* stored */
+    ms_dtype gather; /* the dtype it is gathered (computed) in, by FSDP2's rule (finalize) */
+    int64_t padded_numel;
+    int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
+    int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
+    bool in_reduce;      /* part of the pending reduce_grads */
+    ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; CAT_PARAMS */
+    ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
+    ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
+    ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
+    bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
+                             * (PyTorch's grad = None; the buffer stays) */
+    int64_t skipped_steps;  /* adamw_step calls that found no gradient: the parameter's own step
+                             * count is the caller's step less these (torch's state['step']) */
+    ms_tensor *exp_avg;     /* (shard numel) AdamW first moment, f32 (the stored dtype with
+                             * MS_ADAMW_TORCH); CAT_OPTIM */
+    ms_tensor *exp_avg_sq;  /* (shard numel) AdamW second moment, as exp_avg; CAT_OPTIM */
+    ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
+    /* (shape) gather dtype: the unsharded parameter and this backward's gradient;
+     * CAT_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
+    ms_tensor *full, *grad_full;
+    ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; CAT_UNSHARDED */
+    ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; CAT_UNSHARDED */
+    ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; CAT_UNSHARDED */
+} unit_param;
+
+/* The pending collective.  Between submit and wait only the communication thread uses it. */
+typedef struct unit_op {
+    ms_ticket ticket;
+    ms_comm *comm;      /* borrowed: the all_gather's or reduce_scatter's group */
+    ms_tensor *flat;    /* borrowed: u->flat, the collective's whole buffer */
+    ms_tensor *slice;   /* owned view: this rank's slice of flat (all_gather in, reduce_scatter out) */
+    ms_op op;           /* reduce_scatter */
+    ms_comm *replicate; /* borrowed: HSDP all_reduce of slice over this group, else NULL */
+    ms_op replicate_op;
+    const char *label;  /* borrowed: the unit's name in messages, labelling its collectives */
+    double post_divide; /* reduce: slice /= post_divide on wait */
+} unit_op;
+
+typedef struct buf_cache buf_cache;
+
+typedef struct unit_record {
+    int kind;
+    ms_dtype dtype;
+    int group_size;
+    int64_t bytes;
+} unit_record;
+
+struct ms_unit {
+    atomic_int refcount;
+    char *name;
+    ms_comm *shard;     /* retained; W ranks */
+    ms_comm *replicate; /* retained; R ranks; NULL for a 1-D mesh */
+    ms_comm *kgroup;    /* retained; the k consecutive shard ranks of a k-way reshard, else NULL */
+    int W, R, rank;     /* rank: in the shard group */
+    int k;              /* after forward: 0 keep, 1 free (the whole shard group), else the k-way size */
+    int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
+    ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
+                                      * FSDP2's rule, from finalize */
+    unit_state state;
+    char failure[1024]; /* the first failure's message (ST_FAILED) */
+    unit_param *params; /* (nparams), capacity cap */
+    int nparams, cap;
+    int64_t S;          /* elements of one rank's gather chunk */
+    bool in_place;      /* the (W, S) layout is the full tensor of the unit's one parameter (finalize) */
+    bool gather_bytes;  /* parameters gathered in different dtypes: the gather buffers are u8 and S
+                         * counts bytes (FSDP2's uint8 all-gather of frozen parameters of other dtypes) */
+    int device;         /* the CUDA device of the transient buffers, or -1 for the host */
+    bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
+    int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
+    bool adamw_made;    /* the AdamW state exists (an adamw_step or ms_unit_adamw_state made it) */
+    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
+    ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
+    unit_op op;
+    bool sync;            /* requires_gradient_sync */
+    double divide_factor; /* 0 = default (W * R) */
+    buf_cache *cache;     /* the rank's buffer cache, shared with its other units */
+    int64_t bytes[CAT_CACHED]; /* the categories held; the cache counts CAT_CACHED */
+    unit_record *records; /* (nrecords), capacity rcap */
+    int nrecords, rcap;
+};
+
+/* How messages name a unit: the root (the empty name) as "<root>", as the planner shows it. */
+static inline const char *unit_label(const ms_unit *u) { return u->name[0] ? u->name : "<root>"; }
+
+/* The shards, gradient shards and optimizer state are on the unit's GPU. */
+static inline bool shards_on_device(const ms_unit *u) { return u->device >= 0 && !u->offload; }
+
+/* ---------------------------------------------------------------- unit_cache.c */
+
+/* The cache of (w, rank), created if needed; the caller uses it until cache_release. */
+ms_status cache_acquire(ms_world *w, int rank, buf_cache **out);
+/* Ends a use of c; the last frees it with whatever it still holds. */
+void cache_release(buf_cache *c);
+/* Frees the buffers `owner` left in c. */
+void cache_drop(buf_cache *c, const ms_unit *owner);
+
+/* Elements [off, off + n) of a contiguous buffer set to zero, on the host or the device. */
+ms_status zero_elems(ms_tensor *t, int64_t off, int64_t n);
+/* A contiguous buffer of category cat for u: for a transient (unsharded) one, a free one of
+ * the same dtype and numel from the rank's cache, holding what it held (zero-filled when
+ * `zero`); else a new zero-filled one. */
+ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t *shape, ms_dtype dtype, bool zero);
+/* Drops u's reference to a buffer of category cat: a transient (unsharded) one goes into
+ * the rank's cache unless it is shared. */
+void buf_free(ms_unit *u, int cat, ms_tensor **t);
+
+/* ---------------------------------------------------------------- unit.c */
+
+/* MS_OK when u's state is one of `allowed`, else MS_ERR_STATE naming the unit, the call
+ * and the state (with the first failure's message once the unit failed). */
+ms_status check_state(const ms_unit *u, const char *call, unsigned allowed);
+/* Parameter i of u (u checked by the caller). */
+ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out);
+/* flat[at, at + numel(src)) <- src (contiguous, any device), cast to flat's dtype. */
+ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src);
+
+#endif /* MS_UNIT_INTERNAL_H */
