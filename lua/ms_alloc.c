@@ -1,7 +1,7 @@
 /*
  * ms_alloc.c: the counting allocator of the Lua states moonshard makes (ranks of the
  * moonshard and moonshard-jit executables, embedding hosts), and the two functions through
- * which the policy sandbox sets its hard memory cap (lua/moonshard/policy.lua).  Compiled
+ * which the policy sandbox sets its hard memory cap (lua/moonshard/policy_budget.lua).  Compiled
  * against Lua 5.4 for the binding and against LuaJIT for moonshard-jit: both take a host's
  * allocator (LuaJIT's GC64 build as Debian ships it does), so a policy's allocations are
  * refused past its cap under either interpreter, where a count hook alone lets one

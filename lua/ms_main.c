@@ -240,7 +240,7 @@ static void setup_state(lua_State *L, rank_job *job, ms_comm *world) {
         lua_rawseti(L, -2, i + 1);
     }
     lua_setglobal(L, "arg");
-    /* Lua's own xpcall, for the policy sandbox's budget (policy.lua): between a policy
+    /* Lua's own xpcall, for the policy sandbox's budget (policy_budget.lua): between a policy
      * call's return and the restore of its hook no Lua frame may run, and the wrapper
      * below would be one. */
     lua_getglobal(L, "xpcall");

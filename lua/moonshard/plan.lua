@@ -812,241 +812,15 @@ function M.effective_dtypes(stored, mp)
   return gather, rd or gather
 end
 
--- ---------------------------------------------------------------- unit layouts (FSDP2's padded shards)
+-- ---------------------------------------------------------------- unit layouts and memory
 
--- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
-local function fsdp_shape(ctx, p)
-  local e = ctx.ep[p]
-  return e and e.local_shape or p.shape
-end
-
-local function shard_dim(unit, fqn, p, W, shape)
-  local d = unit.dims[p] or 0
-  local nd = #p.shape
-  if nd == 0 then
-    fail(string.format("parameter %s of unit %s is a scalar (0-dim); FSDP cannot shard it", fqn, display(unit.name)))
-  end
-  if not util.is_int(d) or d < -nd or d >= nd then
-    fail(string.format("shard dim %s of parameter %s is out of range for %d dims", tostring(d), fqn, nd))
-  end
-  if d < 0 then d = d + nd end
-  if d ~= 0 and (shape or p.shape)[d + 1] % W ~= 0 then
-    fail(string.format("parameter %s: Shard(%d) needs size %d divisible by the shard size %d", fqn, d,
-      (shape or p.shape)[d + 1], W))
-  end
-  return d
-end
-
--- The dim shard_placement_fn gave, checked as fully_shard takes it (so the error names the
--- policy line that called fully_shard).
-function check_shard_dim(ctx, unit, fqn, p, d)
-  if d == nil then return end
-  shard_dim(unit, fqn, p, ctx.mesh:size(unit.mesh_axes[#unit.mesh_axes]), fsdp_shape(ctx, p))
-end
-
-local function numel_of(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
-
--- FSDP2 roots: every unit no other unit's module contains (the first to run forward claims
--- the units inside it; a unit outside all others becomes a root of its own).  A root's
--- reshard_after_forward defaults to false.
-local function mark_roots(ctx)
-  local by_name = {}
-  for _, u in ipairs(ctx.units) do by_name[ctx:name_of(u.module)] = true end
-  for _, u in ipairs(ctx.units) do
-    local name = ctx:name_of(u.module)
-    local outer = name ~= "" and by_name[""]
-    for i in name:gmatch("()%.") do outer = outer or by_name[name:sub(1, i - 1)] end
-    u.fsdp_root = not outer
-  end
-end
-
-local function reshard_value(unit, W)
-  local raf = unit.reshard_after_forward
-  if raf == nil then raf = not (unit.fsdp_root or unit.kind == "root") end
-  if util.is_int(raf) then
-    if raf < 1 or raf > W or W % raf ~= 0 then
-      fail(string.format("unit %s: reshard_after_forward = %s must divide the shard size %d (1 <= k <= %d)",
-        display(unit.name), count_str(raf), W, W))
-    end
-    if raf == 1 then raf = false elseif raf == W then raf = true end
-  end
-  return raf
-end
-
-local function finish_unit(ctx, unit, fqn_of)
-  local axes = unit.mesh_axes
-  local W = ctx.mesh:size(axes[#axes])
-  local R = #axes == 2 and ctx.mesh:size(axes[1]) or 1
-  unit.shard_size, unit.replicate_size = W, R
-  unit.reshard = reshard_value(unit, W)
-  local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
-  local grad_shard_bytes, param_shard_bytes, trainable_shard = 0, 0, 0
-  local dtypes, reduces, gathers = {}, {}, {}
-  local uname = display(unit.name)
-  unit.entries = {}
-  -- A padded shard holds at most the parameter's elements, each at most 8 bytes in any
-  -- dtype (checked in M.plan); what is gathered over W ranks can hold more: checked.
-  for _, p in ipairs(unit.params) do
-    local fqn = fqn_of[p]
-    local shape = fsdp_shape(ctx, p)
-    local d = shard_dim(unit, fqn, p, W, shape)
-    local padded = util.copy(shape)
-    padded[d + 1] = util.ceil_div(shape[d + 1], W)
-    local pn = numel_of(padded)
-    local gather, red = M.effective_dtypes(p.dtype, unit.mp)
-    -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
-    if p.requires_grad and FLOAT[p.dtype] then
-      dtypes[p.dtype] = dtypes[p.dtype] or {}
-      table.insert(dtypes[p.dtype], fqn)
-    end
-    if p.requires_grad and FLOAT[p.dtype] then
-      reduces[red] = reduces[red] or {}
-      table.insert(reduces[red], fqn)
-      grad_shard_bytes = add(grad_shard_bytes, pn * DTYPE_SIZE[red], "the gradient shard bytes of unit %s", uname)
-      trainable_shard = trainable_shard + pn
-    end
-    if (p.requires_grad and FLOAT[p.dtype]) or stored == nil then stored = p.dtype end
-    reduce = (p.requires_grad and FLOAT[p.dtype]) and red or reduce
-    gathers[gather] = true
-    gather_bytes = add(gather_bytes, pn * DTYPE_SIZE[gather], "the gathered shard bytes of unit %s", uname)
-    param_shard_bytes = add(param_shard_bytes, pn * DTYPE_SIZE[p.dtype], "the shard bytes of unit %s", uname)
-    shard_numel = add(shard_numel, pn, "the shard elements of unit %s", uname)
-    numel = add(numel, numel_of(shape), "the elements of unit %s", uname)
-    padded_total = add(padded_total, mul(pn, W, "the elements of parameter %s gathered over the %d ranks of unit %s", fqn, W, uname),
-      "the padded elements of unit %s over %d ranks", uname, W)
-    unit.entries[#unit.entries + 1] = { fqn = fqn, param = p, shape = shape, dim = d, padded = padded,
-      gather = gather, reduce = red }
-  end
-  -- One stored dtype and one reduce dtype per unit: FSDP2 fails lazily, we fail now.
-  local function uniform(groups, what)
-    local keys = {}
-    for k in pairs(groups) do keys[#keys + 1] = k end
-    if #keys > 1 then
-      table.sort(keys)
-      local parts = {}
-      for _, k in ipairs(keys) do
-        local names = groups[k]
-        parts[#parts + 1] = string.format("%s: %s%s", k, table.concat(names, ", ", 1, math.min(#names, 4)),
-          #names > 4 and string.format(" (and %d more)", #names - 4) or "")
-      end
-      fail(string.format("unit %s mixes %s dtypes (%s); FSDP expects one per unit: shard those parameters " ..
-        "in a unit of their own", display(unit.name), what, table.concat(parts, "; ")))
-    end
-  end
-  uniform(dtypes, "stored")
-  uniform(reduces, "reduce")
-  unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
-  -- parameters gathered in more than one dtype travel as bytes (FSDP2's uint8 all-gather)
-  unit.gather_dtype = next(gathers)
-  if next(gathers, unit.gather_dtype) then unit.gather_dtype = "bytes" end
-  unit.numel, unit.shard_numel, unit.padded_numel = numel, shard_numel, padded_total
-  unit.param_shard_bytes, unit.grad_shard_bytes = param_shard_bytes, grad_shard_bytes
-  unit.trainable_shard_numel = trainable_shard
-  -- the all-gather output: every rank's padded shard
-  unit.unsharded_bytes = mul(gather_bytes, W, "the gathered bytes of unit %s over %d ranks", uname, W)
-  unit.unsharded_grad_bytes = 0
-  for _, e in ipairs(unit.entries) do
-    if e.param.requires_grad and FLOAT[e.param.dtype] then
-      unit.unsharded_grad_bytes = add(unit.unsharded_grad_bytes, numel_of(e.padded) * W * DTYPE_SIZE[e.gather],
-        "the unsharded gradient bytes of unit %s", uname)
-    end
-  end
-  -- Collectives per step, as nccl-tests bus bytes one rank moves.  S*(n-1)/n, floored, is
-  -- S - ceil(S/n): no product that could pass 2^53.
-  local function bus(S, n) return S - util.ceil_div(S, n) end
-  local ag, rs, ar = {}, nil, nil
-  if W > 1 and #unit.params > 0 then
-    local S = unit.unsharded_bytes
-    ag[#ag + 1] = { n = W, bytes = bus(S, W) }          -- forward
-    if unit.reshard == true then
-      ag[#ag + 1] = { n = W, bytes = bus(S, W) }        -- backward re-gather
-    elseif util.is_int(unit.reshard) then
-      local k = unit.reshard
-      ag[#ag + 1] = { n = k, bytes = bus(S, k) }        -- k-way re-gather
-    end
-    if grad_shard_bytes > 0 then
-      rs = { n = W, bytes = mul(grad_shard_bytes, W - 1, "the reduce-scatter bytes of unit %s", uname) }
-    end
-  end
-  if R > 1 and grad_shard_bytes > 0 then
-    ar = { n = R, bytes = bus(mul(2, grad_shard_bytes, "the all-reduce bytes of unit %s", uname), R) }
-  end
-  unit.comm = { all_gather = ag, reduce_scatter = rs, all_reduce = ar }
-  unit.all_gather_bytes, unit.reduce_scatter_bytes, unit.all_reduce_bytes = 0, rs and rs.bytes or 0, ar and ar.bytes or 0
-  for _, c in ipairs(ag) do
-    unit.all_gather_bytes = add(unit.all_gather_bytes, c.bytes, "the all-gather bytes of unit %s", uname)
-  end
-  unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
-  unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
-end
-
--- ---------------------------------------------------------------- memory (per rank)
-
--- The peak of unsharded parameters and gradients alive at once, walking the units in
--- forward order (pre-order of their modules) and then backward (the reverse): a unit is
--- gathered while its module and its descendants run, the next `forward` units are
--- prefetched, units that keep their parameters after forward stay gathered until their
--- backward, and in backward a unit also holds its unsharded gradient.
---
--- Walking t over the units, what is alive at t is: every earlier unit's kept bytes, the
--- extra of the earlier ones still gathered (the units whose modules contain t's, and in
--- backward the prefetched ones), t's own, and in forward the prefetched later ones.  The
--- units containing t's are a chain, kept on a stack as the walk goes (pre-order: a unit
--- leaves the stack when the walk leaves its module), and the rest are prefix sums, so the
--- walk is O(n log n) (a model of 1024 layers plans in well under a second, where a sum over
--- every unit at every step took minutes).
-local function peak_unsharded(ctx, units)
-  local order = {}
-  for _, u in ipairs(units) do order[#order + 1] = u end
-  table.sort(order, function(a, b)
-    local pa, pb = ctx.preorder[a.module], ctx.preorder[b.module]
-    if pa ~= pb then return pa < pb end
-    return a.index < b.index
-  end)
-  local n = #order
-  local function kept_bytes(u) -- what stays after forward
-    if u.reshard == false then return u.unsharded_bytes end
-    if util.is_int(u.reshard) then return util.idiv(u.unsharded_bytes, u.reshard) end
-    return 0
-  end
-  local what = "the unsharded bytes alive at once"
-  -- PU, PK: prefix sums of the gathered and the kept bytes (PK <= PU); D = U - K of a unit
-  local PU, PK = { [0] = 0 }, { [0] = 0 }
-  for i, u in ipairs(order) do
-    PU[i] = add(PU[i - 1], u.unsharded_bytes, what)
-    PK[i] = PK[i - 1] + kept_bytes(u)
-  end
-  local df, db = ctx.prefetch.forward, ctx.prefetch.backward
-  local stack, SD = {}, { [0] = 0 } -- the units containing the current one; prefix sums of their D
-  local peak = 0
-  for t = 1, n do
-    local mod = order[t].module
-    while #stack > 0 and not is_ancestor(ctx, order[stack[#stack]].module, mod) do
-      SD[#stack], stack[#stack] = nil, nil
-    end
-    local top = #stack
-    local base = add(add(PK[t - 1], SD[top], what), order[t].unsharded_bytes, what)
-    -- forward: the next df units are prefetched
-    local last = math.min(n, t + df)
-    peak = math.max(peak, add(base, PU[last] - PU[t], what))
-    -- backward: the previous db units are prefetched (those not already counted as
-    -- containing t); t holds its gradient too
-    local lo = math.max(1, t - db)
-    local a, z = 1, top + 1 -- the first stack entry at or after lo
-    while a < z do
-      local mid = util.idiv(a + z, 2)
-      if stack[mid] >= lo then z = mid else a = mid + 1 end
-    end
-    local window = (PU[t - 1] - PU[lo - 1]) - (PK[t - 1] - PK[lo - 1]) - (SD[top] - SD[a - 1])
-    peak = math.max(peak, add(add(base, window, what), order[t].unsharded_grad_bytes, what))
-    stack[top + 1], SD[top + 1] = t, SD[top] + (PU[t] - PU[t - 1]) - (PK[t] - PK[t - 1])
-  end
-  return peak
-end
+-- moonshard.plan_layout lays out the units (FSDP2's padded shards), moonshard.plan_memory
+-- sums what every rank holds; both with the planner's errors and checked sums.
+local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big, display = display,
+  count_str = count_str, is_ancestor = is_ancestor, DTYPE_SIZE = DTYPE_SIZE, FLOAT = FLOAT, MAX = MAX }
+local layout = require("moonshard.plan_layout").bind(helpers)
+local memory = require("moonshard.plan_memory").bind(helpers)
+check_shard_dim = layout.check_shard_dim
 
 -- ---------------------------------------------------------------- what the policy sees
 
@@ -1486,18 +1260,9 @@ end
 -- no master weights), none.
 M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
 
---- plan(model, mesh, policy, opts) -> plan
--- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward} and
--- options, its declared knobs: see M.declared_options).
--- opts: config (the model config), name, architecture, optimizer (M.OPTIMIZERS; default
--- "adamw"), policy_name (the policy's path, named by errors found after its call and
--- prefixed to ctx:log's lines), options (name -> value, over the declared defaults), set (a
--- list of "name=value" strings, as --set gives them, applied after options), warnings (a
--- table: ctx:warn's messages are appended to it as they come, so a plan that fails still
--- has them), log (function(line): where ctx:log's lines go; default stderr).
--- The plan records options (a list of {name, value, set}) and checkpointed (the names of
--- the modules checkpoint_wrap wrapped).
-local function plan(model, mesh, policy, opts)
+-- What plan() is asked: the optimizer known, a mesh it plans (pp = tp = 1), a policy with
+-- parallelize.  Returns the optimizer and parallelize.
+local function check_request(mesh, policy, opts)
   local optimizer = opts.optimizer or "adamw"
   if not M.OPTIMIZERS[optimizer] then
     fail(string.format("optimizer %s: expected adamw, torch_adamw or none",
@@ -1507,9 +1272,12 @@ local function plan(model, mesh, policy, opts)
   if mesh:size("tp") > 1 then fail("tensor parallel plans (tp > 1) are not modelled yet; use tp = 1") end
   local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
   if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
-  check_params(model)
-  -- the options: declared defaults, then opts.options, then opts.set
-  local option_list, options = M.resolve_options(M.declared_options(policy), opts.options, opts.set)
+  return optimizer, parallelize
+end
+
+-- Runs the policy's parallelize on a fresh context; returns the context, and the names of
+-- the modules checkpoint_wrap wrapped.
+local function run_policy(model, mesh, policy, parallelize, options, opts)
   local ctx = M.context(model, mesh, opts)
   ctx.prefetch = prefetch_of(policy) or ctx.prefetch
   ctx.options = options
@@ -1518,170 +1286,23 @@ local function plan(model, mesh, policy, opts)
   rebuild_names(ctx)
   local checkpointed = {}
   for i, w in ipairs(ctx.checkpointed) do checkpointed[i] = ctx.names[w] end
-  local params = model:named_parameters()
-  local fqn_of = {}
-  for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
-  validate_ownership(ctx, params)
-  validate_expert_replicas(ctx, fqn_of)
-  validate_unit_meshes(ctx, fqn_of)
-  mark_roots(ctx)
-  for _, u in ipairs(ctx.units) do finish_unit(ctx, u, fqn_of) end
+  return ctx, checkpointed
+end
 
-  -- Memory per rank.  Parameters and gradients live in padded shards, equal on every rank;
-  -- AdamW state is kept for the rows a rank really holds (as the runtime and PyTorch do), so
-  -- it depends on the rank's coordinate along each unit's shard axis.  torch.chunk gives a
-  -- coordinate `c` rows, one coordinate the rest, the others none: per axis a step function
-  -- of the coordinate, kept as its steps (O(parameters), whatever the axis size).  The units
-  -- with offload_policy "cpu" keep their part of params, grads and optimizer in host memory:
-  -- `offloaded` sums it the same way, in steps of its own.
-  local mem = { params = 0, grads = 0, optimizer = 0 }
-  local host = { params = 0, grads = 0 } -- the offloaded units' shares of mem.params, mem.grads
-  local function state_bytes(stored)
-    if optimizer == "torch_adamw" then return 2 * DTYPE_SIZE[stored] end
-    return optimizer == "adamw" and (8 + (stored == "f32" and 0 or 4)) or 0
-  end
-  local events = {} -- shard axis -> list of {coordinate, optimizer bytes from it on, offloaded bytes}
-  local function add_rows(axis, W, n, per_row, bytes, offloaded, fqn)
-    local ev = events[axis]
-    if not ev then
-      ev = {}
-      events[axis] = ev
-    end
-    local c = util.ceil_div(n, W)
-    local full = math.min(W, util.idiv(n, c))
-    local v = mul(c * per_row, bytes, "the optimizer state bytes of parameter %s", fqn)
-    local h = offloaded and v or 0
-    ev[#ev + 1] = { 0, v, h }
-    ev[#ev + 1] = { full, -v, -h }
-    local rest = n - full * c
-    if rest > 0 and full < W then
-      local rv = rest * per_row * bytes
-      local rh = offloaded and rv or 0
-      ev[#ev + 1] = { full, rv, rh }
-      ev[#ev + 1] = { full + 1, -rv, -rh }
-    end
-  end
-  for _, u in ipairs(ctx.units) do
-    local grads = 0
-    for _, e in ipairs(u.entries) do
-      if e.param.requires_grad and FLOAT[e.param.dtype] then
-        grads = grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
-        local n = e.shape[e.dim + 1]
-        if n > 0 then
-          add_rows(u.mesh_axes[#u.mesh_axes], u.shard_size, n, util.idiv(numel_of(e.shape), n),
-            state_bytes(e.param.dtype), u.offload ~= nil, e.fqn)
-        end
-      end
-    end
-    mem.params = add(mem.params, u.param_shard_bytes, "the parameter bytes per rank")
-    mem.grads = add(mem.grads, grads, "the gradient bytes per rank")
-    if u.offload then host.params, host.grads = host.params + u.param_shard_bytes, host.grads + grads end
-  end
+-- What expert parallelism placed, in the order it saw the parameters: the plan's `owned`.
+local function expert_owned(ctx, fqn_of)
   local owned = {}
   for _, p in ipairs(ctx.ep_order) do
     local e = ctx.ep[p]
-    local fqn = fqn_of[p]
-    owned[#owned + 1] = { fqn = fqn, by = e.by, shape = p.shape, dtype = p.dtype, placements = e.placements,
+    owned[#owned + 1] = { fqn = fqn_of[p], by = e.by, shape = p.shape, dtype = p.dtype, placements = e.placements,
       local_shape = e.local_shape, requires_grad = p.requires_grad, unit = ctx.owner[p] and ctx.owner[p].name or nil }
-    if not ctx.owner[p] then
-      local ln = numel_of(e.local_shape)
-      mem.params = add(mem.params, ln * DTYPE_SIZE[p.dtype], "the parameter bytes per rank")
-      if p.requires_grad and FLOAT[p.dtype] then
-        mem.grads = add(mem.grads, ln * DTYPE_SIZE[p.dtype], "the gradient bytes per rank")
-        mem.optimizer = add(mem.optimizer, mul(ln, state_bytes(p.dtype), "the optimizer state bytes of %s", fqn),
-          "the optimizer state bytes per rank")
-      end
-    end
   end
-  mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
-  -- the same peak with the other common prefetch: FSDP2's implicit (1, 1) against Automodel's
-  -- explicit chains (enable_fsdp2_prefetch: forward 1, backward 2), so a reader sees both
-  do
-    local pf = ctx.prefetch
-    local other = (pf.forward == 1 and pf.backward == 1) and { forward = 1, backward = 2 } or { forward = 1, backward = 1 }
-    ctx.prefetch = other
-    mem.peak_unsharded_other = { prefetch = other, bytes = peak_unsharded(ctx, ctx.units) }
-    ctx.prefetch = pf
-  end
-  -- Buffers are never sharded: every rank holds all of them (FSDP2 moves them to the device
-  -- whole; Automodel's MoE parallelizer replicates e_score_correction_bias over the FSDP mesh).
-  mem.buffers = 0
-  for _, nb in ipairs(model:named_buffers()) do
-    mem.buffers = add(mem.buffers, nb[2].numel * DTYPE_SIZE[nb[2].dtype], "the buffer bytes per rank")
-  end
-  -- Each axis's steps: starts (0-based coordinates, ascending, from 0) and the bytes from
-  -- each start on.  Axis a gives rank r the coordinate floor(r / stride) % size.
-  local axes = {}
-  for _, axis in ipairs(util.sorted_keys(events)) do
-    local ev = events[axis]
-    table.sort(ev, function(x, y) return x[1] < y[1] end)
-    local stride, size = mesh:stride(axis)
-    local a = { stride = stride, size = size, starts = { 0 }, opt = { 0 }, host = { 0 } }
-    local o, h = 0, 0
-    for _, x in ipairs(ev) do
-      if x[1] >= size then break end
-      o, h = o + x[2], h + x[3]
-      if x[1] > a.starts[#a.starts] then
-        a.starts[#a.starts + 1], a.opt[#a.opt + 1], a.host[#a.host + 1] = x[1], o, h
-      else
-        a.opt[#a.opt], a.host[#a.host] = o, h
-      end
-    end
-    for i, o in ipairs(a.opt) do
-      if o > MAX then too_big("the optimizer state bytes of coordinate %d of %s", a.starts[i], axis) end
-    end
-    axes[#axes + 1] = a
-  end
-  -- Ranks in runs of equal figures, walked from step boundary to step boundary: as many
-  -- runs as the steps' pattern over the ranks has, not one table per rank.
-  local runs = {}
-  local base = add(add(add(mem.params, mem.grads, "the bytes per rank"), mem.peak_unsharded, "the bytes per rank"),
-    mem.buffers, "the bytes per rank")
-  local host_base = host.params + host.grads
-  local r, world = 0, mesh.world
-  while r < world do
-    local optimizer, offloaded, len = mem.optimizer, host_base, world - r
-    for _, a in ipairs(axes) do
-      local c = util.idiv(r, a.stride) % a.size
-      local lo, hi = 1, #a.starts -- the last start <= c
-      while lo < hi do
-        local mid = util.idiv(lo + hi + 1, 2)
-        if a.starts[mid] <= c then lo = mid else hi = mid - 1 end
-      end
-      optimizer = add(optimizer, a.opt[lo], "the optimizer state bytes of rank %d", r)
-      offloaded = add(offloaded, a.host[lo], "the offloaded bytes of rank %d", r)
-      len = math.min(len, ((a.starts[lo + 1] or a.size) - c) * a.stride - r % a.stride)
-    end
-    local last = runs[#runs]
-    if last and last.optimizer == optimizer and last.offloaded == offloaded then
-      last.count = last.count + len
-    else
-      runs[#runs + 1] = { first = r, count = len, optimizer = optimizer, offloaded = offloaded,
-        total = add(base, optimizer, "the bytes of rank %d", r) }
-    end
-    r = r + len
-  end
-  -- the summary figures are rank 0's; runs has every rank's, per_rank too (built when read)
-  mem.optimizer, mem.total, mem.offloaded = runs[1].optimizer, runs[1].total, runs[1].offloaded
-  mem.runs = runs
-  setmetatable(mem, { __index = function(t, k)
-    if k ~= "per_rank" then return nil end
-    if world > M.PER_RANK_LIMIT then
-      fail(string.format("memory.per_rank makes a table for each of the %d ranks and is built for at most %d; " ..
-        "memory.runs has the same figures in runs of equal ranks", world, M.PER_RANK_LIMIT))
-    end
-    local list = {}
-    for _, run in ipairs(runs) do
-      for rank = run.first, run.first + run.count - 1 do
-        list[rank + 1] = { rank = rank, params = t.params, grads = t.grads, optimizer = run.optimizer,
-          peak_unsharded = t.peak_unsharded, buffers = t.buffers, total = run.total, offloaded = run.offloaded }
-      end
-    end
-    rawset(t, "per_rank", list)
-    return list
-  end })
+  return owned
+end
 
-  -- Communication per step.
+-- Communication per step: the units' collectives summed.  Expert parallelism's token
+-- traffic is not counted (see expert_warnings): uncounted_ep says so.
+local function comm_per_step(ctx, mesh, owned)
   local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
     all_reduce = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } }
   for _, u in ipairs(ctx.units) do
@@ -1697,8 +1318,18 @@ local function plan(model, mesh, policy, opts)
       end
     end
   end
+  local ep = mesh:size("ep")
+  if ep > 1 and #owned > 0 then comm.all_to_all.uncounted_ep = ep end
+  return comm
+end
 
-  -- Warnings: latency-bound units and padding waste, grouped so a reader sees them once.
+local function listing(names)
+  return table.concat(names, ", ", 1, math.min(#names, 6)) ..
+    (#names > 6 and string.format(" (and %d more)", #names - 6) or "")
+end
+
+-- Warnings: latency-bound units and padding waste, grouped so a reader sees them once.
+local function unit_warnings(ctx, warnings)
   local small, padded, unset_reduce = {}, {}, {}
   for _, u in ipairs(ctx.units) do
     if u.shard_size > 1 and #u.params > 0 and u.gather_bytes_per_rank < M.LATENCY_BOUND_BYTES then
@@ -1712,11 +1343,6 @@ local function plan(model, mesh, policy, opts)
     if u.padding_fraction > M.PADDING_WASTE then
       padded[#padded + 1] = string.format("%s (%.0f%%)", display(u.name), 100 * u.padding_fraction)
     end
-  end
-  local warnings = util.copy(ctx.warnings)
-  local function listing(names)
-    return table.concat(names, ", ", 1, math.min(#names, 6)) ..
-      (#names > 6 and string.format(" (and %d more)", #names - 6) or "")
   end
   if #unset_reduce > 0 then
     warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype and reduce%s gradients " ..
@@ -1734,11 +1360,14 @@ local function plan(model, mesh, policy, opts)
       #padded, #padded == 1 and " pads" or "s pad", math.floor(100 * M.PADDING_WASTE + 0.5),
       #padded == 1 and "its" or "their", listing(padded))
   end
-  -- A builder that follows Automodel's model where transformers 5 stores some parameters in
-  -- f32 (attrs.transformers_fp32: name substrings, _keep_in_fp32_modules_strict): a unit that
-  -- holds such a parameter beside trainable parameters of another dtype is planned here, and
-  -- FSDP2 would refuse it on the transformers model ("FSDP expects uniform original
-  -- parameter dtype").
+end
+
+-- A builder that follows Automodel's model where transformers 5 stores some parameters in
+-- f32 (attrs.transformers_fp32: name substrings, _keep_in_fp32_modules_strict): a unit that
+-- holds such a parameter beside trainable parameters of another dtype is planned here, and
+-- FSDP2 would refuse it on the transformers model ("FSDP expects uniform original
+-- parameter dtype").
+local function transformers_fp32_warning(ctx, model, warnings)
   local tf32 = model.attrs.transformers_fp32
   if type(tf32) == "table" and #tf32 > 0 then
     local refused, example = {}, nil
@@ -1768,10 +1397,13 @@ local function plan(model, mesh, policy, opts)
         tostring(model.attrs.dtype or "other"), listing(refused))
     end
   end
-  -- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
-  -- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends
-  -- on the tokens per batch and where the router sends them, which a plan does not know: the
-  -- count leaves it out, and says so rather than letting 0 stand for it.
+end
+
+-- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
+-- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends
+-- on the tokens per batch and where the router sends them, which a plan does not know: the
+-- count leaves it out, and says so rather than letting 0 stand for it.
+local function expert_warnings(model, mesh, owned, warnings)
   local ep = mesh:size("ep")
   if ep > 1 and #owned == 0 then
     local why = "the policy called no expert_parallel, or the model has no grouped experts"
@@ -1788,14 +1420,16 @@ local function plan(model, mesh, policy, opts)
       "the ep axis only divides the ranks", ep, why)
   end
   if ep > 1 and #owned > 0 then
-    comm.all_to_all.uncounted_ep = ep
     warnings[#warnings + 1] = string.format("all_to_all counts none of expert parallelism's token traffic " ..
       "(ep = %d): every MoE layer sends its routed tokens to the experts' ranks and back, forward and backward, " ..
       "and how much depends on the batch and the router, which a plan does not know", ep)
   end
 
-  -- torch.optim.AdamW on 16-bit parameters keeps its moments in 16 bits and no master
-  -- weights: NeMo Automodel's documented trap for long full-parameter runs.
+end
+
+-- torch.optim.AdamW on 16-bit parameters keeps its moments in 16 bits and no master
+-- weights: NeMo Automodel's documented trap for long full-parameter runs.
+local function optimizer_warnings(optimizer, params, warnings)
   if optimizer == "torch_adamw" then
     local low = {}
     for _, np in ipairs(params) do
@@ -1816,6 +1450,41 @@ local function plan(model, mesh, policy, opts)
     end
   end
 
+end
+
+
+--- plan(model, mesh, policy, opts) -> plan
+-- policy: a table with parallelize(ctx) (and optionally prefetch = {forward, backward} and
+-- options, its declared knobs: see M.declared_options).
+-- opts: config (the model config), name, architecture, optimizer (M.OPTIMIZERS; default
+-- "adamw"), policy_name (the policy's path, named by errors found after its call and
+-- prefixed to ctx:log's lines), options (name -> value, over the declared defaults), set (a
+-- list of "name=value" strings, as --set gives them, applied after options), warnings (a
+-- table: ctx:warn's messages are appended to it as they come, so a plan that fails still
+-- has them), log (function(line): where ctx:log's lines go; default stderr).
+-- The plan records options (a list of {name, value, set}) and checkpointed (the names of
+-- the modules checkpoint_wrap wrapped).
+local function plan(model, mesh, policy, opts)
+  local optimizer, parallelize = check_request(mesh, policy, opts)
+  check_params(model)
+  -- the options: declared defaults, then opts.options, then opts.set
+  local option_list, options = M.resolve_options(M.declared_options(policy), opts.options, opts.set)
+  local ctx, checkpointed = run_policy(model, mesh, policy, parallelize, options, opts)
+  local params = model:named_parameters()
+  local fqn_of = {}
+  for _, np in ipairs(params) do fqn_of[np[2]] = np[1] end
+  validate_ownership(ctx, params)
+  validate_expert_replicas(ctx, fqn_of)
+  validate_unit_meshes(ctx, fqn_of)
+  layout.lay_out(ctx, fqn_of)
+  local mem = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
+  local owned = expert_owned(ctx, fqn_of)
+  local comm = comm_per_step(ctx, mesh, owned)
+  local warnings = util.copy(ctx.warnings)
+  unit_warnings(ctx, warnings)
+  transformers_fp32_warning(ctx, model, warnings)
+  expert_warnings(model, mesh, owned, warnings)
+  optimizer_warnings(optimizer, params, warnings)
   return {
     optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
