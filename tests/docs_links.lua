@@ -4,7 +4,8 @@
 --
 -- A markdown link [text](target) whose target is not a URL must name a file or folder of
 -- the repository (relative to the document), and its #anchor, when it has one, a heading of
--- the target (GitHub's slugs: lower case, punctuation dropped, spaces to dashes).  The
+-- the target (GitHub's slugs: lower case, punctuation dropped, spaces to dashes); a path in
+-- backticks that starts with a top folder of the repository must exist.  The
 -- documents name no design notes kept outside the repository.  Exits 1 listing every
 -- problem, with the document and line.
 
@@ -53,7 +54,10 @@ local p = io.popen("ls docs/*.md 2>/dev/null")
 for name in p:lines() do docs[#docs + 1] = name end
 p:close()
 
-local problems, links = {}, 0
+local problems, links, paths = {}, 0, 0
+-- the repository's top folders: a backticked path starting with one is checked
+local ROOTS = { core = true, lua = true, policies = true, examples = true, docs = true, tests = true, bench = true,
+  tools = true, cmake = true }
 local FORBIDDEN = { "DESIGN.md", "SEMANTICS.md", "PERF.md", "STYLE.md", "../shared" }
 for _, doc in ipairs(docs) do
   local text = assert(read(doc), "cannot read " .. doc)
@@ -68,6 +72,17 @@ for _, doc in ipairs(docs) do
       end
     end
     if not fenced then
+      -- a repository path in backticks (`policies/fsdp2_default.lua`, `tests/reference/`)
+      for code in line:gmatch("`([^`]+)`") do
+        local first = code:match("^([%w_.-]+)/")
+        if ROOTS[first] and not code:find("[%s*<>${}|]") then
+          local path = code:gsub(":%d+$", "")
+          paths = paths + 1
+          if not exists(path) then
+            problems[#problems + 1] = string.format("%s:%d: names %s: no such file in the repository", doc, n, code)
+          end
+        end
+      end
       for target in line:gmatch("%]%(([^)%s]+)%)") do
         if not target:match("^%a[%w+.-]*:") then -- not a URL (https:, mailto:)
           links = links + 1
@@ -91,4 +106,4 @@ if #problems > 0 then
     #docs))
   os.exit(1)
 end
-print(string.format("docs_links: %d documents, %d links, all resolve", #docs, links))
+print(string.format("docs_links: %d documents, %d links and %d repository paths, all resolve", #docs, links, paths))
