@@ -1,6 +1,6 @@
 /*
  * comm.h: the internal interface between the public collectives (comm.c) and the backends
- * that move the data (comm_threads.c; comm_mpi.c and comm_nccl.c later).
+ * that move the data (comm_threads.c, comm_mpi.c, comm_nccl.c).
  *
  * comm.c owns everything backend-independent: the world and its refcount, the timeout, the
  * per-rank "done" flags, the registry of groups, the checks of a call's tensors on the
