@@ -181,9 +181,11 @@ static int u_adamw_step(lua_State *L) {
                               "weight_decay and step", fn, lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1)
                                                                                            : luaL_typename(L, -1));
     }
+    double b1, b2, eps, wd; /* torch's defaults, from the core */
+    CHECK(L, ms_adamw_defaults(&b1, &b2, &eps, &wd));
     double lr = opt_field_number(L, 2, fn, "lr", true, 0);
-    double eps = opt_field_number(L, 2, fn, "eps", false, 1e-8);
-    double wd = opt_field_number(L, 2, fn, "weight_decay", false, 0.01);
+    eps = opt_field_number(L, 2, fn, "eps", false, eps);
+    wd = opt_field_number(L, 2, fn, "weight_decay", false, wd);
     lua_getfield(L, 2, "step");
     int is_int;
     lua_Integer step = lua_tointegerx(L, -1, &is_int);
@@ -191,7 +193,6 @@ static int u_adamw_step(lua_State *L) {
         return luaL_error(L, "moonshard invalid_argument error: %s: field 'step' is %s; expected an integer "
                           "(the step count, from 1)", fn, lua_isnumber(L, -1) ? "not an integer" : luaL_typename(L, -1));
     lua_pop(L, 1);
-    double b1 = 0.9, b2 = 0.999;
     lua_getfield(L, 2, "betas");
     if (!lua_isnil(L, -1)) {
         if (!lua_istable(L, -1))

@@ -523,6 +523,9 @@ ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped);
  * f32 results, and the bf16 and f16 ones of MS_ADAMW_TORCH, are PyTorch's bits (its x86-64
  * CPU kernels; its CUDA kernels fuse the same multiply-adds), up to torch's CPU sqrt, which
  * is not always correctly rounded where this one is. */
+/* torch.optim.AdamW's defaults for what a caller leaves out: betas (0.9, 0.999), eps 1e-8,
+ * weight_decay 0.01 (the bindings' adamw_step reads them here). */
+ms_status ms_adamw_defaults(double *beta1, double *beta2, double *eps, double *weight_decay);
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
 /* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient

@@ -108,6 +108,18 @@ ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped) {
     return ms__ok();
 }
 
+ms_status ms_adamw_defaults(double *beta1, double *beta2, double *eps, double *weight_decay) {
+    MS_NOT_NULL(beta1);
+    MS_NOT_NULL(beta2);
+    MS_NOT_NULL(eps);
+    MS_NOT_NULL(weight_decay);
+    *beta1 = 0.9;
+    *beta2 = 0.999;
+    *eps = 1e-8;
+    *weight_decay = 0.01;
+    return ms__ok();
+}
+
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
                              int64_t step) {
     MS_NOT_NULL(u);

@@ -956,6 +956,12 @@ end
 
 -- unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}: lr and step required
 local ADAMW_FIELDS = { lr = true, betas = true, eps = true, weight_decay = true, step = true }
+-- torch's defaults, from the core
+local ADAMW_DEFAULTS = (function()
+  local d = ffi.new("double[4]")
+  check(C.ms_adamw_defaults(d, d + 1, d + 2, d + 3))
+  return { beta1 = d[0], beta2 = d[1], eps = d[2], weight_decay = d[3] }
+end)()
 function unit_methods.adamw_step(self, o)
   local u = check_unit(self, 1)
   check_table(o, 2)
@@ -968,13 +974,14 @@ function unit_methods.adamw_step(self, o)
     end
   end
   local lr = field_number(o, fn, "lr", true)
-  local eps, wd = field_number(o, fn, "eps", false, 1e-8), field_number(o, fn, "weight_decay", false, 0.01)
+  local eps = field_number(o, fn, "eps", false, ADAMW_DEFAULTS.eps)
+  local wd = field_number(o, fn, "weight_decay", false, ADAMW_DEFAULTS.weight_decay)
   local step = to_integer(o.step)
   if not step then
     raise("moonshard invalid_argument error: %s: field 'step' is %s; expected an integer (the step count, from 1)", fn,
       tonumber(o.step) and "not an integer" or typename(o.step))
   end
-  local b1, b2 = 0.9, 0.999
+  local b1, b2 = ADAMW_DEFAULTS.beta1, ADAMW_DEFAULTS.beta2
   if o.betas ~= nil then
     if type(o.betas) ~= "table" then
       raise("moonshard invalid_argument error: %s: field 'betas' is %s; expected {beta1, beta2}", fn, typename(o.betas))

@@ -122,6 +122,13 @@ static void test_core_without_handles(void) {
     NO_POINTERS(ms_status_name);
     CHECK(ms_status_name(MS_ERR_ARG) && ms_status_name((ms_status)999));
     NO_POINTERS(ms_last_error);
+    double adamw[4];
+    REFUSE(ms_adamw_defaults, beta1, NULL, &adamw[1], &adamw[2], &adamw[3]);
+    REFUSE(ms_adamw_defaults, beta2, &adamw[0], NULL, &adamw[2], &adamw[3]);
+    REFUSE(ms_adamw_defaults, eps, &adamw[0], &adamw[1], NULL, &adamw[3]);
+    REFUSE(ms_adamw_defaults, weight_decay, &adamw[0], &adamw[1], &adamw[2], NULL);
+    CHECK(ms_adamw_defaults(&adamw[0], &adamw[1], &adamw[2], &adamw[3]) == MS_OK && adamw[0] == 0.9 &&
+          adamw[1] == 0.999 && adamw[2] == 1e-8 && adamw[3] == 0.01);
     ALLOW(ms_set_error, message, 1, MS_OK, NULL);
     CHECK(ms_set_error(MS_ERR_IO, "host: cannot read x") == MS_ERR_IO && !strcmp(ms_last_error(), "host: cannot read x"));
     CHECK(ms_set_error(MS_OK, NULL) == MS_OK && !strcmp(ms_last_error(), ""));
