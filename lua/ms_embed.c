@@ -187,6 +187,7 @@ typedef enum {
     C_PLAN_JSON,
     C_FIND,
     C_OPTIMIZER,
+    C_OPTION,
     C_LIMITS,
     C_SECONDS
 } call_kind;
@@ -204,7 +205,7 @@ typedef struct {
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
-                                 "plan_json", "find", "set_optimizer", "set_policy_limits",
+                                 "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
                                  "set_policy_seconds"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
@@ -251,7 +252,8 @@ static int p_call(lua_State *L) {
         nres = c->kind == C_PLAN;
         break;
     case C_CONFIG:
-    case C_OPTIMIZER: lua_pushstring(L, c->s1); nargs = 1; break;
+    case C_OPTIMIZER:
+    case C_OPTION: lua_pushstring(L, c->s1); nargs = 1; break;
     case C_LIMITS:
         lua_pushnumber(L, c->d1);
         lua_pushnumber(L, c->d2);
@@ -486,6 +488,13 @@ ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer) {
     EMB_NOT_NULL(in);
     EMB_NOT_NULL(optimizer);
     embed_call c = {.kind = C_OPTIMIZER, .s1 = optimizer};
+    return call(in, &c);
+}
+
+ms_status ms_interp_set_option(ms_interp *in, const char *setting) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(setting);
+    embed_call c = {.kind = C_OPTION, .s1 = setting};
     return call(in, &c);
 }
 

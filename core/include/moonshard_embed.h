@@ -92,6 +92,13 @@ const char *ms_interp_warning(ms_interp *in, int i);
  * master weights; the units get MS_ADAMW_TORCH) or "none" (counted as no state; the units
  * keep the default).  MS_ERR_ARG for another name, MS_ERR_STATE after materialize. */
 ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer);
+/* Sets one of the policy's options for the plans made after this, as `moonshard plan --set`
+ * does: "NAME=VALUE" (e.g. "reshard_after_forward=false", "prefetch.forward=2",
+ * "activation_checkpointing=every:2"); the value is read as the option's type.  Options
+ * accumulate, a later one for the same name replacing the earlier; the next ms_interp_plan
+ * checks them against the policy's declared options (an unknown name is MS_ERR_ARG listing
+ * them).  MS_ERR_ARG here for a setting without "NAME=", MS_ERR_STATE after materialize. */
+ms_status ms_interp_set_option(ms_interp *in, const char *setting);
 /* The policy sandbox's limits for the plans made after this, per policy call: the
  * instructions it may run and the MiB it may allocate (defaults 200e6 and 256).  MS_ERR_ARG
  * below 1 instruction or at or below 0 MiB. */

@@ -149,7 +149,7 @@ function M.plan(mesh, policy_path)
     instructions = limits.instructions, memory_mb = limits.memory_mb, seconds = limits.seconds })
   local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer,
-    policy_name = policy_path })
+    policy_name = policy_path, set = state.options })
   return #state.plan.units
 end
 
@@ -160,6 +160,22 @@ function M.set_optimizer(name)
     fail("optimizer '" .. name .. "': expected adamw, torch_adamw or none")
   end
   state.optimizer = name
+end
+
+--- One of the policy's options ("NAME=VALUE", as `moonshard plan --set`) for the plans made
+-- after this; a later setting of the same name replaces the earlier.
+function M.set_option(setting)
+  if state.rank then fail_state("the units were already materialised: set options before planning") end
+  local name = setting:match("^([^=]+)=")
+  if not name then
+    fail(string.format("option setting '%s': expected NAME=VALUE, e.g. reshard_after_forward=false",
+      require("moonshard.util").short_name(setting)))
+  end
+  state.options = state.options or {}
+  for i, s in ipairs(state.options) do
+    if s:match("^([^=]+)=") == name then table.remove(state.options, i) break end
+  end
+  state.options[#state.options + 1] = setting
 end
 
 --- The policy sandbox's limits per call for the plans made after this.

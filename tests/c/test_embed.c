@@ -533,8 +533,30 @@ static void plan_options(void) {
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
               "instruction budget of 1000 exceeded");
     CHECK_OK(ms_interp_set_policy_limits(in, 200e6, 256));
+    /* the policy's options, as `moonshard plan --set` sets them */
+    CHECK_ERR(ms_interp_set_option(in, "prefetch.forward"), MS_ERR_ARG, "expected NAME=VALUE");
+    CHECK_OK(ms_interp_set_option(in, "no_such_option=1"));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
+              "unknown option 'no_such_option'");
+    CHECK_OK(ms_interp_set_option(in, "prefetch.forward=3"));
+    CHECK_OK(ms_interp_set_option(in, "activation_checkpointing=false"));
+    CHECK_OK(ms_interp_set_option(in, "prefetch.forward=2")); /* replaces the 3 */
+    CHECK_OK(ms_interp_set_option(in, "no_such_option=none"));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
+              "unknown option 'no_such_option'");
+    ms_interp_free(in);
+    in = NULL;
+    CHECK_OK(ms_interp_new(&in, C1));
+    if (!in) return;
+    CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json"));
+    CHECK_OK(ms_interp_set_option(in, "prefetch.forward=3"));
+    CHECK_OK(ms_interp_set_option(in, "activation_checkpointing=false"));
+    CHECK_OK(ms_interp_set_option(in, "prefetch.forward=2"));
     CHECK_OK(ms_interp_set_optimizer(in, "torch_adamw"));
     CHECK_OK(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL));
+    int ahead_fwd = 0, ahead_bwd = 0;
+    CHECK_OK(ms_interp_prefetch(in, &ahead_fwd, &ahead_bwd));
+    CHECK(ahead_fwd == 2 && ahead_bwd == 1, "(prefetch %d/%d)", ahead_fwd, ahead_bwd);
     int found = 0;
     for (int i = 0; i < ms_interp_warning_count(in); i++)
         found += strstr(ms_interp_warning(in, i), "torch_adamw keeps the AdamW moments of") != NULL;
@@ -542,9 +564,11 @@ static void plan_options(void) {
     char *json = NULL;
     CHECK_OK(ms_interp_plan_json(in, &json));
     CHECK(json && strstr(json, "\"optimizer\":\"torch_adamw\""));
+    CHECK(json && strstr(json, "\"checkpointed\":[]"), "(activation_checkpointing=false: no layer wrapped)");
     free(json);
     CHECK_OK(ms_interp_materialize(in));
     CHECK_ERR(ms_interp_set_optimizer(in, "adamw"), MS_ERR_STATE, "set the optimizer before planning");
+    CHECK_ERR(ms_interp_set_option(in, "prefetch.forward=1"), MS_ERR_STATE, "set options before planning");
     int bf16_units = 0;
     for (int k = 0; k < ms_interp_unit_count(in); k++) {
         ms_unit *u = ms_interp_unit(in, k);

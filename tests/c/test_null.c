@@ -471,6 +471,8 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_model_config, config_path, in, NULL);
     REFUSE(ms_interp_set_optimizer, in, NULL, "adamw");
     REFUSE(ms_interp_set_optimizer, optimizer, in, NULL);
+    REFUSE(ms_interp_set_option, in, NULL, "prefetch.forward=1");
+    REFUSE(ms_interp_set_option, setting, in, NULL);
     REFUSE(ms_interp_set_policy_limits, in, NULL, 1e6, 64);
     REFUSE(ms_interp_set_policy_seconds, in, NULL, 5);
 
