@@ -48,7 +48,7 @@ M.options = {
   reshard_after_forward = { default = nil, type = "nil|boolean|integer",
     doc = "true, false or an integer for every unit (none: Automodel's rule: dense, all layers of a list but " ..
       "its last; expert-parallel, false)" },
-  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
   activation_checkpointing = { default = false, type = "boolean|list|string",
     doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },

@@ -101,11 +101,11 @@ ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer);
 ms_status ms_interp_set_option(ms_interp *in, const char *setting);
 /* The policy sandbox's limits for the plans made after this, per policy call: the
  * instructions it may run and the MiB it may allocate (defaults 200e6 and 256).  MS_ERR_ARG
- * below 1 instruction or at or below 0 MiB. */
+ * below 1 instruction or 1 MiB. */
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb);
 /* The sandbox's wall-clock limit per policy call, in seconds, for the plans made after this
  * (default 60): the bound on work in C that the instruction count does not see.
- * MS_ERR_ARG at or below 0. */
+ * MS_ERR_ARG below 1 (the clock is read in whole seconds). */
 ms_status ms_interp_set_policy_seconds(ms_interp *in, double seconds);
 /* How many units ahead the policy prefetches: in forward (its prefetch.forward, default 1)
  * and in backward (prefetch.backward, default 2), as the planner counted them.

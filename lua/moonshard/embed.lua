@@ -180,17 +180,18 @@ end
 
 --- The policy sandbox's limits per call for the plans made after this.
 function M.set_policy_limits(instructions, memory_mb)
-  if not (instructions >= 1 and instructions < 2 ^ 53 and memory_mb > 0 and memory_mb < 2 ^ 40) then
-    fail(string.format("policy limits %.17g instructions, %.17g MiB: expected at least 1 instruction and more " ..
-      "than 0 MiB", instructions, memory_mb))
+  if not (instructions >= 1 and instructions < 2 ^ 53 and memory_mb >= 1 and memory_mb < 2 ^ 40) then
+    fail(string.format("policy limits %.17g instructions, %.17g MiB: expected at least 1 instruction and at " ..
+      "least 1 MiB", instructions, memory_mb))
   end
   state.limits = { instructions = instructions, memory_mb = memory_mb, seconds = state.limits and state.limits.seconds }
 end
 
 --- The policy sandbox's wall-clock limit per call for the plans made after this.
 function M.set_policy_seconds(seconds)
-  if not (seconds > 0 and seconds < 2 ^ 40) then
-    fail(string.format("policy time limit %.17g s: expected more than 0 seconds", seconds))
+  if not (seconds >= 1 and seconds < 2 ^ 40) then
+    fail(string.format("policy time limit %.17g s: expected at least 1 second (the clock is read in whole " ..
+      "seconds)", seconds))
   end
   state.limits = state.limits or {}
   state.limits.seconds = seconds

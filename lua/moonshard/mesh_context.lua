@@ -44,7 +44,9 @@ function M.parse(spec)
       fail("an empty item in '" .. spec .. "'; expected sizes like dp_replicate=2,dp_shard=4,ep=8")
     end
     local name, value = item:match("^%s*([%w_]+)%s*=%s*(%-?%d+)%s*$")
-    if not name then fail("'" .. item .. "' is not name=size (in '" .. spec .. "')") end
+    if not name then
+      fail("'" .. item .. "' is not name=size with a whole number size, like dp_shard=8 (in '" .. spec .. "')")
+    end
     if not KNOWN[name] then
       fail("unknown axis '" .. name .. "' (axes: pp, dp_replicate, dp_shard, cp, tp, ep)")
     end
@@ -110,7 +112,8 @@ function M.new(sizes)
     fail("n_routed_experts = " .. tostring(nre) .. "; expected an integer >= 1")
   end
   if sizes.n_routed_experts and s.ep > 1 and sizes.n_routed_experts % s.ep ~= 0 then
-    fail(string.format("n_routed_experts = %d is not divisible by ep = %d", sizes.n_routed_experts, s.ep))
+    fail(string.format("the model's %d routed experts are not divisible by ep = %d (expert parallelism splits " ..
+      "them evenly over ep)", sizes.n_routed_experts, s.ep))
   end
   local ctx = setmetatable({ sizes = s, world = world, non_pp = non_pp }, MeshContext)
   s.ep_shard = s.ep < non_pp and util.idiv(non_pp, s.ep) or 1

@@ -1268,8 +1268,9 @@ local function check_request(mesh, policy, opts)
     fail(string.format("optimizer %s: expected adamw, torch_adamw or none",
       type(optimizer) == "string" and "'" .. optimizer .. "'" or tostring(optimizer)))
   end
-  if mesh:size("pp") > 1 then fail("pipeline parallelism (pp > 1) is not planned yet; use pp = 1") end
-  if mesh:size("tp") > 1 then fail("tensor parallel plans (tp > 1) are not modelled yet; use tp = 1") end
+  -- the mesh's fault, not the policy's: no policy position in these
+  if mesh:size("pp") > 1 then fail("mesh: pipeline parallelism (pp > 1) is not planned yet; use pp = 1", true) end
+  if mesh:size("tp") > 1 then fail("mesh: tensor parallel plans (tp > 1) are not modelled yet; use tp = 1", true) end
   local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
   if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
   return optimizer, parallelize

@@ -59,8 +59,9 @@ output:
                        the file name; ORG/NAME with --model)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
-  --policy-memory MB        the memory cap in MiB (default 256)
-  --policy-seconds S        the wall-clock limit in seconds (default 60)
+  --policy-memory MB        the memory cap in MiB, at least 1 (default 256)
+  --policy-seconds S        the wall-clock limit in seconds, at least 1, read in whole seconds
+                            (default 60)
   -h, --help           this help
 
 The policy's ctx:log lines go to stderr as it runs, prefixed with "policy PATH: " (at most
@@ -257,7 +258,11 @@ function M.main(args)
       local n = tonumber(v)
       if not n or n <= 0 or n ~= n or n == math.huge or (key == "instructions" and n ~= math.floor(n)) then
         return usage_error(string.format("--%s is %s; expected a %s", flag, v,
-          key == "instructions" and "whole number > 0" or "number > 0"))
+          key == "instructions" and "whole number > 0" or "number >= 1"))
+      end
+      if key ~= "instructions" and n < 1 then
+        return usage_error(string.format("--%s is %s; expected a number >= 1 (%s)", flag, v, key == "seconds" and
+          "the wall clock is read in whole seconds" or "a policy needs at least 1 MiB to load"))
       end
       o.limits = o.limits or {}
       o.limits[key] = n

@@ -118,11 +118,20 @@ local function lua_files(dir, names)
   return files
 end
 
+-- The smallest limits: a policy needs some memory to load at all, and the wall clock is
+-- read in whole seconds (os.time), so a limit below 1 s would stop calls at random.
+local MIN = { memory_mb = 1, seconds = 1 }
+M.MIN_LIMITS = MIN
+
 local function option(opts, name, default)
   local v = opts[name]
   if v == nil then return default end
   if type(v) ~= "number" or v <= 0 then
     error(format("moonshard: policy.load: opts.%s must be a positive number, got %s", name, tostring(v)), 3)
+  end
+  if MIN[name] and v < MIN[name] then
+    error(format("moonshard: policy.load: opts.%s is %s; the least is %d (%s)", name, tostring(v), MIN[name],
+      name == "seconds" and "the clock is read in whole seconds" or "a policy needs at least 1 MiB to load"), 3)
   end
   return v
 end
@@ -182,11 +191,17 @@ function M.entry_point(policy, path)
   elseif not rec and has(rawget(policy, "main")) then
     found = rawget(policy, "main")
   else
-    for _, v in next, policy do
+    local with = {} -- the stems of the files that have it, named in the error
+    for k, v in next, policy do
       if has(v) then
-        if found then error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx)", 0) end
-        found = v
+        with[#with + 1] = type(k) == "string" and k .. ".lua" or "?"
+        found = found or v
       end
+    end
+    if #with > 1 then
+      table.sort(with)
+      error("moonshard: policy " .. path .. ": more than one file has parallelize(ctx) (" .. table.concat(with, ", ") ..
+        "): name one with --policy, or make it shard_units.lua", 0)
     end
   end
   if not found then

@@ -40,7 +40,7 @@ M.options = {
   -- off): the decoder blocks are wrapped first (apply_ac; the MTP blocks are not)
   activation_checkpointing = { default = false, type = "boolean|list|string",
     doc = "checkpoint the decoder blocks: true (all), false, \"every:K\" or a list of positions" },
-  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
   -- Automodel's MoE parallelizer sets no explicit chain (apply_fsdp): FSDP2's implicit prefetch
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },

@@ -27,7 +27,7 @@ M.options = {
     doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
-  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
 }
 

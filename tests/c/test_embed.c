@@ -506,7 +506,8 @@ static void hostile_policies(void) {
               "spin.lua: instruction budget of 1000000 exceeded (an infinite loop?) at line 3");
     CHECK_OK(ms_interp_set_policy_limits(in, 200e6, 256));
     /* work in C the count does not see ends at the host's wall clock */
-    CHECK_ERR(ms_interp_set_policy_seconds(in, 0), MS_ERR_ARG, "expected more than 0 seconds");
+    CHECK_ERR(ms_interp_set_policy_seconds(in, 0), MS_ERR_ARG, "expected at least 1 second");
+    CHECK_ERR(ms_interp_set_policy_seconds(in, 0.5), MS_ERR_ARG, "expected at least 1 second");
     CHECK_OK(ms_interp_set_policy_seconds(in, 1));
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", at("slow.lua"), NULL), MS_ERR_ARG, "slow.lua: time limit of 1 s exceeded");
     CHECK_OK(ms_interp_set_policy_seconds(in, 60));
@@ -528,7 +529,8 @@ static void plan_options(void) {
     CHECK_OK(ms_interp_model_config(in, MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json"));
     CHECK_ERR(ms_interp_set_optimizer(in, "sgd"), MS_ERR_ARG, "embed: optimizer 'sgd': expected adamw, torch_adamw or none");
     CHECK_ERR(ms_interp_set_policy_limits(in, 0, 256), MS_ERR_ARG, "expected at least 1 instruction");
-    CHECK_ERR(ms_interp_set_policy_limits(in, 1e6, -1), MS_ERR_ARG, "more than 0 MiB");
+    CHECK_ERR(ms_interp_set_policy_limits(in, 1e6, -1), MS_ERR_ARG, "at least 1 MiB");
+    CHECK_ERR(ms_interp_set_policy_limits(in, 1e6, 1e-5), MS_ERR_ARG, "at least 1 MiB");
     CHECK_OK(ms_interp_set_policy_limits(in, 1000, 256));
     CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
               "instruction budget of 1000 exceeded");

@@ -44,7 +44,7 @@ end
 
 local DECL = {
   reshard_after_forward = { default = nil, type = "nil|boolean|integer", doc = "override the rule" },
-  offload_policy = { default = nil, type = "nil|string", values = { "cpu", "none" }, doc = "cpu offload" },
+  offload_policy = { default = nil, type = "nil|string", values = { "cpu" }, doc = "cpu offload" },
   activation_checkpointing = { default = false, type = "boolean|list|string", doc = "which layers" },
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units ahead in forward" },
   ["prefetch.backward"] = { default = 2, min = 0, doc = "units ahead in backward" },
@@ -116,7 +116,7 @@ describe("a policy's options", function()
         "option reshard_after_forward is 'maybe'; expected none, true, false or an integer" },
       { { set = { "prefetch.forward=-1" } }, "option prefetch.forward is -1; expected an integer >= 0" },
       { { set = { "prefetch.forward=1.5" } }, "option prefetch.forward is '1.5'; expected an integer >= 0" },
-      { { set = { "offload_policy=gpu" } }, "option offload_policy is 'gpu'; expected none or 'cpu', 'none'" },
+      { { set = { "offload_policy=gpu" } }, "option offload_policy is 'gpu'; expected none or 'cpu'" },
       { { set = { "scale=big" } }, "option scale is 'big'; expected a number" },
       { { options = { scale = "big" } }, "option scale is 'big'; expected a number" },
       { { options = { reshard_after_forward = 1.5 } },

@@ -58,7 +58,7 @@ describe("MeshContext", function()
     assert.matches("dp_replicate = 2 needs dp_shard > 1", errmsg(mesh_context.new, "dp_replicate=2"))
     assert.matches("ep = 3 does not divide dp_replicate%*dp_shard%*cp%*tp = 8", errmsg(mesh_context.new, "dp_shard=8,ep=3"))
     assert.matches("ep = 16 is larger than", errmsg(mesh_context.new, "dp_shard=8,ep=16"))
-    assert.matches("n_routed_experts = 6 is not divisible by ep = 4",
+    assert.matches("6 routed experts are not divisible by ep = 4",
       errmsg(mesh_context.new, { dp_shard = 8, ep = 4, n_routed_experts = 6 }))
     assert.matches("unknown axis 'dpx'", errmsg(mesh_context.parse, "dpx=2"))
     assert.matches("'dp_shard' is not name=size", errmsg(mesh_context.parse, "dp_shard"))

@@ -796,7 +796,8 @@ describe("moonshard plan", function()
     end
     local r = run("dp_shard=4,ep=4")
     assert.equal(1, r.code)
-    assert.equal("moonshard plan: error: mesh: n_routed_experts = 6 is not divisible by ep = 4\n", r.err)
+    assert.equal("moonshard plan: error: mesh: the model's 6 routed experts are not divisible by ep = 4 (expert " ..
+      "parallelism splits them evenly over ep)\n", r.err)
     r = run("dp_shard=4,ep=2")
     assert.equal("", r.err)
     assert.equal(2 * 2, #json.decode(r.out).owned)

@@ -182,8 +182,8 @@ describe("the entry point", function()
     assert.equal("units", entry.parallelize())
     assert.equal(p.units.prefetch, entry.prefetch)
     write(d .. "/other.lua", "return { parallelize = function(ctx) end }\n")
-    assert.equal("moonshard: policy " .. d .. ": more than one file has parallelize(ctx)",
-      failure(policy.entry_point, load_fast(d), d))
+    assert.equal("moonshard: policy " .. d .. ": more than one file has parallelize(ctx) (other.lua, units.lua): " ..
+      "name one with --policy, or make it shard_units.lua", failure(policy.entry_point, load_fast(d), d))
     -- shard_units.lua first, also before a main.lua (a file's stem, not the single file's)
     write(d .. "/shard_units.lua", "return { parallelize = function(ctx) return 'shard_units' end }\n")
     write(d .. "/main.lua", "return { parallelize = function(ctx) return 'main' end }\n")
@@ -376,6 +376,10 @@ describe("the budget", function()
   it("rejects options that are not positive numbers", function()
     assert.matches("opts.instructions must be a positive number, got 0",
                    failure(policy.load, F .. "single.lua", { instructions = 0 }), 1, true)
+    assert.matches("opts.memory_mb is 1e-05; the least is 1 (a policy needs at least 1 MiB to load)",
+      failure(policy.load, F .. "single.lua", { memory_mb = 1e-5 }), 1, true)
+    assert.matches("opts.seconds is 0.5; the least is 1 (the clock is read in whole seconds)",
+      failure(policy.load, F .. "single.lua", { seconds = 0.5 }), 1, true)
     assert.matches("opts.memory_mb must be a positive number, got lots",
                    failure(policy.load, F .. "single.lua", { memory_mb = "lots" }), 1, true)
   end)
