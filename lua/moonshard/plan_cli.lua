@@ -100,27 +100,23 @@ function M.parse(args)
       if FLAGS[key] then
         if inline then return nil, "--" .. key .. " takes no value (got '" .. a .. "')" end
         o[key] = true
-      elseif REPEATED[key] then
+      elseif REPEATED[key] or VALUES[key] then
         local v = inline
         if not v then
           i = i + 1
           v = args[i]
         end
         if v == nil or v == "" then return nil, "--" .. key .. " needs a value" end
-        if key == "set" and not v:find("^[^=]+=") then
-          return nil, "--set takes NAME=VALUE (e.g. --set reshard_after_forward=false), got '" .. v .. "'"
+        if REPEATED[key] then
+          if key == "set" and not v:find("^[^=]+=") then
+            return nil, "--set takes NAME=VALUE (e.g. --set reshard_after_forward=false), got '" .. v .. "'"
+          end
+          o[key] = o[key] or {}
+          o[key][#o[key] + 1] = v
+        else
+          if o[key] then return nil, "--" .. key .. " given twice" end
+          o[key] = v
         end
-        o[key] = o[key] or {}
-        o[key][#o[key] + 1] = v
-      elseif VALUES[key] then
-        local v = inline
-        if not v then
-          i = i + 1
-          v = args[i]
-        end
-        if v == nil or v == "" then return nil, "--" .. key .. " needs a value" end
-        if o[key] then return nil, "--" .. key .. " given twice" end
-        o[key] = v
       else
         return nil, "unknown option '" .. a .. "'"
       end

@@ -15,6 +15,7 @@
 
 local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
+local islands = require "islands"
 local by_dtype = require "by_dtype"
 
 local M = {}
@@ -47,30 +48,16 @@ M.options = {
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
 }
 
-local CHECKPOINT = "_checkpoint_wrapped_module"
+local CHECKPOINT = islands.CHECKPOINT
 
 local FLOATING = { f32 = true, f16 = true, bf16 = true, f64 = true, f8e4m3 = true, f8e5m2 = true }
 
 -- fsdp.py _DSV4_CLASS_NAMES
 local DSV4_CLASSES = { DeepseekV4ForCausalLM = true, DeepseekV4Model = true, DeepseekV4Block = true }
 
-local function strip_checkpoint(name)
-  local parts = {}
-  for part in name:gmatch("[^.]+") do
-    if part ~= CHECKPOINT then parts[#parts + 1] = part end
-  end
-  return table.concat(parts, ".")
-end
-
 --- fsdp.py _matches_suffix against every entry of fp32_modules.lua, on a name relative to
 -- the module being sharded (named_modules() of it), activation-checkpoint segments removed.
-function M.is_fp32_module_name(name)
-  local n = strip_checkpoint(name)
-  for _, entry in ipairs(FP32_MODULES) do
-    if n == entry or n:sub(-(#entry + 1)) == "." .. entry then return true end
-  end
-  return false
-end
+function M.is_fp32_module_name(name) return islands.names_one_of(name, FP32_MODULES) end
 
 -- The dtypes of a module's floating parameters (fsdp.py _floating_param_dtypes; every
 -- parameter, ignored ones too, buffers not).

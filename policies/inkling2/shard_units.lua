@@ -10,6 +10,7 @@
 
 local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
+local islands = require "islands"
 
 local M = {}
 
@@ -31,25 +32,11 @@ M.options = {
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
 }
 
-local CHECKPOINT = "_checkpoint_wrapped_module"
-
-local function strip_checkpoint(name)
-  local parts = {}
-  for part in name:gmatch("[^.]+") do
-    if part ~= CHECKPOINT then parts[#parts + 1] = part end
-  end
-  return table.concat(parts, ".")
-end
+local CHECKPOINT = islands.CHECKPOINT
 
 --- true when `name` names an FP32 module: equal to an entry of fp32_modules.lua or ending
 -- with "." .. entry, after removing activation-checkpoint segments.
-function M.is_fp32_module_name(name)
-  local n = strip_checkpoint(name)
-  for _, entry in ipairs(FP32_MODULES) do
-    if n == entry or n:sub(-(#entry + 1)) == "." .. entry then return true end
-  end
-  return false
-end
+function M.is_fp32_module_name(name) return islands.names_one_of(name, FP32_MODULES) end
 
 -- Already sharded parameters count as owned too: an island sharded with its layer is not
 -- an island of the root again.
