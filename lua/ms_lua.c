@@ -1,12 +1,13 @@
 /*
  * ms_lua.c: the Lua 5.4 binding of libmoonshard (luaopen_moonshard_core): the module table,
- * what the classes' files share (ms_lua_internal.h) and the functions of no class.  The
- * classes: ms_lua_tensor.c, ms_lua_mesh.c (meshes, groups, the world), ms_lua_unit.c.
+ * the boxes of the four classes, the primitives moonshard.args uses, and the functions of no
+ * class.  The classes' raw functions: ms_lua_tensor.c, ms_lua_mesh.c, ms_lua_unit.c.
  *
- * Thin functions that check their Lua arguments, call the core and turn a failed status
- * into one Lua error naming the status and the core's message.  Userdata follow liolib:
- * the box is made "closed" before the handle is acquired, and __gc / __close share one
- * idempotent release, so an error half-way leaves nothing behind.
+ * Raw (lua/moonshard/raw.lua lists the functions): values go across and a failed core call
+ * returns nil and "moonshard <status> error: <message>"; the API's checks, defaults and
+ * messages are written once in Lua (moonshard.args, .tensor, .mesh, .unit) for this binding
+ * and LuaJIT's FFI binding alike.  Boxes follow liolib: a box is made closed before its
+ * handle is acquired, and __gc / __close share one idempotent release.
  */
 #include "ms_lua_internal.h"
 
@@ -14,69 +15,134 @@
 #include <lua.h>
 #include <lualib.h>
 
-#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
-/* ---------------------------------------------------------------- errors */
+const char *const ms_lua_class_mt[CLASS_COUNT] = {"moonshard.Tensor", "moonshard.Mesh", "moonshard.Group",
+                                                  "moonshard.Unit"};
+const char *const ms_lua_class_word[CLASS_COUNT] = {"tensor", "mesh", "group", "unit"};
 
-int ms_lua_fail(lua_State *L, ms_status st) {
-    return luaL_error(L, "moonshard %s error: %s", ms_status_name(st), ms_last_error());
+/* ---------------------------------------------------------------- results */
+
+int ms_lua_failed(lua_State *L, ms_status st) {
+    lua_pushnil(L);
+    lua_pushfstring(L, "moonshard %s error: %s", ms_status_name(st), ms_last_error());
+    return 2;
+}
+
+int ms_lua_done(lua_State *L) {
+    lua_pushboolean(L, 1);
+    return 1;
 }
 
 /* ---------------------------------------------------------------- boxes */
 
-void *box_new(lua_State *L, const char *mt) {
+box *box_new(lua_State *L, ms_lua_class c) {
     box *b = lua_newuserdatauv(L, sizeof *b, 0);
     b->h = NULL; /* closed until the handle exists */
-    luaL_setmetatable(L, mt);
+    luaL_setmetatable(L, ms_lua_class_mt[c]);
     return b;
 }
 
-void *box_get(lua_State *L, int idx, const char *mt, const char *what) {
-    box *b = luaL_checkudata(L, idx, mt);
-    if (!b->h) luaL_error(L, "moonshard state error: attempt to use a released %s", what);
+void *box_get(lua_State *L, int idx, ms_lua_class c) {
+    box *b = luaL_checkudata(L, idx, ms_lua_class_mt[c]);
+    if (!b->h) luaL_error(L, "moonshard state error: attempt to use a released %s", ms_lua_class_word[c]);
     return b->h;
 }
 
-/* ---------------------------------------------------------------- argument helpers */
-
-ms_dtype opt_dtype(lua_State *L, int idx, ms_dtype def) {
-    if (lua_isnoneornil(L, idx)) return def;
-    ms_dtype d;
-    ms_status st = ms_dtype_parse(luaL_checkstring(L, idx), &d);
-    if (st) ms_lua_fail(L, st);
-    return d;
+/* The class of the value at idx, or -1. */
+static int class_of(lua_State *L, int idx) {
+    for (int c = 0; c < CLASS_COUNT; c++)
+        if (luaL_testudata(L, idx, ms_lua_class_mt[c])) return c;
+    return -1;
 }
 
-/* A Lua sequence of integers (a shape, a list of sizes); returns its length. */
-int check_int_list(lua_State *L, int idx, const char *what, int64_t *out, int cap) {
+static void release_handle(int c, void *h) {
+    switch ((ms_lua_class)c) {
+    case CLASS_TENSOR: ms_tensor_release(h); break;
+    case CLASS_MESH: ms_mesh_release(h); break;
+    case CLASS_GROUP: ms_comm_release(h); break;
+    case CLASS_UNIT: ms_unit_release(h); break;
+    case CLASS_COUNT: break;
+    }
+}
+
+/* release(obj) and every class's __gc and __close: the handle, once. */
+static int l_release(lua_State *L) {
+    int c = class_of(L, 1);
+    if (c < 0) return luaL_argerror(L, 1, "a moonshard object expected");
+    box *b = lua_touserdata(L, 1);
+    if (b->h) {
+        void *h = b->h;
+        b->h = NULL;
+        release_handle(c, h);
+    }
+    return 0;
+}
+
+static int l_classof(lua_State *L) {
+    int c = class_of(L, 1);
+    if (c < 0) lua_pushnil(L);
+    else lua_pushstring(L, ms_lua_class_word[c]);
+    return 1;
+}
+
+/* state(v, class) -> true for a live object of the class, false for a released one, else nil */
+static int l_state(lua_State *L) {
+    int c = (int)luaL_checkinteger(L, 2);
+    box *b = c >= 0 && c < CLASS_COUNT ? luaL_testudata(L, 1, ms_lua_class_mt[c]) : NULL;
+    if (!b) lua_pushnil(L);
+    else lua_pushboolean(L, b->h != NULL);
+    return 1;
+}
+
+static int l_live(lua_State *L) {
+    lua_pushboolean(L, class_of(L, 1) >= 0 && ((box *)lua_touserdata(L, 1))->h != NULL);
+    return 1;
+}
+
+/* __tostring: "<class> (released)", else the class's own format (upvalue 1). */
+static int box_tostring(lua_State *L) {
+    int c = class_of(L, 1);
+    if (c < 0 || !((box *)lua_touserdata(L, 1))->h) {
+        lua_pushfstring(L, "%s (released)", c < 0 ? "?" : ms_lua_class_word[c]);
+        return 1;
+    }
+    lua_pushvalue(L, lua_upvalueindex(1));
+    lua_pushvalue(L, 1);
+    lua_call(L, 1, 1);
+    return 1;
+}
+
+/* define(class, methods, tostring_live): the class's methods and format. */
+static int l_define(lua_State *L) {
+    const char *word = luaL_checkstring(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    luaL_checktype(L, 3, LUA_TFUNCTION);
+    int c = 0;
+    while (c < CLASS_COUNT && strcmp(word, ms_lua_class_word[c])) c++;
+    if (c == CLASS_COUNT) return luaL_argerror(L, 1, "not a class");
+    luaL_getmetatable(L, ms_lua_class_mt[c]);
+    lua_pushvalue(L, 2);
+    lua_setfield(L, -2, "__index");
+    lua_pushvalue(L, 3);
+    lua_pushcclosure(L, box_tostring, 1);
+    lua_setfield(L, -2, "__tostring");
+    return 0;
+}
+
+/* ---------------------------------------------------------------- values */
+
+int int_list(lua_State *L, int idx, int64_t *out) {
     luaL_checktype(L, idx, LUA_TTABLE);
-    int n = (int)luaL_len(L, idx);
-    if (n > cap) luaL_error(L, "moonshard invalid_argument error: %s has %d entries, at most %d allowed", what, n, cap);
-    for (int i = 0; i < n; i++) {
+    lua_Integer n = luaL_len(L, idx);
+    if (n > MS_MAX_DIMS) luaL_error(L, "moonshard invalid_argument error: %I entries, at most %d allowed", n, MS_MAX_DIMS);
+    for (int i = 0; i < (int)n; i++) {
         lua_geti(L, idx, i + 1);
-        int ok;
-        lua_Integer v = lua_tointegerx(L, -1, &ok);
-        if (!ok)
-            luaL_error(L, "moonshard invalid_argument error: %s[%d] is %s, expected an integer", what, i + 1,
-                       luaL_typename(L, -1));
-        out[i] = (int64_t)v;
+        out[i] = (int64_t)luaL_checkinteger(L, -1);
         lua_pop(L, 1);
     }
-    return n;
-}
-
-/* An integer argument that the core takes as a C int (a dim, a root): a value outside int's
- * range is refused by name instead of being cut down to another, valid-looking one. */
-int check_int(lua_State *L, int idx, const char *what) {
-    lua_Integer v = luaL_checkinteger(L, idx);
-    if (v < INT_MIN || v > INT_MAX) luaL_error(L, "moonshard invalid_argument error: %s %I is out of range", what, v);
-    return (int)v;
-}
-
-int opt_int(lua_State *L, int idx, const char *what, int def) {
-    return lua_isnoneornil(L, idx) ? def : check_int(L, idx, what);
+    return (int)n;
 }
 
 void push_int_list(lua_State *L, const int64_t *v, int n) {
@@ -85,6 +151,76 @@ void push_int_list(lua_State *L, const int64_t *v, int n) {
         lua_pushinteger(L, (lua_Integer)v[i]);
         lua_rawseti(L, -2, i + 1);
     }
+}
+
+static int l_to_integer(lua_State *L) {
+    int ok;
+    lua_Integer v = lua_tointegerx(L, 1, &ok);
+    if (ok) lua_pushinteger(L, v);
+    else lua_pushnil(L);
+    return 1;
+}
+
+static int l_is_number(lua_State *L) {
+    lua_pushboolean(L, lua_isnumber(L, 1));
+    return 1;
+}
+
+/* int_element(v, dtype) -> the element, or nil and the reason (ms_int_element) */
+static int l_int_element(lua_State *L) {
+    ms_dtype dt = (ms_dtype)luaL_checkinteger(L, 2);
+    int64_t out;
+    ms_status st;
+    if (lua_isboolean(L, 1)) st = ms_int_element(dt, 0, lua_toboolean(L, 1), 0, &out);
+    else if (lua_isinteger(L, 1)) st = ms_int_element(dt, 0, (int64_t)lua_tointeger(L, 1), 0, &out);
+    else st = ms_int_element(dt, 1, 0, (double)luaL_checknumber(L, 1), &out);
+    if (st) {
+        lua_pushnil(L);
+        lua_pushstring(L, ms_last_error());
+        return 2;
+    }
+    lua_pushinteger(L, (lua_Integer)out);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- dtypes, devices, ops */
+
+static int l_dtype_code(lua_State *L) {
+    ms_dtype d;
+    TRY(L, ms_dtype_parse(luaL_checkstring(L, 1), &d));
+    lua_pushinteger(L, d);
+    return 1;
+}
+
+static int l_dtype_name(lua_State *L) {
+    lua_pushstring(L, ms_dtype_name((ms_dtype)luaL_checkinteger(L, 1)));
+    return 1;
+}
+
+static int l_dtype_size(lua_State *L) {
+    lua_pushinteger(L, ms_dtype_size((ms_dtype)luaL_checkinteger(L, 1)));
+    return 1;
+}
+
+static int l_dtype_is_float(lua_State *L) {
+    lua_pushboolean(L, ms_dtype_is_float((ms_dtype)luaL_checkinteger(L, 1)));
+    return 1;
+}
+
+static int l_device_code(lua_State *L) {
+    ms_device_type type;
+    int index;
+    TRY(L, ms_device_parse(luaL_checkstring(L, 1), &type, &index));
+    lua_pushinteger(L, type);
+    lua_pushinteger(L, index);
+    return 2;
+}
+
+static int l_op_code(lua_State *L) {
+    ms_op op;
+    TRY(L, ms_op_parse(luaL_checkstring(L, 1), &op));
+    lua_pushinteger(L, op);
+    return 1;
 }
 
 /* ---------------------------------------------------------------- misc */
@@ -101,26 +237,11 @@ static int l_cuda_device_count(lua_State *L) {
     return 2;
 }
 
-static int l_dtype_size(lua_State *L) {
-    lua_pushinteger(L, ms_dtype_size(opt_dtype(L, 1, MS_F32)));
-    return 1;
-}
-
-/* file_stat(path) -> kind, size: what path names without opening it ("regular file",
- * "directory", "FIFO (named pipe)", "character device", ...: ms_file_kind_name) and a
- * regular file's size; nil and "<path>: <reason>" when it cannot be stat'ed, as io.open
- * reports a failure. */
+/* file_stat(path) -> kind (ms_file_kind_name), size | nil, "<path>: <reason>" */
 static int l_file_stat(lua_State *L) {
-    size_t len;
-    const char *path = luaL_checklstring(L, 1, &len);
-    if (strlen(path) != len) {
-        lua_pushnil(L);
-        lua_pushfstring(L, "%s: the path holds a NUL byte", path);
-        return 2;
-    }
     ms_file_kind kind;
     int64_t size;
-    if (ms_file_stat(path, &kind, &size) != MS_OK) {
+    if (ms_file_stat(luaL_checkstring(L, 1), &kind, &size) != MS_OK) {
         lua_pushnil(L);
         lua_pushstring(L, ms_last_error());
         return 2;
@@ -130,18 +251,21 @@ static int l_file_stat(lua_State *L) {
     return 2;
 }
 
-static int l_cast_impl(lua_State *L) {
-    if (!lua_isnoneornil(L, 1)) {
-        const char *name = luaL_checkstring(L, 1);
-        int impl = strcmp(name, "portable") == 0 ? MS_CAST_PORTABLE
-                   : strcmp(name, "avx2") == 0   ? MS_CAST_AVX2
-                   : strcmp(name, "auto") == 0   ? MS_CAST_AUTO
-                                                 : -1;
-        if (impl < 0) return luaL_error(L, "moonshard invalid_argument error: cast_impl: '%s' is not auto, portable or avx2", name);
-        CHECK(L, ms_cast_set_impl((ms_cast_impl)impl));
-    }
-    lua_pushstring(L, ms_cast_get_impl() == MS_CAST_AVX2 ? "avx2" : "portable");
+static int l_cast_set_impl(lua_State *L) {
+    TRY(L, ms_cast_set_impl((ms_cast_impl)luaL_checkinteger(L, 1)));
+    return ms_lua_done(L);
+}
+
+static int l_cast_get_impl(lua_State *L) {
+    lua_pushinteger(L, ms_cast_get_impl());
     return 1;
+}
+
+static int l_adamw_defaults(lua_State *L) {
+    double d[4];
+    TRY(L, ms_adamw_defaults(&d[0], &d[1], &d[2], &d[3]));
+    for (int i = 0; i < 4; i++) lua_pushnumber(L, d[i]);
+    return 4;
 }
 
 /* ---------------------------------------------------------------- states for ranks and hosts */
@@ -162,45 +286,64 @@ void ms_lua_setup(lua_State *L, ms_comm *world) {
     ms_lua_set_world(L, world);
 }
 
+ms_unit *ms_lua_to_unit(lua_State *L, int idx) {
+    box *b = luaL_testudata(L, idx, ms_lua_class_mt[CLASS_UNIT]);
+    return b ? b->h : NULL;
+}
+
 /* ---------------------------------------------------------------- registration */
 
-void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
-              lua_CFunction tostring) {
-    luaL_newmetatable(L, mt);
-    lua_newtable(L);
-    luaL_setfuncs(L, methods, 0);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, gc);
-    lua_setfield(L, -2, "__gc");
-    lua_pushcfunction(L, gc);
-    lua_setfield(L, -2, "__close");
-    lua_pushcfunction(L, tostring);
-    lua_setfield(L, -2, "__tostring");
-    lua_pushstring(L, mt);
-    lua_setfield(L, -2, "__name");
-    lua_pop(L, 1);
+/* The core's enums and the binding's own codes, as raw.lua's `const`. */
+static void push_constants(lua_State *L) {
+    static const struct { const char *name; int value; } k[] = {
+        {"F32", MS_F32}, {"F64", MS_F64}, {"I64", MS_I64}, {"BOOL", MS_BOOL}, {"DTYPE_COUNT", MS_DTYPE_COUNT},
+        {"DEVICE_CPU", MS_DEVICE_CPU}, {"DEVICE_META", MS_DEVICE_META}, {"DEVICE_CUDA", MS_DEVICE_CUDA},
+        {"OP_SUM", MS_OP_SUM}, {"PLACEMENT_REPLICATE", MS_PLACE_REPLICATE},
+        {"PLACEMENT_SHARD", MS_PLACE_SHARD}, {"PLACEMENT_PARTIAL", MS_PLACE_PARTIAL},
+        {"RESHARD_FULL", MS_RESHARD_FULL}, {"RESHARD_KEEP", MS_RESHARD_KEEP},
+        {"ADAMW_MASTER", MS_ADAMW_MASTER}, {"ADAMW_TORCH", MS_ADAMW_TORCH}, {"ADAMW_EXP_AVG", MS_ADAMW_EXP_AVG},
+        {"ADAMW_EXP_AVG_SQ", MS_ADAMW_EXP_AVG_SQ}, {"ADAMW_MASTER_WEIGHTS", MS_ADAMW_MASTER_WEIGHTS},
+        {"CAST_AUTO", MS_CAST_AUTO}, {"CAST_PORTABLE", MS_CAST_PORTABLE}, {"CAST_AVX2", MS_CAST_AVX2},
+    };
+    lua_createtable(L, 0, (int)(sizeof k / sizeof k[0]) + 20);
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        lua_pushinteger(L, k[i].value);
+        lua_setfield(L, -2, k[i].name);
+    }
+    static const char *const class_codes[CLASS_COUNT] = {"CLASS_TENSOR", "CLASS_MESH", "CLASS_GROUP", "CLASS_UNIT"};
+    for (int c = 0; c < CLASS_COUNT; c++) { /* state()'s codes */
+        lua_pushinteger(L, c);
+        lua_setfield(L, -2, class_codes[c]);
+    }
 }
 
 int luaopen_moonshard_core(lua_State *L) {
     static const luaL_Reg funcs[] = {
-        {"rank", l_rank}, {"world_size", l_world_size}, {"backend", l_backend}, {"device", l_device},
-        {"tensor", l_tensor}, {"from_table", l_from_table}, {"mesh", l_mesh},
-        {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard},
-        {"chunk_extent", l_chunk_extent}, {"dtype_size", l_dtype_size},
-        {"cast_impl", l_cast_impl}, {"unit", l_unit}, {"cuda_device_count", l_cuda_device_count},
-        {"memory_cap", ms_lua_memory_cap}, {"memory_refused", ms_lua_memory_refused}, {"file_stat", l_file_stat},
-        {NULL, NULL}};
-    open_tensor_class(L);
-    open_mesh_classes(L);
-    open_unit_class(L);
+        {"to_integer", l_to_integer}, {"is_number", l_is_number}, {"classof", l_classof}, {"live", l_live}, {"state", l_state},
+        {"release", l_release}, {"define", l_define}, {"int_element", l_int_element},
+        {"dtype_code", l_dtype_code}, {"dtype_name", l_dtype_name}, {"dtype_size", l_dtype_size},
+        {"dtype_is_float", l_dtype_is_float}, {"device_code", l_device_code}, {"op_code", l_op_code},
+        {"cuda_device_count", l_cuda_device_count}, {"file_stat", l_file_stat},
+        {"cast_set_impl", l_cast_set_impl}, {"cast_get_impl", l_cast_get_impl},
+        {"adamw_defaults", l_adamw_defaults}, {"memory_cap", ms_lua_memory_cap},
+        {"memory_refused", ms_lua_memory_refused}, {NULL, NULL}};
+    for (int c = 0; c < CLASS_COUNT; c++) {
+        luaL_newmetatable(L, ms_lua_class_mt[c]);
+        lua_pushcfunction(L, l_release);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, l_release);
+        lua_setfield(L, -2, "__close");
+        lua_pop(L, 1); /* __name: luaL_newmetatable's */
+    }
     luaL_newlib(L, funcs);
     lua_pushstring(L, ms_version());
     lua_setfield(L, -2, "version");
-    lua_createtable(L, MS_DTYPE_COUNT, 0);
-    for (int d = 0; d < MS_DTYPE_COUNT; d++) {
-        lua_pushstring(L, ms_dtype_name((ms_dtype)d));
-        lua_rawseti(L, -2, d + 1);
-    }
-    lua_setfield(L, -2, "dtypes");
+    lua_pushinteger(L, MS_MAX_DIMS);
+    lua_setfield(L, -2, "MAX_DIMS");
+    push_constants(L);
+    lua_setfield(L, -2, "const");
+    ms_lua_open_tensor(L);
+    ms_lua_open_mesh(L);
+    ms_lua_open_unit(L);
     return 1;
 }

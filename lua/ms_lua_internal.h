@@ -2,6 +2,10 @@
  * ms_lua_internal.h: what the files of the Lua 5.4 binding share (ms_lua.c and the classes'
  * ms_lua_tensor.c, ms_lua_mesh.c, ms_lua_unit.c).  Hidden: none of it leaves the library or
  * executable the binding is linked into.  Hosts use ms_lua.h.
+ *
+ * The binding is raw (lua/moonshard/raw.lua lists its functions): arguments arrive checked
+ * by the Lua API (moonshard.args), a failed core call returns nil and the message, and the
+ * few checks here only keep a direct caller of moonshard.core from crashing.
  */
 #ifndef MS_LUA_INTERNAL_H
 #define MS_LUA_INTERNAL_H
@@ -20,73 +24,61 @@
 #define MS_LUA_HIDDEN
 #endif
 
-#define TENSOR_MT "moonshard.Tensor"
-#define MESH_MT "moonshard.Mesh"
-#define GROUP_MT "moonshard.Group"
-#define UNIT_MT "moonshard.Unit"
+/* The classes' metatables in the registry, in the order of ms_lua_class. */
+typedef enum { CLASS_TENSOR, CLASS_MESH, CLASS_GROUP, CLASS_UNIT, CLASS_COUNT } ms_lua_class;
+MS_LUA_HIDDEN extern const char *const ms_lua_class_mt[CLASS_COUNT];   /* "moonshard.Tensor", ... */
+MS_LUA_HIDDEN extern const char *const ms_lua_class_word[CLASS_COUNT]; /* "tensor", ... */
 
-/* ---------------------------------------------------------------- errors (ms_lua.c) */
+/* ---------------------------------------------------------------- results (ms_lua.c) */
 
-MS_LUA_HIDDEN int ms_lua_fail(lua_State *L, ms_status st);
+/* A failed core call: pushes nil and "moonshard <status> error: <message>"; returns 2. */
+MS_LUA_HIDDEN int ms_lua_failed(lua_State *L, ms_status st);
 
-/* Raises the Lua error for a failed core call (luaL_error does not return). */
-#define CHECK(L, call)                       \
-    do {                                     \
-        ms_status st_ = (call);              \
-        if (st_ != MS_OK) ms_lua_fail(L, st_); \
+/* Returns the failure from the raw function when the core call fails. */
+#define TRY(L, call)                                  \
+    do {                                              \
+        ms_status st_ = (call);                       \
+        if (st_ != MS_OK) return ms_lua_failed(L, st_); \
     } while (0)
+
+/* Pushes true: the result of a raw function that only acts. */
+MS_LUA_HIDDEN int ms_lua_done(lua_State *L);
 
 /* ---------------------------------------------------------------- boxes (ms_lua.c) */
 
 typedef struct { void *h; } box;
 
-MS_LUA_HIDDEN void *box_new(lua_State *L, const char *mt);
-MS_LUA_HIDDEN void *box_get(lua_State *L, int idx, const char *mt, const char *what);
+/* A new box of class c, closed until its handle is set, on the stack. */
+MS_LUA_HIDDEN box *box_new(lua_State *L, ms_lua_class c);
+/* The live handle of the box of class c at idx (a plain error otherwise). */
+MS_LUA_HIDDEN void *box_get(lua_State *L, int idx, ms_lua_class c);
+/* Pushes a box of class c around h (a new reference the box owns), or fails on st. */
+#define BOXED(L, c, call, out)                     \
+    do {                                           \
+        box *b_ = box_new(L, c);                   \
+        TRY(L, call);                              \
+        b_->h = (out);                             \
+        return 1;                                  \
+    } while (0)
 
-#define check_tensor(L, i) ((ms_tensor *)box_get(L, i, TENSOR_MT, "tensor"))
-#define check_mesh(L, i) ((ms_mesh *)box_get(L, i, MESH_MT, "mesh"))
-#define check_group(L, i) ((ms_comm *)box_get(L, i, GROUP_MT, "group"))
-#define check_unit(L, i) ((ms_unit *)box_get(L, i, UNIT_MT, "unit"))
+#define check_tensor(L, i) ((ms_tensor *)box_get(L, i, CLASS_TENSOR))
+#define check_mesh(L, i) ((ms_mesh *)box_get(L, i, CLASS_MESH))
+#define check_group(L, i) ((ms_comm *)box_get(L, i, CLASS_GROUP))
+#define check_unit(L, i) ((ms_unit *)box_get(L, i, CLASS_UNIT))
 
-#define DEFINE_RELEASE(fname, mt, release)          \
-    static int fname(lua_State *L) {                \
-        box *b = luaL_checkudata(L, 1, mt);         \
-        if (b->h) {                                 \
-            release(b->h);                          \
-            b->h = NULL;                            \
-        }                                           \
-        return 0;                                   \
-    }
+/* ---------------------------------------------------------------- values (ms_lua.c) */
 
-/* ---------------------------------------------------------------- argument helpers (ms_lua.c) */
-
-MS_LUA_HIDDEN ms_dtype opt_dtype(lua_State *L, int idx, ms_dtype def);
-/* A Lua sequence of integers (a shape, a list of sizes); returns its length. */
-MS_LUA_HIDDEN int check_int_list(lua_State *L, int idx, const char *what, int64_t *out, int cap);
-/* An integer argument that the core takes as a C int (a dim, a root). */
-MS_LUA_HIDDEN int check_int(lua_State *L, int idx, const char *what);
-MS_LUA_HIDDEN int opt_int(lua_State *L, int idx, const char *what, int def);
+/* A Lua sequence of integers (a shape, a list of sizes, at most MS_MAX_DIMS); its length. */
+MS_LUA_HIDDEN int int_list(lua_State *L, int idx, int64_t *out);
 MS_LUA_HIDDEN void push_int_list(lua_State *L, const int64_t *v, int n);
+/* An integer argument the core takes as a C int (checked to fit by the Lua API). */
+#define int_arg(L, i) ((int)luaL_checkinteger(L, i))
 
-/* ---------------------------------------------------------------- registration */
+/* ---------------------------------------------------------------- the classes' functions */
 
-/* ms_lua.c: the metatable mt with its methods, __gc and __close (gc), __tostring, __name. */
-MS_LUA_HIDDEN void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
-                             lua_CFunction tostring);
-/* Each class's file: its metatables, and the module functions that make its objects. */
-MS_LUA_HIDDEN void open_tensor_class(lua_State *L); /* ms_lua_tensor.c */
-MS_LUA_HIDDEN int l_tensor(lua_State *L);
-MS_LUA_HIDDEN int l_from_table(lua_State *L);
-MS_LUA_HIDDEN void open_mesh_classes(lua_State *L); /* ms_lua_mesh.c: Mesh and Group */
-MS_LUA_HIDDEN int l_rank(lua_State *L);
-MS_LUA_HIDDEN int l_world_size(lua_State *L);
-MS_LUA_HIDDEN int l_backend(lua_State *L);
-MS_LUA_HIDDEN int l_device(lua_State *L);
-MS_LUA_HIDDEN int l_mesh(lua_State *L);
-MS_LUA_HIDDEN int l_local_shape(lua_State *L);
-MS_LUA_HIDDEN int l_fsdp_shard(lua_State *L);
-MS_LUA_HIDDEN int l_chunk_extent(lua_State *L);
-MS_LUA_HIDDEN void open_unit_class(lua_State *L); /* ms_lua_unit.c */
-MS_LUA_HIDDEN int l_unit(lua_State *L);
+/* Each class file adds its functions to the module table on the top of the stack. */
+MS_LUA_HIDDEN void ms_lua_open_tensor(lua_State *L); /* ms_lua_tensor.c */
+MS_LUA_HIDDEN void ms_lua_open_mesh(lua_State *L);   /* ms_lua_mesh.c: world, meshes, groups, layouts */
+MS_LUA_HIDDEN void ms_lua_open_unit(lua_State *L);   /* ms_lua_unit.c */
 
 #endif

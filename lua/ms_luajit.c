@@ -3,7 +3,7 @@
  * MOONSHARD_LUAJIT): the LuaJIT counterpart of ms_lua_setup in ms_lua.c, compiled against
  * LuaJIT's headers and never linked with the Lua 5.4 binding.
  *
- * There is no C binding here: under LuaJIT, moonshard/init.lua selects the FFI binding
+ * There is no C binding here: under LuaJIT, moonshard/raw.lua selects the FFI binding
  * (moonshard/core_ffi.lua), which reaches the ms_* functions of this process through ffi.C
  * with the declarations generated at build time (moonshard/cdef.lua), and finds the rank's
  * world as a light userdata at registry["moonshard.world"].

@@ -97,6 +97,12 @@ const char *ms_dtype_name(ms_dtype dtype);
 ms_status ms_dtype_parse(const char *name, ms_dtype *out);
 /* 1 for f32 f16 bf16 f8e4m3 f8e5m2 f64, else 0. */
 int ms_dtype_is_float(ms_dtype dtype);
+/* A host number as an element of the integer dtype `dtype` (i64 i32 i8 u8 bool), as
+ * torch.tensor([v], dtype=...) takes it: an integer (is_float 0: `i`) exactly, a float
+ * (is_float 1: `f`) truncated toward zero; bool takes any number (nonzero, NaN included, is
+ * 1).  A value the dtype cannot hold is MS_ERR_ARG, "300 is out of range for i8 (-128 to
+ * 127)", where a cast (ms_cast) would saturate.  The bindings' from_table and fill_. */
+ms_status ms_int_element(ms_dtype dtype, int is_float, int64_t i, double f, int64_t *out);
 
 /* Converts n elements from src (src_dtype) to dst (dst_dtype); contiguous, no overlap
  * unless dst == src with equal element sizes.  Float to narrower float rounds to nearest
@@ -493,8 +499,8 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale);
  *     round it (4 bytes a bf16 parameter; 16 an f64 one, computed in f64).
  * Set before the unit's AdamW state is made (by its first adamw_step, or by
  * ms_unit_adamw_state): MS_ERR_STATE after, if the mode changes. */
-enum { MS_ADAMW_MASTER = 0, MS_ADAMW_TORCH = 1 };
-ms_status ms_unit_set_adamw(ms_unit *u, int mode);
+typedef enum ms_adamw_mode { MS_ADAMW_MASTER = 0, MS_ADAMW_TORCH = 1 } ms_adamw_mode;
+ms_status ms_unit_set_adamw(ms_unit *u, ms_adamw_mode mode);
 /* AdamW's state of parameter i on this rank, to checkpoint it and restore it: which =
  * MS_ADAMW_EXP_AVG or MS_ADAMW_EXP_AVG_SQ, the moments (f32, or the stored dtype with
  * MS_ADAMW_TORCH), or MS_ADAMW_MASTER_WEIGHTS, the f32 master weights; flat tensors of the
@@ -506,8 +512,12 @@ ms_status ms_unit_set_adamw(ms_unit *u, int mode);
  * with an empty message where there is none: a frozen parameter; the master weights of an
  * f32 unit or with MS_ADAMW_TORCH.  NULL with the message set on error (MS_ERR_ARG,
  * MS_ERR_STATE before finalize or while an op is pending). */
-enum { MS_ADAMW_EXP_AVG = 0, MS_ADAMW_EXP_AVG_SQ = 1, MS_ADAMW_MASTER_WEIGHTS = 2 };
-ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which);
+typedef enum ms_adamw_state_kind {
+    MS_ADAMW_EXP_AVG = 0,
+    MS_ADAMW_EXP_AVG_SQ = 1,
+    MS_ADAMW_MASTER_WEIGHTS = 2
+} ms_adamw_state_kind;
+ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, ms_adamw_state_kind which);
 /* How many of the unit's adamw_step calls parameter i had no gradient in (its own step
  * count, torch's state['step'], is the caller's step less this); -1 with the message set
  * for a bad unit or index.  Checkpoint it with the state; ms_unit_set_adamw_skipped
@@ -528,27 +538,41 @@ ms_status ms_unit_set_adamw_skipped(ms_unit *u, int i, int64_t skipped);
 ms_status ms_adamw_defaults(double *beta1, double *beta2, double *eps, double *weight_decay);
 ms_status ms_unit_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int64_t step);
-/* Bytes this rank holds for the unit now, by category: 0 padded shards, 1 padded gradient
- * shards, 2 optimizer state incl. master weights, 3 unsharded parameters and gradients (for
+/* Bytes this rank holds for the unit now, by category: MS_BYTES_SHARDS padded shards,
+ * MS_BYTES_GRADS padded gradient shards, MS_BYTES_OPTIMIZER optimizer state incl. master
+ * weights, MS_BYTES_UNSHARDED unsharded parameters and gradients (for
  * a unit of one dim-0 parameter, the padded all-gather and reduce-scatter buffers they are
  * views of), the sync-off accumulator, the k-way shard and the flat buffer of a pending
- * collective, 4 the free buffers the unit gave back to the rank's cache, kept for reuse by
+ * collective, MS_BYTES_CACHED the free buffers the unit gave back to the rank's cache, kept for reuse by
  * any unit of the rank.  -1 for another category.  Summed over the units of a rank, the
  * categories count everything the rank holds for them. */
-int64_t ms_unit_bytes(const ms_unit *u, int category);
+typedef enum ms_bytes_category {
+    MS_BYTES_SHARDS = 0,
+    MS_BYTES_GRADS = 1,
+    MS_BYTES_OPTIMIZER = 2,
+    MS_BYTES_UNSHARDED = 3,
+    MS_BYTES_CACHED = 4
+} ms_bytes_category;
+int64_t ms_unit_bytes(const ms_unit *u, ms_bytes_category category);
 /* The memory allocated for the units of u's rank (every unit of its world and world rank,
- * which share a buffer cache), by category: 0 shards, 1 gradient shards, 2 optimizer state,
- * 3 unsharded and cached buffers (ms_unit_bytes' 3 and 4 together).  Counted where storage
+ * which share a buffer cache), by category: MS_BYTES_SHARDS, MS_BYTES_GRADS,
+ * MS_BYTES_OPTIMIZER, and MS_BYTES_UNSHARDED for the unsharded and cached buffers
+ * together (ms_unit_bytes' last two).  Counted where storage
  * is allocated and freed (the calloc / cudaMalloc sizes of the buffers the units made, taken
  * off when the last reference to one goes, a caller's included), not from the units' own
  * books, so a host can hold both the books and the planner to the memory really used.  -1
  * with the message set for a NULL unit or another category. */
-int64_t ms_unit_rank_allocated(const ms_unit *u, int category);
+int64_t ms_unit_rank_allocated(const ms_unit *u, ms_bytes_category category);
 
-/* The collectives a unit has issued, for audits: kind 0 all_gather, 1 reduce_scatter,
- * 2 all_reduce; the dtype and the group size and the bytes of the whole buffer. */
+/* The collectives a unit has issued, for audits: their kind, the dtype, the group size and
+ * the bytes of the whole buffer. */
+typedef enum ms_record_kind {
+    MS_RECORD_ALL_GATHER = 0,
+    MS_RECORD_REDUCE_SCATTER = 1,
+    MS_RECORD_ALL_REDUCE = 2
+} ms_record_kind;
 int ms_unit_record_count(const ms_unit *u);
-ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size,
+ms_status ms_unit_record(const ms_unit *u, int i, ms_record_kind *kind, ms_dtype *dtype, int *group_size,
                          int64_t *bytes);
 void ms_unit_clear_records(ms_unit *u);
 

@@ -3,6 +3,9 @@
  */
 #include "ms_internal.h"
 
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #define MS_X_SIZE(e, n, s, f) [e] = s,
@@ -15,6 +18,42 @@ static const int dtype_float[MS_DTYPE_COUNT] = {MS_DTYPE_LIST(MS_X_FLOAT)};
 int ms_dtype_size(ms_dtype d) { return ms__dtype_valid(d) ? dtype_size[d] : 0; }
 const char *ms_dtype_name(ms_dtype d) { return ms__dtype_valid(d) ? dtype_name[d] : NULL; }
 int ms_dtype_is_float(ms_dtype d) { return ms__dtype_valid(d) ? dtype_float[d] : 0; }
+
+ms_status ms_int_element(ms_dtype dt, int is_float, int64_t i, double f, int64_t *out) {
+    MS_NOT_NULL(out);
+    if (dt == MS_BOOL) {
+        *out = is_float ? f != 0 : i != 0; /* NaN is true, as bool(nan) is */
+        return MS_OK;
+    }
+    int64_t lo, hi;
+    switch (dt) {
+    case MS_I64: lo = INT64_MIN, hi = INT64_MAX; break;
+    case MS_I32: lo = INT32_MIN, hi = INT32_MAX; break;
+    case MS_I8: lo = INT8_MIN, hi = INT8_MAX; break;
+    case MS_U8: lo = 0, hi = UINT8_MAX; break;
+    default:
+        return ms__fail(MS_ERR_DTYPE, "int_element: %s is not an integer dtype",
+                        ms_dtype_name(dt) ? ms_dtype_name(dt) : "an invalid dtype");
+    }
+    if (!is_float) {
+        if (i >= lo && i <= hi) {
+            *out = i;
+            return MS_OK;
+        }
+        return ms__fail(MS_ERR_ARG, "%" PRId64 " is out of range for %s (%" PRId64 " to %" PRId64 ")", i,
+                        ms_dtype_name(dt), lo, hi);
+    }
+    double t = trunc(f); /* NaN fails both comparisons */
+    if (t >= -0x1p63 && t < 0x1p63 && (int64_t)t >= lo && (int64_t)t <= hi) {
+        *out = (int64_t)t;
+        return MS_OK;
+    }
+    char num[32]; /* %.14g as both interpreters print numbers, "nan" for every NaN */
+    if (isnan(f)) snprintf(num, sizeof num, "nan");
+    else snprintf(num, sizeof num, "%.14g", f);
+    return ms__fail(MS_ERR_ARG, "%s is out of range for %s (%" PRId64 " to %" PRId64 ")", num, ms_dtype_name(dt),
+                    lo, hi);
+}
 
 /* Aliases users type from PyTorch and safetensors. */
 static const struct { const char *alias; ms_dtype dtype; } dtype_alias[] = {

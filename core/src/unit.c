@@ -96,9 +96,9 @@ ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out) 
 static void unsharded_free(ms_unit *u, ms_tensor **t, ms_tensor **flat) {
     if (*flat) {
         view_free(t);
-        buf_free(u, CAT_UNSHARDED, flat);
+        buf_free(u, MS_BYTES_UNSHARDED, flat);
     } else {
-        buf_free(u, CAT_UNSHARDED, t);
+        buf_free(u, MS_BYTES_UNSHARDED, t);
     }
 }
 
@@ -109,13 +109,13 @@ static void free_unsharded(ms_unit *u) {
         unsharded_free(u, &p->full, &p->full_flat);
         unsharded_free(u, &p->grad_full, &p->grad_flat);
     }
-    buf_free(u, CAT_UNSHARDED, &u->kept);
+    buf_free(u, MS_BYTES_UNSHARDED, &u->kept);
 }
 
 /* The pending op's buffers. */
 static void op_clear(ms_unit *u) {
     view_free(&u->op.slice);
-    buf_free(u, CAT_UNSHARDED, &u->flat);
+    buf_free(u, MS_BYTES_UNSHARDED, &u->flat);
 }
 
 /* Marks u unusable after a failed or half-finished collective (its peers cannot be
@@ -129,7 +129,7 @@ static ms_status unit_fail(ms_unit *u, ms_status st, const char *call) {
     return st;
 }
 
-static ms_status record(ms_unit *u, int kind, ms_dtype dtype, int group_size, int64_t bytes) {
+static ms_status record(ms_unit *u, ms_record_kind kind, ms_dtype dtype, int group_size, int64_t bytes) {
     if (u->nrecords == u->rcap) {
         int cap = u->rcap ? 2 * u->rcap : 16;
         unit_record *r = realloc(u->records, (size_t)cap * sizeof *r);
@@ -250,14 +250,14 @@ void ms_unit_retain(ms_unit *u) {
 static void param_free(ms_unit *u, unit_param *p) {
     view_free(&p->shard);
     view_free(&p->grad_shard);
-    buf_free(u, CAT_PARAMS, &p->padded);
-    buf_free(u, CAT_GRADS, &p->grad_padded);
-    buf_free(u, CAT_OPTIM, &p->exp_avg);
-    buf_free(u, CAT_OPTIM, &p->exp_avg_sq);
-    buf_free(u, CAT_OPTIM, &p->master);
+    buf_free(u, MS_BYTES_SHARDS, &p->padded);
+    buf_free(u, MS_BYTES_GRADS, &p->grad_padded);
+    buf_free(u, MS_BYTES_OPTIMIZER, &p->exp_avg);
+    buf_free(u, MS_BYTES_OPTIMIZER, &p->exp_avg_sq);
+    buf_free(u, MS_BYTES_OPTIMIZER, &p->master);
     unsharded_free(u, &p->full, &p->full_flat);
     unsharded_free(u, &p->grad_full, &p->grad_flat);
-    buf_free(u, CAT_UNSHARDED, &p->grad_acc);
+    buf_free(u, MS_BYTES_UNSHARDED, &p->grad_acc);
     free(p->fqn);
 }
 
@@ -265,7 +265,7 @@ void ms_unit_release(ms_unit *u) {
     if (!u || atomic_fetch_sub(&u->refcount, 1) != 1) return;
     if (u->state == ST_GATHERING || u->state == ST_REDUCING) ms__async_wait(&u->op.ticket);
     op_clear(u);
-    buf_free(u, CAT_UNSHARDED, &u->kept);
+    buf_free(u, MS_BYTES_UNSHARDED, &u->kept);
     for (int i = 0; i < u->nparams; i++) param_free(u, &u->params[i]);
     cache_drop(u->cache, u);
     cache_release(u->cache);
@@ -319,7 +319,7 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     p->padded_numel = 1;
     for (int d = 0; d < ndim; d++) p->padded_numel *= padded[d];
     if (!(p->fqn = strdup(fqn))) st = ms__fail(MS_ERR_OOM, "unit '%s': out of memory adding '%s'", unit_label(u), fqn);
-    if (!st) st = buf_new(u, CAT_PARAMS, &p->padded, ndim, padded, dtype, true);
+    if (!st) st = buf_new(u, MS_BYTES_SHARDS, &p->padded, ndim, padded, dtype, true);
     if (!st) st = ms_tensor_narrow(&p->shard, p->padded, p->dim, 0, local[p->dim]);
     if (st) {
         param_free(u, p);
@@ -596,7 +596,7 @@ ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src) {
 static ms_status prepare_gather(ms_unit *u) {
     const ms_dtype fd = u->gather_bytes ? MS_U8 : u->gather;
     const int64_t es = ms_dtype_size(fd), total = u->W * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, fd, false);
+    ms_status st = buf_new(u, MS_BYTES_UNSHARDED, &u->flat, 1, &total, fd, false);
     if (st) return st;
     u->op = (unit_op){.comm = u->state == ST_KWAY ? u->kgroup : u->shard, .flat = u->flat, .label = unit_label(u)};
     ms_comm *group = u->op.comm;
@@ -611,10 +611,10 @@ static ms_status prepare_gather(ms_unit *u) {
             if (!p->padded_numel) continue;
             if (u->gather_bytes) { /* cast into a block of the gather dtype, whose bytes go into the buffer */
                 ms_tensor *blk = NULL;
-                st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
+                st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
                 if (!st) st = copy_into_flat(blk, 0, p->padded);
                 if (!st) st = block_bytes(u->flat, u->rank * u->S + p->flat_offset, blk, true);
-                buf_free(u, CAT_UNSHARDED, &blk);
+                buf_free(u, MS_BYTES_UNSHARDED, &blk);
             } else if (u->device < 0)
                 ms__cast_contig(at(u->flat, u->rank * u->S + p->flat_offset), u->gather, ms_tensor_data(p->padded),
                                 p->dtype, p->padded_numel);
@@ -622,7 +622,7 @@ static ms_status prepare_gather(ms_unit *u) {
                 st = copy_into_flat(u->flat, u->rank * u->S + p->flat_offset, p->padded);
         }
     }
-    if (!st) st = record(u, REC_ALL_GATHER, fd, ms_comm_size(group), total * es);
+    if (!st) st = record(u, MS_RECORD_ALL_GATHER, fd, ms_comm_size(group), total * es);
     return st;
 }
 
@@ -640,7 +640,7 @@ ms_status ms_unit_unshard(ms_unit *u) {
         op_clear(u);
         return ms__wrap(st, "unit '%s': unshard", unit_label(u));
     }
-    buf_free(u, CAT_UNSHARDED, &u->kept);
+    buf_free(u, MS_BYTES_UNSHARDED, &u->kept);
     return ms__ok();
 }
 
@@ -658,11 +658,11 @@ static ms_status finish_unshard(ms_unit *u) {
         for (int i = 0; !st && i < u->nparams; i++) {
             unit_param *p = &u->params[i];
             ms_tensor *blk = NULL;
-            st = buf_new(u, CAT_UNSHARDED, &p->full, p->ndim, p->shape, p->gather, false);
-            if (!st && u->gather_bytes) st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
+            st = buf_new(u, MS_BYTES_UNSHARDED, &p->full, p->ndim, p->shape, p->gather, false);
+            if (!st && u->gather_bytes) st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
             for (int q = 0; !st && q < u->W; q++)
                 st = move_any(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, blk, false);
-            buf_free(u, CAT_UNSHARDED, &blk);
+            buf_free(u, MS_BYTES_UNSHARDED, &blk);
         }
     }
     if (st) return st;
@@ -676,16 +676,16 @@ static ms_status finish_unshard(ms_unit *u) {
 static ms_status keep_kway(ms_unit *u) {
     const int per = u->W / u->k, first = u->rank % u->k * per;
     const int64_t n = per * u->S;
-    ms_status st = buf_new(u, CAT_UNSHARDED, &u->kept, 1, &n, u->gather_bytes ? MS_U8 : u->gather, false);
+    ms_status st = buf_new(u, MS_BYTES_UNSHARDED, &u->kept, 1, &n, u->gather_bytes ? MS_U8 : u->gather, false);
     for (int i = 0; !st && i < u->nparams; i++) {
         unit_param *p = &u->params[i];
         ms_tensor *blk = NULL;
-        if (u->gather_bytes) st = buf_new(u, CAT_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
+        if (u->gather_bytes) st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
         for (int q = first; !st && q < first + per; q++)
             st = move_any(u, p, q, p->full, u->kept, (q - first) * u->S + p->flat_offset, blk, true);
-        buf_free(u, CAT_UNSHARDED, &blk);
+        buf_free(u, MS_BYTES_UNSHARDED, &blk);
     }
-    if (st) buf_free(u, CAT_UNSHARDED, &u->kept);
+    if (st) buf_free(u, MS_BYTES_UNSHARDED, &u->kept);
     return st;
 }
 
@@ -736,10 +736,10 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
         ms_status st;
         if (u->in_place && u->reduce == u->gather) { /* written straight into the reduce_scatter input */
             const int64_t total = u->W * u->S;
-            st = buf_new(u, CAT_UNSHARDED, &p->grad_flat, 1, &total, u->gather, true);
-            if (!st && (st = full_view(p, p->grad_flat, &p->grad_full))) buf_free(u, CAT_UNSHARDED, &p->grad_flat);
+            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_flat, 1, &total, u->gather, true);
+            if (!st && (st = full_view(p, p->grad_flat, &p->grad_full))) buf_free(u, MS_BYTES_UNSHARDED, &p->grad_flat);
         } else {
-            st = buf_new(u, CAT_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather, true);
+            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather, true);
         }
         if (st) return NULL;
     }
@@ -810,7 +810,7 @@ static divide_plan divide_factors(const ms_unit *u) {
  * freed. */
 static ms_status accumulate(ms_unit *u, unit_param *p) {
     if (!p->grad_acc) {
-        ms_status st = buf_new(u, CAT_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
+        ms_status st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
         if (st) return st;
     }
     /* each backward's gradient rounded to the reduce dtype, then added: FSDP2's gradients
@@ -843,7 +843,7 @@ static ms_status prepare_reduce(ms_unit *u) {
         u->flat = in_place->grad_flat;
         in_place->grad_flat = NULL;
     } else if (!st) {
-        st = buf_new(u, CAT_UNSHARDED, &u->flat, 1, &total, u->reduce, false);
+        st = buf_new(u, MS_BYTES_UNSHARDED, &u->flat, 1, &total, u->reduce, false);
     }
     for (int q = 0; !st && !in_place && q < u->W; q++)
         for (int i = 0; !st && i < u->nparams; i++) {
@@ -859,8 +859,8 @@ static ms_status prepare_reduce(ms_unit *u) {
     u->op = (unit_op){.comm = u->shard, .flat = u->flat, .label = unit_label(u), .op = d.rs_op, .replicate = u->replicate,
                       .replicate_op = d.ar_op, .post_divide = d.post};
     st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
-    if (!st) st = record(u, REC_REDUCE_SCATTER, u->reduce, u->W, total * es);
-    if (!st && u->replicate) st = record(u, REC_ALL_REDUCE, u->reduce, u->R, sr * es);
+    if (!st) st = record(u, MS_RECORD_REDUCE_SCATTER, u->reduce, u->W, total * es);
+    if (!st && u->replicate) st = record(u, MS_RECORD_ALL_REDUCE, u->reduce, u->R, sr * es);
     return st;
 }
 
@@ -883,7 +883,7 @@ ms_status ms_unit_reduce_grads(ms_unit *u) {
             op_clear(u);
             return ms__wrap(st, "unit '%s': reduce_grads", unit_label(u));
         }
-        for (int i = 0; i < u->nparams; i++) buf_free(u, CAT_UNSHARDED, &u->params[i].grad_acc); /* packed */
+        for (int i = 0; i < u->nparams; i++) buf_free(u, MS_BYTES_UNSHARDED, &u->params[i].grad_acc); /* packed */
     } else {
         for (int i = 0; i < u->nparams && !st; i++)
             if (u->params[i].grad_full) st = accumulate(u, &u->params[i]);
@@ -924,7 +924,7 @@ static ms_status finish_reduce(ms_unit *u) {
         if (!p->grad_padded) {
             int64_t len, off;
             rank_rows(u, p, u->rank, &len, &off);
-            st = buf_new(u, CAT_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
+            st = buf_new(u, MS_BYTES_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
         }
         if (!st && p->padded_numel && !p->has_grad) st = assign_grad(p, host ? host : u->op.slice, p->grad_offset);
@@ -1006,7 +1006,7 @@ int ms_unit_record_count(const ms_unit *u) {
     return u->nrecords;
 }
 
-ms_status ms_unit_record(const ms_unit *u, int i, int *kind, ms_dtype *dtype, int *group_size, int64_t *bytes) {
+ms_status ms_unit_record(const ms_unit *u, int i, ms_record_kind *kind, ms_dtype *dtype, int *group_size, int64_t *bytes) {
     MS_NOT_NULL(u);
     MS_NOT_NULL(kind);
     MS_NOT_NULL(dtype);

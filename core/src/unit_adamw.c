@@ -17,10 +17,10 @@ static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
     if (p->exp_avg) return MS_OK;
     const int64_t n = ms_tensor_numel(p->shard);
     const ms_dtype mdt = u->adamw == MS_ADAMW_TORCH ? u->stored : MS_F32;
-    ms_status st = buf_new(u, CAT_OPTIM, &p->exp_avg, 1, &n, mdt, true);
-    if (!st) st = buf_new(u, CAT_OPTIM, &p->exp_avg_sq, 1, &n, mdt, true);
+    ms_status st = buf_new(u, MS_BYTES_OPTIMIZER, &p->exp_avg, 1, &n, mdt, true);
+    if (!st) st = buf_new(u, MS_BYTES_OPTIMIZER, &p->exp_avg_sq, 1, &n, mdt, true);
     if (!st && u->adamw == MS_ADAMW_MASTER && u->stored != MS_F32 &&
-        !(st = buf_new(u, CAT_OPTIM, &p->master, 1, &n, MS_F32, true)) && n)
+        !(st = buf_new(u, MS_BYTES_OPTIMIZER, &p->master, 1, &n, MS_F32, true)) && n)
         st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
     return st;
 }
@@ -49,25 +49,25 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h)
     return MS_OK;
 }
 
-ms_status ms_unit_set_adamw(ms_unit *u, int mode) {
+ms_status ms_unit_set_adamw(ms_unit *u, ms_adamw_mode mode) {
     MS_NOT_NULL(u);
-    if (mode != MS_ADAMW_MASTER && mode != MS_ADAMW_TORCH)
+    if ((int)mode != MS_ADAMW_MASTER && (int)mode != MS_ADAMW_TORCH)
         return ms__fail(MS_ERR_ARG, "unit '%s': set_adamw: mode %d: expected MS_ADAMW_MASTER (%d) or MS_ADAMW_TORCH (%d)",
-                        unit_label(u), mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
-    if (u->adamw_made && mode != u->adamw)
+                        unit_label(u), (int)mode, MS_ADAMW_MASTER, MS_ADAMW_TORCH);
+    if (u->adamw_made && (int)mode != u->adamw)
         return ms__fail(MS_ERR_STATE, "unit '%s': set_adamw: the unit's AdamW state exists already (an adamw_step or "
                         "ms_unit_adamw_state made it); choose how it is kept before it is made", unit_label(u));
     u->adamw = mode;
     return ms__ok();
 }
 
-ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, int which) {
+ms_tensor *ms_unit_adamw_state(ms_unit *u, int i, ms_adamw_state_kind which) {
     MS_NOT_NULL_OR(u, NULL);
     unit_param *p = NULL;
     if (param_at(u, "adamw_state", i, &p)) return NULL;
-    if (which < MS_ADAMW_EXP_AVG || which > MS_ADAMW_MASTER_WEIGHTS) {
+    if ((int)which < MS_ADAMW_EXP_AVG || (int)which > MS_ADAMW_MASTER_WEIGHTS) {
         ms__fail(MS_ERR_ARG, "unit '%s': adamw_state: which %d: expected MS_ADAMW_EXP_AVG (0), MS_ADAMW_EXP_AVG_SQ (1) "
-                 "or MS_ADAMW_MASTER_WEIGHTS (2)", unit_label(u), which);
+                 "or MS_ADAMW_MASTER_WEIGHTS (2)", unit_label(u), (int)which);
         return NULL;
     }
     ms__ok();

@@ -226,15 +226,15 @@ ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t 
                   bool zero) {
     int64_t numel;
     ms_status st = ms__check_shape(ndim, shape, &numel);
-    ms_tensor *cached = st || !numel || cat != CAT_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
-    const bool on_device = u->device >= 0 && (cat == CAT_UNSHARDED || !u->offload);
+    ms_tensor *cached = st || !numel || cat != MS_BYTES_UNSHARDED ? NULL : cache_take(u->cache, dtype, numel);
+    const bool on_device = u->device >= 0 && (cat == MS_BYTES_UNSHARDED || !u->offload);
     if (cached) {
         st = ms_tensor_view(out, cached, ndim, shape); /* the view holds the storage alone */
         ms_tensor_release(cached);
         if (!st && zero) st = zero_elems(*out, 0, numel);
     } else if (!st) {
         /* counted at the allocator: cached buffers are transient ones, so 3 holds both */
-        const ms__account_scope outer = ms__account_enter(u->cache->account, cat < CAT_UNSHARDED ? cat : CAT_UNSHARDED);
+        const ms__account_scope outer = ms__account_enter(u->cache->account, cat < MS_BYTES_UNSHARDED ? cat : MS_BYTES_UNSHARDED);
         st = ms_tensor_new(out, ndim, shape, dtype, on_device ? MS_DEVICE_CUDA : MS_DEVICE_CPU,
                            on_device ? u->device : 0);
         ms__account_leave(outer);
@@ -247,23 +247,23 @@ ms_status buf_new(ms_unit *u, int cat, ms_tensor **out, int ndim, const int64_t 
 void buf_free(ms_unit *u, int cat, ms_tensor **t) {
     if (!*t) return;
     u->bytes[cat] -= ms_tensor_nbytes(*t);
-    if (cat != CAT_UNSHARDED || !cache_put(u->cache, *t, u)) ms_tensor_release(*t);
+    if (cat != MS_BYTES_UNSHARDED || !cache_put(u->cache, *t, u)) ms_tensor_release(*t);
     *t = NULL;
 }
 
 /* ---------------------------------------------------------------- audits */
 
-int64_t ms_unit_bytes(const ms_unit *u, int category) {
+int64_t ms_unit_bytes(const ms_unit *u, ms_bytes_category category) {
     MS_NOT_NULL_OR(u, -1);
-    if (category < 0 || category >= CAT_COUNT) return -1;
-    return category == CAT_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
+    if ((int)category < 0 || (int)category >= CAT_COUNT) return -1;
+    return category == MS_BYTES_CACHED ? cache_bytes(u->cache, u) : u->bytes[category];
 }
 
-int64_t ms_unit_rank_allocated(const ms_unit *u, int category) {
+int64_t ms_unit_rank_allocated(const ms_unit *u, ms_bytes_category category) {
     MS_NOT_NULL_OR(u, -1);
-    if (category < 0 || category >= MS__ACCOUNT_CATS) {
+    if ((int)category < 0 || (int)category >= MS__ACCOUNT_CATS) {
         ms__fail(MS_ERR_ARG, "unit '%s': rank_allocated: category %d: expected 0 (shards), 1 (gradient shards), "
-                 "2 (optimizer state) or 3 (unsharded and cached buffers)", unit_label(u), category);
+                 "2 (optimizer state) or 3 (unsharded and cached buffers)", unit_label(u), (int)category);
         return -1;
     }
     return atomic_load(&u->cache->account->bytes[category]);

@@ -15,10 +15,7 @@
 
 /* ms_unit_bytes categories: the buffers the unit holds, then the free buffers it left in the
  * rank's cache. */
-enum { CAT_PARAMS = 0, CAT_GRADS = 1, CAT_OPTIM = 2, CAT_UNSHARDED = 3, CAT_CACHED = 4, CAT_COUNT = 5 };
-
-/* Record kinds of ms_unit_record. */
-enum { REC_ALL_GATHER = 0, REC_REDUCE_SCATTER = 1, REC_ALL_REDUCE = 2 };
+enum { CAT_COUNT = MS_BYTES_CACHED + 1 }; /* ms_bytes_category */
 
 typedef enum unit_state {
     ST_BUILDING,  /* parameters are being added */
@@ -48,24 +45,24 @@ typedef struct unit_param {
     int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
     int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
     bool in_reduce;      /* part of the pending reduce_grads */
-    ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; CAT_PARAMS */
+    ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; MS_BYTES_SHARDS */
     ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
-    ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; CAT_GRADS */
+    ms_tensor *grad_padded; /* (padded_shape) stored dtype, from the first reduce; MS_BYTES_GRADS */
     ms_tensor *grad_shard;  /* view: grad_padded narrowed to the real rows */
     bool has_grad;          /* grad_padded holds a gradient: set by a reduce, cleared by zero_grad
                              * (PyTorch's grad = None; the buffer stays) */
     int64_t skipped_steps;  /* adamw_step calls that found no gradient: the parameter's own step
                              * count is the caller's step less these (torch's state['step']) */
     ms_tensor *exp_avg;     /* (shard numel) AdamW first moment, f32 (the stored dtype with
-                             * MS_ADAMW_TORCH); CAT_OPTIM */
-    ms_tensor *exp_avg_sq;  /* (shard numel) AdamW second moment, as exp_avg; CAT_OPTIM */
-    ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; CAT_OPTIM */
+                             * MS_ADAMW_TORCH); MS_BYTES_OPTIMIZER */
+    ms_tensor *exp_avg_sq;  /* (shard numel) AdamW second moment, as exp_avg; MS_BYTES_OPTIMIZER */
+    ms_tensor *master;      /* (shard numel) f32 master weights when stored != f32; MS_BYTES_OPTIMIZER */
     /* (shape) gather dtype: the unsharded parameter and this backward's gradient;
-     * CAT_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
+     * MS_BYTES_UNSHARDED, or views of full_flat and grad_flat in an in_place unit */
     ms_tensor *full, *grad_full;
-    ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; CAT_UNSHARDED */
-    ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; CAT_UNSHARDED */
-    ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; CAT_UNSHARDED */
+    ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; MS_BYTES_UNSHARDED */
+    ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; MS_BYTES_UNSHARDED */
+    ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; MS_BYTES_UNSHARDED */
 } unit_param;
 
 /* The pending collective.  Between submit and wait only the communication thread uses it. */
@@ -84,7 +81,7 @@ typedef struct unit_op {
 typedef struct buf_cache buf_cache;
 
 typedef struct unit_record {
-    int kind;
+    ms_record_kind kind;
     ms_dtype dtype;
     int group_size;
     int64_t bytes;
@@ -113,13 +110,13 @@ struct ms_unit {
     bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
     int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
     bool adamw_made;    /* the AdamW state exists (an adamw_step or ms_unit_adamw_state made it) */
-    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; CAT_UNSHARDED */
-    ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); CAT_UNSHARDED */
+    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; MS_BYTES_UNSHARDED */
+    ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); MS_BYTES_UNSHARDED */
     unit_op op;
     bool sync;            /* requires_gradient_sync */
     double divide_factor; /* 0 = default (W * R) */
     buf_cache *cache;     /* the rank's buffer cache, shared with its other units */
-    int64_t bytes[CAT_CACHED]; /* the categories held; the cache counts CAT_CACHED */
+    int64_t bytes[MS_BYTES_CACHED]; /* the categories held; the cache counts MS_BYTES_CACHED */
     unit_record *records; /* (nrecords), capacity rcap */
     int nrecords, rcap;
 };

@@ -589,10 +589,11 @@ static void print_records(const Trainer *tr) {
     static const char *const kinds[] = {"all_gather", "reduce_scatter", "all_reduce"};
     for (int u = 0; u < tr->nunits; u++)
         for (int r = 0; r < ms_unit_record_count(tr->units[u]); r++) {
-            int kind, group;
+            ms_record_kind kind;
+            int group;
             ms_dtype dtype;
             int64_t bytes;
-            if (ms_unit_record(tr->units[u], r, &kind, &dtype, &group, &bytes) || kind < 0 || kind > 2) continue;
+            if (ms_unit_record(tr->units[u], r, &kind, &dtype, &group, &bytes) || (unsigned)kind > MS_RECORD_ALL_REDUCE) continue;
             const char *name = ms_unit_name(tr->units[u]);
             printf("unit %s %s %s n=%d bytes=%lld\n", *name ? name : "<root>", kinds[kind], ms_dtype_name(dtype),
                    group, (long long)bytes);

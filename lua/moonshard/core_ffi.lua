@@ -1,26 +1,25 @@
--- moonshard.core_ffi: the LuaJIT binding of libmoonshard, through the FFI.
+-- moonshard.core_ffi: the raw layer of libmoonshard under LuaJIT, through the FFI.
 --
--- The same module table as the Lua 5.4 C binding (lua/ms_lua*.c, `moonshard.core`): the
--- same functions and methods, the same results and the same error messages, so that
--- `require "moonshard"` (init.lua picks this file under LuaJIT) behaves alike in both.
--- Tensors, meshes, groups and units are small FFI boxes around the core's handles: the
--- garbage collector releases them (the boxes' __gc), :release() does it at once, and a
--- released box refuses further use.  Sizes are int64 in the core: a result is a Lua number
--- when it is exact as one (|v| <= 2^53) and an int64_t cdata otherwise; arguments accept
--- numbers and int64 cdata alike.
+-- The raw functions moonshard/raw.lua lists (the C binding, lua/ms_lua*.c, gives the same
+-- under Lua 5.4); the API's checks, defaults and messages are in moonshard.args, .tensor,
+-- .mesh and .unit.  Values go across as they come; a failed core call returns nil and
+-- "moonshard <status> error: <message>".  A value that is no live box of the class a
+-- function takes is refused with a plain error (this module may be required directly).
+-- Tensors, meshes, groups and units are FFI boxes {h} around the core's handles: define()
+-- sets a class's metatype (methods, __tostring, a __gc releasing the handle once); a box
+-- made before that carries its own finalizer (ffi.gc), since a metatype set later gives it
+-- methods but no __gc.
 --
--- The declarations come from moonshard/cdef.lua, generated at build time from
--- moonshard.h.  The library: ffi.C when this process has the ms_* symbols already (the
--- moonshard-jit executable and hosts that link libmoonshard), else $MOONSHARD_LIB, else a
--- libmoonshard.so beside the cdef.lua found on package.path (the build tree, or an install
--- prefix's lib, lib64 or multiarch lib dir), else ffi.load("moonshard").
+-- The declarations come from moonshard/cdef.lua, generated at build time from moonshard.h.
+-- The library: ffi.C when this process has the ms_* symbols already (moonshard-jit, hosts
+-- linking libmoonshard), else $MOONSHARD_LIB, else a libmoonshard.so beside the cdef.lua
+-- found on package.path (the build tree, or an install prefix's lib, lib64 or multiarch lib
+-- dir), else ffi.load("moonshard").
 --
--- The world: the rank's ms_comm * is a light userdata at registry["moonshard.world"], set
--- by the executable before the script runs; without one this Lua state is rank 0 of a
--- one-rank threads world, made on first use and kept for the state's life.
---
--- Loaded once per Lua state (kept in the registry): FFI declarations and metatypes
--- cannot be made twice, and busted reloads modules for every spec file.
+-- The world: the rank's ms_comm * is a light userdata at registry["moonshard.world"], set by
+-- the executable; without one this Lua state is rank 0 of a one-rank threads world, made on
+-- first use and kept for the state's life.  Loaded once per Lua state (kept in the
+-- registry): ffi.cdef and ffi.metatype cannot run twice, and busted reloads modules.
 
 local REGISTRY = debug.getregistry()
 local CACHE_KEY = "moonshard.core_ffi"
@@ -28,7 +27,7 @@ if REGISTRY[CACHE_KEY] then return REGISTRY[CACHE_KEY] end
 
 local ffi = require "ffi"
 
-local format, floor, istype = string.format, math.floor, ffi.istype
+local format, floor, istype, tonumber, type = string.format, math.floor, ffi.istype, tonumber, type
 local WORLD_KEY = "moonshard.world" -- light userdata: ms_comm * of this rank
 local EXACT = 2 ^ 53                -- the largest magnitude a number holds exactly
 local TWO63 = 2 ^ 63
@@ -50,7 +49,7 @@ local MULTIARCH = { x64 = "x86_64-linux-gnu", arm64 = "aarch64-linux-gnu", x86 =
 local function library_candidates()
   local cdef = package.searchpath("moonshard.cdef", package.path)
   if not cdef then return {} end
-  local dirs = {}
+  local dirs
   local prefix = cdef:match("^(.*)/share/lua/[^/]+/moonshard/cdef%.lua$")
   if prefix then -- an install: PREFIX/share/lua/5.x/moonshard/cdef.lua
     dirs = { prefix .. "/lib", prefix .. "/lib64" }
@@ -95,15 +94,10 @@ end
 local C = load_library()
 
 local MAX_DIMS = C.MS_MAX_DIMS
-local F32, F64, I64 = C.MS_F32, C.MS_F64, C.MS_I64
-local CPU, META = C.MS_DEVICE_CPU, C.MS_DEVICE_META
+local F64, I64, CPU = C.MS_F64, C.MS_I64, C.MS_DEVICE_CPU
 
-local Tensor = ffi.typeof("ms_ffi_tensor")
-local Mesh = ffi.typeof("ms_ffi_mesh")
-local Group = ffi.typeof("ms_ffi_group")
-local Unit = ffi.typeof("ms_ffi_unit")
-local Int64s = ffi.typeof("int64_t[?]")
-local Ints = ffi.typeof("int[?]")
+local Int64s, Ints, Doubles = ffi.typeof("int64_t[?]"), ffi.typeof("int[?]"), ffi.typeof("double[?]")
+local int64_t, uint64_t = ffi.typeof("int64_t"), ffi.typeof("uint64_t")
 local f64_ptr, i64_ptr = ffi.typeof("double *"), ffi.typeof("int64_t *")
 local uint_ptr = { [1] = ffi.typeof("uint8_t *"), [2] = ffi.typeof("uint16_t *"), [4] = ffi.typeof("uint32_t *"),
   [8] = i64_ptr }
@@ -115,8 +109,8 @@ local ints_a, ints_b = Ints(MAX_DIMS), Ints(MAX_DIMS)
 local names_a = ffi.new("const char *[?]", MAX_DIMS)
 local tensor_out, mesh_out, comm_out = ffi.new("ms_tensor *[1]"), ffi.new("ms_mesh *[1]"), ffi.new("ms_comm *[1]")
 local unit_out, world_out = ffi.new("ms_unit *[1]"), ffi.new("ms_world *[1]")
-local int64_out, int64_out2, double_out = Int64s(1), Int64s(1), ffi.new("double[1]")
-local dtype_out, op_out = ffi.new("ms_dtype[1]"), ffi.new("ms_op[1]")
+local int64_out, int64_out2, double_out = Int64s(1), Int64s(1), Doubles(4)
+local dtype_out, op_out, file_kind_out = ffi.new("ms_dtype[1]"), ffi.new("ms_op[1]"), ffi.new("ms_file_kind[1]")
 local device_out, int_out, int_out2 = ffi.new("ms_device_type[1]"), Ints(1), Ints(1)
 
 local new_table = (function()
@@ -124,101 +118,112 @@ local new_table = (function()
   return ok and tnew or function() return {} end
 end)()
 
--- Enum results come back as cdata: numbers for table keys and plain comparisons.
-local function dtype_of(t) return tonumber(C.ms_tensor_dtype(t)) end
-local function device_of(t) return tonumber(C.ms_tensor_device(t)) end
+local R = {}
 
-local DTYPE_NAME = {}
-for d = 0, C.MS_DTYPE_COUNT - 1 do DTYPE_NAME[d] = ffi.string(C.ms_dtype_name(d)) end
+-- ---------------------------------------------------------------- results
 
--- ---------------------------------------------------------------- errors
+-- A failed core call: nil, "moonshard <status> error: <message>".
+local function failed(st)
+  local msg = ffi.string(C.ms_last_error())
+  return nil, format("moonshard %s error: %s", ffi.string(C.ms_status_name(st)), msg)
+end
 
-local SOURCE = debug.getinfo(1, "S").source
+-- A core call's status: true, or the failure.
+local function done(st)
+  if st ~= 0 then return failed(st) end
+  return true
+end
 
--- The binding function running now (the outermost frame of this file) and luaL_where of
--- its caller: "chunk:line: " when the caller is Lua code, else "" (as the C binding's
--- luaL_error gives it).
-local function binding_frame()
-  local level, binding = 2, nil
-  while true do
-    local info = debug.getinfo(level, "Snlf")
-    if not info then return binding, "" end
-    if info.source ~= SOURCE then
-      return binding, info.currentline > 0 and format("%s:%d: ", info.short_src, info.currentline) or ""
+-- An int64 result: a number when exact, else the int64_t cdata.
+local function num(v)
+  if v >= -EXACT and v <= EXACT then return tonumber(v) end
+  return v
+end
+
+-- A Lua list (at most MAX_DIMS entries) into the scratch array buf; returns its length.
+local function fill(buf, list)
+  local n = #list
+  if n > MAX_DIMS then error(format("moonshard.core_ffi: a list of %d entries, at most %d", n, MAX_DIMS), 3) end
+  for i = 1, n do buf[i - 1] = list[i] end
+  return n
+end
+
+-- The first n entries of an int64 array as a fresh Lua list.
+local function list_of(buf, n)
+  local out = new_table(n, 0)
+  for i = 0, n - 1 do out[i + 1] = num(buf[i]) end
+  return out
+end
+
+local function string_or_nil(p)
+  if p == nil then return nil end
+  return ffi.string(p)
+end
+
+-- ---------------------------------------------------------------- boxes
+
+local CLASSES = { "tensor", "mesh", "group", "unit" }
+local CTYPE = { tensor = ffi.typeof("ms_ffi_tensor"), mesh = ffi.typeof("ms_ffi_mesh"),
+  group = ffi.typeof("ms_ffi_group"), unit = ffi.typeof("ms_ffi_unit") }
+local NAME = { tensor = "moonshard.Tensor", mesh = "moonshard.Mesh", group = "moonshard.Group",
+  unit = "moonshard.Unit" }
+local RELEASE_HANDLE = { tensor = C.ms_tensor_release, mesh = C.ms_mesh_release, group = C.ms_comm_release,
+  unit = C.ms_unit_release }
+local defined = {} -- class -> true once define() set its metatype
+
+-- The class's release of a box: its handle, once (release(), __gc and ffi.gc).
+local RELEASE = {}
+for _, class in ipairs(CLASSES) do
+  local release_handle = RELEASE_HANDLE[class]
+  RELEASE[class] = function(b)
+    local h = b.h
+    if h ~= nil then
+      b.h = nil
+      release_handle(h)
     end
-    binding, level = info, level + 1
   end
 end
 
--- luaL_error
-local function raise(fmt, ...)
-  local _, where = binding_frame()
-  error(where .. format(fmt, ...), 0)
+-- A box of the class around a handle the caller owns.
+local function box(class, h)
+  local b = CTYPE[class](h)
+  if not defined[class] then ffi.gc(b, RELEASE[class]) end
+  return b
 end
 
--- A failed core call: "moonshard <status> error: <message>", as ms_lua_fail raises it.
-local function fail(st)
-  raise("moonshard %s error: %s", ffi.string(C.ms_status_name(st)), ffi.string(C.ms_last_error()))
-end
-
-local function check(st)
-  if st ~= 0 then fail(st) end
-end
-
--- The name luaL_argerror gives a function called without one: "module.field" of a loaded
--- module (the shortest, so the public module's name before the binding's).
-local function global_name(fn)
-  local best
-  for modname, mod in pairs(package.loaded) do
-    if type(modname) == "string" and type(mod) == "table" then
-      for k, v in pairs(mod) do
-        if rawequal(v, fn) and type(k) == "string" then
-          local name = modname == "_G" and k or modname .. "." .. k
-          if not best or #name < #best then best = name end
-        end
-      end
-    end
-  end
-  return best or "?"
-end
-
--- luaL_argerror: argument numbers skip self in method calls.
-local function arg_error(arg, msg)
-  local f = binding_frame()
-  if not f then raise("bad argument #%d (%s)", arg, msg) end
-  if f.namewhat == "method" then
-    arg = arg - 1
-    if arg == 0 then raise("calling '%s' on bad self (%s)", f.name, msg) end
-  end
-  raise("bad argument #%d to '%s' (%s)", arg, f.name or global_name(f.func), msg)
-end
-
-local CLASSES = {} -- {ctype, "moonshard.Tensor"} pairs, filled by class() below
-
--- A value's type as luaL_typeerror names it: the class of a moonshard object.
-local function typename(v)
+local function classof(v)
   if type(v) == "cdata" then
-    for _, c in ipairs(CLASSES) do
-      if istype(c[1], v) then return c[2] end
+    for i = 1, #CLASSES do
+      local class = CLASSES[i]
+      if istype(CTYPE[class], v) then return class end
     end
   end
-  return type(v)
+  return nil
 end
 
-local function type_error(arg, expected, v)
-  arg_error(arg, expected .. " expected, got " .. typename(v))
+-- handle(v) -> the live handle of a box of the class, else a plain error at the raw
+-- function's caller.
+local function handle_of(class)
+  local ctype, name = CTYPE[class], NAME[class]
+  return function(v)
+    if istype(ctype, v) then
+      local h = v.h
+      if h ~= nil then return h end
+      error("moonshard.core_ffi: a released " .. class, 3)
+    end
+    local c = classof(v)
+    error(format("moonshard.core_ffi: %s expected, got %s", name, c and NAME[c] or type(v)), 3)
+  end
 end
+local tensor_h, mesh_h, group_h, unit_h = handle_of("tensor"), handle_of("mesh"), handle_of("group"), handle_of("unit")
 
--- ---------------------------------------------------------------- argument helpers
+-- ---------------------------------------------------------------- primitives
 
-local int64_t, uint64_t = ffi.typeof("int64_t"), ffi.typeof("uint64_t")
 local function is_int64_cdata(v) return istype(int64_t, v) or istype(uint64_t, v) end
 
--- a number with an integral value in int64 range
-local function is_int64(n) return n == floor(n) and n >= -TWO63 and n < TWO63 end
-
--- An integral number in int64 range, a numeric string or an int64 cdata (lua_tointegerx).
-local function to_integer(v)
+--- to_integer(v) -> an integral number in int64 range, a numeric string's, or an int64
+-- cdata (lua_tointegerx); nil for anything else
+function R.to_integer(v)
   local t = type(v)
   if t == "cdata" then
     if is_int64_cdata(v) then return v end
@@ -228,901 +233,514 @@ local function to_integer(v)
   elseif t ~= "number" then
     return nil
   end
-  if v and is_int64(v) then return v end
+  if v and v == floor(v) and v >= -TWO63 and v < TWO63 then return v end
   return nil
 end
 
--- luaL_checkinteger
-local function check_integer(v, arg)
-  local i = to_integer(v)
-  if i then return i end
-  if tonumber(v) then arg_error(arg, "number has no integer representation") end
-  type_error(arg, "number", v)
+--- is_number(v): a number, a numeric string or a numeric cdata (int64 included)
+function R.is_number(v) return tonumber(v) ~= nil end
+
+R.classof = classof
+
+function R.live(obj) return classof(obj) ~= nil and obj.h ~= nil end
+
+--- state(v, class) -> true for a live box of the class, false for a released one, else nil
+function R.state(v, class)
+  if not istype(CTYPE[class], v) then return nil end
+  return v.h ~= nil
 end
 
--- luaL_checknumber
-local function check_number(v, arg)
-  local n = tonumber(v)
-  if n then return n end
-  type_error(arg, "number", v)
+function R.release(obj)
+  local class = classof(obj)
+  if not class then error("moonshard.core_ffi: release: a moonshard object expected, got " .. type(obj), 2) end
+  RELEASE[class](obj)
 end
 
--- luaL_opt: check(v, arg) unless v is nil, then def
-local function optional(check_value)
-  return function(v, arg, def)
-    if v == nil then return def end
-    return check_value(v, arg)
+--- define(class, methods, tostring_live): the metatype of the class's boxes, once per state
+-- (LuaJIT refuses a second one; `methods` must be complete, as its __index is fixed too).
+function R.define(class, methods, tostring_live)
+  local ctype = CTYPE[class]
+  if not ctype then error("moonshard.core_ffi: define: no class " .. tostring(class), 2) end
+  if defined[class] then error("moonshard.core_ffi: define: the " .. class .. " class is defined already", 2) end
+  if type(methods) ~= "table" or type(tostring_live) ~= "function" then
+    error("moonshard.core_ffi: define: expected a table of methods and a function", 2)
   end
-end
-local opt_integer, opt_number = optional(check_integer), optional(check_number)
-
-local INT_MIN, INT_MAX = -2 ^ 31, 2 ^ 31 - 1
-
--- An integer argument the core takes as a C int (a dim, a root): a value outside int's range
--- is refused by name instead of being cut down to another, valid-looking one.
-local function check_int(v, arg, what)
-  local i = check_integer(v, arg)
-  if i < INT_MIN or i > INT_MAX then raise("moonshard invalid_argument error: %s %d is out of range", what, i) end
-  return tonumber(i)
-end
-
-local function opt_int(v, arg, what, def)
-  if v == nil then return def end
-  return check_int(v, arg, what)
+  local released = class .. " (released)"
+  ffi.metatype(ctype, {
+    __index = methods,
+    __gc = RELEASE[class],
+    __tostring = function(b)
+      if b.h == nil then return released end
+      return tostring_live(b)
+    end,
+    __name = NAME[class],
+  })
+  defined[class] = true
 end
 
--- luaL_checkstring
-local function check_string(v, arg)
-  local t = type(v)
-  if t == "string" then return v end
-  if t == "number" then return tostring(v) end
-  type_error(arg, "string", v)
-end
+local INT64_MAX_U = ffi.cast(uint64_t, TWO63) - 1
 
-local function check_table(v, arg)
-  if type(v) ~= "table" then type_error(arg, "table", v) end
-  return v
-end
-
--- An int64 result: a number when exact, else the int64_t cdata.
-local function num(v)
-  if v >= -EXACT and v <= EXACT then return tonumber(v) end
-  return v
-end
-
--- A Lua sequence of integers (a shape, a list of sizes) into buf; returns its length.
-local function check_int_list(list, arg, what, buf)
-  check_table(list, arg)
-  local n = #list
-  if n > MAX_DIMS then raise("moonshard invalid_argument error: %s has %d entries, at most %d allowed", what, n, MAX_DIMS) end
-  for i = 1, n do
-    local v = list[i]
-    local iv = to_integer(v)
-    if not iv then raise("moonshard invalid_argument error: %s[%d] is %s, expected an integer", what, i, type(v)) end
-    buf[i - 1] = iv
+--- int_element(v, dtype) -> v as an element of the integer dtype (ms_int_element), or nil
+-- and the core's reason: booleans 0 / 1, int64 cdata exactly, numbers as floats
+function R.int_element(v, dtype)
+  local st
+  if type(v) == "boolean" then
+    st = C.ms_int_element(dtype, 0, v and 1 or 0, 0, int64_out)
+  elseif istype(int64_t, v) or (istype(uint64_t, v) and v <= INT64_MAX_U) then
+    st = C.ms_int_element(dtype, 0, v, 0, int64_out)
+  else
+    local f = tonumber(v)
+    if f == nil then return nil, type(v) .. " is not a number" end
+    st = C.ms_int_element(dtype, 1, 0, f, int64_out)
   end
-  return n
+  if st ~= 0 then return nil, ffi.string(C.ms_last_error()) end
+  return num(int64_out[0])
 end
 
--- The first n entries of an int64 buffer as a Lua list.
-local function int_list(buf, n)
-  local t = new_table(n, 0)
-  for i = 0, n - 1 do t[i + 1] = num(buf[i]) end
-  return t
-end
+-- ---------------------------------------------------------------- misc
 
-local function opt_dtype(v, arg, def)
-  if v == nil then return def end
-  check(C.ms_dtype_parse(check_string(v, arg), dtype_out))
+local DTYPE_NAME = {}
+for d = 0, C.MS_DTYPE_COUNT - 1 do DTYPE_NAME[d] = ffi.string(C.ms_dtype_name(d)) end
+
+R.MAX_DIMS = MAX_DIMS
+R.version = ffi.string(C.ms_version())
+
+-- UNIT_*: this binding's own codes for unit_tensor, unit_action, unit_set_flag and
+-- unit_set_number; the rest are the core's enums.
+local UNIT_CODES = { "PARAM_SHARD", "GRAD_SHARD", "PARAM_FULL", "GRAD_FULL", "FINALIZE", "UNSHARD", "WAIT",
+  "RESHARD", "REDUCE_GRADS", "RELEASE_UNSHARDED", "ZERO_GRAD", "SYNC", "CPU_OFFLOAD", "DIVIDE_FACTOR",
+  "SCALE_GRADS" }
+local K = {
+  F32 = C.MS_F32, F64 = F64, I64 = I64, BOOL = C.MS_BOOL, DTYPE_COUNT = C.MS_DTYPE_COUNT,
+  DEVICE_CPU = CPU, DEVICE_META = C.MS_DEVICE_META, DEVICE_CUDA = C.MS_DEVICE_CUDA,
+  OP_SUM = C.MS_OP_SUM,
+  PLACEMENT_REPLICATE = C.MS_PLACE_REPLICATE, PLACEMENT_SHARD = C.MS_PLACE_SHARD,
+  PLACEMENT_PARTIAL = C.MS_PLACE_PARTIAL,
+  RESHARD_FULL = C.MS_RESHARD_FULL, RESHARD_KEEP = C.MS_RESHARD_KEEP,
+  ADAMW_MASTER = C.MS_ADAMW_MASTER, ADAMW_TORCH = C.MS_ADAMW_TORCH, ADAMW_EXP_AVG = C.MS_ADAMW_EXP_AVG,
+  ADAMW_EXP_AVG_SQ = C.MS_ADAMW_EXP_AVG_SQ, ADAMW_MASTER_WEIGHTS = C.MS_ADAMW_MASTER_WEIGHTS,
+  CAST_AUTO = C.MS_CAST_AUTO, CAST_PORTABLE = C.MS_CAST_PORTABLE, CAST_AVX2 = C.MS_CAST_AVX2,
+}
+for code, name in ipairs(UNIT_CODES) do K["UNIT_" .. name] = code end
+for _, class in ipairs(CLASSES) do K["CLASS_" .. class:upper()] = class end -- state()'s codes
+R.const = K
+
+function R.dtype_code(name)
+  local st = C.ms_dtype_parse(name, dtype_out)
+  if st ~= 0 then return failed(st) end
   return tonumber(dtype_out[0])
 end
 
-local function opt_op(v, arg)
-  if v == nil then return C.MS_OP_SUM end
-  check(C.ms_op_parse(check_string(v, arg), op_out))
+function R.dtype_name(code) return DTYPE_NAME[code] or string_or_nil(C.ms_dtype_name(code)) end
+
+function R.dtype_size(code) return C.ms_dtype_size(code) end
+
+function R.dtype_is_float(code) return C.ms_dtype_is_float(code) ~= 0 end
+
+function R.device_code(name)
+  local st = C.ms_device_parse(name, device_out, int_out)
+  if st ~= 0 then return failed(st) end
+  return tonumber(device_out[0]), int_out[0]
+end
+
+function R.op_code(name)
+  local st = C.ms_op_parse(name, op_out)
+  if st ~= 0 then return failed(st) end
   return tonumber(op_out[0])
 end
 
--- ---------------------------------------------------------------- boxes
-
--- A class of boxes: methods (plus release), __gc releasing the handle once, __tostring,
--- and check(v, arg) -> the live handle of a box in argument arg.
-local function class(ctype, name, what, release_handle, methods, tostring_live)
-  local function check_box(v, arg)
-    if not istype(ctype, v) then type_error(arg, name, v) end
-    local h = v.h
-    if h == nil then raise("moonshard state error: attempt to use a released %s", what) end
-    return h
-  end
-  local function release(self)
-    if not istype(ctype, self) then type_error(1, name, self) end
-    local h = self.h
-    if h ~= nil then
-      self.h = nil
-      release_handle(h)
-    end
-  end
-  methods.release = release
-  ffi.metatype(ctype, {
-    __index = function(_, k) return methods[k] end,
-    __gc = release,
-    __tostring = function(self)
-      if self.h == nil then return what .. " (released)" end
-      return tostring_live(self.h)
-    end,
-    __name = name,
-  })
-  CLASSES[#CLASSES + 1] = { ctype, name }
-  return check_box
+--- cuda_device_count() -> n, and when n is 0 the reason (not built, no driver, no device)
+function R.cuda_device_count()
+  if C.ms_cuda_device_count(int_out) == 0 then return int_out[0] end
+  return 0, ffi.string(C.ms_last_error())
 end
 
-local tensor_methods, mesh_methods, group_methods, unit_methods = {}, {}, {}, {}
-local check_tensor, check_mesh, check_group, check_unit -- set by class() below
+--- file_stat(path) -> kind, size | nil, "<path>: <reason>"
+function R.file_stat(path)
+  if C.ms_file_stat(path, file_kind_out, int64_out) ~= 0 then return nil, ffi.string(C.ms_last_error()) end
+  return ffi.string(C.ms_file_kind_name(file_kind_out[0])), num(int64_out[0])
+end
 
--- ---------------------------------------------------------------- the module
+function R.cast_set_impl(code) return done(C.ms_cast_set_impl(code)) end
 
-local M = {}
+function R.cast_get_impl() return tonumber(C.ms_cast_get_impl()) end
+
+function R.adamw_defaults()
+  local d = double_out
+  local st = C.ms_adamw_defaults(d, d + 1, d + 2, d + 3)
+  if st ~= 0 then return failed(st) end
+  return d[0], d[1], d[2], d[3]
+end
+
+-- LuaJIT here takes no allocator of the host's: no hard memory cap to set.
+function R.memory_cap() return false end
+function R.memory_refused() return false end
 
 -- ---------------------------------------------------------------- world
 
 local world_lud, world_comm -- the registry's light userdata and its cast
 local own_world, own_comm   -- the one-rank world of a state without a launcher
 
-local function get_world()
+-- This rank's world comm, or nil and the failure to make the one-rank world.
+local function world()
   local lud = REGISTRY[WORLD_KEY]
   if lud ~= nil then
     if lud ~= world_lud then world_lud, world_comm = lud, ffi.cast("ms_comm *", lud) end
     return world_comm
   end
   if own_comm == nil then -- no launcher: this Lua state is rank 0 of 1
-    check(C.ms_threads_world_new(world_out, 1, 0))
-    own_world = ffi.gc(world_out[0], C.ms_world_release)
-    check(C.ms_world_comm(own_world, 0, comm_out))
-    own_comm = ffi.gc(comm_out[0], C.ms_comm_release)
+    local st = C.ms_threads_world_new(world_out, 1, 0)
+    if st ~= 0 then return failed(st) end
+    local w = ffi.gc(world_out[0], C.ms_world_release)
+    st = C.ms_world_comm(w, 0, comm_out)
+    if st ~= 0 then return failed(st) end
+    own_world, own_comm = w, ffi.gc(comm_out[0], C.ms_comm_release)
   end
   return own_comm
 end
 
-function M.rank() return C.ms_comm_rank(get_world()) end
+-- The world comm for the accessors, which have no failure to return: raised.
+local function world_comm_of()
+  local c, err = world()
+  if c == nil then error(err, 0) end
+  return c
+end
 
-function M.world_size() return C.ms_comm_size(get_world()) end
+function R.world_rank() return C.ms_comm_rank(world_comm_of()) end
+function R.world_size() return C.ms_comm_size(world_comm_of()) end
+function R.world_backend() return ffi.string(C.ms_comm_backend(world_comm_of())) end
 
-function M.backend() return ffi.string(C.ms_comm_backend(get_world())) end
-
--- memory_cap(bytes | nil) -> false: LuaJIT (GC64) takes no allocator of the host's, so
--- there is no hard memory cap to set (the Lua 5.4 binding's sets one); memory_refused()
--- -> false likewise.
-function M.memory_cap() return false end
-function M.memory_refused() return false end
-
--- device() -> where this rank's tensors go: "cuda:N" (its GPU) on the nccl backend, else "cpu"
-local device_type, device_index = ffi.new("ms_device_type[1]"), ffi.new("int[1]")
-function M.device()
-  check(C.ms_comm_device(get_world(), device_type, device_index))
-  if device_type[0] == C.MS_DEVICE_CUDA then return "cuda:" .. device_index[0] end
-  return "cpu"
+function R.world_device()
+  local c, err = world()
+  if c == nil then return nil, err end
+  local st = C.ms_comm_device(c, device_out, int_out)
+  if st ~= 0 then return failed(st) end
+  return tonumber(device_out[0]), int_out[0]
 end
 
 -- ---------------------------------------------------------------- tensors
 
--- The tensor a core call made into tensor_out, boxed.
+-- The tensor a core call made into tensor_out, boxed; or the failure.
 local function made_tensor(st)
-  check(st)
-  return Tensor(tensor_out[0])
+  if st ~= 0 then return failed(st) end
+  return box("tensor", tensor_out[0])
 end
 
-function M.tensor(shape, dtype, device)
-  local nd = check_int_list(shape, 1, "shape", shape_a)
-  local dt = opt_dtype(dtype, 2, F32)
-  local dev, idx = CPU, 0
-  if device ~= nil then
-    check(C.ms_device_parse(check_string(device, 3), device_out, int_out))
-    dev, idx = device_out[0], int_out[0]
-  end
-  return made_tensor(C.ms_tensor_new(tensor_out, nd, shape_a, dt, dev, idx))
+function R.tensor_new(shape, dtype, device, index)
+  local nd = fill(shape_a, shape)
+  return made_tensor(C.ms_tensor_new(tensor_out, nd, shape_a, dtype, device, index))
 end
 
--- The integers an integer dtype holds: {lo, hi} as numbers (exact) and as int64 cdata.
-local INT_RANGE = {}
-do
-  local lo64 = int64_t(-TWO63)
-  INT_RANGE[tonumber(C.MS_I64)] = { -TWO63, TWO63, lo64, -(lo64 + 1) }
-  for _, r in ipairs { { C.MS_I32, -2 ^ 31, 2 ^ 31 - 1 }, { C.MS_I8, -128, 127 }, { C.MS_U8, 0, 255 } } do
-    INT_RANGE[tonumber(r[1])] = { r[2], r[3], int64_t(r[2]), int64_t(r[3]) }
-  end
-end
-local BOOL = tonumber(C.MS_BOOL)
-local INT64_MAX_U = ffi.cast(uint64_t, TWO63) - 1
-
--- v (a number, an int64 cdata or a boolean) as an element of the integer dtype dt, for
--- from_table and fill_, as int_element in ms_lua_tensor.c: integers exact, floats truncated toward
--- zero, booleans 0 / 1; bool takes any number (nonzero is true).  A value dt cannot hold is
--- an error, as in PyTorch, where a cast (t:to) would saturate.  `what` names the value.
-local function int_element(v, dt, what)
-  if type(v) == "boolean" then return v and 1 or 0 end
-  local cd = type(v) == "cdata" and is_int64_cdata(v)
-  local n = cd and v or tonumber(v)
-  if dt == BOOL then return n ~= 0 and 1 or 0 end -- NaN is true, as bool(nan) is
-  local r = INT_RANGE[dt]
-  if cd then
-    if not (istype(uint64_t, v) and v > INT64_MAX_U) then
-      local iv = ffi.cast(int64_t, v)
-      if iv >= r[3] and iv <= r[4] then return iv end
-    end
-  else
-    local t = n >= 0 and floor(n) or -floor(-n) -- NaN fails every comparison below
-    if t >= -TWO63 and t < TWO63 and t >= r[1] and t <= r[2] then return t end
-  end
-  local text = cd and format("%d", v) or n ~= n and "nan" or format("%.14g", n)
-  raise("moonshard invalid_argument error: %s%s is out of range for %s (%d to %d)", what, text,
-    ffi.string(C.ms_dtype_name(dt)), r[3], r[4])
-end
-
--- The value of values[i] staged for from_table: int64 (exact) for integer dtypes, else f64.
-local function stage_value(v, i, dt, as_int)
-  local t = type(v)
-  if t ~= "boolean" and not (t == "cdata" and is_int64_cdata(v)) and not tonumber(v) then
-    raise("moonshard invalid_argument error: from_table: values[%d] is %s, expected a number", i, t)
-  end
-  if as_int then return int_element(v, dt, format("from_table: values[%d] = ", i)) end
-  if t == "boolean" then return v and 1 or 0 end
-  return tonumber(v)
-end
-
--- from_table(values, dtype?, shape?): values is a flat sequence of numbers (or booleans).
-function M.from_table(values, dtype, shape)
-  check_table(values, 1)
-  local dt = opt_dtype(dtype, 2, F32)
+--- tensor_write(t, values, as_int): a fresh contiguous cpu tensor of #values elements from
+-- values staged as int64 (as_int) or f64, cast into its dtype (written directly when equal)
+function R.tensor_write(t, values, as_int)
+  local h = tensor_h(t)
   local n = #values
-  local nd = 1
-  shape_a[0] = n
-  if shape ~= nil then nd = check_int_list(shape, 3, "shape", shape_a) end
-  local t = made_tensor(C.ms_tensor_new(tensor_out, nd, shape_a, dt, CPU, 0))
-  local numel = C.ms_tensor_numel(t.h)
-  if numel ~= n then
-    raise("moonshard shape error: from_table: %d values do not fill a shape of %d elements", n, numel)
+  if C.ms_tensor_numel(h) ~= n or C.ms_tensor_device(h) ~= CPU or C.ms_tensor_is_contiguous(h) == 0 then
+    error("moonshard.core_ffi: tensor_write: expected a contiguous cpu tensor of " .. n .. " elements", 2)
   end
-  -- Integers travel as int64 so that values above 2^53 stay exact; floats as f64.
-  local as_int = C.ms_dtype_is_float(dt) == 0
+  if n == 0 then return true end
+  local dt = tonumber(C.ms_tensor_dtype(h))
   local stage_type = as_int and I64 or F64
-  local direct = dt == stage_type -- a fresh contiguous tensor: write into it
-  local buffer = not direct and (as_int and Int64s(n) or ffi.new("double[?]", n)) or nil -- kept alive here
-  local stage = ffi.cast(as_int and i64_ptr or f64_ptr, buffer or C.ms_tensor_data(t.h))
-  for i = 1, n do stage[i - 1] = stage_value(values[i], i, dt, as_int) end
-  if buffer then check(C.ms_cast(C.ms_tensor_data(t.h), dt, buffer, stage_type, n)) end
-  return t
+  local buffer = dt ~= stage_type and (as_int and Int64s(n) or Doubles(n)) or nil -- kept alive here
+  local stage = ffi.cast(as_int and i64_ptr or f64_ptr, buffer or C.ms_tensor_data(h))
+  for i = 1, n do stage[i - 1] = values[i] end
+  if buffer then return done(C.ms_cast(C.ms_tensor_data(h), dt, buffer, stage_type, n)) end
+  return true
 end
 
--- The sizes or strides of t as a list.
-local function dims_list(t, get)
-  local nd = C.ms_tensor_ndim(t)
+local function dims_list(h, get)
+  local nd = C.ms_tensor_ndim(h)
   local out = new_table(nd, 0)
-  for i = 0, nd - 1 do out[i + 1] = num(get(t, i)) end
+  for i = 0, nd - 1 do out[i + 1] = num(get(h, i)) end
   return out
 end
 
-function tensor_methods.shape(self) return dims_list(check_tensor(self, 1), C.ms_tensor_size) end
+function R.tensor_shape(t) return dims_list(tensor_h(t), C.ms_tensor_size) end
+function R.tensor_stride(t) return dims_list(tensor_h(t), C.ms_tensor_stride) end
+function R.tensor_dtype(t) return tonumber(C.ms_tensor_dtype(tensor_h(t))) end
+function R.tensor_numel(t) return num(C.ms_tensor_numel(tensor_h(t))) end
+function R.tensor_nbytes(t) return num(C.ms_tensor_nbytes(tensor_h(t))) end
+function R.tensor_ndim(t) return C.ms_tensor_ndim(tensor_h(t)) end
+function R.tensor_is_contiguous(t) return C.ms_tensor_is_contiguous(tensor_h(t)) ~= 0 end
 
-function tensor_methods.stride(self) return dims_list(check_tensor(self, 1), C.ms_tensor_stride) end
-
-function tensor_methods.dtype(self) return DTYPE_NAME[dtype_of(check_tensor(self, 1))] end
-
-function tensor_methods.numel(self) return num(C.ms_tensor_numel(check_tensor(self, 1))) end
-
-function tensor_methods.nbytes(self) return num(C.ms_tensor_nbytes(check_tensor(self, 1))) end
-
-function tensor_methods.ndim(self) return C.ms_tensor_ndim(check_tensor(self, 1)) end
-
-function tensor_methods.is_contiguous(self) return C.ms_tensor_is_contiguous(check_tensor(self, 1)) ~= 0 end
-
-local function device_name(t)
-  local dev = device_of(t)
-  if dev == CPU then return "cpu" end
-  if dev == META then return "meta" end
-  return format("cuda:%d", C.ms_tensor_device_index(t))
+function R.tensor_device(t)
+  local h = tensor_h(t)
+  return tonumber(C.ms_tensor_device(h)), C.ms_tensor_device_index(h)
 end
 
-function tensor_methods.device(self) return device_name(check_tensor(self, 1)) end
+function R.tensor_to(t, dtype) return made_tensor(C.ms_tensor_to(tensor_out, tensor_h(t), dtype)) end
 
--- t:to(dtype) casts; t:to("cpu" | "cuda:N") moves to another device.
-function tensor_methods.to(self, dtype)
-  local t = check_tensor(self, 1)
-  if type(dtype) == "string" and C.ms_device_parse(dtype, device_out, int_out) == C.MS_OK then
-    return made_tensor(C.ms_tensor_to_device(tensor_out, t, device_out[0], int_out[0]))
+function R.tensor_to_device(t, device, index)
+  return made_tensor(C.ms_tensor_to_device(tensor_out, tensor_h(t), device, index))
+end
+
+function R.tensor_copy(dst, src) return done(C.ms_tensor_copy(tensor_h(dst), tensor_h(src))) end
+function R.tensor_fill(t, x) return done(C.ms_tensor_fill(tensor_h(t), x)) end
+function R.tensor_fill_int(t, i) return done(C.ms_tensor_fill_int(tensor_h(t), i)) end
+
+function R.tensor_narrow(t, dim, start, len)
+  return made_tensor(C.ms_tensor_narrow(tensor_out, tensor_h(t), dim, start, len))
+end
+
+function R.tensor_view(t, shape)
+  local h = tensor_h(t)
+  local nd = fill(shape_a, shape)
+  return made_tensor(C.ms_tensor_view(tensor_out, h, nd, shape_a))
+end
+
+function R.tensor_chunk(t, chunks, index, dim)
+  return made_tensor(C.ms_tensor_chunk(tensor_out, tensor_h(t), chunks, index, dim))
+end
+
+-- The elements of tensor h as a list of dtype `as` read through ptr (int64 ones by num):
+-- through a host copy of a device tensor and a contiguous copy in `as`, made and released
+-- here when needed.
+local function read_list(h, as, ptr)
+  local host, copy, st
+  if C.ms_tensor_device(h) ~= CPU then
+    st = C.ms_tensor_to_device(tensor_out, h, CPU, 0)
+    if st ~= 0 then return failed(st) end
+    host = tensor_out[0]
+    h = host
   end
-  return made_tensor(C.ms_tensor_to(tensor_out, t, opt_dtype(dtype, 2, dtype_of(t))))
-end
-
-function tensor_methods.copy_(self, src)
-  check(C.ms_tensor_copy(check_tensor(self, 1), check_tensor(src, 2)))
-  return self
-end
-
-function tensor_methods.fill_(self, v)
-  local t = check_tensor(self, 1)
-  if type(v) ~= "boolean" and not (type(v) == "cdata" and is_int64_cdata(v)) then check_number(v, 2) end
-  local dt = dtype_of(t)
-  if C.ms_dtype_is_float(dt) ~= 0 then
-    check(C.ms_tensor_fill(t, type(v) == "boolean" and (v and 1 or 0) or tonumber(v)))
-  else
-    check(C.ms_tensor_fill_int(t, int_element(v, dt, "fill_: ")))
+  if C.ms_tensor_dtype(h) ~= as or C.ms_tensor_is_contiguous(h) == 0 then
+    st = C.ms_tensor_to(tensor_out, h, as)
+    if st ~= 0 then
+      local v, err = failed(st)
+      if host then C.ms_tensor_release(host) end
+      return v, err
+    end
+    copy = tensor_out[0]
+    h = copy
   end
-  return self
-end
-
-function tensor_methods.narrow(self, dim, start, len)
-  local t = check_tensor(self, 1)
-  dim, start, len = check_int(dim, 2, "narrow: dim"), check_integer(start, 3), check_integer(len, 4)
-  return made_tensor(C.ms_tensor_narrow(tensor_out, t, dim, start, len))
-end
-
-function tensor_methods.view(self, shape)
-  local t = check_tensor(self, 1)
-  local nd = check_int_list(shape, 2, "shape", shape_a)
-  return made_tensor(C.ms_tensor_view(tensor_out, t, nd, shape_a))
-end
-
--- t:chunk(chunks, index, dim?) -- piece `index` (0-based) of torch.chunk
-function tensor_methods.chunk(self, chunks, index, dim)
-  local t = check_tensor(self, 1)
-  chunks, index, dim = check_integer(chunks, 2), check_integer(index, 3), opt_int(dim, 4, "chunk: dim", 0)
-  return made_tensor(C.ms_tensor_chunk(tensor_out, t, chunks, index, dim))
-end
-
--- The elements of t as a contiguous buffer of dtype `as`: a pointer of type ptr to t's own
--- data when it already is one, else to a private copy, returned second to be released.
--- A pointer to t's elements in dtype `as` on the host, and the copy holding them if one
--- was made (a cuda tensor comes to the host first).
-local function read_as(t, as, ptr)
-  if device_of(t) == META then raise("moonshard device error: totable/bits: a meta tensor holds no data") end
-  local host
-  if device_of(t) ~= CPU then
-    host = made_tensor(C.ms_tensor_to_device(tensor_out, t, CPU, 0))
-    t = host.h
-  end
-  if dtype_of(t) == as and C.ms_tensor_is_contiguous(t) ~= 0 then
-    return ffi.cast(ptr, C.ms_tensor_data(t)), host
-  end
-  local copy = made_tensor(C.ms_tensor_to(tensor_out, t, as))
-  return ffi.cast(ptr, C.ms_tensor_data(copy.h)), copy
-end
-
-local function read_list(t, as, ptr)
-  local p, copy = read_as(t, as, ptr)
-  local n = tonumber(C.ms_tensor_numel(t))
+  local n = tonumber(C.ms_tensor_numel(h))
+  local p = ffi.cast(ptr, C.ms_tensor_data(h))
   local out = new_table(n, 0)
   if ptr == i64_ptr then
     for i = 0, n - 1 do out[i + 1] = num(p[i]) end
   else
     for i = 0, n - 1 do out[i + 1] = p[i] end
   end
-  if copy then copy:release() end
+  if copy then C.ms_tensor_release(copy) end
+  if host then C.ms_tensor_release(host) end
   return out
 end
 
--- Flat list of numbers; only i64 tensors may hold integers a number cannot hold exactly.
-function tensor_methods.totable(self)
-  local t = check_tensor(self, 1)
-  if dtype_of(t) == I64 then return read_list(t, I64, i64_ptr) end
-  return read_list(t, F64, f64_ptr)
+--- tensor_read(t) -> f64 values of a float dtype, int64 ones of the others
+function R.tensor_read(t)
+  local h = tensor_h(t)
+  if C.ms_dtype_is_float(C.ms_tensor_dtype(h)) ~= 0 then return read_list(h, F64, f64_ptr) end
+  return read_list(h, I64, i64_ptr)
 end
 
--- Flat list of the raw bit patterns (8-byte ones as signed integers, like Lua 5.4's).
-function tensor_methods.bits(self)
-  local t = check_tensor(self, 1)
-  local dt = dtype_of(t)
-  return read_list(t, dt, uint_ptr[C.ms_dtype_size(dt)])
+--- tensor_bits(t) -> the raw bit patterns (8-byte ones as signed int64)
+function R.tensor_bits(t)
+  local h = tensor_h(t)
+  local dt = tonumber(C.ms_tensor_dtype(h))
+  local ptr = uint_ptr[C.ms_dtype_size(dt)]
+  if not ptr then error("moonshard.core_ffi: tensor_bits: a tensor of no valid dtype", 2) end
+  return read_list(h, dt, ptr)
 end
-
-local function tensor_string(t)
-  local sizes = {}
-  for i = 0, C.ms_tensor_ndim(t) - 1 do sizes[i + 1] = format("%d", C.ms_tensor_size(t, i)) end
-  return format("tensor([%s], %s, %s)", table.concat(sizes, ", "), DTYPE_NAME[dtype_of(t)], device_name(t))
-end
-
-check_tensor = class(Tensor, "moonshard.Tensor", "tensor", C.ms_tensor_release, tensor_methods, tensor_string)
 
 -- ---------------------------------------------------------------- meshes
 
--- ms.mesh({{"dp_replicate", 2}, {"dp_shard", 4}}, {shape_only = true}?)
-function M.mesh(axes, opts)
-  check_table(axes, 1)
-  local n = #axes
-  if n < 1 or n > MAX_DIMS then
-    raise("moonshard invalid_argument error: mesh: expected 1 to %d axes like {{\"dp_shard\", 4}}, got %d", MAX_DIMS, n)
+function R.mesh_new(names, sizes, with_world)
+  local n = fill(shape_a, sizes)
+  if #names ~= n then error("moonshard.core_ffi: mesh_new: as many names as sizes expected", 2) end
+  for i = 1, n do names_a[i - 1] = names[i] end -- the strings stay alive in names
+  local w, err = nil, nil
+  if with_world then
+    w, err = world()
+    if w == nil then return nil, err end
   end
-  local names = {} -- keeps the strings names_a points to alive
-  for i = 1, n do
-    local axis = axes[i]
-    if type(axis) ~= "table" then raise("moonshard invalid_argument error: mesh: axis %d is %s, expected {name, size}", i, type(axis)) end
-    local name, size = axis[1], to_integer(axis[2])
-    if type(name) ~= "string" or not size then
-      raise("moonshard invalid_argument error: mesh: axis %d must be {name, size} with a string and an integer", i)
-    end
-    names[i], names_a[i - 1], shape_a[i - 1] = name, name, size
-  end
-  local shape_only = type(opts) == "table" and opts.shape_only
-  local world = (shape_only == nil or shape_only == false) and get_world() or nil
-  check(C.ms_mesh_new(mesh_out, n, names_a, shape_a, world))
-  return Mesh(mesh_out[0])
+  local st = C.ms_mesh_new(mesh_out, n, names_a, shape_a, w)
+  if st ~= 0 then return failed(st) end
+  return box("mesh", mesh_out[0])
 end
 
-local function axis_names(m)
-  local out = {}
-  for i = 0, C.ms_mesh_ndim(m) - 1 do out[i + 1] = ffi.string(C.ms_mesh_axis_name(m, i)) end
-  return out
+function R.mesh_ndim(m) return C.ms_mesh_ndim(mesh_h(m)) end
+function R.mesh_axis_name(m, a) return string_or_nil(C.ms_mesh_axis_name(mesh_h(m), a)) end
+function R.mesh_axis_size(m, a) return num(C.ms_mesh_axis_size(mesh_h(m), a)) end
+function R.mesh_size(m) return num(C.ms_mesh_size(mesh_h(m))) end
+function R.mesh_axis_index(m, name) return C.ms_mesh_axis_index(mesh_h(m), name) end
+function R.mesh_rank(m) return num(C.ms_mesh_rank(mesh_h(m))) end
+
+function R.mesh_coords(m, rank)
+  local h = mesh_h(m)
+  local st = C.ms_mesh_coords(h, rank, shape_a)
+  if st ~= 0 then return failed(st) end
+  return list_of(shape_a, C.ms_mesh_ndim(h))
 end
 
-local function axis_index(m, name, arg)
-  name = check_string(name, arg)
-  local a = C.ms_mesh_axis_index(m, name)
-  if a < 0 then raise("moonshard invalid_argument error: mesh has no axis '%s' (axes: %s)", name, table.concat(axis_names(m), ", ")) end
-  return a
+function R.mesh_group(m, axes)
+  local h = mesh_h(m)
+  local st = C.ms_mesh_group(h, fill(ints_a, axes), ints_a, comm_out)
+  if st ~= 0 then return failed(st) end
+  return box("group", comm_out[0])
 end
 
-function mesh_methods.size(self, axis)
-  local m = check_mesh(self, 1)
-  if axis == nil then return num(C.ms_mesh_size(m)) end
-  return num(C.ms_mesh_axis_size(m, axis_index(m, axis, 2)))
-end
-
-function mesh_methods.axes(self) return axis_names(check_mesh(self, 1)) end
-
-local function opt_rank(m, rank, arg)
-  if rank ~= nil then return check_integer(rank, arg) end
-  local r = C.ms_mesh_rank(m)
-  if r < 0 then raise("moonshard invalid_argument error: a shape-only mesh has no rank of its own; pass a rank") end
-  return r
-end
-
-function mesh_methods.rank(self)
-  local r = C.ms_mesh_rank(check_mesh(self, 1))
-  if r < 0 then return nil end
-  return num(r)
-end
-
-function mesh_methods.coords(self, rank)
-  local m = check_mesh(self, 1)
-  check(C.ms_mesh_coords(m, opt_rank(m, rank, 2), shape_a))
-  local out = {}
-  for i = 0, C.ms_mesh_ndim(m) - 1 do out[ffi.string(C.ms_mesh_axis_name(m, i))] = num(shape_a[i]) end
-  return out
-end
-
--- An axis name or a sequence of names -> axis indices in ints_a; returns their count.
--- (item_arg: the stack slot the 5.4 binding names for a bad entry.)
-local function check_axes(m, axes, arg, item_arg)
-  if type(axes) == "string" then
-    ints_a[0] = axis_index(m, axes, arg)
-    return 1
-  end
-  check_table(axes, arg)
-  local n, ndim = #axes, C.ms_mesh_ndim(m)
-  if n < 1 or n > ndim then raise("moonshard invalid_argument error: mesh group: expected 1 to %d axis names, got %d", ndim, n) end
-  for i = 1, n do ints_a[i - 1] = axis_index(m, axes[i], item_arg) end
-  return n
-end
-
-function mesh_methods.group(self, axes)
-  local m = check_mesh(self, 1)
-  local n = check_axes(m, axes, 2, 3)
-  check(C.ms_mesh_group(m, n, ints_a, comm_out))
-  return Group(comm_out[0])
-end
-
--- mesh:group_ranks(axes, rank?) -> the mesh ranks of that group, without communicating
-function mesh_methods.group_ranks(self, axes, rank)
-  local m = check_mesh(self, 1)
-  local n = check_axes(m, axes, 2, rank == nil and 3 or 4)
+function R.mesh_group_ranks(m, axes, rank)
+  local h = mesh_h(m)
+  local n = fill(ints_a, axes)
   local count = 1
-  for i = 0, n - 1 do count = count * tonumber(C.ms_mesh_axis_size(m, ints_a[i])) end
-  local ranks = Int64s(count)
-  check(C.ms_mesh_group_ranks(m, n, ints_a, opt_rank(m, rank, 3), ranks, int64_out))
-  return int_list(ranks, tonumber(int64_out[0]))
+  for i = 0, n - 1 do count = count * tonumber(C.ms_mesh_axis_size(h, ints_a[i])) end
+  local ranks = Int64s(count > 0 and count or 1) -- a bad axis: the core refuses it
+  local st = C.ms_mesh_group_ranks(h, n, ints_a, rank, ranks, int64_out)
+  if st ~= 0 then return failed(st) end
+  return list_of(ranks, tonumber(int64_out[0]))
 end
-
-local function mesh_string(m)
-  local axes = {}
-  for i = 0, C.ms_mesh_ndim(m) - 1 do
-    axes[i + 1] = format("%s=%d", ffi.string(C.ms_mesh_axis_name(m, i)), C.ms_mesh_axis_size(m, i))
-  end
-  return "mesh(" .. table.concat(axes, ", ") .. ")"
-end
-
-check_mesh = class(Mesh, "moonshard.Mesh", "mesh", C.ms_mesh_release, mesh_methods, mesh_string)
 
 -- ---------------------------------------------------------------- groups
 
-function group_methods.size(self) return C.ms_comm_size(check_group(self, 1)) end
+function R.group_size(g) return C.ms_comm_size(group_h(g)) end
+function R.group_rank(g) return C.ms_comm_rank(group_h(g)) end
+function R.group_world_rank(g, i) return C.ms_comm_world_rank(group_h(g), i) end
+function R.group_backend(g) return string_or_nil(C.ms_comm_backend(group_h(g))) end
 
-function group_methods.rank(self) return C.ms_comm_rank(check_group(self, 1)) end
+function R.all_gather(g, out, inp) return done(C.ms_all_gather(group_h(g), tensor_h(out), tensor_h(inp))) end
 
-function group_methods.ranks(self)
-  local c = check_group(self, 1)
-  local out = {}
-  for i = 0, C.ms_comm_size(c) - 1 do out[i + 1] = C.ms_comm_world_rank(c, i) end
-  return out
+function R.reduce_scatter(g, out, inp, op)
+  return done(C.ms_reduce_scatter(group_h(g), tensor_h(out), tensor_h(inp), op))
 end
 
-function group_methods.all_gather(self, out, inp)
-  check(C.ms_all_gather(check_group(self, 1), check_tensor(out, 2), check_tensor(inp, 3)))
-  return out
-end
-
-function group_methods.reduce_scatter(self, out, inp, op)
-  check(C.ms_reduce_scatter(check_group(self, 1), check_tensor(out, 2), check_tensor(inp, 3), opt_op(op, 4)))
-  return out
-end
-
-function group_methods.all_reduce(self, t, op)
-  check(C.ms_all_reduce(check_group(self, 1), check_tensor(t, 2), opt_op(op, 3)))
-  return t
-end
-
-function group_methods.broadcast(self, t, root)
-  check(C.ms_broadcast(check_group(self, 1), check_tensor(t, 2), check_int(root, 3, "broadcast: root")))
-  return t
-end
-
-function group_methods.all_to_all(self, out, inp)
-  check(C.ms_all_to_all(check_group(self, 1), check_tensor(out, 2), check_tensor(inp, 3)))
-  return out
-end
-
-function group_methods.barrier(self)
-  check(C.ms_barrier(check_group(self, 1)))
-end
-
-local function group_string(c)
-  local ranks = {}
-  for i = 0, C.ms_comm_size(c) - 1 do ranks[i + 1] = C.ms_comm_world_rank(c, i) end
-  return format("group(%s, rank %d of %d, ranks [%s])", ffi.string(C.ms_comm_backend(c)), C.ms_comm_rank(c),
-    C.ms_comm_size(c), table.concat(ranks, " "))
-end
-
-check_group = class(Group, "moonshard.Group", "group", C.ms_comm_release, group_methods, group_string)
+function R.all_reduce(g, t, op) return done(C.ms_all_reduce(group_h(g), tensor_h(t), op)) end
+function R.broadcast(g, t, root) return done(C.ms_broadcast(group_h(g), tensor_h(t), root)) end
+function R.all_to_all(g, out, inp) return done(C.ms_all_to_all(group_h(g), tensor_h(out), tensor_h(inp))) end
+function R.barrier(g) return done(C.ms_barrier(group_h(g))) end
 
 -- ---------------------------------------------------------------- layouts
 
--- core.local_shape(shape, kinds, dims, mesh_sizes, coords) -- kinds: 0 replicate, 1 shard,
--- 2 partial (ms_placement_kind); the Lua library turns placements into these lists.
-function M.local_shape(global_shape, kinds, dims, mesh_shape, coords)
-  local nd = check_int_list(global_shape, 1, "global_shape", shape_a)
-  local nk = check_int_list(kinds, 2, "placements", shape_b)
-  local ndims = check_int_list(dims, 3, "placement dims", shape_c)
-  local nm = check_int_list(mesh_shape, 4, "mesh_shape", shape_d)
-  local nc = check_int_list(coords, 5, "coords", shape_e)
-  if nk ~= nm or ndims ~= nm or nc ~= nm then
-    raise("moonshard invalid_argument error: local_shape: %d placements and %d coordinates for a mesh of %d dims " ..
-      "(one of each per mesh dim)", nk, nc, nm)
+--- local_shape(shape, kinds, dims, mesh_sizes, coords) -> local shape, global offset
+-- (kinds: const.PLACEMENT_*, one kind, dim and coordinate per mesh dim)
+function R.local_shape(shape, kinds, dims, mesh_sizes, coords)
+  local nd, nm = fill(shape_a, shape), fill(shape_d, mesh_sizes)
+  if fill(ints_a, kinds) ~= nm or fill(ints_b, dims) ~= nm or fill(shape_e, coords) ~= nm then
+    error("moonshard.core_ffi: local_shape: one kind, dim and coordinate per mesh dim expected", 2)
   end
-  for i = 0, nm - 1 do
-    local kind, dim = shape_b[i], shape_c[i]
-    if dim < INT_MIN or dim > INT_MAX then
-      raise("moonshard invalid_argument error: local_shape: placement dim %d is out of range", dim)
-    end
-    ints_a[i], ints_b[i] = (kind >= 0 and kind <= 2) and kind or -1, dim -- the core refuses -1
-  end
-  check(C.ms_local_shape(nd, shape_a, nm, ints_a, ints_b, shape_d, shape_e, shape_b, shape_c))
-  return int_list(shape_b, nd), int_list(shape_c, nd)
+  local st = C.ms_local_shape(nd, shape_a, nm, ints_a, ints_b, shape_d, shape_e, shape_b, shape_c)
+  if st ~= 0 then return failed(st) end
+  return list_of(shape_b, nd), list_of(shape_c, nd)
 end
 
-function M.fsdp_shard(global_shape, world, rank, dim)
-  local nd = check_int_list(global_shape, 1, "global_shape", shape_a)
-  world, rank, dim = check_integer(world, 2), check_integer(rank, 3), opt_int(dim, 4, "fsdp_shard: dim", 0)
-  check(C.ms_fsdp_shard(nd, shape_a, world, rank, dim, shape_b, int64_out, shape_c))
-  return int_list(shape_b, nd), num(int64_out[0]), int_list(shape_c, nd)
+function R.fsdp_shard(shape, world_size, rank, dim)
+  local nd = fill(shape_a, shape)
+  local st = C.ms_fsdp_shard(nd, shape_a, world_size, rank, dim, shape_b, int64_out, shape_c)
+  if st ~= 0 then return failed(st) end
+  return list_of(shape_b, nd), num(int64_out[0]), list_of(shape_c, nd)
 end
 
-function M.chunk_extent(n, k, r)
-  check(C.ms_chunk_extent(check_integer(n, 1), check_integer(k, 2), check_integer(r, 3), int64_out, int64_out2))
+function R.chunk_extent(n, k, r)
+  local st = C.ms_chunk_extent(n, k, r, int64_out, int64_out2)
+  if st ~= 0 then return failed(st) end
   return num(int64_out[0]), num(int64_out2[0])
 end
 
--- ---------------------------------------------------------------- shard units
+-- ---------------------------------------------------------------- units
 
-local function opt_dtype_or_unset(v, arg)
-  if v == nil then return -1 end
-  return opt_dtype(v, arg, F32)
+-- The core functions behind the UNIT_* codes, by kind of call.
+local UNIT_TENSOR = { [K.UNIT_PARAM_SHARD] = C.ms_unit_param_shard, [K.UNIT_GRAD_SHARD] = C.ms_unit_grad_shard,
+  [K.UNIT_PARAM_FULL] = C.ms_unit_param_full, [K.UNIT_GRAD_FULL] = C.ms_unit_grad_full }
+local UNIT_ACTION = { [K.UNIT_FINALIZE] = C.ms_unit_finalize, [K.UNIT_UNSHARD] = C.ms_unit_unshard,
+  [K.UNIT_WAIT] = C.ms_unit_wait, [K.UNIT_RESHARD] = C.ms_unit_reshard, [K.UNIT_REDUCE_GRADS] = C.ms_unit_reduce_grads,
+  [K.UNIT_RELEASE_UNSHARDED] = C.ms_unit_release_unsharded, [K.UNIT_ZERO_GRAD] = C.ms_unit_zero_grad }
+local UNIT_FLAG = { [K.UNIT_SYNC] = C.ms_unit_set_requires_gradient_sync,
+  [K.UNIT_CPU_OFFLOAD] = C.ms_unit_set_cpu_offload }
+local UNIT_NUMBER = { [K.UNIT_DIVIDE_FACTOR] = C.ms_unit_set_gradient_divide_factor,
+  [K.UNIT_SCALE_GRADS] = C.ms_unit_scale_grads }
+
+local function unit_call(calls, code, what)
+  local f = calls[code]
+  if not f then error(format("moonshard.core_ffi: %s: no such code %s", what, tostring(code)), 3) end
+  return f
 end
 
--- core.unit(name, shard_group, replicate_group|nil, param_dtype|nil, reduce_dtype|nil,
---           reshard_after_forward) -- reshard: true, false or an integer k
-function M.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
-  name = check_string(name, 1)
-  local shard_c = check_group(shard, 2)
-  local replicate_c = replicate ~= nil and check_group(replicate, 3) or nil
-  local pd, rd = opt_dtype_or_unset(param_dtype, 4), opt_dtype_or_unset(reduce_dtype, 5)
-  -- PyTorch's: true (the default), false or the integer the C API takes
-  local raf = C.MS_RESHARD_FULL
-  if type(reshard) == "boolean" then
-    raf = reshard and C.MS_RESHARD_FULL or C.MS_RESHARD_KEEP
-  elseif reshard ~= nil then
-    raf = check_int(reshard, 6, "unit: reshard_after_forward")
-  end
-  check(C.ms_unit_new(unit_out, name, shard_c, replicate_c, pd, rd, raf))
-  return Unit(unit_out[0])
+function R.unit_new(name, shard, replicate, param_dtype, reduce_dtype, reshard)
+  local s = group_h(shard)
+  local r = replicate ~= nil and group_h(replicate) or nil
+  local st = C.ms_unit_new(unit_out, name, s, r, param_dtype, reduce_dtype, reshard)
+  if st ~= 0 then return failed(st) end
+  return box("unit", unit_out[0])
 end
 
--- unit:add_param(fqn, shape, dtype, dim?, requires_grad?) -> index (0-based)
-function unit_methods.add_param(self, fqn, shape, dtype, dim, requires_grad)
-  local u = check_unit(self, 1)
-  fqn = check_string(fqn, 2)
-  local nd = check_int_list(shape, 3, "shape", shape_a)
-  local dt = opt_dtype(dtype, 4, F32)
-  dim = opt_int(dim, 5, "add_param: dim", 0)
-  local rg = (requires_grad == nil or requires_grad ~= false) and 1 or 0
-  check(C.ms_unit_add_param(u, fqn, nd, shape_a, dt, dim, rg))
-  return C.ms_unit_param_count(u) - 1
+function R.unit_add_param(u, fqn, shape, dtype, dim, requires_grad)
+  local h = unit_h(u)
+  local nd = fill(shape_a, shape)
+  return done(C.ms_unit_add_param(h, fqn, nd, shape_a, dtype, dim, requires_grad and 1 or 0))
 end
 
-local function param_index(u, i, arg)
-  i = check_integer(i, arg)
-  local count = C.ms_unit_param_count(u)
-  if i < 0 or i >= count then
-    raise("moonshard invalid_argument error: unit %s has no parameter %d (it has %d, numbered from 0)", ffi.string(C.ms_unit_name(u)),
-      i, count)
-  end
-  return i
-end
+function R.unit_count(u) return C.ms_unit_param_count(unit_h(u)) end
+function R.unit_name(u) return string_or_nil(C.ms_unit_name(unit_h(u))) end
+function R.unit_fqn(u, i) return string_or_nil(C.ms_unit_param_fqn(unit_h(u), i)) end
 
--- A tensor the unit lends (nil, or NULL with the error set): the Lua object holds its own
--- reference.
+-- A tensor the unit lends, boxed with its own reference; false when there is none (NULL,
+-- no message), nil and the failure when the call failed (NULL with the message set).
 local function lent(t)
   if t == nil then
-    local msg = C.ms_last_error()
-    if msg[0] ~= 0 then raise("moonshard state error: %s", ffi.string(msg)) end
-    return nil
+    local msg = ffi.string(C.ms_last_error())
+    if msg == "" then return false end
+    return nil, format("moonshard %s error: %s", ffi.string(C.ms_status_name(C.MS_ERR_STATE)), msg)
   end
   C.ms_tensor_retain(t)
-  return Tensor(t)
+  return box("tensor", t)
 end
 
-local function unit_tensor_getter(get)
-  return function(self, i)
-    local u = check_unit(self, 1)
-    return lent(get(u, param_index(u, i, 2)))
-  end
-end
-unit_methods.param_shard = unit_tensor_getter(C.ms_unit_param_shard)
-unit_methods.grad_shard = unit_tensor_getter(C.ms_unit_grad_shard)
-unit_methods.param_full = unit_tensor_getter(C.ms_unit_param_full)
-unit_methods.grad_full = unit_tensor_getter(C.ms_unit_grad_full)
-
--- A method calling the core on the unit alone; returns the unit.
-local function unit_action(call)
-  return function(self)
-    check(call(check_unit(self, 1)))
-    return self
-  end
-end
-unit_methods.finalize = unit_action(C.ms_unit_finalize)
-unit_methods.unshard = unit_action(C.ms_unit_unshard)
-unit_methods.wait = unit_action(C.ms_unit_wait)
-unit_methods.reshard = unit_action(C.ms_unit_reshard)
-unit_methods.reduce_grads = unit_action(C.ms_unit_reduce_grads)
-unit_methods.release_unsharded = unit_action(C.ms_unit_release_unsharded)
-unit_methods.zero_grad = unit_action(C.ms_unit_zero_grad)
-
-function unit_methods.load_full(self, i, full)
-  local u = check_unit(self, 1)
-  check(C.ms_unit_load_full(u, param_index(u, i, 2), check_tensor(full, 3)))
-  return self
+function R.unit_tensor(u, code, i)
+  local h = unit_h(u)
+  return lent(unit_call(UNIT_TENSOR, code, "unit_tensor")(h, i))
 end
 
--- unit:param_offset(i) -> offset, rows, dim: this rank's shard of parameter i is rows
--- [offset, offset + rows) of the full parameter's dim `dim` (0-based, like add_param's)
-function unit_methods.param_offset(self, i)
-  local u = check_unit(self, 1)
-  check(C.ms_unit_param_offset(u, param_index(u, i, 2), int_out, int64_out, int64_out2))
+function R.unit_adamw_state(u, i, which) return lent(C.ms_unit_adamw_state(unit_h(u), i, which)) end
+
+function R.unit_action(u, code)
+  local h = unit_h(u)
+  return done(unit_call(UNIT_ACTION, code, "unit_action")(h))
+end
+
+function R.unit_load_full(u, i, t) return done(C.ms_unit_load_full(unit_h(u), i, tensor_h(t))) end
+
+--- unit_param_offset(u, i) -> offset, rows, dim
+function R.unit_param_offset(u, i)
+  local st = C.ms_unit_param_offset(unit_h(u), i, int_out, int64_out, int64_out2)
+  if st ~= 0 then return failed(st) end
   return num(int64_out[0]), num(int64_out2[0]), int_out[0]
 end
 
-function unit_methods.set_requires_gradient_sync(self, sync)
-  check(C.ms_unit_set_requires_gradient_sync(check_unit(self, 1), (sync ~= nil and sync ~= false) and 1 or 0))
-  return self
+function R.unit_set_flag(u, code, flag)
+  local h = unit_h(u)
+  return done(unit_call(UNIT_FLAG, code, "unit_set_flag")(h, flag and 1 or 0))
 end
 
--- unit:set_cpu_offload(offload): FSDP2's CPUOffloadPolicy, before the first add_param
-function unit_methods.set_cpu_offload(self, offload)
-  check(C.ms_unit_set_cpu_offload(check_unit(self, 1), (offload ~= nil and offload ~= false) and 1 or 0))
-  return self
+function R.unit_set_number(u, code, x)
+  local h = unit_h(u)
+  return done(unit_call(UNIT_NUMBER, code, "unit_set_number")(h, x))
 end
 
-function unit_methods.set_gradient_divide_factor(self, factor)
-  check(C.ms_unit_set_gradient_divide_factor(check_unit(self, 1), check_number(factor, 2)))
-  return self
-end
-
-function unit_methods.grad_sq_norm(self)
-  check(C.ms_unit_grad_sq_norm(check_unit(self, 1), double_out))
+function R.unit_grad_sq_norm(u)
+  local st = C.ms_unit_grad_sq_norm(unit_h(u), double_out)
+  if st ~= 0 then return failed(st) end
   return double_out[0]
 end
 
-function unit_methods.scale_grads(self, scale)
-  check(C.ms_unit_scale_grads(check_unit(self, 1), check_number(scale, 2)))
-  return self
+function R.unit_adamw_step(u, lr, b1, b2, eps, wd, step)
+  return done(C.ms_unit_adamw_step(unit_h(u), lr, b1, b2, eps, wd, step))
 end
 
--- Field `name` of an options table: a number (required, or def when absent), as
--- opt_field_number in ms_lua_unit.c.
-local function field_number(o, fn, name, required, def)
-  local v = o[name]
-  local n = tonumber(v)
-  if n then return n end
-  if v == nil and not required then return def end
-  raise("moonshard invalid_argument error: %s: field '%s' is %s; expected a number", fn, name, typename(v))
+function R.unit_set_adamw(u, mode) return done(C.ms_unit_set_adamw(unit_h(u), mode)) end
+function R.unit_adamw_skipped(u, i) return num(C.ms_unit_adamw_skipped(unit_h(u), i)) end
+function R.unit_set_adamw_skipped(u, i, k) return done(C.ms_unit_set_adamw_skipped(unit_h(u), i, k)) end
+function R.unit_bytes(u, category) return num(C.ms_unit_bytes(unit_h(u), category)) end
+function R.unit_rank_allocated(u, category) return num(C.ms_unit_rank_allocated(unit_h(u), category)) end
+function R.unit_record_count(u) return C.ms_unit_record_count(unit_h(u)) end
+
+--- unit_record(u, i) -> kind, dtype, group_size, bytes
+function R.unit_record(u, i)
+  local st = C.ms_unit_record(unit_h(u), i, int_out, dtype_out, int_out2, int64_out)
+  if st ~= 0 then return failed(st) end
+  return int_out[0], tonumber(dtype_out[0]), int_out2[0], num(int64_out[0])
 end
 
--- unit:adamw_step{lr=, betas={b1, b2}, eps=, weight_decay=, step=}: lr and step required
-local ADAMW_FIELDS = { lr = true, betas = true, eps = true, weight_decay = true, step = true }
--- torch's defaults, from the core
-local ADAMW_DEFAULTS = (function()
-  local d = ffi.new("double[4]")
-  check(C.ms_adamw_defaults(d, d + 1, d + 2, d + 3))
-  return { beta1 = d[0], beta2 = d[1], eps = d[2], weight_decay = d[3] }
-end)()
-function unit_methods.adamw_step(self, o)
-  local u = check_unit(self, 1)
-  check_table(o, 2)
-  local fn = "adamw_step"
-  -- a misspelt key would silently leave its default in place
-  for k in pairs(o) do
-    if not ADAMW_FIELDS[k] then
-      raise("moonshard invalid_argument error: %s: unknown field '%s'; expected lr, betas, eps, weight_decay and step",
-        fn, type(k) == "string" and k or type(k))
-    end
-  end
-  local lr = field_number(o, fn, "lr", true)
-  local eps = field_number(o, fn, "eps", false, ADAMW_DEFAULTS.eps)
-  local wd = field_number(o, fn, "weight_decay", false, ADAMW_DEFAULTS.weight_decay)
-  local step = to_integer(o.step)
-  if not step then
-    raise("moonshard invalid_argument error: %s: field 'step' is %s; expected an integer (the step count, from 1)", fn,
-      tonumber(o.step) and "not an integer" or typename(o.step))
-  end
-  local b1, b2 = ADAMW_DEFAULTS.beta1, ADAMW_DEFAULTS.beta2
-  if o.betas ~= nil then
-    if type(o.betas) ~= "table" then
-      raise("moonshard invalid_argument error: %s: field 'betas' is %s; expected {beta1, beta2}", fn, typename(o.betas))
-    end
-    b1, b2 = tonumber(o.betas[1]), tonumber(o.betas[2])
-    if not (b1 and b2) then
-      raise("moonshard invalid_argument error: %s: field 'betas' must be two numbers {beta1, beta2}", fn)
-    end
-  end
-  check(C.ms_unit_adamw_step(u, lr, b1, b2, eps, wd, step))
-  return self
-end
+function R.unit_clear_records(u) C.ms_unit_clear_records(unit_h(u)) end
 
--- unit:set_adamw("master" | "torch"): how adamw_step keeps its state (ms_unit_set_adamw)
-local ADAMW_MODES = { master = C.MS_ADAMW_MASTER, torch = C.MS_ADAMW_TORCH }
-function unit_methods.set_adamw(self, mode)
-  local u = check_unit(self, 1)
-  local m = ADAMW_MODES[mode]
-  if not m then
-    raise("moonshard invalid_argument error: set_adamw: mode '%s'; expected 'master' (f32 master weights and " ..
-      "moments) or 'torch' (torch.optim.AdamW: state in the stored dtype)", tostring(mode))
-  end
-  check(C.ms_unit_set_adamw(u, m))
-  return self
-end
-
--- unit:adamw_state(i, "exp_avg" | "exp_avg_sq" | "master") -> tensor or nil (ms_unit_adamw_state)
-local ADAMW_STATE = { exp_avg = C.MS_ADAMW_EXP_AVG, exp_avg_sq = C.MS_ADAMW_EXP_AVG_SQ,
-  master = C.MS_ADAMW_MASTER_WEIGHTS }
-function unit_methods.adamw_state(self, i, which)
-  local u = check_unit(self, 1)
-  local index = param_index(u, i, 2)
-  local w = ADAMW_STATE[check_string(which, 3)]
-  if not w then
-    raise("moonshard invalid_argument error: adamw_state: '%s'; expected 'exp_avg', 'exp_avg_sq' or 'master'",
-      which)
-  end
-  return lent(C.ms_unit_adamw_state(u, index, w))
-end
-
--- unit:adamw_skipped(i) -> the adamw_step calls parameter i had no gradient in
-function unit_methods.adamw_skipped(self, i)
-  local u = check_unit(self, 1)
-  return tonumber(C.ms_unit_adamw_skipped(u, param_index(u, i, 2)))
-end
-
--- unit:set_adamw_skipped(i, k)
-function unit_methods.set_adamw_skipped(self, i, k)
-  local u = check_unit(self, 1)
-  check(C.ms_unit_set_adamw_skipped(u, param_index(u, i, 2), check_integer(k, 3)))
-  return self
-end
-
-local BYTE_CATEGORIES = { "params", "grads", "optimizer", "unsharded", "cached" }
-
--- unit:bytes() -> {params=, grads=, optimizer=, unsharded=, cached=}
-function unit_methods.bytes(self)
-  local u = check_unit(self, 1)
-  local out = {}
-  for c, name in ipairs(BYTE_CATEGORIES) do out[name] = num(C.ms_unit_bytes(u, c - 1)) end
-  return out
-end
-
--- unit:rank_allocated() -> {params=, grads=, optimizer=, unsharded=}: the memory allocated
--- for every unit of the rank, counted at the allocator (ms_unit_rank_allocated)
-function unit_methods.rank_allocated(self)
-  local u = check_unit(self, 1)
-  local out = {}
-  for c = 1, 4 do out[BYTE_CATEGORIES[c]] = num(C.ms_unit_rank_allocated(u, c - 1)) end
-  return out
-end
-
-local RECORD_KINDS = { [0] = "all_gather", "reduce_scatter", "all_reduce" }
-
--- unit:records() -> list of {kind=, dtype=, group_size=, bytes=}
-function unit_methods.records(self)
-  local u = check_unit(self, 1)
-  local n = C.ms_unit_record_count(u)
-  local out = new_table(n, 0)
-  for i = 0, n - 1 do
-    check(C.ms_unit_record(u, i, int_out, dtype_out, int_out2, int64_out))
-    out[i + 1] = { kind = RECORD_KINDS[int_out[0]] or "?", dtype = DTYPE_NAME[tonumber(dtype_out[0])],
-      group_size = int_out2[0], bytes = num(int64_out[0]) }
-  end
-  return out
-end
-
-function unit_methods.clear_records(self) C.ms_unit_clear_records(check_unit(self, 1)) end
-
-function unit_methods.count(self) return C.ms_unit_param_count(check_unit(self, 1)) end
-
-function unit_methods.name(self) return ffi.string(C.ms_unit_name(check_unit(self, 1))) end
-
-function unit_methods.fqn(self, i)
-  local u = check_unit(self, 1)
-  return ffi.string(C.ms_unit_param_fqn(u, param_index(u, i, 2)))
-end
-
-local function unit_string(u)
-  return format("unit(%s, %d params)", ffi.string(C.ms_unit_name(u)), C.ms_unit_param_count(u))
-end
-
-check_unit = class(Unit, "moonshard.Unit", "unit", C.ms_unit_release, unit_methods, unit_string)
-
--- ---------------------------------------------------------------- misc
-
-function M.dtype_size(dtype) return C.ms_dtype_size(opt_dtype(dtype, 1, F32)) end
-
--- cuda_device_count() -> n, and when n is 0 the reason (not built, no driver, no device)
-function M.cuda_device_count()
-  if C.ms_cuda_device_count(int_out) == C.MS_OK then return tonumber(int_out[0]) end
-  return 0, ffi.string(C.ms_last_error())
-end
-
-local file_kind_out = ffi.new("ms_file_kind[1]")
-
--- file_stat(path) -> kind, size: what path names without opening it ("regular file",
--- "directory", "FIFO (named pipe)", "character device", ...) and a regular file's size; nil
--- and "<path>: <reason>" when it cannot be stat'ed, as io.open reports a failure.
-function M.file_stat(path)
-  path = check_string(path, 1)
-  if path:find("\0", 1, true) then return nil, path:match("^[^%z]*") .. ": the path holds a NUL byte" end
-  if C.ms_file_stat(path, file_kind_out, int64_out) ~= C.MS_OK then return nil, ffi.string(C.ms_last_error()) end
-  return ffi.string(C.ms_file_kind_name(file_kind_out[0])), tonumber(int64_out[0])
-end
-
-local CAST_IMPLS = { auto = C.MS_CAST_AUTO, portable = C.MS_CAST_PORTABLE, avx2 = C.MS_CAST_AVX2 }
-
-function M.cast_impl(name)
-  if name ~= nil then
-    name = check_string(name, 1)
-    local impl = CAST_IMPLS[name]
-    if not impl then raise("moonshard invalid_argument error: cast_impl: '%s' is not auto, portable or avx2", name) end
-    check(C.ms_cast_set_impl(impl))
-  end
-  return C.ms_cast_get_impl() == C.MS_CAST_AVX2 and "avx2" or "portable"
-end
-
-M.version = ffi.string(C.ms_version())
-M.dtypes = {}
-for d = 0, C.MS_DTYPE_COUNT - 1 do M.dtypes[d + 1] = DTYPE_NAME[d] end
-
-REGISTRY[CACHE_KEY] = M
-return M
+REGISTRY[CACHE_KEY] = R
+return R

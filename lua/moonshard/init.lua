@@ -1,92 +1,60 @@
 -- moonshard: the Lua face of libmoonshard.
 --
--- `local ms = require "moonshard"` gives the Lua API (docs/lua-api.md): ranks, tensors, meshes,
--- groups and collectives come from the binding of libmoonshard: the C binding
--- (moonshard.core) under Lua 5.4, the FFI binding (moonshard.core_ffi) under LuaJIT, with
--- the same functions and messages; placements and the layout helpers that take them are
--- here.  Dims, ranks, coordinates and offsets are 0-based.
+-- `local ms = require "moonshard"` gives the Lua API (docs/lua-api.md): ranks, tensors,
+-- meshes, groups, collectives, placements, layouts and shard units.  It is written once, in
+-- moonshard.tensor, moonshard.mesh and moonshard.unit, over the raw functions of the binding
+-- this interpreter loads (moonshard.raw: the C binding under Lua 5.4, the FFI binding under
+-- LuaJIT), so both interpreters give the same results and messages.  Dims, ranks,
+-- coordinates and offsets are 0-based.
 
-local core = require(type(jit) == "table" and "moonshard.core_ffi" or "moonshard.core")
+local R = require "moonshard.raw"
+local A = require "moonshard.args"
+A.library_file()
 
 local M = {}
-for k, v in pairs(core) do M[k] = v end
-
--- ---------------------------------------------------------------- placements
-
-local Placement = {}
-Placement.__index = Placement
-
-function Placement.__tostring(p)
-  if p.kind == "shard" then return "Shard(" .. p.dim .. ")" end
-  if p.kind == "partial" then return "Partial(" .. p.op .. ")" end
-  return "Replicate()"
+local INTERNAL = { check = true, check_group = true, device_string = true } -- the class modules' helpers
+for _, class in ipairs { "tensor", "mesh", "unit" } do
+  for k, v in pairs(require("moonshard." .. class)) do
+    if type(v) == "function" and not INTERNAL[k] then M[k] = v end
+  end
 end
 
-function Placement.__eq(a, b)
-  return a.kind == b.kind and a.dim == b.dim and a.op == b.op
+M.version = R.version
+M.dtypes = {}
+for d = 0, R.const.DTYPE_COUNT - 1 do M.dtypes[d + 1] = R.dtype_name(d) end
+
+--- dtype_size(dtype?) -> bytes per element (f32 when nil)
+function M.dtype_size(dtype) return R.dtype_size(A.opt_dtype(dtype, 1, R.const.F32)) end
+
+--- cuda_device_count() -> n, and when n is 0 the reason (not built, no driver, no device)
+function M.cuda_device_count() return R.cuda_device_count() end
+
+--- file_stat(path) -> kind, size: what path names without opening it ("regular file",
+-- "directory", "FIFO (named pipe)", "character device", ...) and a regular file's size; nil
+-- and "<path>: <reason>" when it cannot be stat'ed, as io.open reports a failure.
+function M.file_stat(path)
+  path = A.check_string(path, 1)
+  if path:find("\0", 1, true) then return nil, path:match("^[^%z]*") .. ": the path holds a NUL byte" end
+  return R.file_stat(path)
 end
 
-local function is_placement(p) return getmetatable(p) == Placement end
-M.is_placement = is_placement
+local CAST_IMPLS = { auto = R.const.CAST_AUTO, portable = R.const.CAST_PORTABLE, avx2 = R.const.CAST_AVX2 }
 
-local partial_ops = { sum = true, avg = true, max = true, min = true, product = true }
-
---- Shard(dim): the tensor dim `dim` (0-based, negative counts from the end) split over a mesh dim.
-function M.Shard(dim)
-  if type(dim) ~= "number" or dim ~= math.floor(dim) then
-    error("moonshard invalid_argument error: Shard(dim) needs an integer dim, got " .. tostring(dim), 2)
+--- cast_impl(name?) -> the cast kernels in use ("avx2" or "portable"), after choosing
+-- "auto", "portable" or "avx2" when name is given
+function M.cast_impl(name)
+  if name ~= nil then
+    name = A.check_string(name, 1)
+    local impl = CAST_IMPLS[name]
+    if not impl then A.raise("moonshard invalid_argument error: cast_impl: '%s' is not auto, portable or avx2", name) end
+    A.ok(R.cast_set_impl(impl))
   end
-  return setmetatable({ kind = "shard", dim = dim }, Placement)
+  return R.cast_get_impl() == R.const.CAST_AVX2 and "avx2" or "portable"
 end
 
---- Replicate(): every rank along the mesh dim holds the whole tensor.
-function M.Replicate() return setmetatable({ kind = "replicate" }, Placement) end
-
---- Partial(op?): the whole shape on every rank, a reduction (default sum) still pending.
-function M.Partial(op)
-  op = op or "sum"
-  if not partial_ops[op] then
-    error("moonshard invalid_argument error: Partial(op): unknown op '" .. tostring(op) .. "' (sum, avg, max, min or product)", 2)
-  end
-  return setmetatable({ kind = "partial", op = op }, Placement)
-end
-
-local kind_code = { replicate = 0, shard = 1, partial = 2 }
-
---- local_shape(global_shape, placements, mesh_shape, coords) -> local_shape, global_offset
--- placements: one per mesh dim.  mesh_shape: a sequence of sizes, or a mesh.  coords: a
--- sequence of 0-based coordinates, or a table axis name -> coordinate (as mesh:coords()
--- returns) when mesh_shape is a mesh.
-function M.local_shape(global_shape, placements, mesh_shape, coords)
-  local sizes, crd = mesh_shape, coords
-  local kind = type(mesh_shape)
-  if kind == "userdata" or kind == "cdata" then -- a mesh (C binding or FFI binding)
-    sizes, crd = {}, {}
-    for i, name in ipairs(mesh_shape:axes()) do
-      sizes[i] = mesh_shape:size(name)
-      crd[i] = coords[name] or coords[i]
-      if crd[i] == nil then
-        error("moonshard invalid_argument error: local_shape: no coordinate for mesh axis '" .. name .. "'", 2)
-      end
-    end
-  end
-  if type(placements) ~= "table" then
-    error("moonshard invalid_argument error: local_shape: placements must be a list like {ms.Shard(0), ms.Replicate()}", 2)
-  end
-  local kinds, dims = {}, {}
-  for i = 1, #placements do
-    local p = placements[i]
-    if not is_placement(p) then
-      error("moonshard invalid_argument error: local_shape: placements[" .. i .. "] is " .. tostring(p) ..
-            ", expected ms.Shard(d), ms.Replicate() or ms.Partial()", 2)
-    end
-    kinds[i] = kind_code[p.kind]
-    dims[i] = p.dim or 0
-  end
-  -- through pcall, the binding's errors carry no position: they get the caller's line
-  local ok, shape, offset = pcall(core.local_shape, global_shape, kinds, dims, sizes, crd)
-  if not ok then error(shape, 2) end
-  return shape, offset
-end
+--- memory_cap(bytes | nil) -> whether this Lua state counts its memory (Lua 5.4 on moonshard's
+-- allocator; LuaJIT takes no allocator of the host's: false); memory_refused() -> whether
+-- the cap refused an allocation since it was set
+M.memory_cap, M.memory_refused = R.memory_cap, R.memory_refused
 
 return M

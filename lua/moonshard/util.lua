@@ -20,13 +20,13 @@ function M.ceil_div(a, b) return math.floor((a + b - 1) / b) end
 M.READ_LIMITS = { json = 64 * 1024 * 1024, policy = 16 * 1024 * 1024 }
 local READ_WHAT = { json = "a JSON file", policy = "a policy file" }
 
--- The core's file_stat (moonshard.core under Lua 5.4, the FFI binding under LuaJIT, as
--- moonshard/init.lua picks), or false when no binding can be loaded (a stock interpreter
--- without core.so or libmoonshard): then read_file has its size limit alone.
+-- The API's file_stat (path -> kind, size | nil, reason), or false when no binding can be
+-- loaded (a stock interpreter without core.so or libmoonshard): then read_file has its size
+-- limit alone.
 local file_stat_fn
 function M.file_stat_fn()
   if file_stat_fn == nil then
-    local ok, core = pcall(require, type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")
+    local ok, core = pcall(require, "moonshard")
     file_stat_fn = ok and type(core) == "table" and type(core.file_stat) == "function" and core.file_stat or false
   end
   return file_stat_fn

@@ -155,6 +155,21 @@ static void test_tensor_errors(void) {
     CHECK_OK(ms_dtype_parse("bfloat16", &dt));
     CHECK(dt == MS_BF16 && ms_dtype_size(dt) == 2);
     CHECK_ERR(ms_dtype_parse("f12", &dt), MS_ERR_DTYPE, "unknown dtype 'f12'");
+
+    /* a host number as an integer dtype's element: torch.tensor([v], dtype=...)'s rules */
+    int64_t e = 0;
+    CHECK_OK(ms_int_element(MS_I8, 1, 0, -127.9, &e));
+    CHECK(e == -127); /* truncated toward zero */
+    CHECK_OK(ms_int_element(MS_U8, 0, 255, 0, &e));
+    CHECK(e == 255);
+    CHECK_OK(ms_int_element(MS_BOOL, 1, 0, 0.0 / 0.0, &e));
+    CHECK(e == 1); /* bool(nan) is True */
+    CHECK_OK(ms_int_element(MS_I64, 0, INT64_MIN, 0, &e));
+    CHECK(e == INT64_MIN);
+    CHECK_ERR(ms_int_element(MS_I8, 0, 300, 0, &e), MS_ERR_ARG, "300 is out of range for i8 (-128 to 127)");
+    CHECK_ERR(ms_int_element(MS_I32, 1, 0, 0.0 / 0.0, &e), MS_ERR_ARG, "nan is out of range for i32");
+    CHECK_ERR(ms_int_element(MS_I64, 1, 0, 0x1p63, &e), MS_ERR_ARG, "9.2233720368548e+18 is out of range for i64");
+    CHECK_ERR(ms_int_element(MS_F32, 0, 1, 0, &e), MS_ERR_DTYPE, "f32 is not an integer dtype");
 }
 
 static void test_layout(void) {

@@ -159,6 +159,7 @@ static void test_core_without_handles(void) {
     ms_dtype dt;
     REFUSE(ms_dtype_parse, name, NULL, &dt);
     REFUSE(ms_dtype_parse, out, "f32", NULL);
+    REFUSE(ms_int_element, out, MS_I8, 0, 1, 0.0, NULL);
     ms_op op;
     REFUSE(ms_op_parse, name, NULL, &op);
     REFUSE(ms_op_parse, out, "sum", NULL);
@@ -390,7 +391,8 @@ static void test_units(ms_comm *c) {
     REFUSE_VALUE(ms_unit_name, u, NULL, NULL);
     REFUSE_VALUE(ms_unit_param_fqn, u, NULL, NULL, 0);
     REFUSE_VALUE(ms_unit_param_shard, u, NULL, NULL, 0);
-    int nd, rg, dim, kind, gs;
+    int nd, rg, dim, gs;
+    ms_record_kind kind;
     int64_t sh[MS_MAX_DIMS], off, rows, bytes;
     ms_dtype st, ga, dt;
     REFUSE(ms_unit_param_info, u, NULL, 0, &nd, sh, &st, &ga, &rg);

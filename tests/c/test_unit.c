@@ -410,7 +410,8 @@ static double tolerance(const policy *pol) { return reduce_dtype(pol) == MS_F16 
 static void check_records(ms_unit *u, int n, const int64_t (*want)[3], const ms_dtype *dt) {
     R_CHECK(ms_unit_record_count(u) == n);
     for (int i = 0; i < n && i < ms_unit_record_count(u); i++) {
-        int kind = -1, size = -1;
+        ms_record_kind kind = (ms_record_kind)-1;
+        int size = -1;
         ms_dtype d = MS_DTYPE_COUNT;
         int64_t bytes = -1;
         R_OK(ms_unit_record(u, i, &kind, &d, &size, &bytes));
@@ -1413,7 +1414,7 @@ static void errors(rank_ctx *c) {
     R_ERR(ms_unit_scale_grads(u, NAN), MS_ERR_ARG, "unit 'errs': scale_grads: scale nan: expected a finite scale");
     R_ERR(ms_unit_scale_grads(u, INFINITY), MS_ERR_ARG, "unit 'errs': scale_grads: scale inf: expected a finite scale");
     R_ERR(ms_unit_scale_grads(u, -INFINITY), MS_ERR_ARG, "scale -inf: expected a finite scale");
-    R_ERR(ms_unit_record(u, 5, &(int){0}, &(ms_dtype){0}, &(int){0}, &(int64_t){0}), MS_ERR_ARG, "out of range");
+    R_ERR(ms_unit_record(u, 5, &(ms_record_kind){0}, &(ms_dtype){0}, &(int){0}, &(int64_t){0}), MS_ERR_ARG, "out of range");
     R_CHECK(ms_unit_bytes(u, 7) == -1);
     /* a unit released with its all_gather pending waits for it */
     R_OK(ms_unit_unshard(u));

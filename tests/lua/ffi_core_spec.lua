@@ -194,6 +194,50 @@ describe("units", function()
   end)
 end)
 
+describe("the raw binding", function()
+  -- the functions moonshard/raw.lua lists in its header, the contract of both bindings
+  local function listed()
+    local f = assert(io.open(assert(package.searchpath("moonshard.raw", package.path))))
+    local names, listing = {}, false
+    for line in f:lines() do
+      if not line:match("^%-%-") then break end
+      listing = listing or line:match("^%-%-   primitives ") ~= nil
+      if listing then
+        for name in line:gmatch("([%a_][%w_]*)%(") do names[name] = true end
+      end
+    end
+    f:close()
+    return names
+  end
+
+  it("gives every function raw.lua lists and nothing else, whichever interpreter loads it", function()
+    local R, names = require "moonshard.raw", listed()
+    local functions, missing, extra = {}, {}, {}
+    for k, v in pairs(R) do
+      if type(v) == "function" then functions[k] = true end
+    end
+    for name in pairs(names) do
+      if not functions[name] then missing[#missing + 1] = name end
+    end
+    for name in pairs(functions) do
+      if not names[name] then extra[#extra + 1] = name end
+    end
+    table.sort(missing)
+    table.sort(extra)
+    assert.same({ {}, {} }, { missing, extra })
+    assert.is_true(#(function() local t = {} for k in pairs(names) do t[#t + 1] = k end return t end)() > 80)
+  end)
+
+  it("returns a failed core call as nil and the message, and raises nothing", function()
+    local R = require "moonshard.raw"
+    local t, err = R.tensor_new({ 2, -3 }, R.const.F32, R.const.DEVICE_CPU, 0)
+    assert.is_nil(t)
+    assert.equal("moonshard shape error: tensor_new: size of dim 1 is -3; sizes must be >= 0", err)
+    assert.same({ nil, "moonshard dtype error: unknown dtype 'f12' (expected one of f32 f16 bf16 f8e4m3 f8e5m2 " ..
+      "f64 i64 i32 i8 u8 bool)" }, { R.dtype_code("f12") })
+  end)
+end)
+
 describe("binding errors", function()
   local t = ms.tensor({ 3, 4 })
   local m = ms.mesh({ { "dp", 1 } })

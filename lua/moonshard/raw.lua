@@ -1,0 +1,58 @@
+-- moonshard.raw: the binding of libmoonshard this interpreter loads: moonshard.core (the C
+-- binding, lua/ms_lua*.c) under Lua 5.4, moonshard.core_ffi (the FFI binding) under LuaJIT.
+--
+-- Both give the same raw functions.  They only move values across: arguments arrive
+-- checked (by moonshard.args, from moonshard.tensor, .mesh and .unit, where the API's
+-- checks, defaults, messages and methods are written once), and a failed core call returns
+-- nil and "moonshard <status> error: <the core's message>" instead of raising.  Integers
+-- are Lua integers under 5.4; under LuaJIT numbers when exact (|v| <= 2^53), else int64_t
+-- cdata, in both directions.  Codes (dtypes, devices, ops, ...) are the core's enums, in
+-- `const`; indices are 0-based.
+--
+--   primitives  to_integer(v) -> integer | nil (lua_tointegerx: numbers, numeric strings,
+--               int64 cdata); is_number(v); classof(v) -> "tensor" | "mesh" | "group" |
+--               "unit" | nil; live(obj); state(v, const.CLASS_TENSOR...) -> true (a live
+--               object of the class), false (released) or nil (another value);
+--               release(obj); define(class, methods, tostring_live)
+--               (the class's __index, __tostring, __gc, __close and __name, once);
+--               int_element(v, dtype) -> integer | nil, reason (ms_int_element)
+--   misc        MAX_DIMS, version, const, dtype_code(name), dtype_name(code),
+--               dtype_size(code), dtype_is_float(code) -> boolean, device_code(name) ->
+--               type, index, op_code(name), cuda_device_count() -> n | 0, reason,
+--               file_stat(path) -> kind, size | nil, reason, cast_set_impl(code),
+--               cast_get_impl(), adamw_defaults() -> beta1, beta2, eps, weight_decay,
+--               memory_cap(bytes?), memory_refused()
+--   world       world_rank(), world_size(), world_backend(), world_device() -> type, index
+--   tensors     tensor_new(shape, dtype, device, index), tensor_write(t, values, as_int),
+--               tensor_shape(t), tensor_stride(t), tensor_dtype(t), tensor_numel(t),
+--               tensor_nbytes(t), tensor_ndim(t), tensor_is_contiguous(t) -> boolean,
+--               tensor_device(t) -> type, index, tensor_to(t, dtype),
+--               tensor_to_device(t, device, index), tensor_copy(dst, src),
+--               tensor_fill(t, x), tensor_fill_int(t, i), tensor_narrow(t, dim, start, len),
+--               tensor_view(t, shape), tensor_chunk(t, chunks, index, dim), tensor_read(t)
+--               (f64 values of float dtypes, integers of the others), tensor_bits(t)
+--   meshes      mesh_new(names, sizes, with_world), mesh_ndim(m), mesh_axis_name(m, a),
+--               mesh_axis_size(m, a), mesh_size(m), mesh_axis_index(m, name) (-1: none),
+--               mesh_rank(m) (-1: shape only), mesh_coords(m, rank),
+--               mesh_group(m, axes), mesh_group_ranks(m, axes, rank)
+--   groups      group_size(g), group_rank(g), group_world_rank(g, i), group_backend(g),
+--               all_gather(g, out, inp), reduce_scatter(g, out, inp, op),
+--               all_reduce(g, t, op), broadcast(g, t, root), all_to_all(g, out, inp),
+--               barrier(g)
+--   layouts     local_shape(shape, kinds, dims, mesh_sizes, coords) -> local, offset;
+--               fsdp_shard(shape, world, rank, dim) -> local, offset, padded;
+--               chunk_extent(n, k, r) -> length, offset
+--   units       unit_new(name, shard, replicate, param_dtype, reduce_dtype, reshard),
+--               unit_add_param(u, fqn, shape, dtype, dim, requires_grad), unit_count(u),
+--               unit_name(u), unit_fqn(u, i), unit_tensor(u, const.UNIT_PARAM_SHARD..., i)
+--               and unit_adamw_state(u, i, which) -> tensor | false (none) | nil, reason,
+--               unit_action(u, const.UNIT_FINALIZE...), unit_load_full(u, i, t),
+--               unit_param_offset(u, i) -> offset, rows, dim,
+--               unit_set_flag(u, const.UNIT_SYNC | UNIT_CPU_OFFLOAD, boolean),
+--               unit_set_number(u, const.UNIT_DIVIDE_FACTOR | UNIT_SCALE_GRADS, x),
+--               unit_grad_sq_norm(u), unit_adamw_step(u, lr, b1, b2, eps, wd, step),
+--               unit_set_adamw(u, mode), unit_adamw_skipped(u, i),
+--               unit_set_adamw_skipped(u, i, k), unit_bytes(u, category),
+--               unit_rank_allocated(u, category), unit_record_count(u),
+--               unit_record(u, i) -> kind, dtype, group_size, bytes, unit_clear_records(u)
+return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")
