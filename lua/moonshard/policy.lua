@@ -287,7 +287,13 @@ function M.load(path, opts)
       error(format("moonshard: policy %s: circular require of '%s' while it loads", file, stem), 0)
     end
     loading[stem] = true
-    local value = run(cfg, compile(file, env))
+    local ran, value = pcall(run, cfg, compile(file, env))
+    if not ran then
+      -- `return require("x").with{...}` is a tail call: the policy's line is gone from the
+      -- stack when with() refuses, so its error names this file instead of derive.lua
+      local msg = type(value) == "string" and value:match("^moonshard: policy [^\n]-/derive%.lua:%d+: (with: .*)$")
+      error(msg and format("moonshard: policy %s: %s", file, msg) or value, 0)
+    end
     loading[stem] = nil
     if value == nil then
       error(format("moonshard: policy %s: returned nothing (a policy file returns its data or functions)", file), 0)

@@ -439,6 +439,14 @@ describe("models.from_config errors", function()
     cfg = load_config("deepseek_v3.json")
     cfg.q_lora_rank = nil
     assert.matches("DeepseekV3ForCausalLM: config key 'q_lora_rank' is missing %(null if unused%)", build_error(cfg))
+    -- grouped-query attention: the query heads split into whole groups per key/value head
+    for _, name in ipairs { "llama3.1_8b.json", "inkling2_small.json", "qwen3_30b_a3b.json" } do
+      cfg = load_config(name)
+      cfg.num_key_value_heads = math.floor(cfg.num_attention_heads / 2) + 1 -- 17 of 32, 5 of 8
+      assert.matches(("num_attention_heads %d is not a multiple of num_key_value_heads %d (each key/value head " ..
+        "serves a whole group of query heads)"):format(cfg.num_attention_heads, cfg.num_key_value_heads),
+        build_error(cfg), 1, true)
+    end
     cfg = load_config("mixtral_8x7b.json")
     cfg.num_local_experts = 2.5
     assert.matches("config key 'num_local_experts' is 2.5; expected an integer in 1..1073741824", build_error(cfg))
@@ -453,7 +461,7 @@ describe("models.from_config errors", function()
     cfg.num_hidden_layers = 1025
     assert.matches("config key 'num_hidden_layers' is 1025; expected an integer in 1..1024", build_error(cfg))
     cfg = load_config("llama3.1_8b.json")
-    cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads = 2 ^ 30, 2 ^ 30, 1
+    cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads = 2 ^ 30, 2 ^ 30, 1, 1
     assert.equal("moonshard: models: big.json: LlamaForCausalLM: parameter model.embed_tokens.weight of shape " ..
       "[1073741824, 1073741824] has more than 2^53 elements", build_error(cfg, "big.json"))
     cfg = load_config("mixtral_8x7b.json")

@@ -404,6 +404,10 @@ describe("a derived policy (with)", function()
     local msg = errmsg(load, 'return require("fsdp2_default").with{ reshard = 1 }\n')
     assert_has(msg, "with: unknown option 'reshard'; the options are: activation_checkpointing, lm_head_precision, " ..
       "offload_policy, prefetch.backward, prefetch.explicit, prefetch.forward, reshard_after_forward, wrap_outer_model")
+    -- the file that called with, not derive.lua: a tail call leaves no line of it on the stack
+    assert_has(msg, "moonshard: policy " .. dir .. "/derived.lua: with: unknown option")
+    assert_has(errmsg(load, 'local p = require("by_dtype").with(5)\nreturn p\n'),
+      dir .. "/derived.lua:1: with: expected a table of option values")
     local e = load('return require("by_dtype").with{ prefetch = { forward = "x" } }\n')
     assert_has(errmsg(planner.plan, mixtral(), mesh_context.new("dp_shard=4"), e),
       "option prefetch.forward (its default) is 'x'; expected an integer >= 0")

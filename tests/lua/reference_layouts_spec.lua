@@ -1,5 +1,5 @@
--- reference_layouts_spec.lua: moonshard's plans against real PyTorch 2.15 FSDP2, and its
--- model builders against transformers 5.24's model classes.
+-- reference_layouts_spec.lua: moonshard's plans against real PyTorch 2.15 FSDP2.  (The model
+-- builders against transformers' own classes: reference_models_spec.lua.)
 --
 -- tests/reference/data/fsdp2_layouts.json was made by tests/reference/fsdp2_layouts.py
 -- (MOONSHARD_REF_VENV=... bash tests/reference/make.sh fsdp2_layouts): for each case (a
@@ -21,12 +21,9 @@
 --     exp_avg + exp_avg_sq, against the plan JSON's memory.per_rank (plan --optimizer
 --     torch_adamw).  (torch also keeps one 4-byte `step` tensor per parameter on the host,
 --     which moonshard does not count: recorded, not compared.)
--- and the parameters moonshard's builders make from each config with those of transformers'
--- class for it, every difference either mapped by a rule below or listed as known.
 
 local json = require "moonshard.json"
 local report = require "moonshard.plan_report"
-local models = require "moonshard.models"
 local util = require "moonshard.util"
 
 local DATA = "tests/reference/data/fsdp2_layouts.json"
@@ -287,7 +284,6 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
   it("is a reference made by the pinned versions", function()
     local v = table.concat(REF.versions, "; ")
     assert.matches("torch 2.15.0", v, 1, true)
-    assert.matches("transformers 5.24.0", v, 1, true)
     assert.is_true(#REF.cases >= 10)
   end)
 
@@ -303,149 +299,5 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
     assert.same({ cases = 15, params = 466, param_ranks = 1835, units = 104, ranks = 59, checks = 7727, known = 6,
       meshes = 7 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
       units = totals.units, ranks = totals.ranks, checks = totals.checks, known = totals.known, meshes = meshes })
-  end)
-end)
-
--- ------------------------------------------------------------------ transformers
-
--- Differences between moonshard's builders and transformers 5's classes that are mapped
--- before comparing.  Each rule is a known difference, and each must still apply somewhere
--- (a rule that maps nothing fails: the difference went away, so the rule should too).
-local RULES = {
-  { -- by design (README: "MoE experts in the grouped [experts, in, out] layout Automodel
-    -- shards"): transformers 5 keeps grouped experts too, as [experts, out, in]
-    what = "grouped experts: moonshard's experts.gate_and_up_projs [E, H, 2I] and experts.down_projs [E, I, H] " ..
-      "(Automodel's layout) are transformers 5's experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], " ..
-      "transposed",
-    map = function(name, shape)
-      local stem = name:match("^(.*%.experts%.)gate_and_up_projs$")
-      if stem then return stem .. "gate_up_proj", { shape[1], shape[3], shape[2] } end
-      stem = name:match("^(.*%.experts%.)down_projs$")
-      if stem then return stem .. "down_proj", { shape[1], shape[3], shape[2] } end
-    end,
-  },
-  { -- a disagreement: moonshard names Mixtral's MoE block as the checkpoints (and
-    -- transformers 4) do; transformers 5's MixtralDecoderLayer calls it mlp
-    what = "Mixtral: moonshard's model.layers.N.block_sparse_moe is transformers 5's model.layers.N.mlp",
-    arch = "MixtralForCausalLM",
-    map = function(name, shape)
-      local a, b = name:match("^(model%.layers%.%d+%.)block_sparse_moe(%..*)$")
-      if a then return a .. "mlp" .. b, shape end
-    end,
-  },
-}
--- What transformers keeps as buffers moonshard keeps as buffers too (the routers'
--- e_score_correction_bias): a parameter of that name is a difference.
-local AS_BUFFER = "%.e_score_correction_bias$"
-
--- What is left after the rules: known disagreements, reported as they are.
-local KNOWN = {
-  -- transformers 5.24 builds DeepSeek-V3's router weight in f32 whatever the config's dtype
-  -- (as its checkpoints save it); moonshard's config builder stores it in the model's dtype
-  "DeepseekV3ForCausalLM: model.layers.1.mlp.gate.weight: dtype moonshard bf16, transformers f32",
-  -- transformers 5 registers the experts before the router in these MoE blocks: the same
-  -- parameters, in another order in named_parameters() and so in a unit's buffers
-  "DeepseekV3ForCausalLM: model.layers.1.mlp: children in the order gate, experts, shared_experts (moonshard), " ..
-    "experts, gate, shared_experts (transformers)",
-  "Qwen3MoeForCausalLM: model.layers.1.mlp: children in the order gate, experts (moonshard), experts, gate " ..
-    "(transformers)",
-}
-
--- The children of each module in the order its parameters first name them.
-local function child_orders(names)
-  local orders, seen = {}, {}
-  for _, n in ipairs(names) do
-    local parts = {}
-    for part in n:gmatch("[^.]+") do parts[#parts + 1] = part end
-    local prefix = ""
-    for i = 1, #parts - 1 do
-      local key = prefix .. "\0" .. parts[i]
-      if not seen[key] then
-        seen[key] = true
-        orders[prefix] = orders[prefix] or {}
-        table.insert(orders[prefix], parts[i])
-      end
-      prefix = prefix == "" and parts[i] or prefix .. "." .. parts[i]
-    end
-  end
-  return orders
-end
-
-describe("moonshard's model builders against transformers 5.24 (" .. DATA .. ")", function()
-  local used = {}
-  local found = {}
-
-  for _, t in ipairs(REF.transformers) do
-    it(t.architecture .. " (" .. t.config .. ")", function()
-      if is_null(t.class) then
-        -- inkling2 is moonshard's reconstruction of an architecture transformers does not have
-        assert.equal("Inkling2ForCausalLM", t.architecture)
-        return
-      end
-      local tree = models.from_config(t.config)
-      local ms, ms_names = {}, {}
-      for _, np in ipairs(tree:named_parameters()) do
-        local name, shape = np[1], np[2].shape
-        if name:match(AS_BUFFER) then
-          found[#found + 1] = t.architecture .. ": " .. name .. ": a parameter in moonshard, a buffer in transformers"
-        else
-          for i, rule in ipairs(RULES) do
-            if not rule.arch or rule.arch == t.architecture then
-              local n2, s2 = rule.map(name, shape)
-              if n2 then name, shape, used[i] = n2, s2, true end
-            end
-          end
-          ms_names[#ms_names + 1] = name
-          ms[name] = { shape = shape, dtype = np[2].dtype, requires_grad = np[2].requires_grad }
-        end
-      end
-      local tf, tf_names = {}, {}
-      for i, p in ipairs(t.params) do
-        tf_names[i] = p[1]
-        tf[p[1]] = { shape = p[2], dtype = p[3], requires_grad = p[4] }
-      end
-      for _, n in ipairs(ms_names) do
-        local a, b = ms[n], tf[n]
-        if not b then
-          found[#found + 1] = t.architecture .. ": " .. n .. ": moonshard only"
-        else
-          for _, k in ipairs({ "shape", "dtype", "requires_grad" }) do
-            if not eq(a[k], b[k]) then
-              found[#found + 1] = string.format("%s: %s: %s moonshard %s, transformers %s", t.architecture, n, k,
-                show(a[k]):gsub('"', ""), show(b[k]):gsub('"', ""))
-            end
-          end
-        end
-      end
-      for _, n in ipairs(tf_names) do
-        if not ms[n] then found[#found + 1] = t.architecture .. ": " .. n .. ": transformers only" end
-      end
-      local mo, to = child_orders(ms_names), child_orders(tf_names)
-      for _, prefix in ipairs(util.sorted_keys(mo)) do
-        if to[prefix] and not eq(mo[prefix], to[prefix]) then
-          found[#found + 1] = string.format("%s: %s: children in the order %s (moonshard), %s (transformers)",
-            t.architecture, prefix, table.concat(mo[prefix], ", "), table.concat(to[prefix], ", "))
-        end
-      end
-      -- tied weights: the same parameter object under two names
-      local first, ties = {}, {}
-      for _, nm in ipairs(tree:named_modules()) do
-        for _, pname in ipairs(nm[2].param_order) do
-          local p, fqn = nm[2].params[pname], nm[1] == "" and pname or nm[1] .. "." .. pname
-          if first[p] then ties[#ties + 1] = { fqn, first[p] } else first[p] = fqn end
-        end
-      end
-      assert.same(t.ties, ties)
-    end)
-  end
-
-  it("differs from transformers only where known", function()
-    for i, rule in ipairs(RULES) do
-      assert(used[i], "the rule '" .. rule.what .. "' maps no parameter any more: remove it")
-    end
-    table.sort(found)
-    local known = util.copy(KNOWN)
-    table.sort(known)
-    assert.same(known, found)
   end)
 end)

@@ -27,9 +27,7 @@ It records, from torch's objects:
   bytes      per rank: the parameters' storage (padded shards), the gradients' storage after
              backward, AdamW's exp_avg + exp_avg_sq (and its step tensors, apart).
 
-and, for the configs of architectures transformers 5 has, the parameters (names, shapes,
-dtypes), ties and buffers of transformers' own model class built on the meta device
-(inkling2 is not a transformers architecture: recorded as such).
+(The model builders against transformers' own classes: tests/reference/model_params.py.)
 
 Runs in about half a minute on two cores (tiny configs: tests/reference/configs/).
 """
@@ -42,7 +40,6 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import transformers
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -396,38 +393,10 @@ def run_case(case, desc):
     return {"units": units, "params": list(params.values()), "bytes": per_rank_bytes}
 
 
-# ------------------------------------------------------------------ transformers
-
-def transformers_model(config_path):
-    raw = json.load(open(config_path))
-    arch = raw["architectures"][0]
-    mt = raw.get("model_type")
-    if not hasattr(transformers, arch) or mt not in transformers.CONFIG_MAPPING:
-        return {"config": config_path, "architecture": arch, "class": None,
-                "why": "transformers %s has no %s" % (transformers.__version__, arch)}
-    kw = {k: v for k, v in raw.items() if not k.startswith("_") and k != "model_type"}
-    cfg = transformers.AutoConfig.for_model(mt, **kw)
-    with torch.device("meta"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg)
-    assert type(m).__name__ == arch, (type(m).__name__, arch)
-    first, ties = {}, []
-    for n, p in m.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties.append([n, first[id(p)]])
-        else:
-            first[id(p)] = n
-    return {
-        "config": config_path, "architecture": arch, "class": type(m).__module__ + "." + type(m).__name__,
-        "params": [[n, list(p.shape), dname(p.dtype), p.requires_grad] for n, p in m.named_parameters()],
-        "ties": ties,
-        "buffers": [[n, list(b.shape), dname(b.dtype)] for n, b in m.named_buffers()],
-    }
-
-
 def main():
     descs = moonshard_cases()
     out = {"made_by": "tests/reference/fsdp2_layouts.py (tests/reference/make.sh fsdp2_layouts); do not edit",
-           "versions": refdata.versions(), "cases": [], "transformers": []}
+           "versions": refdata.versions(), "cases": []}
     for name, config, mesh, policy in CASES:
         case = {"name": name, "config": config, "mesh": mesh, "policy": policy, "optimizer": OPTIMIZER}
         d = descs[name]
@@ -437,8 +406,6 @@ def main():
         n = len(rec["params"])
         print("fsdp2_layouts: %-28s %3d parameters x %d ranks, %d units" % (name, n, case["world"], len(rec["units"])),
               file=sys.stderr)
-    for config in (LLAMA, MIXTRAL, QWEN3, DEEPSEEK, INK):
-        out["transformers"].append(transformers_model(config))
     tmp = OUT + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, separators=(",", ":"), sort_keys=False)

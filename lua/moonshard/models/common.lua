@@ -106,6 +106,16 @@ function Config:dtype()
   return dt
 end
 
+--- Grouped-query attention shares each key/value head among a whole group of query heads
+-- (transformers' repeat_kv by num_attention_heads // num_key_value_heads): a config whose
+-- heads do not divide into groups builds no working model.
+function Config:check_gqa(heads, kv_heads)
+  if heads % kv_heads ~= 0 then
+    self:fail("num_attention_heads %d is not a multiple of num_key_value_heads %d (each key/value head serves " ..
+      "a whole group of query heads)", heads, kv_heads)
+  end
+end
+
 --- The sizes of a grouped-query-attention decoder: vocab, hidden, layers, heads, kv_heads
 -- (default heads) and head_dim (default hidden / heads, as transformers does).  defaults
 -- (optional) holds the defaults of the architecture's transformers config class where they
@@ -118,6 +128,7 @@ function Config:gqa_dims(defaults)
   local kv_default = d.heads
   if self.raw.num_key_value_heads == nil and defaults.kv_heads then kv_default = defaults.kv_heads end
   d.kv_heads = self:int("num_key_value_heads", kv_default)
+  self:check_gqa(d.heads, d.kv_heads)
   if self:get("head_dim") == nil and not defaults.head_dim and d.hidden % d.heads ~= 0 then
     self:fail("hidden_size %d is not a multiple of num_attention_heads %d; give head_dim", d.hidden, d.heads)
   end
