@@ -1,25 +1,9 @@
 /*
- * ms_main.c: the moonshard executable.
+ * ms_main.c: the moonshard executable (and moonshard-jit, built from the same source).
  *
  *   moonshard [-n N] script.lua [args...]      run the script on N ranks (SPMD)
  *   moonshard [-n N] -e CODE [args...]
  *   mpirun -np N moonshard script.lua [args...]  the same, one rank per process over MPI
- *
- * Threads backend: each rank is a thread with its own Lua state, joined to one threads
- * world: the embedded default, with no launcher and no network.  When a rank fails, its
- * error and traceback are printed once, prefixed by the rank (ranks with the same message
- * are printed together), and the process exits non-zero.  A rank still running long after
- * another failed (stuck outside any collective) does not keep the process alive past the
- * timeout.
- *
- * MPI backend, chosen when an MPI launcher started the process (or forced with --backend /
- * MOONSHARD_BACKEND): the process is one rank of the MPI world.  A rank whose script fails
- * prints its error the same way and then calls MPI_Abort, so the launcher ends the other
- * ranks instead of leaving them waiting in a collective.
- *
- * One source, two executables: moonshard runs each rank on a Lua 5.4 state with the C
- * binding (ms_lua*.c); moonshard-jit, built with MOONSHARD_LUAJIT, on a LuaJIT state that
- * reaches the same core through the FFI (ms_luajit.c).  Both provide ms_lua_setup.
  */
 #include "moonshard.h"
 #include "ms_lua.h"
@@ -27,6 +11,9 @@
 #include <lauxlib.h>
 #include <lua.h>
 
+/* One source, two executables: moonshard runs each rank on a Lua 5.4 state with the C
+ * binding (ms_lua*.c); moonshard-jit, built with MOONSHARD_LUAJIT, on a LuaJIT state that
+ * reaches the same core through the FFI (ms_luajit.c).  Both provide ms_lua_setup. */
 #ifdef MOONSHARD_LUAJIT
 #include <luajit.h>
 #define PROG "moonshard-jit"
@@ -341,9 +328,12 @@ static void report_errors(const rank_job *jobs, const bool *finished, int n) {
 
 /* ---------------------------------------------------------------- one rank a process: MPI, NCCL */
 
-/* This process as one rank of the MPI or the NCCL world: runs the job on this thread; on
- * failure prints the rank's error and ends the whole job (MPI_Abort under an MPI launcher;
- * else the exit status, on which torchrun-style launchers end the others). */
+/* This process as one rank of the MPI world (the backend when an MPI launcher started the
+ * process, or when --backend / MOONSHARD_BACKEND asks for it) or of the NCCL world: runs the
+ * job on this thread; on failure prints the rank's error as the threads backend does and
+ * ends the whole job (MPI_Abort under an MPI launcher, so the launcher ends the other ranks
+ * instead of leaving them waiting in a collective; else the exit status, on which
+ * torchrun-style launchers end the others). */
 static int run_process_rank(rank_job *job, double timeout, const char *backend, bool chosen_by_launcher) {
     ms_world *world;
     bool nccl = strcmp(backend, "nccl") == 0;
@@ -504,6 +494,8 @@ run:;
         return run_process_rank(&job, timeout, backend, by_launcher);
     }
 
+    /* The threads backend, the embedded default with no launcher and no network: each rank is
+     * a thread with its own Lua state, joined to one threads world. */
     ms_world *world;
     ms_status st = ms_threads_world_new(&world, nranks, timeout);
     if (st) {
@@ -530,8 +522,10 @@ run:;
     }
 
     /* Wait for every rank.  Once one has failed, the others fail fast in their collectives
-     * (a failed peer is noticed at once); a rank stuck outside any collective gets a short
-     * grace and is then abandoned, so the job ends and says so. */
+     * (a failed peer is noticed at once); a rank stuck outside any collective gets GRACE_S
+     * seconds and is then abandoned, so the job ends (non-zero) and says so instead of
+     * waiting for it.  Each failed rank's error and traceback are printed once, prefixed by
+     * the rank, ranks with the same message together (report_errors). */
     pthread_mutex_lock(&done_mu);
     struct timespec deadline = {0};
     bool have_deadline = false;

@@ -1,43 +1,8 @@
 /*
  * cast.c: ms_cast, dtype conversion of contiguous buffers, with a portable C path and an
- * AVX2 + F16C path chosen at run time that give identical bits for every input.
- *
- * The rules (the contract; tests/c/test_cast.c checks each of them):
- *  - f32 -> bf16: round to nearest even, (u + 0x7FFF + ((u >> 16) & 1)) >> 16 on the bits;
- *    NaN -> (u >> 16) | 0x0040 (quiet, sign and top payload kept).  bf16 -> f32: u << 16.
- *  - f32 -> f16: IEEE binary16, round to nearest even including subnormals; overflow -> inf
- *    (f16 does not saturate); NaN -> sign | 0x7E00 | (mantissa >> 13).  That is exactly what
- *    the F16C instruction vcvtps2ph gives, for all 2^32 inputs.  f16 -> f32 is exact; a NaN
- *    is quieted with its payload kept, as vcvtph2ps does.
- *  - fp8, OCP: e4m3fn (bias 7, max 448 = 0x7E, no inf, NaN = sign | 0x7F, subnormals down
- *    to 2^-9) and e5m2 (bias 15, max 57344 = 0x7B, inf 0x7C, NaN made as sign | 0x7E).
- *    f32 -> fp8 rounds to nearest even and saturates to the largest finite value, inf
- *    included ("satfinite"); the sign of zero and of an underflow is kept; NaN -> the NaN
- *    above.  fp8 -> f32 is exact: e4m3 NaN -> sign | 0x7FC00000; e5m2 as f16 (b << 8).
- *  - f64 <-> bf16/f16/fp8 go through f32 (double rounding, as PyTorch does for double ->
- *    half and bfloat16).  f64 <-> f32 are C casts; a NaN keeps its sign and the top of
- *    its payload and is made quiet, as x86 does (cast_scalar.h spells it out for the GPU).
- *  - integer or bool -> f32: one C cast from int64 (one rounding); -> f64: direct;
- *    -> narrower floats: through that f32.
- *  - float -> integer: truncate toward zero, NaN -> 0, saturate to the target's range.
- *    integer -> integer: wraps like a C cast through int64.
- *  - anything -> bool: x != 0 (NaN -> 1).  bool -> anything: 0 or 1 (any nonzero byte is 1).
- *  - same dtype: memcpy (nothing to do when dst == src).
- * Pointers need no alignment at all; dst == src is allowed when the element sizes are
- * equal (every kernel reads an element, or a block of them, before writing it back).
- * Rounding assumes the default floating-point environment (round to nearest), as every C
- * float cast does: subnormal results of f16 and fp8 come from a float add (below).
- *
- * How the pairs are routed: every pair goes through one "hub" type, loading the source
- * into the hub type and storing the hub type into the destination, in blocks of a small
- * stack buffer unless one side is the hub type itself.
- *  - f32 when either side is f32, f16, bf16, e4m3 or e5m2;
- *  - else f64 when the source is f64 (the destination is then an integer or bool);
- *  - else int64 (integers and bool to integers, bool or f64).
- * The AVX2 path replaces the eight kernels between f32 and bf16, f16, e4m3, e5m2; every
- * other pair reuses them through the f32 hub, and the integer kernels are shared.  Both
- * paths compute the same formulas (f16 by the F16C instructions, which the portable code
- * matches), so they agree bit for bit; test_cast checks it on every f32.
+ * AVX2 + F16C path chosen at run time that give identical bits for every input.  The rules
+ * (the contract) are stated above ms_cast; the scalar functions that implement them are in
+ * cast_scalar.h, shared with the CUDA kernels.
  */
 #include "ms_internal.h"
 
@@ -121,6 +86,11 @@ INT_LIST(FLOAT_HUB_KERNELS)
 NARROW_INT_LIST(INT_HUB_KERNELS)
 
 /* ---------------------------------------------------------------- AVX2 + F16C kernels */
+
+/* The AVX2 path replaces the eight kernels between f32 and bf16, f16, e4m3, e5m2; every
+ * other pair reuses them through the f32 hub, and the integer kernels are shared.  Both
+ * paths compute the same formulas (f16 by the F16C instructions, which the portable code
+ * matches), so they agree bit for bit; test_cast checks it on every f32. */
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MS_CAST_HAVE_AVX2 1
@@ -316,7 +286,13 @@ static bool cpu_has_avx2(void) { return false; }
 
 /* ---------------------------------------------------------------- hubs and dispatch */
 
-/* to[t]: t -> the hub type; from[t]: hub type -> t.  NULL for the hub type itself and for
+/* How the pairs are routed: every pair goes through one "hub" type, loading the source
+ * into the hub type and storing the hub type into the destination, in blocks of a small
+ * stack buffer unless one side is the hub type itself (ms__cast_contig):
+ *  - f32 when either side is f32, f16, bf16, e4m3 or e5m2;
+ *  - else f64 when the source is f64 (the destination is then an integer or bool);
+ *  - else int64 (integers and bool to integers, bool or f64).
+ * to[t]: t -> the hub type; from[t]: hub type -> t.  NULL for the hub type itself and for
  * dtypes routed through another hub. */
 typedef struct cast_hub {
     ms_dtype type;
@@ -419,6 +395,32 @@ void ms__cast_contig(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype sr
 
 /* ---------------------------------------------------------------- public API */
 
+/* The rules (the contract; tests/c/test_cast.c checks each of them):
+ *  - f32 -> bf16: round to nearest even, (u + 0x7FFF + ((u >> 16) & 1)) >> 16 on the bits;
+ *    NaN -> (u >> 16) | 0x0040 (quiet, sign and top payload kept).  bf16 -> f32: u << 16.
+ *  - f32 -> f16: IEEE binary16, round to nearest even including subnormals; overflow -> inf
+ *    (f16 does not saturate); NaN -> sign | 0x7E00 | (mantissa >> 13).  That is exactly what
+ *    the F16C instruction vcvtps2ph gives, for all 2^32 inputs.  f16 -> f32 is exact; a NaN
+ *    is quieted with its payload kept, as vcvtph2ps does.
+ *  - fp8, OCP: e4m3fn (bias 7, max 448 = 0x7E, no inf, NaN = sign | 0x7F, subnormals down
+ *    to 2^-9) and e5m2 (bias 15, max 57344 = 0x7B, inf 0x7C, NaN made as sign | 0x7E).
+ *    f32 -> fp8 rounds to nearest even and saturates to the largest finite value, inf
+ *    included ("satfinite"); the sign of zero and of an underflow is kept; NaN -> the NaN
+ *    above.  fp8 -> f32 is exact: e4m3 NaN -> sign | 0x7FC00000; e5m2 as f16 (b << 8).
+ *  - f64 <-> bf16/f16/fp8 go through f32 (double rounding, as PyTorch does for double ->
+ *    half and bfloat16).  f64 <-> f32 are C casts; a NaN keeps its sign and the top of
+ *    its payload and is made quiet, as x86 does (cast_scalar.h spells it out for the GPU).
+ *  - integer or bool -> f32: one C cast (one rounding); -> f64: direct; -> narrower floats:
+ *    through that f32.
+ *  - float -> integer: truncate toward zero, NaN -> 0, saturate to the target's range.
+ *    integer -> integer: wraps like a C cast through int64.
+ *  - anything -> bool: x != 0 (NaN -> 1).  bool -> anything: 0 or 1 (any nonzero byte is 1).
+ *  - same dtype: memcpy (nothing to do when dst == src).
+ * Pointers need no alignment at all; dst == src is allowed when the element sizes are
+ * equal (every kernel reads an element, or a block of them, before writing it back).
+ * Rounding assumes the default floating-point environment (round to nearest), as every C
+ * float cast does: subnormal results of f16 and fp8 come from a float add (round_narrow in
+ * cast_scalar.h). */
 ms_status ms_cast(void *dst, ms_dtype dst_dtype, const void *src, ms_dtype src_dtype, int64_t n) {
     if (!ms__dtype_valid(src_dtype))
         return ms__fail(MS_ERR_ARG, "ms_cast: invalid source dtype %d (expected 0..%d)", (int)src_dtype, MS_DTYPE_COUNT - 1);

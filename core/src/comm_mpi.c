@@ -1,47 +1,8 @@
 /*
  * comm_mpi.c: the MPI backend.  Each process is one rank (`mpirun -np N moonshard ...`);
- * a group is an MPI communicator made once, when the group is first asked for.
- *
- * Threads.  MPI is initialised with MPI_THREAD_MULTIPLE (OpenMPI 4.1 from Debian provides
- * it): the unit runtime issues a rank's collectives from its communication thread
- * (comm_async.c) while the rank's own thread may make other MPI calls.  Where the library
- * gives less (SERIALIZED, FUNNELED, SINGLE), every MPI call of this file is serialised by
- * one mutex (mpi_lock).  That is weaker: with FUNNELED it is outside the letter of the
- * standard, and two threads of one rank blocked in collectives on different groups can
- * then deadlock, since one holds the mutex through its whole data movement.  A host that
- * initialised MPI below SERIALIZED is refused.  MPI_Finalize runs once, at exit, when this
- * file initialised MPI (a host that initialised MPI finalises it itself).
- *
- * One collective on a group of n ranks, seen from group rank r:
- *   1. agree: the call's descriptor (kind, dtype, op, root, count) goes to every peer and
- *      theirs come back (non-blocking MPI_Isend / MPI_Irecv, tag AGREE_TAG), polled until
- *      all complete or the world's timeout passes: then MS_ERR_TIMEOUT names the ranks whose
- *      descriptor never came (the exchange stays pending, so the group is unusable after).  Every
- *      rank then compares the n descriptors and returns MS_ERR_MISMATCH with the same
- *      message as the threads backend on any difference, before any data moves.  A rank
- *      that released its world posts a "finished" descriptor on every one of its groups,
- *      so a peer waiting for it fails at once with MS_ERR_PEER, as with threads.  The
- *      exchange completes only once every member arrived: the barrier is this step alone.
- *   2. move, with MPI where MPI is good and with our own schedule where OpenMPI is weak:
- *      all_gather    MPI_Allgather (MPI_IN_PLACE for the in-place form)
- *      broadcast     MPI_Bcast
- *      all_to_all    MPI_Alltoall
- *      reduce_scatter MPI_Alltoallv of the chunks each peer reduces (own chunk skipped),
- *                    then a local reduction in rank order 0..n-1
- *      all_reduce    small: MPI_Allgather of the whole buffer and the same local reduction
- *                    on every rank; large: the reduce_scatter above on n near-equal chunks,
- *                    then MPI_Allgatherv in place
- *    Reductions run the threads backend's kernels in the same rank order, accumulating in
- *    f32 for f32/f16/bf16/fp8, f64 for f64 and in the integer type for integers, so every
- *    result is bit for bit the threads backend's, on every rank.  Every dtype travels as
- *    bytes: no MPI datatype or user-defined MPI_Op is needed, not even for bf16 and fp8.
- *    Large buffers go in pieces (PIECE_BYTES of staging at most); counts above INT_MAX go
- *    in pieces too, with a resized MPI_BYTE type where the peers' blocks are strided.
- *
- * Failures.  The backend's communicators return errors (MPI_ERRORS_RETURN) and a failed
- * MPI call becomes MS_ERR_PEER with MPI's message.  A peer that dies does not hang the job:
- * the launcher (OpenMPI's ORTE) ends every process of it, and the moonshard executable
- * calls MPI_Abort when a rank's script fails.
+ * a group is an MPI communicator made once, when the group is first asked for.  A collective
+ * exchanges the ranks' descriptors first (exchange), then moves the data as bytes (move),
+ * reducing locally in rank order so that every result is the threads backend's, bit for bit.
  */
 #include "comm.h"
 
@@ -115,7 +76,13 @@ static struct {
     atomic_bool failing;  /* a peer waits in a collective this rank left without joining */
 } mpi = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-/* Serialises MPI calls when the library is not MPI_THREAD_MULTIPLE. */
+/* Serialises MPI calls when the library is not MPI_THREAD_MULTIPLE.  With MULTIPLE the unit
+ * runtime issues a rank's collectives from its communication thread (comm_async.c) while the
+ * rank's own thread may make other MPI calls.  Where the library gives less (SERIALIZED,
+ * FUNNELED, SINGLE), every MPI call of this file is serialised by one mutex.  That is
+ * weaker: with FUNNELED it is outside the letter of the standard, and two threads of one
+ * rank blocked in collectives on different groups can then deadlock, since one holds the
+ * mutex through its whole data movement (mpi_collective). */
 static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER;
 static void mpi_lock(void) {
     if (mpi.level < MPI_THREAD_MULTIPLE) pthread_mutex_lock(&mpi_mu);
@@ -124,10 +91,12 @@ static void mpi_unlock(void) {
     if (mpi.level < MPI_THREAD_MULTIPLE) pthread_mutex_unlock(&mpi_mu);
 }
 
-/* MPI_Finalize waits for every rank.  When this rank finished while a peer waited for it in
- * a collective (the peer fails, and its launcher then ends the job), the wait would race the
- * job's teardown, which OpenMPI 4.1's mpirun does not survive (it crashes or hangs in
- * PMIx_server_finalize): the process then leaves without it, as a failed rank would. */
+/* MPI_Finalize runs once, at exit, when this file initialised MPI (a host that initialised
+ * MPI finalises it itself).  It waits for every rank.  When this rank finished while a peer
+ * waited for it in a collective (the peer fails, and its launcher then ends the job), the
+ * wait would race the job's teardown, which OpenMPI 4.1's mpirun does not survive (it
+ * crashes or hangs in PMIx_server_finalize): the process then leaves without it, as a
+ * failed rank would. */
 static void finalize_at_exit(void) {
     int done = 0;
     MPI_Finalized(&done);
@@ -143,7 +112,9 @@ static const char *mpi_error_str(char *buf, size_t cap, const char *fn, int rc) 
     return buf;
 }
 
-/* Initialises MPI once per process (unless the host did) and reads the world. */
+/* Initialises MPI once per process (unless the host did), asking for MPI_THREAD_MULTIPLE
+ * (OpenMPI 4.1 from Debian provides it), and reads the world.  A host that initialised MPI
+ * below MPI_THREAD_SERIALIZED is refused. */
 static ms_status mpi_start(void) {
     pthread_mutex_lock(&mpi.lock);
     ms_status st = MS_OK;
@@ -348,7 +319,10 @@ static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done)
 
 /* ---------------------------------------------------------------- messages */
 
-/* A failed MPI call inside a collective. */
+/* A failed MPI call inside a collective: MS_ERR_PEER with MPI's message (the backend's
+ * communicators return errors, MPI_ERRORS_RETURN, set in mpi_group_init).  A peer that dies
+ * does not hang the job: the launcher (OpenMPI's ORTE) ends every process of it, and the
+ * moonshard executable calls MPI_Abort when a rank's script fails. */
 static ms_status mpi_fail(const ms_comm *c, ms_coll_kind kind, const char *fn, int rc) {
     ms_msg m = {0};
     char e[MPI_MAX_ERROR_STRING + 64];
@@ -431,7 +405,15 @@ static void name_missing(ms_msg *m, const ms_comm *c, mgroup *mg) {
     if (!missing) ms__msg_add(m, " none (their descriptors came late)");
 }
 
-/* Exchanges this rank's descriptor with the group and checks that all agree. */
+/* Exchanges this rank's descriptor with the group and checks that all agree.  The
+ * descriptor (kind, dtype, op, root, count, label) goes to every peer and theirs come back
+ * (non-blocking MPI_Isend / MPI_Irecv, tag AGREE_TAG), polled until all complete or the
+ * world's timeout passes: then MS_ERR_TIMEOUT names the ranks whose descriptor never came
+ * (the exchange stays pending, so the group is unusable after).  Every rank then compares
+ * the n descriptors (agree) before any data moves.  A rank that released its world posts a
+ * "finished" descriptor on every one of its groups (finish_world), so a peer waiting for it
+ * fails at once with MS_ERR_PEER, as with threads.  The exchange completes only once every
+ * member arrived: the barrier is this step alone. */
 static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
     const ms_world *w = c->world;
     mg->mine = desc_of(call);
@@ -455,6 +437,14 @@ static ms_status exchange(ms_comm *c, mgroup *mg, const ms_coll *call) {
 }
 
 /* ---------------------------------------------------------------- data movement */
+
+/* Reductions run the threads backend's kernels (ms__reduce) in the same rank order 0..n-1,
+ * accumulating in f32 for f32/f16/bf16/fp8, f64 for f64 and in the integer type for
+ * integers, so every result is bit for bit the threads backend's, on every rank.  Every
+ * dtype travels as bytes: no MPI datatype or user-defined MPI_Op is needed, not even for
+ * bf16 and fp8.  Large buffers go in pieces (PIECE_BYTES of staging at most); counts above
+ * INT_MAX go in pieces too, with a resized MPI_BYTE type where the peers' blocks are
+ * strided (strided_bytes). */
 
 /* Staging of at least `bytes`, kept by the group for its next calls. */
 static ms_status staging(const ms_comm *c, ms_coll_kind kind, mgroup *mg, size_t bytes, char **out) {
@@ -650,6 +640,18 @@ static ms_status do_all_reduce(ms_comm *c, mgroup *mg, const ms_coll *call) {
 
 #undef TRY
 
+/* The agreed call's data, with MPI where MPI is good and with our own schedule where OpenMPI
+ * is weak:
+ *   all_gather      MPI_Allgather (MPI_IN_PLACE for the in-place form)
+ *   broadcast       MPI_Bcast
+ *   all_to_all      MPI_Alltoall
+ *   reduce_scatter  MPI_Alltoallv of the chunks each peer reduces (own chunk skipped; an
+ *                   MPI_Alltoall of a strided type where int byte displacements would not
+ *                   do), then a local reduction in rank order 0..n-1
+ *   all_reduce      small: MPI_Allgather of the whole buffer and the same local reduction on
+ *                   every rank; large: the reduce_scatter above on n near-equal chunks, then
+ *                   MPI_Allgatherv in place
+ *   barrier         nothing: the exchange was the barrier */
 static ms_status move(ms_comm *c, mgroup *mg, const ms_coll *call) {
     const int64_t es = ms_dtype_size(call->dtype);
     if (call->count == 0) return MS_OK;

@@ -1,64 +1,9 @@
 /*
- * comm_nccl.c: the NCCL backend.  One rank per process and GPU, collectives on CUDA tensors.
- *
- * The world.  A process learns its rank and the world size from MPI when an MPI launcher
- * started it (ms_mpi_launched), else from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
- * (torchrun and friends; store.h's TCP store, served by rank 0, is the rendezvous, or
- * torchrun's own store when TORCHELASTIC_USE_AGENT_STORE=True says it serves one), else it
- * is a world of one.  Its GPU is LOCAL_RANK when set, else rank mod the number of devices.
- * Rank 0 makes the NCCL unique id and hands it to the others (MPI_Bcast, or the store's
- * key "moonshard/nccl/world/N" of the process's N-th world); ncclCommInitRankConfig makes
- * the world's communicator.
- *
- * Nonblocking communicators.  Every communicator is nonblocking (ncclConfig_t blocking = 0),
- * so that the NCCL calls that wait for other ranks return at once: a call may return
- * ncclInProgress, its work going on in the background, and the calling thread then polls
- * the communicator's state (ncclCommGetAsyncError) until it is no longer ncclInProgress,
- * up to the world's timeout, before it calls NCCL or touches the stream again, as NCCL
- * requires.  That bounds the creation of the world's communicator, the splits, and the
- * enqueueing of every collective (ncclGroupEnd included): past the timeout the call fails
- * with MS_ERR_TIMEOUT ("rank(s) missing or unreachable") and the communicator is aborted
- * (ncclCommAbort, which NCCL allows at any point).  A communicator goes away with
- * ncclCommFinalize, polled the same way, then ncclCommDestroy; with ncclCommAbort when the
- * finalization fails or does not complete in time, and at once when another communicator
- * of the process was aborted (a peer is gone, and a finalization might wait for it).
- *
- * Groups.  Every other group is made with ncclCommSplit of the world's communicator, the
- * group's lowest world rank as the colour: a split is collective over the whole world, so
- * every rank must ask for its group of the same partition at the same point of its program
- * (a mesh's group(axis) on every rank does exactly that; groups asked for by only some ranks
- * are not possible with NCCL).  Tags make separate communicators as with the other backends.
- * The new communicator inherits the world's configuration (nonblocking); NCCL reports the
- * split's progress as the world communicator's state and hands out the new one only when
- * the split completes.  A split that fails or does not complete in time aborts both, the
- * world's communicator too: no group can be made after that.
- *
- * One collective: the call's descriptor is all-gathered first (a 24-byte ncclAllGather), so
- * that ranks that disagree get the same MS_ERR_MISMATCH as with threads and MPI instead of
- * a hang or garbage; then the NCCL collective (all_to_all: grouped ncclSend/ncclRecv; barrier:
- * a one-element all-reduce) on the group's own stream.  The calling thread waits for each of
- * the two (the descriptors copied back to the host, then the collective) through the group's
- * completion event, a cudaEvent_t made with cudaEventDisableTiming: recorded on the stream
- * once the work is enqueued, polled (cudaEventQuery) up to the world's timeout.  A rank that
- * never arrives gives MS_ERR_TIMEOUT and the group's communicator is aborted
- * (ncclCommAbort), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER
- * and aborts the communicator too (nothing can be assumed of its work after that).
- *
- * One thread.  NCCL forbids using communicators of one device from several threads at once
- * and wants the operations of different communicators issued in the same order on every
- * rank.  So every collective and every split runs on the rank's communication thread
- * (comm_async.c, ms__async_run), in the order the rank queued them: the shard units queue
- * theirs there anyway (they overlap the rank's compute); a collective or a new group asked
- * for on any other thread is queued behind them and waited for.
- *
- * Tensors.  CUDA tensors on the rank's device go to NCCL as they are; cpu tensors are staged
- * through device buffers of the group (so a script written for the threads backend runs
- * unchanged, if slower).  Reductions are NCCL's own: floating types are summed in their
- * dtype along NCCL's ring or tree, every partial sum rounded (not accumulated in f32 and
- * rounded once as the threads and MPI backends do), and ncclAvg multiplies every value by
- * 1/n rounded to the dtype first (PreMulSum), so with 3 ranks or more results may differ
- * from theirs in the last bits (fp8 averages: by up to a rounding of the dtype, 1/n itself
- * being rounded to fp8).  bool reduces as u8.
+ * comm_nccl.c: the NCCL backend.  One rank per process and GPU, collectives on CUDA tensors
+ * (cpu tensors are staged through the group's device buffers).  The process finds its rank
+ * and GPU in nccl_start; every communicator is nonblocking, each wait bounded by the world's
+ * timeout (settle, nccl_wait); groups are splits of the world's communicator (make_comm);
+ * every collective and split runs on the rank's communication thread (nccl_collective).
  */
 #include "comm.h"
 #include "cuda.h"
@@ -122,8 +67,23 @@ static ms_status nccl_err(ncclResult_t r, const char *what) {
         if (r_ != ncclSuccess) return nccl_err(r_, "nccl backend: " what); \
     } while (0)
 
+/* ---------------------------------------------------------------- nonblocking communicators */
+
+/* Every communicator is nonblocking (ncclConfig_t blocking = 0), so that the NCCL calls that
+ * wait for other ranks return at once: a call may return ncclInProgress, its work going on
+ * in the background, and the calling thread then polls the communicator's state
+ * (ncclCommGetAsyncError) until it is no longer ncclInProgress, up to the world's timeout,
+ * before it calls NCCL or touches the stream again, as NCCL requires (settle, nccl_wait).
+ * That bounds the creation of the world's communicator, the splits, and the enqueueing of
+ * every collective (ncclGroupEnd included): past the timeout the call fails with
+ * MS_ERR_TIMEOUT ("rank(s) missing or unreachable") and the communicator is aborted
+ * (ncclCommAbort, which NCCL allows at any point). */
+
 static bool nccl_failed(ncclResult_t r) { return r != ncclSuccess && r != ncclInProgress; }
 
+/* ncclCommAbort, and a note that a communicator of the process was aborted: a peer is gone,
+ * so ngroup_free aborts the others at once instead of finalizing them (a finalization might
+ * wait for that peer). */
 static void abort_comm(ncclComm_t *comm) {
     if (*comm) ncclCommAbort(*comm);
     *comm = NULL;
@@ -165,6 +125,8 @@ static ms_status nccl_wait(const ms_world *w, ncclComm_t *comm, ncclResult_t r, 
                     what, w->timeout_s, w->timeout_origin);
 }
 
+/* ---------------------------------------------------------------- the world */
+
 /* A non-negative integer environment variable, or -1 when unset; *bad when malformed. */
 static long env_int(const char *name, bool *bad) {
     const char *v = getenv(name);
@@ -195,6 +157,11 @@ static ms_status pick_device(void) {
     return MS_OK;
 }
 
+/* The process's rank and the world size, once: from MPI when an MPI launcher started it
+ * (ms_mpi_launched), else from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun and
+ * friends; store.h's TCP store, served by rank 0, is the rendezvous, or torchrun's own store
+ * when TORCHELASTIC_USE_AGENT_STORE=True says it serves one), else a world of one.  Then
+ * its GPU (pick_device). */
 static ms_status nccl_start(double timeout_s) {
     pthread_mutex_lock(&nccl.lock);
     ms_status st = MS_OK;
@@ -215,9 +182,10 @@ static ms_status nccl_start(double timeout_s) {
     return st;
 }
 
-/* Rank 0's unique id on every rank.  Each world the process makes has its own key in the
- * store ("moonshard/nccl/world/N", N counting the worlds made), so that a later world never
- * reads an earlier one's id; every rank makes its worlds in the same order. */
+/* Rank 0's unique id on every rank: rank 0 makes it and hands it to the others, with MPI_Bcast
+ * under an MPI launcher, else through the store.  Each world the process makes has its own
+ * key in the store ("moonshard/nccl/world/N", N counting the worlds made), so that a later
+ * world never reads an earlier one's id; every rank makes its worlds in the same order. */
 static ms_status share_world_id(ncclUniqueId *id) {
     static int worlds;
     if (nccl.rank == 0) NCCL_OK("ncclGetUniqueId", ncclGetUniqueId(id));
@@ -261,8 +229,10 @@ typedef struct ngroup {
 static void ngroup_free(ngroup *ng) {
     if (!ng) return;
     if (cudaSetDevice(nccl.device) != cudaSuccess) cudaGetLastError();
-    /* finalized, then destroyed; aborted when the finalization fails or hangs, and at once
-     * once another communicator was aborted (a peer is gone: finalizing would wait for it) */
+    /* ncclCommFinalize, polled like any call (settle) up to the world's timeout, then
+     * ncclCommDestroy; ncclCommAbort when the finalization fails or does not complete in
+     * time, and at once when another communicator of the process was aborted (a peer is
+     * gone, and a finalization might wait for it) */
     if (ng->comm) {
         if (!atomic_load(&nccl.aborted) &&
             settle(ng->comm, ncclCommFinalize(ng->comm), ms__now_s() + ng->timeout_s) == ncclSuccess)
@@ -283,6 +253,14 @@ static void ngroup_free(ngroup *ng) {
     free(ng);
 }
 
+/* The group's communicator.  The whole world's: ncclCommInitRankConfig (nonblocking) with
+ * rank 0's unique id (share_world_id).  Every other group's: ncclCommSplit of the world's
+ * communicator, the group's lowest world rank as the colour.  A split is collective over
+ * the whole world, so every rank must ask for its group of the same partition at the same
+ * point of its program (a mesh's group(axis) on every rank does exactly that; groups asked
+ * for by only some ranks are not possible with NCCL).  Tags make separate communicators, as
+ * with the other backends.  A split that fails or does not complete in time aborts both
+ * communicators, the world's too: no group can be made after that. */
 static ms_status make_comm(ms_world *w, ms_group *g, ngroup *ng) {
     ms_status st;
     if (!w->groups) { /* the whole world, made by ms__world_new before anything else */
@@ -363,6 +341,7 @@ static void nccl_group_free(ms_group *g) {
 
 /* ---------------------------------------------------------------- one collective */
 
+/* The NCCL type of a dtype; bool reduces as u8. */
 static ncclDataType_t nccl_type(ms_dtype d) {
     switch (d) {
     case MS_F16: return ncclFloat16;
@@ -379,6 +358,11 @@ static ncclDataType_t nccl_type(ms_dtype d) {
     }
 }
 
+/* Reductions are NCCL's own: floating types are summed in their dtype along NCCL's ring or
+ * tree, every partial sum rounded (not accumulated in f32 and rounded once as the threads
+ * and MPI backends do), and ncclAvg multiplies every value by 1/n rounded to the dtype first
+ * (PreMulSum), so with 3 ranks or more results may differ from theirs in the last bits (fp8
+ * averages: by up to a rounding of the dtype, 1/n itself being rounded to fp8). */
 static ncclRedOp_t nccl_op(ms_op op) {
     switch (op) {
     case MS_OP_AVG: return ncclAvg;
@@ -388,9 +372,12 @@ static ncclRedOp_t nccl_op(ms_op op) {
     }
 }
 
-/* Waits for the work enqueued on the group's stream (its completion event, recorded here)
- * up to the world's timeout; on a timeout the communicator is aborted (a collective that
- * never completes cannot be taken back). */
+/* Waits for the work enqueued on the group's stream through the group's completion event (a
+ * cudaEvent_t made with cudaEventDisableTiming), recorded here once the work is enqueued and
+ * polled (cudaEventQuery) up to the world's timeout.  A rank that never arrives gives
+ * MS_ERR_TIMEOUT and the communicator is aborted (a collective that never completes cannot
+ * be taken back), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER and
+ * aborts the communicator too (nothing can be assumed of its work after that). */
 static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
     CUDA_OK("recording the completion event", cudaEventRecord(ng->done, ng->stream));
     const double deadline = ms__now_s() + c->world->timeout_s;
@@ -416,8 +403,9 @@ static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
     }
 }
 
-/* The group's calls, all-gathered; MS_ERR_MISMATCH (the same message on every rank) unless
- * they agree. */
+/* The group's calls, all-gathered (an ncclAllGather of the 72-byte descriptors);
+ * MS_ERR_MISMATCH (the same message on every rank) unless they agree, so that ranks that
+ * disagree get the same error as with threads and MPI instead of a hang or garbage. */
 static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
     desc mine = {call->kind, call->dtype, call->op, call->root, call->count, call->label_hash, {0}};
     memcpy(mine.label, call->label, sizeof mine.label);
@@ -470,8 +458,9 @@ static ms_status on_device(const ms_comm *c, const void *p, ms_coll_kind kind, i
     return MS_OK;
 }
 
-/* Device addresses for the call's buffers: the tensors themselves, or the group's staging
- * (cpu tensors) filled from them. */
+/* Device addresses for the call's buffers: CUDA tensors on the rank's device as they are;
+ * cpu tensors staged through the group's device buffers, filled from them (so a script
+ * written for the threads backend runs unchanged, if slower). */
 static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *call, const void **send, void **recv,
                                 bool *staged) {
     const size_t es = (size_t)ms_dtype_size(call->dtype);
@@ -503,6 +492,8 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     return MS_OK;
 }
 
+/* The NCCL collective on the group's stream (all_to_all: grouped ncclSend/ncclRecv; barrier: a
+ * one-element all-reduce), its enqueueing settled by nccl_wait. */
 static ms_status enqueue(const ms_world *w, ngroup *ng, const ms_coll *call, const void *send, void *recv) {
     const ncclDataType_t t = nccl_type(call->dtype);
     const size_t count = (size_t)call->count;
@@ -546,7 +537,10 @@ static ms_status enqueue(const ms_world *w, ngroup *ng, const ms_coll *call, con
     return nccl_wait(w, &ng->comm, r, what);
 }
 
-/* One collective, on the rank's communication thread (nccl_collective). */
+/* One collective, on the rank's communication thread (nccl_collective): the call's descriptor
+ * is all-gathered first (agree), then the NCCL collective runs on the group's own stream
+ * (enqueue).  The calling thread waits for each of the two (the descriptors copied back to
+ * the host, then the collective) through the group's completion event (wait_stream). */
 static ms_status collective_here(ms_comm *c, const ms_coll *call) {
     ngroup *ng = c->group->impl;
     if (!ng->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the group's communicator was aborted");
@@ -581,9 +575,12 @@ static ms_status run_collective(void *arg) {
 }
 
 /* NCCL forbids using communicators of one device from two threads at once, and wants the
- * collectives of different communicators issued in the same order on every rank: every
- * collective of the process runs on its rank's communication thread, in the order they were
- * queued (the shard units' in the order they were started, the others' after them). */
+ * operations of different communicators issued in the same order on every rank: every
+ * collective (and every split, nccl_group_init) of the process runs on its rank's
+ * communication thread (comm_async.c, ms__async_run), in the order the rank queued them.
+ * The shard units queue theirs there anyway (they overlap the rank's compute), in the order
+ * they were started; a collective asked for on any other thread is queued behind them and
+ * waited for. */
 static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
     coll_call a = {c, call};
     return ms__async_run(c->world, nccl.rank, run_collective, &a);

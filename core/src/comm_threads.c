@@ -1,31 +1,8 @@
 /*
  * comm_threads.c: the threads backend.  The ranks of a world are threads of one process;
  * a collective moves data by reading the peers' buffers directly, with no staging copy.
- *
- * One collective on a group of n ranks, seen from group rank r:
- *   1. arrive: r posts its ms_coll (pointers and arguments) into its slot and counts itself
- *      in; it then waits until all n have arrived.  If the world's timeout passes first, or
- *      a missing rank was reported done (ms_world_rank_done), the waiting rank poisons the
- *      group: every rank that joins this call, waiting or late, fails with the same status
- *      and message (comm.c then refuses its later calls with MS_ERR_STATE).
- *   2. agree: every rank compares the n posted calls; on any difference all of them return
- *      MS_ERR_MISMATCH with the same message and no data is touched.
- *   3. move: r reads the peers' buffers and writes only what it owns: its own out, or (for
- *      all_reduce) its chunk of every rank's buffer.
- *   4. depart: r counts itself out and waits until all n are done reading, so no rank
- *      returns (and reuses its buffers) while a peer may still read them.
- * The arrival and departure counters only grow: the k-th call (from 0) is complete when a
- * counter reaches n * (k + 1).  Arriving and poisoning are both compare-and-swaps on the
- * arrival counter: an arrival fails once the poison bit is set, and poisoning succeeds only
- * while the arrival is incomplete, so a call either completes or is poisoned, never both.
- * Waiting spins briefly, yields, then sleeps on a condition variable in short slices (to
- * notice the deadline and ranks reported done); the lock only guards that sleep and the
- * poison message, so a call whose ranks arrive together never takes it.
- *
- * Reductions (ms__reduce, reduce.c, shared with the MPI backend) run in rank order
- * 0..n-1, accumulated in f32 for f32/f16/bf16/fp8 (rounded once per element at the end),
- * f64 for f64, and in the integer type itself, wrapping around, for integers.  bool
- * reduces as u8: max is logical or, min logical and.
+ * Each collective is four steps on every rank: arrive, agree, move, depart
+ * (threads_collective).
  */
 #include "comm.h"
 
@@ -52,7 +29,11 @@ typedef struct slot {
 } slot;
 
 /* Set in tgroup.arrived when the group is poisoned: the counter then compares >= every
- * target, so a waiter stops, and the bit tells it why. */
+ * target, so a waiter stops, and the bit tells it why.  The arrival and departure counters
+ * only grow: the k-th call (from 0) is complete when a counter reaches n * (k + 1).
+ * Arriving and poisoning are both compare-and-swaps on the arrival counter: an arrival
+ * fails once the poison bit is set, and poisoning succeeds only while the arrival is
+ * incomplete, so a call either completes or is poisoned, never both. */
 #define MS_POISONED (1LL << 62)
 
 typedef struct tgroup {
@@ -119,6 +100,10 @@ static ms_status threads_group_init(ms_world *w, ms_group *g) {
 }
 
 /* ---------------------------------------------------------------- waiting */
+
+/* Waiting spins briefly, yields, then sleeps on a condition variable in short slices (to
+ * notice the deadline and ranks reported done); the lock only guards that sleep and the
+ * poison message, so a call whose ranks arrive together never takes it. */
 
 static void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -207,7 +192,11 @@ static void try_poison(const ms_comm *c, tgroup *t, const ms_coll *call, long lo
         pthread_cond_broadcast(&t->wake);
 }
 
-/* Posts call as this rank's k-th and waits until every member has posted its k-th. */
+/* Posts call (pointers and arguments) into this rank's slot as its k-th, counts itself in,
+ * and waits until every member has posted its k-th.  If the world's timeout passes first,
+ * or a missing rank was reported done (ms_world_rank_done), the waiting rank poisons the
+ * group (try_poison): every rank that joins this call, waiting or late, fails with the same
+ * status and message (comm.c then refuses its later calls with MS_ERR_STATE). */
 static ms_status arrive(ms_comm *c, tgroup *t, const ms_coll *call, long long k) {
     slot *me = &t->slots[c->rank];
     const long long target = (long long)c->group->n * (k + 1);
@@ -233,8 +222,9 @@ static ms_status arrive(ms_comm *c, tgroup *t, const ms_coll *call, long long k)
     return atomic_load(&t->arrived) & MS_POISONED ? poisoned_error(t) : MS_OK;
 }
 
-/* Counts this rank out of the k-th call and waits until every member is out.  Never fails:
- * all members arrived, so each one only has its bounded data movement left. */
+/* Counts this rank out of the k-th call and waits until every member is out, so no rank
+ * returns (and reuses its buffers) while a peer may still read them.  Never fails: all
+ * members arrived, so each one only has its bounded data movement left. */
 static void depart(ms_comm *c, tgroup *t, long long k) {
     const long long target = (long long)c->group->n * (k + 1);
     atomic_fetch_add(&t->departed, 1);
@@ -247,12 +237,18 @@ static void depart(ms_comm *c, tgroup *t, long long k) {
 
 /* ---------------------------------------------------------------- agreement */
 
-/* MS_ERR_MISMATCH unless all posted calls agree (the same message on every rank). */
+/* MS_ERR_MISMATCH unless all posted calls agree (the same message on every rank); then no
+ * data is touched. */
 static ms_status agree(const ms_comm *c, const tgroup *t) {
     return ms__calls_agree(c, &t->slots[0].call, sizeof t->slots[0]);
 }
 
 /* ---------------------------------------------------------------- data movement */
+
+/* Reductions (ms__reduce, reduce.c, shared with the MPI backend) run in rank order 0..n-1,
+ * accumulated in f32 for f32/f16/bf16/fp8 (rounded once per element at the end), f64 for
+ * f64, and in the integer type itself, wrapping around, for integers.  bool reduces as u8:
+ * max is logical or, min logical and. */
 
 /* Elements [*off, *off + *len) of a count-element buffer that group rank r reduces in an
  * all_reduce: n near-equal chunks. */
@@ -262,7 +258,8 @@ static void all_reduce_chunk(int64_t count, int n, int r, int64_t *off, int64_t 
     *len = base + (r < rem);
 }
 
-/* Rank r's part of the agreed call: reads peers' posted buffers, writes only its own. */
+/* Rank r's part of the agreed call: reads the peers' posted buffers and writes only what it
+ * owns: its own out, or (for all_reduce) its chunk of every rank's buffer. */
 static void move(const ms_comm *c, const tgroup *t) {
     const int n = c->group->n, r = c->rank;
     const slot *s = t->slots;
@@ -310,6 +307,9 @@ static void move(const ms_comm *c, const tgroup *t) {
 
 /* ---------------------------------------------------------------- the backend */
 
+/* One collective on a group of n ranks, seen from group rank r: arrive (post the call, wait
+ * for all n), agree (compare the n calls), move (r's part of the data), depart (wait until
+ * all n are done reading). */
 static ms_status threads_collective(ms_comm *c, const ms_coll *call) {
     tgroup *t = c->group->impl;
     long long k = atomic_load(&t->slots[c->rank].arrivals); /* this rank's call index */

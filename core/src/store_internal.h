@@ -18,10 +18,11 @@
 /*
  * The rendezvous store of store.h, a TCP key-value store like PyTorch's TCPStore.
  *
- * Why: NCCL needs its unique id (a 128-byte blob made by one rank) on every rank of a
- * group before ncclCommInitRank.  Under torchrun-style launchers the only thing the ranks
- * share is MASTER_ADDR:MASTER_PORT, so rank 0 serves a store there and every rank talks to
- * it: the first member of a group sets "its" key, the others get it.
+ * Why: NCCL needs its unique id (a 128-byte blob made by one rank) on every rank of the
+ * world before ncclCommInitRank (other groups are splits of the world's communicator).
+ * Under torchrun-style launchers the only thing the ranks share is MASTER_ADDR:MASTER_PORT,
+ * so rank 0 serves a store there and every rank talks to it: rank 0 sets the world's key,
+ * the others get it.
  *
  * Protocol.  One TCP connection per client; every integer is a big-endian u32.  A client
  * sends one request and reads its reply before sending the next (no pipelining):

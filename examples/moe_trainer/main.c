@@ -1,34 +1,10 @@
 /*
  * main.c: moe_trainer, a host program that trains the MoE character LM of model.h through
- * moonshard shard units chosen by a Lua policy.
+ * moonshard shard units chosen by a Lua policy, its ranks threads of this process.
  *
  *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N --seed S [--config FILE] [--save FILE]
  *
- * RANKS ranks run as threads of this process (moonshard's threads world).  Each rank makes
- * an interpreter (moonshard_embed.h), describes the model parameter by parameter in f32 (the
- * fp32 master weights of FSDP2 training with a bf16 param_dtype), plans it on the mesh with
- * the policy, materialises its units and initialises its shards from the seed.  A step:
- *
- *   batch    the global batch (batch_size rows of seq_len+1 bytes, the same whatever RANKS
- *            is) split by rows across the data-parallel ranks
- *   forward  stage by stage (embed, layer 0..L-1, head): the units holding a stage's
- *            parameters are unsharded (the next stages' are prefetched, as many as the
- *            policy's prefetch.forward; in backward prefetch.backward), their gathered
- *            parameters (bf16 or f32, as the policy says) cast to f32 for the kernels, and
- *            resharded after the last stage that reads them
- *   backward the stages in reverse, regathering what was resharded; a unit's f32 gradients
- *            are cast into its unsharded gradients and reduced (reduce_scatter, and the HSDP
- *            all_reduce) after the first stage that reads it
- *   update   the loss averaged over the ranks, the gradient norm clipped at 1.0, AdamW on
- *            every unit's shards
- *
- * With expert parallelism (ep > 1) a rank holds E/ep experts of each layer; a layer's
- * routed experts run between its two halves, their tokens sent to the experts' ranks and
- * the results brought back with all_to_all on the rank's ep group (route.c; README.md,
- * "Expert parallelism").
- *
- * Rank 0 prints "step K loss L" per step; --records, --memory and --save (written by
- * save.c) expose what the runtime did, for the checks of tests/lua/trainer_spec.lua.
+ * Rank 0 prints "step K loss L" per step; USAGE below lists every option.
  */
 #include <moonshard.h>
 #include <moonshard_embed.h>
@@ -485,7 +461,10 @@ static ms_status reduce_unit(Trainer *tr, int u) {
     return MS_OK;
 }
 
-
+// With expert parallelism (ep > 1) a rank holds E/ep experts of each layer
+// (setup_expert_parallel); a layer's routed experts run between its two halves, their
+// tokens sent to the experts' ranks and the results brought back with all_to_all on the
+// rank's ep group (route.c; README.md, "Expert parallelism").  Backward likewise.
 static ms_status forward_layer(Trainer *tr, int l) {
     if (tr->ep == 1) {
         model_forward_layer(tr->cfg, l, tr->param_ptrs, tr->ws);
@@ -508,6 +487,10 @@ static ms_status backward_layer(Trainer *tr, int l) {
     return MS_OK;
 }
 
+// Forward stage by stage (embed, layer 0..L-1, head): the units holding a stage's
+// parameters are unsharded (the next stages' are prefetched, as many as the policy's
+// prefetch.forward), their gathered parameters (bf16 or f32, as the policy says) cast to f32
+// for the kernels, and resharded after the last stage that reads them.
 static ms_status forward(Trainer *tr, float *loss) {
     const ModelConfig *cfg = tr->cfg;
     CHECK(unshard_stage(tr, 0));
@@ -531,6 +514,10 @@ static ms_status forward(Trainer *tr, float *loss) {
     return MS_OK;
 }
 
+// Backward: the stages in reverse, regathering what was resharded (prefetching as many as
+// the policy's prefetch.backward); a unit's f32 gradients are cast into its unsharded
+// gradients and reduced (reduce_scatter, and the HSDP all_reduce) after the first stage
+// that reads it.
 static ms_status backward(Trainer *tr) {
     const ModelConfig *cfg = tr->cfg;
     memset(tr->grads, 0, model_param_numel(cfg) * sizeof(float));
@@ -551,7 +538,8 @@ static ms_status backward(Trainer *tr) {
 // ----------------------------------------------------------------------------
 // one step
 
-// Clips the global gradient norm at --max-norm (unless 0), then AdamW on every unit's shards.
+// Clips the global gradient norm at --max-norm (unless 0; 1.0 by default), then AdamW on every
+// unit's shards.
 static ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
     for (int u = 0; u < tr->nunits; u++) {
@@ -570,6 +558,9 @@ static ms_status update(Trainer *tr, long step) {
     return MS_OK;
 }
 
+// One step: the batch (the global batch of batch_size rows of seq_len+1 bytes, the same
+// whatever RANKS is, split by rows across the data-parallel ranks), forward, backward, the
+// loss averaged over the ranks, then the update.
 static ms_status train_step(Trainer *tr, long step, double *loss) {
     const int T = tr->cfg->seq_len;
     if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank * tr->rows, tr->rows, tr->tokens))
@@ -584,6 +575,9 @@ static ms_status train_step(Trainer *tr, long step, double *loss) {
 
 // ----------------------------------------------------------------------------
 // --records and --memory
+//
+// These (and --save, written by save.c) expose what the runtime did, for the checks of
+// tests/lua/trainer_spec.lua.
 
 static void print_records(const Trainer *tr) {
     static const char *const kinds[] = {"all_gather", "reduce_scatter", "all_reduce"};
@@ -706,6 +700,10 @@ static void free_buffers(Trainer *tr) {
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
 }
 
+// A rank's training: it makes an interpreter (moonshard_embed.h), describes the model
+// parameter by parameter in f32 (the fp32 master weights of FSDP2 training with a bf16
+// param_dtype), plans it on the mesh with the policy, materialises its units and
+// initialises its shards from the seed; then the steps.
 static ms_status train(Trainer *tr) {
     const Options *opt = tr->opt;
     tr->nparams = model_param_count(tr->cfg);
@@ -832,7 +830,7 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return save_end(&opt, st);
     }
-    ms_world *world = NULL;
+    ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
     if (ms_threads_world_new(&world, opt.nranks, 0)) {
         fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
         dataset_close(&data);

@@ -1,20 +1,9 @@
 -- moonshard.module: module trees, the shape of a model that policies and the planner see.
 --
 -- A module has a type name (the PyTorch class it stands for: "LlamaDecoderLayer",
--- "ModuleList", "GroupedExperts", ...), ordered children and ordered parameters.  Names are
--- dotted paths from the root ("" is the root), exactly as PyTorch's named_modules and
--- named_parameters give them: a module's own parameters come before its children's, and a
--- parameter shared by two modules (tied weights) is listed once, under its first name.
---
--- Parameters are plain tables {shape = {...}, dtype = "bf16", numel = n, requires_grad =
--- true}; param:meta() makes a meta tensor of the same shape when one is wanted.  A parameter
--- read from a checkpoint also records checkpoint_dtype, the dtype the file stores it in
--- (Automodel's _hf_compute_dtype: the dtype its fully_shard_by_dtype computes it in).
--- Buffers (module:buffer) are tensors a module keeps that are not parameters: no gradient, no
--- optimizer state, never sharded (FSDP2 leaves them whole on every rank); they are listed
--- apart (named_buffers) and counted by nobody's param_count, as in PyTorch.  Counts are
--- exact Lua integers up to 2^53 (MAX_COUNT), where LuaJIT's doubles stop being exact; a
--- larger count is kept as a float (Lua 5.4's integers would wrap) for the planner to refuse.
+-- "ModuleList", "GroupedExperts", ...), ordered children, ordered parameters and buffers.
+-- Names are dotted paths from the root ("" is the root), exactly as PyTorch's named_modules
+-- and named_parameters give them.
 
 local M = {}
 
@@ -26,6 +15,9 @@ local Param = {}
 Param.__index = Param
 M.Param = Param
 
+-- Counts are exact Lua integers up to 2^53 (MAX_COUNT), where LuaJIT's doubles stop being
+-- exact; a larger count is kept as a float (Lua 5.4's integers would wrap) for the planner
+-- to refuse.
 M.MAX_COUNT = 2 ^ 53
 
 -- The library's directory: its frames are not where a caller's mistake is.
@@ -76,7 +68,10 @@ end
 M.FLOATING = { f32 = true, f16 = true, bf16 = true, f8e4m3 = true, f8e5m2 = true, f64 = true }
 local FLOATING = M.FLOATING
 
---- A parameter of the given shape (a sequence of non-negative integers) and dtype.
+--- A parameter of the given shape (a sequence of non-negative integers) and dtype: a plain
+-- table {shape = {...}, dtype = "bf16", numel = n, requires_grad = true}.  A parameter read
+-- from a checkpoint also records checkpoint_dtype, the dtype the file stores it in
+-- (Automodel's _hf_compute_dtype: the dtype its fully_shard_by_dtype computes it in).
 function M.param(shape, dtype, opts)
   if type(shape) ~= "table" then fail("parameter shape is " .. tostring(shape) .. "; expected a list of sizes") end
   local numel, zero = 1, false
@@ -101,6 +96,7 @@ function M.param(shape, dtype, opts)
   return p
 end
 
+--- A meta tensor of the parameter's shape and dtype, when one is wanted.
 function Param:meta()
   return require("moonshard").tensor(self.shape, self.dtype, "meta")
 end
@@ -142,7 +138,10 @@ function Module:param(name, shape, dtype, opts)
 end
 
 --- Adds a buffer: a plain table {shape, dtype, numel, persistent} (persistent: saved in the
--- state dict; default true), never a parameter.  Returns it.
+-- state dict; default true), never a parameter.  Returns it.  Buffers are tensors a module
+-- keeps that are not parameters: no gradient, no optimizer state, never sharded (FSDP2
+-- leaves them whole on every rank); they are listed apart (named_buffers) and counted by
+-- nobody's param_count, as in PyTorch.
 function Module:buffer(name, shape, dtype, opts)
   check_name(name, "buffer")
   if self.buffers[name] or self.params[name] then fail("'" .. name .. "' is already registered") end
@@ -170,8 +169,9 @@ function Module:named_modules(prefix)
   return out
 end
 
---- Every parameter as a list of {fqn, param, owner_module_name}, in PyTorch's order,
--- shared parameters once.
+--- Every parameter as a list of {fqn, param, owner_module_name}, in PyTorch's order: a
+-- module's own parameters before its children's, and a parameter shared by two modules (tied
+-- weights) once, under its first name.
 function Module:named_parameters(prefix)
   local out, seen = {}, {}
   for _, nm in ipairs(self:named_modules(prefix)) do

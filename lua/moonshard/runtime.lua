@@ -4,22 +4,6 @@
 -- root mesh (pp, dp_replicate, dp_shard, cp, tp) and the MoE mesh (pp, ep_shard, ep)),
 -- then one shard unit per planned unit, in plan order, over the groups of its mesh axes,
 -- with the unit's precision and reshard rule and its parameters in plan order.
---
--- Expert parallelism: an expert parameter holds the experts of this rank's ep coordinate
--- (Shard(0) over ep; the host moves tokens to them with all_to_all on the ep group).  Its
--- gradient on a rank already sums the contributions of every rank of the ep group, so the
--- unit that reduces it over ep_shard divides by the whole data-parallel size
--- (ep_shard * ep), not by ep_shard alone: the result is the gradient of the mean loss, as
--- for the dense units.  Expert parameters that no planned unit holds (ep_shard = 1) are not
--- sharded at all; they still need gradients and optimizer state, so each experts module
--- gets an "ep-local" unit on the one-rank ep_shard group, named "<module>[ep]", holding
--- them in their stored dtype (what a parameter outside FSDP computes in), with the same
--- divide factor.  Its collectives are one-rank copies that move no bytes between ranks.
---
--- A unit planned with offload_policy "cpu" keeps its shards, gradient shards and optimizer
--- state in host memory (ms_unit_set_cpu_offload; on the threads and MPI backends everything
--- is there already).  The ep-local units never offload: their parameters are outside FSDP,
--- where CPUOffloadPolicy does not reach, and the plan counts them on the device.
 
 local ms = require "moonshard"
 
@@ -121,7 +105,16 @@ function M.materialize(plan)
   end
   local state = setmetatable({ units = {}, by_name = {}, ep_local = {}, mesh = root, moe_mesh = moe,
     plan = plan }, Rank)
+  -- Expert parallelism: an expert parameter holds the experts of this rank's ep coordinate
+  -- (Shard(0) over ep; the host moves tokens to them with all_to_all on the ep group).  Its
+  -- gradient on a rank already sums the contributions of every rank of the ep group, so the
+  -- unit that reduces it over ep_shard divides by the whole data-parallel size
+  -- (ep_shard * ep), not by ep_shard alone: the result is the gradient of the mean loss, as
+  -- for the dense units.
   local dp = mc:size("ep_shard") * mc:size("ep")
+  -- A unit planned with offload_policy "cpu" keeps its shards, gradient shards and optimizer
+  -- state in host memory (ms_unit_set_cpu_offload; on the threads and MPI backends
+  -- everything is there already).
   local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor, offload)
     local u = ms.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
     -- where the shards live is fixed before the first parameter is allocated
@@ -146,7 +139,14 @@ function M.materialize(plan)
     add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
       pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu")
   end
-  -- ep-local units: the unsharded expert parameters of each module, in plan order
+  -- ep-local units: the unsharded expert parameters of each module, in plan order.  Expert
+  -- parameters that no planned unit holds (ep_shard = 1) are not sharded at all; they still
+  -- need gradients and optimizer state, so each experts module gets an "ep-local" unit on the
+  -- one-rank ep_shard group, named "<module>[ep]", holding them in their stored dtype (what a
+  -- parameter outside FSDP computes in), with the same divide factor.  Its collectives are
+  -- one-rank copies that move no bytes between ranks.  The ep-local units never offload:
+  -- their parameters are outside FSDP, where CPUOffloadPolicy does not reach, and the plan
+  -- counts them on the device.
   local modules, by_module = {}, {}
   for _, o in ipairs(plan.owned) do
     if not o.unit then

@@ -5,43 +5,6 @@
 -- DeepseekV4HyperConnection, DeepseekV4HyperHead; mtp.py DeepseekV4MTPBlock; the MoE block
 -- from components/moe/layers.py MoE, Gate, MLP and experts.py GroupedExperts), with its
 -- parameter names, shapes, registration order and stored dtypes.
---
--- Stored dtypes.  Automodel builds the model under local_torch_dtype(dtype)
--- (_transformers/model_init.py), dtype = the config's dtype, else torch_dtype, else bfloat16
--- (config.py DeepseekV4Config.__init__: unlike transformers, an absent dtype is bf16).  In
--- f32 whatever that dtype: the hyper-connection mixers attn_hc / ffn_hc (fn, base, scale) and
--- hc_head (hc_fn, hc_base, hc_scale), the attention sinks (self_attn.sinks_param.weight), the
--- compressor's and the indexer's wkv, wgate and ape_param.weight, and lm_head (built with
--- dtype=torch.float32).  Everything else in the model dtype, the norms and the routers
--- included (Float32RMSNorm computes in f32 but stores dtype; Gate.weight is config.dtype).
---
--- Buffers.  Automodel keeps three kinds of tensors as buffers, not parameters:
--- mlp.gate.e_score_correction_bias ([experts], f32, on the score-routed gates: Gate creates
--- it because gate_bias_update_factor = 1e-3 > 0), mlp.gate.tid2eid ([vocab, top_k], int64,
--- persistent, on the hash gates of the first num_hash_layers layers) and the rotary
--- embeddings' inv_freq (non-persistent).  The first two are buffers here too (whole on
--- every rank, in no unit); inv_freq is not built (no state in a checkpoint, and it lives in
--- model.rotary_emb*, outside every block that fully_shard_by_dtype looks into).
---
--- Multi-token prediction: num_nextn_predict_layers (default 1, as config.py and the released
--- Flash and Pro configs) DeepseekV4MTPBlock modules under mtp.layers.<depth> are built,
--- because Automodel builds them (DeepseekV4ForCausalLM.__init__, build_mtp_config_from_hf)
--- and its MoE parallelizer shards them like decoder blocks (parallelizer.py
--- _iter_moe_blocks, apply_fsdp).  The example recipes set num_nextn_predict_layers to 0;
--- so may a config.
---
--- Where the example configs' values come from (examples/configs/deepseek_v4_flash.json and
--- deepseek_v4_pro.json): Automodel's config.py defaults are DeepSeek-V4-Flash's sizes (vocab
--- 129280, hidden 4096, 43 layers, 64 heads, head_dim 512, q_lora_rank 1024, o_lora_rank 1024,
--- o_groups 8, 256 routed experts + 1 shared of 2048, top-6, hc_mult 4, num_hash_layers 3,
--- index 64 heads of 128, one MTP layer), as its docs (docs/guides/llm/dsv4-flash.md,
--- docs/model-coverage/llm/deepseek-ai/dsv4-flash.mdx: 43 layers, 256 + 1 experts, top-6,
--- hc_mult 4) say; Pro's are 384 routed + 1 shared, top-6 (dsv4-pro.mdx).  Neither repository
--- file holds the per-layer compress_ratios nor Pro's other sizes (the recipes read them from
--- the Hub): those are the published config.json files of deepseek-ai/DeepSeek-V4-Flash and
--- DeepSeek-V4-Pro, as quoted by other projects' tests (Flash: 0, 0, then 4 and 128
--- alternating, 0 for the MTP layer; Pro: hidden 7168, 61 layers, 128 heads, q_lora_rank
--- 1536, o_groups 16, 3072 per expert, 128, 128, then 4 and 128 alternating, 0 for MTP).
 
 local module = require "moonshard.module"
 local C = require "moonshard.models.common"
@@ -117,6 +80,14 @@ end
 
 -- moe/layers.py MoE: gate (Gate, or model.py DeepseekV4HashGate on a hash layer), experts
 -- (GroupedExperts), shared_experts (MLP: up_proj, gate_proj, down_proj, in that order).
+--
+-- Buffers.  Automodel keeps three kinds of tensors as buffers, not parameters:
+-- mlp.gate.e_score_correction_bias ([experts], f32, on the score-routed gates: Gate creates
+-- it because gate_bias_update_factor = 1e-3 > 0), mlp.gate.tid2eid ([vocab, top_k], int64,
+-- persistent, on the hash gates of the first num_hash_layers layers) and the rotary
+-- embeddings' inv_freq (non-persistent).  The first two are buffers here too (whole on
+-- every rank, in no unit); inv_freq is not built (no state in a checkpoint, and it lives in
+-- model.rotary_emb*, outside every block that fully_shard_by_dtype looks into).
 local function moe(layer, d, hash)
   local dt = d.dtype
   local block = layer:add("mlp", module.new("MoE", { n_experts = d.experts, top_k = d.top_k }))
@@ -138,9 +109,30 @@ local function moe(layer, d, hash)
   end
 end
 
+-- The builder.  Stored dtypes: Automodel builds the model under local_torch_dtype(dtype)
+-- (_transformers/model_init.py), dtype = the config's dtype, else torch_dtype, else bfloat16
+-- (config.py DeepseekV4Config.__init__: unlike transformers, an absent dtype is bf16).  In
+-- f32 whatever that dtype: the hyper-connection mixers attn_hc / ffn_hc (fn, base, scale) and
+-- hc_head (hc_fn, hc_base, hc_scale), the attention sinks (self_attn.sinks_param.weight), the
+-- compressor's and the indexer's wkv, wgate and ape_param.weight, and lm_head (built with
+-- dtype=torch.float32).  Everything else in the model dtype, the norms and the routers
+-- included (Float32RMSNorm computes in f32 but stores dtype; Gate.weight is config.dtype).
 return function(cfg)
   -- config.py: dtype, else torch_dtype, else bfloat16
   local dtype = (cfg:get("dtype") == nil and cfg:get("torch_dtype") == nil) and "bf16" or cfg:dtype()
+  -- The defaults are Automodel's config.py defaults, DeepSeek-V4-Flash's sizes (vocab
+  -- 129280, hidden 4096, 43 layers, 64 heads, head_dim 512, q_lora_rank 1024, o_lora_rank
+  -- 1024, o_groups 8, 256 routed experts + 1 shared of 2048, top-6, hc_mult 4,
+  -- num_hash_layers 3, index 64 heads of 128, one MTP layer), as its docs
+  -- (docs/guides/llm/dsv4-flash.md, docs/model-coverage/llm/deepseek-ai/dsv4-flash.mdx: 43
+  -- layers, 256 + 1 experts, top-6, hc_mult 4) say; Pro's are 384 routed + 1 shared, top-6
+  -- (dsv4-pro.mdx).  The example configs (examples/configs/deepseek_v4_flash.json and
+  -- deepseek_v4_pro.json) take their values from there.  Neither repository file holds the
+  -- per-layer compress_ratios nor Pro's other sizes (the recipes read them from the Hub):
+  -- those are the published config.json files of deepseek-ai/DeepSeek-V4-Flash and
+  -- DeepSeek-V4-Pro, as quoted by other projects' tests (Flash: 0, 0, then 4 and 128
+  -- alternating, 0 for the MTP layer; Pro: hidden 7168, 61 layers, 128 heads, q_lora_rank
+  -- 1536, o_groups 16, 3072 per expert, 128, 128, then 4 and 128 alternating, 0 for MTP).
   local d = {
     dtype = dtype,
     vocab = cfg:int("vocab_size", 129280), hidden = cfg:int("hidden_size", 4096),
@@ -198,6 +190,12 @@ return function(cfg)
   hyper_head(model, "hc_head", d)
   norm(model, "norm", d.hidden, dtype)
   linear(root, "lm_head", d.vocab, d.hidden, "f32")
+  -- Multi-token prediction: num_nextn_predict_layers (default 1, as config.py and the
+  -- released Flash and Pro configs) DeepseekV4MTPBlock modules under mtp.layers.<depth> are
+  -- built, because Automodel builds them (DeepseekV4ForCausalLM.__init__,
+  -- build_mtp_config_from_hf) and its MoE parallelizer shards them like decoder blocks
+  -- (parallelizer.py _iter_moe_blocks, apply_fsdp).  The example recipes set
+  -- num_nextn_predict_layers to 0; so may a config.
   if d.mtp > 0 then
     local mtp = root:add("mtp", module.new("DeepseekV4MTPModule"))
     local mlayers = mtp:add("layers", module.new("ModuleList"))
