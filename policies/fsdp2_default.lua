@@ -30,11 +30,15 @@
 -- false or under pipeline parallelism, where Automodel sets none; the MoE path never sets
 -- chains (the plan warns when asked).  The plan shows the peak both ways.
 --
+-- Tensor parallelism (tp > 1) comes first on both paths: Automodel's plan for the
+-- architecture (tp_plans.lua; tp_plan and sequence_parallel choose), before any unit.
+--
 -- The knobs are options (M.options, read from ctx.options), Automodel's defaults:
 -- `moonshard plan --set NAME=VALUE`, `--list-options`, or a policy of one line:
 --   return require("fsdp2_default").with{ reshard_after_forward = false }
 
 local by_dtype = require "by_dtype"
+local tp_plans = require "tp_plans"
 
 local M = {}
 
@@ -62,6 +66,10 @@ M.options = {
     doc = "MoEParallelizerConfig.lm_head_precision: f32 gives lm_head an f32 unit on the expert-parallel path" },
   wrap_outer_model = { default = true,
     doc = "MoEParallelizerConfig.wrap_outer_model: shard the outer root after the inner model (ep > 1)" },
+  tp_plan = { default = "auto", type = "string", values = { "auto", "llama", "qwen", "gemma3", "default" },
+    doc = "the tensor-parallel plan when tp > 1 (tp_plans.lua): auto picks Automodel's for the architecture" },
+  sequence_parallel = { default = false,
+    doc = "the plan's sequence-parallel variant (Automodel's sequence_parallel), when tp > 1" },
 }
 M.with = require("derive").with_of(M)
 
@@ -192,9 +200,31 @@ local function expert_parallel(ctx, o)
   if o.wrap_outer_model and inner ~= model then ctx:fully_shard(model, common) end
 end
 
+-- Tensor parallelism first, when tp > 1 (DefaultParallelizationStrategy.parallelize, and
+-- the MoE parallelizer's parallelize_model): the plan o.tp_plan names, or Automodel's for the
+-- architecture.  The MoE path takes no sequence parallel and no plan it was not given
+-- (moe/parallelizer.py, _resolve_moe_tp_plan).
+local function tensor_parallel(ctx, o, moe)
+  if ctx.mesh:size("tp") == 1 then return end
+  if moe then
+    if o.sequence_parallel then
+      error("sequence_parallel=True is not supported by the custom MoE TP path yet (NeMo Automodel's MoE " ..
+        "parallelizer, ep > 1); set sequence_parallel=false", 0)
+    end
+    if o.tp_plan == "auto" then
+      error(string.format("No safe tensor-parallel plan is registered for custom MoE model '%s' at tp_size=%d " ..
+        "(NeMo Automodel's MoE parallelizer, ep > 1): name one with tp_plan (%s) or call ctx:tensor_parallel " ..
+        "with your own", ctx.model.type, ctx.mesh:size("tp"), table.concat(tp_plans.NAMES, ", ")), 0)
+    end
+  end
+  ctx:tensor_parallel((tp_plans.for_model(ctx.model, o.tp_plan, o.sequence_parallel)))
+end
+
 function M.parallelize(ctx)
   local o = ctx.options
-  if ctx.mesh:size("ep") > 1 then
+  local moe = ctx.mesh:size("ep") > 1
+  tensor_parallel(ctx, o, moe)
+  if moe then
     expert_parallel(ctx, o)
   else
     -- DefaultParallelizationStrategy.parallelize: activation checkpointing, then FSDP

@@ -396,6 +396,9 @@ function M.context(model, mesh, opts)
     owner = {},        -- param -> unit
     ep = {},           -- param -> {placements, local_shape}
     ep_order = {},     -- params in the order expert_parallel saw them
+    tp = {},           -- param -> {dim (nil: replicated), style, module, local_shape} (plan_tp)
+    tp_order = {},     -- params in the order tensor_parallel placed them
+    tp_plan = {},      -- {pattern, style, spec, modules} of every tensor_parallel call
     warnings = {},
     -- FSDP2's implicit prefetch (no explicit chain set): the next unit's all-gather is
     -- issued while one computes, and backward prefetches one unit ahead
@@ -587,6 +590,10 @@ function Ctx:expert_parallel(module, opts)
   for _, np in ipairs(self:params_of(module)) do
     local fqn, p = np[1], np[2]
     if self.ep[p] then fail("parameter " .. fqn .. " is given to expert parallelism twice") end
+    if self.tp[p] then
+      fail(string.format("expert_parallel(%s): parameter %s is placed by tensor parallelism (%s through %s); a " ..
+        "parameter takes one of them", display(self:name_of(module)), fqn, self.tp[p].style, display(self.tp[p].module)))
+    end
     if #p.shape == 0 then fail("expert parameter " .. fqn .. " is a scalar; experts are split on dim 0") end
     if p.shape[1] % ep ~= 0 then
       fail(string.format("expert parameter %s has %d experts (dim 0), not divisible by ep = %d", fqn, p.shape[1], ep))
@@ -820,7 +827,13 @@ local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big
   count_str = count_str, is_ancestor = is_ancestor, DTYPE_SIZE = DTYPE_SIZE, FLOAT = FLOAT, MAX = MAX }
 local layout = require("moonshard.plan_layout").bind(helpers)
 local memory = require("moonshard.plan_memory").bind(helpers)
+local tensor_parallel = require("moonshard.plan_tp").bind(helpers)
 check_shard_dim = layout.check_shard_dim
+M.placements = tensor_parallel.placements
+
+--- Applies a tensor-parallel plan (module pattern -> style; moonshard.plan_tp) before any
+-- unit is made; returns the number of modules it placed.
+function Ctx:tensor_parallel(plan) return tensor_parallel.apply(self, plan) end
 
 -- ---------------------------------------------------------------- what the policy sees
 
@@ -1114,6 +1127,12 @@ local function policy_context(ctx, opts)
     for i, p in ipairs(ctx:expert_parallel(module_arg(view, m, "ctx:expert_parallel"), o)) do out[i] = view.param(p) end
     return out
   end
+  function pub.tensor_parallel(_, plan)
+    if type(plan) ~= "table" then
+      fail("ctx:tensor_parallel: the plan is a " .. type(plan) .. "; expected a table of module pattern = style")
+    end
+    return ctx:tensor_parallel(copy_data(plan, 0))
+  end
   function pub.fully_shard(_, m, sopts)
     local module = ctx:module(module_arg(view, m, "ctx:fully_shard"))
     local where = "fully_shard(" .. display(ctx:name_of(module)) .. ")"
@@ -1207,7 +1226,8 @@ local function validate_expert_replicas(ctx, fqn_of)
     #bare > 4 and string.format(" and %d more", #bare - 4) or "", replicas, replicas))
 end
 
--- A unit's trainable parameters live on every data-parallel rank (pp = tp = 1 here): the
+-- A unit's trainable parameters live on every data-parallel rank (pp = 1 here; a tp rank holds
+-- its own slice of each, reduced over the data-parallel ranks like the rest): the
 -- dense ones on all dp_replicate x dp_shard x cp ranks, an expert's on the ep_shard ranks
 -- that hold it.  Their gradients are reduced over the unit's mesh only, so a mesh of fewer
 -- ranks (a size-1 axis, dp_shard alone under HSDP, ep_shard for dense layers) leaves
@@ -1260,7 +1280,7 @@ end
 -- no master weights), none.
 M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
 
--- What plan() is asked: the optimizer known, a mesh it plans (pp = tp = 1), a policy with
+-- What plan() is asked: the optimizer known, a mesh it plans (pp = 1), a policy with
 -- parallelize.  Returns the optimizer and parallelize.
 local function check_request(mesh, policy, opts)
   local optimizer = opts.optimizer or "adamw"
@@ -1270,7 +1290,6 @@ local function check_request(mesh, policy, opts)
   end
   -- the mesh's fault, not the policy's: no policy position in these
   if mesh:size("pp") > 1 then fail("mesh: pipeline parallelism (pp > 1) is not planned yet; use pp = 1", true) end
-  if mesh:size("tp") > 1 then fail("mesh: tensor parallel plans (tp > 1) are not modelled yet; use tp = 1", true) end
   local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
   if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
   return optimizer, parallelize
@@ -1465,6 +1484,18 @@ end
 -- has them), log (function(line): where ctx:log's lines go; default stderr).
 -- The plan records options (a list of {name, value, set}) and checkpointed (the names of
 -- the modules checkpoint_wrap wrapped).
+-- What tensor parallelism placed: nil without it, else {size, sequence_parallel (a style
+-- of the plan is one), plan = {pattern, style, modules}, params = map param -> placement}.
+local function tp_summary(ctx)
+  if #ctx.tp_plan == 0 or ctx.mesh:size("tp") == 1 then return nil end
+  local sp, plan = false, {}
+  for i, r in ipairs(ctx.tp_plan) do
+    sp = sp or r.style:find("^sequence_parallel") ~= nil
+    plan[i] = { pattern = r.pattern, style = r.style, modules = r.modules }
+  end
+  return { size = ctx.mesh:size("tp"), sequence_parallel = sp, plan = plan, params = ctx.tp, count = #ctx.tp_order }
+end
+
 local function plan(model, mesh, policy, opts)
   local optimizer, parallelize = check_request(mesh, policy, opts)
   check_params(model)
@@ -1502,6 +1533,7 @@ local function plan(model, mesh, policy, opts)
     checkpointed = checkpointed,
     fqn_of = fqn_of,
     params = params,
+    tensor_parallel = tp_summary(ctx),
   }
 end
 

@@ -16,9 +16,10 @@ function L.bind(h)
   return L
 end
 
--- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local.
+-- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local, a
+-- tensor-parallel one tp-local (FSDP2 shards the DTensor's local tensor).
 local function fsdp_shape(ctx, p)
-  local e = ctx.ep[p]
+  local e = ctx.ep[p] or ctx.tp[p]
   return e and e.local_shape or p.shape
 end
 

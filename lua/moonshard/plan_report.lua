@@ -72,14 +72,24 @@ local function local_shapes_json(shape, dim, W)
 end
 M.local_shapes_json = local_shapes_json
 
-local function unit_json(u)
+local function unit_json(u, plan)
   local params = {}
+  local tp = plan.tensor_parallel and plan.tensor_parallel.params
   for i, e in ipairs(u.entries) do
-    params[i] = "      " .. jobj({
+    local placements, axes = plan_mod.placements(plan.mesh, tp, u, e.param, e.dim)
+    local fields = {
       { "fqn", jstr(e.fqn) }, { "shape", jints(e.shape) }, { "dtype", jstr(e.param.dtype) },
       { "placement", jstr(string.format("Shard(%d)", e.dim)) }, { "padded_shard_shape", jints(e.padded) },
       { "local_shapes", local_shapes_json(e.shape, e.dim, u.shard_size) },
-    })
+      { "placements", jstrs(placements) }, { "placement_axes", jstrs(axes) },
+    }
+    local t = tp and tp[e.param]
+    if t then
+      fields[#fields + 1] = { "tp", jobj({ { "style", jstr(t.style) }, { "module", jstr(t.module) },
+        { "placement", jstr(t.dim and string.format("Shard(%d)", t.dim) or "Replicate()") },
+        { "global_shape", jints(e.param.shape) } }) }
+    end
+    params[i] = "      " .. jobj(fields)
   end
   local raf = u.reshard
   local fields = {
@@ -161,8 +171,18 @@ function M.to_json(plan, opts)
       ",\n")
   end
   add(' "checkpointed":' .. jstrs(plan.checkpointed or {}) .. ",\n")
+  -- only plans with tensor parallelism carry the key
+  local tp = plan.tensor_parallel
+  if tp then
+    local rows = {}
+    for i, r in ipairs(tp.plan) do
+      rows[i] = jobj({ { "pattern", jstr(r.pattern) }, { "style", jstr(r.style) }, { "modules", jnum(r.modules) } })
+    end
+    add(' "tensor_parallel":' .. jobj({ { "size", jnum(tp.size) }, { "sequence_parallel", jbool(tp.sequence_parallel) },
+      { "params", jnum(tp.count) }, { "plan", "[" .. table.concat(rows, ",") .. "]" } }) .. ",\n")
+  end
   local units = {}
-  for i, u in ipairs(plan.units) do units[i] = unit_json(u) end
+  for i, u in ipairs(plan.units) do units[i] = unit_json(u, plan) end
   add(' "units":[\n' .. table.concat(units, ",\n") .. "\n ],\n")
   local owned = {}
   for i, o in ipairs(plan.owned) do
@@ -235,6 +255,16 @@ function M.to_text(plan, opts)
   end
   if plan.prefetch then
     add(string.format("prefetch forward %d, backward %d", plan.prefetch.forward, plan.prefetch.backward))
+  end
+  local tp = plan.tensor_parallel
+  if tp then
+    local matched, unmatched = 0, {}
+    for _, r in ipairs(tp.plan) do
+      if r.modules > 0 then matched = matched + 1 else unmatched[#unmatched + 1] = r.pattern end
+    end
+    add(string.format("tensor parallel tp=%d%s: %d parameters placed by %d of %d patterns%s; the units below " ..
+      "hold each tp rank's slice", tp.size, tp.sequence_parallel and ", sequence parallel" or "", tp.count, matched,
+      #tp.plan, #unmatched > 0 and " (matching nothing: " .. table.concat(unmatched, ", ") .. ")" or ""))
   end
   if plan.checkpointed and #plan.checkpointed > 0 then
     local c = plan.checkpointed

@@ -324,7 +324,9 @@ describe("the shipped policies' options", function()
       -- Automodel's defaults (FSDP2Config, MoEParallelizerConfig): no explicit prefetch
       ["policies/fsdp2_default.lua"] = { reshard_after_forward = "none", offload_policy = "none",
         activation_checkpointing = false, ["prefetch.explicit"] = false, ["prefetch.forward"] = "none",
-        ["prefetch.backward"] = "none", lm_head_precision = "none", wrap_outer_model = true },
+        ["prefetch.backward"] = "none", lm_head_precision = "none", wrap_outer_model = true,
+        -- Automodel's distributed config: no sequence parallel, the plan of the architecture
+        sequence_parallel = false, tp_plan = "auto" },
       ["policies/full_fp32.lua"] = { activation_checkpointing = false, ["prefetch.forward"] = 1,
         ["prefetch.backward"] = 2 },
       -- FSDP2's implicit prefetch, which Automodel's parallelizers leave in place
@@ -403,7 +405,8 @@ describe("a derived policy (with)", function()
   it("refuses an unknown option by name, and a wrong default when planned", function()
     local msg = errmsg(load, 'return require("fsdp2_default").with{ reshard = 1 }\n')
     assert_has(msg, "with: unknown option 'reshard'; the options are: activation_checkpointing, lm_head_precision, " ..
-      "offload_policy, prefetch.backward, prefetch.explicit, prefetch.forward, reshard_after_forward, wrap_outer_model")
+      "offload_policy, prefetch.backward, prefetch.explicit, prefetch.forward, reshard_after_forward, sequence_parallel, " ..
+      "tp_plan, wrap_outer_model")
     -- the file that called with, not derive.lua: a tail call leaves no line of it on the stack
     assert_has(msg, "moonshard: policy " .. dir .. "/derived.lua: with: unknown option")
     assert_has(errmsg(load, 'local p = require("by_dtype").with(5)\nreturn p\n'),
@@ -429,7 +432,7 @@ describe("a derived policy (with)", function()
     assert.equal(0, r.code, r.err)
     assert_has(r.out, "\noptions activation_checkpointing=false (set), lm_head_precision=none, offload_policy=none, " ..
       "prefetch.backward=none, prefetch.explicit=false, prefetch.forward=none, reshard_after_forward=false, " ..
-      "wrap_outer_model=true\n")
+      "sequence_parallel=false, tp_plan=auto, wrap_outer_model=true\n")
     assert.is_false(has(r.out, "activation checkpointing:"))
   end)
 end)

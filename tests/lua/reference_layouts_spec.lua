@@ -137,6 +137,7 @@ local function check_case(case)
   -- The inputs torch was handed: the same calls, or the reference is stale.
   local calls = json.decode(json.encode(L.calls(plan)), "calls")
   local ep = json.decode(json.encode(L.ep(plan)), "ep")
+  local tp = json.decode(json.encode(L.tp(plan)), "tp")
   local stale = {}
   for i = 1, math.max(#calls, #case.calls) do
     if not eq(calls[i], case.calls[i]) then
@@ -146,6 +147,7 @@ local function check_case(case)
     end
   end
   if not eq(ep, case.ep) then stale[#stale + 1] = "expert parallelism owns " .. show(ep) .. ", recorded " .. show(case.ep) end
+  if not eq(tp, case.tp) then stale[#stale + 1] = "tensor parallelism places " .. show(tp) .. ", recorded " .. show(case.tp) end
   if #stale > 0 then
     P.add(table.concat(stale, "; ") .. ": the policy or the planner changes what is sharded, so the reference " ..
       "no longer describes this plan; if the change is intended, remake it: " .. REMAKE)
@@ -225,10 +227,9 @@ local function check_case(case)
       P.check(pw .. ": requires_grad", tp.requires_grad, p.requires_grad)
       local iu, o = in_unit[fqn], owned[fqn]
       local dims, placements, padded, gathered_as = {}, {}, json.null, json.null
-      if iu then
-        for _, a in ipairs(iu.unit.mesh_axes) do dims[#dims + 1] = a end
-        if #dims == 2 then placements[1] = "Replicate()" end
-        placements[#placements + 1] = iu.param.placement
+      if iu then -- the DTensor's mesh and placements, as the plan JSON states them
+        for _, a in ipairs(iu.param.placement_axes) do dims[#dims + 1] = a end
+        for _, pl in ipairs(iu.param.placements) do placements[#placements + 1] = pl end
         padded, gathered_as = iu.param.padded_shard_shape, gathered[fqn]
       end
       if o then -- expert parallelism's Shard(0) over ep, innermost
@@ -296,8 +297,8 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
     for _ in pairs(totals.meshes) do meshes = meshes + 1 end
     -- the figures docs/verification.md quotes: cases (plans), parameters, parameter x rank layouts,
     -- units, ranks (memory per rank), values compared, known differences, meshes
-    assert.same({ cases = 15, params = 466, param_ranks = 1835, units = 104, ranks = 59, checks = 7727, known = 6,
-      meshes = 7 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
+    assert.same({ cases = 18, params = 571, param_ranks = 2465, units = 113, ranks = 77, checks = 9431, known = 6,
+      meshes = 10 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
       units = totals.units, ranks = totals.ranks, checks = totals.checks, known = totals.known, meshes = meshes })
   end)
 end)

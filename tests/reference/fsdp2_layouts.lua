@@ -11,7 +11,9 @@
 --   calls  the fully_shard calls in order: module, mesh axes, mp_policy as given,
 --          reshard_after_forward as given (null: FSDP2's default), ignored_params (fqns),
 --          the dims shard_placement_fn returned (fqn -> dim), offload_policy;
---   ep     what expert parallelism owns: fqn and placements over ep.
+--   ep     what expert parallelism owns: fqn and placements over ep;
+--   tp     the modules tensor parallelism placed, in order: module, the kind of its style
+--          (colwise, rowwise, sequence_parallel: what it does to parameters).
 -- The plan JSON (`plan --json`) has no ignored parameters, no tie and no module tree, which
 -- PyTorch needs to be handed the same model and the same calls: hence this file.
 --
@@ -116,8 +118,25 @@ function M.ep(plan)
   return out
 end
 
+--- The modules tensor parallelism placed, in the order it placed their parameters.
+function M.tp(plan)
+  local out, seen = json.array(), {}
+  local tp = plan.tensor_parallel
+  if not tp then return out end
+  local kind = require("moonshard.plan_tp").kind
+  for _, np in ipairs(plan.params) do
+    local t = tp.params[np[2]]
+    if t and not seen[t.module] then
+      seen[t.module] = true
+      out[#out + 1] = json.object({ "module", "kind" }, { module = t.module, kind = kind(t.style) })
+    end
+  end
+  return out
+end
+
 function M.describe(plan)
-  return json.object({ "tree", "calls", "ep" }, { tree = M.tree(plan), calls = M.calls(plan), ep = M.ep(plan) })
+  return json.object({ "tree", "calls", "ep", "tp" },
+    { tree = M.tree(plan), calls = M.calls(plan), ep = M.ep(plan), tp = M.tp(plan) })
 end
 
 local function main(cases_path)

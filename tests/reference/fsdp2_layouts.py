@@ -44,7 +44,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import refdata
@@ -59,6 +61,7 @@ MIXTRAL = "tests/reference/configs/mixtral_tiny.json"
 QWEN3 = "tests/reference/configs/qwen3_moe_tiny.json"
 DEEPSEEK = "tests/reference/configs/deepseek_v3_tiny.json"
 INK = "tests/lua/configs/inkling2_tiny.json"
+LLAMA_TP = "tests/reference/configs/llama_tp_tiny.json"
 
 # name, config, mesh, policy (the optimizer counted is torch_adamw: torch.optim.AdamW's state)
 CASES = [
@@ -78,6 +81,12 @@ CASES = [
     ("inkling2_hsdp2x2", INK, "dp_replicate=2,dp_shard=2", INKLING2),
     ("inkling2_ep2", INK, "dp_shard=4,ep=2", INKLING2),
     ("inkling2_hsdp2x2_ep2", INK, "dp_replicate=2,dp_shard=2,ep=2", INKLING2),
+    # tensor parallelism under FSDP2 (tp innermost): the shipped plan, its sequence-parallel
+    # variant under HSDP, and FSDP's uneven shards of tp-local tensors
+    ("llama_tp2_fsdp2", LLAMA_TP, "dp_shard=2,tp=2", FSDP2),
+    ("llama_tp2_sp_hsdp2x2", LLAMA_TP, "dp_replicate=2,dp_shard=2,tp=2",
+     "tests/reference/policies/fsdp2_sequence_parallel.lua"),
+    ("llama_tp2_fsdp3", LLAMA_TP, "dp_shard=3,tp=2", FSDP2),
 ]
 OPTIMIZER = "torch_adamw"
 
@@ -108,8 +117,8 @@ def sizes_of(mesh):
     for item in mesh.split(","):
         k, v = item.split("=")
         s[k] = int(v)
-    assert s["pp"] == s["cp"] == s["tp"] == 1, "this reference makes no pp, cp or tp meshes"
-    world = s["dp_replicate"] * s["dp_shard"]
+    assert s["pp"] == s["cp"] == 1, "this reference makes no pp or cp meshes"
+    world = s["dp_replicate"] * s["dp_shard"] * s["tp"]
     s["ep_shard"] = world // s["ep"]
     return s, world
 
@@ -243,6 +252,8 @@ def placement_str(p):
     placement is the short S(0), R in torch 2.15)."""
     if type(p) is Shard:
         return "Shard(%d)" % p.dim
+    if isinstance(p, _StridedShard):
+        return "_StridedShard(%d, split_factor=%d)" % (p.dim, p.split_factor)
     if isinstance(p, Replicate):
         return "Replicate()"
     return repr(p)
@@ -256,8 +267,8 @@ def run_rank(case, desc, rank):
     sizes, world = sizes_of(case["mesh"])
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        root_mesh = init_device_mesh("cpu", (sizes["dp_replicate"], sizes["dp_shard"]),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+        root_mesh = init_device_mesh("cpu", (sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"]),
+                                     mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         moe_mesh = init_device_mesh("cpu", (sizes["ep_shard"], sizes["ep"]), mesh_dim_names=("ep_shard", "ep"))
 
         def mesh_of(axes):
@@ -267,6 +278,17 @@ def run_rank(case, desc, rank):
             return root_mesh[axes if len(axes) > 1 else axes[0]]
 
         model = build(desc["tree"])
+        # tensor parallelism first, as Automodel applies it: each placed module's parameters
+        # distributed over tp by the style's own partition function (its activation hooks
+        # are left out: the stand-in forward only sums parameters)
+        for t in desc["tp"]:
+            module = model.get_submodule(t["module"])
+            if t["kind"] == "sequence_parallel":
+                fn = SequenceParallel()._replicate_module_fn
+            else:
+                style = ColwiseParallel() if t["kind"] == "colwise" else RowwiseParallel()
+                fn = style._partition_embedding_fn if module.type_name == "Embedding" else style._partition_linear_fn
+            distribute_module(module, root_mesh["tp"], fn)
         # expert parallelism: each rank holds its ep coordinate's experts (dim 0), as torch
         # splits them
         for e in desc["ep"]:
@@ -401,7 +423,7 @@ def main():
         case = {"name": name, "config": config, "mesh": mesh, "policy": policy, "optimizer": OPTIMIZER}
         d = descs[name]
         rec = run_case(case, d)
-        case.update({"world": sizes_of(mesh)[1], "calls": d["calls"], "ep": d["ep"], "torch": rec})
+        case.update({"world": sizes_of(mesh)[1], "calls": d["calls"], "ep": d["ep"], "tp": d["tp"], "torch": rec})
         out["cases"].append(case)
         n = len(rec["params"])
         print("fsdp2_layouts: %-28s %3d parameters x %d ranks, %d units" % (name, n, case["world"], len(rec["units"])),
