@@ -57,6 +57,9 @@ output:
                        dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
                        the file name; ORG/NAME with --model)
+  --rank R             also show what rank R holds: its coordinates, and every
+                       parameter's local shape, placements and unit (added to the JSON as
+                       "rank_view" with --json)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
   --policy-memory MB        the memory cap in MiB, at least 1 (default 256)
@@ -81,7 +84,7 @@ local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] =
 -- options given any number of times: option -> list of values
 local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
-  name = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
+  name = true, rank = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
 local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
   ["policy-seconds"] = "seconds" }
@@ -264,6 +267,10 @@ function M.main(args)
       o.limits[key] = n
     end
   end
+  if o.rank and not o.rank:match("^%d+$") then
+    return usage_error("--rank is a rank, a whole number from 0, not '" .. o.rank .. "'")
+  end
+  if o.rank then o.rank = tonumber(o.rank) end
   if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then
     return usage_error("--optimizer is adamw, torch_adamw or none, not '" .. o.optimizer .. "'")
   end
@@ -291,8 +298,9 @@ function M.main(args)
   if ok then
     ok, text = pcall(function()
       if o.svg then svg = require("moonshard.plan_svg").render(result) end
-      if o.json then return report.to_json(result, { audit = o.audit }) end
-      return report.to_text(result, { policy = o.policy }) .. (o.audit and "\n" .. report.audit_text(result) or "")
+      if o.json then return report.to_json(result, { audit = o.audit, rank = o.rank }) end
+      return report.to_text(result, { policy = o.policy }) .. (o.audit and "\n" .. report.audit_text(result) or "") ..
+        (o.rank and "\n" .. report.rank_text(result, report.rank_view(result, o.rank)) or "")
     end)
     if not ok then result = text end
   end

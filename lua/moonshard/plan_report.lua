@@ -133,7 +133,8 @@ local function json_lists_size(plan)
   return bytes
 end
 
---- The plan JSON (version 1, docs/planning.md), with "audit" added when opts.audit is set.
+--- The plan JSON (version 1, docs/planning.md), with "audit" added when opts.audit is set
+-- and "rank_view" when opts.rank is a rank.
 function M.to_json(plan, opts)
   opts = opts or {}
   local mesh = plan.mesh
@@ -217,6 +218,7 @@ function M.to_json(plan, opts)
     end
     add(' "audit":[\n' .. table.concat(rows, ",\n") .. "\n ],\n")
   end
+  if opts.rank ~= nil then add(' "rank_view":' .. M.rank_json(M.rank_view(plan, opts.rank)) .. ",\n") end
   add(' "warnings":' .. jstrs(plan.warnings) .. "\n}\n")
   return table.concat(out)
 end
@@ -363,6 +365,102 @@ function M.audit_text(plan)
   for _, k in ipairs(keys) do parts[#parts + 1] = string.format("%d in %s", counts[k], k) end
   out[#out + 1] = "gradients reduced: " .. table.concat(parts, ", ")
   return table.concat(out, "\n") .. "\n"
+end
+
+-- ---------------------------------------------------------------- one rank
+
+-- The axes a rank has a coordinate on: the root mesh's, then with ep > 1 the MoE mesh's.
+local VIEW_AXES = { "pp", "dp_replicate", "dp_shard", "cp", "tp" }
+
+--- What rank r holds: {rank, coords = {{axis, coordinate}...}, params = {{fqn, local_shape,
+-- placements, axes, unit}...} in named_parameters() order, memory = its run of
+-- memory.per_rank}.  A parameter in a unit holds its torch.chunk piece along the unit's
+-- shard axis (of the shape FSDP shards: tp- or ep-local); one expert parallelism owns and no
+-- unit shards, its experts; any other, its whole (tp-local) shape, as a plain tensor.
+function M.rank_view(plan, r)
+  local mesh = plan.mesh
+  if not util.is_int(r) or r < 0 or r >= mesh.world then
+    error(string.format("moonshard: plan: --rank %s: expected a rank 0..%d of the world of %d", tostring(r),
+      mesh.world - 1, mesh.world), 0)
+  end
+  local coords = {}
+  for _, a in ipairs(VIEW_AXES) do coords[#coords + 1] = { a, mesh:coord(a, r) } end
+  if mesh:size("ep") > 1 then
+    coords[#coords + 1] = { "ep_shard", mesh:coord("ep_shard", r) }
+    coords[#coords + 1] = { "ep", mesh:coord("ep", r) }
+  end
+  local in_unit, owned = {}, {}
+  for _, u in ipairs(plan.units) do
+    for _, e in ipairs(u.entries) do in_unit[e.param] = { unit = u, entry = e } end
+  end
+  for _, o in ipairs(plan.owned) do owned[o.fqn] = o end
+  local tp = plan.tensor_parallel and plan.tensor_parallel.params
+  local params = {}
+  for _, np in ipairs(plan.params) do
+    local fqn, p = np[1], np[2]
+    local iu, o, t = in_unit[p], owned[fqn], tp and tp[p]
+    local shape, placements, axes, unit
+    if iu then
+      local u, e = iu.unit, iu.entry
+      local W, c = u.shard_size, mesh:coord(u.mesh_axes[#u.mesh_axes], r)
+      local n = e.shape[e.dim + 1]
+      local chunk = util.ceil_div(n, W)
+      local start = math.min(n, c * chunk)
+      shape = util.copy(e.shape)
+      shape[e.dim + 1] = math.max(0, math.min(n, start + chunk) - start)
+      placements, axes = plan_mod.placements(mesh, tp, u, p, e.dim)
+      unit = u.name
+    elseif o then
+      shape, placements, axes = util.copy(o.local_shape), {}, {}
+    elseif t then
+      shape, placements, axes = util.copy(t.local_shape), { t.dim and string.format("Shard(%d)", t.dim) or
+        "Replicate()" }, { "tp" }
+    else
+      shape, placements, axes = util.copy(p.shape), {}, {}
+    end
+    if o then -- expert parallelism's split over ep, innermost
+      for _, pl in ipairs(o.placements) do placements[#placements + 1] = pl end
+      axes[#axes + 1] = "ep"
+    end
+    params[#params + 1] = { fqn = fqn, local_shape = shape, placements = placements, axes = axes, unit = unit }
+  end
+  local memory
+  for _, run in ipairs(plan.memory.runs) do
+    if r >= run.first and r < run.first + run.count then memory = run end
+  end
+  return { rank = r, coords = coords, params = params, memory = memory }
+end
+
+--- The rank view as text.
+function M.rank_text(plan, view)
+  local out, parts = {}, {}
+  for i, c in ipairs(view.coords) do parts[i] = c[1] .. "=" .. c[2] end
+  local m = plan.memory
+  out[1] = string.format("rank %d: %s", view.rank, table.concat(parts, ", "))
+  out[2] = string.format("  holds params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
+    util.bytes(m.params), util.bytes(m.grads), util.bytes(view.memory.optimizer), util.bytes(m.peak_unsharded),
+    util.bytes(view.memory.total))
+  local fw = 9
+  for _, p in ipairs(view.params) do fw = math.max(fw, #p.fqn) end
+  out[3] = string.format("  %s  %-20s %s", pad("parameter", fw), "local shape", "placements (axes), unit")
+  for _, p in ipairs(view.params) do
+    local pl = {}
+    for i, x in ipairs(p.placements) do pl[i] = x .. " " .. p.axes[i] end
+    out[#out + 1] = string.format("  %s  %-20s %s%s", pad(p.fqn, fw), "[" .. table.concat(p.local_shape, ", ") .. "]",
+      #pl > 0 and table.concat(pl, ", ") or "whole", p.unit and "; unit " .. (p.unit == "" and "<root>" or p.unit) or "")
+  end
+  return table.concat(out, "\n") .. "\n"
+end
+
+--- The rank view as the plan JSON's "rank_view" value.
+function M.rank_json(view)
+  local coords, params = {}, {}
+  for i, c in ipairs(view.coords) do coords[i] = { c[1], jnum(c[2]) } end
+  for i, p in ipairs(view.params) do
+    params[i] = { p.fqn, jobj({ { "local_shape", jints(p.local_shape) }, { "placements", jstrs(p.placements) },
+      { "placement_axes", jstrs(p.axes) }, { "unit", p.unit and jstr(p.unit) or "null" } }) }
+  end
+  return jobj({ { "rank", jnum(view.rank) }, { "coords", jobj(coords) }, { "params", jobj(params) } })
 end
 
 return M

@@ -256,6 +256,19 @@ local function check_case(case)
     end
   end
 
+  -- What `plan --rank R` says each rank holds: torch's local shape and placements.
+  for r = 0, world - 1 do
+    local view = report.rank_view(plan, r)
+    for i, vp in ipairs(view.params) do
+      local tp = T.params[i]
+      if tp and tp.fqn == vp.fqn then
+        P.check(string.format("plan --rank %d, parameter %s: local shape", r, vp.fqn), tp["local"][r + 1], vp.local_shape)
+        P.check(string.format("plan --rank %d, parameter %s: placements", r, vp.fqn), tp.placements, vp.placements)
+        P.check(string.format("plan --rank %d, parameter %s: mesh dims", r, vp.fqn), tp.mesh_dims, vp.axes)
+      end
+    end
+  end
+
   -- Bytes per rank (plan --optimizer torch_adamw).
   for r = 0, world - 1 do
     local tb, mb = T.bytes[r + 1], pj.memory.per_rank[r + 1]
@@ -297,7 +310,7 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
     for _ in pairs(totals.meshes) do meshes = meshes + 1 end
     -- the figures docs/verification.md quotes: cases (plans), parameters, parameter x rank layouts,
     -- units, ranks (memory per rank), values compared, known differences, meshes
-    assert.same({ cases = 18, params = 571, param_ranks = 2465, units = 113, ranks = 77, checks = 9431, known = 6,
+    assert.same({ cases = 18, params = 571, param_ranks = 2465, units = 113, ranks = 77, checks = 16826, known = 6,
       meshes = 10 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
       units = totals.units, ranks = totals.ranks, checks = totals.checks, known = totals.known, meshes = meshes })
   end)

@@ -225,3 +225,40 @@ describe("tensor_parallel patterns", function()
     assert.equal(4, p.tensor_parallel.count) -- o_proj's weight and bias, in both layers
   end)
 end)
+
+describe("moonshard plan --rank", function()
+  local S = require "support"
+  local cfg = "tests/reference/configs/llama_tp_tiny.json"
+  local base = { "plan", "--config", cfg, "--mesh", "dp_shard=3,tp=2", "--policy", "policies/fsdp2_default.lua" }
+  local function args(...)
+    local a = {}
+    for _, x in ipairs(base) do a[#a + 1] = x end
+    for _, x in ipairs({ ... }) do a[#a + 1] = x end
+    return a
+  end
+
+  it("shows one rank's coordinates, and each parameter's piece of it, in the table and the JSON", function()
+    local r = S.run(args("--rank", "5"))
+    assert.equal(0, r.code, r.err)
+    assert_has(r.out, "\nrank 5: pp=0, dp_replicate=0, dp_shard=2, cp=0, tp=1\n")
+    -- q_proj [20, 20]: tp rank 1 holds rows 10..19, FSDP coordinate 2 the last 2 of them
+    assert.matches("\n  model%.layers%.0%.self_attn%.q_proj%.weight +%[2, 20%] +_StridedShard%(0, split_factor=2%) " ..
+      "dp_shard, Shard%(0%) tp; unit model%.layers%.0\n", r.out)
+    r = S.run(args("--rank", "5", "--json"))
+    assert.equal(0, r.code, r.err)
+    local view = json.decode(r.out, "plan").rank_view
+    assert.equal(5, view.rank)
+    assert.same({ pp = 0, dp_replicate = 0, dp_shard = 2, cp = 0, tp = 1 }, view.coords)
+    assert.same({ local_shape = { 6, 10 }, placements = { "Shard(0)", "Shard(1)" }, placement_axes = { "dp_shard", "tp" },
+      unit = "model.layers.1" }, view.params["model.layers.1.self_attn.o_proj.weight"])
+  end)
+
+  it("refuses a rank outside the world, or no rank at all", function()
+    local r = S.run(args("--rank", "6"))
+    assert.equal(1, r.code)
+    assert_has(r.err, "moonshard plan: error: plan: --rank 6: expected a rank 0..5 of the world of 6")
+    r = S.run(args("--rank", "-1"))
+    assert.equal(2, r.code)
+    assert_has(r.err, "--rank is a rank, a whole number from 0, not '-1'")
+  end)
+end)
