@@ -189,7 +189,8 @@ typedef enum {
     C_OPTIMIZER,
     C_OPTION,
     C_LIMITS,
-    C_SECONDS
+    C_SECONDS,
+    C_BATCH
 } call_kind;
 
 typedef struct {
@@ -200,13 +201,14 @@ typedef struct {
     ms_dtype dtype;
     int requires_grad;
     double d1, d2;       /* number arguments */
+    int64_t i1, i2, i3;  /* integer arguments */
     lua_Integer out[2]; /* integer results */
     char *json;          /* C_PLAN_JSON's result, malloc'd */
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
                                  "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
-                                 "set_policy_seconds"};
+                                 "set_policy_seconds", "set_batch"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -260,6 +262,12 @@ static int p_call(lua_State *L) {
         nargs = 2;
         break;
     case C_SECONDS: lua_pushnumber(L, c->d1); nargs = 1; break;
+    case C_BATCH:
+        lua_pushinteger(L, (lua_Integer)c->i1);
+        lua_pushinteger(L, (lua_Integer)c->i2);
+        lua_pushinteger(L, (lua_Integer)c->i3);
+        nargs = 3;
+        break;
     case C_PREFETCH: nres = 2; break;
     case C_PLAN_JSON: nres = 1; break;
     case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
@@ -501,6 +509,12 @@ ms_status ms_interp_set_option(ms_interp *in, const char *setting) {
 ms_status ms_interp_set_policy_limits(ms_interp *in, double instructions, double memory_mb) {
     EMB_NOT_NULL(in);
     embed_call c = {.kind = C_LIMITS, .d1 = instructions, .d2 = memory_mb};
+    return call(in, &c);
+}
+
+ms_status ms_interp_set_batch(ms_interp *in, int64_t seq_len, int64_t micro_batch, int64_t global_batch) {
+    EMB_NOT_NULL(in);
+    embed_call c = {.kind = C_BATCH, .i1 = seq_len, .i2 = micro_batch, .i3 = global_batch};
     return call(in, &c);
 }
 

@@ -99,6 +99,12 @@ ms_status ms_interp_set_optimizer(ms_interp *in, const char *optimizer);
  * checks them against the policy's declared options (an unknown name is MS_ERR_ARG listing
  * them).  MS_ERR_ARG here for a setting without "NAME=", MS_ERR_STATE after materialize. */
 ms_status ms_interp_set_option(ms_interp *in, const char *setting);
+/* The batch the plans made after this count traffic for, as `moonshard plan --seq-len S
+ * --micro-batch B --global-batch G` does: seq_len tokens per sample, micro_batch samples per
+ * micro-batch on each data-parallel rank, global_batch samples per optimizer step (0: B x
+ * dp); seq_len 0 forgets the batch.  MS_ERR_ARG for a negative number or one above 2^40; a
+ * batch that does not split over the mesh is refused by the next plan. */
+ms_status ms_interp_set_batch(ms_interp *in, int64_t seq_len, int64_t micro_batch, int64_t global_batch);
 /* The policy sandbox's limits for the plans made after this, per policy call: the
  * instructions it may run and the MiB it may allocate (defaults 200e6 and 256).  MS_ERR_ARG
  * below 1 instruction or 1 MiB. */

@@ -149,7 +149,7 @@ function M.plan(mesh, policy_path)
     instructions = limits.instructions, memory_mb = limits.memory_mb, seconds = limits.seconds })
   local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer,
-    policy_name = policy_path, set = state.options })
+    policy_name = policy_path, set = state.options, tokens = state.batch })
   return #state.plan.units
 end
 
@@ -185,6 +185,24 @@ function M.set_policy_limits(instructions, memory_mb)
       "least 1 MiB", instructions, memory_mb))
   end
   state.limits = { instructions = instructions, memory_mb = memory_mb, seconds = state.limits and state.limits.seconds }
+end
+
+--- The batch the plans made after this count traffic for (ms_interp_set_batch): seq_len 0
+-- forgets it; micro_batch and global_batch 0 take their defaults.
+function M.set_batch(seq_len, micro_batch, global_batch)
+  if state.rank then fail_state("the units were already materialised: set the batch before planning") end
+  for _, v in ipairs({ seq_len, micro_batch, global_batch }) do
+    if v < 0 or v > 2 ^ 40 then
+      fail(string.format("batch seq_len %d, micro_batch %d, global_batch %d: expected numbers from 0 to 2^40",
+        seq_len, micro_batch, global_batch))
+    end
+  end
+  if seq_len == 0 then
+    state.batch = nil
+  else
+    state.batch = { seq_len = seq_len, micro_batch = micro_batch > 0 and micro_batch or nil,
+      global_batch = global_batch > 0 and global_batch or nil }
+  end
 end
 
 --- The policy sandbox's wall-clock limit per call for the plans made after this.

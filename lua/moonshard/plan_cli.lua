@@ -57,6 +57,13 @@ output:
                        dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
                        the file name; ORG/NAME with --model)
+the batch (traffic that depends on it is counted only when --seq-len is given):
+  --seq-len S          tokens per sample
+  --micro-batch B      samples per micro-batch on each data-parallel rank (default 1)
+  --global-batch G     samples per optimizer step (default B x dp, dp = dp_replicate x
+                       dp_shard); a step is G / (B x dp) micro-batches; counts expert
+                       parallelism's token all_to_all (dispatch and combine, forward and
+                       backward, routing spread evenly)
   --rank R             also show what rank R holds: its coordinates, and every
                        parameter's local shape, placements and unit (added to the JSON as
                        "rank_view" with --json)
@@ -84,7 +91,8 @@ local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] =
 -- options given any number of times: option -> list of values
 local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
-  name = true, rank = true, ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
+  name = true, rank = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true,
+  ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
 local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
   ["policy-seconds"] = "seconds" }
@@ -206,6 +214,8 @@ function M.make_plan(o)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
     optimizer = o.optimizer, policy_name = o.policy, set = o.set, warnings = o.warnings,
+    tokens = o["seq-len"] and { seq_len = tonumber(o["seq-len"]), micro_batch = tonumber(o["micro-batch"]),
+      global_batch = tonumber(o["global-batch"]) } or nil,
   })
   return plan
 end
@@ -266,6 +276,14 @@ function M.main(args)
       o.limits = o.limits or {}
       o.limits[key] = n
     end
+  end
+  for _, flag in ipairs({ "seq-len", "micro-batch", "global-batch" }) do
+    if o[flag] and not o[flag]:match("^%d+$") then
+      return usage_error(string.format("--%s is a whole number from 1, not '%s'", flag, o[flag]))
+    end
+  end
+  if (o["micro-batch"] or o["global-batch"]) and not o["seq-len"] then
+    return usage_error("--micro-batch and --global-batch go with --seq-len S (the tokens per sample)")
   end
   if o.rank and not o.rank:match("^%d+$") then
     return usage_error("--rank is a rank, a whole number from 0, not '" .. o.rank .. "'")

@@ -172,6 +172,12 @@ function M.to_json(plan, opts)
       ",\n")
   end
   add(' "checkpointed":' .. jstrs(plan.checkpointed or {}) .. ",\n")
+  -- only plans given a batch carry the key
+  local tk = plan.tokens
+  if tk then
+    add(' "tokens":' .. jobj({ { "seq_len", jnum(tk.seq_len) }, { "micro_batch", jnum(tk.micro_batch) },
+      { "global_batch", jnum(tk.global_batch) }, { "accumulation", jnum(tk.accumulation) } }) .. ",\n")
+  end
   -- only plans with tensor parallelism carry the key
   local tp = plan.tensor_parallel
   if tp then
@@ -257,6 +263,12 @@ function M.to_text(plan, opts)
   end
   if plan.prefetch then
     add(string.format("prefetch forward %d, backward %d", plan.prefetch.forward, plan.prefetch.backward))
+  end
+  local tk = plan.tokens
+  if tk then
+    add(string.format("batch   seq_len %d, micro-batch %d, global batch %d: %d micro-batch%s a step on each " ..
+      "data-parallel rank", tk.seq_len, tk.micro_batch, tk.global_batch, tk.accumulation,
+      tk.accumulation == 1 and "" or "es"))
   end
   local tp = plan.tensor_parallel
   if tp then

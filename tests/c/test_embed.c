@@ -555,6 +555,13 @@ static void plan_options(void) {
     CHECK_OK(ms_interp_set_option(in, "activation_checkpointing=false"));
     CHECK_OK(ms_interp_set_option(in, "prefetch.forward=2"));
     CHECK_OK(ms_interp_set_optimizer(in, "torch_adamw"));
+    /* the batch, as --seq-len --micro-batch --global-batch give it: refused by the plan when
+     * it does not split, counted when it does */
+    CHECK_ERR(ms_interp_set_batch(in, -1, 0, 0), MS_ERR_ARG, "expected numbers from 0 to 2^40");
+    CHECK_OK(ms_interp_set_batch(in, 64, 2, 3));
+    CHECK_ERR(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL), MS_ERR_ARG,
+              "tokens: global batch 3 is not a multiple of micro-batch 2 x data-parallel ranks 1 = 2");
+    CHECK_OK(ms_interp_set_batch(in, 64, 2, 8));
     CHECK_OK(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/inkling2", NULL));
     int ahead_fwd = 0, ahead_bwd = 0;
     CHECK_OK(ms_interp_prefetch(in, &ahead_fwd, &ahead_bwd));
@@ -567,10 +574,12 @@ static void plan_options(void) {
     CHECK_OK(ms_interp_plan_json(in, &json));
     CHECK(json && strstr(json, "\"optimizer\":\"torch_adamw\""));
     CHECK(json && strstr(json, "\"checkpointed\":[]"), "(activation_checkpointing=false: no layer wrapped)");
+    CHECK(json && strstr(json, "\"tokens\":{\"seq_len\":64,\"micro_batch\":2,\"global_batch\":8,\"accumulation\":4}"));
     free(json);
     CHECK_OK(ms_interp_materialize(in));
     CHECK_ERR(ms_interp_set_optimizer(in, "adamw"), MS_ERR_STATE, "set the optimizer before planning");
     CHECK_ERR(ms_interp_set_option(in, "prefetch.forward=1"), MS_ERR_STATE, "set options before planning");
+    CHECK_ERR(ms_interp_set_batch(in, 64, 1, 0), MS_ERR_STATE, "set the batch before planning");
     int bf16_units = 0;
     for (int k = 0; k < ms_interp_unit_count(in); k++) {
         ms_unit *u = ms_interp_unit(in, k);

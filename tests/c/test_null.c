@@ -477,6 +477,7 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_set_option, setting, in, NULL);
     REFUSE(ms_interp_set_policy_limits, in, NULL, 1e6, 64);
     REFUSE(ms_interp_set_policy_seconds, in, NULL, 5);
+    REFUSE(ms_interp_set_batch, in, NULL, 64, 1, 0);
 
     const char *policy = MOONSHARD_SOURCE_DIR "/policies/fsdp2_default.lua";
     int units;

@@ -1,0 +1,93 @@
+-- batch_spec.lua: the batch a plan counts traffic for (--seq-len, --micro-batch,
+-- --global-batch; plan opts.tokens) and expert parallelism's token all_to_all, recomputed
+-- here from the model's sizes.
+local mesh_context = require "moonshard.mesh_context"
+local planner = require "moonshard.plan"
+local policy = require "moonshard.policy"
+local models = require "moonshard.models"
+local report = require "moonshard.plan_report"
+local json = require "moonshard.json"
+local S = require "support"
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+local function assert_has(text, part)
+  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
+end
+
+local FSDP2 = policy.entry_point(policy.load("policies/fsdp2_default.lua"), "fsdp2_default")
+-- a small Mixtral: 3 MoE layers of 8 experts, 2 per token, hidden 32, bf16
+local MIXTRAL = { architectures = { "MixtralForCausalLM" }, hidden_size = 32, intermediate_size = 48,
+  num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 3, num_local_experts = 8,
+  num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16" }
+
+local function plan(mesh, tokens)
+  return planner.plan(models.from_config(MIXTRAL, "mixtral"), mesh_context.new(mesh), FSDP2, { tokens = tokens })
+end
+
+describe("a plan's batch", function()
+  it("makes a step of global / (micro x dp) micro-batches, dp = dp_replicate x dp_shard", function()
+    local p = plan("dp_replicate=2,dp_shard=2,cp=2,ep=2", { seq_len = 128, micro_batch = 2, global_batch = 32 })
+    assert.same({ seq_len = 128, micro_batch = 2, global_batch = 32, accumulation = 4 }, p.tokens)
+    assert.same({ seq_len = 128, micro_batch = 1, global_batch = 4, accumulation = 1 },
+      plan("dp_shard=4", { seq_len = 128 }).tokens)
+    assert.is_nil(plan("dp_shard=4").tokens)
+  end)
+
+  it("counts expert parallelism's dispatch and combine, forward and backward, per MoE layer and micro-batch", function()
+    local p = plan("dp_shard=4,ep=4", { seq_len = 100, micro_batch = 3, global_batch = 24 })
+    -- per rank and micro-batch: 300 tokens x 2 experts x 32 hidden x 2 bytes sent, 3/4 of it off-rank
+    local send = 300 * 2 * 32 * 2
+    local per_call = send - math.ceil(send / 4)
+    local calls = 4 * 3 * 2 -- 4 all_to_alls x 3 layers x 2 micro-batches
+    assert.same({ count = calls, bytes = calls * per_call }, { count = p.comm.all_to_all.count, bytes = p.comm.all_to_all.bytes })
+    for _, w in ipairs(p.warnings) do assert.is_nil(w:find("all_to_all counts none", 1, true), w) end
+    -- context parallelism splits the sequence: half the tokens per rank
+    local cp = plan("dp_shard=2,cp=2,ep=4", { seq_len = 100, micro_batch = 3, global_batch = 6 })
+    local half = 150 * 2 * 32 * 2
+    assert.equal(4 * 3 * (half - math.ceil(half / 4)), cp.comm.all_to_all.bytes)
+    -- without a batch, nothing is counted and the plan says how to count it
+    local none = plan("dp_shard=4,ep=4")
+    assert.equal(0, none.comm.all_to_all.count)
+    assert_has(table.concat(none.warnings, "\n"), "give the batch (--seq-len, --micro-batch, --global-batch) to count it")
+  end)
+
+  it("refuses a batch that does not split, naming the numbers", function()
+    assert_has(errmsg(plan, "dp_shard=4", { seq_len = 128, micro_batch = 3, global_batch = 20 }),
+      "tokens: global batch 20 is not a multiple of micro-batch 3 x data-parallel ranks 4 = 12")
+    assert_has(errmsg(plan, "dp_shard=2,cp=2", { seq_len = 127 }),
+      "tokens: sequence length 127 is not divisible by cp = 2")
+    assert_has(errmsg(plan, "dp_shard=4", { seq_len = 0 }), "tokens: seq_len is 0; expected a whole number from 1")
+    assert_has(errmsg(plan, "dp_shard=4", { seq_len = 8, microbatch = 2 }), "tokens: unknown key 'microbatch'")
+  end)
+
+  it("comes from the command line, and shows in the table and the JSON", function()
+    local cfg = os.tmpname()
+    S.write_file(cfg, json.encode(MIXTRAL))
+    local base = { "plan", "--config", cfg, "--mesh", "dp_shard=4,ep=4", "--policy", "policies/fsdp2_default.lua" }
+    local function run(...)
+      local a = {}
+      for _, x in ipairs(base) do a[#a + 1] = x end
+      for _, x in ipairs({ ... }) do a[#a + 1] = x end
+      return S.run(a)
+    end
+    local r = run("--seq-len", "100", "--micro-batch", "3", "--global-batch", "24")
+    assert.equal(0, r.code, r.err)
+    assert_has(r.out, "\nbatch   seq_len 100, micro-batch 3, global batch 24: 2 micro-batches a step on each " ..
+      "data-parallel rank\n")
+    r = run("--seq-len", "100", "--micro-batch", "3", "--global-batch", "24", "--json")
+    local j = json.decode(r.out, "plan")
+    assert.same({ seq_len = 100, micro_batch = 3, global_batch = 24, accumulation = 2 }, j.tokens)
+    assert.equal(24, j.comm.per_step.all_to_all.count)
+    r = run("--micro-batch", "3")
+    assert.equal(2, r.code)
+    assert_has(r.err, "--micro-batch and --global-batch go with --seq-len S")
+    r = run("--seq-len", "1k")
+    assert.equal(2, r.code)
+    assert_has(r.err, "--seq-len is a whole number from 1, not '1k'")
+    os.remove(cfg)
+  end)
+end)
