@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# bench_plan.sh [BUILD_DIR] [TRIALS]: planning DeepSeek-V3 (671B parameters) with the
-# inkling2 policy on a 4096-rank mesh with ep=64, as a whole process, against interpreter
+# bench_plan.sh [BUILD_DIR] [TRIALS] [CASE]: planning DeepSeek-V3 (671B parameters) with the
+# inkling2 policy on a 4096-rank mesh with ep=64 (CASE deepseek, the default), or
+# Llama-3.1-70B with fsdp2_default on tp=8, dp_shard=2 with sequence parallel (CASE
+# llama70b_tp), as a whole process, against interpreter
 # start-up (`moonshard -e ''`) measured in the same run, interleaved (docs/performance.md).
 # The plan itself = plan process - start-up.  Target: under 0.5 s.
 # When moonshard-jit was built, the same under LuaJIT, interleaved with the Lua 5.4 runs,
@@ -8,7 +10,7 @@
 set -euo pipefail
 usage() {
   cat <<'EOF'
-usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS]
+usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS] [CASE]
   the whole process planning DeepSeek-V3 (inkling2 policy, dp_shard=4096 ep=64) against
   interpreter start-up (moonshard -e ''), interleaved over the trials; min / median / max,
   the plan itself (median plan - median start-up) against its target of 0.5 s, and LuaJIT
@@ -17,12 +19,24 @@ usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS]
   BUILD_DIR  the build folder holding moonshard, from the current folder (default: the
              repository's build)
   TRIALS     trials, an integer 1..1000 (default 7)
+  CASE       deepseek (default), or llama70b_tp: Llama-3.1-70B, fsdp2_default, tp=8
+             dp_shard=2, sequence parallel
 EOF
 }
 # refuses a bad argument: the message, the synopsis, exit status 2
 fail() { printf 'bench_plan.sh: %s\n' "$1" >&2; usage | head -1 >&2; exit 2; }
 for arg in "$@"; do [[ $arg = -h || $arg = --help ]] && { usage; exit 0; }; done
-[ $# -le 2 ] || fail "unexpected argument '$3'; expected at most BUILD_DIR and TRIALS"
+[ $# -le 3 ] || fail "unexpected argument '$4'; expected at most BUILD_DIR, TRIALS and CASE"
+case ${3:-deepseek} in
+  deepseek)
+    label="DeepSeek-V3 (671B), inkling2 policy, dp_shard=4096 ep=64"
+    plan=(plan --config examples/configs/deepseek_v3.json --mesh "dp_shard=4096,ep=64" --policy policies/inkling2) ;;
+  llama70b_tp)
+    label="Llama-3.1-70B, fsdp2_default, tp=8 dp_shard=2, sequence parallel"
+    plan=(plan --config examples/configs/llama3.1_70b.json --mesh "dp_shard=2,tp=8" --policy policies/fsdp2_default.lua
+      --set sequence_parallel=true) ;;
+  *) fail "CASE is deepseek or llama70b_tp, not '$3'" ;;
+esac
 trials=${2:-7}
 [[ $trials =~ ^[0-9]{1,4}$ ]] && ((10#$trials >= 1 && 10#$trials <= 1000)) ||
   fail "TRIALS wants an integer 1..1000, got '$trials'"
@@ -33,7 +47,6 @@ build=$(cd "$build" && pwd) # before the cd below
 cd "$(dirname "$0")/.."
 bins=("$build/moonshard")
 [ -x "$build/moonshard-jit" ] && bins+=("$build/moonshard-jit")
-plan=(plan --config examples/configs/deepseek_v3.json --mesh "dp_shard=4096,ep=64" --policy policies/inkling2)
 # warm the page cache; fails loudly if a plan is broken
 for bin in "${bins[@]}"; do "$bin" "${plan[@]}" >/dev/null; done
 
@@ -56,7 +69,7 @@ spread='{a[NR]=$1} END {med = NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2;'
 stats() { sorted | awk "$spread"' printf "min %.3f s  median %.3f s  max %.3f s", a[1], med, a[NR]}'; }
 median() { sorted | awk "$spread"' print med}'; }
 
-echo "moonshard plan, DeepSeek-V3 (671B), inkling2 policy, dp_shard=4096 ep=64; $trials trials interleaved"
+echo "moonshard plan, $label; $trials trials interleaved"
 for i in "${!bins[@]}"; do
   echo "${bins[i]##*/} ($("${bins[i]}" --version | sed 's/.*(\([^,]*\),.*/\1/'))"
   echo "  interpreter start-up:  $(stats <<<"${starts[i]}")"
