@@ -823,11 +823,13 @@ end
 
 -- moonshard.plan_layout lays out the units (FSDP2's padded shards), moonshard.plan_memory
 -- sums what every rank holds; both with the planner's errors and checked sums.
-local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big, display = display,
+local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big, display = display, shown = shown,
   count_str = count_str, is_ancestor = is_ancestor, DTYPE_SIZE = DTYPE_SIZE, FLOAT = FLOAT, MAX = MAX }
 local layout = require("moonshard.plan_layout").bind(helpers)
 local memory = require("moonshard.plan_memory").bind(helpers)
 local tensor_parallel = require("moonshard.plan_tp").bind(helpers)
+local traffic = require("moonshard.plan_comm").bind(helpers)
+M.tokens = traffic.tokens
 check_shard_dim = layout.check_shard_dim
 M.placements = tensor_parallel.placements
 
@@ -1282,41 +1284,6 @@ M.OPTIMIZERS = { adamw = true, torch_adamw = true, none = true }
 
 -- What plan() is asked: the optimizer known, a mesh it plans (pp = 1), a policy with
 -- parallelize.  Returns the optimizer and parallelize.
--- The batch the plan counts traffic for: nil, or {seq_len, micro_batch, global_batch,
--- accumulation}: opts.tokens {seq_len = S, micro_batch = B (default 1), global_batch = G
--- (default B x dp)}, a step being G / (B x dp) micro-batches on each data-parallel rank (the
--- cp and tp ranks of one sample share it), as Automodel's step scheduler accumulates them.
-function M.tokens(mesh, t)
-  if t == nil then return nil end
-  if type(t) ~= "table" then fail("tokens: expected {seq_len =, micro_batch =, global_batch =}, got a " .. type(t)) end
-  for k in pairs(t) do
-    if k ~= "seq_len" and k ~= "micro_batch" and k ~= "global_batch" then
-      fail(string.format("tokens: unknown key %s (keys: seq_len, micro_batch, global_batch)",
-        type(k) == "string" and "'" .. k .. "'" or shown(k)))
-    end
-  end
-  local function count(key, v, need)
-    if v == nil and not need then return nil end
-    if not util.is_int(v) or v < 1 or v > 2 ^ 40 then
-      fail(string.format("tokens: %s is %s; expected a whole number from 1 to 2^40", key, shown(v)))
-    end
-    return v
-  end
-  local S = count("seq_len", t.seq_len, true)
-  local B = count("micro_batch", t.micro_batch) or 1
-  local dp = mesh:size("dp")
-  local G = count("global_batch", t.global_batch) or B * dp
-  if G % (B * dp) ~= 0 then
-    fail(string.format("tokens: global batch %d is not a multiple of micro-batch %d x data-parallel ranks %d = %d",
-      G, B, dp, B * dp))
-  end
-  if S % mesh:size("cp") ~= 0 then
-    fail(string.format("tokens: sequence length %d is not divisible by cp = %d (context parallelism splits it)",
-      S, mesh:size("cp")))
-  end
-  return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp) }
-end
-
 local function check_request(mesh, policy, opts)
   local optimizer = opts.optimizer or "adamw"
   if not M.OPTIMIZERS[optimizer] then
@@ -1353,72 +1320,6 @@ local function expert_owned(ctx, fqn_of)
       local_shape = e.local_shape, requires_grad = p.requires_grad, unit = ctx.owner[p] and ctx.owner[p].name or nil }
   end
   return owned
-end
-
--- Communication per step: the units' collectives summed.  Expert parallelism's token
--- traffic is not counted (see expert_warnings): uncounted_ep says so.
--- Expert parallelism's token traffic per step: in every MoE layer whose grouped experts
--- expert parallelism placed, each micro-batch's tokens go to their top_k experts' ranks and
--- come back (dispatch and combine, an all_to_all each over ep), forward and backward: 4
--- all_to_alls per layer and micro-batch, each sending tokens x top_k x hidden activations
--- (in the experts' compute dtype) per rank, routing spread evenly (a rank keeps 1/ep of them).
--- Tokens per rank: micro_batch x seq_len / cp.  Returns {count, bytes (bus bytes of one)} per
--- layer.
-local function expert_token_traffic(ctx, mesh, tokens)
-  local ep = mesh:size("ep")
-  local T = util.idiv(tokens.micro_batch * tokens.seq_len, mesh:size("cp"))
-  local out, seen = {}, {}
-  for _, p in ipairs(ctx.ep_order) do
-    local e = ctx.ep[p]
-    local experts = e.module
-    if experts and not seen[experts] and #p.shape >= 2 then
-      seen[experts] = true
-      local name = ctx:name_of(experts)
-      local block = name:find("%.") and ctx.model:get(name:match("^(.*)%.[^.]+$")) or nil
-      local top_k = block and block.attrs and block.attrs.top_k
-      if not util.is_int(top_k) or top_k < 1 then
-        fail(string.format("expert parallelism's token traffic: the MoE block of %s gives no top_k (its experts " ..
-          "per token); plan without tokens, or from a config whose builder records it", display(ctx:name_of(experts))))
-      end
-      local unit = ctx.owner[p]
-      local dtype = unit and select(1, M.effective_dtypes(p.dtype, unit.mp)) or p.dtype
-      local S = mul(mul(T, top_k, "the tokens an MoE layer dispatches"), p.shape[2] * DTYPE_SIZE[dtype],
-        "the bytes an MoE layer dispatches")
-      out[#out + 1] = { count = 4 * tokens.accumulation, bytes = S - util.ceil_div(S, ep) }
-    end
-  end
-  return out
-end
-
-local function comm_per_step(ctx, mesh, owned, tokens)
-  local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
-    all_reduce = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } }
-  for _, u in ipairs(ctx.units) do
-    for _, c in ipairs(u.comm.all_gather) do
-      comm.all_gather.count = comm.all_gather.count + 1
-      comm.all_gather.bytes = add(comm.all_gather.bytes, c.bytes, "the all-gather bytes per step")
-    end
-    for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do
-      local c = u.comm[kind]
-      if c then
-        comm[kind].count = comm[kind].count + 1
-        comm[kind].bytes = add(comm[kind].bytes, c.bytes, "the %s bytes per step", kind)
-      end
-    end
-  end
-  local ep = mesh:size("ep")
-  if ep > 1 and #owned > 0 then
-    if tokens then
-      for _, x in ipairs(expert_token_traffic(ctx, mesh, tokens)) do
-        comm.all_to_all.count = comm.all_to_all.count + x.count
-        comm.all_to_all.bytes = add(comm.all_to_all.bytes, mul(x.count, x.bytes, "the all_to_all bytes per step"),
-          "the all_to_all bytes per step")
-      end
-    else
-      comm.all_to_all.uncounted_ep = ep
-    end
-  end
-  return comm
 end
 
 local function listing(names)
@@ -1498,9 +1399,8 @@ local function transformers_fp32_warning(ctx, model, warnings)
 end
 
 -- Expert parallelism's own traffic: the routed tokens go to their experts' ranks and back
--- (all_to_all on the ep group, in every MoE layer's forward and backward).  How much depends
--- on the tokens per batch and where the router sends them, which a plan does not know: the
--- count leaves it out, and says so rather than letting 0 stand for it.
+-- (all_to_all on the ep group, in every MoE layer's forward and backward).  Without a batch
+-- the count leaves it out, and says so rather than letting 0 stand for it.
 local function expert_warnings(model, mesh, owned, warnings, tokens)
   local ep = mesh:size("ep")
   if ep > 1 and #owned == 0 then
@@ -1590,7 +1490,7 @@ local function plan(model, mesh, policy, opts)
   layout.lay_out(ctx, fqn_of)
   local mem = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
   local owned = expert_owned(ctx, fqn_of)
-  local comm = comm_per_step(ctx, mesh, owned, tokens)
+  local comm = traffic.per_step(ctx, mesh, owned, tokens)
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
