@@ -399,6 +399,9 @@ function M.context(model, mesh, opts)
     tp = {},           -- param -> {dim (nil: replicated), style, module, local_shape} (plan_tp)
     tp_order = {},     -- params in the order tensor_parallel placed them
     tp_plan = {},      -- {pattern, style, spec, modules} of every tensor_parallel call
+    tp_uneven = {},    -- {fqn, dim, size} of the tensor-parallel splits that leave tp ranks unequal
+    tp_modules = {},   -- {module, style} of every module a tensor_parallel plan matched, in order
+    tp_variant = nil,  -- while laying out another tp coordinate's pieces: that coordinate
     warnings = {},
     -- FSDP2's implicit prefetch (no explicit chain set): the next unit's all-gather is
     -- issued while one computes, and backward prefetches one unit ahead
@@ -1471,7 +1474,8 @@ local function tp_summary(ctx)
     sp = sp or r.style:find("^sequence_parallel") ~= nil
     plan[i] = { pattern = r.pattern, style = r.style, modules = r.modules }
   end
-  return { size = ctx.mesh:size("tp"), sequence_parallel = sp, plan = plan, params = ctx.tp, count = #ctx.tp_order }
+  return { size = ctx.mesh:size("tp"), sequence_parallel = sp, plan = plan, params = ctx.tp, count = #ctx.tp_order,
+    modules = ctx.tp_modules }
 end
 
 local function plan(model, mesh, policy, opts)
@@ -1489,11 +1493,36 @@ local function plan(model, mesh, policy, opts)
   validate_unit_meshes(ctx, fqn_of)
   layout.lay_out(ctx, fqn_of)
   local mem = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
+  if #ctx.tp_uneven > 0 then
+    -- tp ranks hold pieces of different sizes: each coordinate's layout and memory, then
+    -- every rank's from its own; the units keep tp coordinate 0's figures (the largest)
+    local by_t = { [0] = mem }
+    for t = 1, mesh:size("tp") - 1 do
+      ctx.tp_variant = t
+      layout.lay_out(ctx, fqn_of)
+      by_t[t] = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
+    end
+    ctx.tp_variant = nil
+    layout.lay_out(ctx, fqn_of)
+    mem = memory.combine_tp(by_t, mesh)
+  end
   local owned = expert_owned(ctx, fqn_of)
   local comm = traffic.per_step(ctx, mesh, owned, tokens)
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
+  if #ctx.tp_uneven > 0 then
+    local tpn, parts = mesh:size("tp"), {}
+    for i = 1, math.min(#ctx.tp_uneven, 4) do
+      local x = ctx.tp_uneven[i]
+      parts[i] = string.format("%s dim %d: %d over %d", x.fqn, x.dim, x.size, tpn)
+    end
+    warnings[#warnings + 1] = string.format("tensor parallelism splits %d parameter%s unevenly (%s%s): PyTorch " ..
+      "accepts it (torch.chunk: ceil(n / tp) rows, the last tp ranks fewer or none), so tp ranks hold unequal " ..
+      "pieces; memory per rank follows each rank's own, the units' figures are tp rank 0's (the largest)",
+      #ctx.tp_uneven, #ctx.tp_uneven == 1 and "" or "s", table.concat(parts, "; "),
+      #ctx.tp_uneven > 4 and string.format("; and %d more", #ctx.tp_uneven - 4) or "")
+  end
   expert_warnings(model, mesh, owned, warnings, tokens)
   optimizer_warnings(optimizer, params, warnings)
   return {

@@ -19,7 +19,9 @@ end
 -- Shape FSDP sees: an expert parameter sharded on ep_shard is already ep-local, a
 -- tensor-parallel one tp-local (FSDP2 shards the DTensor's local tensor).
 local function fsdp_shape(ctx, p)
-  local e = ctx.ep[p] or ctx.tp[p]
+  local t = ctx.tp[p]
+  if t then return t.local_shapes[(ctx.tp_variant or 0) + 1] end
+  local e = ctx.ep[p]
   return e and e.local_shape or p.shape
 end
 

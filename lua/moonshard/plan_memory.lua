@@ -235,10 +235,17 @@ function Mem.per_rank(ctx, model, mesh, optimizer, fqn_of)
   end
   local world = mesh.world
   local runs = rank_runs(mem, host, axis_steps(events, mesh), world)
+  Mem.attach(mem, runs, world)
+  return mem
+end
+
+-- Gives mem its runs (rank 0's figures as the summary) and its per_rank list, built when
+-- read.
+function Mem.attach(mem, runs, world)
   -- the summary figures are rank 0's; runs has every rank's, per_rank too (built when read)
   mem.optimizer, mem.total, mem.offloaded = runs[1].optimizer, runs[1].total, runs[1].offloaded
   mem.runs = runs
-  return setmetatable(mem, { __index = function(t, k)
+  setmetatable(mem, { __index = function(t, k)
     if k ~= "per_rank" then return nil end
     if world > plan.PER_RANK_LIMIT then
       fail(string.format("memory.per_rank makes a table for each of the %d ranks and is built for at most %d; " ..
@@ -247,13 +254,47 @@ function Mem.per_rank(ctx, model, mesh, optimizer, fqn_of)
     local list = {}
     for _, run in ipairs(runs) do
       for rank = run.first, run.first + run.count - 1 do
-        list[rank + 1] = { rank = rank, params = t.params, grads = t.grads, optimizer = run.optimizer,
-          peak_unsharded = t.peak_unsharded, buffers = t.buffers, total = run.total, offloaded = run.offloaded }
+        list[rank + 1] = { rank = rank, params = run.params or t.params, grads = run.grads or t.grads,
+          optimizer = run.optimizer, peak_unsharded = run.peak_unsharded or t.peak_unsharded, buffers = t.buffers,
+          total = run.total, offloaded = run.offloaded }
       end
     end
     rawset(t, "per_rank", list)
     return list
   end })
+end
+
+--- The memory of every rank when tensor parallelism splits some dim unevenly: by_t[t] is
+-- the memory laid out with tp coordinate t's pieces (Mem.per_rank), and rank r holds what
+-- by_t[its tp coordinate] says of it.  The summary figures are rank 0's (tp coordinate 0:
+-- the largest pieces); the runs carry each rank's params, grads and peak too.
+function Mem.combine_tp(by_t, mesh)
+  local function run_of(runs, r)
+    local lo, hi = 1, #runs
+    while lo < hi do
+      local mid = util.idiv(lo + hi + 1, 2)
+      if runs[mid].first <= r then lo = mid else hi = mid - 1 end
+    end
+    return runs[lo]
+  end
+  local runs = {}
+  for r = 0, mesh.world - 1 do
+    local m = by_t[mesh:coord("tp", r)]
+    local run = run_of(m.runs, r)
+    local last = runs[#runs]
+    if last and last.params == m.params and last.grads == m.grads and last.peak_unsharded == m.peak_unsharded and
+        last.optimizer == run.optimizer and last.offloaded == run.offloaded then
+      last.count = last.count + 1
+    else
+      runs[#runs + 1] = { first = r, count = 1, params = m.params, grads = m.grads, peak_unsharded = m.peak_unsharded,
+        optimizer = run.optimizer, offloaded = run.offloaded, total = run.total }
+    end
+  end
+  local base = by_t[0]
+  local mem = { params = base.params, grads = base.grads, peak_unsharded = base.peak_unsharded,
+    peak_unsharded_other = base.peak_unsharded_other, buffers = base.buffers }
+  Mem.attach(mem, runs, mesh.world)
+  return mem
 end
 
 return Mem

@@ -114,8 +114,9 @@ end
 
 -- What follows '{"rank":r' in memory.per_rank for the ranks of a run.
 local function rank_tail(m, run)
-  return "," .. table.concat({ jstr("params") .. ":" .. jnum(m.params), jstr("grads") .. ":" .. jnum(m.grads),
-    jstr("optimizer") .. ":" .. jnum(run.optimizer), jstr("peak_unsharded") .. ":" .. jnum(m.peak_unsharded),
+  return "," .. table.concat({ jstr("params") .. ":" .. jnum(run.params or m.params),
+    jstr("grads") .. ":" .. jnum(run.grads or m.grads), jstr("optimizer") .. ":" .. jnum(run.optimizer),
+    jstr("peak_unsharded") .. ":" .. jnum(run.peak_unsharded or m.peak_unsharded),
     jstr("buffers") .. ":" .. jnum(m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
 end
 
@@ -412,21 +413,26 @@ function M.rank_view(plan, r)
     local fqn, p = np[1], np[2]
     local iu, o, t = in_unit[p], owned[fqn], tp and tp[p]
     local shape, placements, axes, unit
+    local padded
     if iu then
       local u, e = iu.unit, iu.entry
       local W, c = u.shard_size, mesh:coord(u.mesh_axes[#u.mesh_axes], r)
-      local n = e.shape[e.dim + 1]
+      -- the shape FSDP shards on this rank: its tp coordinate's piece of a tensor-parallel one
+      local base = t and t.local_shapes[mesh:coord("tp", r) + 1] or e.shape
+      local n = base[e.dim + 1]
       local chunk = util.ceil_div(n, W)
       local start = math.min(n, c * chunk)
-      shape = util.copy(e.shape)
+      shape = util.copy(base)
       shape[e.dim + 1] = math.max(0, math.min(n, start + chunk) - start)
+      padded = util.copy(base)
+      padded[e.dim + 1] = chunk
       placements, axes = plan_mod.placements(mesh, tp, u, p, e.dim)
       unit = u.name
     elseif o then
       shape, placements, axes = util.copy(o.local_shape), {}, {}
     elseif t then
-      shape, placements, axes = util.copy(t.local_shape), { t.dim and string.format("Shard(%d)", t.dim) or
-        "Replicate()" }, { "tp" }
+      shape, placements, axes = util.copy(t.local_shapes[mesh:coord("tp", r) + 1]),
+        { t.dim and string.format("Shard(%d)", t.dim) or "Replicate()" }, { "tp" }
     else
       shape, placements, axes = util.copy(p.shape), {}, {}
     end
@@ -434,7 +440,8 @@ function M.rank_view(plan, r)
       for _, pl in ipairs(o.placements) do placements[#placements + 1] = pl end
       axes[#axes + 1] = "ep"
     end
-    params[#params + 1] = { fqn = fqn, local_shape = shape, placements = placements, axes = axes, unit = unit }
+    params[#params + 1] = { fqn = fqn, local_shape = shape, padded = padded, placements = placements, axes = axes,
+      unit = unit }
   end
   local memory
   for _, run in ipairs(plan.memory.runs) do
@@ -449,9 +456,10 @@ function M.rank_text(plan, view)
   for i, c in ipairs(view.coords) do parts[i] = c[1] .. "=" .. c[2] end
   local m = plan.memory
   out[1] = string.format("rank %d: %s", view.rank, table.concat(parts, ", "))
+  local run = view.memory
   out[2] = string.format("  holds params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
-    util.bytes(m.params), util.bytes(m.grads), util.bytes(view.memory.optimizer), util.bytes(m.peak_unsharded),
-    util.bytes(view.memory.total))
+    util.bytes(run.params or m.params), util.bytes(run.grads or m.grads), util.bytes(run.optimizer),
+    util.bytes(run.peak_unsharded or m.peak_unsharded), util.bytes(run.total))
   local fw = 9
   for _, p in ipairs(view.params) do fw = math.max(fw, #p.fqn) end
   out[3] = string.format("  %s  %-20s %s", pad("parameter", fw), "local shape", "placements (axes), unit")
@@ -469,7 +477,8 @@ function M.rank_json(view)
   local coords, params = {}, {}
   for i, c in ipairs(view.coords) do coords[i] = { c[1], jnum(c[2]) } end
   for i, p in ipairs(view.params) do
-    params[i] = { p.fqn, jobj({ { "local_shape", jints(p.local_shape) }, { "placements", jstrs(p.placements) },
+    params[i] = { p.fqn, jobj({ { "local_shape", jints(p.local_shape) },
+      { "padded_shard_shape", p.padded and jints(p.padded) or "null" }, { "placements", jstrs(p.placements) },
       { "placement_axes", jstrs(p.axes) }, { "unit", p.unit and jstr(p.unit) or "null" } }) }
   end
   return jobj({ { "rank", jnum(view.rank) }, { "coords", jobj(coords) }, { "params", jobj(params) } })

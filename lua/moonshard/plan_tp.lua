@@ -198,22 +198,27 @@ function T.place(ctx, p, dim, fqn, pname, spec, tp)
       pfqn, prev.dim and "Shard(" .. prev.dim .. ")" or "Replicate()", prev.module,
       dim and "Shard(" .. dim .. ")" or "Replicate()", fqn))
   end
-  if dim then
-    local n = p.shape[dim + 1]
-    if not n then
-      fail(string.format("tensor_parallel: %s has %d dims; %s splits dim %d", pfqn, #p.shape, spec.style, dim))
-    end
-    if n % tp ~= 0 then
-      fail(string.format("tensor_parallel: %s: dim %d of size %d is not divisible by tp = %d; PyTorch splits " ..
-        "it unevenly (torch.chunk), which the planner does not plan yet: choose a tp that divides it",
-        pfqn, dim, n, tp))
-    end
+  if dim and not p.shape[dim + 1] then
+    fail(string.format("tensor_parallel: %s has %d dims; %s splits dim %d", pfqn, #p.shape, spec.style, dim))
   end
   if not prev then
-    local local_shape = util.copy(p.shape)
-    if dim then local_shape[dim + 1] = util.idiv(p.shape[dim + 1], tp) end
-    ctx.tp[p] = { dim = dim or nil, style = spec.style, module = fqn, local_shape = local_shape }
+    -- each tp coordinate's piece, as torch.chunk cuts it: ceil(n / tp) rows, the last
+    -- coordinates fewer or none (PyTorch accepts any tp; so does the plan, with a warning)
+    local shapes = {}
+    for t = 0, tp - 1 do
+      local s = util.copy(p.shape)
+      if dim then
+        local n = p.shape[dim + 1]
+        local c = util.ceil_div(n, tp)
+        s[dim + 1] = math.max(0, math.min(n, (t + 1) * c) - t * c)
+      end
+      shapes[t + 1] = s
+    end
+    local uneven = dim and p.shape[dim + 1] % tp ~= 0
+    ctx.tp[p] = { dim = dim or nil, style = spec.style, module = fqn, local_shape = shapes[1], local_shapes = shapes,
+      uneven = uneven or nil }
     ctx.tp_order[#ctx.tp_order + 1] = p
+    if uneven then ctx.tp_uneven[#ctx.tp_uneven + 1] = { fqn = pfqn, dim = dim, size = p.shape[dim + 1] } end
   end
 end
 
@@ -261,6 +266,7 @@ function T.apply(ctx, plan)
       end
       by_module[m] = pattern
       placed = placed + 1
+      ctx.tp_modules[#ctx.tp_modules + 1] = { module = fqn, style = spec.style }
       local dims = placements_of(spec, m, fqn, pattern)
       for _, pname in ipairs(m.param_order) do
         local dim = dims[pname]

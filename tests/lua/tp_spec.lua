@@ -136,14 +136,32 @@ describe("ctx:tensor_parallel", function()
       "output_layouts holds 'Shard(x)'; expected \"Replicate()\" or \"Shard(d)\"")
     assert_has(refused(llama(), "tp=2", { ["model.layers.0.*"] = "prepare_input", ["model.layers.*.mlp"] = "prepare_input" }),
       "tensor_parallel: model.layers.0.mlp is matched by 'model.layers.*.mlp' and 'model.layers.0.*'")
-    assert_has(refused(llama({ vocab_size = 65 }), "tp=2", { lm_head = "colwise" }),
-      "tensor_parallel: lm_head.weight: dim 0 of size 65 is not divisible by tp = 2; PyTorch splits it unevenly " ..
-      "(torch.chunk), which the planner does not plan yet")
     -- FSDP shards what tensor parallelism leaves: it must come first
     assert_has(errmsg(plan, llama(), "tp=2", { parallelize = function(ctx)
       ctx:fully_shard(ctx.model)
       ctx:tensor_parallel({ lm_head = "colwise" })
     end }), "tensor_parallel: unit <root> exists already; tensor parallelism comes before fully_shard")
+  end)
+
+  it("splits a dim tp does not divide as torch.chunk does, each rank's memory from its own piece", function()
+    local p = plan(llama({ vocab_size = 65 }), "dp_shard=2,tp=2", with_tp(function(ctx)
+      ctx:tensor_parallel({ lm_head = "colwise" })
+    end))
+    assert_has(table.concat(p.warnings, "\n"), "tensor parallelism splits 1 parameter unevenly (lm_head.weight dim 0: " ..
+      "65 over 2): PyTorch accepts it (torch.chunk")
+    -- lm_head [65, 16]: tp pieces of 33 and 32 rows, FSDP halves 17/16 and 16/16 of them
+    local want = { [0] = { 17, 16 }, { 16, 16 }, { 16, 16 }, { 16, 16 } } -- rank = 2 x dp + tp
+    local mem = p.memory.per_rank
+    for r = 0, 3 do
+      local view = report.rank_view(p, r)
+      for _, vp in ipairs(view.params) do
+        if vp.fqn == "lm_head.weight" then assert.same(want[r], vp.local_shape, "rank " .. r) end
+      end
+    end
+    -- the padded pieces: 17 rows on tp rank 0, 16 on tp rank 1, so the params differ by 16 x 2 bytes
+    assert.equal(mem[1].params - 32, mem[2].params)
+    assert.equal(mem[3].params - 32, mem[4].params)
+    assert.equal(mem[1].params, p.memory.params)
   end)
 
   it("does nothing on a tp of one rank, as Automodel", function()
@@ -249,8 +267,8 @@ describe("moonshard plan --rank", function()
     local view = json.decode(r.out, "plan").rank_view
     assert.equal(5, view.rank)
     assert.same({ pp = 0, dp_replicate = 0, dp_shard = 2, cp = 0, tp = 1 }, view.coords)
-    assert.same({ local_shape = { 6, 10 }, placements = { "Shard(0)", "Shard(1)" }, placement_axes = { "dp_shard", "tp" },
-      unit = "model.layers.1" }, view.params["model.layers.1.self_attn.o_proj.weight"])
+    assert.same({ local_shape = { 6, 10 }, padded_shard_shape = { 7, 10 }, placements = { "Shard(0)", "Shard(1)" },
+      placement_axes = { "dp_shard", "tp" }, unit = "model.layers.1" }, view.params["model.layers.1.self_attn.o_proj.weight"])
   end)
 
   it("refuses a rank outside the world, or no rank at all", function()

@@ -118,17 +118,16 @@ function M.ep(plan)
   return out
 end
 
---- The modules tensor parallelism placed, in the order it placed their parameters.
+--- The modules tensor parallelism placed, in the order the plan matched them (a tied weight
+-- through both of its modules).
 function M.tp(plan)
-  local out, seen = json.array(), {}
+  local out = json.array()
   local tp = plan.tensor_parallel
   if not tp then return out end
   local kind = require("moonshard.plan_tp").kind
-  for _, np in ipairs(plan.params) do
-    local t = tp.params[np[2]]
-    if t and not seen[t.module] then
-      seen[t.module] = true
-      out[#out + 1] = json.object({ "module", "kind" }, { module = t.module, kind = kind(t.style) })
+  for _, m in ipairs(tp.modules) do
+    if kind(m.style) ~= "none" then
+      out[#out + 1] = json.object({ "module", "kind" }, { module = m.module, kind = kind(m.style) })
     end
   end
   return out

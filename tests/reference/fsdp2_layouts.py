@@ -87,6 +87,8 @@ CASES = [
     ("llama_tp2_sp_hsdp2x2", LLAMA_TP, "dp_replicate=2,dp_shard=2,tp=2",
      "tests/reference/policies/fsdp2_sequence_parallel.lua"),
     ("llama_tp2_fsdp3", LLAMA_TP, "dp_shard=3,tp=2", FSDP2),
+    # vocab 67 over tp = 2: the tied embedding and head split 34 / 33, then FSDP's halves
+    ("llama_tp2_uneven_fsdp2", LLAMA, "dp_shard=2,tp=2", FSDP2),
 ]
 OPTIMIZER = "torch_adamw"
 
@@ -172,6 +174,21 @@ def build(desc):
         return m
 
     return walk(desc, "")
+
+
+def ties_of(desc):
+    """(fqn, the fqn it is tied to) for every parameter met earlier in the tree."""
+    out = []
+
+    def walk(d, name):
+        for p in d["params"]:
+            if p["same_as"] is not None:
+                out.append((name + p["name"], p["same_as"]))
+        for cname, c in d["children"]:
+            walk(c, name + cname + ".")
+
+    walk(desc, "")
+    return out
 
 
 def set_param(model, fqn, param):
@@ -289,6 +306,11 @@ def run_rank(case, desc, rank):
                 style = ColwiseParallel() if t["kind"] == "colwise" else RowwiseParallel()
                 fn = style._partition_embedding_fn if module.type_name == "Embedding" else style._partition_linear_fn
             distribute_module(module, root_mesh["tp"], fn)
+        # a tied weight distributed through one module is the other's too again, as
+        # Automodel's ensure_tied_lm_head re-ties them after parallelize_module
+        if desc["tp"]:
+            for fqn, first in ties_of(desc["tree"]):
+                set_param(model, fqn, model.get_parameter(first))
         # expert parallelism: each rank holds its ep coordinate's experts (dim 0), as torch
         # splits them
         for e in desc["ep"]:
@@ -401,16 +423,19 @@ def run_case(case, desc):
         u, p, b = run_rank(case, desc, rank)
         per_rank_bytes.append(b)
         if units is None:
-            units, params = u, {k: dict(v, fqn=k, local=[v["local"]]) for k, v in p.items()}
+            units, params = u, {k: dict(v, fqn=k, local=[v["local"]], padded=[v["padded"]]) for k, v in p.items()}
             continue
         # what is not per rank is the same on every rank
         assert u == units, "%s: rank %d's units differ from rank 0's" % (case["name"], rank)
         assert list(p) == list(params), case["name"]
         for k, v in p.items():
             rec = params[k]
-            for field in ("unit", "shape", "dtype", "requires_grad", "mesh_dims", "placements", "padded", "gathered"):
+            for field in ("unit", "shape", "dtype", "requires_grad", "mesh_dims", "placements", "gathered"):
                 assert v[field] == rec[field], (case["name"], rank, k, field)
+            # per rank: under tensor parallelism that splits a dim unevenly, tp ranks pad
+            # pieces of different sizes
             rec["local"].append(v["local"])
+            rec["padded"].append(v["padded"])
     # parameters in torch's named_parameters() order
     return {"units": units, "params": list(params.values()), "bytes": per_rank_bytes}
 
