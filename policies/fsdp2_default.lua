@@ -208,8 +208,8 @@ local function tensor_parallel(ctx, o, moe)
   if ctx.mesh:size("tp") == 1 then return end
   if moe then
     if o.sequence_parallel then
-      error("sequence_parallel=True is not supported by the custom MoE TP path yet (NeMo Automodel's MoE " ..
-        "parallelizer, ep > 1); set sequence_parallel=false", 0)
+      error("sequence_parallel is not supported by the MoE tensor-parallel path (NeMo Automodel's MoE " ..
+        "parallelizer, ep > 1, says so: \"not supported by the custom MoE TP path yet\"); set sequence_parallel=false", 0)
     end
     if o.tp_plan == "auto" then
       error(string.format("No safe tensor-parallel plan is registered for custom MoE model '%s' at tp_size=%d " ..
@@ -220,10 +220,18 @@ local function tensor_parallel(ctx, o, moe)
   ctx:tensor_parallel((tp_plans.for_model(ctx.model, o.tp_plan, o.sequence_parallel)))
 end
 
+-- Whether the model has grouped experts (an MoE model the MoE parallelizer is for).
+local function has_experts(model)
+  for _, nm in ipairs(model:named_modules()) do
+    if nm[2].type == "GroupedExperts" then return true end
+  end
+  return false
+end
+
 function M.parallelize(ctx)
   local o = ctx.options
   local moe = ctx.mesh:size("ep") > 1
-  tensor_parallel(ctx, o, moe)
+  tensor_parallel(ctx, o, moe and has_experts(ctx.model))
   if moe then
     expert_parallel(ctx, o)
   else

@@ -48,13 +48,15 @@ local function raise(fmt, ...)
 end
 M.raise = raise
 
---- The result of a binding call: its values, or the binding's error (nil, message) raised.
-function M.ok(v, err, ...)
+--- The result of a binding call: its values (exactly as many as it returned), or the
+-- binding's error (nil, message) raised.
+function M.ok(...)
+  local v, err = ...
   if v == nil and err ~= nil then
     local _, where = api_frame()
     error(where .. err, 0)
   end
-  return v, err, ...
+  return ...
 end
 
 -- The name luaL_argerror gives a function called without one: "module.field" of a loaded

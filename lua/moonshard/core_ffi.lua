@@ -267,7 +267,9 @@ function R.define(class, methods, tostring_live)
   end
   local released = class .. " (released)"
   ffi.metatype(ctype, {
-    __index = methods,
+    -- a function, not the table: a key no method has reads nil, as from the C binding's
+    -- userdata (LuaJIT raises for a struct member missing from an __index table)
+    __index = function(_, k) return methods[k] end,
     __gc = RELEASE[class],
     __tostring = function(b)
       if b.h == nil then return released end

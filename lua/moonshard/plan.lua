@@ -1132,7 +1132,10 @@ local function policy_context(ctx, opts)
     for i, p in ipairs(ctx:expert_parallel(module_arg(view, m, "ctx:expert_parallel"), o)) do out[i] = view.param(p) end
     return out
   end
-  function pub.tensor_parallel(_, plan)
+  function pub.tensor_parallel(self, plan)
+    if plan == nil and type(self) == "table" and self ~= pub then
+      fail("ctx:tensor_parallel: the plan is missing; call it with a colon, ctx:tensor_parallel{...}")
+    end
     if type(plan) ~= "table" then
       fail("ctx:tensor_parallel: the plan is a " .. type(plan) .. "; expected a table of module pattern = style")
     end
@@ -1511,6 +1514,11 @@ local function plan(model, mesh, policy, opts)
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
+  if mesh:size("tp") > 1 and #ctx.tp_order == 0 then
+    warnings[#warnings + 1] = string.format("tp = %d but the policy placed no parameter by tensor parallelism " ..
+      "(ctx:tensor_parallel): every tp rank holds the same shards as its peers, and the tp axis only divides the " ..
+      "ranks", mesh:size("tp"))
+  end
   if #ctx.tp_uneven > 0 then
     local tpn, parts = mesh:size("tp"), {}
     for i = 1, math.min(#ctx.tp_uneven, 4) do

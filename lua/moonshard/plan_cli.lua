@@ -57,6 +57,9 @@ output:
                        dtype, no master weights) or none
   --name NAME          the model name to print (default: the config's _name_or_path or
                        the file name; ORG/NAME with --model)
+  --rank R             also show what rank R holds: its coordinates, and every
+                       parameter's local shape, padded shard, placements and unit (added
+                       to the JSON as "rank_view" with --json)
 the batch (traffic that depends on it is counted only when --seq-len is given):
   --seq-len S          tokens per sample
   --micro-batch B      samples per micro-batch on each data-parallel rank (default 1)
@@ -64,9 +67,6 @@ the batch (traffic that depends on it is counted only when --seq-len is given):
                        dp_shard); a step is G / (B x dp) micro-batches; counts expert
                        parallelism's token all_to_all (dispatch and combine, forward and
                        backward, routing spread evenly)
-  --rank R             also show what rank R holds: its coordinates, and every
-                       parameter's local shape, placements and unit (added to the JSON as
-                       "rank_view" with --json)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
   --policy-memory MB        the memory cap in MiB, at least 1 (default 256)
@@ -277,16 +277,18 @@ function M.main(args)
       o.limits[key] = n
     end
   end
+  -- whole numbers of at most 13 digits (2^40 has 13), checked as written: no float form
   for _, flag in ipairs({ "seq-len", "micro-batch", "global-batch" }) do
-    if o[flag] and not o[flag]:match("^%d+$") then
-      return usage_error(string.format("--%s is a whole number from 1, not '%s'", flag, o[flag]))
+    local v = o[flag]
+    if v and not (v:match("^%d+$") and #v <= 13 and tonumber(v) >= 1 and tonumber(v) <= 2 ^ 40) then
+      return usage_error(string.format("--%s is a whole number from 1 to 2^40, not '%s'", flag, util.short_name(v)))
     end
   end
   if (o["micro-batch"] or o["global-batch"]) and not o["seq-len"] then
     return usage_error("--micro-batch and --global-batch go with --seq-len S (the tokens per sample)")
   end
-  if o.rank and not o.rank:match("^%d+$") then
-    return usage_error("--rank is a rank, a whole number from 0, not '" .. o.rank .. "'")
+  if o.rank and not (o.rank:match("^%d+$") and #o.rank <= 10) then
+    return usage_error("--rank is a rank, a whole number from 0, not '" .. util.short_name(o.rank) .. "'")
   end
   if o.rank then o.rank = tonumber(o.rank) end
   if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then

@@ -20,17 +20,17 @@ end
 -- cp and tp ranks of one sample share it), as Automodel's step scheduler accumulates them.
 function T.tokens(mesh, t)
   if t == nil then return nil end
-  if type(t) ~= "table" then fail("tokens: expected {seq_len =, micro_batch =, global_batch =}, got a " .. type(t)) end
+  if type(t) ~= "table" then fail("tokens: expected {seq_len =, micro_batch =, global_batch =}, got a " .. type(t), true) end
   for k in pairs(t) do
     if k ~= "seq_len" and k ~= "micro_batch" and k ~= "global_batch" then
       fail(string.format("tokens: unknown key %s (keys: seq_len, micro_batch, global_batch)",
-        type(k) == "string" and "'" .. k .. "'" or shown(k)))
+        type(k) == "string" and "'" .. k .. "'" or shown(k)), true)
     end
   end
   local function count(key, v, need)
     if v == nil and not need then return nil end
     if not util.is_int(v) or v < 1 or v > 2 ^ 40 then
-      fail(string.format("tokens: %s is %s; expected a whole number from 1 to 2^40", key, shown(v)))
+      fail(string.format("tokens: %s is %s; expected a whole number from 1 to 2^40", key, shown(v)), true)
     end
     return v
   end
@@ -40,11 +40,11 @@ function T.tokens(mesh, t)
   local G = count("global_batch", t.global_batch) or B * dp
   if G % (B * dp) ~= 0 then
     fail(string.format("tokens: global batch %d is not a multiple of micro-batch %d x data-parallel ranks %d = %d",
-      G, B, dp, B * dp))
+      G, B, dp, B * dp), true)
   end
   if S % mesh:size("cp") ~= 0 then
     fail(string.format("tokens: sequence length %d is not divisible by cp = %d (context parallelism splits it)",
-      S, mesh:size("cp")))
+      S, mesh:size("cp")), true)
   end
   return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp) }
 end

@@ -344,11 +344,13 @@ function M.to_text(plan, opts)
       "state; on the device: %s", util.bytes(m.offloaded), util.bytes(m.total - m.offloaded)))
   end
   add("communication per step and rank (bus bytes):")
+  local tp_note = plan.tensor_parallel and string.format("  (+ tensor parallelism's activations over tp = %d, " ..
+    "not counted)", plan.tensor_parallel.size)
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     local c = plan.comm[k]
     add(string.format("  %-15s %5d x  %s%s", k, c.count, util.bytes(c.bytes),
       c.uncounted_ep and string.format("  (+ expert parallelism's tokens over ep = %d, not counted)",
-        c.uncounted_ep) or ""))
+        c.uncounted_ep) or (k == "all_reduce" and tp_note) or ""))
   end
   if #plan.warnings > 0 then
     add("")

@@ -76,9 +76,10 @@ local function style_of(v, pattern)
     end
   end
   if type(name) ~= "string" or not STYLES[name] then
-    fail(string.format("tensor_parallel: pattern '%s': style %s; expected one of %s (or a table with the style " ..
+    fail(string.format("tensor_parallel: pattern '%s': %s; expected one of %s (or a table with the style " ..
       "first: {\"colwise\", output_layouts = \"Shard(-1)\"})", pattern,
-      type(name) == "string" and "'" .. name .. "'" or "a " .. type(name), table.concat(STYLE_NAMES, ", ")))
+      type(name) == "string" and "style '" .. name .. "'" or type(v) == "table" and "the table names no style first" or
+      "the style is a " .. type(name), table.concat(STYLE_NAMES, ", ")))
   end
   spec.style = name
   return spec
@@ -193,6 +194,10 @@ function T.place(ctx, p, dim, fqn, pname, spec, tp)
       pfqn))
   end
   local prev = ctx.tp[p]
+  if prev and prev.module == fqn then
+    fail(string.format("tensor_parallel: %s is placed twice (by an earlier tensor_parallel call); a module takes " ..
+      "one style", display(fqn)))
+  end
   if prev and prev.dim ~= dim then -- a tied weight: both uses must agree
     fail(string.format("tensor_parallel: %s is one parameter with %s through %s and %s through %s",
       pfqn, prev.dim and "Shard(" .. prev.dim .. ")" or "Replicate()", prev.module,

@@ -128,12 +128,17 @@ function M.materialize(plan)
     state.by_name[name] = u
     return u
   end
+  -- A tensor-parallel parameter holds this rank's tp piece; where tp splits a dim unevenly,
+  -- the pieces differ between tp ranks (the plan's entries are tp rank 0's).
+  local tp = plan.tensor_parallel and plan.tensor_parallel.params
+  local tp_coord = mc:coord("tp", ms.rank())
   for _, pu in ipairs(plan.units) do
     local axes_u = pu.mesh_axes
     local params = {}
     for _, e in ipairs(pu.entries) do
-      params[#params + 1] = { fqn = e.fqn, shape = e.shape, dtype = e.param.dtype, dim = e.dim,
-        requires_grad = e.param.requires_grad }
+      local t = tp and tp[e.param]
+      params[#params + 1] = { fqn = e.fqn, shape = t and t.local_shapes[tp_coord + 1] or e.shape, dtype = e.param.dtype,
+        dim = e.dim, requires_grad = e.param.requires_grad }
     end
     local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
     add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,

@@ -207,7 +207,7 @@ describe("fsdp2_default under tensor parallelism", function()
     assert_has(errmsg(plan, mixtral, "dp_shard=2,tp=2,ep=2"),
       "No safe tensor-parallel plan is registered for custom MoE model 'MixtralForCausalLM' at tp_size=2")
     assert_has(errmsg(plan, mixtral, "dp_shard=2,tp=2,ep=2", nil, { set = { "tp_plan=default", "sequence_parallel=true" } }),
-      "sequence_parallel=True is not supported by the custom MoE TP path yet")
+      "sequence_parallel is not supported by the MoE tensor-parallel path")
     local p = plan(mixtral, "dp_shard=2,tp=2,ep=2", nil, { set = { "tp_plan=default" } })
     assert.is_true(p.tensor_parallel.count > 0)
     assert.is_true(#p.owned > 0) -- the experts: expert parallelism's, not tensor parallelism's
@@ -278,5 +278,32 @@ describe("moonshard plan --rank", function()
     r = S.run(args("--rank", "-1"))
     assert.equal(2, r.code)
     assert_has(r.err, "--rank is a rank, a whole number from 0, not '-1'")
+  end)
+end)
+
+describe("a tensor-parallel plan made real on ranks", function()
+  local S = require "support"
+  it("gives each rank's units its own tp piece, uneven ones included: held bytes = planned, on every rank", function()
+    local code = [[
+      local ms = require "moonshard"
+      local tree = require("moonshard.models").from_config({ architectures = { "LlamaForCausalLM" },
+        vocab_size = 5, hidden_size = 16, intermediate_size = 3, num_hidden_layers = 1, num_attention_heads = 8,
+        num_key_value_heads = 8, head_dim = 2, mlp_bias = true, attention_bias = true }, "micro")
+      local P = require "moonshard.policy"
+      local entry = P.entry_point(P.load("policies/fsdp2_default.lua", { modules = P.host_modules() }), "fsdp2")
+      local plan = require("moonshard.plan").plan(tree, require("moonshard.mesh_context").new("dp_shard=2,tp=4"),
+        entry, {})
+      local state = require("moonshard.runtime").materialize(plan)
+      local held, planned = state:bytes().params, plan.memory.per_rank[ms.rank() + 1].params
+      assert(held == planned, string.format("rank %d holds %d bytes, planned %d", ms.rank(), held, planned))
+      io.write(string.format("%d:%d ", ms.rank(), held))
+    ]]
+    local r = S.run_code(8, code)
+    assert.equal(0, r.code, r.err)
+    -- vocab 5 and intermediate 3 over tp = 4: the tp ranks hold unequal pieces
+    local sizes = {}
+    for rank, bytes in r.out:gmatch("(%d+):(%d+)") do sizes[tonumber(rank)] = tonumber(bytes) end
+    assert.is_true(sizes[0] > sizes[3], r.out)
+    assert.equal(sizes[0], sizes[4]) -- the same tp coordinate on the other dp_shard coordinate
   end)
 end)
