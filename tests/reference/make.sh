@@ -11,7 +11,8 @@
 # MOONSHARD_REF_VENV names the virtual environment (default ~/.cache/moonshard-reference-venv);
 # it is made, and the pinned packages installed, when missing.  Scripts that run moonshard
 # itself (to compare its plans) use build/moonshard: build first (README).  deepseek_v4_units.py
-# runs NeMo Automodel's own DeepSeek-V4 code: its source tree on AUTOMODEL_SRC (default
+# and pp_schedules.py run NeMo Automodel's own code (DeepSeek-V4's, the pipeline split): its
+# source tree on AUTOMODEL_SRC (default
 # /tmp/automodel_src; `git -C <Automodel clone> archive HEAD nemo_automodel | tar -x -C ...`).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
