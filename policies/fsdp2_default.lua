@@ -70,6 +70,14 @@ M.options = {
     doc = "the tensor-parallel plan when tp > 1 (tp_plans.lua): auto picks Automodel's for the architecture" },
   sequence_parallel = { default = false,
     doc = "the plan's sequence-parallel variant (Automodel's sequence_parallel), when tp > 1" },
+  ["pipeline.schedule"] = { default = "1F1B", type = "string",
+    values = { "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV" },
+    doc = "the pipeline schedule when pp > 1 (Automodel's pp_schedule)" },
+  ["pipeline.layers_per_stage"] = { default = nil, type = "nil|integer", min = 1,
+    doc = "decoder layers a stage (Automodel's layers_per_stage: it counts the stages; none: 1 stage a rank, 2 " ..
+      "for a multi-stage schedule)" },
+  ["pipeline.round"] = { default = nil, type = "nil|string", values = { "up", "down" },
+    doc = "round_virtual_stages_to_pp_multiple: round the stage count to a multiple of pp" },
 }
 M.with = require("derive").with_of(M)
 
@@ -228,9 +236,44 @@ local function has_experts(model)
   return false
 end
 
+-- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense
+-- parallelizer shards each stage's part: its layers, then its root, which does not reshard
+-- after forward; the layers do not either (Automodel's rule under pipeline parallelism).
+local function pipelined(ctx, o)
+  local pipeline = o.pipeline or {}
+  -- activation checkpointing first: the wrappers stay in their layers' stages
+  if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
+  local stages = ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
+    round_virtual_stages_to_pp_multiple = pipeline.round }
+  tensor_parallel(ctx, o, false)
+  local layers = ctx:module("model.layers")
+  local raf = o.reshard_after_forward
+  if raf == nil then raf = false end
+  for _, s in ipairs(stages) do
+    for i = s.layers.first, s.layers.first + s.layers.count - 1 do
+      ctx:fully_shard(layers.children[layers.child_order[i + 1]], { mp_policy = M.precision, reshard_after_forward = raf,
+        offload_policy = o.offload_policy })
+    end
+    ctx:fully_shard(ctx.model, { stage = s.index, mp_policy = M.precision, reshard_after_forward = false,
+      offload_policy = o.offload_policy })
+  end
+  if explicit_prefetch(o) then
+    ctx:warn("prefetch: Automodel sets no explicit prefetch chain under pipeline parallelism; FSDP2's implicit " ..
+      "prefetch (forward 1, backward 1) is counted")
+  end
+  ctx:set_prefetch(M.IMPLICIT_PREFETCH)
+end
+
 function M.parallelize(ctx)
   local o = ctx.options
   local moe = ctx.mesh:size("ep") > 1
+  if ctx.mesh:size("pp") > 1 then
+    if moe and has_experts(ctx.model) then
+      error("pipelines on the expert-parallel path (pp > 1 with ep > 1, NeMo Automodel's MoE parallelizer per " ..
+        "stage) are not planned yet; plan the dense path (ep = 1) or pp = 1", 0)
+    end
+    return pipelined(ctx, o)
+  end
   tensor_parallel(ctx, o, moe and has_experts(ctx.model))
   if moe then
     expert_parallel(ctx, o)

@@ -401,6 +401,8 @@ function M.context(model, mesh, opts)
     tp_plan = {},      -- {pattern, style, spec, modules} of every tensor_parallel call
     tp_uneven = {},    -- {fqn, dim, size} of the tensor-parallel splits that leave tp ranks unequal
     tp_modules = {},   -- {module, style} of every module a tensor_parallel plan matched, in order
+    pp = nil,          -- the pipeline ctx:pipeline made (plan_pp): stages, stage_of module, schedule
+    stage_units = {},  -- stage -> {module -> unit} for the units of modules that span stages
     tp_variant = nil,  -- while laying out another tp coordinate's pieces: that coordinate
     warnings = {},
     -- FSDP2's implicit prefetch (no explicit chain set): the next unit's all-gather is
@@ -667,7 +669,7 @@ end
 
 -- The keys fully_shard takes, and those of its mp_policy (FSDP2's MixedPrecisionPolicy).
 local SHARD_OPTIONS = { "mesh", "mp_policy", "reshard_after_forward", "ignored_params", "shard_placement_fn",
-  "offload_policy", "kind" }
+  "offload_policy", "kind", "stage" }
 local MP_OPTIONS = { "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs" }
 
 -- A misspelt key would silently fall back to its default: refused, with the keys there are.
@@ -687,10 +689,13 @@ end
 -- (_get_managed_modules, _get_managed_states): the modules under `module` in post-order
 -- (children before their parent), not descending into a module that is already a unit (its
 -- ignored parameters included), each module's own parameters in order, shared ones once.
-local function managed_params(ctx, module)
+local function managed_params(ctx, module, stage)
   local out, seen = {}, {}
+  local stage_of = ctx.pp and ctx.pp.stage_of
   local function visit(m, name)
     if m ~= module and ctx.unit_of[m] then return end
+    -- under a pipeline, a unit holds its stage's part: other stages' modules are not there
+    if stage_of and stage_of[m] ~= nil and stage_of[m] ~= stage then return end
     for _, c in ipairs(m.child_order) do visit(m.children[c], name == "" and c or name .. "." .. c) end
     for _, pname in ipairs(m.param_order) do
       local p = m.params[pname]
@@ -712,7 +717,34 @@ function Ctx:fully_shard(module, opts)
   check_keys(opts, SHARD_OPTIONS, where, "option", "the options are")
   if opts.mp_policy ~= nil then check_keys(opts.mp_policy, MP_OPTIONS, where, "mp_policy key", "mp_policy is") end
   local site = call_site()
-  local prev_unit = self.unit_of[module]
+  local stage
+  if self.pp then
+    stage = self.pp.stage_of[module]
+    if opts.stage ~= nil then
+      if not util.is_int(opts.stage) or opts.stage < 0 or opts.stage >= self.pp.count then
+        fail(string.format("fully_shard(%s): stage %s; the pipeline has stages 0 to %d", display(name), shown(opts.stage),
+          self.pp.count - 1))
+      end
+      if stage ~= nil and stage ~= opts.stage then
+        fail(string.format("fully_shard(%s): the module is in stage %d, not %d", display(name), stage, opts.stage))
+      end
+      stage = opts.stage
+    end
+    if stage == nil then
+      fail(string.format("fully_shard(%s): the module spans the pipeline's stages; give {stage = i} to shard stage " ..
+        "i's part of it (Automodel shards each stage's part of the model, its root included)", display(name)))
+    end
+  elseif opts.stage ~= nil then
+    fail(string.format("fully_shard(%s): stage is for a model ctx:pipeline split into stages", display(name)))
+  end
+  local spanning = self.pp and self.pp.spanning[module]
+  local prev_unit
+  if spanning then
+    self.stage_units[stage] = self.stage_units[stage] or {}
+    prev_unit = self.stage_units[stage][module]
+  else
+    prev_unit = self.unit_of[module]
+  end
   if prev_unit then
     -- FSDP2 refuses it too: the module is already an FSDPModule
     fail(string.format("fully_shard(%s) is applied twice to the same module: first at %s, then at %s; a module " ..
@@ -766,7 +798,7 @@ function Ctx:fully_shard(module, opts)
       cast_forward_inputs = mp.cast_forward_inputs ~= false },
     reshard_after_forward = raf, raf_explicit = raf ~= nil,
     offload = offload == "cpu" and "cpu" or nil,
-    params = {}, ignored = {}, index = #self.units + 1, site = site,
+    params = {}, ignored = {}, index = #self.units + 1, site = site, stage = stage,
   }
   -- FSDP2 calls shard_placement_fn as fully_shard builds the unit (FSDPParam's init): so does
   -- the planner, inside the policy's call, and keeps only the dims it returned.
@@ -776,7 +808,7 @@ function Ctx:fully_shard(module, opts)
       display(name), type(placement_fn)))
   end
   unit.dims = {}
-  for _, np in ipairs(managed_params(self, module)) do
+  for _, np in ipairs(managed_params(self, module, stage)) do
     local fqn, p = np[1], np[2]
     local prev = self.owner[p]
     if ignored[p] then
@@ -805,7 +837,7 @@ function Ctx:fully_shard(module, opts)
     end
   end
   self.units[#self.units + 1] = unit
-  self.unit_of[module] = unit
+  if spanning then self.stage_units[stage][module] = unit else self.unit_of[module] = unit end
   return unit
 end
 
@@ -831,6 +863,10 @@ local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big
 local layout = require("moonshard.plan_layout").bind(helpers)
 local memory = require("moonshard.plan_memory").bind(helpers)
 local tensor_parallel = require("moonshard.plan_tp").bind(helpers)
+local pipeline = require("moonshard.plan_pp").bind(helpers)
+
+--- Splits the model into pipeline stages (moonshard.plan_pp) before any unit is made.
+function Ctx:pipeline(opts) return pipeline.apply(self, opts) end
 local traffic = require("moonshard.plan_comm").bind(helpers)
 M.tokens = traffic.tokens
 check_shard_dim = layout.check_shard_dim
@@ -1132,6 +1168,18 @@ local function policy_context(ctx, opts)
     for i, p in ipairs(ctx:expert_parallel(module_arg(view, m, "ctx:expert_parallel"), o)) do out[i] = view.param(p) end
     return out
   end
+  function pub.pipeline(_, popts)
+    if popts ~= nil and type(popts) ~= "table" then
+      fail("ctx:pipeline: the options are a " .. type(popts) .. "; expected a table")
+    end
+    local stages = ctx:pipeline(copy_data(popts or {}, 0))
+    local out = {}
+    for i, s in ipairs(stages) do
+      out[i] = { index = s.index, rank = s.rank, layers = { first = s.layers.first, count = s.layers.count },
+        modules = util.copy(s.modules) }
+    end
+    return out
+  end
   function pub.tensor_parallel(self, plan)
     if plan == nil and type(self) == "table" and self ~= pub then
       fail("ctx:tensor_parallel: the plan is missing; call it with a colon, ctx:tensor_parallel{...}")
@@ -1297,7 +1345,6 @@ local function check_request(mesh, policy, opts)
       type(optimizer) == "string" and "'" .. optimizer .. "'" or tostring(optimizer)))
   end
   -- the mesh's fault, not the policy's: no policy position in these
-  if mesh:size("pp") > 1 then fail("mesh: pipeline parallelism (pp > 1) is not planned yet; use pp = 1", true) end
   local parallelize = type(policy) == "table" and rawget(policy, "parallelize")
   if type(parallelize) ~= "function" then fail("the policy has no parallelize(ctx) function") end
   return optimizer, parallelize
@@ -1495,22 +1542,40 @@ local function plan(model, mesh, policy, opts)
   validate_expert_replicas(ctx, fqn_of)
   validate_unit_meshes(ctx, fqn_of)
   layout.lay_out(ctx, fqn_of)
-  local mem = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
-  if #ctx.tp_uneven > 0 then
-    -- tp ranks hold pieces of different sizes: each coordinate's layout and memory, then
-    -- every rank's from its own; the units keep tp coordinate 0's figures (the largest)
-    local by_t = { [0] = mem }
-    for t = 1, mesh:size("tp") - 1 do
+  -- What a rank holds depends on its pp coordinate (the units of its stages) and, where
+  -- tensor parallelism splits a dim unevenly, on its tp coordinate (its pieces): memory is
+  -- made for each pair, and every rank takes its own; the units keep tp coordinate 0's
+  -- figures (the largest pieces).
+  local pps = ctx.pp and mesh:size("pp") or 1
+  local tps = #ctx.tp_uneven > 0 and mesh:size("tp") or 1
+  local all_units, all_ep = ctx.units, ctx.ep_order
+  local by_pair = {}
+  for t = 0, tps - 1 do
+    if tps > 1 then
       ctx.tp_variant = t
       layout.lay_out(ctx, fqn_of)
-      by_t[t] = memory.per_rank(ctx, model, mesh, optimizer, fqn_of)
     end
+    for p = 0, pps - 1 do
+      if ctx.pp then ctx.units, ctx.ep_order = pipeline.on_rank(ctx, all_units, all_ep, p) end
+      by_pair[p * tps + t] = memory.per_rank(ctx, model, mesh, optimizer, fqn_of, ctx.pp and pipeline.buffer_filter(ctx, p))
+      ctx.units, ctx.ep_order = all_units, all_ep
+    end
+  end
+  if tps > 1 then
     ctx.tp_variant = nil
     layout.lay_out(ctx, fqn_of)
-    mem = memory.combine_tp(by_t, mesh)
+  end
+  local mem = by_pair[0]
+  local pipeline_view = ctx.pp and pipeline.summary(ctx, mesh, tokens, function(p) return by_pair[p * tps].total end)
+  if pps * tps > 1 then
+    mem = memory.combine(function(r) return by_pair[mesh:coord("pp", r) * tps + mesh:coord("tp", r) % tps] end, mesh)
   end
   local owned = expert_owned(ctx, fqn_of)
+  -- communication per step: rank 0's, the units of its stages under a pipeline
+  if ctx.pp then ctx.units, ctx.ep_order = pipeline.on_rank(ctx, all_units, all_ep, 0) end
   local comm = traffic.per_step(ctx, mesh, owned, tokens)
+  ctx.units, ctx.ep_order = all_units, all_ep
+  if pipeline_view and pipeline_view.send_recv then comm.send_recv = pipeline_view.send_recv[1] end
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
@@ -1551,6 +1616,7 @@ local function plan(model, mesh, policy, opts)
     params = params,
     tensor_parallel = tp_summary(ctx),
     tokens = tokens,
+    pipeline = pipeline_view,
   }
 end
 

@@ -215,7 +215,7 @@ end
 -- peak_unsharded_other, the peak under the other common prefetch), buffers, total and
 -- offloaded, rank 0's; runs ({first, count, optimizer, offloaded, total}: every rank's, in
 -- runs of equal ranks); per_rank (a table per rank, built when read).
-function Mem.per_rank(ctx, model, mesh, optimizer, fqn_of)
+function Mem.per_rank(ctx, model, mesh, optimizer, fqn_of, buffer_ok)
   local mem, host, events = shards(ctx, optimizer, fqn_of)
   mem.peak_unsharded = peak_unsharded(ctx, ctx.units)
   -- the same peak with the other common prefetch: FSDP2's implicit (1, 1) against Automodel's
@@ -231,7 +231,9 @@ function Mem.per_rank(ctx, model, mesh, optimizer, fqn_of)
   -- whole; Automodel's MoE parallelizer replicates e_score_correction_bias over the FSDP mesh).
   mem.buffers = 0
   for _, nb in ipairs(model:named_buffers()) do
-    mem.buffers = add(mem.buffers, nb[2].numel * DTYPE_SIZE[nb[2].dtype], "the buffer bytes per rank")
+    if not buffer_ok or buffer_ok[nb[1]] then
+      mem.buffers = add(mem.buffers, nb[2].numel * DTYPE_SIZE[nb[2].dtype], "the buffer bytes per rank")
+    end
   end
   local world = mesh.world
   local runs = rank_runs(mem, host, axis_steps(events, mesh), world)
@@ -255,7 +257,8 @@ function Mem.attach(mem, runs, world)
     for _, run in ipairs(runs) do
       for rank = run.first, run.first + run.count - 1 do
         list[rank + 1] = { rank = rank, params = run.params or t.params, grads = run.grads or t.grads,
-          optimizer = run.optimizer, peak_unsharded = run.peak_unsharded or t.peak_unsharded, buffers = t.buffers,
+          optimizer = run.optimizer, peak_unsharded = run.peak_unsharded or t.peak_unsharded,
+          buffers = run.buffers or t.buffers,
           total = run.total, offloaded = run.offloaded }
       end
     end
@@ -264,11 +267,11 @@ function Mem.attach(mem, runs, world)
   end })
 end
 
---- The memory of every rank when tensor parallelism splits some dim unevenly: by_t[t] is
--- the memory laid out with tp coordinate t's pieces (Mem.per_rank), and rank r holds what
--- by_t[its tp coordinate] says of it.  The summary figures are rank 0's (tp coordinate 0:
--- the largest pieces); the runs carry each rank's params, grads and peak too.
-function Mem.combine_tp(by_t, mesh)
+--- The memory of every rank when ranks hold different things (the units of their pipeline
+-- stages; unequal tensor-parallel pieces): mem_of(r) is the memory laid out for what rank r
+-- holds (Mem.per_rank), and rank r takes what it says of r.  The summary figures are rank
+-- 0's; the runs carry each rank's params, grads and peak too.
+function Mem.combine(mem_of, mesh)
   local function run_of(runs, r)
     local lo, hi = 1, #runs
     while lo < hi do
@@ -279,18 +282,18 @@ function Mem.combine_tp(by_t, mesh)
   end
   local runs = {}
   for r = 0, mesh.world - 1 do
-    local m = by_t[mesh:coord("tp", r)]
+    local m = mem_of(r)
     local run = run_of(m.runs, r)
     local last = runs[#runs]
     if last and last.params == m.params and last.grads == m.grads and last.peak_unsharded == m.peak_unsharded and
-        last.optimizer == run.optimizer and last.offloaded == run.offloaded then
+        last.buffers == m.buffers and last.optimizer == run.optimizer and last.offloaded == run.offloaded then
       last.count = last.count + 1
     else
       runs[#runs + 1] = { first = r, count = 1, params = m.params, grads = m.grads, peak_unsharded = m.peak_unsharded,
-        optimizer = run.optimizer, offloaded = run.offloaded, total = run.total }
+        buffers = m.buffers, optimizer = run.optimizer, offloaded = run.offloaded, total = run.total }
     end
   end
-  local base = by_t[0]
+  local base = mem_of(0)
   local mem = { params = base.params, grads = base.grads, peak_unsharded = base.peak_unsharded,
     peak_unsharded_other = base.peak_unsharded_other, buffers = base.buffers }
   Mem.attach(mem, runs, mesh.world)

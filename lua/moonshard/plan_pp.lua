@@ -156,4 +156,199 @@ function P.in_flight(sched, pp, n, v, r)
   fail("no in-flight rule for schedule " .. name)
 end
 
+-- ---------------------------------------------------------------- ctx:pipeline
+
+local plan_fail, display, plan_dtype_size -- the planner's helpers (bind)
+
+--- Takes the planner's helpers h (fail, display, DTYPE_SIZE); returns P.
+function P.bind(h)
+  plan_fail, display = h.fail, h.display
+  plan_dtype_size = function(d) return h.DTYPE_SIZE[d] end
+  return P
+end
+
+local PIPELINE_KEYS = { schedule = true, layers_per_stage = true, round_virtual_stages_to_pp_multiple = true }
+
+--- ctx:pipeline{schedule =, layers_per_stage =, round_virtual_stages_to_pp_multiple =}: splits
+-- the model into stages as Automodel's AutoPipeline does (the decoder layers of
+-- model.layers evenly, the remainder to the first stages; what comes before the layers in the
+-- model, the embeddings, in stage 0; what comes after, the final norm and the head, in the
+-- last) and places the stages on the pp ranks.  Returns the stages: {index, rank, layers =
+-- {first, count}, modules = {names}}.
+function P.apply(ctx, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then plan_fail("pipeline: the options are a " .. type(opts) .. "; expected a table") end
+  for k in pairs(opts) do
+    if not PIPELINE_KEYS[k] then
+      plan_fail(string.format("pipeline: unknown option %s (options: schedule, layers_per_stage, " ..
+        "round_virtual_stages_to_pp_multiple)", type(k) == "string" and "'" .. k .. "'" or tostring(k)))
+    end
+  end
+  if ctx.pp then plan_fail("pipeline: the model is split into stages already (ctx:pipeline is called once)") end
+  if ctx.units[1] then
+    plan_fail(string.format("pipeline: unit %s exists already; the pipeline split comes first (Automodel applies it " ..
+      "outermost), since every unit lies in one stage", display(ctx.units[1].name)))
+  end
+  local pp = ctx.mesh:size("pp")
+  local ok, sched = pcall(P.schedule, opts.schedule or "1F1B")
+  if not ok then plan_fail((tostring(sched):gsub("^moonshard: ", ""))) end
+  local layers = ctx.model:get("model.layers")
+  if not layers or layers.type ~= "ModuleList" or #layers.child_order == 0 then
+    plan_fail("pipeline: the model has no model.layers list of decoder layers to split into stages")
+  end
+  if ctx.model.attrs.tie_word_embeddings then
+    plan_fail("pipeline: the head is tied to the embeddings, which sit in the first and last stages; Automodel's " ..
+      "pipelines refuse tied embeddings")
+  end
+  local L = #layers.child_order
+  local lps = opts.layers_per_stage
+  if lps ~= nil and not (util.is_int(lps) and lps >= 1) then
+    plan_fail("pipeline: layers_per_stage is " .. tostring(lps) .. "; expected an integer >= 1")
+  end
+  local S, per_rank
+  ok, S, per_rank = pcall(P.virtual_stages, L, lps, pp, not sched.multi, opts.round_virtual_stages_to_pp_multiple)
+  if not ok then plan_fail((tostring(S):gsub("^moonshard: ", ""))) end
+  local split
+  ok, split = pcall(P.layer_split, S, L)
+  if not ok then plan_fail((tostring(split):gsub("^moonshard: ", ""))) end
+  local placement = sched.placement or "loop"
+  if placement == "v" and per_rank ~= 2 then
+    plan_fail(string.format("pipeline: v schedules assume 2 stages per rank, got %d", per_rank))
+  end
+  -- every module's stage: a decoder layer's subtree its stage; what precedes the layers in
+  -- the tree stage 0, what follows the last; the containers of the layers (the root, model,
+  -- model.layers) span the stages and may hold no parameter of their own
+  local stage_of, spanning = {}, {}
+  local layer_stage = {}
+  for s, part in ipairs(split) do
+    for i = part.first, part.first + part.count - 1 do layer_stage[layers.children[layers.child_order[i + 1]]] = s - 1 end
+  end
+  local function contains_layers(m)
+    if m == layers then return true end
+    for _, c in ipairs(m.child_order) do if contains_layers(m.children[c]) then return true end end
+    return false
+  end
+  local after = false
+  local stages = {}
+  for s = 0, S - 1 do
+    stages[s + 1] = { index = s, rank = P.rank_of(s, S, pp, placement), layers = split[s + 1], modules = {} }
+  end
+  local function assign(m, name, s)
+    stage_of[m] = s
+    for _, c in ipairs(m.child_order) do assign(m.children[c], name == "" and c or name .. "." .. c, s) end
+  end
+  local function walk(m, name)
+    if m == layers then
+      for _, c in ipairs(m.child_order) do
+        local s = layer_stage[m.children[c]]
+        assign(m.children[c], name .. "." .. c, s)
+        table.insert(stages[s + 1].modules, name .. "." .. c)
+      end
+      spanning[m] = true
+      after = true
+      return
+    end
+    if contains_layers(m) then
+      spanning[m] = true
+      if m.param_order[1] then
+        plan_fail(string.format("pipeline: %s holds parameters of its own (%s) but spans the stages; a stage " ..
+          "holds whole modules", display(name), m.param_order[1]))
+      end
+      for _, c in ipairs(m.child_order) do walk(m.children[c], name == "" and c or name .. "." .. c) end
+      return
+    end
+    local s = after and S - 1 or 0
+    assign(m, name, s)
+    table.insert(stages[s + 1].modules, name)
+  end
+  walk(ctx.model, "")
+  ctx.pp = { schedule = sched, stages = stages, per_rank = per_rank, placement = placement, stage_of = stage_of,
+    spanning = spanning, count = S }
+  return stages
+end
+
+--- The pipeline as the plan shows it: schedule, placement, stages per rank, micro-batches
+-- (the batch's, when given), each stage {index, pp_rank, ranks (the world ranks holding it),
+-- layers, modules, params (elements), memory (the total bytes of a rank holding it: its pp
+-- rank's, data-parallel coordinate 0)}, and per pp rank the micro-batch activations it keeps
+-- at its peak (in_flight) and what it sends to the neighbouring stages per step
+-- (send_recv: {count, bytes}), with a batch.
+function P.summary(ctx, mesh, tokens, total_of_pp)
+  local pp, npp = ctx.pp, mesh:size("pp")
+  local n = tokens and tokens.accumulation
+  if n then
+    local why = P.check_microbatches(pp.schedule, npp, n, pp.per_rank)
+    if why then plan_fail("pipeline: " .. why .. " (the batch gives " .. n .. " micro-batches a step)", true) end
+  end
+  -- the ranks of each pp coordinate, in order
+  local ranks_of = {}
+  for r = 0, mesh.world - 1 do
+    local p = mesh:coord("pp", r)
+    ranks_of[p] = ranks_of[p] or {}
+    table.insert(ranks_of[p], r)
+  end
+  local stages = {}
+  for i, s in ipairs(pp.stages) do
+    local params = 0
+    for _, name in ipairs(s.modules) do params = params + ctx.model:get(name):param_count() end
+    stages[i] = { index = s.index, pp_rank = s.rank, ranks = ranks_of[s.rank], layers = s.layers, modules = s.modules,
+      params = params, memory = total_of_pp(s.rank) }
+  end
+  local out = { schedule = pp.schedule.name, placement = pp.placement, stages_per_rank = pp.per_rank, microbatches = n,
+    stages = stages }
+  if n then
+    out.in_flight, out.send_recv = {}, {}
+    local embed = ctx.model:get("model.embed_tokens")
+    local hidden = embed and embed.params.weight and embed.params.weight.shape[2]
+    local dtype = ctx.model.attrs.dtype or "f32"
+    for _, u in ipairs(ctx.units) do
+      if u.mp.param_dtype then dtype = u.mp.param_dtype break end
+    end
+    local act = hidden and util.idiv(tokens.micro_batch * tokens.seq_len, mesh:size("cp")) * hidden *
+      plan_dtype_size(dtype) or 0
+    for p = 0, npp - 1 do
+      out.in_flight[p + 1] = P.in_flight(pp.schedule, npp, n, pp.per_rank, p)
+      local count = 0
+      for _, s in ipairs(pp.stages) do
+        if s.rank == p then
+          if s.index < pp.count - 1 and pp.stages[s.index + 2].rank ~= p then count = count + n end -- activations
+          if s.index > 0 and pp.stages[s.index].rank ~= p then count = count + n end -- their gradients
+        end
+      end
+      out.send_recv[p + 1] = { count = count, bytes = count * act }
+    end
+  end
+  return out
+end
+
+--- What pp rank p holds: the units of its stages, and the expert parameters of its stages'
+-- modules (expert parallelism's, in units or not).
+function P.on_rank(ctx, units, ep_order, p)
+  local pp = ctx.pp
+  local mine_units, mine_ep = {}, {}
+  for _, u in ipairs(units) do
+    if pp.stages[u.stage + 1].rank == p then mine_units[#mine_units + 1] = u end
+  end
+  for _, x in ipairs(ep_order) do
+    local s = pp.stage_of[ctx.ep[x].module]
+    if s ~= nil and pp.stages[s + 1].rank == p then mine_ep[#mine_ep + 1] = x end
+  end
+  return mine_units, mine_ep
+end
+
+--- The buffers pp rank p holds, a set of names: those of its stages' modules, and those of
+-- the modules spanning the stages (every stage has them, as Automodel gives every stage the
+-- rotary embedding).
+function P.buffer_filter(ctx, p)
+  local pp, out = ctx.pp, {}
+  for _, nm in ipairs(ctx.model:named_modules()) do
+    local name, m = nm[1], nm[2]
+    local s = pp.stage_of[m]
+    if s == nil or pp.stages[s + 1].rank == p then
+      for _, b in ipairs(m.buffer_order or {}) do out[name == "" and b or name .. "." .. b] = true end
+    end
+  end
+  return out
+end
+
 return P

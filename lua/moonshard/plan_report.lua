@@ -104,6 +104,8 @@ local function unit_json(u, plan)
   }
   -- only offloading units carry the key, so plans without offload read as before
   if u.offload then fields[#fields + 1] = jstr("offload_policy") .. ":" .. jstr(u.offload) end
+  -- under a pipeline, the stage the unit lies in
+  if u.stage then fields[#fields + 1] = jstr("stage") .. ":" .. jnum(u.stage) end
   fields[#fields + 1] = jstr("params") .. ":[" ..
     (#params > 0 and "\n" .. table.concat(params, ",\n") .. "\n    " or "") .. "]"
   fields[#fields + 1] = jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes)
@@ -117,7 +119,7 @@ local function rank_tail(m, run)
   return "," .. table.concat({ jstr("params") .. ":" .. jnum(run.params or m.params),
     jstr("grads") .. ":" .. jnum(run.grads or m.grads), jstr("optimizer") .. ":" .. jnum(run.optimizer),
     jstr("peak_unsharded") .. ":" .. jnum(run.peak_unsharded or m.peak_unsharded),
-    jstr("buffers") .. ":" .. jnum(m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
+    jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
 end
 
 -- About the bytes the per-rank and per-coordinate lists take (at most: every rank
@@ -189,6 +191,21 @@ function M.to_json(plan, opts)
     add(' "tensor_parallel":' .. jobj({ { "size", jnum(tp.size) }, { "sequence_parallel", jbool(tp.sequence_parallel) },
       { "params", jnum(tp.count) }, { "plan", "[" .. table.concat(rows, ",") .. "]" } }) .. ",\n")
   end
+  -- only plans with a pipeline carry the key
+  local pl = plan.pipeline
+  if pl then
+    local stages = {}
+    for i, s in ipairs(pl.stages) do
+      stages[i] = "    " .. jobj({ { "index", jnum(s.index) }, { "pp_rank", jnum(s.pp_rank) }, { "ranks", jints(s.ranks) },
+        { "layers", jobj({ { "first", jnum(s.layers.first) }, { "count", jnum(s.layers.count) } }) },
+        { "modules", jstrs(s.modules) }, { "params", jnum(s.params) }, { "memory", jnum(s.memory) } })
+    end
+    local fields = { { "schedule", jstr(pl.schedule) }, { "placement", jstr(pl.placement) },
+      { "stages_per_rank", jnum(pl.stages_per_rank) }, { "microbatches", pl.microbatches and jnum(pl.microbatches) or "null" },
+      { "in_flight", pl.in_flight and jints(pl.in_flight) or "null" } }
+    fields[#fields + 1] = { "stages", "[\n" .. table.concat(stages, ",\n") .. "\n ]" }
+    add(' "pipeline":' .. jobj(fields) .. ",\n")
+  end
   local units = {}
   for i, u in ipairs(plan.units) do units[i] = unit_json(u, plan) end
   add(' "units":[\n' .. table.concat(units, ",\n") .. "\n ],\n")
@@ -215,6 +232,10 @@ function M.to_json(plan, opts)
   local comm = {}
   for i, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     comm[i] = jstr(k) .. ":" .. jobj({ { "count", jnum(plan.comm[k].count) }, { "bytes", jnum(plan.comm[k].bytes) } })
+  end
+  if plan.comm.send_recv then
+    comm[#comm + 1] = jstr("send_recv") .. ":" .. jobj({ { "count", jnum(plan.comm.send_recv.count) },
+      { "bytes", jnum(plan.comm.send_recv.bytes) } })
   end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}},\n")
   if opts.audit then
@@ -281,6 +302,22 @@ function M.to_text(plan, opts)
       "hold each tp rank's slice", tp.size, tp.sequence_parallel and ", sequence parallel" or "", tp.count, matched,
       #tp.plan, #unmatched > 0 and " (matching nothing: " .. table.concat(unmatched, ", ") .. ")" or ""))
   end
+  local pl = plan.pipeline
+  if pl then
+    add(string.format("pipeline %s over pp=%d: %d stages (%d a rank, %s placement)%s", pl.schedule,
+      mesh:size("pp"), #pl.stages, pl.stages_per_rank, pl.placement, pl.microbatches and
+      string.format(", %d micro-batches a step", pl.microbatches) or ""))
+    for _, s in ipairs(pl.stages) do
+      local extra = {}
+      for _, name in ipairs(s.modules) do
+        if not name:match("^model%.layers%.%d+$") then extra[#extra + 1] = name end
+      end
+      add(string.format("  stage %d on pp rank %d: layers %s%s; %s params; %s a rank%s", s.index, s.pp_rank,
+        s.layers.count > 0 and string.format("%d-%d", s.layers.first, s.layers.first + s.layers.count - 1) or "none",
+        #extra > 0 and " + " .. table.concat(extra, ", ") or "", util.thousands(s.params), util.bytes(s.memory),
+        pl.in_flight and string.format("; %d micro-batch activations kept at the peak", pl.in_flight[s.pp_rank + 1]) or ""))
+    end
+  end
   if plan.checkpointed and #plan.checkpointed > 0 then
     local c = plan.checkpointed
     add(string.format("activation checkpointing: %d module%s: %s", #c, #c == 1 and "" or "s",
@@ -296,9 +333,10 @@ function M.to_text(plan, opts)
   end
   -- the all_reduce (HSDP) and offload columns only when some unit has them, so other plans
   -- read as before
+  local staged = plan.pipeline ~= nil
   add(string.format("%4s  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", pad("mesh", mw),
     "params", "gather", "reduce", "reshard", "AG/step", "RS/step") .. (replicated and string.format(" %10s", "AR/step")
-    or "") .. (offload and "  offload" or ""))
+    or "") .. (offload and "  offload" or "") .. (staged and "  stage" or ""))
   for i, u in ipairs(plan.units) do
     local g, r = dtypes_str(u)
     local raf = u.reshard
@@ -306,7 +344,7 @@ function M.to_text(plan, opts)
       u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
       type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
       util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
-      or "") .. (offload and "  " .. (u.offload or "-") or ""))
+      or "") .. (offload and "  " .. (u.offload or "-") or "") .. (staged and string.format("  %5d", u.stage) or ""))
   end
   if #plan.owned > 0 then
     local n, bytes = 0, 0
@@ -325,7 +363,7 @@ function M.to_text(plan, opts)
   for _, r in ipairs(m.runs) do lo, hi = math.min(lo, r.optimizer), math.max(hi, r.optimizer) end
   add("")
   add(string.format("memory per rank (%s): params %s, grads %s, optimizer %s (%s), peak unsharded %s, total %s",
-    lo == hi and "every rank alike" or "rank 0; uneven shards", util.bytes(m.params), util.bytes(m.grads),
+    lo == hi and #m.runs == 1 and "every rank alike" or "rank 0; ranks differ", util.bytes(m.params), util.bytes(m.grads),
     util.bytes(m.optimizer), plan.optimizer or "adamw", util.bytes(m.peak_unsharded), util.bytes(m.total)))
   local pf, other = plan.prefetch, m.peak_unsharded_other
   add(string.format("  peak unsharded with prefetch forward %d, backward %d: %s; with forward %d, backward %d " ..
@@ -351,6 +389,12 @@ function M.to_text(plan, opts)
     add(string.format("  %-15s %5d x  %s%s", k, c.count, util.bytes(c.bytes),
       c.uncounted_ep and string.format("  (+ expert parallelism's tokens over ep = %d, not counted)",
         c.uncounted_ep) or (k == "all_reduce" and tp_note) or ""))
+  end
+  if plan.comm.send_recv then
+    add(string.format("  %-15s %5d x  %s  (sent to the neighbouring stages: activations, then their gradients)",
+      "send_recv", plan.comm.send_recv.count, util.bytes(plan.comm.send_recv.bytes)))
+  elseif pl then
+    add("  send_recv           (the pipeline's activations between stages: give the batch, --seq-len, to count them)")
   end
   if #plan.warnings > 0 then
     add("")

@@ -85,6 +85,11 @@ function M.materialize(plan)
       (type(plan) == "table" and "a table without its mesh (a decoded plan JSON cannot be materialised)" or
         tostring(plan)))
   end
+  if plan.pipeline then
+    fail(string.format("materialize: the plan is a pipeline of %d stages over pp = %d; pipelines are planned, not " ..
+      "yet made real on ranks (the units of a rank's stages and the sends between them)", #plan.pipeline.stages,
+      mc:size("pp")))
+  end
   if ms.world_size() ~= mc.world then
     local how = ms.backend() == "threads" and "moonshard -n %d, or a world of %d ranks in a host" or
       "mpirun -np %d, or a world of %d ranks in a host"

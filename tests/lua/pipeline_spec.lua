@@ -1,0 +1,125 @@
+-- pipeline_spec.lua: pipelines in plans: ctx:pipeline's split of a model into stages (the
+-- rules themselves are held to Automodel and PyTorch by pp_rules_spec), units within a stage,
+-- memory per rank from its own stages, the micro-batches each rank keeps, the sends between
+-- stages, fsdp2_default under pp > 1, and the refusals.
+local mesh_context = require "moonshard.mesh_context"
+local planner = require "moonshard.plan"
+local policy = require "moonshard.policy"
+local models = require "moonshard.models"
+local report = require "moonshard.plan_report"
+local json = require "moonshard.json"
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+local function assert_has(text, part)
+  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
+end
+
+local LLAMA = { architectures = { "LlamaForCausalLM" }, vocab_size = 64, hidden_size = 16, intermediate_size = 24,
+  num_hidden_layers = 5, num_attention_heads = 4, num_key_value_heads = 2, tie_word_embeddings = false,
+  torch_dtype = "bfloat16" }
+local function llama(over)
+  local cfg = {}
+  for k, v in pairs(LLAMA) do cfg[k] = v end
+  for k, v in pairs(over or {}) do cfg[k] = v end
+  return models.from_config(cfg, "llama")
+end
+local FSDP2 = policy.entry_point(policy.load("policies/fsdp2_default.lua"), "fsdp2_default")
+local function plan(model, mesh, pol, opts) return planner.plan(model, mesh_context.new(mesh), pol or FSDP2, opts) end
+
+describe("a pipeline in a plan", function()
+  it("splits the layers as Automodel does, the embeddings first, the norm and head last", function()
+    local p = plan(llama(), "pp=2,dp_shard=2")
+    local pl = p.pipeline
+    assert.equal("1F1B", pl.schedule)
+    local got = {}
+    for i, s in ipairs(pl.stages) do got[i] = { s.pp_rank, s.layers.first, s.layers.count, table.concat(s.modules, " ") } end
+    -- 5 layers over 2 stages: 3 and 2, the remainder to the first
+    assert.same({ { 0, 0, 3, "model.embed_tokens model.layers.0 model.layers.1 model.layers.2" },
+      { 1, 3, 2, "model.layers.3 model.layers.4 model.norm lm_head" } }, got)
+    for _, u in ipairs(p.units) do
+      local name = u.name
+      local layer = tonumber(name:match("^model%.layers%.(%d+)$"))
+      if layer then assert.equal(layer < 3 and 0 or 1, u.stage, name) end
+    end
+  end)
+
+  it("gives each rank the memory of its own stages", function()
+    local p = plan(llama(), "pp=2,dp_shard=2")
+    -- every rank holds its stage's parameters, halved by dp_shard (padded per parameter)
+    local function stage_bytes(modules)
+      local bytes = 0
+      for _, name in ipairs(modules) do
+        for _, np in ipairs(p.params) do
+          local fqn = np[1]
+          if fqn == name or fqn:sub(1, #name + 1) == name .. "." then
+            local shape = np[2].shape
+            local rows = math.ceil(shape[1] / 2)
+            local n = rows
+            for i = 2, #shape do n = n * shape[i] end
+            bytes = bytes + n * 2
+          end
+        end
+      end
+      return bytes
+    end
+    local per = p.memory.per_rank
+    for r = 0, 3 do
+      local stage = p.pipeline.stages[r < 2 and 1 or 2]
+      assert.equal(stage_bytes(stage.modules), per[r + 1].params, "rank " .. r)
+    end
+    assert.is_true(per[1].params ~= per[3].params)
+  end)
+
+  it("counts the micro-batches each rank keeps and what it sends, given a batch", function()
+    local p = plan(llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32, micro_batch = 2, global_batch = 16 } })
+    local pl = p.pipeline
+    assert.equal(4, pl.microbatches)
+    assert.same({ 2, 1 }, pl.in_flight) -- 1F1B: min(n, pp - r)
+    -- rank 0 sends each micro-batch's activations to stage 1: 2 x 32 tokens x 16 hidden, bf16
+    assert.same({ count = 4, bytes = 4 * 2 * 32 * 16 * 2 }, p.comm.send_recv)
+    local j = json.decode(report.to_json(p), "plan")
+    assert.equal("1F1B", j.pipeline.schedule)
+    assert.same({ 0, 1 }, j.pipeline.stages[1].ranks)
+    assert.equal(4, j.comm.per_step.send_recv.count)
+    assert.equal(0, j.units[1].stage)
+    -- a schedule whose micro-batch count the batch breaks is PyTorch's refusal
+    assert_has(errmsg(plan, llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32, global_batch = 2 } }),
+      "pipeline: Number of microbatches (1) must be greater than or equal to the number of stages (2).")
+    local zbv = plan(llama({ num_hidden_layers = 8 }), "pp=2,dp_shard=2", nil,
+      { set = { "pipeline.schedule=ZBVZeroBubble" }, tokens = { seq_len = 32, global_batch = 8 } })
+    assert.same({ 0, 1, 1, 0 }, { zbv.pipeline.stages[1].pp_rank, zbv.pipeline.stages[2].pp_rank,
+      zbv.pipeline.stages[3].pp_rank, zbv.pipeline.stages[4].pp_rank })
+  end)
+
+  it("refuses what Automodel refuses, and what it does not plan yet, by name", function()
+    local function policy_of(fn) return { parallelize = fn } end
+    assert_has(errmsg(plan, llama({ tie_word_embeddings = true }), "pp=2"),
+      "pipeline: the head is tied to the embeddings")
+    assert_has(errmsg(plan, llama(), "pp=2", policy_of(function(ctx)
+      ctx:fully_shard(ctx.model:get("model.layers.0"))
+      ctx:pipeline{}
+    end)), "pipeline: unit model.layers.0 exists already; the pipeline split comes first")
+    assert_has(errmsg(plan, llama(), "pp=2", policy_of(function(ctx)
+      ctx:pipeline{}
+      ctx:fully_shard(ctx.model)
+    end)), "fully_shard(<root>): the module spans the pipeline's stages; give {stage = i}")
+    assert_has(errmsg(plan, llama(), "pp=2", policy_of(function(ctx)
+      ctx:pipeline{}
+      ctx:fully_shard(ctx.model:get("model.layers.4"), { stage = 0 })
+    end)), "fully_shard(model.layers.4): the module is in stage 1, not 0")
+    assert_has(errmsg(plan, llama(), "pp=2", policy_of(function(ctx) ctx:pipeline{ schedule = "zero_bubble" } end)),
+      "Unknown schedule name 'zero_bubble'")
+    assert_has(errmsg(plan, llama(), "pp=2", policy_of(function(ctx) ctx:pipeline{ stages = 4 } end)),
+      "pipeline: unknown option 'stages'")
+    assert_has(errmsg(plan, llama(), "pp=2", nil, { set = { "pipeline.layers_per_stage=2" } }),
+      "Number of virtual stages (3) must be divisible by pipeline parallel size (2)")
+    local moe = models.from_config({ architectures = { "MixtralForCausalLM" }, hidden_size = 16, intermediate_size = 24,
+      num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 2, num_local_experts = 4,
+      num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16" }, "mixtral")
+    assert_has(errmsg(plan, moe, "pp=2,dp_shard=2,ep=2"), "pipelines on the expert-parallel path")
+  end)
+end)
