@@ -294,12 +294,14 @@ ms_status ms_barrier(ms_comm *c);
  * both get MS_ERR_MISMATCH naming what differed, and nothing moves between them.  Tags
  * check, they do not select.  Two ranks that both ms_send to each other first get a
  * mismatch, not a deadlock: post the send and the receive in one batch.  The batch's ops run
- * together, in any order, without deadlock; each peer's part completes on its own (threads,
- * mpi), so a failure with one peer does not undo another's.  A peer that does not post its
- * side within the timeout gives MS_ERR_TIMEOUT naming it, one reported done MS_ERR_PEER;
- * after any failure the comm is unusable (MS_ERR_STATE), as after a failed collective.  A
- * received tensor may not overlap any other tensor of the batch (MS_ERR_ARG); a sent one may
- * be sent to several peers. */
+ * together, in any order, without deadlock.  Each peer's part is agreed on its own: a
+ * mismatch with one peer leaves the transfers with the others done.  On threads and mpi each
+ * peer's part also completes on its own, so a slow or failed peer holds up no other; on nccl
+ * each step of a batch waits for all its peers (docs/backends.md).  A peer that does not post its side within the timeout gives
+ * MS_ERR_TIMEOUT naming it, one reported done (or, on mpi, one that released its world)
+ * MS_ERR_PEER; after any failure the comm is unusable (MS_ERR_STATE), as after a failed
+ * collective.  A received tensor may not overlap any other tensor of the batch (MS_ERR_ARG);
+ * a sent one may go to several peers. */
 typedef enum ms_p2p_kind { MS_P2P_SEND = 0, MS_P2P_RECV = 1 } ms_p2p_kind;
 typedef struct ms_p2p_op {
     ms_p2p_kind op; /* MS_P2P_SEND: t is read; MS_P2P_RECV: t is written */
