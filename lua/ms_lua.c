@@ -304,6 +304,7 @@ static void push_constants(lua_State *L) {
         {"ADAMW_MASTER", MS_ADAMW_MASTER}, {"ADAMW_TORCH", MS_ADAMW_TORCH}, {"ADAMW_EXP_AVG", MS_ADAMW_EXP_AVG},
         {"ADAMW_EXP_AVG_SQ", MS_ADAMW_EXP_AVG_SQ}, {"ADAMW_MASTER_WEIGHTS", MS_ADAMW_MASTER_WEIGHTS},
         {"CAST_AUTO", MS_CAST_AUTO}, {"CAST_PORTABLE", MS_CAST_PORTABLE}, {"CAST_AVX2", MS_CAST_AVX2},
+        {"P2P_SEND", MS_P2P_SEND}, {"P2P_RECV", MS_P2P_RECV},
     };
     lua_createtable(L, 0, (int)(sizeof k / sizeof k[0]) + 20);
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {

@@ -1,6 +1,6 @@
 /*
  * ms_lua_mesh.c: the Lua 5.4 binding's raw functions of the world, meshes, groups and their
- * collectives, and the layouts (moonshard.mesh is the API).
+ * collectives and point-to-point calls, and the layouts (moonshard.mesh is the API).
  *
  * The world: the moonshard executable stores each rank's world comm in the registry
  * (ms_lua_set_world) before the script runs.  A stock lua5.4 that does
@@ -207,6 +207,35 @@ static int l_barrier(lua_State *L) {
     TRY(L, ms_barrier(check_group(L, 1)));
     return ms_lua_done(L);
 }
+static int l_send(lua_State *L) {
+    TRY(L, ms_send(check_group(L, 1), check_tensor(L, 2), int_arg(L, 3), int_arg(L, 4)));
+    return ms_lua_done(L);
+}
+static int l_recv(lua_State *L) {
+    TRY(L, ms_recv(check_group(L, 1), check_tensor(L, 2), int_arg(L, 3), int_arg(L, 4)));
+    return ms_lua_done(L);
+}
+
+/* batch_p2p(g, kinds, tensors, peers, tags): the ops as parallel lists */
+static int l_batch_p2p(lua_State *L) {
+    ms_comm *c = check_group(L, 1);
+    for (int i = 2; i <= 5; i++) luaL_checktype(L, i, LUA_TTABLE);
+    lua_Integer n = luaL_len(L, 2);
+    if (n < 0 || n > INT32_MAX) return luaL_error(L, "moonshard internal error: batch_p2p: %d ops", (int)n);
+    ms_p2p_op *ops = lua_newuserdatauv(L, (size_t)(n ? n : 1) * sizeof *ops, 0);
+    for (lua_Integer i = 0; i < n; i++) {
+        lua_geti(L, 2, i + 1);
+        lua_geti(L, 3, i + 1);
+        lua_geti(L, 4, i + 1);
+        lua_geti(L, 5, i + 1);
+        int top = lua_gettop(L);
+        ops[i] = (ms_p2p_op){(ms_p2p_kind)luaL_checkinteger(L, top - 3), check_tensor(L, top - 2),
+                             (int)luaL_checkinteger(L, top - 1), (int)luaL_checkinteger(L, top)};
+        lua_pop(L, 4); /* the tensors stay alive in their list */
+    }
+    TRY(L, ms_batch_p2p(c, ops, (int)n));
+    return ms_lua_done(L);
+}
 
 /* ---------------------------------------------------------------- layouts */
 
@@ -261,7 +290,8 @@ void ms_lua_open_mesh(lua_State *L) {
         {"mesh_group", l_mesh_group}, {"mesh_group_ranks", l_mesh_group_ranks}, {"group_size", l_group_size},
         {"group_rank", l_group_rank}, {"group_world_rank", l_group_world_rank}, {"group_backend", l_group_backend},
         {"all_gather", l_all_gather}, {"reduce_scatter", l_reduce_scatter}, {"all_reduce", l_all_reduce},
-        {"broadcast", l_broadcast}, {"all_to_all", l_all_to_all}, {"barrier", l_barrier},
+        {"broadcast", l_broadcast}, {"all_to_all", l_all_to_all}, {"barrier", l_barrier}, {"send", l_send},
+        {"recv", l_recv}, {"batch_p2p", l_batch_p2p},
         {"local_shape", l_local_shape}, {"fsdp_shard", l_fsdp_shard}, {"chunk_extent", l_chunk_extent},
         {NULL, NULL}};
     luaL_setfuncs(L, funcs, 0);

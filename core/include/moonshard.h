@@ -283,6 +283,37 @@ ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root);
 ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in); /* equal numel, divisible by n */
 ms_status ms_barrier(ms_comm *c);
 
+/* Point-to-point: tensors sent to and received from one peer, a group rank of c other than
+ * this rank's (MS_ERR_ARG for this rank or one out of range), with a tag >= 0.  Tensors are
+ * contiguous and on the comm's device as for the collectives (cpu tensors staged on nccl).
+ * A batch (ms_batch_p2p; ms_send and ms_recv are batches of one) is matched with each peer
+ * it names as a unit: its sends to and receives from peer p pair, in batch order, with the
+ * receives from and sends to this rank in p's batch that names this rank (the k-th batch
+ * of this rank naming p with the k-th batch of p naming this rank).  The two sides must post
+ * as many sends as the other receives, each pair with the same tag, shape and dtype: else
+ * both get MS_ERR_MISMATCH naming what differed, and nothing moves between them.  Tags
+ * check, they do not select.  Two ranks that both ms_send to each other first get a
+ * mismatch, not a deadlock: post the send and the receive in one batch.  The batch's ops run
+ * together, in any order, without deadlock.  Each peer's part is agreed on its own: a
+ * mismatch with one peer leaves the transfers with the others done.  On threads and mpi each
+ * peer's part also completes on its own, so a slow or failed peer holds up no other; on nccl
+ * each step of a batch waits for all its peers (docs/backends.md).  A peer that does not post its side within the timeout gives
+ * MS_ERR_TIMEOUT naming it, one reported done (or, on mpi, one that released its world)
+ * MS_ERR_PEER; after any failure the comm is unusable (MS_ERR_STATE), as after a failed
+ * collective.  A received tensor may not overlap any other tensor of the batch (MS_ERR_ARG);
+ * a sent one may go to several peers. */
+typedef enum ms_p2p_kind { MS_P2P_SEND = 0, MS_P2P_RECV = 1 } ms_p2p_kind;
+typedef struct ms_p2p_op {
+    ms_p2p_kind op; /* MS_P2P_SEND: t is read; MS_P2P_RECV: t is written */
+    ms_tensor *t;
+    int peer;       /* a group rank of the comm */
+    int tag;        /* >= 0 */
+} ms_p2p_op;
+ms_status ms_send(ms_comm *c, const ms_tensor *t, int peer, int tag);
+ms_status ms_recv(ms_comm *c, ms_tensor *t, int peer, int tag);
+/* n >= 0 ops (ops may be NULL when n = 0, a no-op). */
+ms_status ms_batch_p2p(ms_comm *c, const ms_p2p_op *ops, int n);
+
 /* ---------------------------------------------------------------- meshes */
 
 typedef struct ms_mesh ms_mesh;

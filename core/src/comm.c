@@ -134,6 +134,119 @@ ms_status ms__calls_agree(const ms_comm *c, const ms_coll *calls, size_t stride)
     return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
 }
 
+/* ---------------------------------------------------------------- point-to-point agreement */
+
+int64_t ms__p2p_bytes(const ms_p2p_desc *d) {
+    int64_t n = ms_dtype_size((ms_dtype)d->dtype);
+    for (int i = 0; i < d->ndim && i < MS_MAX_DIMS; i++) n *= d->shape[i];
+    return n;
+}
+
+void ms__keep_first(ms_first_error *f, ms_status st) {
+    if (!st || f->st) return;
+    f->st = st;
+    snprintf(f->msg, sizeof f->msg, "%s", ms_last_error());
+}
+
+ms_status ms__first_error(const ms_first_error *f) { return f->st ? ms__fail(f->st, "%s", f->msg) : ms__ok(); }
+
+void ms__p2p_header(const ms_p2p_batch *b, int i, ms_p2p_header *h) {
+    const ms_p2p_peer *q = &b->peers[i];
+    *h = (ms_p2p_header){.count = q->count};
+    for (int k = 0; k < q->count && k < MS_P2P_INLINE; k++) h->desc[k] = b->descs[q->first + k];
+}
+
+const char *ms__rank_str(char *buf, size_t cap, const ms_comm *c, int group_rank) {
+    const ms_group *g = c->group;
+    bool first_ranks = true; /* the group is world ranks 0..n-1: its ranks are the world's */
+    for (int i = 0; i < g->n; i++) first_ranks &= g->world_ranks[i] == i;
+    if (first_ranks) snprintf(buf, cap, "rank %d", group_rank);
+    else snprintf(buf, cap, "rank %d (group rank %d)", g->world_ranks[group_rank], group_rank);
+    return buf;
+}
+
+void ms__p2p_where(ms_msg *m, const ms_comm *c, int peer) {
+    char group[256], a[64], b[64];
+    int lo = c->rank < peer ? c->rank : peer, hi = c->rank < peer ? peer : c->rank;
+    ms__msg_add(m, "send/recv on group %s between %s and %s",
+                ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks),
+                ms__rank_str(a, sizeof a, c, lo), ms__rank_str(b, sizeof b, c, hi));
+}
+
+/* "tag 0 [4, 8] f32" (a peer's descriptor: its ndim and dtype are not trusted). */
+static const char *p2p_desc_str(char *buf, size_t cap, const ms_p2p_desc *d) {
+    char shape[160];
+    int ndim = d->ndim < 0 ? 0 : d->ndim > MS_MAX_DIMS ? MS_MAX_DIMS : d->ndim;
+    const char *dt = ms_dtype_name((ms_dtype)d->dtype);
+    snprintf(buf, cap, "tag %d %s %s", d->tag, ms__shape_str(shape, sizeof shape, ndim, d->shape), dt ? dt : "?");
+    return buf;
+}
+
+static int count_kind(const ms_p2p_desc *d, int n, int kind) {
+    int k = 0;
+    for (int i = 0; i < n; i++) k += d[i].kind == kind;
+    return k;
+}
+
+static int next_kind(const ms_p2p_desc *d, int n, int kind, int from) {
+    while (from < n && d[from].kind != kind) from++;
+    return from;
+}
+
+/* One direction of a pair: rank s's sends to rank r (among its ops with r) against r's
+ * receives from s.  True when they pair up; else the first difference is added to m, after
+ * sep. */
+static bool p2p_direction(ms_msg *m, const char *sep, const ms_comm *c, int s, const ms_p2p_desc *s_ops, int s_n,
+                          int r, const ms_p2p_desc *r_ops, int r_n) {
+    char a[64], b[64], sent[200], got[200];
+    const int nsend = count_kind(s_ops, s_n, MS_P2P_SEND), nrecv = count_kind(r_ops, r_n, MS_P2P_RECV);
+    ms__rank_str(a, sizeof a, c, s);
+    ms__rank_str(b, sizeof b, c, r);
+    if (nsend != nrecv) {
+        ms__msg_add(m, "%s%s sends %d tensor%s to %s, which receives %d from it", sep, a, nsend, nsend == 1 ? "" : "s",
+                    b, nrecv);
+        return false;
+    }
+    for (int i = 0, x = -1, y = -1; i < nsend; i++) {
+        x = next_kind(s_ops, s_n, MS_P2P_SEND, x + 1);
+        y = next_kind(r_ops, r_n, MS_P2P_RECV, y + 1);
+        const ms_p2p_desc *d = &s_ops[x], *e = &r_ops[y];
+        const bool tag = d->tag != e->tag, dtype = d->dtype != e->dtype;
+        bool shape = d->ndim != e->ndim;
+        for (int k = 0; !shape && k < d->ndim && k < MS_MAX_DIMS; k++) shape = d->shape[k] != e->shape[k];
+        if (!tag && !dtype && !shape) continue;
+        const char *what[3];
+        int nwhat = 0;
+        if (tag) what[nwhat++] = "tag";
+        if (shape) what[nwhat++] = "shape";
+        if (dtype) what[nwhat++] = "dtype";
+        ms__msg_add(m, "%stensor %d of %d from %s to %s: sent as %s, received as %s (the %s%s%s%s%s %s)",
+                    sep, i + 1, nsend, a, b, p2p_desc_str(sent, sizeof sent, d),
+                    p2p_desc_str(got, sizeof got, e), what[0], nwhat == 3 ? ", " : nwhat == 2 ? " and " : "",
+                    nwhat > 1 ? what[1] : "", nwhat == 3 ? " and " : "", nwhat == 3 ? what[2] : "",
+                    nwhat > 1 ? "differ" : "differs");
+        return false;
+    }
+    return true;
+}
+
+ms_status ms__p2p_agree(const ms_comm *c, int peer, const ms_p2p_desc *mine, int n_mine, const ms_p2p_desc *theirs,
+                        int n_theirs) {
+    const bool me_first = c->rank < peer;
+    const int lo = me_first ? c->rank : peer, hi = me_first ? peer : c->rank;
+    const ms_p2p_desc *lo_ops = me_first ? mine : theirs, *hi_ops = me_first ? theirs : mine;
+    const int lo_n = me_first ? n_mine : n_theirs, hi_n = me_first ? n_theirs : n_mine;
+    ms_msg m = {0};
+    ms__p2p_where(&m, c, peer);
+    ms__msg_add(&m, ": the sides disagree: ");
+    const bool up = p2p_direction(&m, "", c, lo, lo_ops, lo_n, hi, hi_ops, hi_n);
+    const bool down = p2p_direction(&m, up ? "" : "; ", c, hi, hi_ops, hi_n, lo, lo_ops, lo_n);
+    if (up && down) return MS_OK;
+    if (!count_kind(lo_ops, lo_n, MS_P2P_RECV) && !count_kind(hi_ops, hi_n, MS_P2P_RECV))
+        ms__msg_add(&m, " (both send first: post each rank's send and receive in one batch)");
+    return ms__fail(MS_ERR_MISMATCH, "%s", m.s);
+}
+
 static const char *const device_name[] = {[MS_DEVICE_CPU] = "cpu", [MS_DEVICE_META] = "meta",
                                           [MS_DEVICE_CUDA] = "cuda"};
 
@@ -385,11 +498,11 @@ ms_status ms_comm_group(ms_comm *world, int n, const int *world_ranks, ms_comm *
 
 /* ---------------------------------------------------------------- argument checks */
 
-/* The comm is present and usable; writes "all_gather on group [0 1]" into where. */
-static ms_status check_comm(ms_comm *c, ms_coll_kind kind, char *where, size_t cap) {
-    if (!c) return ms__fail(MS_ERR_ARG, "%s: comm is NULL", ms__coll_name(kind));
+/* The comm is present and usable; writes "all_gather on group [0 1]" (name: the call) into where. */
+static ms_status check_comm(ms_comm *c, const char *name, char *where, size_t cap) {
+    if (!c) return ms__fail(MS_ERR_ARG, "%s: comm is NULL", name);
     char group[256];
-    snprintf(where, cap, "%s on group %s", ms__coll_name(kind),
+    snprintf(where, cap, "%s on group %s", name,
              ms__group_str(group, sizeof group, c->group->n, c->group->world_ranks));
     if (c->unusable)
         return ms__fail(MS_ERR_STATE, "%s: the comm is unusable after an earlier failure: %s", where, c->failure);
@@ -463,11 +576,17 @@ static ms_status check_in_place(const ms_comm *c, const char *where, const char 
                     c->rank);
 }
 
-typedef struct { ms_comm *c; const ms_coll *call; } queued_call;
+/* A checked call for the backend: a collective (call) or a batch of sends and receives. */
+typedef struct queued_call {
+    ms_comm *c;
+    const ms_coll *call;
+    const ms_p2p_batch *batch;
+} queued_call;
 
 static ms_status run_queued(void *p) {
     queued_call *q = p;
-    return q->c->world->backend->collective(q->c, q->call);
+    const ms_backend *b = q->c->world->backend;
+    return q->call ? b->collective(q->c, q->call) : b->p2p(q->c, q->batch);
 }
 
 /* Hands a checked call to the backend; a failure there makes the comm unusable.  Once the
@@ -475,22 +594,25 @@ static ms_status run_queued(void *p) {
  * untagged group, which the units' groups are, queues behind theirs: the rank's collectives
  * then reach the group in program order, as on its peers, instead of racing the pending
  * ones.  Tagged groups (ms_comm_group_tagged) match apart and run at once. */
-static ms_status run(ms_comm *c, const ms_coll *unlabelled) {
+static ms_status dispatch(queued_call *q) {
+    ms_comm *c = q->c;
     ms_status st;
-    ms_coll labelled = *unlabelled, *call = &labelled;
-    ms__coll_set_label(call);
-    if (c->group->tag == 0 && ms__async_elsewhere(c->world, c->group->world_ranks[c->rank])) {
-        queued_call q = {c, call};
-        st = ms__async_run(c->world, c->group->world_ranks[c->rank], run_queued, &q);
-    } else {
-        st = c->world->backend->collective(c, call);
-    }
+    if (c->group->tag == 0 && ms__async_elsewhere(c->world, c->group->world_ranks[c->rank]))
+        st = ms__async_run(c->world, c->group->world_ranks[c->rank], run_queued, q);
+    else
+        st = run_queued(q);
     if (st) {
         c->unusable = true;
         snprintf(c->failure, sizeof c->failure, "%s", ms_last_error());
         return st;
     }
     return ms__ok();
+}
+
+static ms_status run(ms_comm *c, const ms_coll *unlabelled) {
+    ms_coll labelled = *unlabelled;
+    ms__coll_set_label(&labelled);
+    return dispatch(&(queued_call){.c = c, .call = &labelled});
 }
 
 /* ---------------------------------------------------------------- collectives */
@@ -500,7 +622,7 @@ ms_status ms_all_gather(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
     MS_NOT_NULL(out);
     MS_NOT_NULL(in);
     char where[320];
-    ms_status st = check_comm(c, MS_COLL_ALL_GATHER, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_ALL_GATHER), where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
     if (!st) st = check_tensor(c, where, "in", in);
     if (!st) st = check_same_dtype(where, out, in);
@@ -517,7 +639,7 @@ ms_status ms_reduce_scatter(ms_comm *c, ms_tensor *out, const ms_tensor *in, ms_
     MS_NOT_NULL(out);
     MS_NOT_NULL(in);
     char where[320];
-    ms_status st = check_comm(c, MS_COLL_REDUCE_SCATTER, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_REDUCE_SCATTER), where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
     if (!st) st = check_tensor(c, where, "in", in);
     if (!st) st = check_same_dtype(where, out, in);
@@ -534,7 +656,7 @@ ms_status ms_all_reduce(ms_comm *c, ms_tensor *t, ms_op op) {
     MS_NOT_NULL(c);
     MS_NOT_NULL(t);
     char where[320];
-    ms_status st = check_comm(c, MS_COLL_ALL_REDUCE, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_ALL_REDUCE), where, sizeof where);
     if (!st) st = check_tensor(c, where, "t", t);
     if (!st) st = check_op(where, op, t->dtype);
     if (st) return st;
@@ -547,7 +669,7 @@ ms_status ms_broadcast(ms_comm *c, ms_tensor *t, int root) {
     MS_NOT_NULL(c);
     MS_NOT_NULL(t);
     char where[320];
-    ms_status st = check_comm(c, MS_COLL_BROADCAST, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_BROADCAST), where, sizeof where);
     if (!st) st = check_tensor(c, where, "t", t);
     if (!st && (root < 0 || root >= c->group->n))
         st = ms__fail(MS_ERR_ARG, "%s: root %d is not a group rank (0..%d)", where, root, c->group->n - 1);
@@ -562,7 +684,7 @@ ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
     MS_NOT_NULL(out);
     MS_NOT_NULL(in);
     char where[320], a[200], b[200];
-    ms_status st = check_comm(c, MS_COLL_ALL_TO_ALL, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_ALL_TO_ALL), where, sizeof where);
     if (!st) st = check_tensor(c, where, "out", out);
     if (!st) st = check_tensor(c, where, "in", in);
     if (!st) st = check_same_dtype(where, out, in);
@@ -582,8 +704,99 @@ ms_status ms_all_to_all(ms_comm *c, ms_tensor *out, const ms_tensor *in) {
 ms_status ms_barrier(ms_comm *c) {
     MS_NOT_NULL(c);
     char where[320];
-    ms_status st = check_comm(c, MS_COLL_BARRIER, where, sizeof where);
+    ms_status st = check_comm(c, ms__coll_name(MS_COLL_BARRIER), where, sizeof where);
     if (st) return st;
     ms_coll call = {.kind = MS_COLL_BARRIER};
     return run(c, &call);
+}
+
+/* ---------------------------------------------------------------- point-to-point */
+
+/* Checks op i of a batch on the calling rank (i = -1: a lone send or receive, whose tensor
+ * the messages call "t"; else "ops[i].t", and the op "ops[i]") and writes its descriptor. */
+static ms_status check_p2p_op(const ms_comm *c, const char *where, int i, const ms_p2p_op *op, ms_p2p_desc *d) {
+    char name[48] = "t", in[48] = "";
+    if (i >= 0) snprintf(name, sizeof name, "ops[%d].t", i), snprintf(in, sizeof in, "ops[%d]: ", i);
+    if (op->op != MS_P2P_SEND && op->op != MS_P2P_RECV)
+        return ms__fail(MS_ERR_ARG, "%s: %sinvalid op %d (expected MS_P2P_SEND or MS_P2P_RECV)", where, in,
+                        (int)op->op);
+    ms_status st = check_tensor(c, where, name, op->t);
+    if (st) return st;
+    if (op->peer < 0 || op->peer >= c->group->n)
+        return ms__fail(MS_ERR_ARG, "%s: %speer %d is not a group rank (0..%d)", where, in, op->peer, c->group->n - 1);
+    if (op->peer == c->rank)
+        return ms__fail(MS_ERR_ARG, "%s: %speer %d is this rank (a rank cannot %s itself)", where, in, op->peer,
+                        op->op == MS_P2P_SEND ? "send to" : "receive from");
+    if (op->tag < 0) return ms__fail(MS_ERR_ARG, "%s: %stag %d is negative", where, in, op->tag);
+    *d = (ms_p2p_desc){.kind = op->op, .tag = op->tag, .dtype = op->t->dtype, .ndim = op->t->ndim};
+    for (int k = 0; k < op->t->ndim; k++) d->shape[k] = op->t->shape[k];
+    return MS_OK;
+}
+
+/* The public point-to-point calls once c and ops are known not to be NULL: each op checked on
+ * the calling rank (a rank refused here has not joined: its comm stays usable), then the
+ * batch grouped by peer (a counting sort that keeps each peer's ops in batch order) for the
+ * backend.  one: a lone send or receive, whose tensor the messages call "t". */
+static ms_status p2p(ms_comm *c, const char *name, const ms_p2p_op *ops, int n, bool one) {
+    char where[320];
+    ms_status st = check_comm(c, name, where, sizeof where);
+    if (st) return st;
+    if (n < 0) return ms__fail(MS_ERR_ARG, "%s: n %d is negative", where, n);
+    if (n == 0) return ms__ok();
+    const int g = c->group->n;
+    /* one block: the descriptors as given and as sorted, the data pointers, the peers, and
+     * pos (g + 1): the ops per peer, then where each peer's start */
+    ms_p2p_desc *given = malloc(2 * (size_t)n * sizeof *given + (size_t)n * sizeof(void *) +
+                                (size_t)n * sizeof(ms_p2p_peer) + ((size_t)g + 1) * sizeof(int));
+    if (!given) return ms__fail(MS_ERR_OOM, "%s: out of memory for a batch of %d", where, n);
+    ms_p2p_desc *sorted = given + n;
+    void **data = (void **)(sorted + n);
+    ms_p2p_peer *peers = (ms_p2p_peer *)(data + n);
+    int *pos = (int *)(peers + n);
+    for (int i = 0; i < n && !st; i++) st = check_p2p_op(c, where, one ? -1 : i, &ops[i], &given[i]);
+    for (int i = 0; i < n && !st; i++) /* a received tensor overlaps no other tensor of the batch */
+        for (int j = 0; j < n && !st; j++) {
+            if (i == j || ops[i].op != MS_P2P_RECV || !bytes_overlap(ops[i].t, ops[j].t)) continue;
+            char a[200], b[200];
+            st = ms__fail(MS_ERR_ARG, "%s: ops[%d].t %s, received into, overlaps ops[%d].t %s", where, i,
+                          tensor_str(a, sizeof a, ops[i].t), j, tensor_str(b, sizeof b, ops[j].t));
+        }
+    if (!st) {
+        for (int p = 0; p <= g; p++) pos[p] = 0;
+        for (int i = 0; i < n; i++) pos[ops[i].peer + 1]++;
+        int npeers = 0;
+        for (int p = 0; p < g; p++) {
+            if (pos[p + 1]) peers[npeers++] = (ms_p2p_peer){.peer = p, .first = pos[p], .count = pos[p + 1]};
+            pos[p + 1] += pos[p]; /* from count to where peer p + 1's ops start */
+        }
+        for (int i = 0; i < n; i++) {
+            int k = pos[ops[i].peer]++;
+            sorted[k] = given[i];
+            data[k] = ms_tensor_data(ops[i].t);
+        }
+        ms_p2p_batch batch = {.n = n, .npeers = npeers, .descs = sorted, .data = data, .peers = peers};
+        st = dispatch(&(queued_call){.c = c, .batch = &batch});
+    }
+    free(given);
+    return st;
+}
+
+ms_status ms_send(ms_comm *c, const ms_tensor *t, int peer, int tag) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(t);
+    ms_p2p_op op = {.op = MS_P2P_SEND, .t = (ms_tensor *)t, .peer = peer, .tag = tag};
+    return p2p(c, "send", &op, 1, true);
+}
+
+ms_status ms_recv(ms_comm *c, ms_tensor *t, int peer, int tag) {
+    MS_NOT_NULL(c);
+    MS_NOT_NULL(t);
+    ms_p2p_op op = {.op = MS_P2P_RECV, .t = t, .peer = peer, .tag = tag};
+    return p2p(c, "recv", &op, 1, true);
+}
+
+ms_status ms_batch_p2p(ms_comm *c, const ms_p2p_op *ops, int n) {
+    MS_NOT_NULL(c);
+    if (n != 0) MS_NOT_NULL(ops);
+    return p2p(c, "batch_p2p", ops, n, false);
 }

@@ -70,6 +70,48 @@ const char *ms__group_str(char *buf, size_t cap, int n, const int *world_ranks);
 
 typedef struct ms_group ms_group;
 
+/* ---------------------------------------------------------------- point-to-point
+ *
+ * comm.c checks a batch of sends and receives (ms_send, ms_recv, ms_batch_p2p) on the calling
+ * rank and hands it to the backend grouped by peer.  The backend matches each peer's part
+ * with that peer's side (its k-th batch naming this rank), compares the two sides with
+ * ms__p2p_agree and moves the data of the pairs that agree. */
+
+/* One send or receive as the two sides compare it (80 bytes; it travels as bytes between
+ * processes).  kind MS_P2P_FINISHED: the MPI backend's note that a rank released its world. */
+enum { MS_P2P_FINISHED = -1 };
+typedef struct ms_p2p_desc {
+    int32_t kind; /* ms_p2p_kind */
+    int32_t tag;
+    int32_t dtype;
+    int32_t ndim;
+    int64_t shape[MS_MAX_DIMS];
+} ms_p2p_desc;
+
+/* A peer's part of a batch: ops [first, first + count) of the batch, in batch order. */
+typedef struct ms_p2p_peer {
+    int peer; /* group rank */
+    int first, count;
+} ms_p2p_peer;
+
+/* A checked batch: n ops grouped by peer (peers ascending), each peer's in batch order. */
+typedef struct ms_p2p_batch {
+    int n, npeers;
+    ms_p2p_desc *descs;  /* (n) */
+    void **data;         /* (n) the tensors' data, NULL when empty */
+    ms_p2p_peer *peers;  /* (npeers) */
+} ms_p2p_batch;
+
+/* What the MPI and NCCL backends send a peer first: the number of this rank's ops with it
+ * (or MS_P2P_FINISHED) and the descriptors of the first MS_P2P_INLINE; the rest follow in
+ * a second message when either side has more, so one message each way serves most pairs. */
+enum { MS_P2P_INLINE = 3 };
+typedef struct ms_p2p_header {
+    int32_t count;
+    int32_t unused;
+    ms_p2p_desc desc[MS_P2P_INLINE];
+} ms_p2p_header;
+
 typedef struct ms_backend {
     const char *name;      /* "threads", "mpi", "nccl" */
     ms_device_type device; /* where its tensors live */
@@ -82,6 +124,8 @@ typedef struct ms_backend {
     /* Runs one collective on c.  Any status but MS_OK leaves the comm unusable (comm.c
      * marks it); the message names the collective and the group. */
     ms_status (*collective)(ms_comm *c, const ms_coll *call);
+    /* Runs one checked batch of sends and receives on c (npeers >= 1), with the same rule. */
+    ms_status (*p2p)(ms_comm *c, const ms_p2p_batch *batch);
 } ms_backend;
 
 /* What ms_world_rank_done said about a rank. */
@@ -187,6 +231,33 @@ double ms__now_s(void);
  * same one: each distinct call with the ranks that made it, e.g. "all_reduce on group
  * [0 1 2 3]: ranks disagree: ranks 0 1 3: 16 x f32 sum; rank 2: 8 x f32 sum". */
 ms_status ms__calls_agree(const ms_comm *c, const ms_coll *calls, size_t stride);
+
+/* Bytes of the tensor a descriptor describes (its shape's product x the dtype's size). */
+int64_t ms__p2p_bytes(const ms_p2p_desc *d);
+/* "send/recv on group [0 1 2] between ranks 0 and 2": the pair named lower group rank
+ * first, so both sides write the same words. */
+void ms__p2p_where(ms_msg *m, const ms_comm *c, int peer);
+/* MS_OK when this rank's ops with `peer` (mine, in batch order) and the peer's ops with this
+ * rank (theirs) pair up: as many sends one way as receives the other, in order with equal
+ * tags, dtypes and shapes.  Else MS_ERR_MISMATCH with a message built from both lists alone,
+ * lower group rank first, so both ranks return the same one: "send/recv on group [0 1]
+ * between ranks 0 and 1: the sides disagree: tensor 1 of 1 from rank 0 to rank 1: sent as
+ * tag 0 [4] f32, received as tag 0 [4] bf16 (the dtype differs)". */
+ms_status ms__p2p_agree(const ms_comm *c, int peer, const ms_p2p_desc *mine, int n_mine, const ms_p2p_desc *theirs,
+                        int n_theirs);
+/* The first of several failures (a batch's peers fail apart): its status and message. */
+typedef struct ms_first_error {
+    ms_status st;
+    char msg[1024];
+} ms_first_error;
+/* Keeps st (not MS_OK) and this thread's message, unless a failure is kept already. */
+void ms__keep_first(ms_first_error *f, ms_status st);
+/* MS_OK, or the kept failure, its message again this thread's. */
+ms_status ms__first_error(const ms_first_error *f);
+/* The header of peer i of a batch (its op count and first descriptors). */
+void ms__p2p_header(const ms_p2p_batch *b, int i, ms_p2p_header *h);
+/* "rank 2", or "rank 5 (group rank 1)" in a group whose ranks are not the world's first. */
+const char *ms__rank_str(char *buf, size_t cap, const ms_comm *c, int group_rank);
 
 /* reduce.c: dsts[d][i] = srcs[0][i] op ... op srcs[n-1][i] for i < count and each of the ndst
  * destinations, in rank order, accumulated in f32 for 8- and 16-bit floats (f64 for f64)

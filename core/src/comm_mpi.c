@@ -292,9 +292,22 @@ static ms_status mpi_group_init(ms_world *w, ms_group *g) {
 
 /* ---------------------------------------------------------------- waiting */
 
+/* The pause before poll i (from 0) of a wait: none at first, then sched_yield, then sleeps
+ * doubling from 10 us up to MAX_SLEEP_US (*sleep_us, 10 to start), so a rank waiting long
+ * for a late peer leaves the CPU to others. */
+static void pause_before(long i, long *sleep_us) {
+    if (i < SPIN_TESTS) return;
+    if (i < SPIN_TESTS + YIELD_TESTS) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, *sleep_us * 1000};
+    nanosleep(&ts, NULL);
+    if (*sleep_us < MAX_SLEEP_US) *sleep_us *= 2;
+}
+
 /* Polls the requests until all complete (MPI_SUCCESS, *done = true) or `deadline` passes
- * (*done = false): busy at first, then yielding, then sleeping up to MAX_SLEEP_US between
- * polls, so a rank waiting long for a late peer leaves the CPU to others. */
+ * (*done = false), pausing between polls (pause_before). */
 static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done) {
     int flag = 0, rc = MPI_SUCCESS;
     long sleep_us = 10;
@@ -303,15 +316,8 @@ static int wait_until(int count, MPI_Request *reqs, double deadline, bool *done)
         rc = MPI_Testall(count, reqs, &flag, MPI_STATUSES_IGNORE);
         mpi_unlock();
         if (rc != MPI_SUCCESS || flag) break;
-        if (i < SPIN_TESTS) continue;
-        if ((i & 63) == 0 && ms__now_s() >= deadline) break;
-        if (i < SPIN_TESTS + YIELD_TESTS) {
-            sched_yield();
-        } else {
-            struct timespec ts = {0, sleep_us * 1000};
-            nanosleep(&ts, NULL);
-            if (sleep_us < MAX_SLEEP_US) sleep_us *= 2;
-        }
+        if (i >= SPIN_TESTS && (i & 63) == 0 && ms__now_s() >= deadline) break;
+        pause_before(i, &sleep_us);
     }
     *done = flag != 0;
     return rc;
@@ -666,6 +672,186 @@ static ms_status move(ms_comm *c, mgroup *mg, const ms_coll *call) {
     return MS_OK;
 }
 
+/* ---------------------------------------------------------------- point-to-point
+ *
+ * Each peer of a batch is served on its own (comm.h): a header each way (P2P_HEAD_TAG: the
+ * op count and the first descriptors), the other descriptors when either side has more
+ * (P2P_DESC_TAG), ms__p2p_agree, then the agreed ops' data in batch order (P2P_DATA_TAG,
+ * in pieces of at most max_bytes).  MPI keeps the messages of one sender and tag in order,
+ * so the k-th header from a peer is its k-th batch naming this rank and the data pieces
+ * pair in op order.  Every peer's header is posted first, then one polling loop moves each
+ * peer on as its messages complete: a batch's ops run in any order, and a slow peer holds up
+ * no other.  A header that says MS_P2P_FINISHED comes from a rank that released its world
+ * (finish_world): MS_ERR_PEER at once.  A peer that does not answer within the timeout is
+ * MS_ERR_TIMEOUT naming it; what MPI may still write into is then left allocated. */
+
+enum { P2P_HEAD_TAG = 0x6d74, P2P_DESC_TAG = 0x6d75, P2P_DATA_TAG = 0x6d76 };
+
+typedef struct mpeer {
+    int peer, first, count;           /* the batch's part for this peer */
+    enum { HEAD, REST, DATA, DONE } phase;
+    ms_p2p_header mine, theirs;
+    ms_p2p_desc *descs;               /* (theirs.count) the peer's ops with this rank */
+    MPI_Request req[2];               /* the header's, then the rest's, receive and send */
+    MPI_Request *data;                /* (ndata) the data pieces */
+    int ndata;
+} mpeer;
+
+static const ms_p2p_header finished_header = {.count = MS_P2P_FINISHED};
+
+/* A failed MPI call with the peer: MS_ERR_PEER naming the pair and MPI's message. */
+static ms_status p2p_fail(const ms_comm *c, int peer, const char *fn, int rc) {
+    ms_msg m = {0};
+    char e[MPI_MAX_ERROR_STRING + 64];
+    ms__p2p_where(&m, c, peer);
+    return ms__fail(MS_ERR_PEER, "%s: %s", m.s, mpi_error_str(e, sizeof e, fn, rc));
+}
+
+/* Posts the agreed ops' data, in order, in pieces of at most max_bytes. */
+static ms_status post_data(ms_comm *c, mgroup *mg, const ms_p2p_batch *b, mpeer *p) {
+    int pieces = 0;
+    for (int i = p->first; i < p->first + p->count; i++)
+        pieces += (int)((ms__p2p_bytes(&b->descs[i]) + mpi.max_bytes - 1) / mpi.max_bytes);
+    if (!(p->data = malloc((size_t)(pieces ? pieces : 1) * sizeof *p->data))) {
+        ms_msg m = {0};
+        ms__p2p_where(&m, c, p->peer);
+        return ms__fail(MS_ERR_OOM, "%s: out of memory", m.s);
+    }
+    int rc = MPI_SUCCESS;
+    mpi_lock();
+    for (int i = p->first; i < p->first + p->count && rc == MPI_SUCCESS; i++) {
+        const int64_t bytes = ms__p2p_bytes(&b->descs[i]);
+        char *d = b->data[i];
+        for (int64_t off = 0; off < bytes && rc == MPI_SUCCESS; off += mpi.max_bytes) {
+            const int len = (int)(bytes - off < mpi.max_bytes ? bytes - off : mpi.max_bytes);
+            MPI_Request *r = &p->data[p->ndata++];
+            rc = b->descs[i].kind == MS_P2P_SEND
+                     ? MPI_Isend(d + off, len, MPI_BYTE, p->peer, P2P_DATA_TAG, mg->comm, r)
+                     : MPI_Irecv(d + off, len, MPI_BYTE, p->peer, P2P_DATA_TAG, mg->comm, r);
+        }
+    }
+    mpi_unlock();
+    return rc == MPI_SUCCESS ? MS_OK : p2p_fail(c, p->peer, "MPI_Isend/MPI_Irecv", rc);
+}
+
+/* Moves peer p on once its pending requests are complete: MS_OK while all is well (phase
+ * DONE at the end), else the failure with this peer. */
+static ms_status p2p_step(ms_comm *c, mgroup *mg, const ms_p2p_batch *b, mpeer *p) {
+    int flag = 0, rc;
+    mpi_lock();
+    rc = p->phase == DATA ? MPI_Testall(p->ndata, p->data, &flag, MPI_STATUSES_IGNORE)
+                          : MPI_Testall(2, p->req, &flag, MPI_STATUSES_IGNORE);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) return p2p_fail(c, p->peer, "MPI_Isend/MPI_Irecv", rc);
+    if (!flag) return MS_OK;
+    ms_msg m = {0};
+    if (p->phase == HEAD) {
+        const int n = p->theirs.count;
+        if (n == MS_P2P_FINISHED || n < 1) {
+            char who[64];
+            p->phase = DONE; /* nothing of the pair is pending */
+            ms__p2p_where(&m, c, p->peer);
+            if (n != MS_P2P_FINISHED) return ms__fail(MS_ERR_INTERNAL, "%s: a header of %d ops came", m.s, n);
+            return ms__fail(MS_ERR_PEER, "%s: %s finished its script without joining send/recv", m.s,
+                            ms__rank_str(who, sizeof who, c, p->peer));
+        }
+        if (!(p->descs = malloc((size_t)n * sizeof *p->descs))) {
+            p->phase = DONE;
+            ms__p2p_where(&m, c, p->peer);
+            return ms__fail(MS_ERR_OOM, "%s: out of memory", m.s);
+        }
+        memcpy(p->descs, p->theirs.desc, (size_t)(n < MS_P2P_INLINE ? n : MS_P2P_INLINE) * sizeof *p->descs);
+        if (n > MS_P2P_INLINE || p->count > MS_P2P_INLINE) { /* the other descriptors */
+            p->req[0] = p->req[1] = MPI_REQUEST_NULL;
+            rc = MPI_SUCCESS;
+            mpi_lock();
+            if (n > MS_P2P_INLINE)
+                rc = MPI_Irecv(p->descs + MS_P2P_INLINE, (n - MS_P2P_INLINE) * (int)sizeof *p->descs, MPI_BYTE,
+                               p->peer, P2P_DESC_TAG, mg->comm, &p->req[0]);
+            if (rc == MPI_SUCCESS && p->count > MS_P2P_INLINE)
+                rc = MPI_Isend(b->descs + p->first + MS_P2P_INLINE, (p->count - MS_P2P_INLINE) * (int)sizeof *p->descs,
+                               MPI_BYTE, p->peer, P2P_DESC_TAG, mg->comm, &p->req[1]);
+            mpi_unlock();
+            p->phase = REST;
+            return rc == MPI_SUCCESS ? MS_OK : p2p_fail(c, p->peer, "MPI_Isend/MPI_Irecv", rc);
+        }
+        p->phase = REST; /* nothing more to exchange: on to the agreement */
+    }
+    if (p->phase == REST) {
+        ms_status st = ms__p2p_agree(c, p->peer, b->descs + p->first, p->count, p->descs, p->theirs.count);
+        p->phase = st ? DONE : DATA; /* a mismatch moves nothing */
+        if (!st && (st = post_data(c, mg, b, p)) && !p->ndata) p->phase = DONE; /* refused before posting */
+        return st;
+    }
+    p->phase = DONE;
+    return MS_OK;
+}
+
+static ms_status mpi_p2p(ms_comm *c, const ms_p2p_batch *b) {
+    mgroup *mg = c->group->impl;
+    mpeer *peers = calloc((size_t)b->npeers, sizeof *peers);
+    if (!peers) return ms__fail(MS_ERR_OOM, "mpi backend: out of memory for a batch of %d", b->n);
+    ms_first_error first = {0};
+    int rc = MPI_SUCCESS, posted = 0;
+    mpi_lock();
+    for (; posted < b->npeers && rc == MPI_SUCCESS; posted++) {
+        mpeer *p = &peers[posted];
+        p->peer = b->peers[posted].peer, p->first = b->peers[posted].first, p->count = b->peers[posted].count;
+        ms__p2p_header(b, posted, &p->mine);
+        rc = MPI_Irecv(&p->theirs, (int)sizeof p->theirs, MPI_BYTE, p->peer, P2P_HEAD_TAG, mg->comm, &p->req[0]);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Isend(&p->mine, (int)sizeof p->mine, MPI_BYTE, p->peer, P2P_HEAD_TAG, mg->comm, &p->req[1]);
+    }
+    mpi_unlock();
+    bool leave = false; /* MPI may still use the peers' buffers: leave them allocated */
+    if (rc != MPI_SUCCESS) {
+        ms__keep_first(&first, p2p_fail(c, peers[posted - 1].peer, "MPI_Isend/MPI_Irecv", rc));
+        leave = true;
+    } else {
+        const double deadline = ms__now_s() + c->world->timeout_s;
+        long sleep_us = 10;
+        for (long i = 0;; i++) {
+            int waiting = 0;
+            for (int j = 0; j < b->npeers; j++) {
+                if (peers[j].phase == DONE) continue;
+                ms_status st = p2p_step(c, mg, b, &peers[j]);
+                if (st) { /* left in its phase after a failed MPI call: requests may be pending */
+                    ms__keep_first(&first, st);
+                    leave |= peers[j].phase != DONE;
+                    peers[j].phase = DONE;
+                }
+                waiting += peers[j].phase != DONE;
+            }
+            if (!waiting) break;
+            if (i >= SPIN_TESTS && (i & 63) == 0 && ms__now_s() >= deadline) {
+                for (int j = 0; j < b->npeers; j++) {
+                    if (peers[j].phase == DONE) continue;
+                    char who[64];
+                    ms_msg m = {0};
+                    ms__p2p_where(&m, c, peers[j].peer);
+                    ms__keep_first(&first, ms__fail(MS_ERR_TIMEOUT, "%s timed out after %g s: %s did not arrive (%s)",
+                                                    m.s, c->world->timeout_s,
+                                                    ms__rank_str(who, sizeof who, c, peers[j].peer),
+                                                    c->world->timeout_origin));
+                }
+                leave = true;
+                break;
+            }
+            pause_before(i, &sleep_us);
+        }
+    }
+    if (leave) {
+        mg->pending = true; /* the group is unusable; its buffers stay too */
+    } else {
+        for (int j = 0; j < b->npeers; j++) {
+            free(peers[j].descs);
+            free(peers[j].data);
+        }
+        free(peers);
+    }
+    return ms__first_error(&first);
+}
+
 /* ---------------------------------------------------------------- the backend */
 
 static ms_status mpi_collective(ms_comm *c, const ms_coll *call) {
@@ -683,8 +869,9 @@ static ms_status mpi_collective(ms_comm *c, const ms_coll *call) {
 }
 
 /* Posts a FINISHED descriptor on every group of the world (g is the whole-world group, the
- * head of the registry) so that peers waiting in a collective this rank will never join
- * fail at once, and waits up to the timeout for the peers to finish too. */
+ * head of the registry), and a FINISHED point-to-point header to every peer, so that peers
+ * waiting in a collective or a send or receive this rank will never join fail at once, and
+ * waits up to the timeout for the peers to finish too. */
 static void finish_world(ms_group *g) {
     const ms_world *w = g->comms[0].world;
     const double deadline = ms__now_s() + w->timeout_s;
@@ -699,6 +886,12 @@ static void finish_world(ms_group *g) {
         if (!mg || mg->pending) continue; /* after a timeout the comm is unusable anyway */
         mg->mine = (desc){.kind = FINISHED};
         if (post_exchange(mg) == MPI_SUCCESS) owners[posted++] = mg;
+        for (int j = 0; j < mg->n; j++) { /* and to a peer's next send or receive with this rank */
+            MPI_Request r;
+            if (j != mg->rank && MPI_Isend(&finished_header, (int)sizeof finished_header, MPI_BYTE, j, P2P_HEAD_TAG,
+                                           mg->comm, &r) == MPI_SUCCESS)
+                MPI_Request_free(&r);
+        }
     }
     mpi_unlock();
     for (int i = 0; i < posted; i++) {
@@ -735,6 +928,7 @@ static const ms_backend mpi_backend = {
     .group_init = mpi_group_init,
     .group_free = mpi_group_free,
     .collective = mpi_collective,
+    .p2p = mpi_p2p,
 };
 
 ms_status ms_mpi_world_new(ms_world **out, double timeout_s) {

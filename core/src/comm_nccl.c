@@ -224,6 +224,9 @@ typedef struct ngroup {
     ms_coll *calls;   /* (n) the descriptors as calls, for the agreement */
     void *stage;      /* device staging for cpu tensors and the barrier, stage_cap bytes */
     size_t stage_cap;
+    void *p2p_dev;    /* the headers and descriptors a send or receive exchanges, p2p_cap bytes */
+    void *p2p_host;   /* their pinned host copy, as descs */
+    size_t p2p_cap;
 } ngroup;
 
 static void ngroup_free(ngroup *ng) {
@@ -247,7 +250,9 @@ static void ngroup_free(ngroup *ng) {
     }
     ms__cuda_free(nccl.device, ng->descs_dev);
     ms__cuda_free(nccl.device, ng->stage);
+    ms__cuda_free(nccl.device, ng->p2p_dev);
     cudaFreeHost(ng->descs);
+    if (ng->p2p_host) cudaFreeHost(ng->p2p_host);
     cudaGetLastError(); /* nothing left to report to */
     free(ng->calls);
     free(ng);
@@ -378,10 +383,9 @@ static ncclRedOp_t nccl_op(ms_op op) {
  * MS_ERR_TIMEOUT and the communicator is aborted (a collective that never completes cannot
  * be taken back), so nothing hangs; an error NCCL reports asynchronously is MS_ERR_PEER and
  * aborts the communicator too (nothing can be assumed of its work after that). */
-static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
+static ms_status wait_stream(const ms_comm *c, ngroup *ng, const char *where, const char *missing) {
     CUDA_OK("recording the completion event", cudaEventRecord(ng->done, ng->stream));
     const double deadline = ms__now_s() + c->world->timeout_s;
-    ms_msg m = {0};
     for (;;) {
         cudaError_t e = cudaEventQuery(ng->done);
         if (e == cudaSuccess) return MS_OK;
@@ -390,17 +394,22 @@ static ms_status wait_stream(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
         ncclCommGetAsyncError(ng->comm, &async);
         if (async != ncclSuccess && async != ncclInProgress) { /* nothing can be assumed of its work: abort */
             abort_comm(&ng->comm);
-            ms__msg_where(&m, c, kind);
-            return ms__fail(MS_ERR_PEER, "%s: NCCL: %s", m.s, ncclGetErrorString(async));
+            return ms__fail(MS_ERR_PEER, "%s: NCCL: %s", where, ncclGetErrorString(async));
         }
         if (ms__now_s() > deadline) {
             abort_comm(&ng->comm);
-            ms__msg_where(&m, c, kind);
-            return ms__fail(MS_ERR_TIMEOUT, "%s: not every rank arrived within %g s (%s); the group's NCCL "
-                            "communicator was aborted", m.s, c->world->timeout_s, c->world->timeout_origin);
+            return ms__fail(MS_ERR_TIMEOUT, "%s: %s within %g s (%s); the group's NCCL communicator was aborted",
+                            where, missing, c->world->timeout_s, c->world->timeout_origin);
         }
         nanosleep(&(struct timespec){0, 20000}, NULL);
     }
+}
+
+/* wait_stream for a collective: "all_reduce on group [0 1]: not every rank arrived ...". */
+static ms_status wait_collective(const ms_comm *c, ngroup *ng, ms_coll_kind kind) {
+    ms_msg m = {0};
+    ms__msg_where(&m, c, kind);
+    return wait_stream(c, ng, m.s, "not every rank arrived");
 }
 
 /* The group's calls, all-gathered (an ncclAllGather of the 72-byte descriptors);
@@ -418,7 +427,7 @@ static ms_status agree(const ms_comm *c, ngroup *ng, const ms_coll *call) {
     if (st) return st;
     CUDA_OK("reading the descriptors", cudaMemcpyAsync(ng->descs, ng->descs_dev, (size_t)ng->n * sizeof(desc),
                                                        cudaMemcpyDeviceToHost, ng->stream));
-    if ((st = wait_stream(c, ng, (ms_coll_kind)call->kind))) return st;
+    if ((st = wait_collective(c, ng, (ms_coll_kind)call->kind))) return st;
     for (int i = 0; i < ng->n; i++) {
         const desc *d = &ng->descs[i];
         ng->calls[i] = (ms_coll){.kind = (ms_coll_kind)d->kind, .dtype = (ms_dtype)d->dtype, .op = (ms_op)d->op,
@@ -441,7 +450,7 @@ static void extents(const ms_coll *call, int n, int64_t *send, int64_t *recv) {
 
 /* 1 when p is memory of this rank's device, 0 when it is host memory; MS_ERR_DEVICE for
  * another device's. */
-static ms_status on_device(const ms_comm *c, const void *p, ms_coll_kind kind, int *yes) {
+static ms_status on_device(const char *where, const void *p, int *yes) {
     struct cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         cudaGetLastError();
@@ -449,12 +458,20 @@ static ms_status on_device(const ms_comm *c, const void *p, ms_coll_kind kind, i
         return MS_OK;
     }
     *yes = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-    if (*yes && a.device != nccl.device) {
-        ms_msg m = {0};
-        ms__msg_where(&m, c, kind);
-        return ms__fail(MS_ERR_DEVICE, "%s: a tensor on cuda:%d, but this rank's device is cuda:%d", m.s, a.device,
+    if (*yes && a.device != nccl.device)
+        return ms__fail(MS_ERR_DEVICE, "%s: a tensor on cuda:%d, but this rank's device is cuda:%d", where, a.device,
                         nccl.device);
-    }
+    return MS_OK;
+}
+
+/* ng->stage of at least `need` bytes (the stream is idle: the last call was waited for). */
+static ms_status stage_room(ngroup *ng, size_t need) {
+    if (need <= ng->stage_cap) return MS_OK;
+    ms__cuda_free(nccl.device, ng->stage);
+    ng->stage = NULL, ng->stage_cap = 0;
+    ms_status st = ms__cuda_alloc(nccl.device, (int64_t)need, &ng->stage);
+    if (st) return ms__wrap(st, "nccl backend: the staging of cpu tensors");
+    ng->stage_cap = need;
     return MS_OK;
 }
 
@@ -468,18 +485,14 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
     extents(call, ng->n, &ns, &nr);
     int s_dev = 1, r_dev = 1;
     ms_status st = MS_OK;
-    if (call->send && (st = on_device(c, call->send, (ms_coll_kind)call->kind, &s_dev))) return st;
-    if (call->recv && (st = on_device(c, call->recv, (ms_coll_kind)call->kind, &r_dev))) return st;
+    ms_msg where = {0};
+    ms__msg_where(&where, c, (ms_coll_kind)call->kind);
+    if (call->send && (st = on_device(where.s, call->send, &s_dev))) return st;
+    if (call->recv && (st = on_device(where.s, call->recv, &r_dev))) return st;
     *send = call->send, *recv = call->recv, *staged = false;
     size_t need = ((size_t)ns + (size_t)nr) * es + 8; /* + the barrier's element */
     if (s_dev && r_dev && call->kind != MS_COLL_BARRIER) return MS_OK;
-    if (need > ng->stage_cap) {
-        ms__cuda_free(nccl.device, ng->stage); /* the stream is idle: the last call was waited for */
-        ng->stage = NULL, ng->stage_cap = 0;
-        if ((st = ms__cuda_alloc(nccl.device, (int64_t)need, &ng->stage)))
-            return ms__wrap(st, "nccl backend: the staging of cpu tensors");
-        ng->stage_cap = need;
-    }
+    if ((st = stage_room(ng, need))) return st;
     char *stage = ng->stage;
     *recv = stage, *send = stage + (size_t)nr * es, *staged = call->kind != MS_COLL_BARRIER;
     if (call->kind == MS_COLL_BARRIER) return MS_OK;
@@ -490,6 +503,34 @@ static ms_status device_buffers(const ms_comm *c, ngroup *ng, const ms_coll *cal
         CUDA_OK("staging a cpu tensor", cudaMemcpyAsync(*recv, call->recv, (size_t)nr * es, cudaMemcpyDefault,
                                                         ng->stream));
     return MS_OK;
+}
+
+/* One send or receive of bytes between this rank and peer, in an NCCL group. */
+typedef struct xfer {
+    int peer;
+    bool send;
+    void *ptr; /* device memory of the rank's GPU */
+    size_t bytes;
+} xfer;
+
+/* The transfers as one NCCL group of ncclSend and ncclRecv on the group's stream, in order
+ * (those of 0 bytes left out: both sides leave out the same), enqueued and settled
+ * (nccl_wait).  what: the call, for messages ("all_to_all"). */
+static ms_status enqueue_xfers(const ms_world *w, ngroup *ng, const xfer *x, int n, const char *what) {
+    char call[96];
+    NCCL_OK("ncclGroupStart", ncclGroupStart());
+    ncclResult_t in_group = ncclSuccess; /* the group's first failed call */
+    for (int i = 0; i < n && !nccl_failed(in_group); i++) {
+        if (!x[i].bytes) continue;
+        in_group = x[i].send ? ncclSend(x[i].ptr, x[i].bytes, ncclUint8, x[i].peer, ng->comm, ng->stream)
+                             : ncclRecv(x[i].ptr, x[i].bytes, ncclUint8, x[i].peer, ng->comm, ng->stream);
+    }
+    /* the group is ended, and its end settled, whatever happened in it */
+    snprintf(call, sizeof call, "nccl backend: ncclGroupEnd (%s)", what);
+    ms_status st = nccl_wait(w, &ng->comm, ncclGroupEnd(), call);
+    if (!nccl_failed(in_group)) return st;
+    snprintf(call, sizeof call, "nccl backend: ncclSend/ncclRecv (%s)", what);
+    return nccl_err(in_group, call);
 }
 
 /* The NCCL collective on the group's stream (all_to_all: grouped ncclSend/ncclRecv; barrier: a
@@ -517,17 +558,16 @@ static ms_status enqueue(const ms_world *w, ngroup *ng, const ms_coll *call, con
         r = ncclBroadcast(recv, recv, count, t, call->root, ng->comm, ng->stream);
         break;
     case MS_COLL_ALL_TO_ALL: {
-        const size_t chunk = count / (size_t)ng->n, bytes = chunk * (size_t)ms_dtype_size(call->dtype);
-        NCCL_OK("ncclGroupStart", ncclGroupStart());
-        ncclResult_t in_group = ncclSuccess; /* the group's first failed call */
-        for (int p = 0; p < ng->n && !nccl_failed(in_group); p++) {
-            in_group = ncclSend((const char *)send + p * bytes, chunk, t, p, ng->comm, ng->stream);
-            if (!nccl_failed(in_group))
-                in_group = ncclRecv((char *)recv + p * bytes, chunk, t, p, ng->comm, ng->stream);
+        const size_t bytes = count / (size_t)ng->n * (size_t)ms_dtype_size(call->dtype);
+        xfer *x = malloc(2 * (size_t)ng->n * sizeof *x);
+        if (!x) return ms__fail(MS_ERR_OOM, "nccl backend: out of memory for an all_to_all");
+        for (int p = 0; p < ng->n; p++) {
+            x[2 * p] = (xfer){p, true, (char *)send + p * bytes, bytes};
+            x[2 * p + 1] = (xfer){p, false, (char *)recv + p * bytes, bytes};
         }
-        /* the group is ended, and its end settled, whatever happened in it */
-        ms_status st = nccl_wait(w, &ng->comm, ncclGroupEnd(), "nccl backend: ncclGroupEnd (all_to_all)");
-        return nccl_failed(in_group) ? nccl_err(in_group, "nccl backend: ncclSend/ncclRecv (all_to_all)") : st;
+        ms_status st = enqueue_xfers(w, ng, x, 2 * ng->n, "all_to_all");
+        free(x);
+        return st;
     }
     case MS_COLL_BARRIER:
         what = "nccl backend: ncclAllReduce (barrier)";
@@ -552,7 +592,7 @@ static ms_status collective_here(ms_comm *c, const ms_coll *call) {
     bool staged;
     if ((st = device_buffers(c, ng, call, &send, &recv, &staged))) return st;
     if ((st = enqueue(c->world, ng, call, send, recv))) return st;
-    if ((st = wait_stream(c, ng, (ms_coll_kind)call->kind))) return st;
+    if ((st = wait_collective(c, ng, (ms_coll_kind)call->kind))) return st;
     if (staged && call->recv) { /* after the wait: a copy into pageable memory would block on the stream */
         int64_t ns, nr;
         extents(call, ng->n, &ns, &nr);
@@ -564,14 +604,225 @@ static ms_status collective_here(ms_comm *c, const ms_coll *call) {
     return MS_OK;
 }
 
+/* ---------------------------------------------------------------- point-to-point
+ *
+ * A batch runs in three NCCL groups of ncclSend/ncclRecv on the group's stream, each with
+ * every peer of the batch and waited for (wait_stream): the headers (comm.h: each side's op
+ * count and first descriptors), the other descriptors when either side of a pair has more,
+ * then, after ms__p2p_agree, the data of the pairs that agree (cpu tensors staged through
+ * the GPU).  NCCL keeps the sends and receives between two ranks in order, so the k-th
+ * header from a peer is its k-th batch naming this rank.  Unlike on threads and MPI, each
+ * step completes for all peers of the batch together: a batch whose peers wait, through
+ * other batches, for one another can deadlock (and end in the timeout) here where the
+ * other backends go on; a batch that names every peer it exchanges with at that point does
+ * not. */
+
+/* The group's header and descriptor buffers (device and pinned host) of at least `need`
+ * bytes; their contents are not kept. */
+static ms_status p2p_room(ngroup *ng, size_t need) {
+    if (need <= ng->p2p_cap) return MS_OK;
+    ms__cuda_free(nccl.device, ng->p2p_dev);
+    if (ng->p2p_host) cudaFreeHost(ng->p2p_host);
+    ng->p2p_dev = ng->p2p_host = NULL, ng->p2p_cap = 0;
+    ms_status st = ms__cuda_alloc(nccl.device, (int64_t)need, &ng->p2p_dev);
+    if (st) return ms__wrap(st, "nccl backend: the descriptors of a send or receive");
+    CUDA_OK("the descriptors of a send or receive", cudaMallocHost(&ng->p2p_host, need));
+    ng->p2p_cap = need;
+    return MS_OK;
+}
+
+/* One exchange of descriptors: this rank's mine_bytes at p2p_host's start go to the peers
+ * (mine[i] bytes each, in peer order), the peers' theirs[i] bytes come back after them, and
+ * are copied to the host beside them once waited for. */
+static ms_status p2p_exchange(const ms_comm *c, ngroup *ng, const ms_p2p_batch *b, const size_t *mine,
+                              const size_t *theirs, xfer *x, const char *where, const char *missing) {
+    size_t out = 0, in = 0;
+    for (int i = 0; i < b->npeers; i++) out += mine[i], in += theirs[i];
+    if (!out && !in) return MS_OK;
+    char *dev = ng->p2p_dev, *host = ng->p2p_host;
+    CUDA_OK("staging descriptors", cudaMemcpyAsync(dev, host, out, cudaMemcpyHostToDevice, ng->stream));
+    for (size_t i = 0, o = 0, r = out; i < (size_t)b->npeers; o += mine[i], r += theirs[i], i++) {
+        x[2 * i] = (xfer){b->peers[i].peer, true, dev + o, mine[i]};
+        x[2 * i + 1] = (xfer){b->peers[i].peer, false, dev + r, theirs[i]};
+    }
+    ms_status st = enqueue_xfers(c->world, ng, x, 2 * b->npeers, "send/recv");
+    if (!st && in)
+        st = cudaMemcpyAsync(host + out, dev + out, in, cudaMemcpyDeviceToHost, ng->stream) == cudaSuccess
+                 ? MS_OK
+                 : cuda_err(cudaGetLastError(), "reading descriptors");
+    return st ? st : wait_stream(c, ng, where, missing);
+}
+
+/* Where the batch's data lies for NCCL: its own pointer (device memory of the rank's GPU) or
+ * an offset into ng->stage (cpu tensors); *stage_bytes the staging needed. */
+static ms_status p2p_places(const ms_p2p_batch *b, const char *where, int64_t *offs, size_t *stage_bytes) {
+    size_t need = 0;
+    for (int i = 0; i < b->n; i++) {
+        int dev = 1;
+        ms_status st = b->data[i] ? on_device(where, b->data[i], &dev) : MS_OK;
+        if (st) return st;
+        offs[i] = dev ? -1 : (int64_t)need;
+        if (!dev) need += ((size_t)ms__p2p_bytes(&b->descs[i]) + 255) & ~(size_t)255;
+    }
+    *stage_bytes = need;
+    return MS_OK;
+}
+
+/* What p2p_here keeps for a batch of n ops with np peers (one calloc but their_descs). */
+typedef struct p2p_work {
+    size_t *mine, *theirs; /* (np) bytes of descriptors to and from each peer in an exchange */
+    int *their_first;      /* (np + 1) where each peer's descriptors start in their_descs */
+    bool *agreed;          /* (np) */
+    int64_t *offs;         /* (n) where op i lies in ng->stage, -1 when on the device */
+    xfer *x;               /* (2 np + n) */
+    ms_p2p_desc *their_descs;
+} p2p_work;
+
+static p2p_work *p2p_work_new(int n, int np) {
+    size_t bytes = sizeof(p2p_work) + (2 * (size_t)np + (size_t)n) * sizeof(xfer) + 2 * (size_t)np * sizeof(size_t) +
+                   (size_t)n * sizeof(int64_t) + ((size_t)np + 1) * sizeof(int) + (size_t)np * sizeof(bool);
+    p2p_work *w = calloc(1, bytes);
+    if (!w) return NULL;
+    w->x = (xfer *)(w + 1);
+    w->mine = (size_t *)(w->x + 2 * np + n);
+    w->theirs = w->mine + np;
+    w->offs = (int64_t *)(w->theirs + np);
+    w->their_first = (int *)(w->offs + n);
+    w->agreed = (bool *)(w->their_first + np + 1);
+    return w;
+}
+
+/* "send/recv on group [0 1 2] between rank 0 and rank 1" and "rank 1 did not arrive", or for
+ * several peers "send/recv on group [0 1 2] from rank 0 with rank 1 and rank 2" and "rank 1
+ * or rank 2 did not arrive" (NCCL cannot tell which). */
+static void p2p_names(const ms_comm *c, const ms_p2p_batch *b, ms_msg *where, ms_msg *missing) {
+    char who[64], group[256];
+    const int np = b->npeers;
+    if (np == 1) ms__p2p_where(where, c, b->peers[0].peer);
+    else ms__msg_add(where, "send/recv on group %s from %s with", ms__group_str(group, sizeof group, c->group->n,
+                     c->group->world_ranks), ms__rank_str(who, sizeof who, c, c->rank));
+    for (int i = 0; i < np; i++) {
+        ms__rank_str(who, sizeof who, c, b->peers[i].peer);
+        if (np > 1) ms__msg_add(where, "%s %s", i ? (i + 1 < np ? "," : " and") : "", who);
+        ms__msg_add(missing, "%s%s", i ? (i + 1 < np ? ", " : " or ") : "", who);
+    }
+    ms__msg_add(missing, " did not arrive");
+}
+
+/* The headers each way, then the other descriptors where either side of a pair has more:
+ * w->their_descs and w->their_first hold the peers' ops with this rank. */
+static ms_status p2p_descriptors(const ms_comm *c, ngroup *ng, const ms_p2p_batch *b, p2p_work *w, const char *where,
+                                 const char *missing) {
+    const int np = b->npeers;
+    const size_t hb = sizeof(ms_p2p_header);
+    ms_status st = p2p_room(ng, 2 * (size_t)np * hb);
+    if (st) return st;
+    for (int i = 0; i < np; i++) {
+        ms__p2p_header(b, i, (ms_p2p_header *)ng->p2p_host + i);
+        w->mine[i] = w->theirs[i] = hb;
+    }
+    if ((st = p2p_exchange(c, ng, b, w->mine, w->theirs, w->x, where, missing))) return st;
+    const ms_p2p_header *h = (const ms_p2p_header *)ng->p2p_host + np;
+    int total = 0;
+    for (int i = 0; i < np; i++) {
+        if (h[i].count < 1) return ms__fail(MS_ERR_INTERNAL, "%s: a header of %d ops came", where, h[i].count);
+        w->their_first[i] = total;
+        total += h[i].count;
+    }
+    w->their_first[np] = total;
+    if (!(w->their_descs = malloc((size_t)total * sizeof *w->their_descs)))
+        return ms__fail(MS_ERR_OOM, "%s: out of memory", where);
+    size_t mine_rest = 0;
+    bool more = false;
+    for (int i = 0; i < np; i++) {
+        const int n = h[i].count, mr = b->peers[i].count - MS_P2P_INLINE, tr = n - MS_P2P_INLINE;
+        memcpy(w->their_descs + w->their_first[i], h[i].desc,
+               (size_t)(n < MS_P2P_INLINE ? n : MS_P2P_INLINE) * sizeof(ms_p2p_desc));
+        w->mine[i] = mr > 0 ? (size_t)mr * sizeof(ms_p2p_desc) : 0;
+        w->theirs[i] = tr > 0 ? (size_t)tr * sizeof(ms_p2p_desc) : 0;
+        mine_rest += w->mine[i];
+        more |= mr > 0 || tr > 0;
+    }
+    if (!more) return MS_OK;
+    size_t their_rest = 0;
+    for (int i = 0; i < np; i++) their_rest += w->theirs[i];
+    if ((st = p2p_room(ng, mine_rest + their_rest))) return st;
+    char *host = ng->p2p_host;
+    for (int i = 0; i < np; host += w->mine[i], i++)
+        memcpy(host, b->descs + b->peers[i].first + MS_P2P_INLINE, w->mine[i]);
+    if ((st = p2p_exchange(c, ng, b, w->mine, w->theirs, w->x, where, missing))) return st;
+    for (int i = 0; i < np; host += w->theirs[i], i++)
+        memcpy(w->their_descs + w->their_first[i] + MS_P2P_INLINE, host, w->theirs[i]);
+    return MS_OK;
+}
+
+/* The data of the pairs that agree, one NCCL group in op order; cpu tensors staged through
+ * ng->stage, the received ones copied back after the wait (a copy into pageable memory
+ * would block on the stream). */
+static ms_status p2p_data(const ms_comm *c, ngroup *ng, const ms_p2p_batch *b, p2p_work *w, size_t stage_bytes,
+                          const char *where, const char *missing) {
+    ms_status st = stage_bytes ? stage_room(ng, stage_bytes) : MS_OK;
+    int nx = 0;
+    for (int i = 0; !st && i < b->npeers; i++)
+        for (int k = b->peers[i].first; w->agreed[i] && k < b->peers[i].first + b->peers[i].count; k++) {
+            const bool send = b->descs[k].kind == MS_P2P_SEND;
+            const size_t bytes = (size_t)ms__p2p_bytes(&b->descs[k]);
+            void *ptr = w->offs[k] < 0 ? b->data[k] : (char *)ng->stage + w->offs[k];
+            if (send && w->offs[k] >= 0 && bytes)
+                CUDA_OK("staging a cpu tensor", cudaMemcpyAsync(ptr, b->data[k], bytes, cudaMemcpyHostToDevice,
+                                                                 ng->stream));
+            w->x[nx++] = (xfer){b->peers[i].peer, send, ptr, bytes};
+        }
+    if (st || !nx) return st;
+    if ((st = enqueue_xfers(c->world, ng, w->x, nx, "send/recv")) || (st = wait_stream(c, ng, where, missing)))
+        return st;
+    for (int i = 0; i < b->npeers; i++)
+        for (int k = b->peers[i].first; w->agreed[i] && k < b->peers[i].first + b->peers[i].count; k++) {
+            const size_t bytes = (size_t)ms__p2p_bytes(&b->descs[k]);
+            if (b->descs[k].kind == MS_P2P_RECV && w->offs[k] >= 0 && bytes)
+                CUDA_OK("copying a result to a cpu tensor",
+                        cudaMemcpyAsync(b->data[k], (char *)ng->stage + w->offs[k], bytes, cudaMemcpyDeviceToHost,
+                                        ng->stream));
+        }
+    CUDA_OK("copying a result to a cpu tensor", cudaStreamSynchronize(ng->stream));
+    return MS_OK;
+}
+
+static ms_status p2p_here(ms_comm *c, const ms_p2p_batch *b) {
+    ngroup *ng = c->group->impl;
+    if (!ng->comm) return ms__fail(MS_ERR_STATE, "nccl backend: the group's communicator was aborted");
+    CUDA_OK("cudaSetDevice", cudaSetDevice(nccl.device));
+    ms_msg where = {0}, missing = {0};
+    p2p_names(c, b, &where, &missing);
+    p2p_work *w = p2p_work_new(b->n, b->npeers);
+    if (!w) return ms__fail(MS_ERR_OOM, "%s: out of memory", where.s);
+    size_t stage_bytes = 0;
+    ms_first_error first = {0};
+    /* the devices first: a tensor on another GPU is refused before this rank joins */
+    ms_status st = p2p_places(b, where.s, w->offs, &stage_bytes);
+    if (!st) st = p2p_descriptors(c, ng, b, w, where.s, missing.s);
+    for (int i = 0; !st && i < b->npeers; i++) {
+        const ms_p2p_peer *q = &b->peers[i];
+        ms_status agreed = ms__p2p_agree(c, q->peer, b->descs + q->first, q->count,
+                                         w->their_descs + w->their_first[i], w->their_first[i + 1] - w->their_first[i]);
+        ms__keep_first(&first, agreed);
+        w->agreed[i] = !agreed;
+    }
+    if (!st) st = p2p_data(c, ng, b, w, stage_bytes, where.s, missing.s);
+    free(w->their_descs);
+    free(w);
+    return st ? st : ms__first_error(&first);
+}
+
 typedef struct coll_call {
     ms_comm *c;
-    const ms_coll *call;
+    const ms_coll *call;        /* a collective, */
+    const ms_p2p_batch *batch;  /* or a batch of sends and receives */
 } coll_call;
 
 static ms_status run_collective(void *arg) {
     coll_call *a = arg;
-    return collective_here(a->c, a->call);
+    return a->call ? collective_here(a->c, a->call) : p2p_here(a->c, a->batch);
 }
 
 /* NCCL forbids using communicators of one device from two threads at once, and wants the
@@ -582,7 +833,13 @@ static ms_status run_collective(void *arg) {
  * they were started; a collective asked for on any other thread is queued behind them and
  * waited for. */
 static ms_status nccl_collective(ms_comm *c, const ms_coll *call) {
-    coll_call a = {c, call};
+    coll_call a = {c, call, NULL};
+    return ms__async_run(c->world, nccl.rank, run_collective, &a);
+}
+
+/* A batch of sends and receives, on the communication thread likewise. */
+static ms_status nccl_p2p(ms_comm *c, const ms_p2p_batch *batch) {
+    coll_call a = {c, NULL, batch};
     return ms__async_run(c->world, nccl.rank, run_collective, &a);
 }
 
@@ -593,6 +850,7 @@ static const ms_backend nccl_backend = {
     .group_init = nccl_group_init,
     .group_free = nccl_group_free,
     .collective = nccl_collective,
+    .p2p = nccl_p2p,
 };
 
 ms_status ms_nccl_world_new(ms_world **out, double timeout_s, int *rank) {

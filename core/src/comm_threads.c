@@ -46,7 +46,10 @@ typedef struct tgroup {
     ms_status poison_status;  /* under lock; written before MS_POISONED is set, never after */
     char poison_msg[1024];    /* likewise */
     slot *slots;              /* (n) indexed by group rank */
+    struct tpair *_Atomic *pairs; /* (n) hash buckets of the pairs that sent or received */
 } tgroup;
+
+static void free_pairs(tgroup *t, int n);
 
 static void threads_group_free(ms_group *g) {
     tgroup *t = g->impl;
@@ -55,6 +58,7 @@ static void threads_group_free(ms_group *g) {
         free(t->slots[i].dsts);
     }
     free(t->slots);
+    free_pairs(t, g->n);
     pthread_cond_destroy(&t->wake);
     pthread_mutex_destroy(&t->lock);
     free(t);
@@ -85,7 +89,9 @@ static ms_status threads_group_init(ms_world *w, ms_group *g) {
     atomic_init(&t->departed, 0);
     g->impl = t;
     t->slots = zalloc64((size_t)g->n * sizeof *t->slots);
-    bool ok = t->slots != NULL;
+    t->pairs = malloc((size_t)g->n * sizeof *t->pairs);
+    bool ok = t->slots && t->pairs;
+    for (int i = 0; t->pairs && i < g->n; i++) atomic_init(&t->pairs[i], NULL);
     for (int i = 0; ok && i < g->n; i++) {
         atomic_init(&t->slots[i].arrivals, 0);
         t->slots[i].srcs = malloc((size_t)g->n * sizeof *t->slots[i].srcs);
@@ -305,6 +311,229 @@ static void move(const ms_comm *c, const tgroup *t) {
     }
 }
 
+/* ---------------------------------------------------------------- point-to-point
+ *
+ * Each pair of ranks {a < b} of a group meets on its own, as a collective of two: the k-th
+ * batch of a naming b with the k-th batch of b naming a (comm.h).  A rank posts its ops with
+ * the peer on its side of the pair and arrives (the pair's counter, poisoned as the group's
+ * is in arrive); once both have arrived each compares the two sides (ms__p2p_agree: the
+ * same verdict on both), copies what it receives straight from the peer's sent tensors,
+ * and departs; it returns only when the peer has departed too, so no sent tensor is reused
+ * while read.  A batch posts all its pairs first, then serves whichever pair is complete,
+ * so its ops run in any order without deadlock and one slow peer does not hold up the
+ * others. */
+
+typedef struct tside {
+    const ms_p2p_desc *descs; /* this side's ops with the peer, for the exchange in progress */
+    void *const *data;
+    int count;
+    long long seq; /* exchanges with the peer so far: touched by its own rank only */
+} tside;
+
+typedef struct tpair {
+    _Alignas(64) atomic_llong arrived; /* both sides' arrivals over all exchanges, | MS_POISONED */
+    atomic_llong departed;
+    tside side[2];           /* [0]: the lower group rank's */
+    ms_status poison_status; /* under the group's lock, written before MS_POISONED is set */
+    char *poison_msg;        /* likewise (malloc'ed) */
+    int lo, hi;              /* the group ranks, lo < hi */
+    struct tpair *next;      /* in its bucket: set before the pair is published, never changed */
+} tpair;
+
+static void free_pairs(tgroup *t, int n) {
+    for (int i = 0; t->pairs && i < n; i++)
+        for (tpair *p = atomic_load(&t->pairs[i]), *next; p; p = next) {
+            next = p->next;
+            free(p->poison_msg);
+            free(p);
+        }
+    free(t->pairs);
+}
+
+/* The pair {lo < hi} of the group, made when first asked for: the buckets are read without
+ * the lock (a pair is published whole and never unlinked), and filled under it, so memory
+ * grows with the pairs that met, not with the square of the group's size. */
+static ms_status get_pair(const ms_comm *c, tgroup *t, int lo, int hi, tpair **out) {
+    const int n = c->group->n;
+    tpair *_Atomic *bucket = &t->pairs[((unsigned)lo * 2654435761u ^ (unsigned)hi) % (unsigned)n];
+    tpair *p = atomic_load(bucket);
+    while (p && (p->lo != lo || p->hi != hi)) p = p->next;
+    if (!p) {
+        pthread_mutex_lock(&t->lock);
+        for (p = atomic_load(bucket); p && (p->lo != lo || p->hi != hi);) p = p->next;
+        if (!p && (p = zalloc64(sizeof *p))) {
+            atomic_init(&p->arrived, 0);
+            atomic_init(&p->departed, 0);
+            p->lo = lo, p->hi = hi;
+            p->next = atomic_load(bucket);
+            atomic_store(bucket, p);
+        }
+        pthread_mutex_unlock(&t->lock);
+        if (!p) return ms__fail(MS_ERR_OOM, "threads backend: out of memory for a pair of ranks of a group of %d", n);
+    }
+    *out = p;
+    return MS_OK;
+}
+
+/* One peer of a batch as this rank serves it. */
+typedef struct tpeer {
+    tpair *pair;
+    tside *mine, *theirs;
+    long long target; /* arrived (and departed) count that completes this exchange */
+    enum { WAITING, SERVED, FAILED } state;
+} tpeer;
+
+/* The pair's poison as this rank's error (lock not held). */
+static ms_status pair_poison_error(tgroup *t, const tpair *pr) {
+    pthread_mutex_lock(&t->lock);
+    ms_status st = ms__fail(pr->poison_status, "%s", pr->poison_msg ? pr->poison_msg : "(out of memory)");
+    pthread_mutex_unlock(&t->lock);
+    return st;
+}
+
+/* Poisons the exchange with `peer` (lock held) when the peer was reported done (MS_ERR_PEER)
+ * or, once timed_out, as late (MS_ERR_TIMEOUT); nothing when there is no reason yet or when
+ * the peer arrived meanwhile. */
+static void try_poison_pair(const ms_comm *c, tgroup *t, tpeer *p, int peer, bool timed_out) {
+    const ms_world *w = c->world;
+    const int wr = c->group->world_ranks[peer];
+    const int state = atomic_load(&w->rank_state[wr]);
+    char who[64];
+    ms__rank_str(who, sizeof who, c, peer);
+    ms_msg m = {0};
+    ms__p2p_where(&m, c, peer);
+    ms_status st;
+    if (state == MS_RANK_FINISHED) {
+        ms__msg_add(&m, ": %s finished its script without joining send/recv", who);
+        st = MS_ERR_PEER;
+    } else if (state == MS_RANK_FAILED) {
+        ms__msg_add(&m, ": %s failed", who);
+        st = MS_ERR_PEER;
+    } else if (timed_out) {
+        ms__msg_add(&m, " timed out after %g s: %s did not arrive (%s)", w->timeout_s, who, w->timeout_origin);
+        st = MS_ERR_TIMEOUT;
+    } else {
+        return;
+    }
+    long long v = atomic_load(&p->pair->arrived);
+    if (v >= p->target) return;
+    char *msg = strdup(m.s);
+    free(p->pair->poison_msg);
+    p->pair->poison_msg = msg;
+    p->pair->poison_status = st;
+    if (atomic_compare_exchange_strong(&p->pair->arrived, &v, v | MS_POISONED)) pthread_cond_broadcast(&t->wake);
+}
+
+/* Both sides have arrived: compares them and copies what this rank receives from the peer's
+ * sent tensors, then departs. */
+static ms_status serve(const ms_comm *c, tgroup *t, tpeer *p, int peer) {
+    const tside *me = p->mine, *them = p->theirs;
+    ms_status st = ms__p2p_agree(c, peer, me->descs, me->count, them->descs, them->count);
+    for (int i = 0, j = -1; !st && i < me->count; i++) {
+        if (me->descs[i].kind != MS_P2P_RECV) continue;
+        while (them->descs[++j].kind != MS_P2P_SEND) {}
+        int64_t bytes = ms__p2p_bytes(&me->descs[i]);
+        if (bytes) memcpy(me->data[i], them->data[j], (size_t)bytes);
+    }
+    atomic_fetch_add(&p->pair->departed, 1);
+    wake_sleepers(t);
+    p->state = SERVED;
+    return st;
+}
+
+static bool any_ready(tpeer *peers, int npeers) {
+    for (int i = 0; i < npeers; i++)
+        if (peers[i].state == WAITING && atomic_load(&peers[i].pair->arrived) >= peers[i].target) return true;
+    return false;
+}
+
+static ms_status threads_p2p(ms_comm *c, const ms_p2p_batch *b) {
+    tgroup *t = c->group->impl;
+    const int me = c->rank;
+    tpeer *peers = malloc((size_t)b->npeers * sizeof *peers);
+    if (!peers) return ms__fail(MS_ERR_OOM, "threads backend: out of memory for a batch of %d", b->n);
+    for (int i = 0; i < b->npeers; i++) {
+        const int peer = b->peers[i].peer, lo = me < peer ? me : peer, hi = me < peer ? peer : me;
+        ms_status st = get_pair(c, t, lo, hi, &peers[i].pair);
+        if (st) { /* before any arrival: nothing to undo */
+            free(peers);
+            return st;
+        }
+    }
+    ms_first_error first = {0};
+    const double deadline = ms__now_s() + c->world->timeout_s;
+
+    /* post every pair, then arrive at each (a poisoned one fails this peer alone) */
+    for (int i = 0; i < b->npeers; i++) {
+        const ms_p2p_peer *q = &b->peers[i];
+        tpeer *p = &peers[i];
+        p->mine = &p->pair->side[me > q->peer];
+        p->theirs = &p->pair->side[me < q->peer];
+        p->target = 2 * (p->mine->seq + 1);
+        p->state = WAITING;
+        p->mine->seq++;
+        p->mine->descs = b->descs + q->first;
+        p->mine->data = b->data + q->first;
+        p->mine->count = q->count;
+        long long v = atomic_load(&p->pair->arrived);
+        do {
+            if (v & MS_POISONED) {
+                ms__keep_first(&first, pair_poison_error(t, p->pair));
+                p->state = FAILED;
+                break;
+            }
+        } while (!atomic_compare_exchange_weak(&p->pair->arrived, &v, v + 1));
+    }
+    wake_sleepers(t);
+
+    /* serve each pair once both sides are there, until none waits: a peer that does not come
+     * in time, or is reported done, is poisoned (try_poison_pair) */
+    for (long spin = 0;; spin++) {
+        int waiting = 0;
+        for (int i = 0; i < b->npeers; i++) {
+            tpeer *p = &peers[i];
+            if (p->state != WAITING) continue;
+            long long v = atomic_load(&p->pair->arrived);
+            if (v & MS_POISONED) {
+                ms__keep_first(&first, pair_poison_error(t, p->pair));
+                p->state = FAILED;
+            } else if (v >= p->target) {
+                ms__keep_first(&first, serve(c, t, p, b->peers[i].peer));
+            } else {
+                waiting++;
+            }
+        }
+        if (!waiting) break;
+        if (spin < t->spins) {
+            cpu_relax();
+        } else if (spin < t->spins + MS_YIELDS) {
+            sched_yield();
+        } else {
+            double now = ms__now_s(), slice = now + MS_SLICE_MS * 1e-3, until = slice < deadline ? slice : deadline;
+            struct timespec ts = {.tv_sec = (time_t)until};
+            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+            pthread_mutex_lock(&t->lock);
+            for (int i = 0; i < b->npeers; i++)
+                if (peers[i].state == WAITING) try_poison_pair(c, t, &peers[i], b->peers[i].peer, now >= deadline);
+            atomic_fetch_add(&t->sleepers, 1);
+            if (!any_ready(peers, b->npeers)) pthread_cond_timedwait(&t->wake, &t->lock, &ts);
+            atomic_fetch_sub(&t->sleepers, 1);
+            pthread_mutex_unlock(&t->lock);
+        }
+    }
+
+    /* depart: wait until every served peer is done reading this rank's sent tensors */
+    for (int i = 0; i < b->npeers; i++)
+        if (peers[i].state == SERVED && !spin_until(t, &peers[i].pair->departed, peers[i].target)) {
+            pthread_mutex_lock(&t->lock);
+            while (atomic_load(&peers[i].pair->departed) < peers[i].target)
+                sleep_until(t, &peers[i].pair->departed, peers[i].target, ms__now_s() + MS_SLICE_MS * 1e-3);
+            pthread_mutex_unlock(&t->lock);
+        }
+    free(peers);
+    return ms__first_error(&first);
+}
+
 /* ---------------------------------------------------------------- the backend */
 
 /* One collective on a group of n ranks, seen from group rank r: arrive (post the call, wait
@@ -327,6 +556,7 @@ static const ms_backend threads_backend = {
     .group_init = threads_group_init,
     .group_free = threads_group_free,
     .collective = threads_collective,
+    .p2p = threads_p2p,
 };
 
 ms_status ms_threads_world_new(ms_world **out, int nranks, double timeout_s) {

@@ -322,6 +322,7 @@ local K = {
   ADAMW_MASTER = C.MS_ADAMW_MASTER, ADAMW_TORCH = C.MS_ADAMW_TORCH, ADAMW_EXP_AVG = C.MS_ADAMW_EXP_AVG,
   ADAMW_EXP_AVG_SQ = C.MS_ADAMW_EXP_AVG_SQ, ADAMW_MASTER_WEIGHTS = C.MS_ADAMW_MASTER_WEIGHTS,
   CAST_AUTO = C.MS_CAST_AUTO, CAST_PORTABLE = C.MS_CAST_PORTABLE, CAST_AVX2 = C.MS_CAST_AVX2,
+  P2P_SEND = C.MS_P2P_SEND, P2P_RECV = C.MS_P2P_RECV,
 }
 for code, name in ipairs(UNIT_CODES) do K["UNIT_" .. name] = code end
 for _, class in ipairs(CLASSES) do K["CLASS_" .. class:upper()] = class end -- state()'s codes
@@ -610,6 +611,22 @@ function R.all_reduce(g, t, op) return done(C.ms_all_reduce(group_h(g), tensor_h
 function R.broadcast(g, t, root) return done(C.ms_broadcast(group_h(g), tensor_h(t), root)) end
 function R.all_to_all(g, out, inp) return done(C.ms_all_to_all(group_h(g), tensor_h(out), tensor_h(inp))) end
 function R.barrier(g) return done(C.ms_barrier(group_h(g))) end
+function R.send(g, t, peer, tag) return done(C.ms_send(group_h(g), tensor_h(t), peer, tag)) end
+function R.recv(g, t, peer, tag) return done(C.ms_recv(group_h(g), tensor_h(t), peer, tag)) end
+
+local P2POps = ffi.typeof("ms_p2p_op[?]")
+
+--- batch_p2p(g, kinds, tensors, peers, tags): the ops as parallel lists (the tensors stay
+-- alive in theirs for the call)
+function R.batch_p2p(g, kinds, tensors, peers, tags)
+  local h, n = group_h(g), #kinds
+  local ops = P2POps(n > 0 and n or 1)
+  for i = 1, n do
+    local op = ops[i - 1]
+    op.op, op.t, op.peer, op.tag = kinds[i], tensor_h(tensors[i]), peers[i], tags[i]
+  end
+  return done(C.ms_batch_p2p(h, ops, n))
+end
 
 -- ---------------------------------------------------------------- layouts
 

@@ -1,7 +1,7 @@
--- moonshard.mesh: the world of this rank, device meshes, groups and their collectives, and
--- the layout functions (local_shape with placements, fsdp_shard, chunk_extent), for both
--- interpreters, over the binding's raw functions (moonshard.raw).  Dims, ranks, coordinates
--- and offsets are 0-based.
+-- moonshard.mesh: the world of this rank, device meshes, groups, their collectives and
+-- point-to-point calls, and the layout functions (local_shape with placements, fsdp_shard,
+-- chunk_extent), for both interpreters, over the binding's raw functions (moonshard.raw).
+-- Dims, ranks, coordinates and offsets are 0-based.
 
 local REGISTRY = debug.getregistry()
 if REGISTRY["moonshard.mesh"] then return REGISTRY["moonshard.mesh"] end
@@ -179,6 +179,68 @@ end
 
 function group_methods.barrier(self)
   ok(R.barrier(check_group(self, 1)))
+end
+
+-- ---------------------------------------------------------------- point-to-point
+
+--- g:send(t, peer, tag?) -> t: t to group rank peer; its matching g:recv there (tag 0 by default)
+function group_methods.send(self, t, peer, tag)
+  ok(R.send(check_group(self, 1), check_tensor(t, 2), A.check_int(peer, 3, "send: peer"),
+    A.opt_int(tag, 4, "send: tag", 0)))
+  return t
+end
+
+--- g:recv(t, peer, tag?) -> t: into t from group rank peer
+function group_methods.recv(self, t, peer, tag)
+  ok(R.recv(check_group(self, 1), check_tensor(t, 2), A.check_int(peer, 3, "recv: peer"),
+    A.opt_int(tag, 4, "recv: tag", 0)))
+  return t
+end
+
+local P2P_KIND = { send = K.P2P_SEND, recv = K.P2P_RECV }
+local tensor_state, CLASS_TENSOR = R.state, K.CLASS_TENSOR
+
+-- Field j of op i of a batch as an int (a peer, a tag), def when nil and def is given.
+local function op_int(v, i, j, what, def)
+  if v == nil and def then return def end
+  local n = A.to_integer(v)
+  if not n then
+    raise("moonshard invalid_argument error: batch_p2p: ops[%d][%d] (the %s) is %s, expected an integer", i, j, what,
+      A.typename(v))
+  end
+  if n < -2 ^ 31 or n > 2 ^ 31 - 1 then
+    raise("moonshard invalid_argument error: batch_p2p: ops[%d][%d] (the %s) %s is out of range", i, j, what,
+      tostring(n))
+  end
+  return tonumber(n)
+end
+
+--- g:batch_p2p{{"send", t, peer, tag?}, {"recv", u, peer, tag?}, ...}: every op together, in
+-- any order, without deadlock
+function group_methods.batch_p2p(self, ops)
+  local g = check_group(self, 1)
+  A.check_table(ops, 2)
+  local kinds, tensors, peers, tags = {}, {}, {}, {}
+  for i = 1, #ops do
+    local op = ops[i]
+    if type(op) ~= "table" then
+      raise("moonshard invalid_argument error: batch_p2p: ops[%d] is %s, expected {\"send\" or \"recv\", tensor, " ..
+        "peer, tag?}", i, A.typename(op))
+    end
+    kinds[i] = P2P_KIND[op[1]]
+    if not kinds[i] then
+      raise("moonshard invalid_argument error: batch_p2p: ops[%d][1] is %s, expected \"send\" or \"recv\"", i,
+        type(op[1]) == "string" and format("%q", op[1]) or A.typename(op[1]))
+    end
+    local live = tensor_state(op[2], CLASS_TENSOR)
+    if live == nil then
+      raise("moonshard invalid_argument error: batch_p2p: ops[%d][2] is %s, expected a tensor", i, A.typename(op[2]))
+    elseif not live then
+      raise("moonshard state error: attempt to use a released tensor")
+    end
+    tensors[i], peers[i], tags[i] = op[2], op_int(op[3], i, 3, "peer"), op_int(op[4], i, 4, "tag", 0)
+  end
+  ok(R.batch_p2p(g, kinds, tensors, peers, tags))
 end
 
 A.define("group", group_methods, function(c)

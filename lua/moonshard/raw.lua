@@ -38,7 +38,9 @@
 --   groups      group_size(g), group_rank(g), group_world_rank(g, i), group_backend(g),
 --               all_gather(g, out, inp), reduce_scatter(g, out, inp, op),
 --               all_reduce(g, t, op), broadcast(g, t, root), all_to_all(g, out, inp),
---               barrier(g)
+--               barrier(g), send(g, t, peer, tag), recv(g, t, peer, tag),
+--               batch_p2p(g, kinds, tensors, peers, tags) (parallel lists of the ops:
+--               const.P2P_SEND | P2P_RECV, tensor, group rank, tag)
 --   layouts     local_shape(shape, kinds, dims, mesh_sizes, coords) -> local, offset;
 --               fsdp_shard(shape, world, rank, dim) -> local, offset, padded;
 --               chunk_extent(n, k, r) -> length, offset

@@ -759,6 +759,393 @@ static void test_args(void) {
     run_ranks(4, 30, tags_rank, NULL);
 }
 
+/* ---------------------------------------------------------------- point-to-point */
+
+/* t against what group rank `from` filled in test `seed` (fill_input), element by element. */
+static void check_from(sweep_stats *st, const char *what, const ms_tensor *t, uint32_t seed, int from) {
+    ms_dtype dt = ms_tensor_dtype(t);
+    unsigned char want[8];
+    for (int64_t i = 0; i < ms_tensor_numel(t); i++) {
+        input(dt, seed, from, i, want);
+        compare(st, what, dt, i, elem(t, i), want);
+    }
+    st->calls++;
+}
+
+/* A tensor of `count` elements of dt filled as rank r's in test seed (a 2-D one of 3 x
+ * count / 3 when 3 divides count, to carry a shape), and one to receive it into, filled
+ * with 0xA5 bytes. */
+static void p2p_pair(ms_dtype dt, int64_t count, uint32_t seed, int r, ms_tensor **out, ms_tensor **in) {
+    bool rows3 = count && count % 3 == 0;
+    *out = rows3 ? tensor(dt, 2, 3, count / 3) : tensor(dt, 1, count, 0);
+    *in = rows3 ? tensor(dt, 2, 3, count / 3) : tensor(dt, 1, count, 0);
+    fill_input(*out, seed, r);
+    if (count) memset(ms_tensor_data(*in), 0xA5, (size_t)ms_tensor_nbytes(*in));
+}
+
+/* Every rank checks what it received against the sender's inputs, computed here:
+ *   1. a ring in every dtype and size: each rank sends to the next and receives from the
+ *      previous in one batch, the odd ranks listing the receive first;
+ *   2. a pipeline of blocking calls: rank 0 sends, each other rank receives from the one
+ *      before and sends it on;
+ *   3. pairs (0 1) and (2 3): two tensors each way with tags 1 and 2, of different shapes
+ *      and dtypes, the sends and receives interleaved differently on the two sides;
+ *   4. every rank with every other in one batch, in an order of its own: one tensor sent to
+ *      all of them, one received from each;
+ *   5. on 4 ranks, the groups [0 2] and [1 3]: a blocking ping-pong by group ranks. */
+static void p2p_values_rank(rank_ctx *ctx) {
+    sweep_stats *st = &((sweep_stats *)ctx->arg)[ctx->rank];
+    ms_comm *c = ctx->world;
+    const int n = ms_comm_size(c), r = ctx->rank, next = (r + 1) % n, prev = (r + n - 1) % n;
+    uint32_t seed = 7000;
+    char what[160];
+    for (int d = 0; d < MS_DTYPE_COUNT; d++)
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+            ms_dtype dt = (ms_dtype)d;
+            ms_tensor *out, *in;
+            p2p_pair(dt, counts[k], ++seed, r, &out, &in);
+            ms_p2p_op ops[2] = {{MS_P2P_SEND, out, next, 7}, {MS_P2P_RECV, in, prev, 7}};
+            if (r % 2) ops[0] = ops[1], ops[1] = (ms_p2p_op){MS_P2P_SEND, out, next, 7};
+            CHECK_OK(ms_batch_p2p(c, ops, 2));
+            snprintf(what, sizeof what, "rank %d: ring of %d, %s x %lld", r, n, ms_dtype_name(dt), (long long)counts[k]);
+            check_from(st, what, in, seed, prev);
+            ms_tensor_release(out);
+            ms_tensor_release(in);
+        }
+
+    ms_tensor *buf = tensor(MS_BF16, 2, 4, 33);
+    snprintf(what, sizeof what, "rank %d: pipeline of %d", r, n);
+    ++seed;
+    if (r == 0) {
+        fill_input(buf, seed, 0);
+        CHECK_OK(ms_send(c, buf, 1, 3));
+    } else {
+        CHECK_OK(ms_recv(c, buf, r - 1, 3));
+        check_from(st, what, buf, seed, 0);
+        if (r + 1 < n) CHECK_OK(ms_send(c, buf, r + 1, 3));
+    }
+    ms_tensor_release(buf);
+
+    const int partner = r ^ 1;
+    seed += 2;
+    if (partner < n) {
+        ms_tensor *a = tensor(MS_F32, 2, 5, 7), *b = tensor(MS_I64, 1, 3, 0);  /* sent */
+        ms_tensor *ga = tensor(MS_F32, 2, 5, 7), *gb = tensor(MS_I64, 1, 3, 0); /* received */
+        fill_input(a, seed - 1, r);
+        fill_input(b, seed, r);
+        ms_p2p_op even[4] = {{MS_P2P_SEND, a, partner, 1}, {MS_P2P_SEND, b, partner, 2},
+                             {MS_P2P_RECV, ga, partner, 1}, {MS_P2P_RECV, gb, partner, 2}};
+        ms_p2p_op odd[4] = {{MS_P2P_RECV, ga, partner, 1}, {MS_P2P_SEND, a, partner, 1},
+                            {MS_P2P_RECV, gb, partner, 2}, {MS_P2P_SEND, b, partner, 2}};
+        CHECK_OK(ms_batch_p2p(c, r % 2 ? odd : even, 4));
+        snprintf(what, sizeof what, "rank %d: exchange with %d, tag 1", r, partner);
+        check_from(st, what, ga, seed - 1, partner);
+        snprintf(what, sizeof what, "rank %d: exchange with %d, tag 2", r, partner);
+        check_from(st, what, gb, seed, partner);
+        ms_tensor *all[] = {a, b, ga, gb};
+        for (int i = 0; i < 4; i++) ms_tensor_release(all[i]);
+    }
+
+    ++seed;
+    ms_tensor *mine = tensor(MS_F16, 1, 2049, 0), *got[MAX_RANKS] = {0};
+    ms_p2p_op ops[2 * MAX_RANKS];
+    int nops = 0;
+    fill_input(mine, seed, r);
+    for (int i = 1; i < n; i++) { /* from r + i around, and the receives in the other direction */
+        int to = (r + i) % n, from = (r + n - i) % n;
+        got[from] = tensor(MS_F16, 1, 2049, 0);
+        ops[nops++] = (ms_p2p_op){MS_P2P_SEND, mine, to, 0};
+        ops[nops++] = (ms_p2p_op){MS_P2P_RECV, got[from], from, 0};
+    }
+    CHECK_OK(ms_batch_p2p(c, ops, nops));
+    for (int j = 0; j < n; j++) {
+        if (j == r) continue;
+        snprintf(what, sizeof what, "rank %d: from %d of every peer", r, j);
+        check_from(st, what, got[j], seed, j);
+        ms_tensor_release(got[j]);
+    }
+    ms_tensor_release(mine);
+
+    if (n == 4) {
+        int members[2] = {r % 2, r % 2 + 2};
+        ms_comm *g = NULL;
+        CHECK_OK(ms_comm_group(c, 2, members, &g));
+        ms_tensor *t = tensor(MS_I32, 1, 6, 0);
+        const int gr = r / 2;
+        seed++;
+        if (gr == 0) {
+            fill_input(t, seed, r);
+            CHECK_OK(ms_send(g, t, 1, 4));
+            CHECK_OK(ms_recv(g, t, 1, 5));
+            snprintf(what, sizeof what, "rank %d: ping-pong on group [%d %d]", r, members[0], members[1]);
+            check_from(st, what, t, seed + 1, members[1]);
+        } else {
+            CHECK_OK(ms_recv(g, t, 0, 4));
+            snprintf(what, sizeof what, "rank %d: ping-pong on group [%d %d]", r, members[0], members[1]);
+            check_from(st, what, t, seed, members[0]);
+            fill_input(t, seed + 1, r);
+            CHECK_OK(ms_send(g, t, 0, 5));
+        }
+        ms_tensor_release(t);
+        ms_comm_release(g);
+    }
+}
+
+static void test_p2p_values(void) {
+    for (int n = 2; n <= MAX_RANKS; n++) {
+        sweep_stats stats[MAX_RANKS] = {{0}};
+        run_ranks(n, 60, p2p_values_rank, stats);
+        for (int r = 0; r < n; r++) {
+            CHECK(stats[r].calls > 0 && stats[r].wrong == 0, "(p2p on %d ranks, rank %d: %ld wrong of %ld)", n, r,
+                  stats[r].wrong, stats[r].elements);
+            printf("p2p on %d ranks, rank %d: %ld tensors received, %ld elements checked, %ld wrong\n", n, r,
+                   stats[r].calls, stats[r].elements, stats[r].wrong);
+        }
+    }
+}
+
+/* One side of a send or receive in the mismatch cases. */
+typedef struct p2p_side {
+    ms_dtype dtype;
+    int64_t d0, d1; /* d1 = 0: one dim */
+    int tag;
+} p2p_side;
+
+typedef enum { SEND_RECV, TWO_SENDS, BOTH_SEND } p2p_shape;
+
+typedef struct p2p_mismatch_case {
+    const char *name;
+    p2p_shape shape;
+    int sender;           /* the group rank that sends (SEND_RECV, TWO_SENDS) */
+    p2p_side send, recv;
+    const char *message;  /* the whole message, on both ranks */
+} p2p_mismatch_case;
+
+#define P2P_PAIR "send/recv on group [0 1] between rank 0 and rank 1: the sides disagree: "
+static const p2p_mismatch_case p2p_mismatch_cases[] = {
+    {"dtype", SEND_RECV, 0, {MS_F32, 4, 0, 0}, {MS_BF16, 4, 0, 0},
+     P2P_PAIR "tensor 1 of 1 from rank 0 to rank 1: sent as tag 0 [4] f32, received as tag 0 [4] bf16 (the dtype differs)"},
+    {"shape", SEND_RECV, 0, {MS_F32, 2, 3, 5}, {MS_F32, 3, 2, 5},
+     P2P_PAIR "tensor 1 of 1 from rank 0 to rank 1: sent as tag 5 [2, 3] f32, received as tag 5 [3, 2] f32 (the shape differs)"},
+    {"tag", SEND_RECV, 0, {MS_F32, 4, 0, 1}, {MS_F32, 4, 0, 2},
+     P2P_PAIR "tensor 1 of 1 from rank 0 to rank 1: sent as tag 1 [4] f32, received as tag 2 [4] f32 (the tag differs)"},
+    {"all three, sent by the higher rank", SEND_RECV, 1, {MS_F32, 4, 0, 1}, {MS_I32, 2, 2, 2},
+     P2P_PAIR "tensor 1 of 1 from rank 1 to rank 0: sent as tag 1 [4] f32, received as tag 2 [2, 2] i32 (the tag, "
+              "shape and dtype differ)"},
+    {"count", TWO_SENDS, 0, {MS_F32, 4, 0, 0}, {MS_F32, 4, 0, 0},
+     P2P_PAIR "rank 0 sends 2 tensors to rank 1, which receives 1 from it"},
+    {"both send", BOTH_SEND, 0, {MS_F32, 4, 0, 0}, {MS_F32, 4, 0, 0},
+     P2P_PAIR "rank 0 sends 1 tensor to rank 1, which receives 0 from it; rank 1 sends 1 tensor to rank 0, which "
+              "receives 0 from it (both send first: post each rank's send and receive in one batch)"},
+};
+
+static ms_tensor *side_tensor(const p2p_side *s) {
+    return s->d1 ? tensor(s->dtype, 2, s->d0, s->d1) : tensor(s->dtype, 1, s->d0, 0);
+}
+
+/* Both ranks get the case's message exactly, the receiving rank's tensor keeps its values,
+ * and the comm is unusable afterwards. */
+static void p2p_mismatch_rank(rank_ctx *ctx) {
+    const p2p_mismatch_case *mc = ctx->arg;
+    const int r = ctx->rank, peer = 1 - r;
+    const bool sends = mc->shape == BOTH_SEND || r == mc->sender;
+    ms_tensor *t = side_tensor(sends ? &mc->send : &mc->recv);
+    fill_input(t, 11, r);
+    ms_status st;
+    if (mc->shape == TWO_SENDS && sends) {
+        ms_p2p_op ops[2] = {{MS_P2P_SEND, t, peer, mc->send.tag}, {MS_P2P_SEND, t, peer, mc->send.tag + 1}};
+        st = ms_batch_p2p(ctx->world, ops, 2);
+    } else {
+        st = sends ? ms_send(ctx->world, t, peer, mc->send.tag) : ms_recv(ctx->world, t, peer, mc->recv.tag);
+    }
+    CHECK_ST(st, MS_ERR_MISMATCH, mc->message);
+    CHECK(!strcmp(ms_last_error(), mc->message), "(case %s rank %d: the message is exactly \"%s\", got \"%s\")",
+          mc->name, r, mc->message, ms_last_error());
+    unsigned char want[8];
+    int untouched = 1;
+    for (int64_t i = 0; i < ms_tensor_numel(t); i++) {
+        input(ms_tensor_dtype(t), 11, r, i, want);
+        untouched &= !memcmp(elem(t, i), want, (size_t)ms_dtype_size(ms_tensor_dtype(t)));
+    }
+    CHECK(untouched, "(case %s rank %d: a mismatch moves nothing)", mc->name, r);
+    CHECK_ST(ms_send(ctx->world, t, peer, 0), MS_ERR_STATE, mc->message);
+    ms_tensor_release(t);
+}
+
+/* Rank 1 of a failure case: receives t from rank 0 beside a pair that fails, and gets what
+ * rank 0 filled in test seed. */
+static void recv_beside(ms_comm *c, ms_tensor *t, uint32_t seed, const char *what) {
+    CHECK_OK(ms_recv(c, t, 0, 0));
+    sweep_stats st = {0};
+    check_from(&st, what, t, seed, 0);
+    CHECK(st.wrong == 0 && st.elements == ms_tensor_numel(t));
+}
+
+/* World of 3: rank 0 sends [4] f32 to rank 1, which receives it so, and to rank 2, which
+ * receives [4] bf16: ranks 0 and 2 get the mismatch, rank 1 its tensor. */
+static void p2p_one_pair_mismatch_rank(rank_ctx *ctx) {
+    static const char *message = "send/recv on group [0 1 2] between rank 0 and rank 2: the sides disagree: tensor 1 "
+                                 "of 1 from rank 0 to rank 2: sent as tag 0 [4] f32, received as tag 0 [4] bf16 (the "
+                                 "dtype differs)";
+    ms_tensor *t = tensor(ctx->rank == 2 ? MS_BF16 : MS_F32, 1, 4, 0);
+    if (ctx->rank == 0) {
+        fill_input(t, 12, 0);
+        ms_p2p_op ops[2] = {{MS_P2P_SEND, t, 2, 0}, {MS_P2P_SEND, t, 1, 0}};
+        CHECK_ST(ms_batch_p2p(ctx->world, ops, 2), MS_ERR_MISMATCH, message);
+    } else if (ctx->rank == 1) {
+        recv_beside(ctx->world, t, 12, "rank 1: beside a mismatched pair");
+    } else {
+        CHECK_ST(ms_recv(ctx->world, t, 0, 0), MS_ERR_MISMATCH, message);
+    }
+    ms_tensor_release(t);
+}
+
+/* The same in group [1 3] of a world of 4, named by world and group rank. */
+static void p2p_group_mismatch_rank(rank_ctx *ctx) {
+    static const char *message = "send/recv on group [1 3] between rank 1 (group rank 0) and rank 3 (group rank 1): the "
+                                 "sides disagree: tensor 1 of 1 from rank 3 (group rank 1) to rank 1 (group rank 0): "
+                                 "sent as tag 9 [4] f32, received as tag 9 [5] f32 (the shape differs)";
+    if (ctx->rank % 2 == 0) return;
+    ms_comm *g = NULL;
+    CHECK_OK(ms_comm_group(ctx->world, 2, (int[]){1, 3}, &g));
+    ms_tensor *t = tensor(MS_F32, 1, ctx->rank == 1 ? 5 : 4, 0);
+    CHECK_ST(ctx->rank == 1 ? ms_recv(g, t, 1, 9) : ms_send(g, t, 0, 9), MS_ERR_MISMATCH, message);
+    ms_tensor_release(t);
+    ms_comm_release(g);
+}
+
+static void test_p2p_mismatch(void) {
+    for (size_t i = 0; i < sizeof p2p_mismatch_cases / sizeof p2p_mismatch_cases[0]; i++)
+        run_ranks(2, 30, p2p_mismatch_rank, (void *)&p2p_mismatch_cases[i]);
+    run_ranks(3, 30, p2p_one_pair_mismatch_rank, NULL);
+    run_ranks(4, 30, p2p_group_mismatch_rank, NULL);
+}
+
+typedef struct p2p_timeout_case {
+    atomic_int returned; /* rank 0 is back from its batch */
+    double called;       /* when rank 0 called it */
+} p2p_timeout_case;
+
+/* World of 3, 0.3 s: rank 0 sends to ranks 1 and 2 in one batch; rank 1 receives at once
+ * (and gets its tensor), rank 2 only after rank 0 gave up: rank 0 times out naming rank 2,
+ * not before the timeout, and rank 2 gets the same failure, late. */
+static void p2p_timeout_rank(rank_ctx *ctx) {
+    static const char *message = "send/recv on group [0 1 2] between rank 0 and rank 2 timed out after 0.3 s: rank 2 "
+                                 "did not arrive (timeout_s=0.3 given to the world)";
+    p2p_timeout_case *tc = ctx->arg;
+    ms_tensor *t = tensor(MS_F32, 1, 5, 0);
+    double timeout = ms_world_timeout(ctx->w);
+    if (ctx->rank == 0) {
+        fill_input(t, 13, 0);
+        ms_p2p_op ops[2] = {{MS_P2P_SEND, t, 1, 0}, {MS_P2P_SEND, t, 2, 0}};
+        double t0 = now_s();
+        CHECK_ST(ms_batch_p2p(ctx->world, ops, 2), MS_ERR_TIMEOUT, message);
+        double waited = now_s() - t0;
+        CHECK(waited >= timeout - 1e-3, "(rank 0 back after %.3f s, before the %g s timeout)", waited, timeout);
+        CHECK(waited < fmax(HANG_FACTOR * timeout, HANG_MIN_S), "(rank 0 back after %.3f s)", waited);
+        CHECK_ST(ms_send(ctx->world, t, 1, 0), MS_ERR_STATE, message);
+        atomic_store(&tc->returned, 1);
+    } else if (ctx->rank == 1) {
+        recv_beside(ctx->world, t, 13, "rank 1: beside a peer that timed out");
+    } else {
+        while (!atomic_load(&tc->returned)) sched_yield();
+        CHECK_ST(ms_recv(ctx->world, t, 0, 0), MS_ERR_TIMEOUT, message);
+        CHECK_ST(ms_recv(ctx->world, t, 0, 0), MS_ERR_STATE, "the comm is unusable after an earlier failure: ");
+    }
+    ms_tensor_release(t);
+}
+
+typedef struct p2p_peer_case {
+    atomic_int done;
+} p2p_peer_case;
+
+/* World of 3, 30 s: rank 2 finishes and rank 1 fails without joining; rank 0's receive from
+ * rank 2 and, on a fresh group, its send to rank 1 fail at once (well before the timeout). */
+static void p2p_peer_rank(rank_ctx *ctx) {
+    p2p_peer_case *pc = ctx->arg;
+    if (ctx->rank > 0) {
+        CHECK_OK(ms_world_rank_done(ctx->w, ctx->rank, ctx->rank == 1));
+        atomic_fetch_add(&pc->done, 1);
+        return;
+    }
+    while (atomic_load(&pc->done) < 2) sched_yield();
+    ms_tensor *t = tensor(MS_F32, 1, 4, 0);
+    ms_comm *g = NULL;
+    double t0 = now_s();
+    CHECK_ST(ms_recv(ctx->world, t, 2, 0), MS_ERR_PEER,
+             "send/recv on group [0 1 2] between rank 0 and rank 2: rank 2 finished its script without joining "
+             "send/recv");
+    CHECK_OK(ms_comm_group(ctx->world, 2, (int[]){0, 1}, &g));
+    CHECK_ST(ms_send(g, t, 1, 0), MS_ERR_PEER, "send/recv on group [0 1] between rank 0 and rank 1: rank 1 failed");
+    double waited = now_s() - t0;
+    CHECK(waited < ms_world_timeout(ctx->w) / 2, "(rank 0 waited %.3f s for peers reported done)", waited);
+    ms_comm_release(g);
+    ms_tensor_release(t);
+}
+
+static void test_p2p_failures(void) {
+    p2p_timeout_case tc = {0};
+    run_ranks(3, 0.3, p2p_timeout_rank, &tc);
+    p2p_peer_case pc = {0};
+    run_ranks(3, 30, p2p_peer_rank, &pc);
+}
+
+/* Both ranks of a world of 2 make the same bad calls, each refused before the rank joins,
+ * then a good exchange. */
+static void p2p_args_rank(rank_ctx *ctx) {
+    ms_comm *c = ctx->world;
+    const int r = ctx->rank, peer = 1 - r;
+    ms_tensor *f4 = tensor(MS_F32, 1, 4, 0), *f8 = tensor(MS_F32, 1, 8, 0), *m = NULL, *wide = NULL, *strided = NULL;
+    ms_tensor *inside = rows(f8, 2, 4);
+    int64_t shape[2] = {4, 6};
+    CHECK_OK(ms_tensor_new(&m, 1, shape, MS_F32, MS_DEVICE_META, 0));
+    CHECK_OK(ms_tensor_new(&wide, 2, shape, MS_F32, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_narrow(&strided, wide, 1, 0, 3));
+    char want[160];
+    CHECK_ST(ms_send(c, f4, 2, 0), MS_ERR_ARG, "send on group [0 1]: peer 2 is not a group rank (0..1)");
+    CHECK_ST(ms_recv(c, f4, -1, 0), MS_ERR_ARG, "recv on group [0 1]: peer -1 is not a group rank (0..1)");
+    snprintf(want, sizeof want, "send on group [0 1]: peer %d is this rank (a rank cannot send to itself)", r);
+    CHECK_ST(ms_send(c, f4, r, 0), MS_ERR_ARG, want);
+    snprintf(want, sizeof want, "recv on group [0 1]: peer %d is this rank (a rank cannot receive from itself)", r);
+    CHECK_ST(ms_recv(c, f4, r, 0), MS_ERR_ARG, want);
+    CHECK_ST(ms_recv(c, f4, peer, -3), MS_ERR_ARG, "recv on group [0 1]: tag -3 is negative");
+    CHECK_ST(ms_send(c, m, peer, 0), MS_ERR_DEVICE, "send on group [0 1]: t [4] f32 is a meta tensor");
+    CHECK_ST(ms_recv(c, strided, peer, 0), MS_ERR_ARG, "recv on group [0 1]: t [4, 3] f32 is not contiguous");
+    ms_p2p_op bad_kind[1] = {{(ms_p2p_kind)7, f4, peer, 0}};
+    CHECK_ST(ms_batch_p2p(c, bad_kind, 1), MS_ERR_ARG,
+             "batch_p2p on group [0 1]: ops[0]: invalid op 7 (expected MS_P2P_SEND or MS_P2P_RECV)");
+    ms_p2p_op no_tensor[2] = {{MS_P2P_SEND, f4, peer, 0}, {MS_P2P_RECV, NULL, peer, 0}};
+    CHECK_ST(ms_batch_p2p(c, no_tensor, 2), MS_ERR_ARG, "batch_p2p on group [0 1]: ops[1].t is NULL");
+    ms_p2p_op overlap[2] = {{MS_P2P_SEND, f8, peer, 0}, {MS_P2P_RECV, inside, peer, 0}};
+    CHECK_ST(ms_batch_p2p(c, overlap, 2), MS_ERR_ARG,
+             "batch_p2p on group [0 1]: ops[1].t [4] f32, received into, overlaps ops[0].t [8] f32");
+    CHECK_ST(ms_batch_p2p(c, overlap, -1), MS_ERR_ARG, "batch_p2p on group [0 1]: n -1 is negative");
+    CHECK_OK(ms_batch_p2p(c, NULL, 0)); /* nothing to do */
+
+    /* Nothing above joined: the comm still works.  The same tensor may be sent twice. */
+    fill_input(f4, 14, r);
+    ms_p2p_op twice[4] = {{MS_P2P_SEND, f4, peer, 0}, {MS_P2P_SEND, f4, peer, 1}, {MS_P2P_RECV, inside, peer, 0},
+                          {MS_P2P_RECV, wide, peer, 1}};
+    ms_tensor *flat = NULL;
+    CHECK_OK(ms_tensor_view(&flat, wide, 1, (int64_t[]){24}));
+    ms_tensor *part = rows(flat, 0, 4);
+    twice[3].t = part;
+    CHECK_OK(ms_batch_p2p(c, twice, 4));
+    sweep_stats st = {0};
+    check_from(&st, "the first copy", inside, 14, peer);
+    check_from(&st, "the second copy", part, 14, peer);
+    CHECK(st.wrong == 0 && st.elements == 8);
+    ms_tensor *all[] = {f4, f8, m, wide, strided, inside, flat, part};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ms_tensor_release(all[i]);
+}
+
+static void test_p2p(void) {
+    run_ranks(2, 30, p2p_args_rank, NULL);
+    test_p2p_values();
+    test_p2p_mismatch();
+    test_p2p_failures();
+}
+
 /* ---------------------------------------------------------------- ms__async_run */
 
 typedef struct run_probe {
@@ -813,6 +1200,7 @@ int main(void) {
     test_mismatch();
     test_timeout();
     test_peer_done();
+    test_p2p();
     test_sweep();
     printf("test_comm: %d passed, %d failed in %.1f s\n", atomic_load(&passed), atomic_load(&failed), now_s() - t0);
     return atomic_load(&failed) ? 1 : 0;

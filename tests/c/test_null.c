@@ -322,6 +322,14 @@ static void test_worlds_and_comms(ms_world *w, ms_comm *c) {
     REFUSE(ms_all_to_all, out, c, NULL, u);
     REFUSE(ms_all_to_all, in, c, t, NULL);
     REFUSE(ms_barrier, c, NULL);
+    REFUSE(ms_send, c, NULL, t, 0, 0);
+    REFUSE(ms_send, t, c, NULL, 0, 0);
+    REFUSE(ms_recv, c, NULL, t, 0, 0);
+    REFUSE(ms_recv, t, c, NULL, 0, 0);
+    const ms_p2p_op op = {MS_P2P_SEND, t, 0, 0};
+    REFUSE(ms_batch_p2p, c, NULL, &op, 1);
+    REFUSE(ms_batch_p2p, ops, c, NULL, 1);
+    ALLOW(ms_batch_p2p, ops, 1, c, NULL, 0); /* no ops: nothing to do */
     CHECK_OK(ms_all_reduce(c, t, MS_OP_SUM)); /* the comm still works: no NULL call broke it */
     ms_tensor_release(u);
     ms_tensor_release(t);

@@ -9,16 +9,18 @@
 #     every dtype pair, tensors between host and device;
 #   - tests/gpu/test_nccl.c: the NCCL backend on a one-GPU world, every collective and dtype
 #     on cuda and staged cpu tensors, tagged groups, a collective and a split queued behind
-#     a pending unit, shard units trained on the GPU and offloaded, bit for bit against the
-#     CPU's arithmetic;
-#   - under Lua: the tensor spec's device case (when busted is there), collectives.lua and
-#     units.lua (the inkling2 plan's units, on the GPU and offloaded) with --backend nccl;
-#     with two GPUs or more the same on 2 NCCL ranks started torchrun-style (RANK,
-#     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a rank that leaves mid-run (the other's next
-#     collective must end in the timeout), and collectives.lua under mpirun and under
-#     torchrun (through torchrun's own store; when PyTorch is installed); with 3 GPUs
-#     and with 4, collectives.lua and units.lua on 3 and 4 ranks (NCCL's rounding in bf16,
-#     f16 and fp8 reductions, uneven shards, groups of mesh axes, expert-parallel units);
+#     a pending unit, sends and receives refused on one rank, shard units trained on the GPU
+#     and offloaded, bit for bit against the CPU's arithmetic;
+#   - under Lua: the tensor spec's device case (when busted is there), collectives.lua,
+#     p2p.lua and units.lua (the inkling2 plan's units, on the GPU and offloaded) with
+#     --backend nccl; with two GPUs or more the same on 2 NCCL ranks started torchrun-style
+#     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), sends and receives that disagree (both
+#     ranks fail) or whose peer never comes (a timeout naming it), a rank that leaves
+#     mid-run (the other's next collective must end in the timeout), and collectives.lua
+#     under mpirun and under torchrun (through torchrun's own store; when PyTorch is
+#     installed); with 3 GPUs and with 4, collectives.lua, p2p.lua and units.lua on 3 and 4
+#     ranks (NCCL's rounding in bf16, f16 and fp8 reductions, uneven shards, groups of mesh
+#     axes, expert-parallel units);
 #   - bench_cuda: the casts' bandwidth as a fraction of a device-to-device copy's (same run).
 # A test that skips (exit 77: no device, or no NCCL in the build) is a failure here.
 #   [CMAKE_ARGS="-D..."] bash tests/gpu/run.sh [BUILD_DIR]
@@ -116,6 +118,7 @@ if [ $lua = ON ]; then
   fi
   step "Lua: the backend is nccl" "$ms" --backend nccl -e 'assert(require("moonshard").backend() == "nccl")'
   step "Lua: collectives.lua on one NCCL rank" "$ms" --backend nccl tests/lua/scripts/collectives.lua
+  step "Lua: p2p.lua on one NCCL rank (its argument checks)" "$ms" --backend nccl tests/lua/scripts/p2p.lua
   step "Lua: the inkling2 units on one NCCL rank, on the GPU" "$ms" --backend nccl tests/lua/scripts/units.lua \
     dp_shard=1
   step "Lua: the inkling2 units on one NCCL rank, offloaded" "$ms" --backend nccl tests/lua/scripts/units.lua \
@@ -142,6 +145,25 @@ if [ $lua = ON ]; then
       return $rc
     }
     step "2 NCCL ranks torchrun-style: collectives.lua" launch_ranks 2 collectives tests/lua/scripts/collectives.lua
+    step "2 NCCL ranks torchrun-style: p2p.lua" launch_ranks 2 p2p tests/lua/scripts/p2p.lua
+    # sends and receives that disagree fail on both ranks; a peer that never comes is a timeout naming it
+    p2p_failures() {
+      launch_ranks 2 p2p_mismatch --timeout 20 -e 'local ms = require "moonshard"
+local g = ms.mesh{{"pp", 2}}:group("pp")
+local t = ms.tensor({4}, ms.rank() == 0 and "f32" or "bf16", ms.device())
+if ms.rank() == 0 then g:send(t, 1) else g:recv(t, 0) end'
+      local r
+      for r in 0 1; do
+        grep -q "mismatch error: send/recv on group \[0 1\] between rank 0 and rank 1: the sides disagree: tensor 1 of 1 from rank 0 to rank 1: sent as tag 0 \[4\] f32, received as tag 0 \[4\] bf16 (the dtype differs)" \
+          "$build/p2p_mismatch$r.out" || return 1
+      done
+      launch_ranks 2 p2p_timeout --timeout 2 -e 'local ms = require "moonshard"
+local g = ms.mesh{{"pp", 2}}:group("pp")
+if ms.rank() == 0 then g:send(ms.tensor({8}, "f32", ms.device()), 1) end'
+      grep -q "send/recv on group \[0 1\] between rank 0 and rank 1: rank 1 did not arrive within 2 s" \
+        "$build/p2p_timeout0.out"
+    }
+    step "2 NCCL ranks torchrun-style: p2p mismatch on both ranks, a peer that never comes" p2p_failures
     step "2 NCCL ranks torchrun-style: units on the GPUs" launch_ranks 2 units tests/lua/scripts/units.lua dp_shard=2
     step "2 NCCL ranks torchrun-style: units offloaded" launch_ranks 2 units_offload tests/lua/scripts/units.lua \
       dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
@@ -176,10 +198,12 @@ print("rank 0: the all_reduce without rank 1 returned")'
   # 4 ranks: groups of mesh axes (ncclCommSplit), expert-parallel units
   if [ "${gpus:-0}" -ge 3 ]; then
     step "3 NCCL ranks torchrun-style: collectives.lua" launch_ranks 3 collectives3 tests/lua/scripts/collectives.lua
+    step "3 NCCL ranks torchrun-style: p2p.lua" launch_ranks 3 p2p3 tests/lua/scripts/p2p.lua
     step "3 NCCL ranks torchrun-style: units on the GPUs" launch_ranks 3 units3 tests/lua/scripts/units.lua dp_shard=3
   fi
   if [ "${gpus:-0}" -ge 4 ]; then
     step "4 NCCL ranks torchrun-style: collectives.lua" launch_ranks 4 collectives4 tests/lua/scripts/collectives.lua
+    step "4 NCCL ranks torchrun-style: p2p.lua" launch_ranks 4 p2p4 tests/lua/scripts/p2p.lua
     step "4 NCCL ranks torchrun-style: expert-parallel units on the GPUs" launch_ranks 4 units4 \
       tests/lua/scripts/units.lua dp_shard=4,ep=2
     step "4 NCCL ranks torchrun-style: expert-parallel units offloaded" launch_ranks 4 units4_offload \

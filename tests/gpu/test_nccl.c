@@ -8,7 +8,8 @@
  *  2. groups: a mesh group, a tagged group over the same rank, the in-place forms; a
  *     collective and a split asked for while a unit's all-gather is pending (all of them
  *     run on the rank's communication thread, in order);
- *  3. shard units on the NCCL world, one parameter (the in-place layout) and two (packed),
+ *  3. sends and receives: refused on one rank (no peer), the comm still usable;
+ *  4. shard units on the NCCL world, one parameter (the in-place layout) and two (packed),
  *     in five configurations (dtypes, layouts, one of 2^22 elements), with their shards on
  *     the GPU and offloaded to the host: three training steps of two micro-batches (sync
  *     off, then on), gradient norm, clipping and AdamW, against the same on a one-rank
@@ -292,6 +293,20 @@ static void units(ms_comm *c) {
     ms_world_release(tw);
 }
 
+/* Sends and receives on one rank have no peer: each call is refused before it joins, and the
+ * comm stays usable (tests/gpu/run.sh runs p2p.lua on 2, 3 and 4 ranks where there are
+ * GPUs for them). */
+static void p2p(ms_comm *c) {
+    ms_tensor *t = filled(MS_F32, N, MS_DEVICE_CUDA, 5), *before = filled(MS_F32, N, MS_DEVICE_CUDA, 5);
+    CHECK_ERR(ms_send(c, t, 0, 0), MS_ERR_ARG, "send on group [0]: peer 0 is this rank (a rank cannot send to itself)");
+    CHECK_ERR(ms_recv(c, t, 1, 0), MS_ERR_ARG, "recv on group [0]: peer 1 is not a group rank (0..0)");
+    CHECK_OK(ms_batch_p2p(c, NULL, 0));
+    CHECK_OK(ms_all_reduce(c, t, MS_OP_SUM));
+    CHECK(same_bits(t, before));
+    ms_tensor_release(t);
+    ms_tensor_release(before);
+}
+
 int main(void) {
     ms_world *w = NULL;
     int rank = -1;
@@ -311,6 +326,7 @@ int main(void) {
         collectives(c, MS_DEVICE_CPU);
         groups(c);
         queued(c);
+        p2p(c);
         units(c);
     }
     ms_comm_release(c);

@@ -86,6 +86,68 @@ describe("moonshard -n N", function()
   end)
 end)
 
+describe("sends and receives on ranks as threads", function()
+  for _, n in ipairs({ 1, 2, 3, 4 }) do
+    it("move the right values on every one of " .. n .. " ranks", function()
+      local r = S.run({ "-n", tostring(n), "tests/lua/scripts/p2p.lua" })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      for rank = 0, n - 1 do assert.matches("rank " .. rank .. ": %d+ p2p checks ok", r.out) end
+    end)
+  end
+
+  it("report a disagreement on both ranks, naming what differed, and move nothing", function()
+    local r = S.run_code(2, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"pp", 2}}):group("pp")
+      local t = ms.from_table({ 1, 2, 3, 4 }, ms.rank() == 0 and "f32" or "bf16", { 2, 2 })
+      local ok, e = pcall(ms.rank() == 0 and g.send or g.recv, g, t, 1 - ms.rank(), 5)
+      assert(not ok)
+      assert(t:totable()[4] == 4, "a mismatch moves nothing")
+      error(e, 0)
+    ]])
+    assert.equal(1, r.code)
+    assert.matches("[ranks 0,1] moonshard mismatch error: send/recv on group [0 1] between rank 0 and rank 1: the " ..
+      "sides disagree: tensor 1 of 1 from rank 0 to rank 1: sent as tag 5 [2, 2] f32, received as tag 5 [2, 2] bf16 " ..
+      "(the dtype differs)", r.err, 1, true)
+  end)
+
+  it("turn two ranks that both send first into a mismatch, not a deadlock", function()
+    local r = S.run_code(2, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"pp", 2}}):group("pp")
+      g:send(ms.tensor({ 3 }), 1 - ms.rank())
+      g:recv(ms.tensor({ 3 }), 1 - ms.rank())
+    ]], { MOONSHARD_TIMEOUT = "60" })
+    assert.equal(1, r.code)
+    assert.matches("[ranks 0,1] (command line):3: moonshard mismatch error: send/recv on group [0 1] between rank 0 " ..
+      "and rank 1: the sides disagree: rank 0 sends 1 tensor to rank 1, which receives 0 from it; rank 1 sends 1 " ..
+      "tensor to rank 0, which receives 0 from it (both send first: post each rank's send and receive in one batch)",
+      r.err, 1, true)
+    assert.is_true(r.seconds < 10, "took " .. r.seconds .. " s")
+  end)
+
+  it("turn a peer that never comes into a timeout naming it, and one that finished into peer_failed", function()
+    local r = S.run_code(3, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"pp", 3}}):group("pp")
+      if ms.rank() == 0 then g:send(ms.tensor({ 8 }), 2) elseif ms.rank() == 2 then ]] .. busy_wait(30) .. [[ end
+    ]], { MOONSHARD_TIMEOUT = "2" })
+    assert.equal(1, r.code)
+    assert.matches("[rank 0] (command line):3: moonshard timeout error: send/recv on group [0 1 2] between rank 0 " ..
+      "and rank 2 timed out after 2 s: rank 2 did not arrive (MOONSHARD_TIMEOUT=2)", r.err, 1, true)
+    r = S.run_code(2, [[
+      local ms = require "moonshard"
+      local g = ms.mesh({{"pp", 2}}):group("pp")
+      if ms.rank() == 0 then g:batch_p2p({ { "recv", ms.tensor({ 8 }), 1 } }) end
+    ]], { MOONSHARD_TIMEOUT = "60" })
+    assert.equal(1, r.code)
+    assert.matches("moonshard peer_failed error: send/recv on group [0 1] between rank 0 and rank 1: rank 1 finished " ..
+      "its script without joining send/recv", r.err, 1, true)
+    assert.is_true(r.seconds < 10, "took " .. r.seconds .. " s")
+  end)
+end)
+
 describe("the moonshard command line", function()
   it("tells the truth in --help and --version", function()
     local r = S.run({ "--help" })

@@ -8,6 +8,9 @@
 #     a 20 MiB all_reduce and reduce_scatter (big.lua) in several pieces
 #   - a host's own communicator (test_mpi_comm: two halves of the world as worlds of their own;
 #     there also ranks posting the same collective for different shard units: a mismatch)
+#   - sends and receives (test_mpi_p2p), also in pieces of 16 bytes: values on every rank,
+#     a bad peer, a mismatch, a timeout and a finished peer; p2p.lua on 2, 3 and 4 ranks
+#     under both interpreters, and a send whose peer never comes ending the job
 #   - the same reductions of inexact values bit for bit equal to the threads backend's
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
@@ -83,6 +86,22 @@ else
   fail "collectives.lua in 16-byte MPI calls (exit $code)" "$TMP/coll_pieces.out" "$TMP/coll_pieces.err"
 fi
 
+# p2p.lua: sends and receives from Lua, each rank checking what it received; the same
+# counts as on threads, under both interpreters
+for np in 2 3 4; do
+  for exe in moonshard moonshard-jit; do
+    [ -x "$BUILD_DIR/$exe" ] || continue
+    "$BUILD_DIR/$exe" -n "$np" tests/lua/scripts/p2p.lua >"$TMP/p2p_threads$np.out" 2>&1
+    BIN=$BUILD_DIR/$exe job "p2p_lua$np" "$np" -- tests/lua/scripts/p2p.lua
+    if [ "$code" = 0 ] && [ "$(grep -c 'p2p checks ok' "$TMP/p2p_lua$np.out")" = "$np" ] &&
+      [ "$(sort "$TMP/p2p_lua$np.out")" = "$(sort "$TMP/p2p_threads$np.out")" ]; then
+      ok "p2p.lua ($exe) on $np ranks: every rank's sends and receives checked, as many as on threads"
+    else
+      fail "p2p.lua ($exe) on $np ranks (exit $code)" "$TMP/p2p_lua$np.out" "$TMP/p2p_lua$np.err"
+    fi
+  done
+done
+
 job big 4 -- tests/mpi/big.lua
 if [ "$code" = 0 ] && every_rank big 4 "^rank R: big ok\$"; then
   ok "big.lua on 4 ranks: 20 MiB all_reduce f32 and reduce_scatter bf16 in 8 MiB pieces"
@@ -103,6 +122,24 @@ if [ -x "$BUILD_DIR/test_mpi_comm" ]; then
 else
   fail "$BUILD_DIR/test_mpi_comm is not built"
 fi
+
+# tests/mpi/test_mpi_p2p.c: sends and receives, every rank checking what it received; again
+# with every tensor in pieces of 16 bytes
+for pieces in "" 16; do
+  name=p2p${pieces:+_pieces}
+  if [ -x "$BUILD_DIR/test_mpi_p2p" ]; then
+    env ${pieces:+MOONSHARD_MPI_MAX_BYTES=$pieces} timeout -k 5 "$LIMIT" "${LAUNCH[@]}" \
+      ${pieces:+-x MOONSHARD_MPI_MAX_BYTES} -np 4 "$BUILD_DIR/test_mpi_p2p" >"$TMP/$name.out" 2>"$TMP/$name.err" </dev/null
+    code=$?
+    if [ "$code" = 0 ] && every_rank "$name" 4 "^rank R: mpi p2p ok "; then
+      ok "sends and receives${pieces:+ in pieces of $pieces bytes}: ring, pipeline, pairs, every peer at once, groups, each rank's tensors right; a bad peer, a mismatch, a timeout naming rank 3, a finished peer"
+    else
+      fail "sends and receives${pieces:+ in pieces} (exit $code)" "$TMP/$name.out" "$TMP/$name.err"
+    fi
+  else
+    fail "$BUILD_DIR/test_mpi_p2p is not built"
+  fi
+done
 
 # ---------------------------------------------------------------- bit for bit as threads
 "$BIN" -n 4 tests/mpi/same_bits.lua "$TMP/bits_threads" >/dev/null 2>"$TMP/bits_threads.err"
@@ -231,6 +268,15 @@ if [ "$code" != 0 ] && has "$TMP/timeout.err" "timeout error: all_reduce on grou
   ok "a rank that never arrives: MOONSHARD_TIMEOUT=2 ends the job (exit $code) in $secs s, not 30, naming rank 2"
 else
   fail "a rank that never arrives (exit $code, $secs s)" "$TMP/timeout.out" "$TMP/timeout.err"
+fi
+
+job p2p_timeout 4 MOONSHARD_TIMEOUT=2 -- -e "$group
+if ms.rank() == 0 then g:send(ms.tensor({8}), 2) elseif ms.rank() == 2 then local t = os.time(); while os.time() - t < 30 do end end"
+if [ "$code" != 0 ] && has "$TMP/p2p_timeout.err" "timeout error: send/recv on group \[0 1 2 3\] between rank 0 and rank 2 timed out after 2 s: rank 2 did not arrive" &&
+  ((ms < (2 + quick) * 1000)); then
+  ok "a send whose peer never comes: MOONSHARD_TIMEOUT=2 ends the job (exit $code) in $secs s, naming rank 2"
+else
+  fail "a send whose peer never comes (exit $code, $secs s)" "$TMP/p2p_timeout.out" "$TMP/p2p_timeout.err"
 fi
 
 job killed 4 -- -e "$group
