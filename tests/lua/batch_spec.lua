@@ -8,15 +8,7 @@ local models = require "moonshard.models"
 local report = require "moonshard.plan_report"
 local json = require "moonshard.json"
 local S = require "support"
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-local function assert_has(text, part)
-  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
-end
+local errmsg, assert_has = S.errmsg, S.assert_has
 
 local FSDP2 = policy.entry_point(policy.load("policies/fsdp2_default.lua"), "fsdp2_default")
 -- a small Mixtral: 3 MoE layers of 8 experts, 2 per token, hidden 32, bf16

@@ -8,15 +8,8 @@ local policy = require "moonshard.policy"
 local models = require "moonshard.models"
 local report = require "moonshard.plan_report"
 local json = require "moonshard.json"
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-local function assert_has(text, part)
-  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
-end
+local S = require "support"
+local errmsg, assert_has = S.errmsg, S.assert_has
 
 local LLAMA = { architectures = { "LlamaForCausalLM" }, vocab_size = 64, hidden_size = 16, intermediate_size = 24,
   num_hidden_layers = 5, num_attention_heads = 4, num_key_value_heads = 2, tie_word_embeddings = false,

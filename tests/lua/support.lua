@@ -177,4 +177,17 @@ function S.offloaded_bytes(plan)
   return out
 end
 
+--- The message of the error f(...) raises (the call must fail).
+function S.errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert(not ok, "expected an error")
+  return tostring(err)
+end
+
+--- Asserts that text holds part, found as plain text (messages hold parentheses, dots and
+-- quotes), showing the text when it does not.
+function S.assert_has(text, part)
+  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
+end
+
 return S

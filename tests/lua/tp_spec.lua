@@ -10,15 +10,8 @@ local models = require "moonshard.models"
 local report = require "moonshard.plan_report"
 local json = require "moonshard.json"
 local util = require "moonshard.util"
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-local function assert_has(text, part)
-  assert(text:find(part, 1, true), string.format("expected %q in:\n%s", part, text))
-end
+local S = require "support"
+local errmsg, assert_has = S.errmsg, S.assert_has
 
 -- A small Llama: every split tp = 2 makes is even.
 local LLAMA = { architectures = { "LlamaForCausalLM" }, vocab_size = 64, hidden_size = 16, intermediate_size = 24,
@@ -245,7 +238,6 @@ describe("tensor_parallel patterns", function()
 end)
 
 describe("moonshard plan --rank", function()
-  local S = require "support"
   local cfg = "tests/reference/configs/llama_tp_tiny.json"
   local base = { "plan", "--config", cfg, "--mesh", "dp_shard=3,tp=2", "--policy", "policies/fsdp2_default.lua" }
   local function args(...)
@@ -282,7 +274,6 @@ describe("moonshard plan --rank", function()
 end)
 
 describe("a tensor-parallel plan made real on ranks", function()
-  local S = require "support"
   it("gives each rank's units its own tp piece, uneven ones included: held bytes = planned, on every rank", function()
     local code = [[
       local ms = require "moonshard"
