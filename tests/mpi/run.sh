@@ -270,8 +270,10 @@ else
   fail "a rank that never arrives (exit $code, $secs s)" "$TMP/timeout.out" "$TMP/timeout.err"
 fi
 
+# (the ranks the send does not involve stay too: Open MPI 4.1 was seen to hang the job past
+# MPI_Abort when ranks had finalized before the abort)
 job p2p_timeout 4 MOONSHARD_TIMEOUT=2 -- -e "$group
-if ms.rank() == 0 then g:send(ms.tensor({8}), 2) elseif ms.rank() == 2 then local t = os.time(); while os.time() - t < 30 do end end"
+if ms.rank() == 0 then g:send(ms.tensor({8}), 2) else local t = os.time(); while os.time() - t < 30 do end end"
 if [ "$code" != 0 ] && has "$TMP/p2p_timeout.err" "timeout error: send/recv on group \[0 1 2 3\] between rank 0 and rank 2 timed out after 2 s: rank 2 did not arrive" &&
   ((ms < (2 + quick) * 1000)); then
   ok "a send whose peer never comes: MOONSHARD_TIMEOUT=2 ends the job (exit $code) in $secs s, naming rank 2"
