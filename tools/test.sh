@@ -3,12 +3,15 @@
 # specs and the install test; then the GPU checks (tests/gpu/run.sh) on the simulated device
 # of tests/sim, when the CUDA toolkit's and NCCL's headers are there; then both again on
 # AddressSanitizer + UBSan builds, with the exhaustive cast sweeps cut down
-# (MOONSHARD_TEST_QUICK=1).  Extra arguments go to ctest.  MOONSHARD_SKIP_ASAN=1 skips the
+# (MOONSHARD_TEST_QUICK=1).  Extra arguments go to ctest; MOONSHARD_TEST_JOBS its parallel jobs
+# (default 2).  MOONSHARD_SKIP_ASAN=1 skips the
 # sanitizer passes, MOONSHARD_SKIP_SIM=1 the simulated device.
 source "$(dirname "$0")/common.sh"
 install_missing
 build
-ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"
+# two at a time (the specs and MPI suites one at a time among themselves: RESOURCE_LOCK timing)
+JOBS=${MOONSHARD_TEST_JOBS:-2}
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
 sim_ok=
 if [ "${MOONSHARD_SKIP_SIM:-0}" != 1 ]; then
   cuda_inc=${CUDA_HOME:-/usr/local/cuda}/include
@@ -23,7 +26,7 @@ fi
 if [ "${MOONSHARD_SKIP_ASAN:-0}" != 1 ]; then
   echo "== again under AddressSanitizer + UBSan (build-asan) =="
   BUILD_DIR=build-asan CMAKE_ARGS="-DMOONSHARD_ASAN=ON -DMOONSHARD_BENCH=OFF" build
-  MOONSHARD_TEST_QUICK=1 ctest --test-dir build-asan --output-on-failure "$@"
+  MOONSHARD_TEST_QUICK=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" "$@"
   if [ -n "$sim_ok" ]; then
     echo "== the GPU checks on the simulated device under AddressSanitizer + UBSan (build-sim-asan) =="
     CMAKE_ARGS="-DMOONSHARD_ASAN=ON" MOONSHARD_CUDA_SIM=1 MOONSHARD_TEST_QUICK=1 bash tests/gpu/run.sh build-sim-asan
