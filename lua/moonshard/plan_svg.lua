@@ -1,7 +1,8 @@
 -- moonshard.plan_svg: a plan as a picture.  One row per decoder layer (and one for the
 -- rest of the model) with a box per shard unit, sized by its parameters and coloured by the
 -- dtype it gathers in (FP32 islands stand out), expert-parallel parameters as their own
--- box; below, per-rank memory as stacked bars and the communication per step.
+-- box, each layer's pipeline stage; below, each rank's memory as stacked bars and the
+-- communication per step.
 
 local util = require "moonshard.util"
 
@@ -78,10 +79,16 @@ function M.render(plan)
       COLOURS[k], lx + 16, k == "ep" and "expert parallel" or "gathered in " .. k))
     lx = lx + 130
   end
+  -- under a pipeline, each layer's stage
+  local stage_of_layer = {}
+  for _, s in ipairs(plan.pipeline and plan.pipeline.stages or {}) do
+    for i = s.layers.first, s.layers.first + s.layers.count - 1 do stage_of_layer[i] = s.index end
+  end
   local label_w = 90
   for ri, r in ipairs(order) do
     local y = 60 + (ri - 1) * ROW_H
-    put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, y + 20, r >= 0 and "layer " .. r or "model"))
+    put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, y + 20, r >= 0 and "layer " .. r ..
+      (stage_of_layer[r] and " · stage " .. stage_of_layer[r] or "") or "model"))
     local boxes, total = rows[r], 0
     for _, b in ipairs(boxes) do total = total + math.sqrt(b.size) end
     local x, avail = MARGIN + label_w, W - 2 * MARGIN - label_w - 4 * #boxes
@@ -96,10 +103,21 @@ function M.render(plan)
       x = x + w + 4
     end
   end
-  -- memory per rank
+  -- memory per rank: each rank's own figures (its stages, its tensor-parallel pieces, the
+  -- optimizer rows it holds), from the runs of equal ranks
   local m = plan.memory
-  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">memory per rank: %s total%s</text>',
-    MARGIN, mem_top, util.bytes(m.total), ranks > shown and string.format(" (first %d of %d ranks, all alike)",
+  local function figures(r)
+    for _, run in ipairs(m.runs) do
+      if r >= run.first and r < run.first + run.count then
+        return { params = run.params or m.params, grads = run.grads or m.grads, optimizer = run.optimizer,
+          peak_unsharded = run.peak_unsharded or m.peak_unsharded, total = run.total }
+      end
+    end
+  end
+  local peak_total = 0
+  for r = 0, shown - 1 do peak_total = math.max(peak_total, figures(r).total) end
+  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">memory per rank: %s total on rank 0%s</text>',
+    MARGIN, mem_top, util.bytes(m.total), ranks > shown and string.format(" (the first %d of %d ranks)",
       shown, ranks) or ""))
   lx = MARGIN
   for _, c in ipairs(MEM) do
@@ -107,13 +125,14 @@ function M.render(plan)
       mem_top + 10, c[2], lx + 16, mem_top + 20, c[1]:gsub("_", " "), util.bytes(m[c[1]])))
     lx = lx + 220
   end
-  local scale = (W - 2 * MARGIN - 70) / math.max(m.total, 1)
+  local scale = (W - 2 * MARGIN - 70) / math.max(peak_total, 1)
   for r = 0, shown - 1 do
     local y = mem_top + 30 + r * (BAR_H + 4)
     put(string.format('<text x="%d" y="%d">rank %d</text>', MARGIN, y + 13, r))
     local x = MARGIN + 70
+    local f = figures(r)
     for _, c in ipairs(MEM) do
-      local w = m[c[1]] * scale
+      local w = f[c[1]] * scale
       put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="%s"/>', util.fixed1(x), y, util.fixed1(w),
         BAR_H, c[2]))
       x = x + w
@@ -127,6 +146,9 @@ function M.render(plan)
     local c = plan.comm[k]
     parts[#parts + 1] = string.format("%s %d x %s%s", k, c.count, util.bytes(c.bytes),
       c.uncounted_ep and " (+ ep's tokens, not counted)" or "")
+  end
+  if plan.comm.send_recv then
+    parts[#parts + 1] = string.format("send_recv %d x %s", plan.comm.send_recv.count, util.bytes(plan.comm.send_recv.bytes))
   end
   put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "  |  "))))
   put("</svg>")

@@ -79,6 +79,17 @@ describe("a pipeline in a plan", function()
     assert.same({ 0, 1 }, j.pipeline.stages[1].ranks)
     assert.equal(4, j.comm.per_step.send_recv.count)
     assert.equal(0, j.units[1].stage)
+    -- the picture: each layer's stage, each rank's own memory bar, the sends
+    local svg = require("moonshard.plan_svg").render(p)
+    assert_has(svg, ">layer 0 · stage 0<")
+    assert_has(svg, ">layer 4 · stage 1<")
+    assert_has(svg, "send_recv 4 x 8.0 KiB")
+    local widths = {}
+    for y, w in svg:gmatch('<rect x="[%d.]+" y="(%d+)" width="([%d.]+)" height="18" fill="#4a7fc1"/>') do
+      widths[#widths + 1] = tonumber(w)
+    end
+    assert.equal(4, #widths) -- a params bar per rank
+    assert.is_true(widths[1] ~= widths[3], "ranks of different stages draw different bars")
     -- a schedule whose micro-batch count the batch breaks is PyTorch's refusal
     assert_has(errmsg(plan, llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32, global_batch = 2 } }),
       "pipeline: Number of microbatches (1) must be greater than or equal to the number of stages (2).")
