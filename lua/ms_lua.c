@@ -96,11 +96,6 @@ static int l_state(lua_State *L) {
     return 1;
 }
 
-static int l_live(lua_State *L) {
-    lua_pushboolean(L, class_of(L, 1) >= 0 && ((box *)lua_touserdata(L, 1))->h != NULL);
-    return 1;
-}
-
 /* __tostring: "<class> (released)", else the class's own format (upvalue 1). */
 static int box_tostring(lua_State *L) {
     int c = class_of(L, 1);
@@ -320,7 +315,7 @@ static void push_constants(lua_State *L) {
 
 int luaopen_moonshard_core(lua_State *L) {
     static const luaL_Reg funcs[] = {
-        {"to_integer", l_to_integer}, {"is_number", l_is_number}, {"classof", l_classof}, {"live", l_live}, {"state", l_state},
+        {"to_integer", l_to_integer}, {"is_number", l_is_number}, {"classof", l_classof}, {"state", l_state},
         {"release", l_release}, {"define", l_define}, {"int_element", l_int_element},
         {"dtype_code", l_dtype_code}, {"dtype_name", l_dtype_name}, {"dtype_size", l_dtype_size},
         {"dtype_is_float", l_dtype_is_float}, {"device_code", l_device_code}, {"op_code", l_op_code},

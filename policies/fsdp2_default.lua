@@ -229,12 +229,7 @@ local function tensor_parallel(ctx, o, moe)
 end
 
 -- Whether the model has grouped experts (an MoE model the MoE parallelizer is for).
-local function has_experts(model)
-  for _, nm in ipairs(model:named_modules()) do
-    if nm[2].type == "GroupedExperts" then return true end
-  end
-  return false
-end
+local function has_experts(model) return experts_of(model) ~= nil end
 
 -- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense
 -- parallelizer shards each stage's part: its layers, then its root, which does not reshard

@@ -242,8 +242,6 @@ function R.is_number(v) return tonumber(v) ~= nil end
 
 R.classof = classof
 
-function R.live(obj) return classof(obj) ~= nil and obj.h ~= nil end
-
 --- state(v, class) -> true for a live box of the class, false for a released one, else nil
 function R.state(v, class)
   if not istype(CTYPE[class], v) then return nil end

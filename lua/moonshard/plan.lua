@@ -396,7 +396,7 @@ function M.context(model, mesh, opts)
     owner = {},        -- param -> unit
     ep = {},           -- param -> {placements, local_shape}
     ep_order = {},     -- params in the order expert_parallel saw them
-    tp = {},           -- param -> {dim (nil: replicated), style, module, local_shape} (plan_tp)
+    tp = {},           -- param -> {dim (nil: replicated), style, module, local_shapes per tp coordinate} (plan_tp)
     tp_order = {},     -- params in the order tensor_parallel placed them
     tp_plan = {},      -- {pattern, style, spec, modules} of every tensor_parallel call
     tp_uneven = {},    -- {fqn, dim, size} of the tensor-parallel splits that leave tp ranks unequal
@@ -1551,7 +1551,7 @@ local function plan(model, mesh, policy, opts)
   local all_units, all_ep = ctx.units, ctx.ep_order
   local by_pair = {}
   for t = 0, tps - 1 do
-    if tps > 1 then
+    if t > 0 then -- the units are laid out for tp coordinate 0 already
       ctx.tp_variant = t
       layout.lay_out(ctx, fqn_of)
     end

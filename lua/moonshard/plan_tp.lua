@@ -220,8 +220,7 @@ function T.place(ctx, p, dim, fqn, pname, spec, tp)
       shapes[t + 1] = s
     end
     local uneven = dim and p.shape[dim + 1] % tp ~= 0
-    ctx.tp[p] = { dim = dim or nil, style = spec.style, module = fqn, local_shape = shapes[1], local_shapes = shapes,
-      uneven = uneven or nil }
+    ctx.tp[p] = { dim = dim or nil, style = spec.style, module = fqn, local_shapes = shapes, uneven = uneven or nil }
     ctx.tp_order[#ctx.tp_order + 1] = p
     if uneven then ctx.tp_uneven[#ctx.tp_uneven + 1] = { fqn = pfqn, dim = dim, size = p.shape[dim + 1] } end
   end

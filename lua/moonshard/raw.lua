@@ -11,7 +11,7 @@
 --
 --   primitives  to_integer(v) -> integer | nil (lua_tointegerx: numbers, numeric strings,
 --               int64 cdata); is_number(v); classof(v) -> "tensor" | "mesh" | "group" |
---               "unit" | nil; live(obj); state(v, const.CLASS_TENSOR...) -> true (a live
+--               "unit" | nil; state(v, const.CLASS_TENSOR...) -> true (a live
 --               object of the class), false (released) or nil (another value);
 --               release(obj); define(class, methods, tostring_live)
 --               (the class's __index, __tostring, __gc, __close and __name, once);
