@@ -123,6 +123,19 @@ describe("a policy's options, prefetch, layer choice and log", function()
     assert.matches('"prefetch":{"forward":2,"backward":1}', r.out, 1, true)
     assert.matches('"checkpointed":["model.layers.15","model.layers.31"]', r.out, 1, true)
   end)
+  it("and the tables ctx:pipeline and ctx:tensor_parallel take run none of their metamethods (split_meta)", function()
+    local args = { "plan", "--config", CONFIG, "--mesh", "pp=2,dp_shard=2,tp=2", "--policy", policy_path("split_meta"),
+      "--json" }
+    for _, a in ipairs(LIMITS) do args[#args + 1] = a end
+    local r = S.run(args)
+    assert.equal(0, r.code, r.err)
+    local j = require("moonshard.json").decode(r.out, "plan")
+    assert.same({ 2, 64 }, { j.tensor_parallel.size, j.tensor_parallel.params })
+    -- the planner's stages, not the policy's changed copies
+    assert.same({ 0, 16 }, { j.pipeline.stages[1].index, j.pipeline.stages[2].layers.count })
+    assert.equal("model.embed_tokens", j.pipeline.stages[1].modules[1])
+    assert.equal(34, #j.units)
+  end)
   it("print a bounded log however often it is called (log_flood)", function()
     local r = plan("log_flood")
     assert.equal(0, r.code, r.err:sub(-300))
