@@ -400,7 +400,7 @@ function M.context(model, mesh, opts)
     tp_order = {},     -- params in the order tensor_parallel placed them
     tp_plan = {},      -- {pattern, style, spec, modules} of every tensor_parallel call
     tp_uneven = {},    -- {fqn, dim, size} of the tensor-parallel splits that leave tp ranks unequal
-    tp_modules = {},   -- {module, style} of every module a tensor_parallel plan matched, in order
+    tp_modules = {},   -- {module, style, spec, object} of every module a tensor_parallel plan matched, in order
     pp = nil,          -- the pipeline ctx:pipeline made (plan_pp): stages, stage_of module, schedule
     stage_units = {},  -- stage -> {module -> unit} for the units of modules that span stages
     tp_variant = nil,  -- while laying out another tp coordinate's pieces: that coordinate

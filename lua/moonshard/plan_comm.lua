@@ -82,6 +82,188 @@ local function expert_token_traffic(ctx, mesh, tokens)
   return out
 end
 
+-- Tensor parallelism's activation collectives, per micro-batch, as PyTorch's ParallelStyles
+-- issue them (torch.distributed.tensor.parallel.style, 2.15; NeMo Automodel's
+-- SequenceParallelAllGatherActivation).  A style redistributes activations where a layout it
+-- declares differs from the one it needs, and the backward of each redistribution is the
+-- mirror one (Partial -> Replicate: all-reduce; Partial -> Shard: reduce-scatter; Shard ->
+-- Replicate: all-gather, whose backward from a Partial gradient is a reduce-scatter):
+--   colwise     its input, declared input_layouts (Replicate) and made Replicate: a plain
+--               tensor declared Replicate costs an all-reduce of its gradient in backward
+--               (one per module: separate q, k and v projections cost three); declared
+--               Shard(1) (sequence parallel), an all-gather forward and a reduce-scatter
+--               backward.  An input that a sequence-parallel norm (or PrepareModuleInput)
+--               hands over as a DTensor costs nothing here when it is Replicate (the norm's
+--               all-gather is counted once, at the norm) and an all-gather forward and a
+--               reduce-scatter backward per module when it is Shard(1) (plain
+--               SequenceParallel norms).  output_layouts Replicate: an all-gather of the
+--               output forward.
+--   rowwise     its output (Partial) made output_layouts: Replicate, an all-reduce forward;
+--               Shard(1), a reduce-scatter forward and an all-gather backward.  So is a
+--               vocabulary-parallel embedding's.
+--   sequence_parallel_all_gather   an all-gather of the norm's output forward and, handed on
+--               as a DTensor (use_local_output false), a reduce-scatter of its gradient.
+--   prepare_input   input_layouts Shard -> desired Replicate, the same as that norm.
+-- Which norm feeds a colwise module: an ancestor's PrepareModuleInput, else the sequence-
+-- parallel modules nearest to it in the tree (a decoder layer's norms feed its attention's
+-- and MLP's projections; the final norm feeds the head).  Sizes: the activation a module
+-- reads or writes, tokens (micro_batch x seq_len / cp) x its features, in its unit's compute
+-- dtype.  A module inside an activation-checkpointed layer runs its forward collectives
+-- again in backward.  Sequence-parallel norms' weight gradients are Partial over tp, and
+-- FSDP2's post-backward all-reduces them (once a step).  Not counted (notes): the loss
+-- (the logits come out as the head's style leaves them), rotary embeddings' from_local
+-- checks, and the redistributions DTensor's own operators make inside a plain
+-- SequenceParallel norm's backward (torch 2.15 on a Mistral-shaped model: 1 reduce-scatter
+-- and 7 all-gathers more per layer than the styles').
+local REPLICATE = "Replicate()"
+local SP_KINDS = { sequence_parallel = true, sequence_parallel_all_gather = true }
+
+function T.tp_traffic(ctx, mesh, tokens)
+  local n = mesh:size("tp")
+  local tok = util.idiv(tokens.micro_batch * tokens.seq_len, mesh:size("cp"))
+  local parent, depth = {}, {}
+  local function walk(m, d)
+    depth[m] = d
+    for _, c in ipairs(m.child_order) do
+      parent[m.children[c]] = m
+      walk(m.children[c], d + 1)
+    end
+  end
+  walk(ctx.model, 0)
+  local styled, sp_under = {}, {}
+  for _, e in ipairs(ctx.tp_modules) do
+    styled[e.object] = e
+    if SP_KINDS[e.style] then
+      local a = parent[e.object]
+      while a do
+        sp_under[a] = sp_under[a] or {}
+        table.insert(sp_under[a], e)
+        a = parent[a]
+      end
+    end
+  end
+  local function inside(m, a) -- m is a or below a
+    while m do
+      if m == a then return true end
+      m = parent[m]
+    end
+    return false
+  end
+  -- the style that hands module m its input: a PrepareModuleInput above it, else the
+  -- nearest sequence-parallel modules outside m's own branch
+  local function feeder(m)
+    local a = parent[m]
+    while a do
+      local e = styled[a]
+      if e and e.style == "prepare_input" then return e end
+      a = parent[a]
+    end
+    local below = m
+    a = parent[m]
+    while a do
+      local best
+      for _, e in ipairs(sp_under[a] or {}) do
+        if not inside(e.object, below) and (not best or depth[e.object] < depth[best.object]) then best = e end
+      end
+      if best then return best end
+      below, a = a, parent[a]
+    end
+    return nil
+  end
+  local hidden = ctx.model.attrs.hidden_size
+  local embed = ctx.model:get("model.embed_tokens")
+  if not util.is_int(hidden) then hidden = embed and embed.params.weight and embed.params.weight.shape[2] end
+  local function act_bytes(m, features)
+    local w = m.params.weight or m.params[m.param_order[1] or ""]
+    local dtype = ctx.model.attrs.dtype or "f32"
+    if w then
+      local unit = ctx.owner[w]
+      dtype = unit and select(1, plan.effective_dtypes(w.dtype, unit.mp)) or w.dtype
+    end
+    return mul(mul(tok, features, "a tensor-parallel activation"), DTYPE_SIZE[dtype], "a tensor-parallel activation")
+  end
+  local fwd, bwd = {}, {}
+  for _, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
+    fwd[k] = { count = 0, bytes = 0 }
+    bwd[k] = { count = 0, bytes = 0 }
+  end
+  local function bus(kind, S)
+    local b = util.idiv(mul(S, n - 1, "a tensor-parallel collective"), n)
+    return kind == "all_reduce" and mul(b, 2, "a tensor-parallel collective") or b
+  end
+  local function ev(t, kind, S)
+    t[kind].count = t[kind].count + 1
+    t[kind].bytes = add(t[kind].bytes, bus(kind, S), "tensor parallelism's %s bytes", kind)
+  end
+  local notes, plain_sp, norm = {}, false, { count = 0, bytes = 0 }
+  local pp = ctx.pp
+  for _, e in ipairs(ctx.tp_modules) do
+    local m, spec = e.object, e.spec
+    local s = pp and pp.stage_of[m]
+    if not (s ~= nil and pp.stages[s + 1].rank ~= 0) then
+      local recompute = ctx:name_of(m):find("_checkpoint_wrapped_module", 1, true) ~= nil
+      local f = {}
+      local function fw(kind, S) f[#f + 1] = { kind, S } end
+      local w = m.params.weight
+      local kind = e.style
+      if kind == "colwise" and m.type == "Linear" and w then
+        local S_in, declared = act_bytes(m, w.shape[2]), spec.input_layouts or REPLICATE
+        local src = feeder(m)
+        local handed = src and not (src.spec.use_local_output == true)
+        if handed and (src.style == "sequence_parallel_all_gather" or src.style == "prepare_input") then
+          -- a Replicate DTensor: nothing here
+        elseif handed and src.style == "sequence_parallel" then
+          fw("all_gather", S_in); ev(bwd, "reduce_scatter", S_in); plain_sp = true
+        elseif declared ~= REPLICATE then
+          fw("all_gather", S_in); ev(bwd, "reduce_scatter", S_in)
+        else
+          ev(bwd, "all_reduce", S_in)
+        end
+        -- DTensor gathers an uneven split padded to tp equal chunks (torch.chunk's largest)
+        if spec.output_layouts == REPLICATE then fw("all_gather", act_bytes(m, util.ceil_div(w.shape[1], n) * n)) end
+      elseif kind == "colwise" and w then -- an Embedding split on its columns
+        if spec.output_layouts == REPLICATE then fw("all_gather", act_bytes(m, util.ceil_div(w.shape[2], n) * n)) end
+      elseif (kind == "rowwise" or kind == "vocab_parallel_embedding") and w then
+        local S_out = act_bytes(m, m.type == "Embedding" and w.shape[2] or w.shape[1])
+        local out = spec.output_layouts or REPLICATE
+        if out == REPLICATE then fw("all_reduce", S_out) else fw("reduce_scatter", S_out); ev(bwd, "all_gather", S_out) end
+      elseif kind == "sequence_parallel_all_gather" or kind == "prepare_input" then
+        local shard_in = kind == "sequence_parallel_all_gather" or (spec.input_layouts or REPLICATE) ~= REPLICATE
+        if shard_in and (kind ~= "prepare_input" or (spec.desired_input_layouts or REPLICATE) == REPLICATE) then
+          local S = act_bytes(m, w and w.shape[1] or hidden)
+          fw("all_gather", S)
+          if spec.use_local_output ~= true then ev(bwd, "reduce_scatter", S) end
+        end
+      elseif kind == "rotary_embed_parallel" then
+        notes.rotary = true
+      end
+      if SP_KINDS[kind] then
+        for _, pname in ipairs(m.param_order) do
+          local p = m.params[pname]
+          local unit = ctx.owner[p]
+          if p.requires_grad and unit then
+            local rd = select(2, plan.effective_dtypes(p.dtype, unit.mp)) or p.dtype
+            norm.count = norm.count + 1
+            norm.bytes = add(norm.bytes, bus("all_reduce", mul(p.numel, DTYPE_SIZE[rd], "a norm's gradient")),
+              "tensor parallelism's all_reduce bytes")
+          end
+        end
+      end
+      for _, x in ipairs(f) do
+        ev(fwd, x[1], x[2])
+        if recompute then ev(bwd, x[1], x[2]) end
+      end
+    end
+  end
+  local out = { forward = fwd, backward = bwd, norm_grads = norm, size = n, notes = {} }
+  if plain_sp then
+    out.notes[#out.notes + 1] = "the redistributions DTensor makes inside plain SequenceParallel norms' backward"
+  end
+  if notes.rotary then out.notes[#out.notes + 1] = "rotary embeddings' from_local checks" end
+  out.notes[#out.notes + 1] = "the loss (the logits as the head's style leaves them)"
+  return out
+end
+
 --- Communication per step: the units' collectives summed, and with a batch expert
 -- parallelism's token all_to_all (without one, uncounted_ep says it is left out).
 function T.per_step(ctx, mesh, owned, tokens)
@@ -98,6 +280,23 @@ function T.per_step(ctx, mesh, owned, tokens)
         comm[kind].count = comm[kind].count + 1
         comm[kind].bytes = add(comm[kind].bytes, c.bytes, "the %s bytes per step", kind)
       end
+    end
+  end
+  if mesh:size("tp") > 1 and #ctx.tp_modules > 0 then
+    if tokens then
+      local t = T.tp_traffic(ctx, mesh, tokens)
+      for _, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
+        for _, phase in ipairs({ t.forward, t.backward }) do
+          comm[k].count = comm[k].count + phase[k].count * tokens.accumulation
+          comm[k].bytes = add(comm[k].bytes, mul(phase[k].bytes, tokens.accumulation, "the %s bytes per step", k),
+            "the %s bytes per step", k)
+        end
+      end
+      comm.all_reduce.count = comm.all_reduce.count + t.norm_grads.count
+      comm.all_reduce.bytes = add(comm.all_reduce.bytes, t.norm_grads.bytes, "the all_reduce bytes per step")
+      comm.tensor_parallel = t
+    else
+      comm.all_reduce.uncounted_tp = mesh:size("tp")
     end
   end
   local ep = mesh:size("ep")

@@ -237,7 +237,22 @@ function M.to_json(plan, opts)
     comm[#comm + 1] = jstr("send_recv") .. ":" .. jobj({ { "count", jnum(plan.comm.send_recv.count) },
       { "bytes", jnum(plan.comm.send_recv.bytes) } })
   end
-  add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}},\n")
+  local tpc = plan.comm.tensor_parallel
+  local tp_json = ""
+  if tpc then
+    local function kinds(t)
+      local out = {}
+      for i, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
+        out[i] = { k, jobj({ { "count", jnum(t[k].count) }, { "bytes", jnum(t[k].bytes) } }) }
+      end
+      return jobj(out)
+    end
+    tp_json = ',"tensor_parallel":' .. jobj({ { "size", jnum(tpc.size) },
+      { "per_micro_batch", jobj({ { "forward", kinds(tpc.forward) }, { "backward", kinds(tpc.backward) } }) },
+      { "norm_grads", jobj({ { "count", jnum(tpc.norm_grads.count) }, { "bytes", jnum(tpc.norm_grads.bytes) } }) },
+      { "notes", jstrs(tpc.notes) } })
+  end
+  add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
   if opts.audit then
     local rows = {}
     for i, a in ipairs(plan_mod.audit(plan)) do
@@ -382,13 +397,32 @@ function M.to_text(plan, opts)
       "state; on the device: %s", util.bytes(m.offloaded), util.bytes(m.total - m.offloaded)))
   end
   add("communication per step and rank (bus bytes):")
-  local tp_note = plan.tensor_parallel and string.format("  (+ tensor parallelism's activations over tp = %d, " ..
-    "not counted)", plan.tensor_parallel.size)
+  local tp_note = plan.comm.all_reduce.uncounted_tp and string.format("  (+ tensor parallelism's activations over " ..
+    "tp = %d: give the batch, --seq-len, to count them)", plan.comm.all_reduce.uncounted_tp)
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     local c = plan.comm[k]
     add(string.format("  %-15s %5d x  %s%s", k, c.count, util.bytes(c.bytes),
       c.uncounted_ep and string.format("  (+ expert parallelism's tokens over ep = %d, not counted)",
         c.uncounted_ep) or (k == "all_reduce" and tp_note) or ""))
+  end
+  local tpc = plan.comm.tensor_parallel
+  if tpc then
+    local parts = {}
+    for _, ph in ipairs({ "forward", "backward" }) do
+      local q = {}
+      for _, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
+        local c = tpc[ph][k]
+        if c.count > 0 then q[#q + 1] = string.format("%d %s (%s)", c.count, k, util.bytes(c.bytes)) end
+      end
+      parts[#parts + 1] = ph .. " " .. (q[1] and table.concat(q, ", ") or "none")
+    end
+    add(string.format("  of which tensor parallelism's activations over tp = %d, per micro-batch: %s", tpc.size,
+      table.concat(parts, "; ")))
+    if tpc.norm_grads.count > 0 then
+      add(string.format("    and once a step, the all_reduce of %d sequence-parallel norm gradients (%s)",
+        tpc.norm_grads.count, util.bytes(tpc.norm_grads.bytes)))
+    end
+    add("    not counted: " .. table.concat(tpc.notes, "; "))
   end
   if plan.comm.send_recv then
     add(string.format("  %-15s %5d x  %s  (sent to the neighbouring stages: activations, then their gradients)",

@@ -270,7 +270,7 @@ function T.apply(ctx, plan)
       end
       by_module[m] = pattern
       placed = placed + 1
-      ctx.tp_modules[#ctx.tp_modules + 1] = { module = fqn, style = spec.style }
+      ctx.tp_modules[#ctx.tp_modules + 1] = { module = fqn, style = spec.style, spec = spec, object = m }
       local dims = placements_of(spec, m, fqn, pattern)
       for _, pname in ipairs(m.param_order) do
         local dim = dims[pname]
