@@ -66,7 +66,10 @@ the batch (traffic that depends on it is counted only when --seq-len is given):
   --global-batch G     samples per optimizer step (default B x dp, dp = dp_replicate x
                        dp_shard); a step is G / (B x dp) micro-batches; counts expert
                        parallelism's token all_to_all (dispatch and combine, forward and
-                       backward, routing spread evenly)
+                       backward, routing spread evenly), tensor parallelism's activation
+                       collectives and context parallelism's key/value exchange
+  --cp-rotate M        how cp ranks exchange keys and values: allgather (default, as NeMo
+                       Automodel sets it) or alltoall (a ring of cp - 1 steps)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
   --policy-memory MB        the memory cap in MiB, at least 1 (default 256)
@@ -91,7 +94,7 @@ local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] =
 -- options given any number of times: option -> list of values
 local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
-  name = true, rank = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true,
+  name = true, rank = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true, ["cp-rotate"] = true,
   ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
 local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
@@ -215,7 +218,7 @@ function M.make_plan(o)
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
     optimizer = o.optimizer, policy_name = o.policy, set = o.set, warnings = o.warnings,
     tokens = o["seq-len"] and { seq_len = tonumber(o["seq-len"]), micro_batch = tonumber(o["micro-batch"]),
-      global_batch = tonumber(o["global-batch"]) } or nil,
+      global_batch = tonumber(o["global-batch"]), cp_rotate = o["cp-rotate"] } or nil,
   })
   return plan
 end
@@ -284,8 +287,11 @@ function M.main(args)
       return usage_error(string.format("--%s is a whole number from 1 to 2^40, not '%s'", flag, util.short_name(v)))
     end
   end
-  if (o["micro-batch"] or o["global-batch"]) and not o["seq-len"] then
-    return usage_error("--micro-batch and --global-batch go with --seq-len S (the tokens per sample)")
+  if (o["micro-batch"] or o["global-batch"] or o["cp-rotate"]) and not o["seq-len"] then
+    return usage_error("--micro-batch, --global-batch and --cp-rotate go with --seq-len S (the tokens per sample)")
+  end
+  if o["cp-rotate"] and o["cp-rotate"] ~= "allgather" and o["cp-rotate"] ~= "alltoall" then
+    return usage_error("--cp-rotate is allgather or alltoall, not '" .. util.short_name(o["cp-rotate"]) .. "'")
   end
   if o.rank and not (o.rank:match("^%d+$") and #o.rank <= 10) then
     return usage_error("--rank is a rank, a whole number from 0, not '" .. util.short_name(o.rank) .. "'")

@@ -5,6 +5,9 @@ local util = require "moonshard.util"
 
 local T = {}
 
+-- context parallelism's rotate methods (torch's set_rotate_method)
+local CP_ROTATE = { allgather = true, alltoall = true }
+
 -- The planner's helpers (moonshard.plan gives them to bind): its errors and checked sums.
 local plan, fail, add, mul, display, shown, DTYPE_SIZE
 
@@ -22,8 +25,8 @@ function T.tokens(mesh, t)
   if t == nil then return nil end
   if type(t) ~= "table" then fail("tokens: expected {seq_len =, micro_batch =, global_batch =}, got a " .. type(t), true) end
   for k in pairs(t) do
-    if k ~= "seq_len" and k ~= "micro_batch" and k ~= "global_batch" then
-      fail(string.format("tokens: unknown key %s (keys: seq_len, micro_batch, global_batch)",
+    if k ~= "seq_len" and k ~= "micro_batch" and k ~= "global_batch" and k ~= "cp_rotate" then
+      fail(string.format("tokens: unknown key %s (keys: seq_len, micro_batch, global_batch, cp_rotate)",
         type(k) == "string" and "'" .. k .. "'" or shown(k)), true)
     end
   end
@@ -46,7 +49,11 @@ function T.tokens(mesh, t)
     fail(string.format("tokens: sequence length %d is not divisible by cp = %d (context parallelism splits it)",
       S, mesh:size("cp")), true)
   end
-  return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp) }
+  if t.cp_rotate ~= nil and not CP_ROTATE[t.cp_rotate] then
+    fail(string.format("tokens: cp_rotate is %s; expected \"allgather\" or \"alltoall\" (torch's set_rotate_method)",
+      type(t.cp_rotate) == "string" and "'" .. t.cp_rotate .. "'" or shown(t.cp_rotate)), true)
+  end
+  return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp), cp_rotate = t.cp_rotate }
 end
 
 -- Expert parallelism's token traffic per step: in every MoE layer whose grouped experts
@@ -264,6 +271,65 @@ function T.tp_traffic(ctx, mesh, tokens)
   return out
 end
 
+-- Context parallelism's key/value exchange per micro-batch, as PyTorch's ring attention
+-- does it (torch.distributed.tensor.experimental._context_parallel._attention, 2.15:
+-- _templated_ring_attention and its backward), which NeMo Automodel's context-parallel
+-- sharder enables with cp_rotate_method "allgather".  Each attention layer's local K and V
+-- (tokens / cp rows of the k_proj and v_proj outputs, this rank's tp piece) travel as one
+-- buffer.  "allgather": forward one all-gather of it (cp x the buffer), backward the same
+-- all-gather again and cp exchanges of the K and V gradients with the next rank (an
+-- all_to_all each, always; in f32, convert_to_f32); "alltoall" (the ring): cp - 1 exchanges
+-- forward, cp - 1 again in backward, and the cp gradient exchanges.  An exchange's bytes are
+-- what one rank sends.  Attention without k_proj and v_proj (DeepSeek's MLA, fused qkv) is
+-- not counted, and the result says so.
+function T.cp_traffic(ctx, mesh, tokens, rotate)
+  rotate = rotate or "allgather" -- T.tokens checked it
+  local c = mesh:size("cp")
+  local tok = util.idiv(tokens.micro_batch * tokens.seq_len, c)
+  local out = { size = c, rotate = rotate, layers = 0, skipped = 0,
+    forward = { all_gather = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } },
+    backward = { all_gather = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } } }
+  local function ev(t, kind, times, bytes)
+    t[kind].count = t[kind].count + times
+    t[kind].bytes = add(t[kind].bytes, mul(times, bytes, "context parallelism's %s bytes", kind),
+      "context parallelism's %s bytes", kind)
+  end
+  local pp = ctx.pp
+  for _, nm in ipairs(ctx.model:named_modules()) do
+    local m = nm[2]
+    if type(m.type) == "string" and m.type:find("Attention$") then
+      local s = pp and pp.stage_of[m]
+      if not (s ~= nil and pp.stages[s + 1].rank ~= 0) then
+        local k, v = m.children.k_proj, m.children.v_proj
+        local kw, vw = k and k.params.weight, v and v.params.weight
+        if kw and vw then
+          local function rows(w)
+            local t = ctx.tp[w]
+            return t and t.local_shapes[1][1] or w.shape[1]
+          end
+          local unit = ctx.owner[kw]
+          local dtype = unit and select(1, plan.effective_dtypes(kw.dtype, unit.mp)) or kw.dtype
+          local feats = rows(kw) + rows(vw)
+          local kv = mul(mul(tok, feats, "a layer's keys and values"), DTYPE_SIZE[dtype], "a layer's keys and values")
+          local grads = mul(mul(tok, feats, "a layer's keys and values"), 4, "a layer's key and value gradients")
+          out.layers = out.layers + 1
+          if rotate == "allgather" then
+            ev(out.forward, "all_gather", 1, mul(kv, c - 1, "a layer's keys and values"))
+            ev(out.backward, "all_gather", 1, mul(kv, c - 1, "a layer's keys and values"))
+          else
+            ev(out.forward, "all_to_all", c - 1, kv)
+            ev(out.backward, "all_to_all", c - 1, kv)
+          end
+          ev(out.backward, "all_to_all", c, grads)
+        else
+          out.skipped = out.skipped + 1
+        end
+      end
+    end
+  end
+  return out
+end
+
 --- Communication per step: the units' collectives summed, and with a batch expert
 -- parallelism's token all_to_all (without one, uncounted_ep says it is left out).
 function T.per_step(ctx, mesh, owned, tokens)
@@ -297,6 +363,21 @@ function T.per_step(ctx, mesh, owned, tokens)
       comm.tensor_parallel = t
     else
       comm.all_reduce.uncounted_tp = mesh:size("tp")
+    end
+  end
+  if mesh:size("cp") > 1 then
+    if tokens then
+      local t = T.cp_traffic(ctx, mesh, tokens, tokens.cp_rotate)
+      for _, k in ipairs({ "all_gather", "all_to_all" }) do
+        for _, phase in ipairs({ t.forward, t.backward }) do
+          comm[k].count = comm[k].count + phase[k].count * tokens.accumulation
+          comm[k].bytes = add(comm[k].bytes, mul(phase[k].bytes, tokens.accumulation, "the %s bytes per step", k),
+            "the %s bytes per step", k)
+        end
+      end
+      comm.context_parallel = t
+    else
+      comm.all_gather.uncounted_cp = mesh:size("cp")
     end
   end
   local ep = mesh:size("ep")

@@ -252,6 +252,16 @@ function M.to_json(plan, opts)
       { "norm_grads", jobj({ { "count", jnum(tpc.norm_grads.count) }, { "bytes", jnum(tpc.norm_grads.bytes) } }) },
       { "notes", jstrs(tpc.notes) } })
   end
+  local cpc = plan.comm.context_parallel
+  if cpc then
+    local function kinds(t)
+      return jobj({ { "all_gather", jobj({ { "count", jnum(t.all_gather.count) }, { "bytes", jnum(t.all_gather.bytes) } }) },
+        { "all_to_all", jobj({ { "count", jnum(t.all_to_all.count) }, { "bytes", jnum(t.all_to_all.bytes) } }) } })
+    end
+    tp_json = tp_json .. ',"context_parallel":' .. jobj({ { "size", jnum(cpc.size) }, { "rotate", jstr(cpc.rotate) },
+      { "layers", jnum(cpc.layers) }, { "uncounted_layers", jnum(cpc.skipped) },
+      { "per_micro_batch", jobj({ { "forward", kinds(cpc.forward) }, { "backward", kinds(cpc.backward) } }) } })
+  end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
   if opts.audit then
     local rows = {}
@@ -403,7 +413,8 @@ function M.to_text(plan, opts)
     local c = plan.comm[k]
     add(string.format("  %-15s %5d x  %s%s", k, c.count, util.bytes(c.bytes),
       c.uncounted_ep and string.format("  (+ expert parallelism's tokens over ep = %d, not counted)",
-        c.uncounted_ep) or (k == "all_reduce" and tp_note) or ""))
+        c.uncounted_ep) or (k == "all_reduce" and tp_note) or (c.uncounted_cp and string.format("  (+ context " ..
+        "parallelism's keys and values over cp = %d: give the batch, --seq-len, to count them)", c.uncounted_cp)) or ""))
   end
   local tpc = plan.comm.tensor_parallel
   if tpc then
@@ -423,6 +434,21 @@ function M.to_text(plan, opts)
         tpc.norm_grads.count, util.bytes(tpc.norm_grads.bytes)))
     end
     add("    not counted: " .. table.concat(tpc.notes, "; "))
+  end
+  local cpc = plan.comm.context_parallel
+  if cpc then
+    local parts = {}
+    for _, ph in ipairs({ "forward", "backward" }) do
+      local q = {}
+      for _, k in ipairs({ "all_gather", "all_to_all" }) do
+        local c = cpc[ph][k]
+        if c.count > 0 then q[#q + 1] = string.format("%d %s (%s)", c.count, k, util.bytes(c.bytes)) end
+      end
+      parts[#parts + 1] = ph .. " " .. (q[1] and table.concat(q, ", ") or "none")
+    end
+    add(string.format("  of which context parallelism's keys and values over cp = %d (%s, %d attention layers), per " ..
+      "micro-batch: %s%s", cpc.size, cpc.rotate, cpc.layers, table.concat(parts, "; "),
+      cpc.skipped > 0 and string.format("; %d attention layers without k_proj and v_proj not counted", cpc.skipped) or ""))
   end
   if plan.comm.send_recv then
     add(string.format("  %-15s %5d x  %s  (sent to the neighbouring stages: activations, then their gradients)",

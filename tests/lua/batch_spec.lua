@@ -40,7 +40,9 @@ describe("a plan's batch", function()
     -- context parallelism splits the sequence: half the tokens per rank
     local cp = plan("dp_shard=2,cp=2,ep=4", { seq_len = 100, micro_batch = 3, global_batch = 6 })
     local half = 150 * 2 * 32 * 2
-    assert.equal(4 * 3 * (half - math.ceil(half / 4)), cp.comm.all_to_all.bytes)
+    -- (and the cp ranks' key/value gradient exchanges, counted apart)
+    assert.equal(4 * 3 * (half - math.ceil(half / 4)),
+      cp.comm.all_to_all.bytes - cp.comm.context_parallel.backward.all_to_all.bytes)
     -- without a batch, nothing is counted and the plan says how to count it
     local none = plan("dp_shard=4,ep=4")
     assert.equal(0, none.comm.all_to_all.count)
@@ -76,7 +78,7 @@ describe("a plan's batch", function()
     assert.equal(24, j.comm.per_step.all_to_all.count)
     r = run("--micro-batch", "3")
     assert.equal(2, r.code)
-    assert_has(r.err, "--micro-batch and --global-batch go with --seq-len S")
+    assert_has(r.err, "--micro-batch, --global-batch and --cp-rotate go with --seq-len S")
     r = run("--seq-len", "1k")
     assert.equal(2, r.code)
     assert_has(r.err, "--seq-len is a whole number from 1 to 2^40, not '1k'")
@@ -86,5 +88,50 @@ describe("a plan's batch", function()
     assert.equal(2, r.code)
     assert_has(r.err, "not '99999999999999999999'")
     os.remove(cfg)
+  end)
+end)
+
+describe("context parallelism's key/value exchange", function()
+  -- a Llama of 3 layers, 2 key/value heads of 8 (hidden 32 over 4 heads), bf16
+  local LLAMA = { architectures = { "LlamaForCausalLM" }, hidden_size = 32, intermediate_size = 48,
+    num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 3, vocab_size = 64,
+    tie_word_embeddings = false, torch_dtype = "bfloat16" }
+  local function llama_plan(mesh, tokens)
+    return planner.plan(models.from_config(LLAMA, "llama"), mesh_context.new(mesh), FSDP2, { tokens = tokens })
+  end
+  -- per rank: 2 x 64 / cp tokens x (16 key + 16 value features)
+  local function kv(cp, tp) return 2 * 64 / cp * 32 / (tp or 1) end
+
+  it("allgather (Automodel's): one all-gather forward, again in backward, cp gradient exchanges in f32", function()
+    local t = llama_plan("dp_shard=2,cp=4", { seq_len = 64, micro_batch = 2 }).comm.context_parallel
+    assert.equal("allgather", t.rotate)
+    assert.equal(3, t.layers)
+    assert.same({ count = 3, bytes = 3 * kv(4) * 2 * 3 }, t.forward.all_gather)
+    assert.same({ count = 0, bytes = 0 }, t.forward.all_to_all)
+    assert.same(t.forward.all_gather, t.backward.all_gather)
+    assert.same({ count = 3 * 4, bytes = 3 * 4 * kv(4) * 4 }, t.backward.all_to_all)
+  end)
+
+  it("alltoall: a ring of cp - 1 exchanges forward and backward; tp splits the heads", function()
+    local p = llama_plan("dp_shard=2,cp=4,tp=2", { seq_len = 64, micro_batch = 2, global_batch = 8, cp_rotate = "alltoall" })
+    local t = p.comm.context_parallel
+    assert.same({ count = 3 * 3, bytes = 3 * 3 * kv(4, 2) * 2 }, t.forward.all_to_all)
+    assert.same({ count = 3 * 3 + 3 * 4, bytes = 3 * 3 * kv(4, 2) * 2 + 3 * 4 * kv(4, 2) * 4 }, t.backward.all_to_all)
+    assert.same({ count = 0, bytes = 0 }, t.backward.all_gather)
+    -- a step: 2 micro-batches on each of the 2 data-parallel ranks
+    assert.equal(2 * (9 + 21), p.comm.all_to_all.count)
+  end)
+
+  it("shows in the text and the JSON; without a batch says how to count it; refuses an unknown rotation", function()
+    local text = report.to_text(llama_plan("dp_shard=2,cp=2"))
+    assert_has(text, "context parallelism's keys and values over cp = 2: give the batch, --seq-len, to count them")
+    local p = llama_plan("dp_shard=2,cp=2", { seq_len = 64 })
+    assert_has(report.to_text(p), "of which context parallelism's keys and values over cp = 2 (allgather, 3 attention " ..
+      "layers), per micro-batch: forward 3 all_gather")
+    local j = json.decode(report.to_json(p), "plan JSON").comm.context_parallel
+    assert.same({ count = 3, bytes = 3 * 2 * 64 / 2 * 32 }, j.per_micro_batch.forward.all_gather)
+    assert.equal("allgather", j.rotate)
+    assert_has(errmsg(llama_plan, "dp_shard=2,cp=2", { seq_len = 64, cp_rotate = "ring" }),
+      "cp_rotate is 'ring'; expected \"allgather\" or \"alltoall\"")
   end)
 end)
