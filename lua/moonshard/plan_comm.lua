@@ -330,6 +330,16 @@ function T.cp_traffic(ctx, mesh, tokens, rotate)
   return out
 end
 
+-- Adds n micro-batches of t's forward and backward collectives (kinds) to comm's per-step sums.
+local function add_micro_batches(comm, t, kinds, n)
+  for _, k in ipairs(kinds) do
+    for _, phase in ipairs({ t.forward, t.backward }) do
+      comm[k].count = comm[k].count + phase[k].count * n
+      comm[k].bytes = add(comm[k].bytes, mul(phase[k].bytes, n, "the %s bytes per step", k), "the %s bytes per step", k)
+    end
+  end
+end
+
 --- Communication per step: the units' collectives summed, and with a batch expert
 -- parallelism's token all_to_all (without one, uncounted_ep says it is left out).
 function T.per_step(ctx, mesh, owned, tokens)
@@ -351,13 +361,7 @@ function T.per_step(ctx, mesh, owned, tokens)
   if mesh:size("tp") > 1 and #ctx.tp_modules > 0 then
     if tokens then
       local t = T.tp_traffic(ctx, mesh, tokens)
-      for _, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
-        for _, phase in ipairs({ t.forward, t.backward }) do
-          comm[k].count = comm[k].count + phase[k].count * tokens.accumulation
-          comm[k].bytes = add(comm[k].bytes, mul(phase[k].bytes, tokens.accumulation, "the %s bytes per step", k),
-            "the %s bytes per step", k)
-        end
-      end
+      add_micro_batches(comm, t, { "all_reduce", "all_gather", "reduce_scatter" }, tokens.accumulation)
       comm.all_reduce.count = comm.all_reduce.count + t.norm_grads.count
       comm.all_reduce.bytes = add(comm.all_reduce.bytes, t.norm_grads.bytes, "the all_reduce bytes per step")
       comm.tensor_parallel = t
@@ -368,13 +372,7 @@ function T.per_step(ctx, mesh, owned, tokens)
   if mesh:size("cp") > 1 then
     if tokens then
       local t = T.cp_traffic(ctx, mesh, tokens, tokens.cp_rotate)
-      for _, k in ipairs({ "all_gather", "all_to_all" }) do
-        for _, phase in ipairs({ t.forward, t.backward }) do
-          comm[k].count = comm[k].count + phase[k].count * tokens.accumulation
-          comm[k].bytes = add(comm[k].bytes, mul(phase[k].bytes, tokens.accumulation, "the %s bytes per step", k),
-            "the %s bytes per step", k)
-        end
-      end
+      add_micro_batches(comm, t, { "all_gather", "all_to_all" }, tokens.accumulation)
       comm.context_parallel = t
     else
       comm.all_gather.uncounted_cp = mesh:size("cp")
