@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # bench_plan.sh [BUILD_DIR] [TRIALS] [CASE]: planning DeepSeek-V3 (671B parameters) with the
-# inkling2 policy on a 4096-rank mesh with ep=64 (CASE deepseek, the default), or
+# inkling2 policy on a 4096-rank mesh with ep=64 (CASE deepseek, the default), the same
+# model with fsdp2_default on pp=16, dp_shard=256, ep=64 (4096 ranks; CASE deepseek_pp),
 # Llama-3.1-70B with fsdp2_default on tp=8, dp_shard=2 with sequence parallel (CASE
-# llama70b_tp), as a whole process, against interpreter
+# llama70b_tp) or on tp=8, pp=4, dp_shard=2 (CASE llama70b_tp_pp), the last two with a
+# batch (8192 tokens a sample, 64 a step) and DeepSeek's pipeline with one (4096 tokens,
+# 4096 a step), as a whole process, against interpreter
 # start-up (`moonshard -e ''`) measured in the same run, interleaved (docs/performance.md).
 # The plan itself = plan process - start-up.  Target: under 0.5 s.
 # When moonshard-jit was built, the same under LuaJIT, interleaved with the Lua 5.4 runs,
@@ -19,8 +22,10 @@ usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS] [CASE]
   BUILD_DIR  the build folder holding moonshard, from the current folder (default: the
              repository's build)
   TRIALS     trials, an integer 1..1000 (default 7)
-  CASE       deepseek (default), or llama70b_tp: Llama-3.1-70B, fsdp2_default, tp=8
-             dp_shard=2, sequence parallel
+  CASE       deepseek (default); deepseek_pp: DeepSeek-V3, fsdp2_default, pp=16
+             dp_shard=256 ep=64, with a batch; llama70b_tp: Llama-3.1-70B, fsdp2_default,
+             tp=8 dp_shard=2, sequence parallel, with a batch; llama70b_tp_pp: the same on
+             tp=8 pp=4 dp_shard=2
 EOF
 }
 # refuses a bad argument: the message, the synopsis, exit status 2
@@ -31,11 +36,19 @@ case ${3:-deepseek} in
   deepseek)
     label="DeepSeek-V3 (671B), inkling2 policy, dp_shard=4096 ep=64"
     plan=(plan --config examples/configs/deepseek_v3.json --mesh "dp_shard=4096,ep=64" --policy policies/inkling2) ;;
+  deepseek_pp)
+    label="DeepSeek-V3 (671B), fsdp2_default, pp=16 dp_shard=256 ep=64 (4096 ranks), 4096 tokens x 4096"
+    plan=(plan --config examples/configs/deepseek_v3.json --mesh "pp=16,dp_shard=256,ep=64"
+      --policy policies/fsdp2_default.lua --seq-len 4096 --global-batch 4096) ;;
   llama70b_tp)
-    label="Llama-3.1-70B, fsdp2_default, tp=8 dp_shard=2, sequence parallel"
+    label="Llama-3.1-70B, fsdp2_default, tp=8 dp_shard=2, sequence parallel, 8192 tokens x 64"
     plan=(plan --config examples/configs/llama3.1_70b.json --mesh "dp_shard=2,tp=8" --policy policies/fsdp2_default.lua
-      --set sequence_parallel=true) ;;
-  *) fail "CASE is deepseek or llama70b_tp, not '$3'" ;;
+      --set sequence_parallel=true --seq-len 8192 --global-batch 64) ;;
+  llama70b_tp_pp)
+    label="Llama-3.1-70B, fsdp2_default, tp=8 pp=4 dp_shard=2, sequence parallel, 8192 tokens x 64"
+    plan=(plan --config examples/configs/llama3.1_70b.json --mesh "pp=4,dp_shard=2,tp=8"
+      --policy policies/fsdp2_default.lua --set sequence_parallel=true --seq-len 8192 --global-batch 64) ;;
+  *) fail "CASE is deepseek, deepseek_pp, llama70b_tp or llama70b_tp_pp, not '$3'" ;;
 esac
 trials=${2:-7}
 [[ $trials =~ ^[0-9]{1,4}$ ]] && ((10#$trials >= 1 && 10#$trials <= 1000)) ||

@@ -160,7 +160,11 @@ local function dense(ctx, o)
   ctx:set_prefetch(explicit or M.IMPLICIT_PREFETCH)
 end
 
-local function expert_parallel(ctx, o)
+-- The MoE parallelizer (moe/parallelizer.py parallelize_model: apply_ep, apply_ac,
+-- apply_fsdp).  Under a pipeline (stages given) Automodel runs it on each stage's part of
+-- the model, so each stage gets its layers' units, the embedding (first stage) or the head
+-- (last stage), and its own root.
+local function expert_parallel(ctx, o, stages)
   local mesh = ctx.mesh
   local layers = ctx:module("model.layers")
   local raf = o.reshard_after_forward
@@ -175,37 +179,50 @@ local function expert_parallel(ctx, o)
     local experts = experts_of(layers.children[i])
     if experts then owned[i] = ctx:expert_parallel(experts) end
   end
-  -- parallelize_model: apply_ep, then apply_ac, then apply_fsdp
-  if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
-  for _, i in ipairs(layers.child_order) do
-    local layer = layers.children[i]
-    local experts = experts_of(layer)
-    if experts and mesh:size("ep_shard") > 1 then
-      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
-        shard_placement_fn = function() return 1 end, offload_policy = o.offload_policy })
-    end
-    by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
-      ignored_params = owned[i], offload_policy = o.offload_policy })
-  end
+  -- parallelize_model: apply_ep, then apply_ac, then apply_fsdp (under a pipeline the
+  -- wrappers came first, so that they stay in their layers' stages)
+  if o.activation_checkpointing and not stages then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
   local model = ctx.model
   local inner = model:get("model") or model
   local embed, head, tied = model:get("model.embed_tokens"), model:get("lm_head"), M.tied(model)
-  local common = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy }
-  if embed and not tied then ctx:fully_shard(embed, common) end
   local embed_norm = model:get("model.embed_norm")
-  if embed_norm then ctx:fully_shard(embed_norm, common) end
-  if head and not tied then
-    if o.lm_head_precision == "f32" then
-      ctx:fully_shard(head, { mp_policy = M.fp32_head, reshard_after_forward = raf, offload_policy = o.offload_policy })
-    else
-      ctx:fully_shard(head, common)
+  local common = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy }
+  local last = stages and #stages or 1
+  for k = 1, last do
+    local first_layer, count = 0, #layers.child_order
+    if stages then first_layer, count = stages[k].layers.first, stages[k].layers.count end
+    for j = first_layer, first_layer + count - 1 do
+      local i = layers.child_order[j + 1]
+      local layer = layers.children[i]
+      local experts = experts_of(layer)
+      if experts and mesh:size("ep_shard") > 1 then
+        ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = M.precision, reshard_after_forward = raf,
+          shard_placement_fn = function() return 1 end, offload_policy = o.offload_policy })
+      end
+      by_dtype.fully_shard_by_dtype(ctx, layer, { mp_policy = M.precision, reshard_after_forward = raf,
+        ignored_params = owned[i], offload_policy = o.offload_policy })
     end
-  elseif head and o.lm_head_precision ~= nil then
-    ctx:warn("lm_head.weight is tied to model.embed_tokens.weight: lm_head_precision = " ..
-      tostring(o.lm_head_precision) .. " is not applied (Automodel skips the separate lm_head unit)")
+    if k == 1 then
+      if embed and not tied then ctx:fully_shard(embed, common) end
+      if embed_norm then ctx:fully_shard(embed_norm, common) end
+    end
+    if k == last then
+      if head and not tied then
+        if o.lm_head_precision == "f32" then
+          ctx:fully_shard(head, { mp_policy = M.fp32_head, reshard_after_forward = raf, offload_policy = o.offload_policy })
+        else
+          ctx:fully_shard(head, common)
+        end
+      elseif head and o.lm_head_precision ~= nil then
+        ctx:warn("lm_head.weight is tied to model.embed_tokens.weight: lm_head_precision = " ..
+          tostring(o.lm_head_precision) .. " is not applied (Automodel skips the separate lm_head unit)")
+      end
+    end
+    local root = { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy,
+      stage = stages and stages[k].index or nil }
+    ctx:fully_shard(inner, root)
+    if o.wrap_outer_model and inner ~= model then ctx:fully_shard(model, root) end
   end
-  ctx:fully_shard(inner, common)
-  if o.wrap_outer_model and inner ~= model then ctx:fully_shard(model, common) end
 end
 
 -- Tensor parallelism first, when tp > 1 (DefaultParallelizationStrategy.parallelize, and
@@ -231,15 +248,20 @@ end
 -- Whether the model has grouped experts (an MoE model the MoE parallelizer is for).
 local function has_experts(model) return experts_of(model) ~= nil end
 
+-- The pipeline split (Automodel's AutoPipeline), from the pipeline.* options.
+local function split_stages(ctx, o)
+  local pipeline = o.pipeline or {}
+  return ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
+    round_virtual_stages_to_pp_multiple = pipeline.round }
+end
+
 -- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense
 -- parallelizer shards each stage's part: its layers, then its root, which does not reshard
 -- after forward; the layers do not either (Automodel's rule under pipeline parallelism).
 local function pipelined(ctx, o)
-  local pipeline = o.pipeline or {}
   -- activation checkpointing first: the wrappers stay in their layers' stages
   if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
-  local stages = ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
-    round_virtual_stages_to_pp_multiple = pipeline.round }
+  local stages = split_stages(ctx, o)
   tensor_parallel(ctx, o, false)
   local layers = ctx:module("model.layers")
   local raf = o.reshard_after_forward
@@ -264,8 +286,10 @@ function M.parallelize(ctx)
   local moe = ctx.mesh:size("ep") > 1
   if ctx.mesh:size("pp") > 1 then
     if moe and has_experts(ctx.model) then
-      error("pipelines on the expert-parallel path (pp > 1 with ep > 1, NeMo Automodel's MoE parallelizer per " ..
-        "stage) are not planned yet; plan the dense path (ep = 1) or pp = 1", 0)
+      if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
+      local stages = split_stages(ctx, o)
+      tensor_parallel(ctx, o, true)
+      return expert_parallel(ctx, o, stages)
     end
     return pipelined(ctx, o)
   end

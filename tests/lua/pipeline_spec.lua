@@ -121,9 +121,60 @@ describe("a pipeline in a plan", function()
       "pipeline: unknown option 'stages'")
     assert_has(errmsg(plan, llama(), "pp=2", nil, { set = { "pipeline.layers_per_stage=2" } }),
       "Number of virtual stages (3) must be divisible by pipeline parallel size (2)")
-    local moe = models.from_config({ architectures = { "MixtralForCausalLM" }, hidden_size = 16, intermediate_size = 24,
-      num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 2, num_local_experts = 4,
-      num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16" }, "mixtral")
-    assert_has(errmsg(plan, moe, "pp=2,dp_shard=2,ep=2"), "pipelines on the expert-parallel path")
+  end)
+end)
+
+describe("fsdp2_default: a pipeline on the expert-parallel path", function()
+  local function mixtral(layers)
+    return models.from_config({ architectures = { "MixtralForCausalLM" }, hidden_size = 16, intermediate_size = 24,
+      num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = layers, num_local_experts = 4,
+      num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16", tie_word_embeddings = false }, "mixtral")
+  end
+
+  it("runs the MoE parallelizer on each stage's part: its layers' experts and layers, embed or head, its root", function()
+    local p = plan(mixtral(3), "pp=2,dp_shard=4,ep=2")
+    local got = {}
+    for _, u in ipairs(p.units) do got[#got + 1] = string.format("%s@%d:%s", u.name, u.stage, table.concat(u.mesh_axes, ",")) end
+    -- 3 layers over 2 stages: 2 and 1 (Automodel's split); ep_shard = 4 / 2 = 2
+    assert.same({
+      "model.layers.0.block_sparse_moe.experts@0:ep_shard", "model.layers.0@0:dp_shard",
+      "model.layers.1.block_sparse_moe.experts@0:ep_shard", "model.layers.1@0:dp_shard",
+      "model.embed_tokens@0:dp_shard", "model@0:dp_shard", "@0:dp_shard",
+      "model.layers.2.block_sparse_moe.experts@1:ep_shard", "model.layers.2@1:dp_shard",
+      "lm_head@1:dp_shard", "model@1:dp_shard", "@1:dp_shard" }, got)
+    for _, u in ipairs(p.units) do assert.is_false(u.reshard, u.name) end
+    -- each stage's expert tensors are expert parallelism's: rank 0 (stage 0) holds 2 layers' worth
+    local owned = 0
+    for _, x in ipairs(p.owned) do owned = owned + 1 end
+    assert.equal(3 * 2, owned) -- gate_and_up and down of 3 layers
+  end)
+
+  it("memory per rank is its stage's: the pp coordinates differ by what their stages hold", function()
+    local p = plan(mixtral(3), "pp=2,dp_shard=4,ep=2")
+    local stage0, stage1 = p.memory.per_rank[1], p.memory.per_rank[5] -- ranks 0 and 4: pp 0 and 1
+    assert.is_true(stage0.params ~= stage1.params)
+    -- every split here is even, so a rank holds a quarter of its stage's parameters either
+    -- way: experts 2 of 4 over ep, halved over ep_shard; the rest a quarter over dp_shard;
+    -- the dense path's pipeline (ep = 1) holds the same bytes per rank
+    local dense = plan(mixtral(3), "pp=2,dp_shard=4")
+    for r = 1, 8 do assert.equal(dense.memory.per_rank[r].params, p.memory.per_rank[r].params) end
+    -- stage 0: embedding 64 x 16, 2 layers; stage 1: 1 layer, norm 16, head 64 x 16; in bf16
+    local function layer_params(m) return m:get("model.layers.0"):param_count() end
+    local m = mixtral(3)
+    assert.equal((64 * 16 + 2 * layer_params(m)) * 2 / 4, stage0.params)
+    assert.equal((layer_params(m) + 16 + 64 * 16) * 2 / 4, stage1.params)
+  end)
+
+  it("counts the token all_to_all of the MoE layers in rank 0's stages, and the sends between stages", function()
+    local p = plan(mixtral(3), "pp=2,dp_shard=4,ep=2", nil, { tokens = { seq_len = 16, micro_batch = 1, global_batch = 8 } })
+    -- 2 micro-batches a step; 2 MoE layers in stage 0; 4 all_to_alls each
+    assert.equal(4 * 2 * 2, p.comm.all_to_all.count)
+    assert.equal(2 * 1 * 16 * 16 * 2, p.comm.send_recv.bytes) -- 2 activations sent, 16 tokens x 16 hidden x bf16
+  end)
+
+  it("takes an explicit tensor-parallel plan under a pipeline, as the MoE path does without one", function()
+    assert_has(errmsg(plan, mixtral(2), "pp=2,dp_shard=2,tp=2,ep=2"), "No safe tensor-parallel plan is registered")
+    local p = plan(mixtral(2), "pp=2,dp_shard=2,tp=2,ep=2", nil, { set = { "tp_plan=default" } })
+    assert.equal(2, p.tensor_parallel.size)
   end)
 end)
