@@ -76,6 +76,9 @@ M.options = {
   ["pipeline.layers_per_stage"] = { default = nil, type = "nil|integer", min = 1,
     doc = "decoder layers a stage (Automodel's layers_per_stage: it counts the stages; none: 1 stage a rank, 2 " ..
       "for a multi-stage schedule)" },
+  ["pipeline.split"] = { default = "automodel", type = "string", values = { "automodel", "compute", "memory" },
+    doc = "how layers go to stages: automodel (evenly, the remainder first), or balanced by compute (forward FLOPs " ..
+      "a token) or memory (parameters), the embeddings and head weighed in" },
   ["pipeline.round"] = { default = nil, type = "nil|string", values = { "up", "down" },
     doc = "round_virtual_stages_to_pp_multiple: round the stage count to a multiple of pp" },
 }
@@ -252,7 +255,7 @@ local function has_experts(model) return experts_of(model) ~= nil end
 local function split_stages(ctx, o)
   local pipeline = o.pipeline or {}
   return ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
-    round_virtual_stages_to_pp_multiple = pipeline.round }
+    round_virtual_stages_to_pp_multiple = pipeline.round, split = pipeline.split }
 end
 
 -- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense

@@ -97,6 +97,54 @@ function P.layer_split(S, L)
   return out
 end
 
+--- A balanced split: the layers of each of S stages, contiguous and none empty, that make the
+-- costliest stage as cheap as possible, where stage 0 also costs `first` (the embeddings)
+-- and the last stage `last` (the final norm and the head); layer_cost[i] is layer i-1's.
+-- Exact (dynamic programming over the prefix sums, O(S x L^2)).  Among splits whose costliest
+-- stage costs the same, the one with the least sum of squared stage costs (the others as even
+-- as the bottleneck allows; a tie-break that keeps the first goal exact, as each state keeps
+-- its least maximum first), then the one whose earlier stages hold more layers, as
+-- Automodel's gives the remainder to the first stages.  Returns a list of {first, count}
+-- like P.layer_split.
+function P.balanced_split(S, layer_cost, first, last)
+  local L = #layer_cost
+  if S < 1 then fail("Number of stages must be at least 1") end
+  if S > L then fail(string.format("Number of stages (%d) cannot exceed number of layers (%d)", S, L)) end
+  local prefix = { [0] = 0 }
+  for i = 1, L do prefix[i] = prefix[i - 1] + layer_cost[i] end
+  local function cost(s, a, b) -- stage s (1-based) holding layers a+1..b
+    local c = prefix[b] - prefix[a]
+    if s == 1 then c = c + first end
+    if s == S then c = c + last end
+    return c
+  end
+  -- best[s][b]: the least max cost of stages 1..s holding layers 1..b; cut[s][b] their split
+  -- sq[s][b]: their sum of squared stage costs
+  local best, sq, cut = { [0] = { [0] = 0 } }, { [0] = { [0] = 0 } }, {}
+  for s = 1, S do
+    best[s], sq[s], cut[s] = {}, {}, {}
+    for b = s, L - (S - s) do
+      local bv, bq, ba
+      for a = b - 1, s - 1, -1 do -- later cuts first: more layers to the earlier stages on ties
+        local prev = best[s - 1][a]
+        if prev then
+          local c = cost(s, a, b)
+          local v, q = math.max(prev, c), sq[s - 1][a] + c * c
+          if not bv or v < bv or (v == bv and q < bq) then bv, bq, ba = v, q, a end
+        end
+      end
+      best[s][b], sq[s][b], cut[s][b] = bv, bq, ba
+    end
+  end
+  local out, b = {}, L
+  for s = S, 1, -1 do
+    local a = cut[s][b]
+    out[s] = { first = a, count = b - a }
+    b = a
+  end
+  return out
+end
+
 --- The pp rank of stage s (0-based) of S under a placement ("loop" or "v").
 function P.rank_of(s, S, pp, placement)
   if placement == "v" then return s < pp and s or 2 * pp - 1 - s end
@@ -156,6 +204,35 @@ function P.in_flight(sched, pp, n, v, r)
   fail("no in-flight rule for schedule " .. name)
 end
 
+--- What module m costs a stage, by metric: "compute", the forward FLOPs per token of its
+-- matrix multiplies (2 x the elements of every weight of 2 or more dims outside an
+-- Embedding; a grouped-experts module's by top_k / experts, as each token runs top_k of
+-- them, top_k from its MoE block); or "memory", its parameters' elements.  Attention's
+-- scores (which grow with the sequence), norms and the loss are left out of "compute".
+function P.module_cost(m, metric, parent_of)
+  local total = 0
+  local function walk(x, active)
+    if x.type == "GroupedExperts" then
+      local block = parent_of and parent_of[x]
+      local k, e = block and block.attrs and block.attrs.top_k, block and block.attrs and block.attrs.n_experts
+      if util.is_int(k) and util.is_int(e) and e > 0 then active = active * k / e end
+    end
+    for _, pname in ipairs(x.param_order) do
+      local p = x.params[pname]
+      if metric == "memory" then
+        total = total + p.numel
+      elseif #p.shape >= 2 and x.type ~= "Embedding" then
+        total = total + 2 * p.numel * active
+      end
+    end
+    for _, c in ipairs(x.child_order) do walk(x.children[c], active) end
+  end
+  walk(m, 1)
+  return total
+end
+
+P.SPLITS = { automodel = true, compute = true, memory = true }
+
 -- ---------------------------------------------------------------- ctx:pipeline
 
 local plan_fail, display, plan_dtype_size -- the planner's helpers (bind)
@@ -167,7 +244,8 @@ function P.bind(h)
   return P
 end
 
-local PIPELINE_KEYS = { schedule = true, layers_per_stage = true, round_virtual_stages_to_pp_multiple = true }
+local PIPELINE_KEYS = { schedule = true, layers_per_stage = true, round_virtual_stages_to_pp_multiple = true,
+  split = true }
 
 --- ctx:pipeline{schedule =, layers_per_stage =, round_virtual_stages_to_pp_multiple =}: splits
 -- the model into stages as Automodel's AutoPipeline does (the decoder layers of
@@ -181,7 +259,7 @@ function P.apply(ctx, opts)
   for k in pairs(opts) do
     if not PIPELINE_KEYS[k] then
       plan_fail(string.format("pipeline: unknown option %s (options: schedule, layers_per_stage, " ..
-        "round_virtual_stages_to_pp_multiple)", type(k) == "string" and "'" .. k .. "'" or tostring(k)))
+        "round_virtual_stages_to_pp_multiple, split)", type(k) == "string" and "'" .. k .. "'" or tostring(k)))
     end
   end
   if ctx.pp then plan_fail("pipeline: the model is split into stages already (ctx:pipeline is called once)") end
@@ -208,9 +286,55 @@ function P.apply(ctx, opts)
   local S, per_rank
   ok, S, per_rank = pcall(P.virtual_stages, L, lps, pp, not sched.multi, opts.round_virtual_stages_to_pp_multiple)
   if not ok then plan_fail((tostring(S):gsub("^moonshard: ", ""))) end
+  local how = opts.split or "automodel"
+  if not P.SPLITS[how] then
+    plan_fail(string.format("pipeline: split is %s; expected \"automodel\" (NeMo Automodel's: layers evenly, the " ..
+      "remainder to the first stages), \"compute\" or \"memory\" (balanced, the embeddings and the head weighed in)",
+      type(how) == "string" and "'" .. how .. "'" or tostring(how)))
+  end
   local split
   ok, split = pcall(P.layer_split, S, L)
   if not ok then plan_fail((tostring(split):gsub("^moonshard: ", ""))) end
+  -- each layer's cost, and what comes before the layers (stage 0) and after them (the last)
+  local parent_of = {}
+  for _, nm in ipairs(ctx.model:named_modules()) do
+    for _, c in ipairs(nm[2].child_order) do parent_of[nm[2].children[c]] = nm[2] end
+  end
+  local metric = how == "memory" and "memory" or "compute"
+  local layer_cost = {}
+  for i, c in ipairs(layers.child_order) do layer_cost[i] = P.module_cost(layers.children[c], metric, parent_of) end
+  local function contains_layers(m)
+    if m == layers then return true end
+    for _, c in ipairs(m.child_order) do if contains_layers(m.children[c]) then return true end end
+    return false
+  end
+  -- what comes before the layers in the tree (stage 0's) and after them (the last stage's)
+  local edge, after_layers = { 0, 0 }, false
+  local function edges(m)
+    if m == layers then after_layers = true return end
+    for _, c in ipairs(m.child_order) do
+      local x = m.children[c]
+      if contains_layers(x) then edges(x)
+      else
+        local k = after_layers and 2 or 1
+        edge[k] = edge[k] + P.module_cost(x, metric, parent_of)
+      end
+    end
+  end
+  edges(ctx.model)
+  local automodel_split = split
+  if how ~= "automodel" then split = P.balanced_split(S, layer_cost, edge[1], edge[2]) end
+  local function costs_of(sp)
+    local out = {}
+    for k, part in ipairs(sp) do
+      local c = 0
+      for i = part.first + 1, part.first + part.count do c = c + layer_cost[i] end
+      if k == 1 then c = c + edge[1] end
+      if k == #sp then c = c + edge[2] end
+      out[k] = c
+    end
+    return out
+  end
   local placement = sched.placement or "loop"
   if placement == "v" and per_rank ~= 2 then
     plan_fail(string.format("pipeline: v schedules assume 2 stages per rank, got %d", per_rank))
@@ -222,11 +346,6 @@ function P.apply(ctx, opts)
   local layer_stage = {}
   for s, part in ipairs(split) do
     for i = part.first, part.first + part.count - 1 do layer_stage[layers.children[layers.child_order[i + 1]]] = s - 1 end
-  end
-  local function contains_layers(m)
-    if m == layers then return true end
-    for _, c in ipairs(m.child_order) do if contains_layers(m.children[c]) then return true end end
-    return false
   end
   local after = false
   local stages = {}
@@ -262,8 +381,17 @@ function P.apply(ctx, opts)
     table.insert(stages[s + 1].modules, name)
   end
   walk(ctx.model, "")
+  local costs = costs_of(split)
+  for k, st in ipairs(stages) do st.cost = costs[k] end
+  local function max_of(list)
+    local m = 0
+    for _, v in ipairs(list) do m = math.max(m, v) end
+    return m
+  end
   ctx.pp = { schedule = sched, stages = stages, per_rank = per_rank, placement = placement, stage_of = stage_of,
-    spanning = spanning, count = S }
+    spanning = spanning, count = S, split = how, metric = metric, max_cost = max_of(costs),
+    automodel_max = max_of(costs_of(automodel_split)),
+    balanced_max = how == "automodel" and max_of(costs_of(P.balanced_split(S, layer_cost, edge[1], edge[2]))) or nil }
   return stages
 end
 
@@ -294,8 +422,10 @@ function P.summary(ctx, mesh, tokens, total_of_pp)
     stages[i] = { index = s.index, pp_rank = s.rank, ranks = ranks_of[s.rank], layers = s.layers, modules = s.modules,
       params = params, memory = total_of_pp(s.rank) }
   end
+  for i, s in ipairs(pp.stages) do stages[i].cost = s.cost end
   local out = { schedule = pp.schedule.name, placement = pp.placement, stages_per_rank = pp.per_rank, microbatches = n,
-    stages = stages }
+    stages = stages, split = pp.split, metric = pp.metric, max_cost = pp.max_cost, automodel_max = pp.automodel_max,
+    balanced_max = pp.balanced_max }
   if n then
     out.in_flight, out.send_recv = {}, {}
     local embed = ctx.model:get("model.embed_tokens")

@@ -198,9 +198,13 @@ function M.to_json(plan, opts)
     for i, s in ipairs(pl.stages) do
       stages[i] = "    " .. jobj({ { "index", jnum(s.index) }, { "pp_rank", jnum(s.pp_rank) }, { "ranks", jints(s.ranks) },
         { "layers", jobj({ { "first", jnum(s.layers.first) }, { "count", jnum(s.layers.count) } }) },
-        { "modules", jstrs(s.modules) }, { "params", jnum(s.params) }, { "memory", jnum(s.memory) } })
+        { "modules", jstrs(s.modules) }, { "params", jnum(s.params) }, { "memory", jnum(s.memory) },
+        { "cost", jnum(s.cost) } })
     end
     local fields = { { "schedule", jstr(pl.schedule) }, { "placement", jstr(pl.placement) },
+      { "split", jstr(pl.split) }, { "cost_metric", jstr(pl.metric) },
+      { "automodel_max_cost", jnum(pl.automodel_max) },
+      { "balanced_max_cost", pl.balanced_max and jnum(pl.balanced_max) or "null" },
       { "stages_per_rank", jnum(pl.stages_per_rank) }, { "microbatches", pl.microbatches and jnum(pl.microbatches) or "null" },
       { "in_flight", pl.in_flight and jints(pl.in_flight) or "null" } }
     fields[#fields + 1] = { "stages", "[\n" .. table.concat(stages, ",\n") .. "\n ]" }
@@ -332,14 +336,28 @@ function M.to_text(plan, opts)
     add(string.format("pipeline %s over pp=%d: %d stages (%d a rank, %s placement)%s", pl.schedule,
       mesh:size("pp"), #pl.stages, pl.stages_per_rank, pl.placement, pl.microbatches and
       string.format(", %d micro-batches a step", pl.microbatches) or ""))
+    local function cost(v)
+      return pl.metric == "memory" and util.thousands(math.floor(v + 0.5)) .. " params" or
+        string.format("%.3g GFLOP a token", v / 1e9)
+    end
+    if pl.split == "automodel" then
+      add(string.format("  split as NeMo Automodel splits (layers evenly, the remainder to the first stages): the " ..
+        "costliest stage %s forward; balanced (pipeline split \"compute\") it would be %s", cost(pl.max_cost),
+        cost(pl.balanced_max)))
+    else
+      add(string.format("  split balanced by %s, the embeddings and head weighed in: the costliest stage %s%s; " ..
+        "NeMo Automodel's split: %s", pl.metric, cost(pl.max_cost), pl.metric == "compute" and " forward" or "",
+        cost(pl.automodel_max)))
+    end
     for _, s in ipairs(pl.stages) do
       local extra = {}
       for _, name in ipairs(s.modules) do
         if not name:match("^model%.layers%.%d+$") then extra[#extra + 1] = name end
       end
-      add(string.format("  stage %d on pp rank %d: layers %s%s; %s params; %s a rank%s", s.index, s.pp_rank,
+      add(string.format("  stage %d on pp rank %d: layers %s%s; %s params%s; %s a rank%s", s.index, s.pp_rank,
         s.layers.count > 0 and string.format("%d-%d", s.layers.first, s.layers.first + s.layers.count - 1) or "none",
-        #extra > 0 and " + " .. table.concat(extra, ", ") or "", util.thousands(s.params), util.bytes(s.memory),
+        #extra > 0 and " + " .. table.concat(extra, ", ") or "", util.thousands(s.params),
+        pl.metric == "compute" and string.format(", %.3g GFLOP a token", s.cost / 1e9) or "", util.bytes(s.memory),
         pl.in_flight and string.format("; %d micro-batch activations kept at the peak", pl.in_flight[s.pp_rank + 1]) or ""))
     end
   end

@@ -178,3 +178,113 @@ describe("fsdp2_default: a pipeline on the expert-parallel path", function()
     assert.equal(2, p.tensor_parallel.size)
   end)
 end)
+
+describe("a balanced pipeline split", function()
+  local pp_rules = require "moonshard.plan_pp"
+
+  -- every way to cut L layers into S non-empty contiguous stages, by brute force
+  local function brute(S, costs, first, last)
+    local L, best, best_split = #costs, nil, nil
+    local function go(s, start, acc, parts)
+      if s == S then
+        local c = last + (s == 1 and first or 0)
+        for i = start + 1, L do c = c + costs[i] end
+        local m = math.max(acc, c)
+        if not best or m < best then
+          best = m
+          best_split = {}
+          for i, p in ipairs(parts) do best_split[i] = p end
+          best_split[s] = { first = start, count = L - start }
+        end
+        return
+      end
+      for stop = start + 1, L - (S - s) do
+        local c = (s == 1 and first or 0)
+        for i = start + 1, stop do c = c + costs[i] end
+        parts[s] = { first = start, count = stop - start }
+        go(s + 1, stop, math.max(acc, c), parts)
+      end
+    end
+    go(1, 0, 0, {})
+    return best, best_split
+  end
+  local function max_cost(split, costs, first, last)
+    local m = 0
+    for k, part in ipairs(split) do
+      local c = (k == 1 and first or 0) + (k == #split and last or 0)
+      for i = part.first + 1, part.first + part.count do c = c + costs[i] end
+      m = math.max(m, c)
+    end
+    return m
+  end
+
+  it("is the least costly stage's split of all, checked by brute force over 300 random cases", function()
+    local seed = 12345
+    local function rand(n) -- a small LCG, the same in both interpreters
+      seed = (seed * 1103515245 + 12345) % 2147483648
+      return seed % n
+    end
+    for _ = 1, 300 do
+      local L = 1 + rand(9)
+      local S = 1 + rand(L)
+      local costs = {}
+      for i = 1, L do costs[i] = 1 + rand(20) end
+      local first, last = rand(30), rand(30)
+      local split = pp_rules.balanced_split(S, costs, first, last)
+      local want = brute(S, costs, first, last)
+      assert.equal(S, #split)
+      local covered = 0
+      for k, part in ipairs(split) do
+        assert.equal(covered, part.first)
+        assert.is_true(part.count >= 1)
+        covered = covered + part.count
+      end
+      assert.equal(L, covered)
+      assert.equal(want, max_cost(split, costs, first, last))
+    end
+  end)
+
+  it("gives ties to the earlier stages, as Automodel gives them the remainder", function()
+    assert.same({ { first = 0, count = 3 }, { first = 3, count = 2 } }, pp_rules.balanced_split(2, { 1, 1, 1, 1, 1 }, 0, 0))
+    assert_has(errmsg(pp_rules.balanced_split, 4, { 1, 1, 1 }, 0, 0), "Number of stages (4) cannot exceed number of layers (3)")
+  end)
+
+  it("weighs a layer by its forward FLOPs a token, the head too, the embedding not; or by parameters", function()
+    local m = llama({ num_hidden_layers = 8, vocab_size = 512 })
+    local layer = m:get("model.layers.0")
+    -- q 16x16, k and v 8x16 (2 kv heads of 4), o 16x16; gate, up 24x16, down 16x24
+    local matmul = 16 * 16 + 8 * 16 + 8 * 16 + 16 * 16 + 3 * 24 * 16
+    assert.equal(2 * matmul, pp_rules.module_cost(layer, "compute"))
+    assert.equal(matmul + 2 * 16, pp_rules.module_cost(layer, "memory")) -- and the two norms
+    assert.equal(0, pp_rules.module_cost(m:get("model.embed_tokens"), "compute"))
+    assert.equal(2 * 512 * 16, pp_rules.module_cost(m:get("lm_head"), "compute"))
+    -- 8 layers on 4 stages; the head costs 16384 / 3840 = 4.3 layers: balanced gives the last
+    -- stage 1 layer, Automodel's 2, and spreads the other 7 as evenly as they go
+    local p = plan(m, "pp=4", nil, { set = { "pipeline.split=compute" } })
+    local counts = {}
+    for i, s in ipairs(p.pipeline.stages) do counts[i] = s.layers.count end
+    assert.same({ 3, 2, 2, 1 }, counts)
+    assert.equal("compute", p.pipeline.split)
+    assert.equal(2 * matmul * 2 + 2 * 512 * 16, p.pipeline.automodel_max)
+    assert.equal(math.max(3 * 2 * matmul, 2 * matmul + 2 * 512 * 16), p.pipeline.max_cost)
+    local text = report.to_text(p)
+    assert_has(text, "split balanced by compute, the embeddings and head weighed in")
+    local j = json.decode(report.to_json(p), "plan JSON").pipeline
+    assert.equal("compute", j.split)
+    assert.equal(p.pipeline.max_cost, j.stages[4].cost) -- the head's stage is the bottleneck
+    assert.equal(3 * 2 * matmul, j.stages[1].cost)
+    -- by memory the 512 x 16 embedding and head weigh in at both ends
+    local mem = plan(m, "pp=4", nil, { set = { "pipeline.split=memory" } })
+    counts = {}
+    for i, s in ipairs(mem.pipeline.stages) do counts[i] = s.layers.count end
+    assert.same({ 1, 3, 3, 1 }, counts)
+    -- Automodel's split says what balancing would give
+    assert_has(report.to_text(plan(m, "pp=4")), "balanced (pipeline split \"compute\") it would be")
+  end)
+
+  it("refuses an unknown split, naming the choices", function()
+    assert_has(errmsg(plan, llama(), "pp=2", { parallelize = function(ctx)
+      ctx:pipeline{ split = "even" }
+    end }), "pipeline: split is 'even'; expected \"automodel\"")
+  end)
+end)
