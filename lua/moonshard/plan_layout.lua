@@ -146,8 +146,11 @@ local function finish_unit(ctx, unit, fqn_of)
         "in a unit of their own", display(unit.name), what, table.concat(parts, "; ")))
     end
   end
-  uniform(dtypes, "stored")
-  uniform(reduces, "reduce")
+  -- (DDP takes any mix: its buckets split by dtype)
+  if not replicated then
+    uniform(dtypes, "stored")
+    uniform(reduces, "reduce")
+  end
   unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
   -- parameters gathered in more than one dtype travel as bytes (FSDP2's uint8 all-gather)
   unit.gather_dtype = next(gathers)

@@ -166,6 +166,19 @@ describe("a replicate unit", function()
     assert.same({ 344, 344 }, { p.memory.grads, p.memory.optimizer })
   end)
 
+  it("takes parameters of several dtypes, which its buckets keep apart", function()
+    local t = tree()
+    t.children.a.params.w.dtype = "bf16"
+    local p = planner.plan(t, mesh_context.new("dp_shard=2"), { parallelize = function(ctx)
+      ctx:replicate(ctx.model, { bucket_cap_mb = 0.0001 }) end })
+    -- reverse order: b.w f32 24 B (open), a.w bf16 80 B (open), p f32 36 B closes none:
+    -- the open buckets, the dtype seen last first
+    local got = {}
+    for i, b in ipairs(p.units[1].buckets) do got[i] = { b.dtype, b.bytes, table.concat(b.fqns, " ") } end
+    assert.same({ { "bf16", 80, "a.w" }, { "f32", 36, "b.w p" } }, got)
+    assert.equal(80 + 36, p.memory.params)
+  end)
+
   it("reduces over the whole data-parallel group by default, and costs nothing on one rank", function()
     local p = plan(function(ctx) ctx:replicate(ctx.model) end, "dp_replicate=2,dp_shard=2")
     assert.same({ "dp" }, p.units[1].mesh_axes)
@@ -293,4 +306,22 @@ describe("policies/ddp.lua", function()
     assert.equal(0, r.code, r.err)
     S.assert_has(r.out, "replicate unit <root> (DDP) over dp_shard=2: 13 buckets")
   end)
+end)
+
+describe("a materialised replicate unit", function()
+  -- tests/lua/scripts/ddp_units.lua: f32 and bf16 parameters, buckets of at most 104 bytes;
+  -- every rank checks its whole parameters, the mean of the gradients, one all_reduce per
+  -- bucket, AdamW's step and the bytes it allocated
+  for _, case in ipairs({ { 4, "dp_shard=4" }, { 2, "dp_shard=2" }, { 1, "dp_shard=1" }, { 4, "dp_shard=4", "frozen" },
+    { 4, "dp_replicate=2,dp_shard=2" } }) do
+    local n, mesh, extra = case[1], case[2], case[3]
+    it("runs on " .. mesh .. (extra and " with a frozen parameter" or ""), function()
+      local r = S.run({ "-n", tostring(n), "tests/lua/scripts/ddp_units.lua", mesh, "0.0001", extra })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      for rank = 0, n - 1 do
+        assert.matches("rank " .. rank .. ": replicate ok %(3 buckets, gradient max diff 0,", r.out)
+      end
+    end)
+  end
 end)
