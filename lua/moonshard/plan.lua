@@ -745,6 +745,11 @@ function Ctx:fully_shard(module, opts)
   else
     prev_unit = self.unit_of[module]
   end
+  if prev_unit and prev_unit.kind == "replicate" then
+    -- FSDP2's _get_managed_modules stops at a replicated module (_is_composable_with_fsdp)
+    fail(string.format("fully_shard(%s): the module is a replicate unit (at %s); a module is one unit at most",
+      display(name), prev_unit.site or "?"), true)
+  end
   if prev_unit then
     -- FSDP2 refuses it too: the module is already an FSDPModule
     fail(string.format("fully_shard(%s) is applied twice to the same module: first at %s, then at %s; a module " ..
@@ -859,11 +864,23 @@ end
 -- moonshard.plan_layout lays out the units (FSDP2's padded shards), moonshard.plan_memory
 -- sums what every rank holds; both with the planner's errors and checked sums.
 local helpers = { plan = M, fail = fail, add = add, mul = mul, too_big = too_big, display = display, shown = shown,
-  count_str = count_str, is_ancestor = is_ancestor, DTYPE_SIZE = DTYPE_SIZE, FLOAT = FLOAT, MAX = MAX }
+  count_str = count_str, call_site = call_site, is_ancestor = is_ancestor, DTYPE_SIZE = DTYPE_SIZE, FLOAT = FLOAT, MAX = MAX }
 local layout = require("moonshard.plan_layout").bind(helpers)
 local memory = require("moonshard.plan_memory").bind(helpers)
 local tensor_parallel = require("moonshard.plan_tp").bind(helpers)
 local pipeline = require("moonshard.plan_pp").bind(helpers)
+
+local replicate = require("moonshard.plan_replicate").bind(helpers)
+M.ddp_buckets = replicate.buckets
+
+--- Makes `module` a replicate unit, like DistributedDataParallel(module, bucket_cap_mb=...)
+-- (moonshard.plan_replicate): its parameters whole on every rank of one axis (default: the
+-- whole data-parallel group), their gradients averaged by one all_reduce per bucket.  opts:
+-- mesh (an axis name, or a list of one), bucket_cap_mb (nil: 25 MiB, the first bucket 1 MiB),
+-- find_unused_parameters, gradient_as_bucket_view, static_graph, broadcast_buffers (booleans,
+-- DDPConfig's, default false).  A fully_shard on an ancestor made later leaves its
+-- parameters to it, as FSDP2 does with a replicated module.
+function Ctx:replicate(module, opts) return replicate.replicate(self, module, opts) end
 
 --- Splits the model into pipeline stages (moonshard.plan_pp) before any unit is made.
 function Ctx:pipeline(opts) return pipeline.apply(self, opts) end
@@ -1188,6 +1205,26 @@ local function policy_context(ctx, opts)
       fail("ctx:tensor_parallel: the plan is a " .. type(plan) .. "; expected a table of module pattern = style")
     end
     return ctx:tensor_parallel(copy_data(plan, 0))
+  end
+  function pub.replicate(_, m, ropts)
+    local module = ctx:module(module_arg(view, m, "ctx:replicate"))
+    local o
+    if ropts ~= nil then
+      if type(ropts) ~= "table" then
+        fail(string.format("replicate(%s): the options are a %s; expected a table", display(ctx:name_of(module)),
+          type(ropts)))
+      end
+      o = {}
+      for k, v in next, ropts do o[k] = type(v) == "table" and (copy_data(v, 0) or {}) or v end
+    end
+    local unit = ctx:replicate(module, o)
+    local params, buckets = {}, {}
+    for i, p in ipairs(unit.params) do params[i] = view.param(p) end
+    for i, b in ipairs(unit.buckets) do
+      buckets[i] = { index = b.index, params = util.copy(b.fqns), bytes = b.bytes, dtype = b.dtype }
+    end
+    return { name = unit.name, kind = unit.kind, mesh_axes = util.copy(unit.mesh_axes), params = params,
+      buckets = buckets }
   end
   function pub.fully_shard(_, m, sopts)
     local module = ctx:module(module_arg(view, m, "ctx:fully_shard"))

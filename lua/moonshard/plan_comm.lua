@@ -353,7 +353,7 @@ function T.per_step(ctx, mesh, owned, tokens)
     for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do
       local c = u.comm[kind]
       if c then
-        comm[kind].count = comm[kind].count + 1
+        comm[kind].count = comm[kind].count + (c.count or 1) -- a replicate unit: one per bucket
         comm[kind].bytes = add(comm[kind].bytes, c.bytes, "the %s bytes per step", kind)
       end
     end

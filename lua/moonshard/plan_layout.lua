@@ -2,6 +2,7 @@
 -- parameter its shard dim and padded shard, per unit its dtypes, sizes and collectives.
 
 local util = require "moonshard.util"
+local replicate = require "moonshard.plan_replicate"
 
 local L = {}
 
@@ -84,8 +85,10 @@ end
 
 local function finish_unit(ctx, unit, fqn_of)
   local axes = unit.mesh_axes
-  local W = ctx.mesh:size(axes[#axes])
-  local R = #axes == 2 and ctx.mesh:size(axes[1]) or 1
+  -- a replicate unit (DDP) is laid out as a unit of one shard rank replicated over its axis
+  local replicated = unit.kind == "replicate"
+  local W = replicated and 1 or ctx.mesh:size(axes[#axes])
+  local R = (#axes == 2 or replicated) and ctx.mesh:size(axes[1]) or 1
   unit.shard_size, unit.replicate_size = W, R
   unit.reshard = reshard_value(unit, W)
   local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
@@ -98,9 +101,10 @@ local function finish_unit(ctx, unit, fqn_of)
   for _, p in ipairs(unit.params) do
     local fqn = fqn_of[p]
     local shape = fsdp_shape(ctx, p)
-    local d = shard_dim(unit, fqn, p, W, shape)
+    -- (DDP replicates a 0-dim parameter too; FSDP cannot shard one)
+    local d = replicated and 0 or shard_dim(unit, fqn, p, W, shape)
     local padded = util.copy(shape)
-    padded[d + 1] = util.ceil_div(shape[d + 1], W)
+    if #shape > 0 then padded[d + 1] = util.ceil_div(shape[d + 1], W) end
     local pn = numel_of(padded)
     local gather, red = plan.effective_dtypes(p.dtype, unit.mp)
     -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
@@ -142,8 +146,11 @@ local function finish_unit(ctx, unit, fqn_of)
         "in a unit of their own", display(unit.name), what, table.concat(parts, "; ")))
     end
   end
-  uniform(dtypes, "stored")
-  uniform(reduces, "reduce")
+  -- (DDP takes any mix: its buckets split by dtype)
+  if not replicated then
+    uniform(dtypes, "stored")
+    uniform(reduces, "reduce")
+  end
   unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
   -- parameters gathered in more than one dtype travel as bytes (FSDP2's uint8 all-gather)
   unit.gather_dtype = next(gathers)
@@ -185,6 +192,7 @@ local function finish_unit(ctx, unit, fqn_of)
   for _, c in ipairs(ag) do
     unit.all_gather_bytes = add(unit.all_gather_bytes, c.bytes, "the all-gather bytes of unit %s", uname)
   end
+  if replicated then replicate.finish(unit, R) end
   unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
   unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
 end

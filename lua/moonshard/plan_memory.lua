@@ -124,12 +124,17 @@ local function shards(ctx, optimizer, fqn_of)
       if e.param.requires_grad and FLOAT[e.param.dtype] then
         grads = grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
         local n = e.shape[e.dim + 1]
-        if n > 0 then
+        if u.kind == "replicate" then -- whole on every rank of the unit's axis: the same everywhere
+          mem.optimizer = add(mem.optimizer, mul(numel_of(e.shape), state_bytes(e.param.dtype),
+            "the optimizer state bytes of parameter %s", e.fqn), "the optimizer state bytes per rank")
+        elseif n > 0 then
           add_rows(u.mesh_axes[#u.mesh_axes], u.shard_size, n, util.idiv(numel_of(e.shape), n),
             state_bytes(e.param.dtype), u.offload ~= nil, e.fqn)
         end
       end
     end
+    -- DDP's bucket buffers beside the gradients (gradient_as_bucket_view false)
+    grads = grads + (u.bucket_buffer_bytes or 0)
     mem.params = add(mem.params, u.param_shard_bytes, "the parameter bytes per rank")
     mem.grads = add(mem.grads, grads, "the gradient bytes per rank")
     if u.offload then host.params, host.grads = host.params + u.param_shard_bytes, host.grads + grads end

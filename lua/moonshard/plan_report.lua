@@ -79,7 +79,8 @@ local function unit_json(u, plan)
     local placements, axes = plan_mod.placements(plan.mesh, tp, u, e.param, e.dim)
     local fields = {
       { "fqn", jstr(e.fqn) }, { "shape", jints(e.shape) }, { "dtype", jstr(e.param.dtype) },
-      { "placement", jstr(string.format("Shard(%d)", e.dim)) }, { "padded_shard_shape", jints(e.padded) },
+      { "placement", jstr(u.kind == "replicate" and "Replicate()" or string.format("Shard(%d)", e.dim)) },
+      { "padded_shard_shape", jints(e.padded) },
       { "local_shapes", local_shapes_json(e.shape, e.dim, u.shard_size) },
       { "placements", jstrs(placements) }, { "placement_axes", jstrs(axes) },
     }
@@ -111,6 +112,20 @@ local function unit_json(u, plan)
   fields[#fields + 1] = jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes)
   fields[#fields + 1] = jstr("reduce_scatter_bytes") .. ":" .. jnum(u.reduce_scatter_bytes)
   fields[#fields + 1] = jstr("all_reduce_bytes") .. ":" .. jnum(u.all_reduce_bytes)
+  if u.kind == "replicate" then -- DDP's options and its buckets, in the order they are reduced
+    local d = u.ddp
+    fields[#fields + 1] = jstr("ddp") .. ":" .. jobj({ { "bucket_cap_mb", d.bucket_cap_mb and jnum(d.bucket_cap_mb) or
+      "null" }, { "bucket_limits", jints(d.limits) }, { "find_unused_parameters", jbool(d.find_unused_parameters) },
+      { "gradient_as_bucket_view", jbool(d.gradient_as_bucket_view) }, { "static_graph", jbool(d.static_graph) },
+      { "broadcast_buffers", jbool(d.broadcast_buffers) } })
+    local buckets = {}
+    for i, b in ipairs(u.buckets) do
+      buckets[i] = "      " .. jobj({ { "index", jnum(b.index) }, { "params", jstrs(b.fqns) }, { "bytes", jnum(b.bytes) },
+        { "dtype", jstr(b.dtype) } })
+    end
+    fields[#fields + 1] = jstr("buckets") .. ":[" .. (#buckets > 0 and "\n" .. table.concat(buckets, ",\n") ..
+      "\n    " or "") .. "]"
+  end
   return "    {" .. table.concat(fields, ",") .. "}"
 end
 
@@ -293,6 +308,30 @@ local function dtypes_str(u)
   return g, r
 end
 
+--- A replicate unit's buckets as lines, each given to add: DDP's options, then per bucket
+-- (in the order DDP all-reduces them) its bytes, dtype and parameters (the first 32 buckets).
+function M.bucket_lines(u, mesh, add)
+  local d, axis = u.ddp, u.mesh_axes[1]
+  add("")
+  add(string.format("replicate unit %s (DDP) over %s=%d: %d bucket%s, one all_reduce each, in this order; cap %s%s%s",
+    u.name == "" and "<root>" or u.name, axis, mesh:size(axis), #u.buckets, #u.buckets == 1 and "" or "s",
+    util.bytes(d.limits[#d.limits]), d.limits[1] < d.limits[#d.limits] and ", first bucket " .. util.bytes(d.limits[1])
+      or "", d.find_unused_parameters and "; find_unused_parameters: the constructor's buckets" or
+      "; rebuilt after the first step in gradient order (taken as the reverse of the registration order)"))
+  if u.bucket_buffer_bytes > 0 then
+    add(string.format("  the buckets hold a second copy of the gradients (%s; gradient_as_bucket_view false), " ..
+      "counted in grads", util.bytes(u.bucket_buffer_bytes)))
+  end
+  for i, b in ipairs(u.buckets) do
+    if i > 32 then
+      add(string.format("  ... and %d more buckets (--json lists them)", #u.buckets - 32))
+      break
+    end
+    add(string.format("  %4d %10s %-5s %4d param%s  %s%s", b.index, util.bytes(b.bytes), b.dtype, #b.fqns,
+      #b.fqns == 1 and " " or "s", b.fqns[1], #b.fqns > 1 and " .. " .. b.fqns[#b.fqns] or ""))
+  end
+end
+
 --- The plan as text: units, expert parallelism, memory per rank, communication, warnings.
 function M.to_text(plan, opts)
   opts = opts or {}
@@ -385,9 +424,12 @@ function M.to_text(plan, opts)
     local raf = u.reshard
     add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
       u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
-      type(raf) == "boolean" and tostring(raf) or tostring(raf), util.bytes(u.all_gather_bytes),
+      u.kind == "replicate" and "-" or tostring(raf), util.bytes(u.all_gather_bytes),
       util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
       or "") .. (offload and "  " .. (u.offload or "-") or "") .. (staged and string.format("  %5d", u.stage) or ""))
+  end
+  for _, u in ipairs(plan.units) do
+    if u.kind == "replicate" then M.bucket_lines(u, plan.mesh, add) end
   end
   if #plan.owned > 0 then
     local n, bytes = 0, 0
@@ -540,7 +582,8 @@ function M.rank_view(plan, r)
     local padded
     if iu then
       local u, e = iu.unit, iu.entry
-      local W, c = u.shard_size, mesh:coord(u.mesh_axes[#u.mesh_axes], r)
+      -- (a replicate unit's one shard rank: every rank holds coordinate 0's, the whole)
+      local W, c = u.shard_size, u.kind == "replicate" and 0 or mesh:coord(u.mesh_axes[#u.mesh_axes], r)
       -- the shape FSDP shards on this rank: its tp coordinate's piece of a tensor-parallel one
       local base = t and t.local_shapes[mesh:coord("tp", r) + 1] or e.shape
       local n = base[e.dim + 1]

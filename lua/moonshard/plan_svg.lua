@@ -45,7 +45,8 @@ function M.render(plan)
     local g = u.entries[1] and u.entries[1].gather or u.mp.param_dtype or "f32"
     add(row_of(u.name), { label = short(u.name), size = math.max(u.numel, 1), colour = COLOURS[g] or "#95a5a6",
       tip = string.format("%s: %s params, %s, gather %s, reduce %s", u.name == "" and "<root>" or u.name,
-        util.thousands(u.numel), u.kind, g, u.reduce_dtype_eff or "-") })
+        util.thousands(u.numel), u.kind, g, u.reduce_dtype_eff or "-") ..
+        (u.buckets and string.format(", %d DDP buckets all-reduced over %s", #u.buckets, u.mesh_axes[1]) or "") })
   end
   local ep_rows = {}
   for _, o in ipairs(plan.owned) do

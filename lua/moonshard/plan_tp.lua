@@ -292,7 +292,7 @@ function T.placements(mesh, tp, unit, p, d)
   local axes, out = {}, {}
   for i, a in ipairs(unit.mesh_axes) do
     axes[i] = a
-    out[i] = i < #unit.mesh_axes and "Replicate()" or string.format("Shard(%d)", d)
+    out[i] = (i < #unit.mesh_axes or unit.kind == "replicate") and "Replicate()" or string.format("Shard(%d)", d)
   end
   local t = tp and tp[p]
   if t then

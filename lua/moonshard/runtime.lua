@@ -76,8 +76,9 @@ local function check_agreement(plan, mc, world)
   end
 end
 
---- materialize(plan) -> rank state {units = {...} (the plan's, then the ep-local ones), by_name = {},
--- ep_local = {the ep-local units}}
+--- materialize(plan) -> rank state {units = {...} (the plan's, a replicate unit's as one per
+-- bucket, then the ep-local ones), by_name = {}, ep_local = {the ep-local units}, replicas =
+-- {replicate unit name -> its runtime units}}
 function M.materialize(plan)
   local mc = type(plan) == "table" and plan.mesh
   if type(mc) ~= "table" or type(mc.root_axes) ~= "function" or type(plan.units) ~= "table" then
@@ -137,17 +138,60 @@ function M.materialize(plan)
   -- the pieces differ between tp ranks (the plan's entries are tp rank 0's).
   local tp = plan.tensor_parallel and plan.tensor_parallel.params
   local tp_coord = mc:coord("tp", ms.rank())
-  for _, pu in ipairs(plan.units) do
-    local axes_u = pu.mesh_axes
-    local params = {}
-    for _, e in ipairs(pu.entries) do
-      local t = tp and tp[e.param]
-      params[#params + 1] = { fqn = e.fqn, shape = t and t.local_shapes[tp_coord + 1] or e.shape, dtype = e.param.dtype,
-        dim = e.dim, requires_grad = e.param.requires_grad }
+  -- A replicate unit (DDP) runs as one unit per bucket of the plan, in the order DDP reduces
+  -- them, named "<unit>[bucket i]": HSDP units whose shard group is this rank alone (nothing
+  -- is gathered: the parameters stay whole) and whose replicate group is the unit's axis, so
+  -- that reduce_grads is the bucket's one all_reduce, in the stored dtype, each gradient
+  -- divided by the group's size before the sum (torch's Reducer multiplies it by 1/size:
+  -- the same for a power of two).  Frozen parameters, in no bucket, are a unit
+  -- "<unit>[frozen]" that never reduces.  state.replicas[name] lists a unit's runtime units.
+  state.replicas = {}
+  local one_rank
+  local function add_replicate(pu)
+    one_rank = one_rank or ms.mesh({ { "replicas", ms.world_size() }, { "self", 1 } }):group("self")
+    local axis = pu.mesh_axes[1]
+    local size = mc:size(axis)
+    local list = {}
+    local function entry(p, fqn)
+      if #p.shape == 0 then
+        fail(string.format("materialize: replicate unit %s: parameter %s is 0-dim; a runtime unit holds tensors of 1 " ..
+          "to 8 dims", pu.name == "" and "<root>" or pu.name, fqn))
+      end
+      return { fqn = fqn, shape = p.shape, dtype = p.dtype, dim = 0, requires_grad = p.requires_grad }
     end
-    local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
-    add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
-      pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu")
+    local fqn_of, in_bucket = {}, {}
+    for _, e in ipairs(pu.entries) do fqn_of[e.param] = e.fqn end
+    for _, b in ipairs(pu.buckets) do
+      local params = {}
+      for i, p in ipairs(b.params) do
+        params[i] = entry(p, b.fqns[i])
+        in_bucket[p] = true
+      end
+      list[#list + 1] = add_unit(string.format("%s[bucket %d]", pu.name, b.index), one_rank,
+        size > 1 and group(axis) or nil, nil, nil, false, params, size > 1 and size or nil)
+    end
+    local frozen = {}
+    for _, e in ipairs(pu.entries) do
+      if not in_bucket[e.param] then frozen[#frozen + 1] = entry(e.param, e.fqn) end
+    end
+    if #frozen > 0 then list[#list + 1] = add_unit(pu.name .. "[frozen]", one_rank, nil, nil, nil, false, frozen) end
+    state.replicas[pu.name] = list
+  end
+  for _, pu in ipairs(plan.units) do
+    if pu.kind == "replicate" then
+      add_replicate(pu)
+    else
+      local axes_u = pu.mesh_axes
+      local params = {}
+      for _, e in ipairs(pu.entries) do
+        local t = tp and tp[e.param]
+        params[#params + 1] = { fqn = e.fqn, shape = t and t.local_shapes[tp_coord + 1] or e.shape, dtype = e.param.dtype,
+          dim = e.dim, requires_grad = e.param.requires_grad }
+      end
+      local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
+      add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
+        pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu")
+    end
   end
   -- ep-local units: the unsharded expert parameters of each module, in plan order.  Expert
   -- parameters that no planned unit holds (ep_shard = 1) are not sharded at all; they still
