@@ -328,7 +328,8 @@ describe("the shipped policies' options", function()
         -- Automodel's distributed config: no sequence parallel, the plan of the architecture
         sequence_parallel = false, tp_plan = "auto",
         -- Automodel's pipeline config: pp_schedule 1f1b, no layers_per_stage, no rounding
-        ["pipeline.schedule"] = "1F1B", ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none" },
+        ["pipeline.schedule"] = "1F1B", ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none",
+        ["pipeline.split"] = "automodel" },
       ["policies/full_fp32.lua"] = { activation_checkpointing = false, ["prefetch.forward"] = 1,
         ["prefetch.backward"] = 2 },
       -- FSDP2's implicit prefetch, which Automodel's parallelizers leave in place
@@ -407,8 +408,8 @@ describe("a derived policy (with)", function()
   it("refuses an unknown option by name, and a wrong default when planned", function()
     local msg = errmsg(load, 'return require("fsdp2_default").with{ reshard = 1 }\n')
     assert_has(msg, "with: unknown option 'reshard'; the options are: activation_checkpointing, lm_head_precision, " ..
-      "offload_policy, pipeline.layers_per_stage, pipeline.round, pipeline.schedule, prefetch.backward, prefetch.explicit, " ..
-      "prefetch.forward, reshard_after_forward, sequence_parallel, tp_plan, wrap_outer_model")
+      "offload_policy, pipeline.layers_per_stage, pipeline.round, pipeline.schedule, pipeline.split, prefetch.backward, " ..
+      "prefetch.explicit, prefetch.forward, reshard_after_forward, sequence_parallel, tp_plan, wrap_outer_model")
     -- the file that called with, not derive.lua: a tail call leaves no line of it on the stack
     assert_has(msg, "moonshard: policy " .. dir .. "/derived.lua: with: unknown option")
     assert_has(errmsg(load, 'local p = require("by_dtype").with(5)\nreturn p\n'),
@@ -433,7 +434,8 @@ describe("a derived policy (with)", function()
     os.remove(cfg)
     assert.equal(0, r.code, r.err)
     assert_has(r.out, "\noptions activation_checkpointing=false (set), lm_head_precision=none, offload_policy=none, " ..
-      "pipeline.layers_per_stage=none, pipeline.round=none, pipeline.schedule=1F1B, prefetch.backward=none, " ..
+      "pipeline.layers_per_stage=none, pipeline.round=none, pipeline.schedule=1F1B, pipeline.split=automodel, " ..
+      "prefetch.backward=none, " ..
       "prefetch.explicit=false, prefetch.forward=none, reshard_after_forward=false, sequence_parallel=false, " ..
       "tp_plan=auto, wrap_outer_model=true\n")
     assert.is_false(has(r.out, "activation checkpointing:"))
