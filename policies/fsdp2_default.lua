@@ -231,23 +231,49 @@ end
 -- Whether the model has grouped experts (an MoE model the MoE parallelizer is for).
 local function has_experts(model) return experts_of(model) ~= nil end
 
+--- Automodel's AutoPipeline split (ctx:pipeline) with the options pipeline.schedule,
+-- pipeline.layers_per_stage and pipeline.round (the policies that plan pp > 1 declare them:
+-- M.PIPELINE_OPTIONS); returns the stages.
+function M.split_stages(ctx, o)
+  local pipeline = o.pipeline or {}
+  return ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
+    round_virtual_stages_to_pp_multiple = pipeline.round }
+end
+M.PIPELINE_OPTIONS = { "pipeline.schedule", "pipeline.layers_per_stage", "pipeline.round" }
+
+--- The decoder layers of a stage, in order.
+function M.stage_layers(ctx, stage)
+  local layers, out = ctx:module("model.layers"), {}
+  for i = stage.layers.first, stage.layers.first + stage.layers.count - 1 do
+    out[#out + 1] = layers.children[layers.child_order[i + 1]]
+  end
+  return out
+end
+
+--- true when a module of the stage still holds a parameter no unit owns: the stage's part
+-- of the root has something to hold.
+function M.stage_has_unowned(ctx, stage)
+  for _, name in ipairs(stage.modules) do
+    for _, np in ipairs(ctx:params_of(name)) do
+      if not ctx:is_owned(np[2]) then return true end
+    end
+  end
+  return false
+end
+
 -- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense
 -- parallelizer shards each stage's part: its layers, then its root, which does not reshard
 -- after forward; the layers do not either (Automodel's rule under pipeline parallelism).
 local function pipelined(ctx, o)
-  local pipeline = o.pipeline or {}
   -- activation checkpointing first: the wrappers stay in their layers' stages
   if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
-  local stages = ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
-    round_virtual_stages_to_pp_multiple = pipeline.round }
+  local stages = M.split_stages(ctx, o)
   tensor_parallel(ctx, o, false)
-  local layers = ctx:module("model.layers")
   local raf = o.reshard_after_forward
   if raf == nil then raf = false end
   for _, s in ipairs(stages) do
-    for i = s.layers.first, s.layers.first + s.layers.count - 1 do
-      ctx:fully_shard(layers.children[layers.child_order[i + 1]], { mp_policy = M.precision, reshard_after_forward = raf,
-        offload_policy = o.offload_policy })
+    for _, layer in ipairs(M.stage_layers(ctx, s)) do
+      ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy })
     end
     ctx:fully_shard(ctx.model, { stage = s.index, mp_policy = M.precision, reshard_after_forward = false,
       offload_policy = o.offload_policy })
