@@ -24,6 +24,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef MOONSHARD_HAVE_MPI
+#include <mpi.h>
+#endif
 
 // ----------------------------------------------------------------------------
 // hyperparameters: fixed, so that runs on any number of ranks are comparable
@@ -48,11 +51,12 @@ static const char USAGE[] =
     "\n"
     "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
     "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
-    "run as threads of this process; rank 0 prints \"step K loss L\" after every step, L the\n"
+    "run as threads of this process, or one a process under mpirun -np RANKS (the MPI\n"
+    "world; as many ranks as -n says); rank 0 prints \"step K loss L\" after every step, L the\n"
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks (threads), 1..64: pp x dp_replicate x dp_shard of the mesh\n"
+    "  -n RANKS        ranks, 1..64: pp x dp_replicate x dp_shard of the mesh\n"
     "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
     "                  needs dp_shard > 1), dp_shard=4,ep=2 (ep divides the data-parallel\n"
     "                  ranks) or pp=2,dp_shard=2 (a pipeline, below): axes dp_replicate,\n"
@@ -854,6 +858,32 @@ static int save_end(Options *o, int status) {
     return status;
 }
 
+// The world: RANKS threads of this process (moonshard's threads world; *lo = 0, *hi =
+// RANKS), or, started by an MPI launcher (mpirun -np RANKS), this process's rank of the MPI
+// world (*lo = its rank, *hi = *lo + 1).  0, or -1 with the reason printed.
+static int make_world(const Options *o, ms_world **world, int *lo, int *hi) {
+    *lo = 0, *hi = o->nranks;
+    if (!ms_mpi_launched()) {
+        if (!ms_threads_world_new(world, o->nranks, 0)) return 0;
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return -1;
+    }
+#ifdef MOONSHARD_HAVE_MPI
+    if (ms_mpi_world_new(world, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return -1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, lo);
+    *hi = *lo + 1;
+    if (ms_world_size(*world) == o->nranks) return 0;
+    fprintf(stderr, "moe_trainer: -n %d but the MPI launcher started %d ranks\n", o->nranks, ms_world_size(*world));
+    ms_world_release(*world);
+#else
+    fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI (run it without mpirun)\n");
+#endif
+    return -1;
+}
+
 int main(int argc, char **argv) {
     Options opt;
     int st = parse_options(argc, argv, &opt);
@@ -871,16 +901,16 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return save_end(&opt, st);
     }
-    ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
-    if (ms_threads_world_new(&world, opt.nranks, 0)) {
-        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+    ms_world *world = NULL;
+    int lo, hi; // the ranks this process runs: all of them as threads, or under mpirun its own
+    if (make_world(&opt, &world, &lo, &hi)) {
         dataset_close(&data);
         return save_end(&opt, 1);
     }
     pthread_t tid[MAX_RANKS];
     int started[MAX_RANKS];
     static RankArgs args[MAX_RANKS];
-    for (int r = 0; r < opt.nranks; r++) {
+    for (int r = lo; r < hi; r++) {
         args[r] = (RankArgs){.opt = &opt, .data = &data, .world = world, .rank = r};
         started[r] = pthread_create(&tid[r], NULL, rank_main, &args[r]) == 0;
         if (!started[r]) { // the others must not wait for it
@@ -889,17 +919,17 @@ int main(int argc, char **argv) {
             ms_world_rank_done(world, r, 1);
         }
     }
-    for (int r = 0; r < opt.nranks; r++)
+    for (int r = lo; r < hi; r++)
         if (started[r]) pthread_join(tid[r], NULL);
     // The first failure that is not a peer's echo of another rank's failure.
     int failed = -1;
-    for (int r = opt.nranks - 1; r >= 0; r--)
+    for (int r = hi - 1; r >= lo; r--)
         if (args[r].status && (failed < 0 || args[r].status != MS_ERR_PEER)) failed = r;
     if (failed >= 0) {
         fprintf(stderr, "moe_trainer: rank %d: %s\n", failed, args[failed].err);
     } else if (opt.memory) {
         static const char *const cats[3] = {"params", "grads", "optimizer"};
-        for (int r = 0; r < opt.nranks; r++)
+        for (int r = lo; r < hi; r++)
             for (int c = 0; c < 3; c++)
                 printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", r, cats[c],
                        (long long)args[r].bytes[c], (long long)args[r].planned[c], (long long)args[r].books[c],
