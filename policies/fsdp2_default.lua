@@ -251,11 +251,34 @@ end
 -- Whether the model has grouped experts (an MoE model the MoE parallelizer is for).
 local function has_experts(model) return experts_of(model) ~= nil end
 
--- The pipeline split (Automodel's AutoPipeline), from the pipeline.* options.
-local function split_stages(ctx, o)
+--- Automodel's AutoPipeline split (ctx:pipeline) with the options pipeline.schedule,
+-- pipeline.layers_per_stage, pipeline.round and pipeline.split (the policies that plan pp > 1 declare them:
+-- M.PIPELINE_OPTIONS); returns the stages.
+function M.split_stages(ctx, o)
   local pipeline = o.pipeline or {}
   return ctx:pipeline{ schedule = pipeline.schedule, layers_per_stage = pipeline.layers_per_stage,
     round_virtual_stages_to_pp_multiple = pipeline.round, split = pipeline.split }
+end
+M.PIPELINE_OPTIONS = { "pipeline.schedule", "pipeline.layers_per_stage", "pipeline.round", "pipeline.split" }
+
+--- The decoder layers of a stage, in order.
+function M.stage_layers(ctx, stage)
+  local layers, out = ctx:module("model.layers"), {}
+  for i = stage.layers.first, stage.layers.first + stage.layers.count - 1 do
+    out[#out + 1] = layers.children[layers.child_order[i + 1]]
+  end
+  return out
+end
+
+--- true when a module of the stage still holds a parameter no unit owns: the stage's part
+-- of the root has something to hold.
+function M.stage_has_unowned(ctx, stage)
+  for _, name in ipairs(stage.modules) do
+    for _, np in ipairs(ctx:params_of(name)) do
+      if not ctx:is_owned(np[2]) then return true end
+    end
+  end
+  return false
 end
 
 -- Under a pipeline (pp > 1), Automodel's AutoPipeline splits the model first and the dense
@@ -264,15 +287,13 @@ end
 local function pipelined(ctx, o)
   -- activation checkpointing first: the wrappers stay in their layers' stages
   if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
-  local stages = split_stages(ctx, o)
+  local stages = M.split_stages(ctx, o)
   tensor_parallel(ctx, o, false)
-  local layers = ctx:module("model.layers")
   local raf = o.reshard_after_forward
   if raf == nil then raf = false end
   for _, s in ipairs(stages) do
-    for i = s.layers.first, s.layers.first + s.layers.count - 1 do
-      ctx:fully_shard(layers.children[layers.child_order[i + 1]], { mp_policy = M.precision, reshard_after_forward = raf,
-        offload_policy = o.offload_policy })
+    for _, layer in ipairs(M.stage_layers(ctx, s)) do
+      ctx:fully_shard(layer, { mp_policy = M.precision, reshard_after_forward = raf, offload_policy = o.offload_policy })
     end
     ctx:fully_shard(ctx.model, { stage = s.index, mp_policy = M.precision, reshard_after_forward = false,
       offload_policy = o.offload_policy })
@@ -290,7 +311,7 @@ function M.parallelize(ctx)
   if ctx.mesh:size("pp") > 1 then
     if moe and has_experts(ctx.model) then
       if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
-      local stages = split_stages(ctx, o)
+      local stages = M.split_stages(ctx, o)
       tensor_parallel(ctx, o, true)
       return expert_parallel(ctx, o, stages)
     end

@@ -14,6 +14,15 @@
 -- per-expert modules are not split (the plan warns that ep places nothing).  A tied head
 -- (lm_head.weight is the embedding's) makes neither a unit: the root owns the shared weight,
 -- as in fsdp2_default.
+--
+-- Under a pipeline (pp > 1) Automodel's AutoPipeline split comes first (ctx:pipeline, as
+-- fsdp2_default plans it: the layers evenly over the stages, the embedding in stage 0, the
+-- final norm, output_query and lm_head in the last); then per stage its decoder layers,
+-- embed_tokens or lm_head where the stage has them, and the stage's part of the root for
+-- what is left (the final norm and output_query), none of them resharding after forward
+-- (Automodel's rule under pipeline parallelism: a stage runs several micro-batches through
+-- its layers before any backward).  Expert parallelism with a pipeline is not planned
+-- (fsdp2_default refuses it too).
 
 local fsdp2_default = require "fsdp2_default"
 
@@ -26,13 +35,35 @@ M.options = {
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward" },
   ["prefetch.backward"] = { default = 2, min = 0, doc = "units gathered ahead in backward" },
 }
+for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
 M.with = require("derive").with_of(M)
+
+local function pipelined(ctx, o)
+  if ctx.mesh:size("ep") > 1 then
+    error("full_fp32: pipelines with expert parallelism (pp > 1 with ep > 1) are not planned; use ep = 1 or pp = 1", 0)
+  end
+  local stages = fsdp2_default.split_stages(ctx, o) -- (refuses a tied head)
+  for _, s in ipairs(stages) do
+    for _, layer in ipairs(fsdp2_default.stage_layers(ctx, s)) do
+      ctx:fully_shard(layer, { mp_policy = M.fp32, reshard_after_forward = false })
+    end
+    for _, name in ipairs(s.modules) do
+      if name == "model.embed_tokens" or name == "lm_head" then
+        ctx:fully_shard(name, { mp_policy = M.fp32, reshard_after_forward = false })
+      end
+    end
+    if fsdp2_default.stage_has_unowned(ctx, s) then
+      ctx:fully_shard(ctx.model, { stage = s.index, mp_policy = M.fp32, reshard_after_forward = false })
+    end
+  end
+end
 
 function M.parallelize(ctx)
   local o = ctx.options
   if o.prefetch then ctx:set_prefetch(o.prefetch) end
   local layers = ctx:module("model.layers")
   if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
+  if ctx.mesh:size("pp") > 1 then return pipelined(ctx, o) end
   local n = #layers.child_order
   local use_ep, ep_shard = ctx.mesh:size("ep") > 1, ctx.mesh:size("ep_shard") > 1
   local ignored = {}

@@ -141,8 +141,10 @@ int ms_interp_unit_count(ms_interp *in);
  * by ms_interp_exec does, so the pointer is valid until then; ms_unit_retain it to keep
  * it longer. */
 ms_unit *ms_interp_unit(ms_interp *in, int i);
-/* The unit and parameter index of a parameter by its name (host or plan name).
- * MS_ERR_STATE before materialize; MS_ERR_ARG for a name the plan does not have. */
+/* The unit and parameter index of a parameter by its name (host or plan name); under a
+ * pipeline, -1 and -1 for a parameter of another pp rank's stage (this rank holds only its
+ * own stage's units).  MS_ERR_STATE before materialize; MS_ERR_ARG for a name the plan
+ * does not have. */
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index);
 
 /* MS_API_END */

@@ -4,7 +4,8 @@
  *
  *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N --seed S [--config FILE] [--save FILE]
  *
- * Rank 0 prints "step K loss L" per step; USAGE below lists every option.
+ * Rank 0 prints "step K loss L" per step; USAGE below lists every option.  pipeline.c runs
+ * the pipeline (--mesh pp=P): train_step hands it the step.
  */
 #include <moonshard.h>
 #include <moonshard_embed.h>
@@ -23,6 +24,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef MOONSHARD_HAVE_MPI
+#include <mpi.h>
+#endif
 
 // ----------------------------------------------------------------------------
 // hyperparameters: fixed, so that runs on any number of ranks are comparable
@@ -47,15 +51,17 @@ static const char USAGE[] =
     "\n"
     "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
     "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
-    "run as threads of this process; rank 0 prints \"step K loss L\" after every step, L the\n"
+    "run as threads of this process, or one a process under mpirun -np RANKS (the MPI\n"
+    "world; as many ranks as -n says); rank 0 prints \"step K loss L\" after every step, L the\n"
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks (threads), 1..64: dp_replicate x dp_shard of the mesh\n"
+    "  -n RANKS        ranks, 1..64: pp x dp_replicate x dp_shard of the mesh\n"
     "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
-    "                  needs dp_shard > 1) or dp_shard=4,ep=2 (ep divides RANKS): axes\n"
-    "                  dp_replicate, dp_shard and ep, each at most once, sizes 1..64, unset\n"
-    "                  sizes 1; pp, cp and tp may be given as 1 only (not implemented)\n"
+    "                  needs dp_shard > 1), dp_shard=4,ep=2 (ep divides the data-parallel\n"
+    "                  ranks) or pp=2,dp_shard=2 (a pipeline, below): axes dp_replicate,\n"
+    "                  dp_shard, ep and pp, each at most once, sizes 1..64, unset sizes 1;\n"
+    "                  cp and tp may be given as 1 only (not implemented)\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 1)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
@@ -72,8 +78,13 @@ static const char USAGE[] =
     "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
     "  --eps E         AdamW's eps (default 1e-8)\n"
     "  --max-norm X    the gradient norm is clipped at X (default 1.0; 0: no clipping)\n"
+    "  --microbatches M  with pp > 1: micro-batches a step (default pp); M divides each\n"
+    "                  data-parallel rank's rows, and 1F1B needs M >= pp (PyTorch's rule)\n"
+    "  --schedule NAME with pp > 1: the policy's pipeline.schedule option (GPipe or 1F1B,\n"
+    "                  the policy's default 1F1B)\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
-    "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
+    "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\" (with pp > 1 the\n"
+    "                  units of stage 0, the only ones rank 0 holds)\n"
     "  --memory        at the end, print per rank the bytes its units allocated for\n"
     "                  parameters, gradients and optimizer state after the first step\n"
     "                  (counted where the memory is allocated), against the planner's\n"
@@ -82,16 +93,23 @@ static const char USAGE[] =
     "  -h, --help      this text\n"
     "\n"
     "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
-    "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight decay; gradient\n"
-    "norm clipped at --max-norm; e_score_correction_bias is frozen.\n"
+    "by dp_replicate x dp_shard).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight\n"
+    "decay; gradient norm clipped at --max-norm; e_score_correction_bias is frozen.\n"
     "\n"
     "Expert parallelism (ep > 1): the ranks form groups of ep consecutive ranks; rank r\n"
     "holds experts [(r mod ep) E/ep, (r mod ep + 1) E/ep) of every layer, and each layer\n"
     "sends its tokens to the experts' ranks and the results back with all_to_all on that\n"
     "group (gradients likewise in backward).  The planner's MoE mesh decides the rest:\n"
     "with ep_shard = RANKS/ep > 1 the experts are also FSDP-sharded over ep_shard.\n"
-    "Not implemented: pipeline (pp), context (cp: each sequence split over ranks) and tensor\n"
-    "(tp) parallelism; every rank is a data-parallel rank.\n"
+    "\n"
+    "Pipelines (pp > 1): the policy splits the layers over pp stages (the embedding in the\n"
+    "first, the head in the last); rank r runs stage r / dp for the rows of data-parallel\n"
+    "rank r mod dp, in M micro-batches in the schedule's order (1F1B: warm-up forwards,\n"
+    "then one backward and one forward, then the last backwards), sending each\n"
+    "micro-batch's activation to the next stage and its gradient back.  The units reduce\n"
+    "once after the last micro-batch; the loss is the mean over micro-batches and ranks.\n"
+    "Not with ep > 1.  Not implemented: context (cp: each sequence split over ranks) and\n"
+    "tensor (tp) parallelism.\n"
     "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
     "2 refused before training: a usage error, a --config, --data or --save file that\n"
     "cannot be used, or a text shorter than seq_len + 1 bytes.\n";
@@ -133,9 +151,9 @@ static int parse_double(const char *s, double *out) {
 // --mesh: the trainer needs the data-parallel and ep sizes.  Whatever it refuses is refused
 // here, before any rank starts; the planner checks the sizes again.
 static int parse_mesh(Options *o) {
-    enum { DP_REPLICATE, DP_SHARD, EP, PP, CP, TP, NAXES }; // PP.. not implemented: only 1
+    enum { DP_REPLICATE, DP_SHARD, EP, PP, CP, TP, NAXES }; // CP, TP not implemented: only 1
     static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "pp", "cp", "tp"};
-    static const char *const kinds[NAXES] = {[PP] = "pipeline", [CP] = "context", [TP] = "tensor"};
+    static const char *const kinds[NAXES] = {[CP] = "context", [TP] = "tensor"};
     long size[NAXES] = {1, 1, 1, 1, 1, 1};
     int given[NAXES] = {0};
     char spec[256];
@@ -151,26 +169,30 @@ static int parse_mesh(Options *o) {
         int a = 0;
         while (a < NAXES && strcmp(item, axes[a])) a++;
         if (a == NAXES)
-            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep; pp, cp, tp as 1)",
+            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep, pp; cp, tp as 1)",
                                o->mesh, item);
         if (given[a]++) return usage_error("--mesh %s: axis '%s' given twice", o->mesh, item);
         if (parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
             return usage_error("--mesh %s: the size of %s must be an integer 1..%d, got '%s'", o->mesh, item,
                                MAX_RANKS, eq + 1);
-        if (a >= PP && size[a] > 1)
+        if (a > PP && size[a] > 1)
             return usage_error("--mesh %s: %s parallelism (%s=%ld) is not implemented by moe_trainer; %s may only be 1",
                                o->mesh, kinds[a], item, size[a], item);
     }
-    long world = size[DP_REPLICATE] * size[DP_SHARD];
+    long dp = size[DP_REPLICATE] * size[DP_SHARD], world = dp * size[PP];
     if (world != o->nranks)
         return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
+    if (size[PP] > 1 && size[EP] > 1)
+        return usage_error("--mesh %s: expert parallelism under a pipeline (pp > 1 with ep > 1) is not implemented "
+                           "by moe_trainer", o->mesh);
     if (size[DP_REPLICATE] > 1 && size[DP_SHARD] == 1) // the planner's rule, as Automodel's
         return usage_error("--mesh %s: dp_replicate = %ld needs dp_shard > 1 (for pure data parallelism use "
-                           "dp_shard=%ld)", o->mesh, size[DP_REPLICATE], world);
-    o->dp = (int)world; // with pp = cp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
+                           "dp_shard=%ld)", o->mesh, size[DP_REPLICATE], dp);
+    o->dp = (int)dp; // with cp = tp = 1, rank r is stage r / dp (pp outermost) and dp index r % dp
+    o->pp = (int)size[PP];
     o->ep = (int)size[EP];
-    if (world % o->ep)
-        return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, world);
+    if (dp % o->ep)
+        return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, dp);
     return 0;
 }
 
@@ -220,11 +242,12 @@ static int parse_options(int argc, char **argv, Options *o) {
     memset(o, 0, sizeof *o);
     model_config_default(&o->model);
     o->batch_size = DEFAULT_BATCH;
-    const char *n = NULL, *steps = NULL, *seed = NULL, *eps = NULL, *max_norm = NULL;
+    const char *n = NULL, *steps = NULL, *seed = NULL, *eps = NULL, *max_norm = NULL, *micro = NULL;
     const struct { const char *flag; const char **value; } valued[] = {
         {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
         {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
-        {"--eps", &eps},      {"--max-norm", &max_norm},
+        {"--eps", &eps},      {"--max-norm", &max_norm}, {"--microbatches", &micro},
+        {"--schedule", &o->schedule},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -269,6 +292,15 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (model_config_check(&o->model, err, sizeof err)) return usage_error("%s", err);
     if (o->batch_size % o->dp)
         return usage_error("batch_size %d does not divide over the %d data-parallel ranks", o->batch_size, o->dp);
+    if ((micro || o->schedule) && o->pp == 1)
+        return usage_error("%s is for a pipeline (--mesh with pp > 1)", micro ? "--microbatches" : "--schedule");
+    o->microbatches = o->pp;
+    if (micro && parse_long(micro, 1, MAX_CONFIG_VALUE, &v))
+        return usage_error("--microbatches %s: expected an integer 1..%d", micro, MAX_CONFIG_VALUE);
+    if (micro) o->microbatches = (int)v;
+    if (o->pp > 1 && (o->batch_size / o->dp) % o->microbatches)
+        return usage_error("--microbatches %d does not divide the %d rows of each data-parallel rank (batch_size %d "
+                           "over %d)", o->microbatches, o->batch_size / o->dp, o->batch_size, o->dp);
     if (o->model.num_experts % o->ep)
         return usage_error("num_experts %d does not divide over ep = %d", o->model.num_experts, o->ep);
     return 0;
@@ -288,7 +320,7 @@ ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...
     return st;
 }
 
-static ms_status all_reduce_one(Trainer *tr, double *v, ms_op op) {
+ms_status all_reduce_one(Trainer *tr, double *v, ms_op op) {
     ms_tensor *t = NULL;
     int64_t one = 1;
     TRY("wrapping a scalar", ms_tensor_wrap(&t, v, 1, &one, MS_F64));
@@ -372,6 +404,7 @@ static ms_status locate_params(Trainer *tr) {
     for (int i = 0; i < tr->nparams; i++) {
         TRY("locating parameters", ms_interp_find_param(tr->in, tr->table[i].name, &tr->unit_of[i], &tr->index_of[i]));
         int u = tr->unit_of[i], s = tr->stage_of[i] = param_stage(tr->cfg, i);
+        if (u < 0 && tr->opt->pp > 1) continue; // another pipeline stage's
         if (u < 0) return fail(tr, MS_ERR_ARG, "locating parameters", "%s is held outside every shard unit",
                                tr->table[i].name);
         if (tr->first_stage[u] < 0 || s < tr->first_stage[u]) tr->first_stage[u] = s;
@@ -393,6 +426,7 @@ static ms_status wrap_param(Trainer *tr, int i, float *data, ms_tensor **out) {
 // (which keeps its own rows of it).
 static ms_status init_params(Trainer *tr) {
     for (int i = 0; i < tr->nparams; i++) {
+        if (tr->unit_of[i] < 0) continue; // another pipeline stage's
         model_init_param(tr->cfg, i, tr->param_ptrs[i], tr->opt->seed);
         ms_tensor *full = NULL;
         ms_status st = wrap_param(tr, i, tr->param_ptrs[i], &full);
@@ -418,7 +452,7 @@ static int uses(const Trainer *tr, int s, int u) {
 }
 
 // Starts the all-gather of every unit stage s reads that is not gathered yet.
-static ms_status unshard_stage(Trainer *tr, int s) {
+ms_status unshard_stage(Trainer *tr, int s) {
     for (int u = 0; u < tr->nunits; u++) {
         if (tr->gathered[u] || !uses(tr, s, u)) continue;
         TRY("unshard", ms_unit_unshard(tr->units[u]));
@@ -428,7 +462,7 @@ static ms_status unshard_stage(Trainer *tr, int s) {
 }
 
 // Waits for stage s's units; its parameters, in their gather dtype, cast to f32 for the kernels.
-static ms_status gather_stage(Trainer *tr, int s) {
+ms_status gather_stage(Trainer *tr, int s) {
     for (int u = 0; u < tr->nunits; u++)
         if (uses(tr, s, u)) TRY("waiting for an unshard", ms_unit_wait(tr->units[u]));
     for (int i = 0; i < tr->nparams; i++) {
@@ -445,7 +479,7 @@ static ms_status gather_stage(Trainer *tr, int s) {
 }
 
 // Unit u's f32 gradients cast into its unsharded gradients (gather dtype), then reduced.
-static ms_status reduce_unit(Trainer *tr, int u) {
+ms_status reduce_unit(Trainer *tr, int u) {
     for (int i = 0; i < tr->nparams; i++) {
         if (tr->unit_of[i] != u || !tr->table[i].requires_grad) continue;
         ms_tensor *g;
@@ -465,7 +499,7 @@ static ms_status reduce_unit(Trainer *tr, int u) {
 // (setup_expert_parallel); a layer's routed experts run between its two halves, their
 // tokens sent to the experts' ranks and the results brought back with all_to_all on the
 // rank's ep group (route.c; README.md, "Expert parallelism").  Backward likewise.
-static ms_status forward_layer(Trainer *tr, int l) {
+ms_status forward_layer(Trainer *tr, int l) {
     if (tr->ep == 1) {
         model_forward_layer(tr->cfg, l, tr->param_ptrs, tr->ws);
         return MS_OK;
@@ -476,7 +510,7 @@ static ms_status forward_layer(Trainer *tr, int l) {
     return MS_OK;
 }
 
-static ms_status backward_layer(Trainer *tr, int l) {
+ms_status backward_layer(Trainer *tr, int l) {
     if (tr->ep == 1) {
         model_backward_layer(tr->cfg, l, tr->param_ptrs, tr->grad_ptrs, tr->ws);
         return MS_OK;
@@ -540,7 +574,7 @@ static ms_status backward(Trainer *tr) {
 
 // Clips the global gradient norm at --max-norm (unless 0; 1.0 by default), then AdamW on every
 // unit's shards.
-static ms_status update(Trainer *tr, long step) {
+ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
     for (int u = 0; u < tr->nunits; u++) {
         double s;
@@ -562,6 +596,7 @@ static ms_status update(Trainer *tr, long step) {
 // whatever RANKS is, split by rows across the data-parallel ranks), forward, backward, the
 // loss averaged over the ranks, then the update.
 static ms_status train_step(Trainer *tr, long step, double *loss) {
+    if (tr->pipe) return pipeline_step(tr, step, loss);
     const int T = tr->cfg->seq_len;
     if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank * tr->rows, tr->rows, tr->tokens))
         return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
@@ -686,6 +721,7 @@ static ms_status setup_expert_parallel(Trainer *tr) {
 }
 
 static void free_buffers(Trainer *tr) {
+    pipeline_free(tr);
     for (int l = 0; tr->ep_layers && l < tr->cfg->num_layers; l++) {
         EpLayer *el = &tr->ep_layers[l];
         void *bufs[] = {el->send_count, el->recv_count, el->order, el->ids, el->x, el->gu, el->act};
@@ -712,6 +748,14 @@ static ms_status train(Trainer *tr) {
     TRY("joining the world", ms_world_comm(tr->args->world, tr->args->rank, &tr->world));
     TRY("making the interpreter", ms_interp_new(&tr->in, tr->world));
     CHECK(describe_model(tr));
+    if (opt->pp > 1) { // the planner checks the micro-batches against the schedule (plan_pp)
+        TRY("planning", ms_interp_set_batch(tr->in, tr->cfg->seq_len, tr->rows / opt->microbatches, opt->batch_size));
+        if (opt->schedule) {
+            char set[96];
+            snprintf(set, sizeof set, "pipeline.schedule=%s", opt->schedule);
+            TRY("--schedule", ms_interp_set_option(tr->in, set));
+        }
+    }
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
     TRY("reading the policy's prefetch", ms_interp_prefetch(tr->in, &tr->prefetch_fwd, &tr->prefetch_bwd));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
@@ -719,6 +763,7 @@ static ms_status train(Trainer *tr) {
     CHECK(alloc_unit_state(tr));
     CHECK(setup_expert_parallel(tr));
     CHECK(locate_params(tr));
+    if (opt->pp > 1) CHECK(pipeline_setup(tr));
     CHECK(init_params(tr));
     for (long step = 1; step <= opt->steps; step++) {
         double loss;
@@ -813,6 +858,32 @@ static int save_end(Options *o, int status) {
     return status;
 }
 
+// The world: RANKS threads of this process (moonshard's threads world; *lo = 0, *hi =
+// RANKS), or, started by an MPI launcher (mpirun -np RANKS), this process's rank of the MPI
+// world (*lo = its rank, *hi = *lo + 1).  0, or -1 with the reason printed.
+static int make_world(const Options *o, ms_world **world, int *lo, int *hi) {
+    *lo = 0, *hi = o->nranks;
+    if (!ms_mpi_launched()) {
+        if (!ms_threads_world_new(world, o->nranks, 0)) return 0;
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return -1;
+    }
+#ifdef MOONSHARD_HAVE_MPI
+    if (ms_mpi_world_new(world, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return -1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, lo);
+    *hi = *lo + 1;
+    if (ms_world_size(*world) == o->nranks) return 0;
+    fprintf(stderr, "moe_trainer: -n %d but the MPI launcher started %d ranks\n", o->nranks, ms_world_size(*world));
+    ms_world_release(*world);
+#else
+    fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI (run it without mpirun)\n");
+#endif
+    return -1;
+}
+
 int main(int argc, char **argv) {
     Options opt;
     int st = parse_options(argc, argv, &opt);
@@ -830,16 +901,16 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return save_end(&opt, st);
     }
-    ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
-    if (ms_threads_world_new(&world, opt.nranks, 0)) {
-        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+    ms_world *world = NULL;
+    int lo, hi; // the ranks this process runs: all of them as threads, or under mpirun its own
+    if (make_world(&opt, &world, &lo, &hi)) {
         dataset_close(&data);
         return save_end(&opt, 1);
     }
     pthread_t tid[MAX_RANKS];
     int started[MAX_RANKS];
     static RankArgs args[MAX_RANKS];
-    for (int r = 0; r < opt.nranks; r++) {
+    for (int r = lo; r < hi; r++) {
         args[r] = (RankArgs){.opt = &opt, .data = &data, .world = world, .rank = r};
         started[r] = pthread_create(&tid[r], NULL, rank_main, &args[r]) == 0;
         if (!started[r]) { // the others must not wait for it
@@ -848,17 +919,17 @@ int main(int argc, char **argv) {
             ms_world_rank_done(world, r, 1);
         }
     }
-    for (int r = 0; r < opt.nranks; r++)
+    for (int r = lo; r < hi; r++)
         if (started[r]) pthread_join(tid[r], NULL);
     // The first failure that is not a peer's echo of another rank's failure.
     int failed = -1;
-    for (int r = opt.nranks - 1; r >= 0; r--)
+    for (int r = hi - 1; r >= lo; r--)
         if (args[r].status && (failed < 0 || args[r].status != MS_ERR_PEER)) failed = r;
     if (failed >= 0) {
         fprintf(stderr, "moe_trainer: rank %d: %s\n", failed, args[failed].err);
     } else if (opt.memory) {
         static const char *const cats[3] = {"params", "grads", "optimizer"};
-        for (int r = 0; r < opt.nranks; r++)
+        for (int r = lo; r < hi; r++)
             for (int c = 0; c < 3; c++)
                 printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", r, cats[c],
                        (long long)args[r].bytes[c], (long long)args[r].planned[c], (long long)args[r].books[c],

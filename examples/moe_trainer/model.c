@@ -388,15 +388,35 @@ static void query_norm_backward(float *dx, float *dq, float *dw, const float *do
 // ----------------------------------------------------------------------------
 // forward
 
-int model_forward_embed(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
-                        void *ws) {
-    int T = cfg->seq_len, H = cfg->hidden_size;
+int model_set_batch(const ModelConfig *cfg, const int *tokens, int B, void *ws) {
+    int T = cfg->seq_len;
     for (int j = 0; j < B * (T + 1); j++)
         if (tokens[j] < 0 || tokens[j] >= cfg->vocab_size) return -1;
     memcpy(ws, &B, sizeof B);
     Acts a;
     acts_of(cfg, ws, &a);
     memcpy(a.tokens, tokens, (size_t)B * (T + 1) * sizeof(int));
+    return 0;
+}
+
+float *model_layer_input(const ModelConfig *cfg, int l, void *ws) {
+    Acts a;
+    int B = acts_of(cfg, ws, &a);
+    return a.resid + (size_t)l * B * cfg->seq_len * cfg->hidden_size;
+}
+
+float *model_resid_grad(const ModelConfig *cfg, void *ws) {
+    Acts a;
+    acts_of(cfg, ws, &a);
+    return a.dresid;
+}
+
+int model_forward_embed(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
+                        void *ws) {
+    int T = cfg->seq_len, H = cfg->hidden_size;
+    if (model_set_batch(cfg, tokens, B, ws)) return -1;
+    Acts a;
+    acts_of(cfg, ws, &a);
     const float *wte = params[MODEL_EMBED]; // (V, H)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)

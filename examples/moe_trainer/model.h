@@ -143,6 +143,20 @@ void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
                           float *const *grads, void *ws);
 void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws);
 
+// Pipeline stages (a host running layers [a, b) on one rank and the rest elsewhere):
+// model_set_batch records the batch in ws as model_forward_embed does, without the embedding
+// (a stage after the first needs the tokens for the head's targets; 0, or -1 when a token
+// is outside [0, V)).  model_layer_input(l) is the residual stream entering layer l, (B, T,
+// H) f32 in ws, l = L the head's input: write a received activation into layer a's before
+// running it, read layer b's after running layer b-1 to send it on.  model_resid_grad is
+// d loss / d residual stream, (B, T, H): after model_backward_head or model_backward_layer(l)
+// it holds d loss / d model_layer_input(l) (L for the head); write a received gradient into
+// it before running model_backward_layer(b-1).  All three need the batch size set first
+// (model_set_batch or model_forward_embed), and point into ws.
+int model_set_batch(const ModelConfig *cfg, const int *tokens, int B, void *ws);
+float *model_layer_input(const ModelConfig *cfg, int l, void *ws);
+float *model_resid_grad(const ModelConfig *cfg, void *ws);
+
 // The experts chosen in the latest forward: (B, T, K) indices for layer l, in the order
 // of selection. Borrowed from ws.
 const int *model_routing(const ModelConfig *cfg, int l, const void *ws);

@@ -80,7 +80,7 @@ static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
 }
 
 // The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
-// rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
+// rank writes the elements it holds (under a pipeline, of its stage's parameters) into a -inf buffer and an all_reduce max over the world
 // fills it (ranks holding the same element hold the same value).  A shard is the rows
 // [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
 // parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
@@ -89,6 +89,7 @@ ms_status save(Trainer *tr) {
     float *full = tr->grads; // (P) reused: the assembled parameters
     for (size_t j = 0; j < P; j++) full[j] = -INFINITY;
     for (int i = 0; i < tr->nparams; i++) {
+        if (tr->unit_of[i] < 0) continue; // another pipeline stage's: its ranks write it
         const ModelParam *p = &tr->table[i];
         ms_unit *u = tr->units[tr->unit_of[i]];
         size_t numel;

@@ -30,8 +30,11 @@ typedef struct {
     mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
     char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
     // from --mesh and --config
-    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS
+    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS / pp
     int ep;         // expert-parallel size: experts split over groups of ep ranks
+    int pp;         // pipeline stages, one a rank: rank r is stage r / dp, dp index r % dp
+    int microbatches;     // --microbatches M (pp > 1; default pp): micro-batches a step
+    const char *schedule; // --schedule NAME (pp > 1), the policy's pipeline.schedule when NULL
     int batch_size; // B, global rows per step
     ModelConfig model;
 } Options;
@@ -92,6 +95,8 @@ typedef struct {
     EpLayer *ep_layers;           // (L)
     float *ep_send, *ep_recv;     // exchange buffers, ep_cap floats each
     size_t ep_cap;
+    // pipeline (pp > 1, pipeline.c): this rank runs model stages [stage_lo, stage_hi]
+    struct Pipeline *pipe;
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
@@ -114,6 +119,24 @@ ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...
     do {                                                                                    \
         if (!((var) = (call))) return fail(tr, MS_ERR_STATE, what, "%s", ms_last_error());  \
     } while (0)
+
+// Used by pipeline.c, from main.c: a stage's units unsharded (started), then waited for and
+// cast to f32; a unit's gradients handed to it and reduced; a layer forward and backward
+// (through route.c under expert parallelism); a scalar all_reduce over the world; the
+// clipped AdamW update of every unit of the rank.
+ms_status unshard_stage(Trainer *tr, int s);
+ms_status gather_stage(Trainer *tr, int s);
+ms_status reduce_unit(Trainer *tr, int u);
+ms_status forward_layer(Trainer *tr, int l);
+ms_status backward_layer(Trainer *tr, int l);
+ms_status all_reduce_one(Trainer *tr, double *v, ms_op op);
+ms_status update(Trainer *tr, long step);
+
+// pipeline.c (pp > 1; README.md, "Pipelines"): after materialize, the rank's stage, its pp
+// group and its micro-batch workspaces; then one training step; then the frees.
+ms_status pipeline_setup(Trainer *tr);
+ms_status pipeline_step(Trainer *tr, long step, double *loss);
+void pipeline_free(Trainer *tr);
 
 // The part of parameter i this rank's units hold: the whole tensor, or under expert
 // parallelism the experts [ep_base, ep_base + ep_local) of an expert tensor.  Returns the

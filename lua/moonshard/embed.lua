@@ -252,7 +252,18 @@ function M.materialize()
       where[strip(fqn)] = { ui - 1, pi }
     end
   end
-  state.rank, state.where = rank, where
+  -- Under a pipeline the units of the other pp ranks' stages are not made here: their
+  -- parameters are found in no unit of this rank (unit -1).
+  local elsewhere = {}
+  for _, u in ipairs(state.plan.units) do
+    for _, e in ipairs(u.entries) do
+      if not where[e.fqn] then
+        elsewhere[e.fqn] = true
+        elsewhere[strip(e.fqn)] = true
+      end
+    end
+  end
+  state.rank, state.where, state.elsewhere = rank, where, elsewhere
   return #rank.units
 end
 
@@ -270,11 +281,13 @@ function M.unit(i)
 end
 
 --- unit index, parameter index (0-based) of a parameter (expert parameters included: the
--- runtime puts the unsharded ones in ep-local units).
+-- runtime puts the unsharded ones in ep-local units); -1, -1 for one of another pipeline
+-- stage's units, which this rank does not hold.
 function M.find(fqn)
   if not state.rank then fail_state("materialise the plan first") end
   local w = state.where[fqn]
   if w then return w[1], w[2] end
+  if state.elsewhere[fqn] then return -1, -1 end
   fail("the plan has no parameter '" .. fqn .. "'")
 end
 

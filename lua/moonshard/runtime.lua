@@ -78,7 +78,8 @@ end
 
 --- materialize(plan) -> rank state {units = {...} (the plan's, a replicate unit's as one per
 -- bucket, then the ep-local ones), by_name = {}, ep_local = {the ep-local units}, replicas =
--- {replicate unit name -> its runtime units}}
+-- {replicate unit name -> its runtime units}, stage = this rank's pipeline stage (nil without
+-- a pipeline)}.  Under a pipeline the units are those of the rank's stage, in plan order.
 function M.materialize(plan)
   local mc = type(plan) == "table" and plan.mesh
   if type(mc) ~= "table" or type(mc.root_axes) ~= "function" or type(plan.units) ~= "table" then
@@ -86,10 +87,25 @@ function M.materialize(plan)
       (type(plan) == "table" and "a table without its mesh (a decoded plan JSON cannot be materialised)" or
         tostring(plan)))
   end
-  if plan.pipeline then
-    fail(string.format("materialize: the plan is a pipeline of %d stages over pp = %d; pipelines are planned, not " ..
-      "yet made real on ranks (the units of a rank's stages and the sends between them)", #plan.pipeline.stages,
-      mc:size("pp")))
+  -- A pipeline: this rank makes the units of its own stage only, on the groups of its pp
+  -- coordinate (pp is the outermost axis of both meshes, so every group below is within
+  -- the stage).  One stage a rank: the multi-stage schedules (virtual stages) and expert
+  -- parallelism under a pipeline are refused.
+  local pipeline, my_stage = plan.pipeline, nil
+  if pipeline then
+    if pipeline.stages_per_rank ~= 1 then
+      fail(string.format("materialize: the plan is a pipeline of %d stages over pp = %d, %d a rank (schedule %s); " ..
+        "the runtime makes one stage a rank (schedules GPipe and 1F1B), not virtual stages", #pipeline.stages,
+        mc:size("pp"), pipeline.stages_per_rank, pipeline.schedule))
+    end
+    if mc:size("ep") > 1 then
+      fail(string.format("materialize: the plan is a pipeline over pp = %d with ep = %d; expert parallelism under " ..
+        "a pipeline is not made real (plan ep = 1 or pp = 1)", mc:size("pp"), mc:size("ep")))
+    end
+    local p = mc:coord("pp", ms.rank())
+    for _, s in ipairs(pipeline.stages) do
+      if s.pp_rank == p then my_stage = s.index end
+    end
   end
   if ms.world_size() ~= mc.world then
     local how = ms.backend() == "threads" and "moonshard -n %d, or a world of %d ranks in a host" or
@@ -110,7 +126,7 @@ function M.materialize(plan)
     return root:group(FLATTENED[axis] or axis)
   end
   local state = setmetatable({ units = {}, by_name = {}, ep_local = {}, mesh = root, moe_mesh = moe,
-    plan = plan }, Rank)
+    plan = plan, stage = my_stage }, Rank)
   -- Expert parallelism: an expert parameter holds the experts of this rank's ep coordinate
   -- (Shard(0) over ep; the host moves tokens to them with all_to_all on the ep group).  Its
   -- gradient on a rank already sums the contributions of every rank of the ep group, so the
@@ -177,7 +193,14 @@ function M.materialize(plan)
     if #frozen > 0 then list[#list + 1] = add_unit(pu.name .. "[frozen]", one_rank, nil, nil, nil, false, frozen) end
     state.replicas[pu.name] = list
   end
-  for _, pu in ipairs(plan.units) do
+  local mine = plan.units
+  if pipeline then
+    mine = {}
+    for _, pu in ipairs(plan.units) do
+      if pu.stage == my_stage then mine[#mine + 1] = pu end
+    end
+  end
+  for _, pu in ipairs(mine) do
     if pu.kind == "replicate" then
       add_replicate(pu)
     else

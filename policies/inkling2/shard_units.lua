@@ -11,6 +11,7 @@
 local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
 local islands = require "islands"
+local fsdp2_default = require "fsdp2_default"
 
 local M = {}
 
@@ -31,6 +32,8 @@ M.options = {
   offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
 }
+-- pp > 1: pipeline.schedule, pipeline.layers_per_stage, pipeline.round, as fsdp2_default's
+for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
 
 local CHECKPOINT = islands.CHECKPOINT
 
@@ -63,27 +66,40 @@ function M.iter_fp32_islands(ctx, module, owned)
 end
 
 --- Makes `module` one unit of its remaining parameters; the owned parameters inside it are
--- passed on as ignored.
-function M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, kind)
+-- passed on as ignored.  stage (an index) for a module spanning a pipeline's stages: the
+-- unit holds that stage's part of it.
+function M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, kind, stage)
   local ignored = {}
   for _, np in ipairs(ctx:params_of(module)) do
     if owned[np[2]] then ignored[#ignored + 1] = np[2] end
   end
   return ctx:fully_shard(module, { mesh = mesh, mp_policy = mp_policy, kind = kind, offload_policy = offload_policy,
-    reshard_after_forward = reshard_after_forward, ignored_params = ignored })
+    reshard_after_forward = reshard_after_forward, ignored_params = ignored, stage = stage })
+end
+
+-- true when the module named lies in the pipeline stage (one of its modules or below one).
+local function in_stage(name, stage)
+  for _, m in ipairs(stage.modules) do
+    if name == m or name:sub(1, #m + 1) == m .. "." then return true end
+  end
+  return false
 end
 
 --- Shards every FP32 island below `module` as its own unit with the FP32 policy, adding its
 -- parameters to the owned set, then shards `module` with `mp_policy`; every unit gets
--- `offload_policy`.
-function M.fully_shard_module(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, ignored_params)
+-- `offload_policy`.  With a pipeline stage (one of ctx:pipeline's), only the islands of
+-- that stage, and `module` (spanning the stages: the root) holds that stage's part.
+function M.fully_shard_module(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, ignored_params,
+                              stage)
   local owned = {}
   for _, p in ipairs(ignored_params or {}) do owned[p] = true end
   for _, island in ipairs(M.iter_fp32_islands(ctx, module, owned)) do
-    M.shard(ctx, island, mesh, precision.fp32, offload_policy, reshard_after_forward, owned, "fp32_island")
-    for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
+    if not stage or in_stage(ctx:name_of(island), stage) then
+      M.shard(ctx, island, mesh, precision.fp32, offload_policy, reshard_after_forward, owned, "fp32_island")
+      for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
+    end
   end
-  return M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned)
+  return M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, nil, stage and stage.index)
 end
 
 --- Checks the text topology before anything is sharded: decoder layers whose MoE blocks
@@ -123,11 +139,47 @@ function M.prepare_model(ctx)
   if moe_layers == 0 then reject("no decoder layer has an MoE block with grouped experts (mlp.experts)") end
 end
 
+-- embed_tokens, or lm_head (FP32 when fp32_modules.lua names it): a unit of its own.
+local function shard_end(ctx, o, name)
+  local fp32 = name == "lm_head" and M.is_fp32_module_name(name)
+  ctx:fully_shard(name, { mesh = ctx.mesh.fsdp_axes, mp_policy = fp32 and precision.fp32 or precision.compute,
+    kind = fp32 and "fp32_island" or nil, offload_policy = o.offload_policy })
+end
+
+-- Under a pipeline (pp > 1): Automodel's AutoPipeline split (fsdp2_default.split_stages)
+-- after activation checkpointing, then per stage its decoder layers (islands first), its
+-- embed_tokens or lm_head, and its part of the root with the islands left there
+-- (output_query); nothing reshards after forward (Automodel's rule under pipeline
+-- parallelism).
+local function pipelined(ctx, o, ac)
+  if ctx.mesh:size("ep") > 1 then
+    error("inkling2 policy: pipelines with expert parallelism (pp > 1 with ep > 1) are not planned; use ep = 1 " ..
+      "or pp = 1", 0)
+  end
+  if ac then ctx:checkpoint_wrap("model.layers", ac) end
+  local fsdp_mesh = ctx.mesh.fsdp_axes
+  for _, s in ipairs(fsdp2_default.split_stages(ctx, o)) do
+    for _, layer in ipairs(fsdp2_default.stage_layers(ctx, s)) do
+      M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, o.offload_policy, false)
+    end
+    for _, name in ipairs(s.modules) do
+      if name == "model.embed_tokens" or name == "lm_head" then shard_end(ctx, o, name) end
+    end
+    if fsdp2_default.stage_has_unowned(ctx, s) then
+      M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, o.offload_policy, false, nil, s)
+    end
+  end
+end
+
 --- Automodel's MoE parallelizer with the Inkling2 islands.
 function M.parallelize(ctx)
   local o = ctx.options
   if o.prefetch then ctx:set_prefetch(o.prefetch) end
   M.prepare_model(ctx)
+  -- (activation checkpointing is on by default, also under a ctx whose options do not name it)
+  local ac = o.activation_checkpointing
+  if ac == nil then ac = true end
+  if ctx.mesh:size("pp") > 1 then return pipelined(ctx, o, ac) end
   local mesh = ctx.mesh
   local fsdp_mesh = mesh.fsdp_axes
   local use_ep = mesh:size("ep") > 1
@@ -144,9 +196,6 @@ function M.parallelize(ctx)
     end
   end
 
-  -- (on by default, also under a ctx whose options do not name it)
-  local ac = o.activation_checkpointing
-  if ac == nil then ac = true end
   if ac then ctx:checkpoint_wrap(layers, ac) end
 
   local n = #layers.child_order
@@ -163,11 +212,8 @@ function M.parallelize(ctx)
     M.fully_shard_module(ctx, layer, fsdp_mesh, precision.compute, o.offload_policy, reshard, ignored)
   end
 
-  ctx:fully_shard("model.embed_tokens", { mesh = fsdp_mesh, mp_policy = precision.compute,
-    offload_policy = o.offload_policy })
-  local head_fp32 = M.is_fp32_module_name("lm_head")
-  ctx:fully_shard("lm_head", { mesh = fsdp_mesh, mp_policy = head_fp32 and precision.fp32 or precision.compute,
-    kind = head_fp32 and "fp32_island" or nil, offload_policy = o.offload_policy })
+  shard_end(ctx, o, "model.embed_tokens")
+  shard_end(ctx, o, "lm_head")
   -- The root never reshards after forward (its reshard_after_forward default).
   M.fully_shard_module(ctx, ctx.model, fsdp_mesh, precision.compute, o.offload_policy, nil, ignored)
 end

@@ -19,6 +19,11 @@
  *  5. stages: forward and backward stage by stage (embed, layers, head), each given only
  *     its own parameters and gradients (the others NULL, as when a host unshards one unit
  *     at a time) == model_forward + model_backward, bit for bit.
+ *  6. a pipeline of two stages (embed + layer 0, then layer 1 + head), each on its own
+ *     workspace filled with NaN first, the activation entering layer 1 and the gradient
+ *     leaving it copied between them (model_layer_input, model_resid_grad) == the whole
+ *     model, bit for bit; and two micro-batches of half the rows: the mean of their mean
+ *     losses and of their gradients == the whole batch's, to fp32 rounding.
  *
  * MOONSHARD_TEST_QUICK=1 (sanitizer builds) trains on 2 rows a step instead of 8.
  *
@@ -510,6 +515,71 @@ static void test_stages(const Dataset *d) {
 }
 
 // ----------------------------------------------------------------------------
+// 6. two pipeline stages, the boundary copied
+
+// Stage A (embed, layers [0, cut)) then stage B (layers [cut, L), head) of the B rows of
+// tokens on their own workspaces, the boundary activation and its gradient copied as a
+// pipeline sends them; gradients added into m's.  Returns the loss.
+static float two_stages(Model *m, const int *tokens, int B, int cut, void *wsa, void *wsb) {
+    const ModelConfig *cfg = &m->cfg;
+    const int L = cfg->num_layers;
+    const size_t act = (size_t)B * cfg->seq_len * cfg->hidden_size * sizeof(float);
+    CHECK(model_forward_embed(cfg, m->pp, tokens, B, wsa) == 0);
+    for (int l = 0; l < cut; l++) model_forward_layer(cfg, l, m->pp, wsa);
+    CHECK(model_set_batch(cfg, tokens, B, wsb) == 0);
+    memcpy(model_layer_input(cfg, cut, wsb), model_layer_input(cfg, cut, wsa), act); // the send
+    for (int l = cut; l < L; l++) model_forward_layer(cfg, l, m->pp, wsb);
+    float loss = model_forward_head(cfg, m->pp, wsb);
+    model_backward_head(cfg, m->pp, m->gp, wsb);
+    for (int l = L - 1; l >= cut; l--) model_backward_layer(cfg, l, m->pp, m->gp, wsb);
+    memcpy(model_resid_grad(cfg, wsa), model_resid_grad(cfg, wsb), act); // the gradient sent back
+    for (int l = cut - 1; l >= 0; l--) model_backward_layer(cfg, l, m->pp, m->gp, wsa);
+    model_backward_embed(cfg, m->gp, wsa);
+    return loss;
+}
+
+static void test_pipeline(const Dataset *d) {
+    ModelConfig cfg;
+    model_config_default(&cfg);
+    const int B = 4, T = cfg.seq_len;
+    Model md = model_new(&cfg, 11);
+    int *tokens = xcalloc((size_t)B * (T + 1), sizeof(int));
+    dataset_rows(d, 3, 0, T, 0, B, tokens);
+    const size_t wsn = model_workspace_size(&cfg, B);
+    void *ws = xcalloc(1, wsn), *wsa = xcalloc(1, wsn), *wsb = xcalloc(1, wsn);
+    float whole = loss_and_grads(&md, tokens, B, ws);
+    float *whole_grads = xcalloc(md.numel, sizeof(float));
+    memcpy(whole_grads, md.grads, md.numel * sizeof(float));
+
+    memset(wsa, 0xFF, wsn); // NaN: a stage reading what it never wrote shows
+    memset(wsb, 0xFF, wsn);
+    memset(md.grads, 0, md.numel * sizeof(float));
+    float piped = two_stages(&md, tokens, B, 1, wsa, wsb);
+    int same = !memcmp(&whole, &piped, sizeof whole) && !memcmp(whole_grads, md.grads, md.numel * sizeof(float));
+    printf("6. two pipeline stages (embed + layer 0 | layer 1 + head), the boundary copied: loss and "
+           "gradients %s the whole model's\n", same ? "bit-identical to" : "DIFFER from");
+    CHECK(same);
+
+    // two micro-batches of B/2 rows, gradients accumulated, then scaled by 1/2
+    memset(md.grads, 0, md.numel * sizeof(float));
+    float micro = 0.0f;
+    for (int k = 0; k < 2; k++) micro += two_stages(&md, tokens + (size_t)k * (B / 2) * (T + 1), B / 2, 1, wsa, wsb);
+    micro /= 2;
+    double gerr = 0.0, gmax = 0.0;
+    for (size_t j = 0; j < md.numel; j++) {
+        gerr = fmax(gerr, fabs(md.grads[j] / 2 - whole_grads[j]));
+        gmax = fmax(gmax, fabs(whole_grads[j]));
+    }
+    double lerr = fabs((double)micro - whole) / whole;
+    printf("   2 micro-batches of %d rows: mean of the mean losses vs the batch's %.3g (relative), "
+           "mean gradient %.3g (relative to the largest)\n", B / 2, lerr, gerr / gmax);
+    CHECK(lerr < 1e-6);
+    CHECK(gerr / gmax < 1e-5);
+    free(whole_grads), free(tokens), free(ws), free(wsa), free(wsb);
+    model_free(&md);
+}
+
+// ----------------------------------------------------------------------------
 
 int main(void) {
     char err[256];
@@ -533,6 +603,7 @@ int main(void) {
     test_determinism(&d);
     test_data_parallel(&d);
     test_stages(&d);
+    test_pipeline(&d);
     dataset_close(&d);
     return check_summary("test_moe_model");
 }

@@ -4,6 +4,15 @@
 -- the same plan with its units offloaded to the host, run one step.
 local S = require "support"
 
+-- The start of the scripts below: moonshard, and the tiny inkling2 config as `config`.
+local TINY_CONFIG = [[
+  local ms = require "moonshard"
+  local json = require "moonshard.json"
+  local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
+  local config = json.decode(f:read("a"))
+  f:close()
+]]
+
 describe("materialised plans", function()
   -- dp_shard=3 leaves rank 2 without rows of the 4-expert tensors (torch.chunk: 2, 2, 0)
   -- ep = 2: the experts of each of the 2 layers are a unit of their own on ep_shard = 2 (17
@@ -33,12 +42,7 @@ describe("materialised plans", function()
   -- one step (gather, gradients of ones, reduce, AdamW); on the threads backend the buffers
   -- are on the host either way, so the units must accept the offload and hold the bytes the
   -- planner counted, offloaded and in all.
-  local OFFLOAD_STEP = [[
-    local ms = require "moonshard"
-    local json = require "moonshard.json"
-    local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
-    local config = json.decode(f:read("a"))
-    f:close()
+  local OFFLOAD_STEP = TINY_CONFIG .. [[
     local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
     local mesh = require("moonshard.mesh_context").new(arg[1])
     local policy = require("moonshard.policy").load("policies/inkling2")
@@ -210,15 +214,61 @@ describe("materialised plans", function()
       r.err, 1, true)
   end)
 
+  -- A pipeline (pp=2,dp_shard=2): ranks 0 and 1 make stage 0's units, ranks 2 and 3 stage
+  -- 1's, every unit gathering over its stage's dp_shard group of 2; a plan of virtual stages
+  -- (Interleaved1F1B: 2 stages a rank) is refused on every rank.
+  local PIPELINE = TINY_CONFIG .. [[
+    config.num_hidden_layers = tonumber(arg[2]) -- 4 for 2 stages a rank
+    local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
+    local mesh = require("moonshard.mesh_context").new("pp=2,dp_shard=2")
+    local policy = require("moonshard.policy").load("policies/inkling2")
+    local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units,
+      { options = { ["pipeline.schedule"] = arg[1] } })
+    local ok, state = pcall(require("moonshard.runtime").materialize, plan)
+    if not ok then print("rank " .. ms.rank() .. ": " .. state) return end
+    local names, planned, sizes = {}, {}, {}
+    for _, u in ipairs(plan.units) do
+      if u.stage == state.stage then planned[#planned + 1] = u.name end
+    end
+    for _, u in ipairs(state.units) do
+      names[#names + 1] = u:name()
+      u:unshard()
+      u:wait()
+      for _, rec in ipairs(u:records()) do sizes[rec.group_size] = true end
+      u:reshard()
+    end
+    local groups = {}
+    for n in pairs(sizes) do groups[#groups + 1] = n end
+    print(string.format("rank %d: stage %d, %d units, as planned for it: %s, groups of %s", ms.rank(), state.stage,
+      #names, tostring(table.concat(names, " ") == table.concat(planned, " ")), table.concat(groups, " ")))
+  ]]
+
+  it("makes each rank's own pipeline stage on pp=2,dp_shard=2, and refuses virtual stages", function()
+    local r = S.run({ "-n", "4", "-e", PIPELINE, "1F1B", "2" })
+    assert.equal("", r.err)
+    assert.equal(0, r.code)
+    local counts = {}
+    for rank = 0, 3 do
+      local stage, n = r.out:match("rank " .. rank .. ": stage (%d), (%d+) units, as planned for it: true, groups " ..
+        "of 2\n")
+      assert.equal(rank < 2 and "0" or "1", stage, r.out)
+      counts[#counts + 1] = tonumber(n)
+    end
+    assert.equal(counts[1], counts[2])
+    assert.equal(counts[3], counts[4])
+    assert.is_true(counts[1] > 0 and counts[3] > 0)
+    r = S.run({ "-n", "4", "-e", PIPELINE, "Interleaved1F1B", "4" })
+    assert.equal(0, r.code)
+    for rank = 0, 3 do
+      assert.matches("rank " .. rank .. ": moonshard: runtime: materialize: the plan is a pipeline of 4 stages over " ..
+        "pp = 2, 2 a rank (schedule Interleaved1F1B)", r.out, 1, true)
+    end
+  end)
+
   -- materialize is collective: plans that differ across ranks (rank 1's mesh, rank 2's
   -- optimizer) are refused on every rank before any unit gathers, naming the ranks
   it("refuses plans that differ across ranks, on every rank", function()
-    local r = S.run({ "-n", "4", "-e", [[
-      local ms = require "moonshard"
-      local json = require "moonshard.json"
-      local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
-      local config = json.decode(f:read("a"))
-      f:close()
+    local r = S.run({ "-n", "4", "-e", TINY_CONFIG .. [[
       local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
       local mesh = require("moonshard.mesh_context").new(ms.rank() == 1 and "dp_replicate=2,dp_shard=2" or "dp_shard=4")
       local policy = require("moonshard.policy").load("policies/inkling2")

@@ -4,74 +4,16 @@
 -- fp32_modules.lua changing those collectives with nothing rebuilt, the bytes every rank
 -- allocated against the planner's figures, and usage errors by their message.
 local S = require "support"
-local safetensors = require "moonshard.safetensors"
+local T = require "trainer_support"
 
-local TRAINER = os.getenv("MOONSHARD_TRAINER") or "build/moe_trainer"
-
--- support.run runs S.bin; the trainer is another binary.
-local function trainer(args)
-  local bin = S.bin
-  S.bin = TRAINER
-  local ok, r = pcall(S.run, args)
-  S.bin = bin
-  assert(ok, r)
-  return r
-end
+local TRAINER, trainer = T.TRAINER, T.trainer
 
 local write_file = S.write_file
 
--- A small model (H=32, I=32, T=32, 47,816 parameters): the whole spec takes seconds on 2
--- cores (half a minute under AddressSanitizer).
-local SMALL = { hidden_size = 32, expert_dim = 32, seq_len = 32, num_experts = 4 }
-local small_config = write_file(os.tmpname(), string.format(
-  "# trainer_spec: a small model\nhidden_size = %d\nexpert_dim = %d\nseq_len = %d\nnum_experts = %d\n",
-  SMALL.hidden_size, SMALL.expert_dim, SMALL.seq_len, SMALL.num_experts))
-
-local function losses(out)
-  local t = {}
-  for k, l in out:gmatch("step (%d+) loss (%S+)") do t[tonumber(k)] = tonumber(l) end
-  return t
-end
-
--- {unit name -> list of {kind, dtype, n, bytes}} from --records lines
-local function records(out)
-  local t = {}
-  for unit, kind, dtype, n, bytes in out:gmatch("unit (%S+) (%S+) (%S+) n=(%d+) bytes=(%d+)") do
-    t[unit] = t[unit] or {}
-    table.insert(t[unit], { kind = kind, dtype = dtype, n = tonumber(n), bytes = tonumber(bytes) })
-  end
-  return t
-end
-
--- An f32 from its little-endian bytes (Lua 5.4 and LuaJIT alike).
-local function f32(b1, b2, b3, b4)
-  local sign = b4 >= 128 and -1 or 1
-  local exp = (b4 % 128) * 2 + math.floor(b3 / 128)
-  local mant = ((b3 % 128) * 256 + b2) * 256 + b1
-  if exp == 255 then return mant == 0 and sign * math.huge or 0 / 0 end
-  if exp == 0 then return sign * mant * 2.0 ^ -149 end
-  return sign * (1 + mant / 2.0 ^ 23) * 2.0 ^ (exp - 127)
-end
-
--- {name -> {shape, values}}: the header checked by moonshard's own reader, then the data.
-local function read_params(path)
-  local tensors = safetensors.read_header(path)
-  local f = assert(io.open(path, "rb"))
-  local bytes = f:read("a")
-  f:close()
-  local n = 0
-  for i = 8, 1, -1 do n = n * 256 + bytes:byte(i) end
-  local out = {}
-  for _, t in ipairs(tensors) do
-    assert.equal("f32", t.dtype)
-    local values = {}
-    for at = 8 + n + t.data_offsets[1], 8 + n + t.data_offsets[2] - 1, 4 do
-      values[#values + 1] = f32(bytes:byte(at + 1, at + 4))
-    end
-    out[t.name] = { shape = t.shape, values = values }
-  end
-  return out
-end
+-- The small model: the whole spec takes seconds on 2 cores (half a minute under
+-- AddressSanitizer).
+local SMALL, small_config = T.SMALL, T.small_config
+local losses, records, read_params = T.losses, T.records, T.read_params
 
 describe("moe_trainer", function()
   -- Parity: each mesh's run against the 1-rank run of the same global batch.  The figures
@@ -102,22 +44,7 @@ describe("moe_trainer", function()
     assert.equal(24, names) -- embed, 10 per layer, norm, output_query, lm_head
     for i = 2, #runs do
       local run, want = runs[i], runs[i].case
-      local loss_diff = 0
-      for k = 1, 20 do
-        loss_diff = math.max(loss_diff, math.abs(run.losses[k] - ref.losses[k]) / ref.losses[k])
-      end
-      local max_diff, where, loose, count = 0, nil, 0, 0
-      for name, t in pairs(ref.params) do
-        local other = run.params[name]
-        assert.is_truthy(other, name .. " missing from the " .. want.mesh .. " file")
-        assert.same(t.shape, other.shape)
-        for j, v in ipairs(t.values) do
-          local d = math.abs(v - other.values[j])
-          if d > max_diff then max_diff, where = d, name end
-          if d > 1e-6 then loose = loose + 1 end
-          count = count + 1
-        end
-      end
+      local loss_diff, max_diff, where, loose, count = T.compare(ref, run, want.mesh)
       io.stderr:write(string.format("\n  parity (%s) %s vs dp_shard=1: loss max rel diff %.3g (stated %.2g), parameter " ..
         "max abs diff %.3g (stated %.2g; %s), %d of %d elements differ by more than 1e-6 (stated %d)\n", label,
         want.mesh, loss_diff, want.loss, max_diff, want.param, where, loose, count, want.loose))

@@ -13,6 +13,9 @@
 #     under both interpreters, and a send whose peer never comes ending the job
 #   - the same reductions of inexact values bit for bit equal to the threads backend's
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
+#   - moe_trainer with ranks as processes: a pipeline (pp=2; pp=2,dp_shard=2 in 4
+#     micro-batches) and FSDP (dp_shard=4) print the threads run's losses and save its
+#     parameters, bit for bit
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
 #   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
 #     that never arrives (timeout) and a killed rank each end the whole job non-zero within
@@ -158,6 +161,36 @@ for max in default 16; do
       "$TMP/bits$max.diff" "$TMP/bits$max.err"
   fi
 done
+
+# ---------------------------------------------------------------- moe_trainer
+# Under mpirun each process is one rank (make_world in examples/moe_trainer/main.c); the
+# sends between pipeline stages, the units' collectives and the loss all go through MPI,
+# and give what the threads world gives (the reductions are bit for bit the same).
+TRAINER=$BUILD_DIR/moe_trainer
+if [ -x "$TRAINER" ]; then
+  printf 'hidden_size = 32\nexpert_dim = 32\nseq_len = 32\n' >"$TMP/trainer.cfg"
+  for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4"; do
+    read -r np mesh extra <<<"$case"
+    name=trainer_${mesh//[=,]/_}
+    targs=(-n "$np" --mesh "$mesh" --policy policies/full_fp32.lua --steps 5 --seed 7 --config "$TMP/trainer.cfg")
+    [ -n "${extra:-}" ] && read -r -a more <<<"$extra" && targs+=("${more[@]}")
+    "$TRAINER" "${targs[@]}" --save "$TMP/$name.threads.st" >"$TMP/$name.threads.out" 2>&1
+    BIN=$TRAINER job "$name" "$np" -- "${targs[@]}" --save "$TMP/$name.st"
+    if [ "$code" = 0 ] && [ "$(grep -c '^step [0-9]* loss ' "$TMP/$name.out")" = 5 ] &&
+      cmp -s "$TMP/$name.out" "$TMP/$name.threads.out" && cmp -s "$TMP/$name.st" "$TMP/$name.threads.st"; then
+      ok "moe_trainer -np $np --mesh $mesh${extra:+ $extra}: ranks as processes, the threads run's losses and saved parameters bit for bit"
+    else
+      fail "moe_trainer -np $np --mesh $mesh (exit $code; the threads run printed $(grep -c '^step' "$TMP/$name.threads.out") steps)" \
+        "$TMP/$name.out" "$TMP/$name.err" "$TMP/$name.threads.out"
+    fi
+  done
+  BIN=$TRAINER job trainer_np 3 -- -n 2 --mesh pp=2 --policy policies/full_fp32.lua --steps 1 --seed 7
+  if [ "$code" != 0 ] && has "$TMP/trainer_np.err" "moe_trainer: -n 2 but the MPI launcher started 3 ranks"; then
+    ok "moe_trainer -n 2 under mpirun -np 3: refused, naming both counts"
+  else
+    fail "moe_trainer -n 2 under mpirun -np 3 (exit $code)" "$TMP/trainer_np.out" "$TMP/trainer_np.err"
+  fi
+fi
 
 # ---------------------------------------------------------------- the quickstart, units
 job quickstart 4 -- examples/quickstart.lua
