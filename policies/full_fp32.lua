@@ -14,8 +14,14 @@
 -- per-expert modules are not split (the plan warns that ep places nothing).  A tied head
 -- (lm_head.weight is the embedding's) makes neither a unit: the root owns the shared weight,
 -- as in fsdp2_default.
+--
+-- With tp > 1 the model's tensor-parallel plan comes first, before any unit (as Automodel
+-- applies it): tp_plans.inkling2, the plan moe_trainer's kernels implement, with its
+-- sequence-parallel variant when sequence_parallel is set.  Each unit then shards this
+-- rank's tp pieces over dp_shard.
 
 local fsdp2_default = require "fsdp2_default"
+local tp_plans = require "tp_plans"
 
 local M = {}
 
@@ -25,12 +31,15 @@ M.options = {
     doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward" },
   ["prefetch.backward"] = { default = 2, min = 0, doc = "units gathered ahead in backward" },
+  sequence_parallel = { default = false, type = "boolean",
+    doc = "with tp > 1: tp_plans.inkling2's sequence-parallel variant (moe_trainer --sequence-parallel)" },
 }
 M.with = require("derive").with_of(M)
 
 function M.parallelize(ctx)
   local o = ctx.options
   if o.prefetch then ctx:set_prefetch(o.prefetch) end
+  if ctx.mesh:size("tp") > 1 then ctx:tensor_parallel(tp_plans.inkling2(o.sequence_parallel)) end
   local layers = ctx:module("model.layers")
   if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
   local n = #layers.child_order

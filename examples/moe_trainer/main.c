@@ -11,6 +11,7 @@
 
 #include "route.h"
 #include "save.h"
+#include "tp.h"
 #include "trainer.h"
 
 #include <errno.h>
@@ -51,11 +52,12 @@ static const char USAGE[] =
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks (threads), 1..64: dp_replicate x dp_shard of the mesh\n"
+    "  -n RANKS        ranks (threads), 1..64: dp_replicate x dp_shard x tp of the mesh\n"
     "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
-    "                  needs dp_shard > 1) or dp_shard=4,ep=2 (ep divides RANKS): axes\n"
-    "                  dp_replicate, dp_shard and ep, each at most once, sizes 1..64, unset\n"
-    "                  sizes 1; pp, cp and tp may be given as 1 only (not implemented)\n"
+    "                  needs dp_shard > 1), dp_shard=4,ep=2 (ep divides RANKS) or\n"
+    "                  dp_shard=2,tp=2: axes dp_replicate, dp_shard, ep and tp, each at\n"
+    "                  most once, sizes 1..64, unset sizes 1; pp and cp may be given as 1\n"
+    "                  only (not implemented); tp > 1 not with ep > 1\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 1)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
@@ -72,6 +74,8 @@ static const char USAGE[] =
     "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
     "  --eps E         AdamW's eps (default 1e-8)\n"
     "  --max-norm X    the gradient norm is clipped at X (default 1.0; 0: no clipping)\n"
+    "  --sequence-parallel  with tp > 1: the residual stream split over the tp ranks on\n"
+    "                  the sequence (sets the policy's option sequence_parallel=true)\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
     "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\"\n"
     "  --memory        at the end, print per rank the bytes its units allocated for\n"
@@ -90,8 +94,15 @@ static const char USAGE[] =
     "sends its tokens to the experts' ranks and the results back with all_to_all on that\n"
     "group (gradients likewise in backward).  The planner's MoE mesh decides the rest:\n"
     "with ep_shard = RANKS/ep > 1 the experts are also FSDP-sharded over ep_shard.\n"
-    "Not implemented: pipeline (pp), context (cp: each sequence split over ranks) and tensor\n"
-    "(tp) parallelism; every rank is a data-parallel rank.\n"
+    "Tensor parallelism (tp > 1): groups of tp consecutive ranks share one data-parallel\n"
+    "rank's rows; the policy splits the shared experts (gate_proj and up_proj colwise,\n"
+    "down_proj rowwise) and lm_head (colwise, logits all-gathered) over them, and the units\n"
+    "shard each piece over dp_shard.  Each layer all-reduces the shared experts' output and,\n"
+    "in backward, d loss / d their input over the tp group; with --sequence-parallel an\n"
+    "all-gather and a reduce-scatter over the sequence replace each all-reduce.  tp must\n"
+    "divide expert_dim x num_shared and 256 (and seq_len with --sequence-parallel).\n"
+    "Not implemented: pipeline (pp) and context (cp: each sequence split over ranks)\n"
+    "parallelism.\n"
     "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
     "2 refused before training: a usage error, a --config, --data or --save file that\n"
     "cannot be used, or a text shorter than seq_len + 1 bytes.\n";
@@ -133,9 +144,9 @@ static int parse_double(const char *s, double *out) {
 // --mesh: the trainer needs the data-parallel and ep sizes.  Whatever it refuses is refused
 // here, before any rank starts; the planner checks the sizes again.
 static int parse_mesh(Options *o) {
-    enum { DP_REPLICATE, DP_SHARD, EP, PP, CP, TP, NAXES }; // PP.. not implemented: only 1
-    static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "pp", "cp", "tp"};
-    static const char *const kinds[NAXES] = {[PP] = "pipeline", [CP] = "context", [TP] = "tensor"};
+    enum { DP_REPLICATE, DP_SHARD, EP, TP, PP, CP, NAXES }; // PP, CP not implemented: only 1
+    static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "tp", "pp", "cp"};
+    static const char *const kinds[NAXES] = {[PP] = "pipeline", [CP] = "context"};
     long size[NAXES] = {1, 1, 1, 1, 1, 1};
     int given[NAXES] = {0};
     char spec[256];
@@ -151,7 +162,7 @@ static int parse_mesh(Options *o) {
         int a = 0;
         while (a < NAXES && strcmp(item, axes[a])) a++;
         if (a == NAXES)
-            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep; pp, cp, tp as 1)",
+            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep, tp; pp, cp as 1)",
                                o->mesh, item);
         if (given[a]++) return usage_error("--mesh %s: axis '%s' given twice", o->mesh, item);
         if (parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
@@ -161,13 +172,18 @@ static int parse_mesh(Options *o) {
             return usage_error("--mesh %s: %s parallelism (%s=%ld) is not implemented by moe_trainer; %s may only be 1",
                                o->mesh, kinds[a], item, size[a], item);
     }
-    long world = size[DP_REPLICATE] * size[DP_SHARD];
+    long world = size[DP_REPLICATE] * size[DP_SHARD] * size[TP];
     if (world != o->nranks)
         return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
+    if (size[TP] > 1 && size[EP] > 1) // tp.c runs every routed expert on the rank (route.c is per data-parallel rank)
+        return usage_error("--mesh %s: tp = %ld with ep = %ld is not implemented by moe_trainer (under tensor "
+                           "parallelism the routed experts stay replicated over tp); use one of them", o->mesh,
+                           size[TP], size[EP]);
     if (size[DP_REPLICATE] > 1 && size[DP_SHARD] == 1) // the planner's rule, as Automodel's
         return usage_error("--mesh %s: dp_replicate = %ld needs dp_shard > 1 (for pure data parallelism use "
                            "dp_shard=%ld)", o->mesh, size[DP_REPLICATE], world);
-    o->dp = (int)world; // with pp = cp = tp = 1 every rank is a data-parallel rank: rank r is dp index r
+    o->tp = (int)size[TP];
+    o->dp = (int)(world / o->tp); // tp innermost: rank r is data-parallel rank r / tp
     o->ep = (int)size[EP];
     if (world % o->ep)
         return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, world);
@@ -238,6 +254,8 @@ static int parse_options(int argc, char **argv, Options *o) {
             o->records = 1;
         } else if (!strcmp(a, "--memory")) {
             o->memory = 1;
+        } else if (!strcmp(a, "--sequence-parallel")) {
+            o->sp = 1;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(USAGE, stdout);
             return -1;
@@ -271,6 +289,9 @@ static int parse_options(int argc, char **argv, Options *o) {
         return usage_error("batch_size %d does not divide over the %d data-parallel ranks", o->batch_size, o->dp);
     if (o->model.num_experts % o->ep)
         return usage_error("num_experts %d does not divide over ep = %d", o->model.num_experts, o->ep);
+    if (o->sp && o->tp == 1)
+        return usage_error("--sequence-parallel needs tp > 1 in --mesh (it splits the sequence over the tp ranks)");
+    if (model_tp_check(&o->model, o->tp, o->sp, err, sizeof err)) return usage_error("%s", err);
     return 0;
 }
 
@@ -311,6 +332,10 @@ static int is_expert_param(const ModelConfig *cfg, int i) {
 size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
     const ModelParam *p = &tr->table[i];
     for (int d = 0; d < 3; d++) shape[d] = p->shape[d];
+    if (tp_split_dim(tr, i) >= 0) { // this rank's tp piece, contiguous at offset 0 (tp.c)
+        tp_piece_shape(tr, i, numel, shape);
+        return 0;
+    }
     if (tr->ep == 1 || !is_expert_param(tr->cfg, i)) {
         *numel = p->numel;
         return 0;
@@ -394,8 +419,13 @@ static ms_status wrap_param(Trainer *tr, int i, float *data, ms_tensor **out) {
 static ms_status init_params(Trainer *tr) {
     for (int i = 0; i < tr->nparams; i++) {
         model_init_param(tr->cfg, i, tr->param_ptrs[i], tr->opt->seed);
+        float *src = tr->param_ptrs[i];
+        if (tp_split_dim(tr, i) >= 0) { // its tp piece, in the gradient buffer (free until step 1)
+            tp_take_piece(tr, i, src, tr->grad_ptrs[i]);
+            src = tr->grad_ptrs[i];
+        }
         ms_tensor *full = NULL;
-        ms_status st = wrap_param(tr, i, tr->param_ptrs[i], &full);
+        ms_status st = wrap_param(tr, i, src, &full);
         if (st) return st;
         st = ms_unit_load_full(tr->units[tr->unit_of[i]], tr->index_of[i], full);
         ms_tensor_release(full);
@@ -403,6 +433,10 @@ static ms_status init_params(Trainer *tr) {
             return fail(tr, st, "initialising the shards", "%s (with ep = %d a rank holds %d of the %d experts: "
                         "does the policy give them to expert parallelism with ctx:expert_parallel?)",
                         ms_last_error(), tr->ep, tr->ep_local, tr->cfg->num_experts);
+        if (st && tp_split_dim(tr, i) >= 0)
+            return fail(tr, st, "initialising the shards", "%s (with tp = %d a rank holds 1/%d of %s: does the policy "
+                        "apply the tensor-parallel plan, tp_plans.inkling2, with ctx:tensor_parallel?)", ms_last_error(),
+                        tr->tp, tr->tp, tr->table[i].name);
         TRY("initialising the shards", st);
     }
     return MS_OK;
@@ -466,6 +500,7 @@ static ms_status reduce_unit(Trainer *tr, int u) {
 // tokens sent to the experts' ranks and the results brought back with all_to_all on the
 // rank's ep group (route.c; README.md, "Expert parallelism").  Backward likewise.
 static ms_status forward_layer(Trainer *tr, int l) {
+    if (tr->tp > 1) return tp_forward_layer(tr, l);
     if (tr->ep == 1) {
         model_forward_layer(tr->cfg, l, tr->param_ptrs, tr->ws);
         return MS_OK;
@@ -477,6 +512,7 @@ static ms_status forward_layer(Trainer *tr, int l) {
 }
 
 static ms_status backward_layer(Trainer *tr, int l) {
+    if (tr->tp > 1) return tp_backward_layer(tr, l);
     if (tr->ep == 1) {
         model_backward_layer(tr->cfg, l, tr->param_ptrs, tr->grad_ptrs, tr->ws);
         return MS_OK;
@@ -503,7 +539,7 @@ static ms_status forward(Trainer *tr, float *loss) {
         } else if (s <= cfg->num_layers) {
             CHECK(forward_layer(tr, s - 1));
         } else {
-            *loss = model_forward_head(cfg, tr->param_ptrs, tr->ws);
+            CHECK(tp_forward_head(tr, loss));
         }
         for (int u = 0; u < tr->nunits; u++) {
             if (tr->last_stage[u] != s) continue;
@@ -527,7 +563,8 @@ static ms_status backward(Trainer *tr) {
         for (int p = s - 1; p >= s - tr->prefetch_bwd && p >= 0; p--) CHECK(unshard_stage(tr, p));
         if (s == 0) model_backward_embed(cfg, tr->grad_ptrs, tr->ws);
         else if (s <= cfg->num_layers) CHECK(backward_layer(tr, s - 1));
-        else model_backward_head(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        else CHECK(tp_backward_head(tr));
+        CHECK(tp_reduce_stage_grads(tr, s));
         for (int u = 0; u < tr->nunits; u++)
             if (tr->first_stage[u] == s) CHECK(reduce_unit(tr, u));
     }
@@ -542,11 +579,12 @@ static ms_status backward(Trainer *tr) {
 // unit's shards.
 static ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
-    for (int u = 0; u < tr->nunits; u++) {
+    for (int u = 0; tr->tp == 1 && u < tr->nunits; u++) {
         double s;
         TRY("gradient norm", ms_unit_grad_sq_norm(tr->units[u], &s));
         sq += s;
     }
+    if (tr->tp > 1) CHECK(tp_grad_sq_norm(tr, &sq)); // replicated parameters once over tp
     CHECK(all_reduce_one(tr, &sq, MS_OP_SUM));
     double norm = sqrt(sq);
     for (int u = 0; u < tr->nunits; u++) {
@@ -563,7 +601,7 @@ static ms_status update(Trainer *tr, long step) {
 // loss averaged over the ranks, then the update.
 static ms_status train_step(Trainer *tr, long step, double *loss) {
     const int T = tr->cfg->seq_len;
-    if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank * tr->rows, tr->rows, tr->tokens))
+    if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank / tr->tp * tr->rows, tr->rows, tr->tokens))
         return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
     float local = 0.0f;
     CHECK(forward(tr, &local));
@@ -695,6 +733,7 @@ static void free_buffers(Trainer *tr) {
     free(tr->ep_send);
     free(tr->ep_recv);
     ms_comm_release(tr->ep_group);
+    ms_comm_release(tr->tp_group);
     void *all[] = {tr->table, tr->units, tr->unit_of, tr->index_of, tr->stage_of, tr->first_stage, tr->last_stage,
                    tr->gathered, tr->params, tr->grads, tr->param_ptrs, tr->grad_ptrs, tr->tokens, tr->ws};
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
@@ -712,12 +751,14 @@ static ms_status train(Trainer *tr) {
     TRY("joining the world", ms_world_comm(tr->args->world, tr->args->rank, &tr->world));
     TRY("making the interpreter", ms_interp_new(&tr->in, tr->world));
     CHECK(describe_model(tr));
+    if (opt->sp) TRY("setting the policy's sequence_parallel", ms_interp_set_option(tr->in, "sequence_parallel=true"));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
     TRY("reading the policy's prefetch", ms_interp_prefetch(tr->in, &tr->prefetch_fwd, &tr->prefetch_bwd));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
     tr->nunits = ms_interp_unit_count(tr->in); // the plan's and the ep-local ones
     CHECK(alloc_unit_state(tr));
     CHECK(setup_expert_parallel(tr));
+    CHECK(tp_setup(tr));
     CHECK(locate_params(tr));
     CHECK(init_params(tr));
     for (long step = 1; step <= opt->steps; step++) {

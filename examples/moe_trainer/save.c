@@ -2,6 +2,7 @@
  * save.c: moe_trainer's --save: the full f32 parameters in a safetensors file.
  */
 #include "save.h"
+#include "tp.h"
 
 #include <errno.h>
 #include <math.h>
@@ -83,7 +84,8 @@ static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
 // rank writes the elements it holds into a -inf buffer and an all_reduce max over the world
 // fills it (ranks holding the same element hold the same value).  A shard is the rows
 // [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
-// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
+// parameter the rank's unit holds (param_part: the whole tensor, its local experts, or its tp
+// piece, which is assembled apart and then put in its place, tp_put_piece).
 ms_status save(Trainer *tr) {
     const size_t P = model_param_numel(tr->cfg);
     float *full = tr->grads; // (P) reused: the assembled parameters
@@ -105,12 +107,15 @@ ms_status save(Trainer *tr) {
         for (int d = dim + 1; d < p->ndim; d++) inner *= (size_t)shape[d];
         const size_t run = (size_t)rows * inner;
         const float *v = ms_tensor_data(values);
-        float *dst = full + p->offset + part;
+        const int piece = tp_split_dim(tr, i) >= 0;
+        float *dst = piece ? tr->params + p->offset : full + p->offset + part; // params: free after the last step
+        for (size_t j = 0; piece && j < numel; j++) dst[j] = -INFINITY;
         const int fits =
             (size_t)ms_tensor_numel(values) == outer * run && outer * (size_t)shape[dim] * inner == numel;
         for (size_t o = 0; fits && run && o < outer; o++)
             memcpy(dst + (o * (size_t)shape[dim] + (size_t)offset) * inner, v + o * run, run * sizeof *v);
         ms_tensor_release(values);
+        if (fits && piece) tp_put_piece(tr, i, dst, full + p->offset);
         if (!fits)
             return fail(tr, MS_ERR_INTERNAL, "--save", "the shard of %s does not match its part of the parameter",
                         p->name);

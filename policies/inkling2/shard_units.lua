@@ -11,6 +11,7 @@
 local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
 local islands = require "islands"
+local tp_plans = require "tp_plans"
 
 local M = {}
 
@@ -30,6 +31,8 @@ M.options = {
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
   offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
+  sequence_parallel = { default = false, type = "boolean",
+    doc = "with tp > 1: tp_plans.inkling2's sequence-parallel variant (moe_trainer --sequence-parallel)" },
 }
 
 local CHECKPOINT = islands.CHECKPOINT
@@ -129,6 +132,9 @@ function M.parallelize(ctx)
   if o.prefetch then ctx:set_prefetch(o.prefetch) end
   M.prepare_model(ctx)
   local mesh = ctx.mesh
+  -- Tensor parallelism before any unit (Automodel's parallelize_model): the plan of the
+  -- inkling2-like model (tp_plans.inkling2); each unit then shards the rank's tp pieces.
+  if mesh:size("tp") > 1 then ctx:tensor_parallel(tp_plans.inkling2(o.sequence_parallel)) end
   local fsdp_mesh = mesh.fsdp_axes
   local use_ep = mesh:size("ep") > 1
   local layers = ctx:module("model.layers")

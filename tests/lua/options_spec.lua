@@ -330,11 +330,11 @@ describe("the shipped policies' options", function()
         -- Automodel's pipeline config: pp_schedule 1f1b, no layers_per_stage, no rounding
         ["pipeline.schedule"] = "1F1B", ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none" },
       ["policies/full_fp32.lua"] = { activation_checkpointing = false, ["prefetch.forward"] = 1,
-        ["prefetch.backward"] = 2 },
+        ["prefetch.backward"] = 2, sequence_parallel = false },
       -- FSDP2's implicit prefetch, which Automodel's parallelizers leave in place
       ["policies/by_dtype.lua"] = { ["prefetch.forward"] = 1, ["prefetch.backward"] = 1 },
       ["policies/inkling2"] = { offload_policy = "none", activation_checkpointing = true,
-        ["prefetch.forward"] = 1, ["prefetch.backward"] = 1 },
+        ["prefetch.forward"] = 1, ["prefetch.backward"] = 1, sequence_parallel = false },
     }, defaults)
   end)
 

@@ -331,7 +331,6 @@ describe("moe_trainer", function()
         "ep = 3 does not divide the 4 data%-parallel ranks" },
       { "experts that do not split over ep", { "-n", "8", "--mesh", "dp_shard=8,ep=8" },
         "num_experts 4 does not divide over ep = 8" },
-      { "tp > 1", { "-n", "2", "--mesh", "tp=2" }, "tensor parallelism %(tp=2%) is not implemented by moe_trainer" },
       { "cp > 1", { "-n", "4", "--mesh", "dp_shard=2,cp=2" },
         "context parallelism %(cp=2%) is not implemented by moe_trainer; cp may only be 1" },
       { "a size that is no integer", { "-n", "4", "--mesh", "dp_shard=4x" },
