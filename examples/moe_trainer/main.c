@@ -86,7 +86,7 @@ static const char USAGE[] =
     "  -h, --help      this text\n"
     "\n"
     "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
-    "by RANKS).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight decay; gradient\n"
+    "by RANKS / tp).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight decay; gradient\n"
     "norm clipped at --max-norm; e_score_correction_bias is frozen.\n"
     "\n"
     "Expert parallelism (ep > 1): the ranks form groups of ep consecutive ranks; rank r\n"

@@ -27,13 +27,15 @@ describe("moe_trainer with tensor parallelism", function()
     { n = 4, mesh = "dp_shard=2,tp=2", flags = SP, label = "dp_shard=2,tp=2 --sequence-parallel" },
     { n = 8, mesh = "dp_replicate=2,dp_shard=2,tp=2" },
   }
+  -- figures[i] for MESHES[i]; a mesh without figures is not run
   local function stated(figures)
     local cases = { { n = 1, mesh = "dp_shard=1" } }
-    for i, f in ipairs(figures) do
+    for i, f in pairs(figures) do
       local case = { loss = f[1], param = f[2], loose = f[3] }
       for k, v in pairs(MESHES[i]) do case[k] = v end
       cases[#cases + 1] = case
     end
+    table.sort(cases, function(a, b) return a.n < b.n or a.n == b.n and (a.label or a.mesh) < (b.label or b.mesh) end)
     return cases
   end
 
@@ -44,23 +46,25 @@ describe("moe_trainer with tensor parallelism", function()
 
   it("keeps the gradients' scale over tp: the parity without clipping and with eps 1e-3", function()
     -- a sequence-parallel gradient left partial (not all-reduced over tp) shows as 5.5e-2
-    -- here; the losses of tp=2 equal the 1-rank run's (stated as the others' 6e-8)
-    parity("no clipping, eps 1e-3", { "--max-norm", "0", "--eps", "1e-3" }, stated({ { 6.0e-8, 1.2e-7, 0 },
-      { 6.0e-8, 2.4e-7, 0 }, { 5.9e-8, 1.2e-7, 0 }, { 5.6e-8, 2.4e-7, 0 } }))
+    -- here.  The sequence-parallel meshes only (the spec runs under AddressSanitizer too):
+    -- without SP, tp=2 measured 0 on losses and 1.2e-7 on parameters, dp_shard=2,tp=2
+    -- 5.9e-8 and 1.2e-7, none above 1e-6.
+    parity("no clipping, eps 1e-3", { "--max-norm", "0", "--eps", "1e-3" },
+      stated({ [2] = { 6.0e-8, 2.4e-7, 0 }, [4] = { 5.6e-8, 2.4e-7, 0 } }))
   end)
 
-  it("trains inkling2 on dp_shard=2,tp=2 with and without SP: the loss falls as on dp_shard=4", function()
+  it("trains inkling2 on dp_shard=2,tp=2 with and without SP: the loss falls", function()
     for _, flags in ipairs({ {}, SP }) do
-      local args = { "-n", "4", "--mesh", "dp_shard=2,tp=2", "--policy", "policies/inkling2", "--steps", "100",
+      local args = { "-n", "4", "--mesh", "dp_shard=2,tp=2", "--policy", "policies/inkling2", "--steps", "40",
         "--seed", "7", "--config", small_config }
       for _, f in ipairs(flags) do args[#args + 1] = f end
       local r = trainer(args)
       assert.equal("", r.err)
       assert.equal(0, r.code)
       local l = losses(r.out)
-      io.stderr:write(string.format("\n  inkling2 dp_shard=2,tp=2%s loss: step 1 %.4f, 50 %.4f, 100 %.4f\n",
-        flags[1] and " " .. flags[1] or "", l[1], l[50], l[100]))
-      assert.is_true(l[100] < l[1] - 3, string.format("loss %g at step 1, %g at step 100", l[1], l[100]))
+      io.stderr:write(string.format("\n  inkling2 dp_shard=2,tp=2%s loss: step 1 %.4f, 20 %.4f, 40 %.4f\n",
+        flags[1] and " " .. flags[1] or "", l[1], l[20], l[40]))
+      assert.is_true(l[40] < l[1] - 2, string.format("loss %g at step 1, %g at step 40", l[1], l[40]))
     end
   end)
 
@@ -121,7 +125,7 @@ describe("moe_trainer with tensor parallelism", function()
       (flags[1] or ""), function()
       local save = os.tmpname()
       local args = { "-n", n, "--mesh", mesh, "--policy", "policies/inkling2", "--steps", "1", "--seed", "7",
-        "--memory", "--save", save }
+        "--memory", "--save", save, "--config", small_config }
       for _, f in ipairs(flags) do args[#args + 1] = f end
       local r = trainer(args)
       assert.equal("", r.err)
@@ -133,9 +137,10 @@ describe("moe_trainer with tensor parallelism", function()
       for rank, cat, alloc in r.out:gmatch("memory rank (%d+) (%S+) allocated=(%d+)") do
         assert.equal(per_rank[tonumber(rank) + 1][cat], tonumber(alloc), "rank " .. rank .. " " .. cat)
       end
-      -- default sizes: 40,960 of the 157,064 f32 parameters are split (the shared experts, lm_head)
+      -- 14,336 of the 47,816 f32 parameters are split (the shared experts, 2 x 3 x 32 x 32, and
+      -- lm_head, 256 x 32): a rank holds half of them, over dp_shard
       local dp = tonumber(n) / 2
-      assert.equal((157064 - 40960 / 2) * 4 / dp, per_rank[1].params)
+      assert.equal((47816 - 14336 / 2) * 4 / dp, per_rank[1].params)
     end)
   end
 
@@ -170,6 +175,13 @@ describe("moe_trainer with tensor parallelism", function()
         assert.equal("", r.out)
       end)
     end
+
+    it("nothing it says --help allows", function()
+      local r = trainer({ "--help" })
+      assert.equal(0, r.code)
+      assert.matches("dp_shard=2,tp=2: axes dp_replicate, dp_shard, ep and tp", r.out, 1, true)
+      assert.matches("  --sequence-parallel  with tp > 1", r.out, 1, true)
+    end)
 
     it("a policy that does not apply the tensor-parallel plan, naming it", function()
       local r = trainer({ "-n", "2", "--mesh", "tp=2", "--policy", "policies/by_dtype.lua", "--steps", "1",
