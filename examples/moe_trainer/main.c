@@ -25,6 +25,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#ifdef MOONSHARD_HAVE_MPI
+#include <mpi.h>
+#endif
+
 // ----------------------------------------------------------------------------
 // hyperparameters: fixed, so that runs on any number of ranks are comparable
 
@@ -48,11 +52,13 @@ static const char USAGE[] =
     "\n"
     "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
     "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
-    "run as threads of this process; rank 0 prints \"step K loss L\" after every step, L the\n"
+    "run as threads of this process, or under mpirun (mpirun -np RANKS moe_trainer -n RANKS\n"
+    "...) one rank a process; rank 0 prints \"step K loss L\" after every step, L the\n"
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks (threads), 1..64: dp_replicate x dp_shard x tp of the mesh\n"
+    "  -n RANKS        ranks, 1..64: dp_replicate x dp_shard x tp of the mesh (under\n"
+    "                  mpirun, the number of processes)\n"
     "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
     "                  needs dp_shard > 1), dp_shard=4,ep=2 (ep divides RANKS) or\n"
     "                  dp_shard=2,tp=2: axes dp_replicate, dp_shard, ep and tp, each at\n"
@@ -854,6 +860,57 @@ static int save_end(Options *o, int status) {
     return status;
 }
 
+// --memory: a rank's lines.
+static void print_memory(const RankArgs *a) {
+    static const char *const cats[3] = {"params", "grads", "optimizer"};
+    for (int c = 0; c < 3; c++)
+        printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", a->rank, cats[c],
+               (long long)a->bytes[c], (long long)a->planned[c], (long long)a->books[c],
+               a->planned[c] > 0 ? (double)a->bytes[c] / (double)a->planned[c] : 0.0);
+}
+
+// Under an MPI launcher (mpirun -np RANKS moe_trainer -n RANKS ...): this process is one
+// rank of the MPI world and runs rank_main itself.  A failing rank prints its message and
+// ends the job (MPI_Abort: no peer is left waiting in a collective); --memory prints this
+// rank's lines; rank 0 renames --save's file after a barrier, once every rank succeeded.
+static int run_mpi_rank(Options *opt, const Dataset *data) {
+#ifndef MOONSHARD_HAVE_MPI
+    (void)data;
+    fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI\n");
+    return save_end(opt, 1);
+#else
+    ms_world *world = NULL;
+    if (ms_mpi_world_new(&world, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return save_end(opt, 1);
+    }
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (ms_world_size(world) != opt->nranks) {
+        const int st = usage_error("-n %d, but the MPI launcher started %d ranks (mpirun -np N moe_trainer -n N ...)",
+                                   opt->nranks, ms_world_size(world));
+        ms_world_release(world);
+        return save_end(opt, st);
+    }
+    static RankArgs args;
+    args = (RankArgs){.opt = opt, .data = data, .world = world, .rank = rank};
+    rank_main(&args);
+    if (args.status) {
+        fflush(stdout);
+        fprintf(stderr, "moe_trainer: rank %d: %s\n", rank, args.err);
+        fflush(stderr);
+        if (args.save_tmp) unlink(args.save_tmp);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    if (opt->memory) print_memory(&args);
+    fflush(stdout);
+    MPI_Barrier(MPI_COMM_WORLD);
+    ms_world_release(world); // MPI_Finalize runs at exit
+    opt->save_tmp = args.save_tmp;
+    return save_end(opt, 0);
+#endif
+}
+
 int main(int argc, char **argv) {
     Options opt;
     int st = parse_options(argc, argv, &opt);
@@ -870,6 +927,11 @@ int main(int argc, char **argv) {
     if (opt.save && (st = save_check(&opt))) {
         dataset_close(&data);
         return save_end(&opt, st);
+    }
+    if (ms_mpi_launched()) {
+        st = run_mpi_rank(&opt, &data);
+        dataset_close(&data);
+        return st;
     }
     ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
     if (ms_threads_world_new(&world, opt.nranks, 0)) {
@@ -898,12 +960,7 @@ int main(int argc, char **argv) {
     if (failed >= 0) {
         fprintf(stderr, "moe_trainer: rank %d: %s\n", failed, args[failed].err);
     } else if (opt.memory) {
-        static const char *const cats[3] = {"params", "grads", "optimizer"};
-        for (int r = 0; r < opt.nranks; r++)
-            for (int c = 0; c < 3; c++)
-                printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", r, cats[c],
-                       (long long)args[r].bytes[c], (long long)args[r].planned[c], (long long)args[r].books[c],
-                       args[r].planned[c] > 0 ? (double)args[r].bytes[c] / (double)args[r].planned[c] : 0.0);
+        for (int r = 0; r < opt.nranks; r++) print_memory(&args[r]);
     }
     ms_world_release(world);
     dataset_close(&data);

@@ -19,6 +19,16 @@ function TS.trainer(args)
   return r
 end
 
+-- The trainer under mpirun, one rank a process (as tests/mpi/run.sh launches moonshard); nil
+-- when there is no mpirun.
+TS.MPIRUN = os.getenv("MPIEXEC") or "mpirun"
+if not os.execute("command -v " .. S.quote(TS.MPIRUN) .. " >/dev/null 2>&1") then TS.MPIRUN = nil end
+function TS.mpirun(np, args)
+  local all = { "--allow-run-as-root", "--oversubscribe", "-np", tostring(np), TRAINER }
+  for _, a in ipairs(args) do all[#all + 1] = a end
+  return S.run_with(TS.MPIRUN, all)
+end
+
 -- A small model (H=32, I=32, T=32, 47,816 parameters): the whole spec takes seconds on 2
 -- cores (half a minute under AddressSanitizer).
 TS.SMALL = { hidden_size = 32, expert_dim = 32, seq_len = 32, num_experts = 4 }
@@ -88,7 +98,7 @@ function TS.parity(label, flags, stated)
       "--steps", "20", "--seed", "7", "--config", TS.small_config, "--save", save }
     for _, f in ipairs(flags) do args[#args + 1] = f end
     for _, f in ipairs(case.flags or {}) do args[#args + 1] = f end -- this mesh's own
-    local r = TS.trainer(args)
+    local r = case.mpirun and TS.mpirun(case.n, args) or TS.trainer(args) -- case.mpirun: under mpirun
     assert.equal("", r.err)
     assert.equal(0, r.code)
     runs[#runs + 1] = { case = case, losses = TS.losses(r.out), params = TS.read_params(save) }

@@ -53,6 +53,23 @@ describe("moe_trainer with tensor parallelism", function()
       stated({ [2] = { 6.0e-8, 2.4e-7, 0 }, [4] = { 5.6e-8, 2.4e-7, 0 } }))
   end)
 
+  it("trains the same under mpirun, one rank a process (measured: the same bits as on threads)", function()
+    if not TS.MPIRUN then
+      pending("no mpirun")
+      return
+    end
+    local cases = stated({ [1] = { 1.0e-7, 7.3e-6, 3 }, [2] = { 6.1e-8, 1.1e-5, 3 }, [3] = { 6.1e-8, 7.3e-6, 4 } })
+    for i = 2, #cases do
+      cases[i].mpirun = true
+      cases[i].label = "mpirun -np " .. cases[i].n .. " " .. (cases[i].label or cases[i].mesh)
+    end
+    parity("under mpirun", {}, cases)
+    local r = TS.mpirun(3, { "-n", "2", "--mesh", "tp=2", "--policy", "policies/full_fp32.lua", "--steps", "1",
+      "--seed", "7" })
+    assert.is_true(r.code ~= 0)
+    assert.matches("%-n 2, but the MPI launcher started 3 ranks", r.err)
+  end)
+
   it("trains inkling2 on dp_shard=2,tp=2 with and without SP: the loss falls", function()
     for _, flags in ipairs({ {}, SP }) do
       local args = { "-n", "4", "--mesh", "dp_shard=2,tp=2", "--policy", "policies/inkling2", "--steps", "40",
@@ -98,7 +115,7 @@ describe("moe_trainer with tensor parallelism", function()
   -- dtypes from the file it saved; the module types and the frozen bias as the trainer
   -- describes them (main.c; a safetensors header holds no module types, and a
   -- tensor-parallel plan shards nn.Linear modules only).
-  local function plan_saved(path, mesh, policy_path)
+  local function plan_saved(path, mesh, policy_path, sets)
     local tensors = safetensors.read_header(path)
     local root = safetensors.tree(tensors, path, { host = true })
     local types = { model = "Inkling2Model", ["model.embed_tokens"] = "Embedding", ["model.layers"] = "ModuleList",
@@ -115,8 +132,8 @@ describe("moe_trainer with tensor parallelism", function()
       if np[1]:match("e_score_correction_bias$") then np[2].requires_grad = false end
     end
     local entry = policy.entry_point(policy.load(policy_path), "spec")
-    local plan = planner.plan(root, mesh_context.new(mesh), entry)
-    return json.decode(report.to_json(plan), "plan").memory.per_rank
+    local plan = planner.plan(root, mesh_context.new(mesh), entry, { set = sets })
+    return json.decode(report.to_json(plan), "plan")
   end
 
   for _, case in ipairs({ { "4", "dp_shard=2,tp=2", {} }, { "2", "tp=2", SP }, { "4", "dp_shard=2,tp=2", SP } }) do
@@ -131,8 +148,14 @@ describe("moe_trainer with tensor parallelism", function()
       assert.equal("", r.err)
       assert.equal(0, r.code)
       assert.equal(3 * tonumber(n), TS.check_memory(r.out, mesh))
-      local per_rank = plan_saved(save, mesh, "policies/inkling2")
+      local planned = plan_saved(save, mesh, "policies/inkling2", flags[1] and { "sequence_parallel=true" } or {})
+      local per_rank = planned.memory.per_rank
       os.remove(save)
+      -- tp_plans.inkling2 placed 7 parameters (3 a layer and lm_head); with sequence parallel
+      -- all 24 (those 7 split, the 17 others Replicate() under SequenceParallel styles)
+      assert.same({ size = 2, sequence_parallel = flags[1] ~= nil, params = flags[1] and 24 or 7 },
+        { size = planned.tensor_parallel.size, sequence_parallel = planned.tensor_parallel.sequence_parallel,
+          params = planned.tensor_parallel.params })
       assert.equal(tonumber(n), #per_rank)
       for rank, cat, alloc in r.out:gmatch("memory rank (%d+) (%S+) allocated=(%d+)") do
         assert.equal(per_rank[tonumber(rank) + 1][cat], tonumber(alloc), "rank " .. rank .. " " .. cat)
