@@ -21,10 +21,16 @@
 -- embed_tokens or lm_head where the stage has them, and the stage's part of the root for
 -- what is left (the final norm and output_query), none of them resharding after forward
 -- (Automodel's rule under pipeline parallelism: a stage runs several micro-batches through
--- its layers before any backward).  Expert parallelism with a pipeline is not planned
--- (fsdp2_default refuses it too).
+-- its layers before any backward).  Expert parallelism with a pipeline is not planned here
+-- (fsdp2_default's MoE path plans it).
+--
+-- With tp > 1 the model's tensor-parallel plan comes first, before any unit (as Automodel
+-- applies it): tp_plans.inkling2, the plan moe_trainer's kernels implement, with its
+-- sequence-parallel variant when sequence_parallel is set.  Each unit then shards this
+-- rank's tp pieces over dp_shard.
 
 local fsdp2_default = require "fsdp2_default"
+local tp_plans = require "tp_plans"
 
 local M = {}
 
@@ -34,6 +40,8 @@ M.options = {
     doc = "checkpoint the decoder layers: true (all), false, \"every:K\" (every K-th) or a list of positions" },
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward" },
   ["prefetch.backward"] = { default = 2, min = 0, doc = "units gathered ahead in backward" },
+  sequence_parallel = { default = false, type = "boolean",
+    doc = "with tp > 1: tp_plans.inkling2's sequence-parallel variant (moe_trainer --sequence-parallel)" },
 }
 for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
 M.with = require("derive").with_of(M)
@@ -61,6 +69,7 @@ end
 function M.parallelize(ctx)
   local o = ctx.options
   if o.prefetch then ctx:set_prefetch(o.prefetch) end
+  if ctx.mesh:size("tp") > 1 then ctx:tensor_parallel(tp_plans.inkling2(o.sequence_parallel)) end
   local layers = ctx:module("model.layers")
   if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
   if ctx.mesh:size("pp") > 1 then return pipelined(ctx, o) end

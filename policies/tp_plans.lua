@@ -111,6 +111,42 @@ function M.default(sp)
   return plan
 end
 
+--- The inkling2-like MoE model of examples/moe_trainer (no attention; per layer a residual
+-- query, RMSNorm, a causal short conv, a router, routed and shared experts).  moe_trainer's
+-- kernels implement exactly this plan (examples/moe_trainer/README.md, "Tensor parallelism"):
+-- the shared experts Megatron-style (gate_proj and up_proj colwise, down_proj rowwise: one
+-- all-reduce of the output per layer), lm_head colwise with its logits all-gathered
+-- (Replicate()) before the cross-entropy.  The routed experts, the router and the conv stay
+-- replicated over tp.  With sequence parallel the residual stream is Shard(1): the
+-- embedding, the queries, the router and the routed experts work on each rank's positions
+-- (SequenceParallel: parameters replicated, their gradients partial sums over tp that the
+-- host all-reduces), the norms all-gather their output (the conv mixes positions and the
+-- colwise projections read every position), down_proj reduce-scatters its output back onto
+-- the sequence.
+function M.inkling2(sp)
+  local plan = {
+    [L .. "mlp.shared_experts.gate_proj"] = "colwise",
+    [L .. "mlp.shared_experts.up_proj"] = "colwise",
+    [L .. "mlp.shared_experts.down_proj"] = "rowwise",
+    ["lm_head"] = { "colwise", output_layouts = R },
+  }
+  if sp then
+    update(plan, {
+      ["model.embed_tokens"] = { "sequence_parallel", output_layouts = S1 },
+      [L .. "mlp_query"] = "sequence_parallel",
+      [L .. "mlp_norm"] = { "sequence_parallel_all_gather", output_layouts = R },
+      [L .. "mlp_sconv"] = { "sequence_parallel", input_layouts = R },
+      [L .. "mlp.gate"] = "sequence_parallel",
+      [L .. "mlp.experts"] = "sequence_parallel",
+      [L .. "mlp.shared_experts.down_proj"] = { "rowwise", output_layouts = S1 },
+      ["model.output_query"] = "sequence_parallel",
+      ["model.norm"] = { "sequence_parallel_all_gather", output_layouts = R },
+      ["lm_head"] = { "colwise", input_layouts = R, output_layouts = R },
+    })
+  end
+  return plan
+end
+
 -- _get_parallel_plan's table (PARALLELIZE_FUNCTIONS) for the architectures moonshard builds;
 -- the others (Mistral, Gemma, Gemma 2, Mixtral) take the default base plan, as transformers
 -- 5's own plans use style names Automodel's translator refuses.

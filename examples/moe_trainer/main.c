@@ -12,6 +12,7 @@
 
 #include "route.h"
 #include "save.h"
+#include "tp.h"
 #include "trainer.h"
 
 #include <errno.h>
@@ -51,17 +52,19 @@ static const char USAGE[] =
     "\n"
     "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
     "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
-    "run as threads of this process, or one a process under mpirun -np RANKS (the MPI\n"
-    "world; as many ranks as -n says); rank 0 prints \"step K loss L\" after every step, L the\n"
+    "run as threads of this process, or under mpirun (mpirun -np RANKS moe_trainer -n RANKS\n"
+    "...) one rank a process; rank 0 prints \"step K loss L\" after every step, L the\n"
     "training loss of the global batch (the mean over the data-parallel ranks).\n"
     "\n"
     "required:\n"
-    "  -n RANKS        ranks, 1..64: pp x dp_replicate x dp_shard of the mesh\n"
+    "  -n RANKS        ranks, 1..64: pp x dp_replicate x dp_shard x tp of the mesh (under\n"
+    "                  mpirun, the number of processes)\n"
     "  --mesh SPEC     e.g. dp_shard=4, dp_replicate=2,dp_shard=2 (HSDP: dp_replicate > 1\n"
     "                  needs dp_shard > 1), dp_shard=4,ep=2 (ep divides the data-parallel\n"
-    "                  ranks) or pp=2,dp_shard=2 (a pipeline, below): axes dp_replicate,\n"
-    "                  dp_shard, ep and pp, each at most once, sizes 1..64, unset sizes 1;\n"
-    "                  cp and tp may be given as 1 only (not implemented)\n"
+    "                  ranks), pp=2,dp_shard=2 (a pipeline) or dp_shard=2,tp=2 (tensor\n"
+    "                  parallel), below: axes dp_replicate, dp_shard, ep, pp and tp, each at\n"
+    "                  most once, sizes 1..64, unset sizes 1; cp may be given as 1 only (not\n"
+    "                  implemented); ep, pp and tp: at most one of them above 1\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 1)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
@@ -82,6 +85,8 @@ static const char USAGE[] =
     "                  data-parallel rank's rows, and 1F1B needs M >= pp (PyTorch's rule)\n"
     "  --schedule NAME with pp > 1: the policy's pipeline.schedule option (GPipe or 1F1B,\n"
     "                  the policy's default 1F1B)\n"
+    "  --sequence-parallel  with tp > 1: the residual stream split over the tp ranks on\n"
+    "                  the sequence (sets the policy's option sequence_parallel=true)\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
     "                  step: \"unit NAME KIND DTYPE n=GROUP bytes=BYTES\" (with pp > 1 the\n"
     "                  units of stage 0, the only ones rank 0 holds)\n"
@@ -108,8 +113,17 @@ static const char USAGE[] =
     "then one backward and one forward, then the last backwards), sending each\n"
     "micro-batch's activation to the next stage and its gradient back.  The units reduce\n"
     "once after the last micro-batch; the loss is the mean over micro-batches and ranks.\n"
-    "Not with ep > 1.  Not implemented: context (cp: each sequence split over ranks) and\n"
-    "tensor (tp) parallelism.\n"
+    "Not with ep > 1 or tp > 1.\n"
+    "\n"
+    "Tensor parallelism (tp > 1): groups of tp consecutive ranks share one data-parallel\n"
+    "rank's rows; the policy splits the shared experts (gate_proj and up_proj colwise,\n"
+    "down_proj rowwise) and lm_head (colwise, logits all-gathered) over them, and the units\n"
+    "shard each piece over dp_shard.  Each layer all-reduces the shared experts' output and,\n"
+    "in backward, d loss / d their input over the tp group; with --sequence-parallel an\n"
+    "all-gather and a reduce-scatter over the sequence replace each all-reduce.  tp must\n"
+    "divide expert_dim x num_shared and 256 (and seq_len with --sequence-parallel).\n"
+    "Not with ep > 1 or pp > 1.  Not implemented: context parallelism (cp: each sequence\n"
+    "split over ranks).\n"
     "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
     "2 refused before training: a usage error, a --config, --data or --save file that\n"
     "cannot be used, or a text shorter than seq_len + 1 bytes.\n";
@@ -151,9 +165,9 @@ static int parse_double(const char *s, double *out) {
 // --mesh: the trainer needs the data-parallel and ep sizes.  Whatever it refuses is refused
 // here, before any rank starts; the planner checks the sizes again.
 static int parse_mesh(Options *o) {
-    enum { DP_REPLICATE, DP_SHARD, EP, PP, CP, TP, NAXES }; // CP, TP not implemented: only 1
-    static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "pp", "cp", "tp"};
-    static const char *const kinds[NAXES] = {[CP] = "context", [TP] = "tensor"};
+    enum { DP_REPLICATE, DP_SHARD, EP, PP, TP, CP, NAXES }; // CP not implemented: only 1
+    static const char *const axes[NAXES] = {"dp_replicate", "dp_shard", "ep", "pp", "tp", "cp"};
+    static const char *const kinds[NAXES] = {[CP] = "context"};
     long size[NAXES] = {1, 1, 1, 1, 1, 1};
     int given[NAXES] = {0};
     char spec[256];
@@ -169,7 +183,7 @@ static int parse_mesh(Options *o) {
         int a = 0;
         while (a < NAXES && strcmp(item, axes[a])) a++;
         if (a == NAXES)
-            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep, pp; cp, tp as 1)",
+            return usage_error("--mesh %s: unknown axis '%s' (axes: dp_replicate, dp_shard, ep, pp, tp; cp as 1)",
                                o->mesh, item);
         if (given[a]++) return usage_error("--mesh %s: axis '%s' given twice", o->mesh, item);
         if (parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
@@ -179,17 +193,26 @@ static int parse_mesh(Options *o) {
             return usage_error("--mesh %s: %s parallelism (%s=%ld) is not implemented by moe_trainer; %s may only be 1",
                                o->mesh, kinds[a], item, size[a], item);
     }
-    long dp = size[DP_REPLICATE] * size[DP_SHARD], world = dp * size[PP];
+    long dp = size[DP_REPLICATE] * size[DP_SHARD], world = dp * size[PP] * size[TP];
     if (world != o->nranks)
         return usage_error("--mesh %s has %ld ranks but -n is %d", o->mesh, world, o->nranks);
     if (size[PP] > 1 && size[EP] > 1)
         return usage_error("--mesh %s: expert parallelism under a pipeline (pp > 1 with ep > 1) is not implemented "
                            "by moe_trainer", o->mesh);
+    if (size[TP] > 1 && size[EP] > 1) // tp.c runs every routed expert on the rank (route.c is per data-parallel rank)
+        return usage_error("--mesh %s: tp = %ld with ep = %ld is not implemented by moe_trainer (under tensor "
+                           "parallelism the routed experts stay replicated over tp); use one of them", o->mesh,
+                           size[TP], size[EP]);
+    if (size[TP] > 1 && size[PP] > 1)
+        return usage_error("--mesh %s: tp = %ld with pp = %ld is not implemented by moe_trainer (each runs on its own; "
+                           "the planner plans both together)", o->mesh, size[TP], size[PP]);
     if (size[DP_REPLICATE] > 1 && size[DP_SHARD] == 1) // the planner's rule, as Automodel's
         return usage_error("--mesh %s: dp_replicate = %ld needs dp_shard > 1 (for pure data parallelism use "
                            "dp_shard=%ld)", o->mesh, size[DP_REPLICATE], dp);
-    o->dp = (int)dp; // with cp = tp = 1, rank r is stage r / dp (pp outermost) and dp index r % dp
+    // pp outermost, tp innermost: rank r is stage r / dp with tp = 1, data-parallel rank r / tp with pp = 1
+    o->dp = (int)dp;
     o->pp = (int)size[PP];
+    o->tp = (int)size[TP];
     o->ep = (int)size[EP];
     if (dp % o->ep)
         return usage_error("--mesh %s: ep = %d does not divide the %ld data-parallel ranks", o->mesh, o->ep, dp);
@@ -261,6 +284,8 @@ static int parse_options(int argc, char **argv, Options *o) {
             o->records = 1;
         } else if (!strcmp(a, "--memory")) {
             o->memory = 1;
+        } else if (!strcmp(a, "--sequence-parallel")) {
+            o->sp = 1;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(USAGE, stdout);
             return -1;
@@ -303,6 +328,9 @@ static int parse_options(int argc, char **argv, Options *o) {
                            "over %d)", o->microbatches, o->batch_size / o->dp, o->batch_size, o->dp);
     if (o->model.num_experts % o->ep)
         return usage_error("num_experts %d does not divide over ep = %d", o->model.num_experts, o->ep);
+    if (o->sp && o->tp == 1)
+        return usage_error("--sequence-parallel needs tp > 1 in --mesh (it splits the sequence over the tp ranks)");
+    if (model_tp_check(&o->model, o->tp, o->sp, err, sizeof err)) return usage_error("%s", err);
     return 0;
 }
 
@@ -343,6 +371,10 @@ static int is_expert_param(const ModelConfig *cfg, int i) {
 size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
     const ModelParam *p = &tr->table[i];
     for (int d = 0; d < 3; d++) shape[d] = p->shape[d];
+    if (tp_split_dim(tr, i) >= 0) { // this rank's tp piece, contiguous at offset 0 (tp.c)
+        tp_piece_shape(tr, i, numel, shape);
+        return 0;
+    }
     if (tr->ep == 1 || !is_expert_param(tr->cfg, i)) {
         *numel = p->numel;
         return 0;
@@ -428,8 +460,13 @@ static ms_status init_params(Trainer *tr) {
     for (int i = 0; i < tr->nparams; i++) {
         if (tr->unit_of[i] < 0) continue; // another pipeline stage's
         model_init_param(tr->cfg, i, tr->param_ptrs[i], tr->opt->seed);
+        float *src = tr->param_ptrs[i];
+        if (tp_split_dim(tr, i) >= 0) { // its tp piece, in the gradient buffer (free until step 1)
+            tp_take_piece(tr, i, src, tr->grad_ptrs[i]);
+            src = tr->grad_ptrs[i];
+        }
         ms_tensor *full = NULL;
-        ms_status st = wrap_param(tr, i, tr->param_ptrs[i], &full);
+        ms_status st = wrap_param(tr, i, src, &full);
         if (st) return st;
         st = ms_unit_load_full(tr->units[tr->unit_of[i]], tr->index_of[i], full);
         ms_tensor_release(full);
@@ -437,6 +474,10 @@ static ms_status init_params(Trainer *tr) {
             return fail(tr, st, "initialising the shards", "%s (with ep = %d a rank holds %d of the %d experts: "
                         "does the policy give them to expert parallelism with ctx:expert_parallel?)",
                         ms_last_error(), tr->ep, tr->ep_local, tr->cfg->num_experts);
+        if (st && tp_split_dim(tr, i) >= 0)
+            return fail(tr, st, "initialising the shards", "%s (with tp = %d a rank holds 1/%d of %s: does the policy "
+                        "apply the tensor-parallel plan, tp_plans.inkling2, with ctx:tensor_parallel?)", ms_last_error(),
+                        tr->tp, tr->tp, tr->table[i].name);
         TRY("initialising the shards", st);
     }
     return MS_OK;
@@ -500,6 +541,7 @@ ms_status reduce_unit(Trainer *tr, int u) {
 // tokens sent to the experts' ranks and the results brought back with all_to_all on the
 // rank's ep group (route.c; README.md, "Expert parallelism").  Backward likewise.
 ms_status forward_layer(Trainer *tr, int l) {
+    if (tr->tp > 1) return tp_forward_layer(tr, l);
     if (tr->ep == 1) {
         model_forward_layer(tr->cfg, l, tr->param_ptrs, tr->ws);
         return MS_OK;
@@ -511,6 +553,7 @@ ms_status forward_layer(Trainer *tr, int l) {
 }
 
 ms_status backward_layer(Trainer *tr, int l) {
+    if (tr->tp > 1) return tp_backward_layer(tr, l);
     if (tr->ep == 1) {
         model_backward_layer(tr->cfg, l, tr->param_ptrs, tr->grad_ptrs, tr->ws);
         return MS_OK;
@@ -537,7 +580,7 @@ static ms_status forward(Trainer *tr, float *loss) {
         } else if (s <= cfg->num_layers) {
             CHECK(forward_layer(tr, s - 1));
         } else {
-            *loss = model_forward_head(cfg, tr->param_ptrs, tr->ws);
+            CHECK(tp_forward_head(tr, loss));
         }
         for (int u = 0; u < tr->nunits; u++) {
             if (tr->last_stage[u] != s) continue;
@@ -561,7 +604,8 @@ static ms_status backward(Trainer *tr) {
         for (int p = s - 1; p >= s - tr->prefetch_bwd && p >= 0; p--) CHECK(unshard_stage(tr, p));
         if (s == 0) model_backward_embed(cfg, tr->grad_ptrs, tr->ws);
         else if (s <= cfg->num_layers) CHECK(backward_layer(tr, s - 1));
-        else model_backward_head(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+        else CHECK(tp_backward_head(tr));
+        CHECK(tp_reduce_stage_grads(tr, s));
         for (int u = 0; u < tr->nunits; u++)
             if (tr->first_stage[u] == s) CHECK(reduce_unit(tr, u));
     }
@@ -576,11 +620,12 @@ static ms_status backward(Trainer *tr) {
 // unit's shards.
 ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
-    for (int u = 0; u < tr->nunits; u++) {
+    for (int u = 0; tr->tp == 1 && u < tr->nunits; u++) {
         double s;
         TRY("gradient norm", ms_unit_grad_sq_norm(tr->units[u], &s));
         sq += s;
     }
+    if (tr->tp > 1) CHECK(tp_grad_sq_norm(tr, &sq)); // replicated parameters once over tp
     CHECK(all_reduce_one(tr, &sq, MS_OP_SUM));
     double norm = sqrt(sq);
     for (int u = 0; u < tr->nunits; u++) {
@@ -598,7 +643,7 @@ ms_status update(Trainer *tr, long step) {
 static ms_status train_step(Trainer *tr, long step, double *loss) {
     if (tr->pipe) return pipeline_step(tr, step, loss);
     const int T = tr->cfg->seq_len;
-    if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank * tr->rows, tr->rows, tr->tokens))
+    if (dataset_rows(tr->args->data, tr->opt->seed, step, T, tr->args->rank / tr->tp * tr->rows, tr->rows, tr->tokens))
         return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
     float local = 0.0f;
     CHECK(forward(tr, &local));
@@ -731,6 +776,7 @@ static void free_buffers(Trainer *tr) {
     free(tr->ep_send);
     free(tr->ep_recv);
     ms_comm_release(tr->ep_group);
+    ms_comm_release(tr->tp_group);
     void *all[] = {tr->table, tr->units, tr->unit_of, tr->index_of, tr->stage_of, tr->first_stage, tr->last_stage,
                    tr->gathered, tr->params, tr->grads, tr->param_ptrs, tr->grad_ptrs, tr->tokens, tr->ws};
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
@@ -756,12 +802,14 @@ static ms_status train(Trainer *tr) {
             TRY("--schedule", ms_interp_set_option(tr->in, set));
         }
     }
+    if (opt->sp) TRY("setting the policy's sequence_parallel", ms_interp_set_option(tr->in, "sequence_parallel=true"));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
     TRY("reading the policy's prefetch", ms_interp_prefetch(tr->in, &tr->prefetch_fwd, &tr->prefetch_bwd));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
     tr->nunits = ms_interp_unit_count(tr->in); // the plan's and the ep-local ones
     CHECK(alloc_unit_state(tr));
     CHECK(setup_expert_parallel(tr));
+    CHECK(tp_setup(tr));
     CHECK(locate_params(tr));
     if (opt->pp > 1) CHECK(pipeline_setup(tr));
     CHECK(init_params(tr));
@@ -858,30 +906,55 @@ static int save_end(Options *o, int status) {
     return status;
 }
 
-// The world: RANKS threads of this process (moonshard's threads world; *lo = 0, *hi =
-// RANKS), or, started by an MPI launcher (mpirun -np RANKS), this process's rank of the MPI
-// world (*lo = its rank, *hi = *lo + 1).  0, or -1 with the reason printed.
-static int make_world(const Options *o, ms_world **world, int *lo, int *hi) {
-    *lo = 0, *hi = o->nranks;
-    if (!ms_mpi_launched()) {
-        if (!ms_threads_world_new(world, o->nranks, 0)) return 0;
-        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
-        return -1;
-    }
-#ifdef MOONSHARD_HAVE_MPI
-    if (ms_mpi_world_new(world, 0)) {
-        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
-        return -1;
-    }
-    MPI_Comm_rank(MPI_COMM_WORLD, lo);
-    *hi = *lo + 1;
-    if (ms_world_size(*world) == o->nranks) return 0;
-    fprintf(stderr, "moe_trainer: -n %d but the MPI launcher started %d ranks\n", o->nranks, ms_world_size(*world));
-    ms_world_release(*world);
+// --memory: a rank's lines.
+static void print_memory(const RankArgs *a) {
+    static const char *const cats[3] = {"params", "grads", "optimizer"};
+    for (int c = 0; c < 3; c++)
+        printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", a->rank, cats[c],
+               (long long)a->bytes[c], (long long)a->planned[c], (long long)a->books[c],
+               a->planned[c] > 0 ? (double)a->bytes[c] / (double)a->planned[c] : 0.0);
+}
+
+// Under an MPI launcher (mpirun -np RANKS moe_trainer -n RANKS ...): this process is one
+// rank of the MPI world and runs rank_main itself.  A failing rank prints its message and
+// ends the job (MPI_Abort: no peer is left waiting in a collective); --memory prints this
+// rank's lines; rank 0 renames --save's file after a barrier, once every rank succeeded.
+static int run_mpi_rank(Options *opt, const Dataset *data) {
+#ifndef MOONSHARD_HAVE_MPI
+    (void)data;
+    fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI\n");
+    return save_end(opt, 1);
 #else
-    fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI (run it without mpirun)\n");
+    ms_world *world = NULL;
+    if (ms_mpi_world_new(&world, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
+        return save_end(opt, 1);
+    }
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (ms_world_size(world) != opt->nranks) {
+        const int st = usage_error("-n %d, but the MPI launcher started %d ranks (mpirun -np N moe_trainer -n N ...)",
+                                   opt->nranks, ms_world_size(world));
+        ms_world_release(world);
+        return save_end(opt, st);
+    }
+    static RankArgs args;
+    args = (RankArgs){.opt = opt, .data = data, .world = world, .rank = rank};
+    rank_main(&args);
+    if (args.status) {
+        fflush(stdout);
+        fprintf(stderr, "moe_trainer: rank %d: %s\n", rank, args.err);
+        fflush(stderr);
+        if (args.save_tmp) unlink(args.save_tmp);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    if (opt->memory) print_memory(&args);
+    fflush(stdout);
+    MPI_Barrier(MPI_COMM_WORLD);
+    ms_world_release(world); // MPI_Finalize runs at exit
+    opt->save_tmp = args.save_tmp;
+    return save_end(opt, 0);
 #endif
-    return -1;
 }
 
 int main(int argc, char **argv) {
@@ -901,16 +974,21 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return save_end(&opt, st);
     }
-    ms_world *world = NULL;
-    int lo, hi; // the ranks this process runs: all of them as threads, or under mpirun its own
-    if (make_world(&opt, &world, &lo, &hi)) {
+    if (ms_mpi_launched()) {
+        st = run_mpi_rank(&opt, &data);
+        dataset_close(&data);
+        return st;
+    }
+    ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
+    if (ms_threads_world_new(&world, opt.nranks, 0)) {
+        fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
         dataset_close(&data);
         return save_end(&opt, 1);
     }
     pthread_t tid[MAX_RANKS];
     int started[MAX_RANKS];
     static RankArgs args[MAX_RANKS];
-    for (int r = lo; r < hi; r++) {
+    for (int r = 0; r < opt.nranks; r++) {
         args[r] = (RankArgs){.opt = &opt, .data = &data, .world = world, .rank = r};
         started[r] = pthread_create(&tid[r], NULL, rank_main, &args[r]) == 0;
         if (!started[r]) { // the others must not wait for it
@@ -919,21 +997,16 @@ int main(int argc, char **argv) {
             ms_world_rank_done(world, r, 1);
         }
     }
-    for (int r = lo; r < hi; r++)
+    for (int r = 0; r < opt.nranks; r++)
         if (started[r]) pthread_join(tid[r], NULL);
     // The first failure that is not a peer's echo of another rank's failure.
     int failed = -1;
-    for (int r = hi - 1; r >= lo; r--)
+    for (int r = opt.nranks - 1; r >= 0; r--)
         if (args[r].status && (failed < 0 || args[r].status != MS_ERR_PEER)) failed = r;
     if (failed >= 0) {
         fprintf(stderr, "moe_trainer: rank %d: %s\n", failed, args[failed].err);
     } else if (opt.memory) {
-        static const char *const cats[3] = {"params", "grads", "optimizer"};
-        for (int r = lo; r < hi; r++)
-            for (int c = 0; c < 3; c++)
-                printf("memory rank %d %s allocated=%lld planned=%lld books=%lld ratio=%.6f\n", r, cats[c],
-                       (long long)args[r].bytes[c], (long long)args[r].planned[c], (long long)args[r].books[c],
-                       args[r].planned[c] > 0 ? (double)args[r].bytes[c] / (double)args[r].planned[c] : 0.0);
+        for (int r = 0; r < opt.nranks; r++) print_memory(&args[r]);
     }
     ms_world_release(world);
     dataset_close(&data);

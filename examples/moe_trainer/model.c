@@ -222,6 +222,7 @@ typedef struct {
     float *edw;      // (BT, K) d loss / d routing weight, of the layer being run backward
     float *edout;    // (BT, K, H) d loss / d expert output of each pair, same layer
     float *edh;      // (BT, K, H) d loss / d h through each pair's expert, same layer
+    float *tpbuf;    // (3, BT, max(H, V)) tensor parallelism: a full buffer, then scratch
 } Acts;
 
 enum { WS_ALIGN = 64 };
@@ -271,6 +272,7 @@ static size_t acts_layout(const ModelConfig *c, int B, char *base, Acts *a) {
     a->edw = take(base, &off, BT * K * f);
     a->edout = take(base, &off, BT * K * H * f);
     a->edh = take(base, &off, BT * K * H * f);
+    a->tpbuf = take(base, &off, 3 * BT * (H > V ? H : V) * f);
     return off;
 }
 
@@ -318,6 +320,98 @@ static LayerActs layer_acts(const ModelConfig *c, const Acts *a, int B, int l) {
     la.sgu = a->sgu + l * BT * 2 * Is;
     la.sact = a->sact + l * BT * Is;
     return la;
+}
+
+// What this rank computes under tensor parallelism (model.h, "tensor parallelism"); with
+// no tp, everything.
+typedef struct {
+    const ModelTp *tp; // NULL: no tensor parallelism
+    int size, rank, sp;
+    int t0, t1;        // this rank's positions of every row: [t0, t1), [0, T) without sp
+    int Is, V;         // the local sizes of the shared experts and of the vocabulary
+} Span;
+
+static Span span_of(const ModelConfig *c, const ModelTp *tp) {
+    Span s;
+    s.tp = tp && tp->size > 1 ? tp : NULL;
+    s.size = s.tp ? tp->size : 1;
+    s.rank = s.tp ? tp->rank : 0;
+    s.sp = s.tp && tp->sp;
+    s.t0 = s.sp ? s.rank * (c->seq_len / s.size) : 0;
+    s.t1 = s.sp ? s.t0 + c->seq_len / s.size : c->seq_len;
+    s.Is = c->expert_dim * c->num_shared / s.size;
+    s.V = c->vocab_size / s.size;
+    return s;
+}
+
+// 1 when position n (of B*T) is this rank's.
+static int own(const Span *s, int n, int T) { return n % T >= s->t0 && n % T < s->t1; }
+
+// The scratch half of tpbuf (two (BT, max(H, V)) blocks); the first block is a full buffer.
+static float *tp_scratch(const ModelConfig *c, const Acts *a, int B) {
+    int w = c->hidden_size > c->vocab_size ? c->hidden_size : c->vocab_size;
+    return a->tpbuf + (size_t)B * c->seq_len * w;
+}
+
+// Sequence parallel: buf (B, T, w) holds this rank's positions; afterwards every position
+// (all_gather over the sequence, pieces packed by rank).
+static int seq_gather(const Span *s, float *buf, float *scratch, int B, int T, int w) {
+    const size_t row = (size_t)(s->t1 - s->t0) * w, piece = (size_t)B * row;
+    float *send = scratch, *recv = scratch + piece;
+    for (int b = 0; b < B; b++)
+        memcpy(send + b * row, buf + ((size_t)b * T + s->t0) * w, row * sizeof(float));
+    if (s->tp->all_gather(s->tp->host, recv, send, piece)) return -1;
+    for (int r = 0; r < s->size; r++)
+        for (int b = 0; b < B; b++)
+            memcpy(buf + (size_t)b * T * w + r * row, recv + r * piece + b * row, row * sizeof(float));
+    return 0;
+}
+
+// Sequence parallel: buf (B, T, w) holds partial sums at every position; afterwards this
+// rank's positions hold the sums over the group (reduce_scatter over the sequence).
+static int seq_reduce_scatter(const Span *s, float *buf, float *scratch, int B, int T, int w) {
+    const size_t row = (size_t)(s->t1 - s->t0) * w, piece = (size_t)B * row;
+    float *send = scratch, *recv = scratch + piece * s->size;
+    for (int r = 0; r < s->size; r++)
+        for (int b = 0; b < B; b++)
+            memcpy(send + r * piece + b * row, buf + (size_t)b * T * w + r * row, row * sizeof(float));
+    if (s->tp->reduce_scatter(s->tp->host, recv, send, piece)) return -1;
+    for (int b = 0; b < B; b++)
+        memcpy(buf + ((size_t)b * T + s->t0) * w, recv + b * row, row * sizeof(float));
+    return 0;
+}
+
+// Without sequence parallel: the sum over the tp group of buf (n) (a no-op without tp);
+// with it: seq_reduce_scatter of buf (B, T, w).
+static int tp_reduce(const Span *s, float *buf, float *scratch, int B, int T, int w) {
+    if (!s->tp) return 0;
+    if (s->sp) return seq_reduce_scatter(s, buf, scratch, B, T, w);
+    return s->tp->all_reduce(s->tp->host, buf, (size_t)B * T * w);
+}
+
+int model_tp_check(const ModelConfig *cfg, int tp, int sp, char *err, size_t errlen) {
+    const int Is = cfg->expert_dim * cfg->num_shared;
+    if (tp < 1) {
+        snprintf(err, errlen, "tensor parallel: tp is %d; it must be positive", tp);
+        return -1;
+    }
+    if (Is % tp) {
+        snprintf(err, errlen, "tensor parallel: tp = %d does not divide the shared experts' "
+                 "intermediate size expert_dim * num_shared = %d (gate_proj and up_proj are "
+                 "split on it)", tp, Is);
+        return -1;
+    }
+    if (cfg->vocab_size % tp) {
+        snprintf(err, errlen, "tensor parallel: tp = %d does not divide the vocabulary of %d "
+                 "(lm_head is split on it)", tp, cfg->vocab_size);
+        return -1;
+    }
+    if (sp && cfg->seq_len % tp) {
+        snprintf(err, errlen, "sequence parallel: tp = %d does not divide seq_len = %d (each tp "
+                 "rank holds seq_len / tp positions of every row)", tp, cfg->seq_len);
+        return -1;
+    }
+    return 0;
 }
 
 // ----------------------------------------------------------------------------
@@ -518,42 +612,70 @@ static LayerParams layer_params(const ModelConfig *cfg, int l, float *const *par
                          p[LP_SHARED_GATE], p[LP_SHARED_UP], p[LP_SHARED_DOWN]};
 }
 
-void model_forward_layer_begin(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+// The norm, conv and router of layer l, at this rank's positions (the conv at every position:
+// under sequence parallel its input is all-gathered first).
+static int layer_begin(const ModelConfig *cfg, int l, float *const *params, void *ws,
+                       const Span *sp) {
     int T = cfg->seq_len, H = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
     LayerParams lp = layer_params(cfg, l, params);
     for (int n = 0; n < BT; n++)
-        query_norm_forward(la.hnorm + (size_t)n * H, la.rstd + n, la.x + (size_t)n * H, lp.query,
-                           lp.norm, H);
+        if (own(sp, n, T))
+            query_norm_forward(la.hnorm + (size_t)n * H, la.rstd + n, la.x + (size_t)n * H,
+                               lp.query, lp.norm, H);
+    if (sp->sp && seq_gather(sp, la.hnorm, tp_scratch(cfg, &a, B), B, T, H)) return -1;
     sconv_forward(la.h, la.hnorm, lp.sconv, B, T, H, cfg->conv_kernel);
     for (int n = 0; n < BT; n++)
-        router_forward(la.score + (size_t)n * E, la.choice + (size_t)n * K,
-                       la.weight + (size_t)n * K, la.h + (size_t)n * H, lp.gate, lp.bias, E, K, H);
+        if (own(sp, n, T))
+            router_forward(la.score + (size_t)n * E, la.choice + (size_t)n * K,
+                           la.weight + (size_t)n * K, la.h + (size_t)n * H, lp.gate, lp.bias, E,
+                           K, H);
+    return 0;
 }
 
-void model_forward_layer_end(const ModelConfig *cfg, int l, float *const *params, void *ws) {
-    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
-    int Is = cfg->expert_dim * cfg->num_shared;
+// The routed experts' sum and the shared experts (this rank's Is/tp of them, at every
+// position; their output reduced over tp) added to the residual at this rank's positions.
+static int layer_end(const ModelConfig *cfg, int l, float *const *params, void *ws,
+                     const Span *sp) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k, Is = sp->Is;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
     LayerParams lp = layer_params(cfg, l, params);
+    float *y = a.dh; // (BT, H) the shared experts' output, partial over tp (dh is free here)
     for (int n = 0; n < BT; n++) {
         const float *h = la.h + (size_t)n * H;
-        float *xnext = la.xnext + (size_t)n * H;
-        memcpy(xnext, la.x + (size_t)n * H, H * sizeof(float));
-        for (int k = 0; k < K; k++)
-            axpy(xnext, la.weight[(size_t)n * K + k], la.eout + ((size_t)n * K + k) * H, H);
+        if (own(sp, n, T)) {
+            float *xnext = la.xnext + (size_t)n * H;
+            memcpy(xnext, la.x + (size_t)n * H, H * sizeof(float));
+            for (int k = 0; k < K; k++)
+                axpy(xnext, la.weight[(size_t)n * K + k], la.eout + ((size_t)n * K + k) * H, H);
+        }
         float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
         for (int i = 0; i < Is; i++) {
             sgu[i] = dot(h, lp.sg + (size_t)i * H, H);
             sgu[Is + i] = dot(h, lp.su + (size_t)i * H, H);
         }
         swiglu_forward(sact, sgu, Is);
-        for (int c = 0; c < H; c++) xnext[c] += dot(sact, lp.sd + (size_t)c * Is, Is);
+        for (int c = 0; c < H; c++) y[(size_t)n * H + c] = dot(sact, lp.sd + (size_t)c * Is, Is);
     }
+    if (tp_reduce(sp, y, tp_scratch(cfg, &a, B), B, T, H)) return -1;
+    for (int n = 0; n < BT; n++)
+        if (own(sp, n, T))
+            axpy(la.xnext + (size_t)n * H, 1.0f, y + (size_t)n * H, H);
+    return 0;
+}
+
+void model_forward_layer_begin(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    Span sp = span_of(cfg, NULL);
+    layer_begin(cfg, l, params, ws, &sp);
+}
+
+void model_forward_layer_end(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    Span sp = span_of(cfg, NULL);
+    layer_end(cfg, l, params, ws, &sp);
 }
 
 float *model_layer_moe_input(const ModelConfig *cfg, int l, void *ws) {
@@ -568,34 +690,73 @@ float *model_layer_expert_out(const ModelConfig *cfg, int l, void *ws) {
     return layer_acts(cfg, &a, B, l).eout;
 }
 
-void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+// The runs of consecutive positions this rank computes: one run of B*T, or under sequence
+// parallel B runs (one per row) of T/tp.  Sets *n0 (first position) of run r; returns the
+// number of runs and *len their length.
+static int own_runs(const Span *sp, int B, int T, int *len) {
+    *len = sp->sp ? sp->t1 - sp->t0 : B * T;
+    return sp->sp ? B : 1;
+}
+static size_t run_start(const Span *sp, int r, int T) { return sp->sp ? (size_t)r * T + sp->t0 : 0; }
+
+int model_tp_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws,
+                           const ModelTp *tp) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k, I = cfg->expert_dim, len;
+    Span sp = span_of(cfg, tp);
     Acts a;
-    int B = acts_of(cfg, ws, &a), n = B * cfg->seq_len * cfg->top_k;
+    int B = acts_of(cfg, ws, &a);
     LayerActs la = layer_acts(cfg, &a, B, l);
     LayerParams lp = layer_params(cfg, l, params);
-    model_forward_layer_begin(cfg, l, params, ws);
-    model_experts_forward(cfg, lp.wgu, lp.wd, la.choice, la.h, cfg->top_k, n, la.eout, la.egu,
-                          la.eact);
-    model_forward_layer_end(cfg, l, params, ws);
+    if (layer_begin(cfg, l, params, ws, &sp)) return -1;
+    const int runs = own_runs(&sp, B, T, &len);
+    for (int r = 0; r < runs; r++) {
+        const size_t n0 = run_start(&sp, r, T);
+        model_experts_forward(cfg, lp.wgu, lp.wd, la.choice + n0 * K, la.h + n0 * H, K, len * K,
+                              la.eout + n0 * K * H, la.egu + n0 * K * 2 * I,
+                              la.eact + n0 * K * I);
+    }
+    return layer_end(cfg, l, params, ws, &sp);
 }
 
-float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws) {
+void model_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws) {
+    model_tp_forward_layer(cfg, l, params, ws, NULL);
+}
+
+int model_tp_forward_head(const ModelConfig *cfg, float *const *params, void *ws,
+                          const ModelTp *tp, float *loss) {
     int T = cfg->seq_len, H = cfg->hidden_size, V = cfg->vocab_size, L = cfg->num_layers;
+    Span sp = span_of(cfg, tp);
+    const int Vl = sp.V;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     const float *x = a.resid + (size_t)L * BT * H;        // (BT, H)
     const float *norm = params[model_final_norm(cfg)];    // (H)
     const float *query = params[model_output_query(cfg)]; // (H)
-    const float *wlm = params[model_lm_head(cfg)];        // (V, H)
+    const float *wlm = params[model_lm_head(cfg)];        // (V/tp, H): this rank's rows
+    float *scratch = tp_scratch(cfg, &a, B);
+    for (int n = 0; n < BT; n++)
+        if (own(&sp, n, T))
+            query_norm_forward(a.fnorm + (size_t)n * H, a.frstd + n, x + (size_t)n * H, query,
+                               norm, H);
+    if (sp.sp && seq_gather(&sp, a.fnorm, scratch, B, T, H)) return -1;
+    // this rank's logits (BT, V/tp), all-gathered over tp into probs (BT, V)
+    float *logits = sp.tp ? a.tpbuf : a.probs;
+    for (int n = 0; n < BT; n++)
+        for (int v = 0; v < Vl; v++)
+            logits[(size_t)n * Vl + v] = dot(a.fnorm + (size_t)n * H, wlm + (size_t)v * H, H);
+    if (sp.tp) {
+        const size_t piece = (size_t)BT * Vl;
+        if (sp.tp->all_gather(sp.tp->host, scratch, logits, piece)) return -1;
+        for (int r = 0; r < sp.size; r++)
+            for (int n = 0; n < BT; n++)
+                memcpy(a.probs + (size_t)n * V + (size_t)r * Vl, scratch + r * piece + (size_t)n * Vl,
+                       Vl * sizeof(float));
+    }
     double total = 0.0;
     for (int n = 0; n < BT; n++) {
-        float *xn = a.fnorm + (size_t)n * H, *probs = a.probs + (size_t)n * V;
-        query_norm_forward(xn, a.frstd + n, x + (size_t)n * H, query, norm, H);
-        float maxv = -INFINITY;
-        for (int v = 0; v < V; v++) {
-            probs[v] = dot(xn, wlm + (size_t)v * H, H); // logits for now
+        float *probs = a.probs + (size_t)n * V, maxv = -INFINITY;
+        for (int v = 0; v < V; v++)
             if (probs[v] > maxv) maxv = probs[v];
-        }
         int target = a.tokens[(n / T) * (T + 1) + n % T + 1];
         float target_logit = probs[target], sum = 0.0f;
         for (int v = 0; v < V; v++) {
@@ -606,7 +767,14 @@ float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws)
         a.losses[n] = logf(sum) - (target_logit - maxv);
         total += a.losses[n];
     }
-    return (float)(total / BT);
+    *loss = (float)(total / BT);
+    return 0;
+}
+
+float model_forward_head(const ModelConfig *cfg, float *const *params, void *ws) {
+    float loss = 0.0f;
+    model_tp_forward_head(cfg, params, ws, NULL, &loss);
+    return loss;
 }
 
 int model_forward(const ModelConfig *cfg, float *const *params, const int *tokens, int B,
@@ -626,29 +794,42 @@ const int *model_routing(const ModelConfig *cfg, int l, const void *ws) {
 // ----------------------------------------------------------------------------
 // backward
 
-void model_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
-                         void *ws) {
+int model_tp_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
+                           void *ws, const ModelTp *tp) {
     int T = cfg->seq_len, H = cfg->hidden_size, V = cfg->vocab_size, L = cfg->num_layers;
+    Span sp = span_of(cfg, tp);
+    const int Vl = sp.V, v0 = sp.rank * Vl;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     const float *x = a.resid + (size_t)L * BT * H;        // (BT, H)
     int in = model_final_norm(cfg), iq = model_output_query(cfg), ih = model_lm_head(cfg);
-    const float *wlm = params[ih];                        // (V, H)
-    float *dwlm = grads[ih];                              // (V, H)
+    const float *wlm = params[ih];                        // (V/tp, H)
+    float *dwlm = grads[ih];                              // (V/tp, H)
+    float *dxn = a.dh; // (BT, H) d loss / d fnorm: partial over tp (dh is free here)
     memset(a.dresid, 0, (size_t)BT * H * sizeof(float));
     for (int n = 0; n < BT; n++) {
         const float *xn = a.fnorm + (size_t)n * H, *probs = a.probs + (size_t)n * V;
         int target = a.tokens[(n / T) * (T + 1) + n % T + 1];
         for (int v = 0; v < V; v++) a.dlogits[v] = probs[v] / BT;
         a.dlogits[target] -= 1.0f / BT;
-        memset(a.dfnorm, 0, (size_t)H * sizeof(float));
-        for (int v = 0; v < V; v++) {
-            axpy(dwlm + (size_t)v * H, a.dlogits[v], xn, H);
-            axpy(a.dfnorm, a.dlogits[v], wlm + (size_t)v * H, H);
+        float *d = dxn + (size_t)n * H;
+        memset(d, 0, (size_t)H * sizeof(float));
+        for (int v = 0; v < Vl; v++) {
+            axpy(dwlm + (size_t)v * H, a.dlogits[v0 + v], xn, H);
+            axpy(d, a.dlogits[v0 + v], wlm + (size_t)v * H, H);
         }
-        query_norm_backward(a.dresid + (size_t)n * H, grads[iq], grads[in], a.dfnorm,
-                            x + (size_t)n * H, params[iq], params[in], a.frstd[n], H);
     }
+    if (tp_reduce(&sp, dxn, tp_scratch(cfg, &a, B), B, T, H)) return -1;
+    for (int n = 0; n < BT; n++)
+        if (own(&sp, n, T))
+            query_norm_backward(a.dresid + (size_t)n * H, grads[iq], grads[in], dxn + (size_t)n * H,
+                                x + (size_t)n * H, params[iq], params[in], a.frstd[n], H);
+    return 0;
+}
+
+void model_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
+                         void *ws) {
+    model_tp_backward_head(cfg, params, grads, ws, NULL);
 }
 
 // Backward of sconv_forward: dhn (B, T, H) = conv^T dh; adds into dw (H, 1, Kc).
@@ -670,13 +851,15 @@ static void sconv_backward(float *dhn, float *dw, const float *dh, const float *
             }
 }
 
-void model_backward_layer_begin(const ModelConfig *cfg, int l, void *ws) {
+// d loss / d (routing weight, expert output) of the pairs at this rank's positions.
+static void layer_backward_begin(const ModelConfig *cfg, int l, void *ws, const Span *sp) {
     int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
     // dresid holds d loss / d xnext, which is also d loss / d (routed + shared).
     for (int n = 0; n < BT; n++) {
+        if (!own(sp, n, T)) continue;
         const float *dy = a.dresid + (size_t)n * H;
         for (int k = 0; k < K; k++) {
             size_t nk = (size_t)n * K + k;
@@ -685,6 +868,11 @@ void model_backward_layer_begin(const ModelConfig *cfg, int l, void *ws) {
             for (int c = 0; c < H; c++) dout[c] = la.weight[nk] * dy[c];
         }
     }
+}
+
+void model_backward_layer_begin(const ModelConfig *cfg, int l, void *ws) {
+    Span sp = span_of(cfg, NULL);
+    layer_backward_begin(cfg, l, ws, &sp);
 }
 
 float *model_layer_expert_dout(const ModelConfig *cfg, void *ws) {
@@ -699,24 +887,33 @@ float *model_layer_expert_dh(const ModelConfig *cfg, void *ws) {
     return a.edh;
 }
 
-void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *params,
-                              float *const *grads, void *ws) {
-    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k;
-    int Is = cfg->expert_dim * cfg->num_shared;
+// The shared experts (this rank's part, at every position), then the routed pairs and the
+// router at this rank's positions, the conv and the norm.  Without sequence parallel d loss /
+// d h of the column-parallel shared experts is all-reduced over tp before the rest adds to
+// it; with it, d output is all-gathered first and d conv input reduce-scattered after.
+static int layer_backward_end(const ModelConfig *cfg, int l, float *const *params,
+                              float *const *grads, void *ws, const Span *sp) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k, Is = sp->Is;
     Acts a;
     int B = acts_of(cfg, ws, &a), BT = B * T;
     LayerActs la = layer_acts(cfg, &a, B, l);
     LayerParams lp = layer_params(cfg, l, params);
     float *const *g = grads + model_layer_param(cfg, l, 0);
     float *dgate = g[LP_GATE];                               // (E, H)
-    float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is, H)
-    float *dsd = g[LP_SHARED_DOWN];                          // (H, Is)
+    float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is/tp, H)
+    float *dsd = g[LP_SHARED_DOWN];                          // (H, Is/tp)
+    float *scratch = tp_scratch(cfg, &a, B);
 
+    const float *dyall = a.dresid; // d loss / d shared output at every position
+    if (sp->sp) {
+        memcpy(a.tpbuf, a.dresid, (size_t)BT * H * sizeof(float));
+        if (seq_gather(sp, a.tpbuf, scratch, B, T, H)) return -1;
+        dyall = a.tpbuf;
+    }
     memset(a.dh, 0, (size_t)BT * H * sizeof(float));
     for (int n = 0; n < BT; n++) {
-        const float *dy = a.dresid + (size_t)n * H, *h = la.h + (size_t)n * H;
+        const float *dy = dyall + (size_t)n * H, *h = la.h + (size_t)n * H;
         float *dh = a.dh + (size_t)n * H;
-
         const float *sgu = la.sgu + (size_t)n * 2 * Is, *sact = la.sact + (size_t)n * Is;
         memset(a.dsact, 0, (size_t)Is * sizeof(float));
         for (int c = 0; c < H; c++) {
@@ -730,6 +927,12 @@ void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *param
             axpy(dsu + (size_t)i * H, a.dsgu[Is + i], h, H);
             axpy(dh, a.dsgu[Is + i], lp.su + (size_t)i * H, H);
         }
+    }
+    if (sp->tp && !sp->sp && sp->tp->all_reduce(sp->tp->host, a.dh, (size_t)BT * H)) return -1;
+    for (int n = 0; n < BT; n++) {
+        if (!own(sp, n, T)) continue;
+        const float *h = la.h + (size_t)n * H;
+        float *dh = a.dh + (size_t)n * H;
         for (int k = 0; k < K; k++) axpy(dh, 1.0f, a.edh + ((size_t)n * K + k) * H, H);
 
         // w_k = s_k / S: d s_k = (d w_k - sum_j w_j d w_j) / S; d logit = d s * s (1 - s).
@@ -751,24 +954,45 @@ void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *param
 
     sconv_backward(a.dhnorm, g[LP_MLP_SCONV], a.dh, la.hnorm, lp.sconv, B, T, H,
                    cfg->conv_kernel);
+    if (sp->sp && seq_reduce_scatter(sp, a.dhnorm, scratch, B, T, H)) return -1;
     // x feeds both xnext (identity: dresid already holds it) and the norm.
     for (int n = 0; n < BT; n++)
-        query_norm_backward(a.dresid + (size_t)n * H, g[LP_MLP_QUERY], g[LP_MLP_NORM],
-                            a.dhnorm + (size_t)n * H, la.x + (size_t)n * H, lp.query, lp.norm,
-                            la.rstd[n], H);
+        if (own(sp, n, T))
+            query_norm_backward(a.dresid + (size_t)n * H, g[LP_MLP_QUERY], g[LP_MLP_NORM],
+                                a.dhnorm + (size_t)n * H, la.x + (size_t)n * H, lp.query,
+                                lp.norm, la.rstd[n], H);
+    return 0;
+}
+
+void model_backward_layer_end(const ModelConfig *cfg, int l, float *const *params,
+                              float *const *grads, void *ws) {
+    Span sp = span_of(cfg, NULL);
+    layer_backward_end(cfg, l, params, grads, ws, &sp);
+}
+
+int model_tp_backward_layer(const ModelConfig *cfg, int l, float *const *params,
+                            float *const *grads, void *ws, const ModelTp *tp) {
+    int T = cfg->seq_len, H = cfg->hidden_size, K = cfg->top_k, I = cfg->expert_dim, len;
+    Span sp = span_of(cfg, tp);
+    Acts a;
+    int B = acts_of(cfg, ws, &a);
+    LayerActs la = layer_acts(cfg, &a, B, l);
+    LayerParams lp = layer_params(cfg, l, params);
+    float *const *g = grads + model_layer_param(cfg, l, 0);
+    layer_backward_begin(cfg, l, ws, &sp);
+    const int runs = own_runs(&sp, B, T, &len);
+    for (int r = 0; r < runs; r++) {
+        const size_t n0 = run_start(&sp, r, T);
+        model_experts_backward(cfg, lp.wgu, lp.wd, la.choice + n0 * K, la.h + n0 * H, K, len * K,
+                               la.egu + n0 * K * 2 * I, la.eact + n0 * K * I, a.edout + n0 * K * H,
+                               a.edh + n0 * K * H, g[LP_EXPERTS_GATE_UP], g[LP_EXPERTS_DOWN], ws);
+    }
+    return layer_backward_end(cfg, l, params, grads, ws, &sp);
 }
 
 void model_backward_layer(const ModelConfig *cfg, int l, float *const *params,
                           float *const *grads, void *ws) {
-    Acts a;
-    int B = acts_of(cfg, ws, &a), n = B * cfg->seq_len * cfg->top_k;
-    LayerActs la = layer_acts(cfg, &a, B, l);
-    LayerParams lp = layer_params(cfg, l, params);
-    float *const *g = grads + model_layer_param(cfg, l, 0);
-    model_backward_layer_begin(cfg, l, ws);
-    model_experts_backward(cfg, lp.wgu, lp.wd, la.choice, la.h, cfg->top_k, n, la.egu, la.eact,
-                           a.edout, a.edh, g[LP_EXPERTS_GATE_UP], g[LP_EXPERTS_DOWN], ws);
-    model_backward_layer_end(cfg, l, params, grads, ws);
+    model_tp_backward_layer(cfg, l, params, grads, ws, NULL);
 }
 
 void model_backward_embed(const ModelConfig *cfg, float *const *grads, void *ws) {

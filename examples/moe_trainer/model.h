@@ -200,4 +200,50 @@ void model_experts_backward(const ModelConfig *cfg, const float *wgu, const floa
                             const float *act, const float *dout, float *dx, float *dwgu,
                             float *dwd, void *ws);
 
+// ----------------------------------------------------------------------------
+// tensor parallelism (tp ranks share each data-parallel rank's rows; the host's tp.c)
+//
+// The shared experts are split Megatron-style over the tp ranks: gate_proj and up_proj
+// column-parallel (rank t holds rows [t Is/tp, (t+1) Is/tp) of the (Is, H) weights),
+// down_proj row-parallel (columns [t Is/tp, ...) of the (H, Is) weight, stored as an
+// (H, Is/tp) piece); lm_head column-parallel (rows [t V/tp, (t+1) V/tp) of (V, H)), its
+// logits all-gathered over tp before the cross-entropy.  Every other parameter is
+// replicated over tp.  params[i] of a split tensor points at this rank's piece, contiguous.
+//
+// Without sequence parallel (sp = 0) every tp rank holds the whole residual stream; each
+// layer all-reduces the shared MLP's output (forward) and d loss / d h of its input
+// (backward), the head all-gathers logits and all-reduces d loss / d (normed input).  The
+// gradients of replicated parameters come out equal on every tp rank.
+// With sp = 1 the residual stream is split on the sequence (Shard(1) of (B, T, H)): rank t
+// holds positions [t T/tp, (t+1) T/tp) of every row and runs the per-token parts (query,
+// norms, router, routed experts) there.  The norm output is all-gathered before the causal
+// conv (which mixes positions) and the shared MLP; the shared MLP's output reduce-scattered
+// back to the sequence; backward: all-gather of d output before the row-parallel part,
+// reduce-scatter of d conv input.  The head all-gathers its normed input.  The gradients of
+// the replicated parameters are then partial sums over tp: the host all-reduces them.
+typedef struct ModelTp {
+    int size, rank; // the tp group and this rank's place in it
+    int sp;         // sequence parallel
+    void *host;     // passed to the collectives
+    // Collectives on the tp group, f32, 0 or -1 on failure: the sum over the group in
+    // place; out (size * n) = every rank's in (n) in rank order; out (n) = the sum over
+    // the group of chunk `rank` of in (size * n).
+    int (*all_reduce)(void *host, float *x, size_t n);
+    int (*all_gather)(void *host, float *out, const float *in, size_t n);
+    int (*reduce_scatter)(void *host, float *out, const float *in, size_t n);
+} ModelTp;
+
+// 0 when tp (with sp) splits this config and B rows evenly; else -1 with the reason in err.
+int model_tp_check(const ModelConfig *cfg, int tp, int sp, char *err, size_t errlen);
+// The stage functions under tensor parallelism (tp NULL or size 1: the plain ones).  Every
+// expert is local.  -1 when a collective failed.
+int model_tp_forward_layer(const ModelConfig *cfg, int l, float *const *params, void *ws,
+                           const ModelTp *tp);
+int model_tp_forward_head(const ModelConfig *cfg, float *const *params, void *ws,
+                          const ModelTp *tp, float *loss);
+int model_tp_backward_head(const ModelConfig *cfg, float *const *params, float *const *grads,
+                           void *ws, const ModelTp *tp);
+int model_tp_backward_layer(const ModelConfig *cfg, int l, float *const *params,
+                            float *const *grads, void *ws, const ModelTp *tp);
+
 #endif

@@ -2,6 +2,7 @@
  * save.c: moe_trainer's --save: the full f32 parameters in a safetensors file.
  */
 #include "save.h"
+#include "tp.h"
 
 #include <errno.h>
 #include <math.h>
@@ -79,11 +80,25 @@ static ms_status write_save_file(Trainer *tr, const float *full, size_t P) {
     return MS_OK;
 }
 
+// An all_reduce over the world of n floats in place.
+static ms_status all_reduce_floats(Trainer *tr, float *x, size_t n, ms_op op) {
+    ms_tensor *t = NULL;
+    int64_t len = (int64_t)n;
+    TRY("--save", ms_tensor_wrap(&t, x, 1, &len, MS_F32));
+    ms_status st = ms_all_reduce(tr->world, t, op);
+    ms_tensor_release(t);
+    TRY("--save: all_reduce over the world", st);
+    return MS_OK;
+}
+
 // The f32 master shards (not the bf16 a unit may gather in) assembled on every rank: each
-// rank writes the elements it holds (under a pipeline, of its stage's parameters) into a -inf buffer and an all_reduce max over the world
-// fills it (ranks holding the same element hold the same value).  A shard is the rows
+// rank writes the elements it holds (under a pipeline, of its stage's parameters) into a -inf
+// buffer and an all_reduce max over the world fills it (ranks holding the same element must
+// hold the same value: checked with a min, which is how tp's replicated parameters are seen
+// to stay equal).  A shard is the rows
 // [offset, offset + rows) of its shard dim (ms_unit_param_offset) of the part of the
-// parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
+// parameter the rank's unit holds (param_part: the whole tensor, its local experts, or its tp
+// piece, which is assembled apart and then put in its place, tp_put_piece).
 ms_status save(Trainer *tr) {
     const size_t P = model_param_numel(tr->cfg);
     float *full = tr->grads; // (P) reused: the assembled parameters
@@ -106,23 +121,40 @@ ms_status save(Trainer *tr) {
         for (int d = dim + 1; d < p->ndim; d++) inner *= (size_t)shape[d];
         const size_t run = (size_t)rows * inner;
         const float *v = ms_tensor_data(values);
-        float *dst = full + p->offset + part;
+        const int piece = tp_split_dim(tr, i) >= 0;
+        float *dst = piece ? tr->params + p->offset : full + p->offset + part; // params: free after the last step
+        for (size_t j = 0; piece && j < numel; j++) dst[j] = -INFINITY;
         const int fits =
             (size_t)ms_tensor_numel(values) == outer * run && outer * (size_t)shape[dim] * inner == numel;
         for (size_t o = 0; fits && run && o < outer; o++)
             memcpy(dst + (o * (size_t)shape[dim] + (size_t)offset) * inner, v + o * run, run * sizeof *v);
         ms_tensor_release(values);
+        if (fits && piece) tp_put_piece(tr, i, dst, full + p->offset);
         if (!fits)
             return fail(tr, MS_ERR_INTERNAL, "--save", "the shard of %s does not match its part of the parameter",
                         p->name);
     }
-    ms_tensor *t = NULL;
-    int64_t n = (int64_t)P;
-    TRY("--save", ms_tensor_wrap(&t, full, 1, &n, MS_F32));
-    ms_status st = ms_all_reduce(tr->world, t, MS_OP_MAX);
-    ms_tensor_release(t);
-    TRY("--save: all_reduce over the world", st);
+    // The replicas' agreement, checked: the smallest value any rank holds of each element (a
+    // copy with +inf where this rank holds none, all_reduce min) must be the largest.
+    float *low = malloc(P * sizeof *low);
+    if (!low) return fail(tr, MS_ERR_OOM, "--save", "out of memory");
+    for (size_t j = 0; j < P; j++) low[j] = full[j] == -INFINITY ? INFINITY : full[j];
+    ms_status st = all_reduce_floats(tr, full, P, MS_OP_MAX);
+    if (!st) st = all_reduce_floats(tr, low, P, MS_OP_MIN);
+    size_t differ = 0, first = P;
+    for (size_t j = 0; !st && j < P; j++)
+        if (low[j] != full[j] && full[j] != -INFINITY && differ++ == 0) first = j;
+    const double gap = first < P ? (double)full[first] - low[first] : 0.0;
+    free(low);
+    if (st) return st;
     for (size_t j = 0; j < P; j++)
         if (full[j] == -INFINITY) return fail(tr, MS_ERR_INTERNAL, "--save", "element %zu is held by no rank", j);
+    if (differ) {
+        int i = 0;
+        while (i + 1 < tr->nparams && tr->table[i + 1].offset <= first) i++;
+        return fail(tr, MS_ERR_INTERNAL, "--save", "%zu elements differ between the ranks holding them, the first in %s "
+                    "(element %zu, by %g): replicas must hold the same values", differ, tr->table[i].name,
+                    first - tr->table[i].offset, gap);
+    }
     return tr->args->rank == 0 ? write_save_file(tr, full, P) : MS_OK;
 }

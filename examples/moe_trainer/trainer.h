@@ -30,11 +30,13 @@ typedef struct {
     mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
     char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
     // from --mesh and --config
-    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS / pp
+    int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS / (pp * tp)
     int ep;         // expert-parallel size: experts split over groups of ep ranks
-    int pp;         // pipeline stages, one a rank: rank r is stage r / dp, dp index r % dp
+    int pp;         // pipeline stages, one a rank: rank r is stage r / dp, dp index r % dp (tp = 1)
     int microbatches;     // --microbatches M (pp > 1; default pp): micro-batches a step
     const char *schedule; // --schedule NAME (pp > 1), the policy's pipeline.schedule when NULL
+    int tp;         // tensor-parallel size: groups of tp consecutive ranks share their rows (tp.c; pp = 1)
+    int sp;         // --sequence-parallel
     int batch_size; // B, global rows per step
     ModelConfig model;
 } Options;
@@ -97,6 +99,12 @@ typedef struct {
     size_t ep_cap;
     // pipeline (pp > 1, pipeline.c): this rank runs model stages [stage_lo, stage_hi]
     struct Pipeline *pipe;
+    // tensor parallelism (tp.c): this rank is tp_rank of the tp group of ranks
+    // [rank - tp_rank, rank - tp_rank + tp), the data-parallel rank rank / tp
+    int tp, tp_rank;
+    ms_comm *tp_group;            // tag 2: apart from the units' groups
+    ModelTp mtp;                  // the model's hooks onto tp_group
+    ms_status tp_status;          // of the latest collective on tp_group
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).

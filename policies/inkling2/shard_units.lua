@@ -12,6 +12,7 @@ local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
 local islands = require "islands"
 local fsdp2_default = require "fsdp2_default"
+local tp_plans = require "tp_plans"
 
 local M = {}
 
@@ -31,6 +32,8 @@ M.options = {
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
   offload_policy = { default = nil, type = "nil|string", values = { "cpu" },
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
+  sequence_parallel = { default = false, type = "boolean",
+    doc = "with tp > 1: tp_plans.inkling2's sequence-parallel variant (moe_trainer --sequence-parallel)" },
 }
 -- pp > 1: pipeline.schedule, pipeline.layers_per_stage, pipeline.round, as fsdp2_default's
 for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
@@ -179,8 +182,11 @@ function M.parallelize(ctx)
   -- (activation checkpointing is on by default, also under a ctx whose options do not name it)
   local ac = o.activation_checkpointing
   if ac == nil then ac = true end
-  if ctx.mesh:size("pp") > 1 then return pipelined(ctx, o, ac) end
   local mesh = ctx.mesh
+  -- Tensor parallelism before any unit (Automodel's parallelize_model): the plan of the
+  -- inkling2-like model (tp_plans.inkling2); each unit then shards the rank's tp pieces.
+  if mesh:size("tp") > 1 then ctx:tensor_parallel(tp_plans.inkling2(o.sequence_parallel)) end
+  if mesh:size("pp") > 1 then return pipelined(ctx, o, ac) end
   local fsdp_mesh = mesh.fsdp_axes
   local use_ep = mesh:size("ep") > 1
   local layers = ctx:module("model.layers")

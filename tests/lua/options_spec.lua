@@ -333,12 +333,13 @@ describe("the shipped policies' options", function()
       -- (and fsdp2_default's pipeline options, for pp > 1)
       ["policies/full_fp32.lua"] = { activation_checkpointing = false, ["prefetch.forward"] = 1,
         ["prefetch.backward"] = 2, ["pipeline.schedule"] = "1F1B", ["pipeline.layers_per_stage"] = "none",
-        ["pipeline.round"] = "none", ["pipeline.split"] = "automodel" },
+        ["pipeline.round"] = "none", ["pipeline.split"] = "automodel", sequence_parallel = false },
       -- FSDP2's implicit prefetch, which Automodel's parallelizers leave in place
       ["policies/by_dtype.lua"] = { ["prefetch.forward"] = 1, ["prefetch.backward"] = 1 },
       ["policies/inkling2"] = { offload_policy = "none", activation_checkpointing = true,
         ["prefetch.forward"] = 1, ["prefetch.backward"] = 1, ["pipeline.schedule"] = "1F1B",
-        ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none", ["pipeline.split"] = "automodel" },
+        ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none", ["pipeline.split"] = "automodel",
+        sequence_parallel = false },
     }, defaults)
   end)
 

@@ -14,8 +14,8 @@
 #   - the same reductions of inexact values bit for bit equal to the threads backend's
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
 #   - moe_trainer with ranks as processes: a pipeline (pp=2; pp=2,dp_shard=2 in 4
-#     micro-batches) and FSDP (dp_shard=4) print the threads run's losses and save its
-#     parameters, bit for bit
+#     micro-batches), FSDP (dp_shard=4) and tensor parallelism (tp=2; dp_shard=2,tp=2 with
+#     sequence parallel) print the threads run's losses and save its parameters, bit for bit
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
 #   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
 #     that never arrives (timeout) and a killed rank each end the whole job non-zero within
@@ -163,13 +163,13 @@ for max in default 16; do
 done
 
 # ---------------------------------------------------------------- moe_trainer
-# Under mpirun each process is one rank (make_world in examples/moe_trainer/main.c); the
+# Under mpirun each process is one rank (run_mpi_rank in examples/moe_trainer/main.c); the
 # sends between pipeline stages, the units' collectives and the loss all go through MPI,
 # and give what the threads world gives (the reductions are bit for bit the same).
 TRAINER=$BUILD_DIR/moe_trainer
 if [ -x "$TRAINER" ]; then
   printf 'hidden_size = 32\nexpert_dim = 32\nseq_len = 32\n' >"$TMP/trainer.cfg"
-  for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4"; do
+  for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4" "2 tp=2" "4 dp_shard=2,tp=2 --sequence-parallel"; do
     read -r np mesh extra <<<"$case"
     name=trainer_${mesh//[=,]/_}
     targs=(-n "$np" --mesh "$mesh" --policy policies/full_fp32.lua --steps 5 --seed 7 --config "$TMP/trainer.cfg")
@@ -185,7 +185,7 @@ if [ -x "$TRAINER" ]; then
     fi
   done
   BIN=$TRAINER job trainer_np 3 -- -n 2 --mesh pp=2 --policy policies/full_fp32.lua --steps 1 --seed 7
-  if [ "$code" != 0 ] && has "$TMP/trainer_np.err" "moe_trainer: -n 2 but the MPI launcher started 3 ranks"; then
+  if [ "$code" != 0 ] && has "$TMP/trainer_np.err" "-n 2, but the MPI launcher started 3 ranks"; then
     ok "moe_trainer -n 2 under mpirun -np 3: refused, naming both counts"
   else
     fail "moe_trainer -n 2 under mpirun -np 3 (exit $code)" "$TMP/trainer_np.out" "$TMP/trainer_np.err"
