@@ -189,7 +189,7 @@ static int parse_mesh(Options *o) {
         if (parse_long(eq + 1, 1, MAX_RANKS, &size[a]))
             return usage_error("--mesh %s: the size of %s must be an integer 1..%d, got '%s'", o->mesh, item,
                                MAX_RANKS, eq + 1);
-        if (a > PP && size[a] > 1)
+        if (a == CP && size[a] > 1)
             return usage_error("--mesh %s: %s parallelism (%s=%ld) is not implemented by moe_trainer; %s may only be 1",
                                o->mesh, kinds[a], item, size[a], item);
     }

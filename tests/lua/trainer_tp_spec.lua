@@ -185,6 +185,7 @@ describe("moe_trainer with tensor parallelism", function()
         "%-%-sequence%-parallel needs tp > 1" },
       { "tp with ep", { "-n", "4", "--mesh", "dp_shard=2,tp=2,ep=2" },
         "tp = 2 with ep = 2 is not implemented by moe_trainer" },
+      { "tp with pp", { "-n", "4", "--mesh", "pp=2,tp=2" }, "tp = 2 with pp = 2 is not implemented by moe_trainer" },
       { "a batch that does not split over the data-parallel ranks", { "-n", "6", "--mesh", "dp_shard=3,tp=2" },
         "batch_size 8 does not divide over the 3 data%-parallel ranks" },
       { "a mesh of another size", { "-n", "2", "--mesh", "dp_shard=2,tp=2" }, "has 4 ranks but %-n is 2" },
@@ -202,7 +203,7 @@ describe("moe_trainer with tensor parallelism", function()
     it("nothing it says --help allows", function()
       local r = trainer({ "--help" })
       assert.equal(0, r.code)
-      assert.matches("dp_shard=2,tp=2: axes dp_replicate, dp_shard, ep and tp", r.out, 1, true)
+      assert.matches("dp_shard=2,tp=2 (tensor\n                  parallel), below: axes dp_replicate, dp_shard, ep, pp and tp", r.out, 1, true)
       assert.matches("  --sequence-parallel  with tp > 1", r.out, 1, true)
     end)
 
