@@ -23,7 +23,8 @@ usage: bench/bench_plan.sh [BUILD_DIR] [TRIALS] [CASE]
              repository's build)
   TRIALS     trials, an integer 1..1000 (default 7)
   CASE       deepseek (default); deepseek_pp: DeepSeek-V3, fsdp2_default, pp=16
-             dp_shard=256 ep=64, with a batch; llama70b_tp: Llama-3.1-70B, fsdp2_default,
+             dp_shard=256 ep=64, with a batch; deepseek_pp_device: the same with
+             --device h100-80gb (the step-time estimate); llama70b_tp: Llama-3.1-70B, fsdp2_default,
              tp=8 dp_shard=2, sequence parallel, with a batch; llama70b_tp_pp: the same on
              tp=8 pp=4 dp_shard=2
 EOF
@@ -40,6 +41,10 @@ case ${3:-deepseek} in
     label="DeepSeek-V3 (671B), fsdp2_default, pp=16 dp_shard=256 ep=64 (4096 ranks), 4096 tokens x 4096"
     plan=(plan --config examples/configs/deepseek_v3.json --mesh "pp=16,dp_shard=256,ep=64"
       --policy policies/fsdp2_default.lua --seq-len 4096 --global-batch 4096) ;;
+  deepseek_pp_device)
+    label="DeepSeek-V3 (671B), fsdp2_default, pp=16 dp_shard=256 ep=64 (4096 ranks), 4096 tokens x 4096, h100-80gb step time"
+    plan=(plan --config examples/configs/deepseek_v3.json --mesh "pp=16,dp_shard=256,ep=64"
+      --policy policies/fsdp2_default.lua --seq-len 4096 --global-batch 4096 --device h100-80gb) ;;
   llama70b_tp)
     label="Llama-3.1-70B, fsdp2_default, tp=8 dp_shard=2, sequence parallel, 8192 tokens x 64"
     plan=(plan --config examples/configs/llama3.1_70b.json --mesh "dp_shard=2,tp=8" --policy policies/fsdp2_default.lua
@@ -48,7 +53,7 @@ case ${3:-deepseek} in
     label="Llama-3.1-70B, fsdp2_default, tp=8 pp=4 dp_shard=2, sequence parallel, 8192 tokens x 64"
     plan=(plan --config examples/configs/llama3.1_70b.json --mesh "pp=4,dp_shard=2,tp=8"
       --policy policies/fsdp2_default.lua --set sequence_parallel=true --seq-len 8192 --global-batch 64) ;;
-  *) fail "CASE is deepseek, deepseek_pp, llama70b_tp or llama70b_tp_pp, not '$3'" ;;
+  *) fail "CASE is deepseek, deepseek_pp, deepseek_pp_device, llama70b_tp or llama70b_tp_pp, not '$3'" ;;
 esac
 trials=${2:-7}
 [[ $trials =~ ^[0-9]{1,4}$ ]] && ((10#$trials >= 1 && 10#$trials <= 1000)) ||

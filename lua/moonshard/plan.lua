@@ -1635,7 +1635,7 @@ local function plan(model, mesh, policy, opts)
   end
   expert_warnings(model, mesh, owned, warnings, tokens)
   optimizer_warnings(optimizer, params, warnings)
-  return {
+  local result = {
     optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
       params = model:param_count(), bytes = model:param_bytes(),
@@ -1655,6 +1655,9 @@ local function plan(model, mesh, policy, opts)
     tokens = tokens,
     pipeline = pipeline_view,
   }
+  -- with a device profile: its memory figures and the step's time (moonshard.plan_time)
+  if opts.device ~= nil then require("moonshard.plan_time").attach(result, ctx, opts) end
+  return result
 end
 
 function M.plan(model, mesh, policy, opts)

@@ -70,6 +70,14 @@ the batch (traffic that depends on it is counted only when --seq-len is given):
                        collectives and context parallelism's key/value exchange
   --cp-rotate M        how cp ranks exchange keys and values: allgather (default, as NeMo
                        Automodel sets it) or alltoall (a ring of cp - 1 steps)
+the device (memory per rank gains its capacity and overhead; with the batch, an estimate
+of the step's time, tokens/s, MFU and exposed communication; docs/planning.md lists the
+model's assumptions):
+  --device NAME|FILE   h100-80gb, h200-141gb, b200-192gb, a100-80gb or mi300x-192gb, or a
+                       FILE.lua returning a table of figures (loaded in the policy sandbox,
+                       with its limits); without it, no time is estimated
+  --efficiency X       the share of the peak FLOP/s the compute reaches, in (0, 1]
+                       (default 0.5)
 the policy sandbox (per call into the policy):
   --policy-instructions N   the instruction budget (default 200000000)
   --policy-memory MB        the memory cap in MiB, at least 1 (default 256)
@@ -94,7 +102,7 @@ local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] =
 -- options given any number of times: option -> list of values
 local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
-  name = true, rank = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true, ["cp-rotate"] = true,
+  name = true, rank = true, device = true, efficiency = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true, ["cp-rotate"] = true,
   ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
 local LIMITS = { ["policy-instructions"] = "instructions", ["policy-memory"] = "memory_mb",
@@ -219,6 +227,7 @@ function M.make_plan(o)
     optimizer = o.optimizer, policy_name = o.policy, set = o.set, warnings = o.warnings,
     tokens = o["seq-len"] and { seq_len = tonumber(o["seq-len"]), micro_batch = tonumber(o["micro-batch"]),
       global_batch = tonumber(o["global-batch"]), cp_rotate = o["cp-rotate"] } or nil,
+    device = o.device, efficiency = o.efficiency and tonumber(o.efficiency), device_limits = o.limits,
   })
   return plan
 end
@@ -297,6 +306,12 @@ function M.main(args)
     return usage_error("--rank is a rank, a whole number from 0, not '" .. util.short_name(o.rank) .. "'")
   end
   if o.rank then o.rank = tonumber(o.rank) end
+  if o.efficiency and not (o.efficiency:match("^%d*%.?%d+$") and tonumber(o.efficiency) > 0 and
+      tonumber(o.efficiency) <= 1) then
+    return usage_error("--efficiency is a number in (0, 1] (the share of the peak FLOP/s), not '" ..
+      util.short_name(o.efficiency) .. "'")
+  end
+  if o.efficiency and not o.device then return usage_error("--efficiency goes with --device NAME|FILE") end
   if o.optimizer and not require("moonshard.plan").OPTIMIZERS[o.optimizer] then
     return usage_error("--optimizer is adamw, torch_adamw or none, not '" .. o.optimizer .. "'")
   end

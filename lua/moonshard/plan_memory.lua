@@ -264,7 +264,8 @@ function Mem.attach(mem, runs, world)
         list[rank + 1] = { rank = rank, params = run.params or t.params, grads = run.grads or t.grads,
           optimizer = run.optimizer, peak_unsharded = run.peak_unsharded or t.peak_unsharded,
           buffers = run.buffers or t.buffers,
-          total = run.total, offloaded = run.offloaded }
+          total = run.total, offloaded = run.offloaded,
+          overhead = run.overhead, capacity = t.capacity } -- with a device profile (plan_time)
       end
     end
     rawset(t, "per_rank", list)

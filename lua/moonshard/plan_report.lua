@@ -134,7 +134,9 @@ local function rank_tail(m, run)
   return "," .. table.concat({ jstr("params") .. ":" .. jnum(run.params or m.params),
     jstr("grads") .. ":" .. jnum(run.grads or m.grads), jstr("optimizer") .. ":" .. jnum(run.optimizer),
     jstr("peak_unsharded") .. ":" .. jnum(run.peak_unsharded or m.peak_unsharded),
-    jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") .. "}"
+    jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") ..
+    -- with a device profile (moonshard.plan_time)
+    (m.capacity and "," .. jstr("overhead") .. ":" .. jnum(run.overhead) .. "," .. jstr("capacity") .. ":" .. jnum(m.capacity) or "") .. "}"
 end
 
 -- About the bytes the per-rank and per-coordinate lists take (at most: every rank
@@ -282,6 +284,7 @@ function M.to_json(plan, opts)
       { "per_micro_batch", jobj({ { "forward", kinds(cpc.forward) }, { "backward", kinds(cpc.backward) } }) } })
   end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
+  add(require("moonshard.plan_time").json(plan, jstr, jobj))
   if opts.audit then
     local rows = {}
     for i, a in ipairs(plan_mod.audit(plan)) do
@@ -516,6 +519,7 @@ function M.to_text(plan, opts)
   elseif pl then
     add("  send_recv           (the pipeline's activations between stages: give the batch, --seq-len, to count them)")
   end
+  require("moonshard.plan_time").text(plan, add)
   if #plan.warnings > 0 then
     add("")
     add("warnings:")

@@ -67,6 +67,9 @@ function M.render(plan)
   local ranks = plan.mesh.world
   local shown = math.min(ranks, 32)
   local height = mem_top + 30 + shown * (BAR_H + 4) + 90
+  -- with a step time: one step on a time line (moonshard.plan_time)
+  local timeline, timeline_h = require("moonshard.plan_time").svg(plan, height - 30, W, MARGIN, esc)
+  height = height + timeline_h
   put(string.format('<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" ' ..
     'font-size="11">', W, height))
   put(string.format('<rect width="%d" height="%d" fill="white"/>', W, height))
@@ -152,6 +155,7 @@ function M.render(plan)
     parts[#parts + 1] = string.format("send_recv %d x %s", plan.comm.send_recv.count, util.bytes(plan.comm.send_recv.bytes))
   end
   put(string.format('<text x="%d" y="%d">%s</text>', MARGIN, cy + 20, esc(table.concat(parts, "  |  "))))
+  if timeline ~= "" then put(timeline) end
   put("</svg>")
   return table.concat(out, "\n") .. "\n"
 end
