@@ -869,6 +869,7 @@ local layout = require("moonshard.plan_layout").bind(helpers)
 local memory = require("moonshard.plan_memory").bind(helpers)
 local tensor_parallel = require("moonshard.plan_tp").bind(helpers)
 local pipeline = require("moonshard.plan_pp").bind(helpers)
+local activations = require("moonshard.plan_activations").bind(helpers)
 
 local replicate = require("moonshard.plan_replicate").bind(helpers)
 M.ddp_buckets = replicate.buckets
@@ -1604,6 +1605,14 @@ local function plan(model, mesh, policy, opts)
   end
   local mem = by_pair[0]
   local pipeline_view = ctx.pp and pipeline.summary(ctx, mesh, tokens, function(p) return by_pair[p * tps].total end)
+  -- with a batch, the activations each pp coordinate keeps (plan_activations)
+  local acts = tokens and activations.plan(ctx, model, mesh, tokens, pipeline_view and pipeline_view.in_flight)
+  if acts then
+    for k, m in pairs(by_pair) do
+      local a = acts.by_pp[util.idiv(k, tps)]
+      m.activations, m.transient = a.activations, a.transient
+    end
+  end
   if pps * tps > 1 then
     mem = memory.combine(function(r) return by_pair[mesh:coord("pp", r) * tps + mesh:coord("tp", r) % tps] end, mesh)
   end
@@ -1644,6 +1653,7 @@ local function plan(model, mesh, policy, opts)
     units = ctx.units,
     owned = owned,
     memory = mem,
+    activations = acts and acts.breakdown,
     comm = comm,
     warnings = warnings,
     prefetch = ctx.prefetch,

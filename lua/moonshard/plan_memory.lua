@@ -265,6 +265,7 @@ function Mem.attach(mem, runs, world)
           optimizer = run.optimizer, peak_unsharded = run.peak_unsharded or t.peak_unsharded,
           buffers = run.buffers or t.buffers,
           total = run.total, offloaded = run.offloaded,
+          activations = run.activations or t.activations, transient = run.transient or t.transient,
           overhead = run.overhead, capacity = t.capacity } -- with a device profile (plan_time)
       end
     end
@@ -292,16 +293,19 @@ function Mem.combine(mem_of, mesh)
     local run = run_of(m.runs, r)
     local last = runs[#runs]
     if last and last.params == m.params and last.grads == m.grads and last.peak_unsharded == m.peak_unsharded and
-        last.buffers == m.buffers and last.optimizer == run.optimizer and last.offloaded == run.offloaded then
+        last.buffers == m.buffers and last.optimizer == run.optimizer and last.offloaded == run.offloaded and
+        last.activations == m.activations and last.transient == m.transient then
       last.count = last.count + 1
     else
       runs[#runs + 1] = { first = r, count = 1, params = m.params, grads = m.grads, peak_unsharded = m.peak_unsharded,
-        buffers = m.buffers, optimizer = run.optimizer, offloaded = run.offloaded, total = run.total }
+        buffers = m.buffers, optimizer = run.optimizer, offloaded = run.offloaded, total = run.total,
+        activations = m.activations, transient = m.transient }
     end
   end
   local base = mem_of(0)
   local mem = { params = base.params, grads = base.grads, peak_unsharded = base.peak_unsharded,
-    peak_unsharded_other = base.peak_unsharded_other, buffers = base.buffers }
+    peak_unsharded_other = base.peak_unsharded_other, buffers = base.buffers, activations = base.activations,
+    transient = base.transient }
   Mem.attach(mem, runs, mesh.world)
   return mem
 end

@@ -3,6 +3,7 @@
 
 local plan_mod = require "moonshard.plan"
 local util = require "moonshard.util"
+local activations = require "moonshard.plan_activations"
 
 local M = {}
 
@@ -129,12 +130,16 @@ local function unit_json(u, plan)
   return "    {" .. table.concat(fields, ",") .. "}"
 end
 
+local function jopt(n) return n and jnum(n) or "null" end
+
 -- What follows '{"rank":r' in memory.per_rank for the ranks of a run.
 local function rank_tail(m, run)
   return "," .. table.concat({ jstr("params") .. ":" .. jnum(run.params or m.params),
     jstr("grads") .. ":" .. jnum(run.grads or m.grads), jstr("optimizer") .. ":" .. jnum(run.optimizer),
     jstr("peak_unsharded") .. ":" .. jnum(run.peak_unsharded or m.peak_unsharded),
-    jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded) }, ",") ..
+    jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded),
+    jstr("activations") .. ":" .. jopt(run.activations or m.activations),
+    jstr("transient") .. ":" .. jopt(run.transient or m.transient) }, ",") ..
     -- with a device profile (moonshard.plan_time)
     (m.capacity and "," .. jstr("overhead") .. ":" .. jnum(run.overhead) .. "," .. jstr("capacity") .. ":" .. jnum(m.capacity) or "") .. "}"
 end
@@ -250,6 +255,9 @@ function M.to_json(plan, opts)
   add(' "memory":{"prefetch":' .. jprefetch(plan.prefetch) .. ',"peak_unsharded_other":' ..
     jobj({ { "prefetch", jprefetch(other.prefetch) }, { "bytes", jnum(other.bytes) } }) ..
     ',\n  "per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
+  if plan.activations then
+    add(' "activations":' .. activations.to_json(plan.activations, { jstr = jstr, jnum = jnum, jobj = jobj }) .. ",\n")
+  end
   local comm = {}
   for i, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" }) do
     comm[i] = jstr(k) .. ":" .. jobj({ { "count", jnum(plan.comm[k].count) }, { "bytes", jnum(plan.comm[k].bytes) } })
@@ -469,6 +477,7 @@ function M.to_text(plan, opts)
     add(string.format("  offloaded to host memory (offload_policy cpu): %s of the params, grads and optimizer " ..
       "state; on the device: %s", util.bytes(m.offloaded), util.bytes(m.total - m.offloaded)))
   end
+  for _, line in ipairs(activations.lines(plan, util.bytes)) do add(line) end
   add("communication per step and rank (bus bytes):")
   local tp_note = plan.comm.all_reduce.uncounted_tp and string.format("  (+ tensor parallelism's activations over " ..
     "tp = %d: give the batch, --seq-len, to count them)", plan.comm.all_reduce.uncounted_tp)

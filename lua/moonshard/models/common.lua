@@ -166,9 +166,11 @@ end
 --- parent.self_attn = grouped-query attention of the given type with q/k/v/o_proj.  bias:
 -- true for biases on all four projections, "qkv" for q, k and v only (Qwen2), false or nil
 -- for none.  With o.qk_norm, q_norm and k_norm (RMSNorm [head_dim], Qwen3 and Gemma3) follow
--- o_proj, in transformers' registration order.
+-- o_proj, in transformers' registration order.  attrs heads, kv_heads and head_dim give the
+-- shapes attention keeps for backward (moonshard.plan_activations).
 function C.attention(parent, type_name, d, dtype, bias, o)
-  local m = parent:add("self_attn", module.new(type_name))
+  local m = parent:add("self_attn", module.new(type_name, { heads = d.heads, kv_heads = d.kv_heads,
+    head_dim = d.head_dim }))
   local qkv_bias = bias == true or bias == "qkv"
   C.linear(m, "q_proj", d.heads * d.head_dim, d.hidden, dtype, qkv_bias)
   C.linear(m, "k_proj", d.kv_heads * d.head_dim, d.hidden, dtype, qkv_bias)
@@ -187,9 +189,11 @@ end
 -- gate's e_score_correction_bias [experts]: an f32 buffer whatever the model's dtype, as
 -- Automodel's Gate registers it (components/moe/layers.py) and DeepSeek-V3's checkpoints store
 -- it: it only shifts the top-k choice, is updated outside the optimizer, and FSDP2 leaves it
--- whole on every rank; Automodel's MoE parallelizer replicates it over the FSDP mesh).
+-- whole on every rank; Automodel's MoE parallelizer replicates it over the FSDP mesh);
+-- n_group and topk_group (group-limited routing, attrs of the block; default 1).
 function C.moe(parent, name, o)
-  local block = parent:add(name, module.new("MoE", { n_experts = o.experts, top_k = o.top_k }))
+  local block = parent:add(name, module.new("MoE", { n_experts = o.experts, top_k = o.top_k,
+    n_group = o.n_group, topk_group = o.topk_group }))
   local gate = block:add("gate", module.new("Gate"))
   gate:param("weight", { o.experts, o.hidden }, o.gate_dtype or o.dtype)
   if o.correction_bias then

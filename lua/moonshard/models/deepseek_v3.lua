@@ -24,7 +24,8 @@ end
 -- layer.self_attn: q through the q_lora_rank bottleneck (or one q_proj when it is null),
 -- k and v through the compressed kv_lora_rank latent plus a shared rope key.
 local function mla(layer, m, dtype)
-  local attn = layer:add("self_attn", module.new("DeepseekV3Attention"))
+  local attn = layer:add("self_attn", module.new("DeepseekV3Attention", { heads = m.heads, rope_dim = m.rope,
+    v_head_dim = m.v_dim }))
   local q_out = m.heads * (m.nope + m.rope)
   if m.q_lora then
     C.linear(attn, "q_a_proj", m.q_lora, m.hidden, dtype, m.bias)
@@ -50,7 +51,8 @@ return function(cfg)
   local inter = cfg:int("moe_intermediate_size")
   local moe = { experts = cfg:int("n_routed_experts"), top_k = cfg:int("num_experts_per_tok"),
     hidden = hidden, inter = inter, dtype = dtype, correction_bias = true,
-    shared_inter = inter * cfg:int("n_shared_experts", nil, 0) }
+    shared_inter = inter * cfg:int("n_shared_experts", nil, 0), n_group = cfg:int("n_group", 1),
+    topk_group = cfg:int("topk_group", 1) }
   local root, _, layers = C.causal_lm(cfg, "DeepseekV3Model", vocab, hidden, dtype)
   -- Automodel's DeepseekV3ForCausalLM (components/models/deepseek_v3/model.py) pins this name
   -- to fp32 compute (_keep_in_fp32_modules_strict), which its fully_shard_by_dtype reads.

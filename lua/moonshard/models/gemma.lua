@@ -28,6 +28,11 @@ return function(version)
       C.attention(layer, prefix .. "Attention", d, dtype, bias, { qk_norm = version == 3 })
       C.mlp(layer, "mlp", prefix .. "MLP", d.hidden, inter, dtype)
     end, { "pre_feedforward_layernorm", "post_feedforward_layernorm" })
+    -- Gemma's RMSNorm scales by (1 + weight) in f32 and casts back at the end: it keeps its
+    -- normalized input in f32, where Llama's keeps it in the input's dtype (plan_activations)
+    for _, nm in ipairs(root:named_modules()) do
+      if nm[2].type == "RMSNorm" then nm[2].attrs.scale_in_f32 = true end
+    end
     return root
   end
 end
