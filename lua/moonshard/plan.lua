@@ -1667,6 +1667,8 @@ local function plan(model, mesh, policy, opts)
   }
   -- with a device profile: its memory figures and the step's time (moonshard.plan_time)
   if opts.device ~= nil then require("moonshard.plan_time").attach(result, ctx, opts) end
+  -- with a batch, each rank's peak; with a device too, whether it fits (plan_memory)
+  memory.peaks(result.memory)
   return result
 end
 

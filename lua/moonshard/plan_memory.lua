@@ -14,7 +14,52 @@ local plan, fail, add, mul, too_big, is_ancestor, DTYPE_SIZE, FLOAT, MAX
 function Mem.bind(h)
   plan, fail, add, mul, too_big, is_ancestor = h.plan, h.fail, h.add, h.mul, h.too_big, h.is_ancestor
   DTYPE_SIZE, FLOAT, MAX = h.DTYPE_SIZE, h.FLOAT, h.MAX
-  return Mem
+  -- The terms of a rank's peak, in the order the plan names them.
+Mem.PEAK_TERMS = { "params", "grads", "optimizer", "peak_unsharded", "buffers", "activations", "transient", "overhead" }
+
+--- A run's terms (the run's figure, else the summary's): {name -> bytes}.
+function Mem.terms_of(mem, run)
+  local t = {}
+  for _, k in ipairs(Mem.PEAK_TERMS) do t[k] = run[k] or mem[k] end
+  t.optimizer, t.total = run.optimizer, run.total
+  return t
+end
+
+--- With a batch (the activations counted): each run's peak, the device memory a rank needs
+-- at its worst moment = total (params, grads, optimizer state, unsharded units at their
+-- peak, buffers) + activations + transient + overhead (with a device profile; 0 without),
+-- less what offloading holds in host memory.  With a device profile (mem.capacity) also the
+-- verdict: mem.fit = {fits (every rank), over (the ranks that do not fit), worst = {rank,
+-- peak, headroom (capacity - peak, negative when over), largest = {name, bytes}}}.
+function Mem.peaks(mem)
+  if mem.activations == nil then return end
+  local worst
+  local over = 0
+  for _, run in ipairs(mem.runs) do
+    local t = Mem.terms_of(mem, run)
+    run.peak = run.total - (run.offloaded or 0) + (t.activations or 0) + (t.transient or 0) + (t.overhead or 0)
+    if mem.capacity and run.peak > mem.capacity then over = over + run.count end
+    if not worst or run.peak > worst.peak then worst = { rank = run.first, peak = run.peak, run = run } end
+  end
+  mem.peak = mem.runs[1].peak
+  if not mem.capacity then return end
+  local t = Mem.terms_of(mem, worst.run)
+  local off = worst.run.offloaded or 0
+  local largest
+  for _, k in ipairs(Mem.PEAK_TERMS) do
+    local v = t[k] or 0
+    local name = k
+    -- with offloading, the state on the device is one term (host memory holds the rest)
+    if off > 0 and (k == "params" or k == "grads" or k == "optimizer") then
+      name, v = "params, grads and optimizer state on the device", t.params + t.grads + t.optimizer - off
+    end
+    if not largest or v > largest.bytes then largest = { name = name, bytes = v } end
+  end
+  mem.fit = { fits = over == 0, over = over, worst = { rank = worst.rank, peak = worst.peak,
+    headroom = mem.capacity - worst.peak, largest = largest } }
+end
+
+return Mem
 end
 
 -- The peak of unsharded parameters and gradients alive at once, walking the units in
@@ -266,7 +311,8 @@ function Mem.attach(mem, runs, world)
           buffers = run.buffers or t.buffers,
           total = run.total, offloaded = run.offloaded,
           activations = run.activations or t.activations, transient = run.transient or t.transient,
-          overhead = run.overhead, capacity = t.capacity } -- with a device profile (plan_time)
+          overhead = run.overhead, capacity = t.capacity, -- with a device profile (plan_time)
+          peak = run.peak } -- with a batch (Mem.peaks)
       end
     end
     rawset(t, "per_rank", list)

@@ -4,6 +4,7 @@
 local plan_mod = require "moonshard.plan"
 local util = require "moonshard.util"
 local activations = require "moonshard.plan_activations"
+local plan_memory = require "moonshard.plan_memory"
 
 local M = {}
 
@@ -139,7 +140,7 @@ local function rank_tail(m, run)
     jstr("peak_unsharded") .. ":" .. jnum(run.peak_unsharded or m.peak_unsharded),
     jstr("buffers") .. ":" .. jnum(run.buffers or m.buffers), jstr("total") .. ":" .. jnum(run.total), jstr("offloaded") .. ":" .. jnum(run.offloaded),
     jstr("activations") .. ":" .. jopt(run.activations or m.activations),
-    jstr("transient") .. ":" .. jopt(run.transient or m.transient) }, ",") ..
+    jstr("transient") .. ":" .. jopt(run.transient or m.transient), jstr("peak") .. ":" .. jopt(run.peak) }, ",") ..
     -- with a device profile (moonshard.plan_time)
     (m.capacity and "," .. jstr("overhead") .. ":" .. jnum(run.overhead) .. "," .. jstr("capacity") .. ":" .. jnum(m.capacity) or "") .. "}"
 end
@@ -252,8 +253,16 @@ function M.to_json(plan, opts)
     return jobj({ { "forward", jnum(pf.forward) }, { "backward", jnum(pf.backward) } })
   end
   local other = m.peak_unsharded_other
+  -- with a batch and a device: whether every rank fits (plan_memory.peaks)
+  local fit = ""
+  if m.fit then
+    local w = m.fit.worst
+    fit = ',"fit":' .. jobj({ { "fits", jbool(m.fit.fits) }, { "ranks_over", jnum(m.fit.over) },
+      { "worst", jobj({ { "rank", jnum(w.rank) }, { "peak", jnum(w.peak) }, { "headroom", jnum(w.headroom) },
+        { "largest_term", jobj({ { "name", jstr(w.largest.name) }, { "bytes", jnum(w.largest.bytes) } }) } }) } })
+  end
   add(' "memory":{"prefetch":' .. jprefetch(plan.prefetch) .. ',"peak_unsharded_other":' ..
-    jobj({ { "prefetch", jprefetch(other.prefetch) }, { "bytes", jnum(other.bytes) } }) ..
+    jobj({ { "prefetch", jprefetch(other.prefetch) }, { "bytes", jnum(other.bytes) } }) .. fit ..
     ',\n  "per_rank":[\n    ' .. table.concat(ranks, ",\n    ") .. "\n ]},\n")
   if plan.activations then
     add(' "activations":' .. activations.to_json(plan.activations, { jstr = jstr, jnum = jnum, jobj = jobj }) .. ",\n")
@@ -341,6 +350,40 @@ function M.bucket_lines(u, mesh, add)
     add(string.format("  %4d %10s %-5s %4d param%s  %s%s", b.index, util.bytes(b.bytes), b.dtype, #b.fqns,
       #b.fqns == 1 and " " or "s", b.fqns[1], #b.fqns > 1 and " .. " .. b.fqns[#b.fqns] or ""))
   end
+end
+
+--- The peak per rank and, with a device, the verdict (memory.peak, memory.fit).
+function M.peak_lines(plan, add)
+  local m = plan.memory
+  if not m.peak then return end
+  local fit = m.fit
+  local run = m.runs[1]
+  if fit then
+    for _, r in ipairs(m.runs) do
+      if r.first == fit.worst.rank then run = r end
+    end
+  end
+  local t = plan_memory.terms_of(m, run)
+  local parts = {}
+  for _, k in ipairs(plan_memory.PEAK_TERMS) do
+    if (t[k] or 0) > 0 then parts[#parts + 1] = k:gsub("_", " ") .. " " .. util.bytes(t[k]) end
+  end
+  if (run.offloaded or 0) > 0 then parts[#parts + 1] = "less " .. util.bytes(run.offloaded) .. " offloaded" end
+  if not fit then
+    add(string.format("peak per rank (rank 0, estimate): %s = %s; give --device to check it against a GPU's memory",
+      util.bytes(run.peak), table.concat(parts, " + ")))
+    return
+  end
+  local w = fit.worst
+  if fit.fits then
+    add(string.format("fits (estimate): every rank; the fullest, rank %d, peaks at %s of %s (%s headroom)", w.rank,
+      util.bytes(w.peak), util.bytes(m.capacity), util.bytes(w.headroom)))
+  else
+    add(string.format("does not fit (estimate): %d of %d ranks need more than %s; the fullest, rank %d, peaks at %s, " ..
+      "over by %s; its largest term: %s, %s", fit.over, plan.mesh.world, util.bytes(m.capacity), w.rank,
+      util.bytes(w.peak), util.bytes(-w.headroom), w.largest.name:gsub("_", " "), util.bytes(w.largest.bytes)))
+  end
+  add("  rank " .. w.rank .. ": " .. table.concat(parts, " + "))
 end
 
 --- The plan as text: units, expert parallelism, memory per rank, communication, warnings.
@@ -478,6 +521,7 @@ function M.to_text(plan, opts)
       "state; on the device: %s", util.bytes(m.offloaded), util.bytes(m.total - m.offloaded)))
   end
   for _, line in ipairs(activations.lines(plan, util.bytes)) do add(line) end
+  M.peak_lines(plan, add)
   add("communication per step and rank (bus bytes):")
   local tp_note = plan.comm.all_reduce.uncounted_tp and string.format("  (+ tensor parallelism's activations over " ..
     "tp = %d: give the batch, --seq-len, to count them)", plan.comm.all_reduce.uncounted_tp)

@@ -466,8 +466,14 @@ function T.attach(result, ctx, opts)
   end
   local mem = result.memory
   mem.capacity = dev.memory_bytes
-  for _, run in ipairs(mem.runs) do run.overhead = devices.overhead(dev, run.total).total end
-  mem.overhead = devices.overhead(dev, mem.runs[1].total)
+  -- what the allocator holds at the peak: the state on the device, and with a batch the
+  -- activations and the transient peak (fragmentation is a share of it)
+  local function held(run)
+    return run.total - (run.offloaded or 0) + (run.activations or mem.activations or 0) +
+      (run.transient or mem.transient or 0)
+  end
+  for _, run in ipairs(mem.runs) do run.overhead = devices.overhead(dev, held(run)).total end
+  mem.overhead = devices.overhead(dev, held(mem.runs[1]))
   result.device = dev
   if result.tokens then
     result.time = T.estimate(ctx, result.mesh, result.tokens, result.comm, mem, dev, { efficiency = eff })
