@@ -1,8 +1,8 @@
 -- moonshard.plan_svg: a plan as a picture.  One row per decoder layer (and one for the
 -- rest of the model) with a box per shard unit, sized by its parameters and coloured by the
 -- dtype it gathers in (FP32 islands stand out), expert-parallel parameters as their own
--- box, each layer's pipeline stage; below, each rank's memory as stacked bars and the
--- communication per step.
+-- box, each layer's pipeline stage; below, each rank's memory as stacked bars (to its peak
+-- with a batch, against the device's memory with one) and the communication per step.
 
 local util = require "moonshard.util"
 
@@ -12,7 +12,8 @@ local W, MARGIN, ROW_H, BAR_H = 1100, 20, 34, 18
 local COLOURS = { f32 = "#e8833a", bf16 = "#4a7fc1", f16 = "#6aa84f", f8e4m3 = "#9b59b6", f8e5m2 = "#9b59b6",
   f64 = "#c0392b", ep = "#7f8c8d" }
 local MEM = { { "params", "#4a7fc1" }, { "grads", "#6aa84f" }, { "optimizer", "#e8833a" },
-  { "peak_unsharded", "#9b59b6" } }
+  { "peak_unsharded", "#9b59b6" }, { "buffers", "#95a5a6" }, { "activations", "#c0392b" }, { "transient", "#f1948a" },
+  { "overhead", "#34495e" } }
 
 -- XML text: the five markup characters escaped, and the control characters XML 1.0 forbids
 -- (all below 0x20 but tab, newline and return) shown as U+FFFD
@@ -114,20 +115,29 @@ function M.render(plan)
     for _, run in ipairs(m.runs) do
       if r >= run.first and r < run.first + run.count then
         return { params = run.params or m.params, grads = run.grads or m.grads, optimizer = run.optimizer,
-          peak_unsharded = run.peak_unsharded or m.peak_unsharded, total = run.total }
+          peak_unsharded = run.peak_unsharded or m.peak_unsharded, buffers = run.buffers or m.buffers,
+          activations = run.activations or m.activations or 0, transient = run.transient or m.transient or 0,
+          overhead = run.overhead or 0, total = (run.peak or run.total) }
       end
     end
   end
-  local peak_total = 0
+  -- each rank's stack: its state, and with a batch its activations, the transient and (with
+  -- a device) the overhead, to its peak; the device's capacity a line across
+  local peak_total = m.capacity or 0
   for r = 0, shown - 1 do peak_total = math.max(peak_total, figures(r).total) end
-  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">memory per rank: %s total on rank 0%s</text>',
-    MARGIN, mem_top, util.bytes(m.total), ranks > shown and string.format(" (the first %d of %d ranks)",
-      shown, ranks) or ""))
+  put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">memory per rank: %s %s on rank 0%s%s</text>',
+    MARGIN, mem_top, util.bytes(m.peak or m.total), m.peak and "at the peak (estimate)" or "total",
+    m.capacity and string.format(" of %s%s", util.bytes(m.capacity), m.fit and (m.fit.fits and ": every rank fits" or
+      string.format(": %d ranks over", m.fit.over)) or "") or "",
+    ranks > shown and string.format(" (the first %d of %d ranks)", shown, ranks) or ""))
   lx = MARGIN
+  local rank0 = figures(0)
   for _, c in ipairs(MEM) do
-    put(string.format('<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s %s</text>', lx,
-      mem_top + 10, c[2], lx + 16, mem_top + 20, c[1]:gsub("_", " "), util.bytes(m[c[1]])))
-    lx = lx + 220
+    if (rank0[c[1]] or 0) > 0 or c[1] == "params" then
+      put(string.format('<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s %s</text>', lx,
+        mem_top + 10, c[2], lx + 16, mem_top + 20, c[1]:gsub("_", " "), util.bytes(rank0[c[1]])))
+      lx = lx + 150
+    end
   end
   local scale = (W - 2 * MARGIN - 70) / math.max(peak_total, 1)
   for r = 0, shown - 1 do
@@ -136,11 +146,17 @@ function M.render(plan)
     local x = MARGIN + 70
     local f = figures(r)
     for _, c in ipairs(MEM) do
-      local w = f[c[1]] * scale
+      local w = (f[c[1]] or 0) * scale
       put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="%s"/>', util.fixed1(x), y, util.fixed1(w),
         BAR_H, c[2]))
       x = x + w
     end
+  end
+  if m.capacity then
+    local cx = MARGIN + 70 + m.capacity * scale
+    put(string.format('<g><title>the device\'s memory: %s</title><line x1="%s" y1="%d" x2="%s" y2="%d" ' ..
+      'stroke="#c0392b" stroke-width="2" stroke-dasharray="6,3"/></g>', util.bytes(m.capacity), util.fixed1(cx),
+      mem_top + 26, util.fixed1(cx), mem_top + 30 + shown * (BAR_H + 4)))
   end
   local cy = mem_top + 30 + shown * (BAR_H + 4) + 24
   put(string.format('<text x="%d" y="%d" font-size="14" font-weight="bold">communication per step and rank</text>',

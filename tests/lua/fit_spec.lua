@@ -6,6 +6,7 @@ local planner = require "moonshard.plan"
 local policy = require "moonshard.policy"
 local models = require "moonshard.models"
 local report = require "moonshard.plan_report"
+local svg = require "moonshard.plan_svg"
 local json = require "moonshard.json"
 local S = require "support"
 local assert_has = S.assert_has
@@ -93,5 +94,23 @@ describe("a rank's peak and whether it fits", function()
     local none = json.decode(report.to_json(plan("dp_shard=4", {})), "plan JSON").memory
     assert.equal(json.null, none.per_rank[1].peak)
     assert.is_nil(none.fit)
+  end)
+
+  it("draws each rank's stack to its peak against the device's memory", function()
+    local p = plan("dp_shard=4", { tokens = TOK, device = "h100-80gb" })
+    local pic = svg.render(p)
+    assert_has(pic, "at the peak (estimate) on rank 0 of 79.6 GiB: every rank fits")
+    assert_has(pic, "the device's memory: 79.6 GiB")
+    assert_has(pic, ">activations ")
+    assert_has(pic, ">overhead ")
+    -- rank 0's bar: its eight terms' widths sum to its peak on the capacity line's scale
+    local bars = pic:match("rank 0</text>(.-)<text")
+    local width = 0
+    for w in bars:gmatch('width="([%d.]+)"') do width = width + tonumber(w) end
+    local line = tonumber(pic:match('<line x1="([%d.]+)"'))
+    local r0 = p.memory.per_rank[1]
+    -- the bar starts where the capacity line's scale starts (margin 20 + 70)
+    assert.is_true(math.abs(width / (line - 90) - r0.peak / r0.capacity) < 0.002,
+      string.format("bar %g, capacity at %g: %g vs %g", width, line - 90, width / (line - 90), r0.peak / r0.capacity))
   end)
 end)
