@@ -71,8 +71,8 @@ M.options = {
   sequence_parallel = { default = false,
     doc = "the plan's sequence-parallel variant (Automodel's sequence_parallel), when tp > 1" },
   ["pipeline.schedule"] = { default = "1F1B", type = "string",
-    values = { "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV" },
-    doc = "the pipeline schedule when pp > 1 (Automodel's pp_schedule)" },
+    doc = "the pipeline schedule when pp > 1 (Automodel's pp_schedule, any case as PyTorch matches it): GPipe, " ..
+      "1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV" },
   ["pipeline.layers_per_stage"] = { default = nil, type = "nil|integer", min = 1,
     doc = "decoder layers a stage (Automodel's layers_per_stage: it counts the stages; none: 1 stage a rank, 2 " ..
       "for a multi-stage schedule)" },

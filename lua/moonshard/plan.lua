@@ -1625,6 +1625,11 @@ local function plan(model, mesh, policy, opts)
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
+  if mesh:size("pp") > 1 and not ctx.pp then
+    warnings[#warnings + 1] = string.format("pp = %d but the policy split the model into no pipeline stages " ..
+      "(ctx:pipeline): every pp rank holds the whole model as planned, and the pp axis only divides the ranks",
+      mesh:size("pp"))
+  end
   if mesh:size("tp") > 1 and #ctx.tp_order == 0 then
     warnings[#warnings + 1] = string.format("tp = %d but the policy placed no parameter by tensor parallelism " ..
       "(ctx:tensor_parallel): every tp rank holds the same shards as its peers, and the tp axis only divides the " ..

@@ -271,7 +271,7 @@ function P.apply(ctx, opts)
   local ok, sched = pcall(P.schedule, opts.schedule or "1F1B")
   if not ok then plan_fail((tostring(sched):gsub("^moonshard: ", ""))) end
   local layers = ctx.model:get("model.layers")
-  if not layers or layers.type ~= "ModuleList" or #layers.child_order == 0 then
+  if not layers or (layers.type ~= "ModuleList" and layers.type ~= "ModuleDict") or #layers.child_order == 0 then
     plan_fail("pipeline: the model has no model.layers list of decoder layers to split into stages")
   end
   if ctx.model.attrs.tie_word_embeddings then

@@ -288,3 +288,17 @@ describe("a balanced pipeline split", function()
     end }), "pipeline: split is 'even'; expected \"automodel\"")
   end)
 end)
+
+describe("a mesh with pp > 1 and a policy without a pipeline", function()
+  it("is planned as it is, with a warning that every pp rank holds the whole model; tp likewise", function()
+    local plain = { parallelize = function(ctx) ctx:fully_shard(ctx.model) end }
+    local p = plan(llama(), "pp=2,dp_shard=2", plain)
+    assert_has(table.concat(p.warnings, "\n"), "pp = 2 but the policy split the model into no pipeline stages " ..
+      "(ctx:pipeline): every pp rank holds the whole model")
+    local t = plan(llama(), "dp_shard=2,tp=2", plain)
+    assert_has(table.concat(t.warnings, "\n"), "tp = 2 but the policy placed no parameter by tensor parallelism")
+    for _, w in ipairs(plan(llama(), "pp=2,dp_shard=2").warnings) do
+      assert.is_nil(w:find("no pipeline stages", 1, true), w)
+    end
+  end)
+end)
