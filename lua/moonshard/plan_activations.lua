@@ -337,11 +337,12 @@ function Walk:layer_kept(layer)
   return kept, partial and recompute or 0, shown, partial
 end
 
--- The decoder layers: the children of every ModuleList in the tree.
+-- The decoder layers: the children of every ModuleList (or ModuleDict, as DeepSeek-V4 keeps
+-- them) in the tree.
 local function layer_lists(model)
   local out = {}
   for _, nm in ipairs(model:named_modules()) do
-    if nm[2].type == "ModuleList" then out[#out + 1] = nm end
+    if nm[2].type == "ModuleList" or nm[2].type == "ModuleDict" then out[#out + 1] = nm end
   end
   return out
 end

@@ -17,6 +17,7 @@ local FP32_MODULES = require "fp32_modules"
 local precision = require "precision"
 local islands = require "islands"
 local by_dtype = require "by_dtype"
+local fsdp2_default = require "fsdp2_default"
 
 local M = {}
 
@@ -47,6 +48,8 @@ M.options = {
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
 }
+-- pp > 1: the pipeline's options, as fsdp2_default declares them (pipeline.schedule, ...)
+for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
 
 local CHECKPOINT = islands.CHECKPOINT
 
@@ -90,7 +93,7 @@ local sharded = {}
 
 -- fsdp.py _fully_shard_once: nothing when the module is already a unit; ignored_params kept
 -- to the module's own parameters (_fsdp_kwargs_for_module).
-local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind)
+local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind, stage)
   if sharded[m] then return end
   local ignored = {}
   if o.ignored then
@@ -99,8 +102,8 @@ local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind)
     end
   end
   ctx:fully_shard(m, { mesh = o.mesh, mp_policy = mp_policy, reshard_after_forward = reshard, kind = kind,
-    offload_policy = ctx.options.offload_policy, ignored_params = ignored })
-  sharded[m] = true
+    offload_policy = ctx.options.offload_policy, ignored_params = ignored, stage = stage })
+  if not stage then sharded[m] = true end -- a module spanning the stages is sharded once a stage
 end
 
 -- fsdp.py _fp32_module_fsdp_kwargs: a DeepseekV4FP32Parameter returns its raw tensor to its
@@ -111,8 +114,32 @@ local function holder_reshard(m, reshard)
 end
 
 --- fsdp.py fully_shard_deepseek_v4(module, mesh, mp_policy, reshard_after_forward,
--- ignored_params).  o: mesh, mp_policy, reshard, ignored (a set of params).
+-- ignored_params).  o: mesh, mp_policy, reshard, ignored (a set of params); under a
+-- pipeline, for a module spanning the stages (model, the root): stage (ctx:pipeline's) and
+-- prefix (the module's name), so that only the stage's part of it is sharded, as Automodel
+-- runs the parallelizer on each stage's part of the model.
 function M.fully_shard_deepseek_v4(ctx, m, o)
+  local st = o.stage
+  -- _iter_dsv4_fp32_modules: every module below whose name matches and whose floating
+  -- parameters are all f32, in named_modules() order (under a pipeline, of the stage's part)
+  local function islands_below(root, prefix)
+    for _, nm in ipairs(root:named_modules()) do
+      local name, sub = nm[1], nm[2]
+      local rel = prefix == nil and name or (name == "" and prefix or prefix .. "." .. name)
+      if rel ~= "" and not sharded[sub] and M.is_fp32_module_name(rel) and all_fp32(ctx, sub) then
+        fully_shard_once(ctx, sub, o, precision.fp32_of(o.mp_policy), holder_reshard(sub, o.reshard), "fp32_island")
+      end
+    end
+  end
+  if st then
+    -- a module spanning the stages (model, the root; DeepSeek-V4 with mixed dtypes): the
+    -- islands in the stage's modules below it, then the stage's part of it
+    for _, mine in ipairs(st.modules) do
+      local rel = o.prefix == "" and mine or (mine:sub(1, #o.prefix + 1) == o.prefix .. "." and mine:sub(#o.prefix + 2))
+      if rel then islands_below(ctx.model:get(mine), rel) end
+    end
+    return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard, nil, st.index)
+  end
   local dsv4 = is_dsv4(m)
   local pd = o.mp_policy and o.mp_policy.param_dtype
   -- the all-fp32 fast path: one FP32 unit (a non-DeepSeek-V4 module, or a DeepSeek-V4 one
@@ -121,14 +148,7 @@ function M.fully_shard_deepseek_v4(ctx, m, o)
     return fully_shard_once(ctx, m, o, precision.fp32_of(o.mp_policy), holder_reshard(m, o.reshard), "fp32_island")
   end
   if not dsv4 then return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard) end
-  -- _iter_dsv4_fp32_modules: every module below whose name matches and whose floating
-  -- parameters are all f32, in named_modules() order
-  for _, nm in ipairs(m:named_modules()) do
-    local name, sub = nm[1], nm[2]
-    if name ~= "" and M.is_fp32_module_name(name) and all_fp32(ctx, sub) then
-      fully_shard_once(ctx, sub, o, precision.fp32_of(o.mp_policy), holder_reshard(sub, o.reshard), "fp32_island")
-    end
-  end
+  islands_below(m, nil)
   return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard)
 end
 
@@ -198,7 +218,11 @@ local function experts_of(block)
 end
 
 --- Automodel's MoE parallelizer (parallelize_model: apply_ep, apply_ac, apply_fsdp) on
--- DeepSeek-V4.
+-- DeepSeek-V4.  Under a pipeline (pp > 1) the model is split first (Automodel's
+-- AutoPipeline, fsdp2_default.split_stages; the checkpoint wrappers made before, so that
+-- they stay in their blocks' stages), and the parallelizer runs on each stage's part: the
+-- stage's decoder blocks (the MTP blocks in the last stage, after the decoder), the embedding
+-- in the first stage, the head in the last, and the stage's part of model and of the root.
 function M.parallelize(ctx)
   M.prepare_model(ctx)
   sharded = {}
@@ -211,13 +235,31 @@ function M.parallelize(ctx)
   local use_ep = mesh:size("ep") > 1
   local layers = ctx:module("model.layers")
   local mtp_layers = ctx.model:get("mtp.layers")
+  local stages
+  if mesh:size("pp") > 1 then
+    if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
+    stages = fsdp2_default.split_stages(ctx, o)
+  end
 
-  -- _iter_moe_blocks: the decoder blocks, then the MTP blocks
-  local function blocks()
+  -- _iter_moe_blocks: the decoder blocks, then the MTP blocks; under a pipeline, those of
+  -- stage k (1-based; the MTP blocks in the last)
+  local function blocks(k)
     local out = {}
-    for _, i in ipairs(layers.child_order) do out[#out + 1] = { layers.children[i], false } end
-    if mtp_layers then
+    local first, count = 0, #layers.child_order
+    if stages then first, count = stages[k].layers.first, stages[k].layers.count end
+    for j = first, first + count - 1 do
+      local i = layers.child_order[j + 1]
+      out[#out + 1] = { layers.children[i], false }
+    end
+    if mtp_layers and (not stages or k == #stages) then
       for _, i in ipairs(mtp_layers.child_order) do out[#out + 1] = { mtp_layers.children[i], true } end
+    end
+    return out
+  end
+  local function all_blocks()
+    local out = {}
+    for k = 1, stages and #stages or 1 do
+      for _, b in ipairs(blocks(k)) do out[#out + 1] = b end
     end
     return out
   end
@@ -225,7 +267,7 @@ function M.parallelize(ctx)
   -- apply_ep first: every MoE block's experts, Shard(0) on ep
   local ignored_of = {}
   if use_ep then
-    for _, b in ipairs(blocks()) do
+    for _, b in ipairs(all_blocks()) do
       local experts = experts_of(b[1])
       if experts then
         local set = {}
@@ -236,36 +278,44 @@ function M.parallelize(ctx)
   end
 
   -- apply_ac: the decoder blocks (apply_ac leaves the MTP blocks unwrapped)
-  if o.activation_checkpointing then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
+  if o.activation_checkpointing and not stages then ctx:checkpoint_wrap(layers, o.activation_checkpointing) end
 
-  for _, b in ipairs(blocks()) do
-    local block, is_mtp = b[1], b[2]
-    local experts = experts_of(block)
-    if use_ep and experts and mesh:size("ep_shard") > 1 then
-      -- apply_fsdp: the experts on ep_shard, sharded on dim 1 (_moe_shard_placement: dim 0
-      -- for a 1-D tensor), with the caller's policy; the MTP blocks' experts never reshard
-      ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = mp, offload_policy = o.offload_policy,
-        reshard_after_forward = (not is_mtp) and reshard or false,
-        shard_placement_fn = function(_, p) return #p.shape < 2 and 0 or 1 end })
-      sharded[experts] = true
+  local last = stages and #stages or 1
+  for k = 1, last do
+    for _, b in ipairs(blocks(k)) do
+      local block, is_mtp = b[1], b[2]
+      local experts = experts_of(block)
+      if use_ep and experts and mesh:size("ep_shard") > 1 then
+        -- apply_fsdp: the experts on ep_shard, sharded on dim 1 (_moe_shard_placement: dim 0
+        -- for a 1-D tensor), with the caller's policy; the MTP blocks' experts never reshard
+        ctx:fully_shard(experts, { mesh = { "ep_shard" }, mp_policy = mp, offload_policy = o.offload_policy,
+          reshard_after_forward = (not is_mtp) and reshard or false,
+          shard_placement_fn = function(_, p) return #p.shape < 2 and 0 or 1 end })
+        sharded[experts] = true
+      end
+      M.fully_shard_by_dtype(ctx, block, { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard,
+        ignored = ignored_of[block] })
     end
-    M.fully_shard_by_dtype(ctx, block, { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard,
-      ignored = ignored_of[block] })
-  end
 
-  local so = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard }
-  M.fully_shard_deepseek_v4(ctx, ctx:module("model.embed_tokens"), so)
-  local head = ctx:module("lm_head")
-  if o.lm_head_precision == "f32" then
-    ctx:fully_shard(head, { mesh = fsdp_mesh, reshard_after_forward = reshard, kind = "fp32_island",
-      offload_policy = o.offload_policy,
-      mp_policy = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true } })
-    sharded[head] = true
-  else
-    M.fully_shard_deepseek_v4(ctx, head, so)
+    local so = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard }
+    if k == 1 then M.fully_shard_deepseek_v4(ctx, ctx:module("model.embed_tokens"), so) end
+    if k == last then
+      local head = ctx:module("lm_head")
+      if o.lm_head_precision == "f32" then
+        ctx:fully_shard(head, { mesh = fsdp_mesh, reshard_after_forward = reshard, kind = "fp32_island",
+          offload_policy = o.offload_policy,
+          mp_policy = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = true } })
+        sharded[head] = true
+      else
+        M.fully_shard_deepseek_v4(ctx, head, so)
+      end
+    end
+    local roots = { mesh = fsdp_mesh, mp_policy = mp, reshard = reshard, stage = stages and stages[k] }
+    roots.prefix = "model"
+    M.fully_shard_deepseek_v4(ctx, ctx:module("model"), roots)
+    roots.prefix = ""
+    if o.wrap_outer_model then M.fully_shard_deepseek_v4(ctx, ctx.model, roots) end
   end
-  M.fully_shard_deepseek_v4(ctx, ctx:module("model"), so)
-  if o.wrap_outer_model then M.fully_shard_deepseek_v4(ctx, ctx.model, so) end
 end
 
 return M

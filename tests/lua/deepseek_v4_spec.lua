@@ -195,3 +195,62 @@ describe("policies/deepseek_v4 rule by rule (fsdp.py, parallelizer.py)", functio
       "model.embed_tokens", "lm_head", "model", "" }, names)
   end)
 end)
+
+describe("policies/deepseek_v4 under a pipeline", function()
+  -- Automodel runs the MoE parallelizer on each stage's part of the model: a stage's units are
+  -- the whole model's units that lie in it, in the same order (the same fully_shard calls, the
+  -- same parameters, meshes and precision), then its own part of model and of the root.
+  local function record(u)
+    local params = {}
+    for _, e in ipairs(u.entries) do params[#params + 1] = e.fqn end
+    return { name = u.name, kind = u.kind, mesh = table.concat(u.mesh_axes, ","), params = params,
+      pd = u.mp.param_dtype or "none", rd = u.mp.reduce_dtype or "none" }
+  end
+  for _, case in ipairs({ { mesh = "pp=2,dp_shard=2,ep=2", flat = "dp_shard=2,ep=2" },
+    { mesh = "pp=2,dp_shard=4", flat = "dp_shard=4" } }) do
+    it("makes each stage's units those of the whole model in that stage, on " .. case.mesh, function()
+      local pp = plan_of(case.mesh)
+      local flat = plan_of(case.flat)
+      local stage_of_param = {}
+      for _, u in ipairs(pp.units) do
+        for _, e in ipairs(u.entries) do
+          assert.is_nil(stage_of_param[e.fqn], e.fqn .. " in two units")
+          stage_of_param[e.fqn] = u.stage
+        end
+      end
+      local want = { [0] = {}, [1] = {} }
+      for _, u in ipairs(flat.units) do
+        if u.name ~= "model" and u.name ~= "" then
+          local s = stage_of_param[u.entries[1].fqn]
+          assert.is_not_nil(s, u.name)
+          table.insert(want[s], record(u))
+        end
+      end
+      local got = { [0] = {}, [1] = {} }
+      local roots = { [0] = 0, [1] = 0 }
+      for _, u in ipairs(pp.units) do
+        if u.name == "model" or u.name == "" then
+          roots[u.stage] = roots[u.stage] + 1
+        else
+          table.insert(got[u.stage], record(u))
+        end
+      end
+      assert.same(want[0], got[0])
+      assert.same(want[1], got[1])
+      assert.same({ [0] = 2, [1] = 2 }, roots) -- model and the root (wrap_outer_model), each stage
+      -- every parameter in some unit or placed by expert parallelism, as without a pipeline
+      local owned = 0
+      for _ in pairs(stage_of_param) do owned = owned + 1 end
+      local flat_owned = 0
+      for _, u in ipairs(flat.units) do flat_owned = flat_owned + #u.entries end
+      assert.equal(flat_owned, owned)
+      -- the embedding in stage 0; the head, the final norm, hc_head and the MTP blocks in stage 1
+      assert.equal(0, stage_of_param["model.embed_tokens.weight"])
+      assert.equal(1, stage_of_param["lm_head.weight"])
+      assert.equal(1, stage_of_param["model.norm.weight"])
+      for fqn, s in pairs(stage_of_param) do
+        if fqn:find("^mtp%.") or fqn:find("^model%.hc_head%.") then assert.equal(1, s, fqn) end
+      end
+    end)
+  end
+end)
