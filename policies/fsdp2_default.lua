@@ -285,10 +285,12 @@ end
 -- parallelizer shards each stage's part: its layers, then its root, which does not reshard
 -- after forward; the layers do not either (Automodel's rule under pipeline parallelism).
 local function pipelined(ctx, o)
-  -- activation checkpointing first: the wrappers stay in their layers' stages
+  -- tensor parallelism on the module names as the model has them (before any wrapper), then
+  -- activation checkpointing before the split, so that the wrappers stay in their layers'
+  -- stages
+  tensor_parallel(ctx, o, false)
   if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
   local stages = M.split_stages(ctx, o)
-  tensor_parallel(ctx, o, false)
   local raf = o.reshard_after_forward
   if raf == nil then raf = false end
   for _, s in ipairs(stages) do
@@ -310,9 +312,9 @@ function M.parallelize(ctx)
   local moe = ctx.mesh:size("ep") > 1
   if ctx.mesh:size("pp") > 1 then
     if moe and has_experts(ctx.model) then
+      tensor_parallel(ctx, o, true)
       if o.activation_checkpointing then ctx:checkpoint_wrap("model.layers", o.activation_checkpointing) end
       local stages = M.split_stages(ctx, o)
-      tensor_parallel(ctx, o, true)
       return expert_parallel(ctx, o, stages)
     end
     return pipelined(ctx, o)

@@ -302,3 +302,23 @@ describe("a mesh with pp > 1 and a policy without a pipeline", function()
     end
   end)
 end)
+
+describe("fsdp2_default: tensor parallelism with activation checkpointing under a pipeline", function()
+  it("applies the plan to the layers as named before the wrappers, as Automodel applies TP before AC", function()
+    local plain = plan(llama(), "pp=2,dp_shard=2,tp=2")
+    local ac = plan(llama(), "pp=2,dp_shard=2,tp=2", nil, { set = { "activation_checkpointing=true" } })
+    assert.equal(plain.tensor_parallel.count, ac.tensor_parallel.count)
+    assert.is_true(ac.tensor_parallel.count > 0)
+    for r = 1, 8 do assert.equal(plain.memory.per_rank[r].params, ac.memory.per_rank[r].params) end
+    assert.is_true(#ac.checkpointed > 0)
+    local moe = models.from_config({ architectures = { "MixtralForCausalLM" }, hidden_size = 16, intermediate_size = 24,
+      num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 2, num_local_experts = 4,
+      num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16", tie_word_embeddings = false }, "mixtral")
+    local m = plan(moe, "pp=2,dp_shard=2,tp=2,ep=2", nil, { set = { "tp_plan=default", "activation_checkpointing=true" } })
+    local m0 = plan(models.from_config({ architectures = { "MixtralForCausalLM" }, hidden_size = 16,
+      intermediate_size = 24, num_attention_heads = 4, num_key_value_heads = 2, num_hidden_layers = 2,
+      num_local_experts = 4, num_experts_per_tok = 2, vocab_size = 64, torch_dtype = "bfloat16",
+      tie_word_embeddings = false }, "mixtral"), "pp=2,dp_shard=2,tp=2,ep=2", nil, { set = { "tp_plan=default" } })
+    assert.equal(m0.tensor_parallel.count, m.tensor_parallel.count)
+  end)
+end)
