@@ -400,10 +400,11 @@ function M.run(o, s, progress)
   local dev = devices.get(o.device)
   local optimizer = o.optimizer or "adamw"
   local facts = model_facts(tree, config, optimizer)
-  local set_by_user, offload = {}, false
+  local set_by_user, offload, ac_set = {}, false, false
   for _, e in ipairs(option_list) do
     if e.set then set_by_user[e.name] = true end
     if e.name == "offload_policy" and e.value == "cpu" then offload = true end
+    if e.name == "activation_checkpointing" and e.value ~= false then ac_set = true end
   end
   local knobs = { {} }
   for _, e in ipairs(decl) do
@@ -509,7 +510,11 @@ function M.run(o, s, progress)
       for k, v in pairs(cand.knobs) do set[#set + 1] = k .. "=" .. tostring(v) end
       local p0 = clock()
       local mesh = require("moonshard.mesh_context").new(copy(cand.sizes))
-      local ok, plan = pcall(planner.plan, tree, mesh, entry, { name = name, optimizer = optimizer,
+      -- checkpoint_wrap inserts its wrappers into the model tree (Module:checkpoint_wrap), so
+      -- a plan that checkpoints gets a tree of its own; the others share the one built
+      local ac = cand.knobs.activation_checkpointing or ac_set
+      local t = ac and require("moonshard.models").from_config(config, o.config) or tree
+      local ok, plan = pcall(planner.plan, t, mesh, entry, { name = name, optimizer = optimizer,
         policy_name = o.policy, set = set, tokens = copy(tokens), device = dev, efficiency = s.efficiency,
         log = function() end })
       cand.plan_s = clock() - p0
@@ -636,10 +641,11 @@ function M.to_json(res)
   local rows = {}
   for i, r in ipairs(res.evaluated) do
     local row = row_of(r)
-    for k, v in pairs(row) do if v == nil then row[k] = json.null end end
-    rows[i] = json.object({ "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
+    local keys = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
       "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
-      "estimate_s", "plan_s", "rule", "reason" }, row)
+      "estimate_s", "plan_s", "rule", "reason" }
+    for _, k in ipairs(keys) do if row[k] == nil then row[k] = json.null end end
+    rows[i] = json.object(keys, row)
   end
   local groups = {}
   for i, g in ipairs(res.groups) do
