@@ -53,6 +53,7 @@ static const char *usage_text =
     "       " PROG " plan --help        plan a model's sharding on a mesh (no GPUs; plan\n"
     "                                  comes first)\n"
     "       " PROG " compare --help     two plans' JSON side by side, term by term\n"
+    "       " PROG " sweep --help       every layout of N ranks planned, those that fit ranked\n"
     "\n"
     "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
     "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
@@ -387,10 +388,14 @@ int main(int argc, char **argv) {
     const char *backend = NULL; /* --backend, else MOONSHARD_BACKEND, else by launcher */
     bool nranks_given = false;
     int i = 1;
-    if (argc > 1 && (strcmp(argv[1], "plan") == 0 || strcmp(argv[1], "compare") == 0)) {
-        /* The planner's commands are Lua programs: one rank, their arguments passed through. */
-        code = strcmp(argv[1], "plan") == 0 ? "return require('moonshard.plan_cli').main({...})"
-                                            : "return require('moonshard.plan_compare').main({...})";
+    if (argc > 1 && (strcmp(argv[1], "plan") == 0 || strcmp(argv[1], "compare") == 0 ||
+                     strcmp(argv[1], "sweep") == 0)) {
+        /* The planner's commands are Lua programs: one rank, their arguments passed through
+           (sweep is told whether stderr is a terminal, for its progress line). */
+        code = strcmp(argv[1], "plan") == 0      ? "return require('moonshard.plan_cli').main({...})"
+               : strcmp(argv[1], "compare") == 0 ? "return require('moonshard.plan_compare').main({...})"
+               : isatty(2)                       ? "return require('moonshard.plan_sweep').main({...}, true)"
+                                                 : "return require('moonshard.plan_sweep').main({...}, false)";
         backend = "threads";
         i = 2;
         goto run;
@@ -463,7 +468,7 @@ run:;
         if (access(script, R_OK) != 0 || stat(script, &sb) != 0 || S_ISDIR(sb.st_mode)) {
             fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script,
                     errno ? strerror(errno) : "is a directory");
-            if (strcmp(script, "plan") == 0 || strcmp(script, "compare") == 0)
+            if (strcmp(script, "plan") == 0 || strcmp(script, "compare") == 0 || strcmp(script, "sweep") == 0)
                 fprintf(stderr, "moonshard: '%s' is a command only as the first argument: " PROG " %s --help\n",
                         script, script);
             return 2;

@@ -186,6 +186,19 @@ local function head_counts(model)
   return heads, kv
 end
 
+--- Automodel's validate_tp_mesh: the key/value heads first, then the attention heads; nil
+-- when tp divides both, else the message.
+function T.check_heads(model, tp)
+  local heads, kv = head_counts(model)
+  if tp > 1 and util.is_int(kv) and kv % tp ~= 0 then
+    return string.format("num_key_value_heads (%d) must be divisible by TP size (%d)", kv, tp)
+  end
+  if tp > 1 and util.is_int(heads) and heads % tp ~= 0 then
+    return string.format("num_attention_heads (%d) must be divisible by TP size (%d)", heads, tp)
+  end
+  return nil
+end
+
 -- Places parameter p (pname of module fqn) on the tp axis: dim, or false for replicated.
 function T.place(ctx, p, dim, fqn, pname, spec, tp)
   local pfqn = fqn == "" and pname or fqn .. "." .. pname
@@ -239,14 +252,8 @@ function T.apply(ctx, plan)
     fail(string.format("tensor_parallel: unit %s exists already; tensor parallelism comes before fully_shard (as " ..
       "NeMo Automodel applies it), since FSDP shards what it leaves on each rank", display(ctx.units[1].name)))
   end
-  -- Automodel's validate_tp_mesh: the key/value heads first, then the attention heads
-  local heads, kv = head_counts(ctx.model)
-  if tp > 1 and util.is_int(kv) and kv % tp ~= 0 then
-    fail(string.format("num_key_value_heads (%d) must be divisible by TP size (%d)", kv, tp))
-  end
-  if tp > 1 and util.is_int(heads) and heads % tp ~= 0 then
-    fail(string.format("num_attention_heads (%d) must be divisible by TP size (%d)", heads, tp))
-  end
+  local why = T.check_heads(ctx.model, tp)
+  if why then fail(why) end
   local patterns = {}
   for k, v in pairs(plan) do
     if type(k) ~= "string" or k == "" then

@@ -1,0 +1,209 @@
+-- sweep_spec.lua: `moonshard sweep` on a tiny MoE (qwen3_moe_tiny: 2 layers, 2 heads, 1
+-- key/value head, 4 routed experts) over 8 ranks: every layout counted here by brute force,
+-- each rejection's rule recomputed here, the ranking against `moonshard plan` for the same
+-- layouts, the memory bound below every planned peak, the JSON and CSV, and the usage errors.
+local json = require "moonshard.json"
+local S = require "support"
+local assert_has = S.assert_has
+
+local CONFIG = "tests/reference/configs/qwen3_moe_tiny.json"
+local POLICY = "policies/fsdp2_default.lua"
+-- a device between the layouts' peaks: some fit, some cannot (bound), some do not (planned)
+local DEVICE = S.write_file(os.tmpname() .. ".lua",
+  'return { base = "h100-80gb", name = "small", memory_bytes = 1610680000, gpus_per_node = 4 }')
+
+local function sweep(extra)
+  local args = { "sweep", "--config", CONFIG, "--world", "8", "--device", DEVICE, "--seq-len", "64",
+    "--global-batch", "16", "--policy", POLICY }
+  for _, a in ipairs(extra or {}) do args[#args + 1] = a end
+  return S.run(args)
+end
+
+local function mesh_text(c)
+  local parts = {}
+  for _, a in ipairs({ "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep" }) do
+    if c[a] ~= 1 then parts[#parts + 1] = a .. "=" .. c[a] end
+  end
+  return #parts > 0 and table.concat(parts, ",") or "dp_shard=1"
+end
+
+-- Every layout by brute force, with the rule it breaks (nil when none), as the rules read
+-- for this model: 2 layers, 2 heads, 1 kv head, 4 experts, untied; 64 tokens, 16 a step,
+-- micro-batch 1; 4 GPUs a node.
+local function brute_force(world)
+  local out = {}
+  for pp = 1, world do for r = 1, world do for d = 1, world do for cp = 1, world do for tp = 1, world do
+    if pp * r * d * cp * tp == world then
+      local non_pp = r * d * cp * tp
+      for ep = 1, non_pp do
+        if non_pp % ep == 0 then
+          local c = { pp = pp, dp_replicate = r, dp_shard = d, cp = cp, tp = tp, ep = ep }
+          local dp = r * d
+          local rule
+          if (r > 1 and d == 1) or 4 % ep ~= 0 then rule = "mesh"
+          elseif tp > 4 then rule = "tp spans nodes"
+          elseif tp > 1 then rule = "tp heads"
+          elseif 64 % cp ~= 0 or 16 % dp ~= 0 then rule = "batch"
+          elseif pp > 2 or 16 / dp < pp then rule = "pipeline" end
+          out[mesh_text(c)] = { sizes = c, rule = rule or false }
+        end
+      end
+    end
+  end end end end end
+  return out
+end
+
+describe("moonshard sweep", function()
+  local r = sweep({ "--json" })
+  assert.equal(0, r.code, r.err)
+  local res = json.decode(r.out, "sweep JSON")
+  local by_mesh = {}
+  for _, e in ipairs(res.evaluated) do
+    by_mesh[e.mesh] = by_mesh[e.mesh] or {}
+    table.insert(by_mesh[e.mesh], e)
+  end
+
+  it("enumerates every layout and rejects by the rules", function()
+    local expected = brute_force(8)
+    local n, pass = 0, 0
+    for mesh, x in pairs(expected) do
+      n = n + 1
+      local got = by_mesh[mesh]
+      assert.is_truthy(got, mesh)
+      if x.rule then
+        assert.equal(1, #got, mesh)
+        assert.equal(x.rule, got[1].rule, mesh .. ": " .. tostring(got[1].reason))
+        assert.equal("rejected", got[1].status)
+      else
+        pass = pass + 1
+        for _, e in ipairs(got) do assert.is_not.equal("mesh", e.rule) end
+      end
+    end
+    for mesh in pairs(by_mesh) do assert.is_truthy(expected[mesh], mesh) end
+    assert.equal(n, res.layouts)
+    assert.equal(pass, res.rule_survivors)
+    assert.equal(119, n) -- counted by hand once: a change to the enumeration shows here too
+  end)
+
+  it("names each rule's reason", function()
+    local reasons = {}
+    for _, e in ipairs(res.evaluated) do if e.rule ~= json.null then reasons[e.rule] = e.reason end end
+    assert_has(reasons["mesh"], "")
+    assert_has(reasons["tp heads"], "must be divisible by TP size")
+    assert_has(reasons["tp spans nodes"], "cross nodes of 4 GPUs")
+    assert_has(reasons["pipeline"], "cannot exceed number of layers (2)")
+    assert_has(reasons["cannot fit"], "cannot fit: needs at least")
+    assert_has(reasons["cannot fit"], "of 1.5 GiB")
+    assert_has(reasons["does not fit"], "does not fit:")
+    local rules = {}
+    for _, g in ipairs(res.rejected) do rules[g.rule] = (rules[g.rule] or 0) + g.count end
+    local counted = {}
+    for _, e in ipairs(res.evaluated) do
+      if e.status == "rejected" then counted[e.rule] = (counted[e.rule] or 0) + 1 end
+    end
+    for k, v in pairs(counted) do assert.equal(v, rules[k], k) end
+  end)
+
+  it("ranks what fits as moonshard plan plans it, the bound below every peak", function()
+    assert.is_true(res.fits >= 3)
+    local fits = {}
+    for _, e in ipairs(res.evaluated) do
+      if e.status == "fits" then fits[e.rank] = e end
+      if e.peak_bytes ~= json.null then assert.is_true(e.lower_bound_bytes <= e.peak_bytes, e.mesh) end
+      if e.status == "fits" then assert.is_true(e.peak_bytes <= e.capacity_bytes) end
+      if e.status == "rejected" and e.rule == "does not fit" then assert.is_true(e.peak_bytes > e.capacity_bytes) end
+      if e.rule == "cannot fit" then assert.is_true(e.lower_bound_bytes > res.capacity_bytes) end
+    end
+    for i = 2, res.fits do assert.is_true(fits[i - 1].tokens_per_s >= fits[i].tokens_per_s) end
+    for _, i in ipairs({ 1, 2, res.fits }) do
+      local f = fits[i]
+      local p = S.run({ "plan", "--config", CONFIG, "--mesh", f.mesh, "--policy", POLICY, "--seq-len", "64",
+        "--global-batch", "16", "--device", DEVICE, "--set", "activation_checkpointing=" ..
+        tostring(f.activation_checkpointing), "--json" })
+      assert.equal(0, p.code, p.err)
+      local plan = json.decode(p.out, "plan JSON")
+      assert.is_true(math.abs(plan.time.tokens_per_s - f.tokens_per_s) <= 1e-6 * f.tokens_per_s, f.mesh)
+      local peak = 0
+      for _, pr in ipairs(plan.memory.per_rank) do peak = math.max(peak, pr.peak) end
+      assert.equal(peak, f.peak_bytes, f.mesh)
+      assert.equal(plan.memory.fit.worst.peak, f.peak_bytes, f.mesh)
+      assert.is_true(plan.memory.fit.fits)
+    end
+  end)
+
+  it("plans with checkpointing as moonshard plan does (each such plan on a tree of its own)", function()
+    local j = json.decode(sweep({ "--set", "activation_checkpointing=true", "--json" }).out, "sweep JSON")
+    assert.equal(0, #j.knobs)
+    local seen = 0
+    for _, e in ipairs(j.evaluated) do
+      if e.status == "fits" and e.rank <= 3 then
+        local p = S.run({ "plan", "--config", CONFIG, "--mesh", e.mesh, "--policy", POLICY, "--seq-len", "64",
+          "--global-batch", "16", "--device", DEVICE, "--set", "activation_checkpointing=true", "--json" })
+        local plan = json.decode(p.out, "plan JSON")
+        assert.equal(plan.memory.fit.worst.peak, e.peak_bytes, e.mesh)
+        assert.is_true(math.abs(plan.time.tokens_per_s - e.tokens_per_s) <= 1e-6 * e.tokens_per_s, e.mesh)
+        seen = seen + 1
+      end
+    end
+    assert.equal(3, seen)
+  end)
+
+  it("stops at --max-plans and says how many were left", function()
+    local t = sweep({ "--max-plans", "3", "--top", "2" })
+    assert.equal(0, t.code, t.err)
+    assert_has(t.out, "3 planned (at most 3)")
+    assert_has(t.out, "left unplanned")
+    assert_has(t.out, "unplanned: past --max-plans 3")
+    local j = json.decode(sweep({ "--max-plans", "3", "--json" }).out, "sweep JSON")
+    assert.equal(3, j.planned)
+    assert.is_true(j.unplanned > 0)
+    local n = 0
+    for _, e in ipairs(j.evaluated) do if e.status == "unplanned" then n = n + 1 end end
+    assert.equal(j.unplanned, n)
+  end)
+
+  it("writes the table and CSV", function()
+    local t = sweep()
+    assert.equal(0, t.code, t.err)
+    assert_has(t.out, "119 layouts")
+    assert_has(t.out, "tokens/s")
+    assert_has(t.out, "rejected:")
+    local c = sweep({ "--csv" })
+    assert.equal(0, c.code, c.err)
+    local lines = {}
+    for line in c.out:gmatch("[^\n]+") do lines[#lines + 1] = line end
+    assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,status,rank,tokens_per_s,step_s," ..
+      "mfu,peak_bytes,capacity_bytes,lower_bound_bytes,estimate_s,rule,reason", lines[1])
+    assert.equal(#res.evaluated + 1, #lines)
+    for i = 2, #lines do
+      local fields = select(2, lines[i]:gsub('"[^"]*"', "x"):gsub(",", ","))
+      assert.equal(18, fields, lines[i])
+    end
+  end)
+
+  it("refuses bad usage, naming what was wrong", function()
+    local function usage(args, part)
+      local u = S.run(args)
+      assert.equal(2, u.code, u.err)
+      assert_has(u.err, part)
+    end
+    local base = { "sweep", "--config", CONFIG, "--device", "h100-80gb", "--seq-len", "64", "--global-batch", "16",
+      "--policy", POLICY }
+    usage(base, "--world is required")
+    local function with(...)
+      local a = {}
+      for _, v in ipairs(base) do a[#a + 1] = v end
+      for _, v in ipairs({ ... }) do a[#a + 1] = v end
+      return a
+    end
+    usage(with("--world", "0"), "--world is the number of ranks, a whole number from 1 to 2147483647, not '0'")
+    usage(with("--world", "8", "--top", "x"), "--top is a whole number from 1 to 1000000, not 'x'")
+    usage(with("--world", "8", "--json", "--csv"), "--json and --csv: give one")
+    usage(with("--world", "8", "--bogus"), "unknown option '--bogus'")
+    usage({ "sweep", "--config", CONFIG, "--world", "8", "--device", "h1000", "--seq-len", "64", "--global-batch",
+      "16", "--policy", POLICY }, "--device 'h1000' is no device profile; expected one of h100-80gb")
+    local h = S.run({ "sweep", "--help" })
+    assert.equal(0, h.code)
+    assert_has(h.out, "usage: moonshard sweep")
+  end)
+end)
