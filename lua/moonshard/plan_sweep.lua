@@ -228,12 +228,26 @@ local function model_facts(tree, config, optimizer)
   local models = require "moonshard.models"
   local f = { experts = models.routed_experts(tree), tied = tree.attrs.tie_word_embeddings and true or false }
   local layers = tree:get("model.layers")
-  f.layers = layers and layers.type == "ModuleList" and #layers.child_order or 0
+  f.layers = layers and (layers.type == "ModuleList" or layers.type == "ModuleDict") and #layers.child_order or 0
   f.hidden = tonumber(config.hidden_size) or 0
   f.top_k = tonumber(config.num_experts_per_tok) or 1
   local expert_modules = {}
   for _, nm in ipairs(tree:named_modules()) do
-    if nm[2].type == "GroupedExperts" then expert_modules[nm[1]] = true end
+    if nm[2].type == "GroupedExperts" then
+      expert_modules[nm[1]] = true
+      -- the sizes of dim 1 of the experts' tensors: what a unit on ep_shard splits
+      for _, pname in ipairs(nm[2].param_order) do
+        local d1 = nm[2].params[pname].shape[2]
+        if d1 then f.expert_dim1 = f.expert_dim1 and math.min(f.expert_dim1, d1) or d1 end
+        if d1 and f.expert_dim1_gcd then
+          local a, b = f.expert_dim1_gcd, d1
+          while b ~= 0 do a, b = b, a % b end
+          f.expert_dim1_gcd = a
+        elseif d1 then
+          f.expert_dim1_gcd = d1
+        end
+      end
+    end
   end
   local DT = require("moonshard.plan").DTYPE_SIZE
   local FLOAT = { f32 = true, f16 = true, bf16 = true, f64 = true, f8e4m3 = true, f8e5m2 = true }
@@ -288,7 +302,45 @@ function M.lower_bound(f, c, t, dev, offload)
     for _, l in ipairs(f.layer_bytes) do gathered = math.max(gathered, l[1] / c.tp + l[2] / (c.ep * c.tp)) end
   end
   local acts = math.floor(f.layers / c.pp) * t.micro_batch * t.seq_len / (c.cp * c.tp) * f.hidden * 2
-  return math.floor(state + gathered + acts) + dev.cuda_context_bytes + dev.nccl_buffer_bytes
+  return math.floor(state + gathered + acts) + dev.cuda_context_bytes + dev.nccl_buffer_bytes,
+    { state = state, gathered = gathered }
+end
+
+--- What a plan teaches about layouts like it (the same knobs), to expect their memory: its
+-- activations a decoder layer keeps per token (times tp, which splits most of them), what
+-- the rest keeps per token (the loss, the embedding's), the transient per token, and its
+-- unsharded peak as a multiple of one layer gathered (the bound's `gathered`).  nil when
+-- the plan has no activations.
+function M.lessons(plan, cand, parts)
+  local a = plan.activations
+  if not a or not a.tokens_per_rank or a.tokens_per_rank <= 0 then return nil end
+  local bytes, n = 0, 0
+  for _, l in ipairs(a.layers or {}) do
+    local count = type(l.layers) == "table" and #l.layers or 1
+    bytes, n = bytes + l.bytes * count, n + count
+  end
+  local other = 0
+  for _, x in ipairs(a.other or {}) do other = other + x.bytes end
+  local mem = plan.memory
+  local run = mem.runs[1]
+  local transient = run.transient or mem.transient or 0
+  local pu = run.peak_unsharded or mem.peak_unsharded or 0
+  local T = a.tokens_per_rank
+  return { layer_tok = n > 0 and bytes / n / T * cand.sizes.tp or 0, other_tok = other / T, transient_tok = transient / T,
+    unsharded = parts.gathered > 0 and pu / parts.gathered or nil }
+end
+
+--- The memory expected of the fullest rank of layout c with the lessons of a plan like it:
+-- the bound's state, the unsharded peak, its layers' activations for the micro-batches a
+-- pipeline keeps (PyTorch's 1F1B warm-up on pp rank 0), the rest, the transient, the
+-- device's overhead.  Only orders the plans.
+function M.expected(f, c, t, dev, parts, lesson, accumulation)
+  local T = t.micro_batch * t.seq_len / c.cp
+  local layers = math.ceil(f.layers / c.pp)
+  local in_flight = c.pp > 1 and math.min(c.pp, accumulation) or 1
+  local acts = layers * lesson.layer_tok * T / c.tp * in_flight + lesson.other_tok * T
+  local held = parts.state + (lesson.unsharded or 1) * parts.gathered + acts + lesson.transient_tok * T
+  return held * (1 + dev.fragmentation) + dev.cuda_context_bytes + dev.nccl_buffer_bytes
 end
 
 --- A cheap step-time estimate, only to order the full plans (the ranking is theirs): the
@@ -344,6 +396,19 @@ function M.rule_check(env, c)
   if c.ep > 1 and not f.experts then
     return { "ep without experts", string.format("ep = %d on a model without routed experts: the ep axis only " ..
       "divides the ranks", c.ep) }
+  end
+  -- the MoE path's units of experts on ep_shard split dim 1 (Automodel's _moe_shard_placement),
+  -- which FSDP2 shards only evenly (the planner's rule)
+  local eps = mesh:size("ep_shard")
+  if c.ep > 1 and eps > 1 and f.expert_dim1_gcd and f.expert_dim1_gcd % eps ~= 0 then
+    return { "experts on ep_shard", string.format("the experts' units on ep_shard = %d split their tensors' dim 1 " ..
+      "(Automodel's MoE path), which FSDP2 shards only evenly: %d does not divide them (sizes %d and others)", eps, eps,
+      f.expert_dim1) }
+  end
+  -- Automodel's MoE parallelizer takes no tensor-parallel plan it was not named
+  if c.ep > 1 and c.tp > 1 and f.experts and env.options.tp_plan == "auto" then
+    return { "tp on the MoE path", string.format("tp = %d with ep = %d: NeMo Automodel's MoE parallelizer registers no " ..
+      "tensor-parallel plan for custom MoE models (the policy's tp_plan is auto); set tp_plan to one", c.tp, c.ep) }
   end
   local T = require "moonshard.plan_time"
   if T.link(mesh.world, env.device.gpus_per_node, 1, c.tp) == "inter" then
@@ -414,7 +479,10 @@ function M.run(o, s, progress)
   end
   local tokens = { seq_len = s["seq-len"], micro_batch = s["micro-batch"], global_batch = s["global-batch"] }
   local eff = s.efficiency or require("moonshard.plan_time").DEFAULT_EFFICIENCY
-  local env = { facts = facts, tokens = tokens, device = dev, pipeline = pipeline_options(option_list), tree = tree }
+  local option_values = {}
+  for _, e in ipairs(option_list) do option_values[e.name] = e.value end
+  local env = { facts = facts, tokens = tokens, device = dev, pipeline = pipeline_options(option_list), tree = tree,
+    options = option_values }
   timing.load_s = clock() - t0
 
   -- 1 and 2: enumerate, rules
@@ -445,7 +513,7 @@ function M.run(o, s, progress)
   t0 = clock()
   local candidates = {}
   for _, r in ipairs(survivors) do
-    r.bound = M.lower_bound(facts, r.sizes, tokens, dev, offload)
+    r.bound, r.parts = M.lower_bound(facts, r.sizes, tokens, dev, offload)
     if r.bound > dev.memory_bytes then
       reject(r, "cannot fit", string.format("cannot fit: needs at least %s of %s (parameters, gradients and " ..
         "optimizer state sharded as evenly as the mesh allows, each layer's input, the device's fixed overhead)",
@@ -454,6 +522,7 @@ function M.run(o, s, progress)
       r.status = "candidate"
       for _, k in ipairs(knobs) do
         candidates[#candidates + 1] = { sizes = r.sizes, mesh_text = r.mesh_text, knobs = k, bound = r.bound,
+          parts = r.parts,
           estimate_s = M.estimate(facts, r.sizes, tokens, dev, eff, k.activation_checkpointing) }
       end
     end
@@ -467,15 +536,33 @@ function M.run(o, s, progress)
 
   -- 4: full plans
   t0 = clock()
-  local fits, planned, unplanned, fits_without = {}, 0, 0, {}
+  local fits, planned, unplanned, fits_without, attempts = {}, 0, 0, {}, 0
   local evaluated = {}
   for _, r in ipairs(records) do if r.status == "rejected" then evaluated[#evaluated + 1] = r end end
-  -- The order planned: the estimate's, except that a plan whose activations, transient and
-  -- overhead alone exceed the capacity sends the rest of its class (pp, cp, tp, the knobs:
-  -- what the activations depend on) to the back of the queue.  Only the order changes.
-  local heavy = {}
+  -- The order planned: the estimate's, except that a candidate expected not to fit goes to
+  -- the back of the queue.  Expected: a plan whose activations, transient and overhead
+  -- alone exceed the capacity sends the rest of its class (pp, cp, tp, the knobs: what the
+  -- activations depend on) back; and each plan teaches how far the fullest rank's peak
+  -- exceeds the lower bound on layouts like it (the knobs, whether ep, pp and FSDP split
+  -- anything: what the bound leaves out grows with them), so that a candidate whose bound
+  -- times the largest such ratio seen exceeds the capacity goes back too.  Only the order
+  -- changes; every candidate planned is planned in full.
+  local heavy, ratio = {}, {}
   local function class_of(c)
     return string.format("%d,%d,%d,%s", c.sizes.pp, c.sizes.cp, c.sizes.tp, knob_key(c.knobs))
+  end
+  local function kind_of(c)
+    return string.format("%s|ep%s|pp%s|fsdp%s", knob_key(c.knobs), tostring(c.sizes.ep > 1), tostring(c.sizes.pp > 1),
+      tostring(c.sizes.dp_shard * c.sizes.cp > 1))
+  end
+  local learned = {} -- knob key -> M.lessons of the latest plan with those knobs
+  local function expected_over(c)
+    if heavy[class_of(c)] or c.bound * (ratio[kind_of(c)] or 1) > dev.memory_bytes then return true end
+    local lesson = learned[knob_key(c.knobs)]
+    if not lesson then return false end
+    local dp = c.sizes.dp_replicate * c.sizes.dp_shard
+    local accumulation = math.max(1, util.idiv(tokens.global_batch, tokens.micro_batch * dp))
+    return M.expected(facts, c.sizes, tokens, dev, c.parts, lesson, accumulation) > dev.memory_bytes
   end
   local queue, deferred, qi = candidates, {}, 0
   local function next_candidate()
@@ -485,7 +572,7 @@ function M.run(o, s, progress)
       if c == nil then
         if queue == deferred then return nil end
         queue, qi = deferred, 0
-      elseif queue ~= deferred and heavy[class_of(c)] then deferred[#deferred + 1] = c
+      elseif queue ~= deferred and expected_over(c) then deferred[#deferred + 1] = c
       else return c end
     end
   end
@@ -496,11 +583,11 @@ function M.run(o, s, progress)
     i = i + 1
     if cand.knobs.activation_checkpointing and fits_without[cand.mesh_text] then
       reject(cand, "dominated", "fits without activation checkpointing, which only adds recompute")
-    elseif planned >= s["max-plans"] then
+    elseif planned >= s["max-plans"] or attempts >= 4 * s["max-plans"] then
       cand.status = "unplanned"
       unplanned = unplanned + 1
     else
-      planned = planned + 1
+      planned, attempts = planned + 1, attempts + 1
       if progress then
         io.stderr:write(string.format("\rmoonshard sweep: planning %d of %d candidates (%d planned, budget %d) ",
           i, #candidates, planned, s["max-plans"]))
@@ -518,7 +605,11 @@ function M.run(o, s, progress)
         policy_name = o.policy, set = set, tokens = copy(tokens), device = dev, efficiency = s.efficiency,
         log = function() end })
       cand.plan_s = clock() - p0
-      if not ok then reject(cand, "plan failed", (strip(plan):gsub("^plan: ", "")))
+      -- a plan the policy or the planner refuses gives no figures: it does not use up the
+      -- budget of plans (the attempts stop at 4 x the budget, which bounds the time)
+      if not ok then
+        planned = planned - 1
+        reject(cand, "plan failed", (strip(plan):gsub("^plan: ", "")))
       else
         local mem = plan.memory
         cand.peak, cand.capacity = mem.fit.worst.peak, mem.capacity
@@ -529,6 +620,9 @@ function M.run(o, s, progress)
         if (t.activations or 0) + (t.transient or 0) + (t.overhead or 0) > mem.capacity then
           heavy[class_of(cand)] = true
         end
+        local k = kind_of(cand)
+        ratio[k] = math.max(ratio[k] or 1, mem.fit.worst.peak / cand.bound)
+        learned[knob_key(cand.knobs)] = M.lessons(plan, cand, cand.parts) or learned[knob_key(cand.knobs)]
         if mem.fit.fits then
           cand.status = "fits"
           fits[#fits + 1] = cand

@@ -28,8 +28,8 @@ local function mesh_text(c)
 end
 
 -- Every layout by brute force, with the rule it breaks (nil when none), as the rules read
--- for this model: 2 layers, 2 heads, 1 kv head, 4 experts, untied; 64 tokens, 16 a step,
--- micro-batch 1; 4 GPUs a node.
+-- for this model: 2 layers, 2 heads, 1 kv head, 4 experts (dims 20 and 12), untied; 64
+-- tokens, 16 a step, micro-batch 1; 4 GPUs a node.
 local function brute_force(world)
   local out = {}
   for pp = 1, world do for r = 1, world do for d = 1, world do for cp = 1, world do for tp = 1, world do
@@ -40,7 +40,11 @@ local function brute_force(world)
           local c = { pp = pp, dp_replicate = r, dp_shard = d, cp = cp, tp = tp, ep = ep }
           local dp = r * d
           local rule
+          local ep_shard = non_pp / ep
           if (r > 1 and d == 1) or 4 % ep ~= 0 then rule = "mesh"
+          -- the experts' tensors' dim 1 (hidden 20, moe_intermediate 12: gcd 4) over ep_shard
+          elseif ep > 1 and ep_shard > 1 and 4 % ep_shard ~= 0 then rule = "experts on ep_shard"
+          elseif ep > 1 and tp > 1 then rule = "tp on the MoE path" -- fsdp2_default's tp_plan is auto
           elseif tp > 4 then rule = "tp spans nodes"
           elseif tp > 1 then rule = "tp heads"
           elseif 64 % cp ~= 0 or 16 % dp ~= 0 then rule = "batch"
@@ -91,6 +95,7 @@ describe("moonshard sweep", function()
     assert_has(reasons["mesh"], "")
     assert_has(reasons["tp heads"], "must be divisible by TP size")
     assert_has(reasons["tp spans nodes"], "cross nodes of 4 GPUs")
+    assert_has(reasons["tp on the MoE path"], "MoE parallelizer registers no tensor-parallel plan")
     assert_has(reasons["pipeline"], "cannot exceed number of layers (2)")
     assert_has(reasons["cannot fit"], "cannot fit: needs at least")
     assert_has(reasons["cannot fit"], "of 1.5 GiB")
