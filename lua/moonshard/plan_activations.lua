@@ -217,7 +217,9 @@ end
 function Walk:moe(list, m, c)
   local T = self.T
   local gate, experts = child(m, "gate"), child(m, "experts")
-  local E, k = m.attrs.n_experts, m.attrs.top_k
+  -- (a block described without its config, as a host's model may be, has no top_k: the
+  -- generic rule counts it)
+  local E, k = m.attrs.n_experts or experts.params.gate_and_up_projs.shape[1], m.attrs.top_k
   local hidden = weight_shape(gate)[2]
   local gc = self:size_of(gate, c)
   term(list, "input", tok(T, hidden, c), true)
@@ -282,7 +284,7 @@ function Walk:layer(layer)
     elseif is_attention(m) then
       self:attention(list, m, c)
     elseif m.type == "MoE" and m.children.gate and m.children.experts and
-        m.children.experts.params.gate_and_up_projs then
+        m.children.experts.params.gate_and_up_projs and util.is_int(m.attrs.top_k) then
       self:moe(list, m, c)
     elseif is_mlp(m) then
       self:mlp(list, m, c, true)

@@ -1,6 +1,6 @@
 -- moonshard.plan_sweep: `moonshard sweep`: every layout of N ranks over pp, dp_replicate,
--- dp_shard, cp, tp and ep, and the policy's activation checkpointing, planned as `moonshard
--- plan` plans it, ranked by estimated tokens/s.
+-- dp_shard, cp, tp and ep, and the policy's knobs (activation checkpointing, resharding after
+-- forward, CPU offload), planned as `moonshard plan` plans it, ranked by estimated tokens/s.
 --
 -- Stages, cheapest first, each timed:
 --   1. enumerate: every ordered factorisation pp x dp_replicate x dp_shard x cp x tp = N, and
@@ -16,8 +16,9 @@
 --      as evenly as the mesh allows, each decoder layer's input kept for backward, the
 --      device's fixed overhead): a layout whose bound exceeds the capacity cannot fit;
 --   4. full plans, from the one model tree, in order of a cheap step-time estimate, until
---      --max-plans; the rest are left unplanned and counted.  A layout that fits without
---      checkpointing is not planned again with it (checkpointing only adds recompute).
+--      --max-plans; the rest are left unplanned and counted.  A layout that fits with fewer
+--      memory savers (checkpointing, resharding, offload) dominates the same mesh with more:
+--      they only add recompute, all-gathers or host transfers.
 
 local util = require "moonshard.util"
 local json = require "moonshard.json"
@@ -46,7 +47,10 @@ required:
 options:
   --micro-batch B      samples per micro-batch on each data-parallel rank (default 1)
   --set NAME=VALUE     a policy option for every plan, repeatable (as moonshard plan);
-                       setting activation_checkpointing stops the sweep over it
+                       setting a knob stops the sweep over it
+  --knobs LIST         the policy knobs swept, comma-separated, among
+                       activation_checkpointing, reshard_after_forward and offload_policy
+                       (default: those the policy declares), or none
   --optimizer NAME     adamw (default), torch_adamw or none
   --efficiency X       the share of the peak FLOP/s the compute reaches, in (0, 1]
   --top K              layouts shown in the table (default 10)
@@ -67,7 +71,8 @@ end
 
 local FLAGS = { json = true, csv = true, ["no-progress"] = true }
 local VALUES = { config = true, world = true, device = true, ["seq-len"] = true, ["global-batch"] = true,
-  policy = true, ["micro-batch"] = true, top = true, ["max-plans"] = true, optimizer = true, efficiency = true }
+  policy = true, ["micro-batch"] = true, top = true, ["max-plans"] = true, optimizer = true, efficiency = true,
+  knobs = true }
 
 function M.parse(args)
   local o = { set = {} }
@@ -137,6 +142,20 @@ function M.check(o)
   s["micro-batch"] = s["micro-batch"] or 1
   s.top = s.top or 10
   s["max-plans"] = s["max-plans"] or M.DEFAULT_MAX_PLANS
+  if o.knobs then
+    local known = {}
+    for _, d in ipairs(M.KNOBS) do known[d.name] = true end
+    s.knobs = {}
+    if o.knobs ~= "none" then
+      for name in (o.knobs .. ","):gmatch("([^,]*),") do
+        if not known[name] then
+          return nil, string.format("--knobs: unknown knob '%s' (knobs: activation_checkpointing, " ..
+            "reshard_after_forward, offload_policy; or none)", util.short_name(name))
+        end
+        s.knobs[name] = true
+      end
+    end
+  end
   if o.efficiency then
     local e = o.efficiency:match("^%d*%.?%d+$") and tonumber(o.efficiency)
     if not e or e <= 0 or e > 1 then
@@ -218,6 +237,52 @@ local function knob_key(k)
   local keys, parts = util.sorted_keys(k), {}
   for j, name in ipairs(keys) do parts[j] = name .. "=" .. tostring(k[name]) end
   return table.concat(parts, ",")
+end
+
+-- The policy knobs a sweep tries, when the policy declares them and --set does not fix them:
+-- the value that leaves the policy's default (false for checkpointing), then the ones that
+-- save memory at some cost in time (recompute, all-gathers again in backward, host
+-- transfers).  `saves` marks a knob value that saves memory.
+M.KNOBS = {
+  { name = "activation_checkpointing", values = { false, true }, short = "ac" },
+  { name = "reshard_after_forward", values = { "default", true }, short = "reshard" },
+  { name = "offload_policy", values = { "default", "cpu" }, short = "offload" },
+}
+local function saves(name, v)
+  return (name == "activation_checkpointing" and v == true) or (name == "reshard_after_forward" and v == true) or
+    (name == "offload_policy" and v == "cpu")
+end
+-- The knobs a candidate sets for the plan: those whose value is not the policy's default.
+local function knob_settings(k)
+  local out = {}
+  for _, d in ipairs(M.KNOBS) do
+    local v = k[d.name]
+    if v ~= nil and v ~= "default" then out[#out + 1] = d.name .. "=" .. tostring(v) end
+  end
+  return out
+end
+-- Whether knobs a saves memory in a subset of the ways b does, and in fewer (b only adds
+-- cost to what a already fits with).
+local function saves_less(a, b)
+  local fewer = false
+  for _, d in ipairs(M.KNOBS) do
+    local sa, sb = saves(d.name, a[d.name]), saves(d.name, b[d.name])
+    if sa and not sb then return false end
+    if sb and not sa then fewer = true end
+  end
+  return fewer
+end
+
+-- A candidate's knobs as the table shows them: "ac", "no ac", "ac reshard offload", ...
+local function knob_text(k)
+  if k == nil then return "-" end
+  local parts = {}
+  for _, d in ipairs(M.KNOBS) do
+    local v = k[d.name]
+    if d.name == "activation_checkpointing" and v ~= nil then parts[#parts + 1] = v and "ac" or "no ac"
+    elseif v ~= nil and v ~= "default" then parts[#parts + 1] = d.short end
+  end
+  return #parts > 0 and table.concat(parts, " ") or "policy's"
 end
 
 local function strip(msg) return (tostring(msg):gsub("^moonshard [%a_]+ error: ", ""):gsub("^moonshard: ", "")) end
@@ -348,8 +413,10 @@ end
 -- the device's bf16 peak x efficiency, a 1F1B bubble of (pp - 1) / micro-batches, and the
 -- activation collectives a micro-batch and layer: tp's 4 all-reduces, cp's key/value
 -- all-gather, ep's 4 all_to_alls of top_k copies, at the link plan_time gives the axis.
-function M.estimate(f, c, t, dev, eff, ac)
+function M.estimate(f, c, t, dev, eff, knobs, parts)
   local T = require "moonshard.plan_time"
+  knobs = knobs or {}
+  local ac = knobs.activation_checkpointing == true
   local world = c.pp * c.dp_replicate * c.dp_shard * c.cp * c.tp
   local active = f.dense_params + (f.experts and f.expert_params * f.top_k / f.experts or 0)
   local tokens = t.global_batch * t.seq_len
@@ -372,6 +439,14 @@ function M.estimate(f, c, t, dev, eff, ac)
     comm = comm + T.collective_s(dev, T.link(world, dev.gpus_per_node, 1, c.ep), 4 * layers,
       4 * layers * mb_bytes / c.tp * f.top_k * (c.ep - 1) / c.ep)
   end
+  -- resharding gathers each layer again in backward: a third more of FSDP's all-gathers, at
+  -- the data-parallel link; offloading moves the rank's state to the host and back each
+  -- step, taken at 25 GB/s (PCIe 4 x16, one direction)
+  if knobs.reshard_after_forward == true and parts and c.dp_shard * c.cp > 1 then
+    comm = comm + T.collective_s(dev, T.link(world, dev.gpus_per_node, c.tp, c.dp_shard * c.cp), f.layers,
+      parts.gathered * f.layers / c.pp)
+  end
+  if knobs.offload_policy == "cpu" and parts then comm = comm + 2 * parts.state / 25e9 end
   return compute + bubble + comm
 end
 
@@ -471,10 +546,22 @@ function M.run(o, s, progress)
     if e.name == "offload_policy" and e.value == "cpu" then offload = true end
     if e.name == "activation_checkpointing" and e.value ~= false then ac_set = true end
   end
-  local knobs = { {} }
-  for _, e in ipairs(decl) do
-    if e.name == "activation_checkpointing" and not set_by_user[e.name] then
-      knobs = { { activation_checkpointing = false }, { activation_checkpointing = true } }
+  -- every combination of the knobs the policy declares and --set leaves free
+  local knobs, swept = { {} }, {}
+  local declared = {}
+  for _, e in ipairs(decl) do declared[e.name] = true end
+  for _, d in ipairs(M.KNOBS) do
+    if declared[d.name] and not set_by_user[d.name] and (not s.knobs or s.knobs[d.name]) then
+      swept[#swept + 1] = d.name
+      local more = {}
+      for _, k in ipairs(knobs) do
+        for _, v in ipairs(d.values) do
+          local c = copy(k)
+          c[d.name] = v
+          more[#more + 1] = c
+        end
+      end
+      knobs = more
     end
   end
   local tokens = { seq_len = s["seq-len"], micro_batch = s["micro-batch"], global_batch = s["global-batch"] }
@@ -513,7 +600,9 @@ function M.run(o, s, progress)
   t0 = clock()
   local candidates = {}
   for _, r in ipairs(survivors) do
-    r.bound, r.parts = M.lower_bound(facts, r.sizes, tokens, dev, offload)
+    local can_offload = offload
+    for _, k in ipairs(knobs) do if k.offload_policy == "cpu" then can_offload = true end end
+    r.bound, r.parts = M.lower_bound(facts, r.sizes, tokens, dev, can_offload)
     if r.bound > dev.memory_bytes then
       reject(r, "cannot fit", string.format("cannot fit: needs at least %s of %s (parameters, gradients and " ..
         "optimizer state sharded as evenly as the mesh allows, each layer's input, the device's fixed overhead)",
@@ -523,20 +612,20 @@ function M.run(o, s, progress)
       for _, k in ipairs(knobs) do
         candidates[#candidates + 1] = { sizes = r.sizes, mesh_text = r.mesh_text, knobs = k, bound = r.bound,
           parts = r.parts,
-          estimate_s = M.estimate(facts, r.sizes, tokens, dev, eff, k.activation_checkpointing) }
+          estimate_s = M.estimate(facts, r.sizes, tokens, dev, eff, k, r.parts) }
       end
     end
   end
   table.sort(candidates, function(a, b)
     if a.estimate_s ~= b.estimate_s then return a.estimate_s < b.estimate_s end
     if a.mesh_text ~= b.mesh_text then return a.mesh_text < b.mesh_text end
-    return not a.knobs.activation_checkpointing and b.knobs.activation_checkpointing
+    return knob_key(a.knobs) < knob_key(b.knobs)
   end)
   timing.bound_s = clock() - t0
 
   -- 4: full plans
   t0 = clock()
-  local fits, planned, unplanned, fits_without, attempts = {}, 0, 0, {}, 0
+  local fits, planned, unplanned, fits_with, attempts = {}, 0, 0, {}, 0
   local evaluated = {}
   for _, r in ipairs(records) do if r.status == "rejected" then evaluated[#evaluated + 1] = r end end
   -- The order planned: the estimate's, except that a candidate expected not to fit goes to
@@ -581,8 +670,14 @@ function M.run(o, s, progress)
     local cand = next_candidate()
     if not cand then break end
     i = i + 1
-    if cand.knobs.activation_checkpointing and fits_without[cand.mesh_text] then
-      reject(cand, "dominated", "fits without activation checkpointing, which only adds recompute")
+    local dominated
+    for _, k in ipairs(fits_with[cand.mesh_text] or {}) do
+      if saves_less(k, cand.knobs) then dominated = k break end
+    end
+    if dominated then
+      local with = knob_text(dominated)
+      reject(cand, "dominated", string.format("fits with %s already; %s only adds recompute, all-gathers or host transfers",
+        with, knob_text(cand.knobs)))
     elseif planned >= s["max-plans"] or attempts >= 4 * s["max-plans"] then
       cand.status = "unplanned"
       unplanned = unplanned + 1
@@ -594,7 +689,7 @@ function M.run(o, s, progress)
       end
       local set = {}
       for _, v in ipairs(o.set) do set[#set + 1] = v end
-      for k, v in pairs(cand.knobs) do set[#set + 1] = k .. "=" .. tostring(v) end
+      for _, v in ipairs(knob_settings(cand.knobs)) do set[#set + 1] = v end
       local p0 = clock()
       local mesh = require("moonshard.mesh_context").new(copy(cand.sizes))
       -- checkpoint_wrap inserts its wrappers into the model tree (Module:checkpoint_wrap), so
@@ -626,7 +721,8 @@ function M.run(o, s, progress)
         if mem.fit.fits then
           cand.status = "fits"
           fits[#fits + 1] = cand
-          if not cand.knobs.activation_checkpointing then fits_without[cand.mesh_text] = true end
+          fits_with[cand.mesh_text] = fits_with[cand.mesh_text] or {}
+          table.insert(fits_with[cand.mesh_text], cand.knobs)
         else
           reject(cand, "does not fit", string.format("does not fit: %d of %d ranks over %s; the fullest, rank %d, " ..
             "peaks at %s (largest term: %s, %s)", mem.fit.over, mesh.world, util.bytes(mem.capacity), mem.fit.worst.rank,
@@ -637,11 +733,28 @@ function M.run(o, s, progress)
     evaluated[#evaluated + 1] = cand
   end
   if progress and planned > 0 then io.stderr:write("\r" .. string.rep(" ", 78) .. "\r") end
+  -- a layout that fits with fewer memory savers than another that fits on the same mesh
+  -- dominates it, whichever was planned first
+  local kept = {}
+  for _, f in ipairs(fits) do
+    local by
+    for _, g in ipairs(fits) do
+      if g ~= f and g.mesh_text == f.mesh_text and saves_less(g.knobs, f.knobs) then by = g break end
+    end
+    if by then
+      reject(f, "dominated", string.format("fits with %s already; %s only adds recompute, all-gathers or host transfers",
+        knob_text(by.knobs), knob_text(f.knobs)))
+      f.tokens_per_s, f.step_s, f.mfu = nil, nil, nil
+    else
+      kept[#kept + 1] = f
+    end
+  end
+  fits = kept
   timing.plans_s = clock() - t0
   table.sort(fits, function(a, b)
     if a.tokens_per_s ~= b.tokens_per_s then return a.tokens_per_s > b.tokens_per_s end
     if a.mesh_text ~= b.mesh_text then return a.mesh_text < b.mesh_text end
-    return not a.knobs.activation_checkpointing and b.knobs.activation_checkpointing
+    return knob_key(a.knobs) < knob_key(b.knobs)
   end)
   for i, f in ipairs(fits) do f.rank = i end
   table.sort(group_list, function(a, b)
@@ -651,14 +764,9 @@ function M.run(o, s, progress)
   return { name = name, world = s.world, device = dev.name, capacity = dev.memory_bytes, tokens = tokens,
     policy = o.policy, layouts = #layouts, rule_survivors = #survivors, candidates = #candidates, planned = planned,
     unplanned = unplanned, max_plans = s["max-plans"], fits = fits, evaluated = evaluated, groups = group_list,
-    knobs = #knobs > 1 and { "activation_checkpointing" } or {}, timing = timing }
+    knobs = swept, timing = timing }
 end
 
-local function knob_text(k)
-  if k == nil then return "-" end
-  if k.activation_checkpointing == nil then return "policy's" end
-  return k.activation_checkpointing and "ac" or "no ac"
-end
 
 local function pad(v, w, left)
   v = tostring(v)
@@ -720,13 +828,16 @@ local function row_of(r)
   local c = r.sizes
   local k = r.knobs
   return { mesh = r.mesh_text, pp = c.pp, dp_replicate = c.dp_replicate, dp_shard = c.dp_shard, cp = c.cp, tp = c.tp,
-    ep = c.ep, activation_checkpointing = k and k.activation_checkpointing, status = r.status, rank = r.rank,
+    ep = c.ep, activation_checkpointing = k and k.activation_checkpointing,
+    reshard_after_forward = k and k.reshard_after_forward, offload_policy = k and k.offload_policy,
+    status = r.status, rank = r.rank,
     rule = r.rule, reason = r.reason, lower_bound_bytes = r.bound, estimate_s = r.estimate_s,
     tokens_per_s = r.tokens_per_s, step_s = r.step_s, mfu = r.mfu, peak_bytes = r.peak, capacity_bytes = r.capacity,
     plan_s = r.plan_s }
 end
 
-M.CSV_COLUMNS = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing", "status",
+M.CSV_COLUMNS = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
+  "reshard_after_forward", "offload_policy", "status",
   "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes", "estimate_s", "rule",
   "reason" }
 
@@ -736,7 +847,7 @@ function M.to_json(res)
   for i, r in ipairs(res.evaluated) do
     local row = row_of(r)
     local keys = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
-      "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
+      "reshard_after_forward", "offload_policy", "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
       "estimate_s", "plan_s", "rule", "reason" }
     for _, k in ipairs(keys) do if row[k] == nil then row[k] = json.null end end
     rows[i] = json.object(keys, row)
@@ -747,7 +858,7 @@ function M.to_json(res)
       { rule = g.rule, count = g.count, example_mesh = g.mesh, example = g.example })
   end
   local ranking = {}
-  for i, f in ipairs(res.fits) do ranking[i] = f.mesh_text .. (f.knobs.activation_checkpointing and " ac" or "") end
+  for i, f in ipairs(res.fits) do ranking[i] = f.mesh_text .. " (" .. knob_text(f.knobs) .. ")" end
   local top = json.object({ "moonshard_sweep", "model", "world", "device", "capacity_bytes", "policy", "seq_len",
     "micro_batch", "global_batch", "knobs", "layouts", "rule_survivors", "candidates", "planned", "unplanned",
     "max_plans", "fits", "ranking", "rejected", "timing", "evaluated" }, {

@@ -12,9 +12,16 @@ local POLICY = "policies/fsdp2_default.lua"
 local DEVICE = S.write_file(os.tmpname() .. ".lua",
   'return { base = "h100-80gb", name = "small", memory_bytes = 1610680000, gpus_per_node = 4 }')
 
+-- checkpointing the only knob swept, unless `extra` names the knobs
 local function sweep(extra)
   local args = { "sweep", "--config", CONFIG, "--world", "8", "--device", DEVICE, "--seq-len", "64",
     "--global-batch", "16", "--policy", POLICY }
+  local named = false
+  for _, a in ipairs(extra or {}) do named = named or a == "--knobs" end
+  if not named then
+    args[#args + 1] = "--knobs"
+    args[#args + 1] = "activation_checkpointing"
+  end
   for _, a in ipairs(extra or {}) do args[#args + 1] = a end
   return S.run(args)
 end
@@ -177,13 +184,52 @@ describe("moonshard sweep", function()
     assert.equal(0, c.code, c.err)
     local lines = {}
     for line in c.out:gmatch("[^\n]+") do lines[#lines + 1] = line end
-    assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,status,rank,tokens_per_s,step_s," ..
-      "mfu,peak_bytes,capacity_bytes,lower_bound_bytes,estimate_s,rule,reason", lines[1])
+    assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,reshard_after_forward," ..
+      "offload_policy,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes,lower_bound_bytes,estimate_s,rule," ..
+      "reason", lines[1])
     assert.equal(#res.evaluated + 1, #lines)
     for i = 2, #lines do
       local fields = select(2, lines[i]:gsub('"[^"]*"', "x"):gsub(",", ","))
-      assert.equal(18, fields, lines[i])
+      assert.equal(20, fields, lines[i])
     end
+  end)
+
+  it("sweeps the policy's knobs, keeping only the fits no other fit on the same mesh dominates", function()
+    local r = sweep({ "--knobs", "activation_checkpointing,reshard_after_forward,offload_policy", "--json",
+      "--max-plans", "60" })
+    assert.equal(0, r.code, r.err)
+    local j = json.decode(r.out, "sweep JSON")
+    assert.same({ "activation_checkpointing", "reshard_after_forward", "offload_policy" }, j.knobs)
+    local savers = function(e)
+      local n = {}
+      if e.activation_checkpointing == true then n.ac = true end
+      if e.reshard_after_forward == true then n.reshard = true end
+      if e.offload_policy == "cpu" then n.offload = true end
+      return n
+    end
+    local function subset(a, b) -- a's savers a strict subset of b's
+      local fewer = false
+      for k in pairs(a) do if not b[k] then return false end end
+      for k in pairs(b) do if not a[k] then fewer = true end end
+      return fewer
+    end
+    local fits, dominated = {}, 0
+    for _, e in ipairs(j.evaluated) do
+      if e.status == "fits" then fits[#fits + 1] = e end
+      if e.rule == "dominated" then dominated = dominated + 1 end
+    end
+    assert.is_true(#fits > 0)
+    for _, a in ipairs(fits) do
+      for _, b in ipairs(fits) do
+        if a ~= b and a.mesh == b.mesh then assert.is_false(subset(savers(b), savers(a)), a.mesh) end
+      end
+    end
+    assert.equal(0, j.candidates % 8) -- 2 x 2 x 2 knob values for each layout the bound lets through
+    assert.is_true(dominated > 0)
+    local bad = sweep({ "--knobs", "prefetch" })
+    assert.equal(2, bad.code)
+    assert_has(bad.err, "--knobs: unknown knob 'prefetch' (knobs: activation_checkpointing, reshard_after_forward, " ..
+      "offload_policy; or none)")
   end)
 
   it("refuses bad usage, naming what was wrong", function()

@@ -156,7 +156,7 @@ describe("moe_trainer pipelines", function()
       { "more stages than layers", { "-n", "4", "--mesh", "pp=4" }, 1,
         "Number of stages %(4%) cannot exceed number of layers %(2%)" },
       { "an unknown schedule", { "-n", "2", "--mesh", "pp=2", "--schedule", "Zigzag" }, 1,
-        "option pipeline.schedule is 'Zigzag'" },
+        "Unknown schedule name 'Zigzag'. The valid options are GPipe, 1F1B" },
       { "micro-batches without a pipeline", { "-n", "2", "--mesh", "dp_shard=2", "--microbatches", "2" }, 2,
         "%-%-microbatches is for a pipeline %(%-%-mesh with pp > 1%)" },
       { "a schedule without a pipeline", { "-n", "2", "--mesh", "dp_shard=2", "--schedule", "GPipe" }, 2,
