@@ -49,8 +49,9 @@ options:
   --set NAME=VALUE     a policy option for every plan, repeatable (as moonshard plan);
                        setting a knob stops the sweep over it
   --knobs LIST         the policy knobs swept, comma-separated, among
-                       activation_checkpointing, reshard_after_forward and offload_policy
-                       (default: those the policy declares), or none
+                       activation_checkpointing, reshard_after_forward, offload_policy and
+                       prefetch.explicit (default: those the policy declares, prefetch.explicit
+                       only when named), or none
   --optimizer NAME     adamw (default), torch_adamw or none
   --efficiency X       the share of the peak FLOP/s the compute reaches, in (0, 1]
   --top K              layouts shown in the table (default 10)
@@ -150,7 +151,7 @@ function M.check(o)
       for name in (o.knobs .. ","):gmatch("([^,]*),") do
         if not known[name] then
           return nil, string.format("--knobs: unknown knob '%s' (knobs: activation_checkpointing, " ..
-            "reshard_after_forward, offload_policy; or none)", util.short_name(name))
+            "reshard_after_forward, offload_policy, prefetch.explicit; or none)", util.short_name(name))
         end
         s.knobs[name] = true
       end
@@ -247,6 +248,9 @@ M.KNOBS = {
   { name = "activation_checkpointing", values = { false, true }, short = "ac" },
   { name = "reshard_after_forward", values = { "default", true }, short = "reshard" },
   { name = "offload_policy", values = { "default", "cpu" }, short = "offload" },
+  -- Automodel's explicit prefetch chains (forward 1, backward 2): no memory saver, a trade
+  -- that doubles the candidates for little; swept only when --knobs names it
+  { name = "prefetch.explicit", values = { "default", true }, short = "prefetch", on_request = true },
 }
 local function saves(name, v)
   return (name == "activation_checkpointing" and v == true) or (name == "reshard_after_forward" and v == true) or
@@ -551,7 +555,7 @@ function M.run(o, s, progress)
   local declared = {}
   for _, e in ipairs(decl) do declared[e.name] = true end
   for _, d in ipairs(M.KNOBS) do
-    if declared[d.name] and not set_by_user[d.name] and (not s.knobs or s.knobs[d.name]) then
+    if declared[d.name] and not set_by_user[d.name] and (s.knobs and s.knobs[d.name] or not s.knobs and not d.on_request) then
       swept[#swept + 1] = d.name
       local more = {}
       for _, k in ipairs(knobs) do
@@ -735,19 +739,31 @@ function M.run(o, s, progress)
   if progress and planned > 0 then io.stderr:write("\r" .. string.rep(" ", 78) .. "\r") end
   -- a layout that fits with fewer memory savers than another that fits on the same mesh
   -- dominates it, whichever was planned first
-  local kept = {}
-  for _, f in ipairs(fits) do
-    local by
-    for _, g in ipairs(fits) do
-      if g ~= f and g.mesh_text == f.mesh_text and saves_less(g.knobs, f.knobs) then by = g break end
+  -- and of two fits on the same mesh, one no faster and no smaller than the other (the knobs
+  -- changed nothing that matters, as explicit prefetch on a path that sets none) is left
+  -- out too, the one with fewer knobs set kept
+  local function nset(k) return #knob_settings(k) end
+  local kept, gone = {}, {}
+  for i, f in ipairs(fits) do
+    local by, why
+    for j, g in ipairs(fits) do
+      if j ~= i and g.mesh_text == f.mesh_text then
+        if saves_less(g.knobs, f.knobs) then
+          by, why = g, "only adds recompute, all-gathers or host transfers"
+        elseif not saves_less(f.knobs, g.knobs) and g.tokens_per_s >= f.tokens_per_s and g.peak <= f.peak and
+            (g.tokens_per_s > f.tokens_per_s or
+            g.peak < f.peak or nset(g.knobs) < nset(f.knobs) or (nset(g.knobs) == nset(f.knobs) and j < i)) then
+          by, why = g, "is no faster and needs no less memory"
+        end
+        if by then break end
+      end
     end
-    if by then
-      reject(f, "dominated", string.format("fits with %s already; %s only adds recompute, all-gathers or host transfers",
-        knob_text(by.knobs), knob_text(f.knobs)))
-      f.tokens_per_s, f.step_s, f.mfu = nil, nil, nil
-    else
-      kept[#kept + 1] = f
-    end
+    if by then gone[#gone + 1] = { f, by, why } else kept[#kept + 1] = f end
+  end
+  for _, x in ipairs(gone) do
+    local f, by, why = x[1], x[2], x[3]
+    reject(f, "dominated", string.format("fits with %s already; %s %s", knob_text(by.knobs), knob_text(f.knobs), why))
+    f.tokens_per_s, f.step_s, f.mfu = nil, nil, nil
   end
   fits = kept
   timing.plans_s = clock() - t0
@@ -830,6 +846,7 @@ local function row_of(r)
   return { mesh = r.mesh_text, pp = c.pp, dp_replicate = c.dp_replicate, dp_shard = c.dp_shard, cp = c.cp, tp = c.tp,
     ep = c.ep, activation_checkpointing = k and k.activation_checkpointing,
     reshard_after_forward = k and k.reshard_after_forward, offload_policy = k and k.offload_policy,
+    prefetch_explicit = k and k["prefetch.explicit"],
     status = r.status, rank = r.rank,
     rule = r.rule, reason = r.reason, lower_bound_bytes = r.bound, estimate_s = r.estimate_s,
     tokens_per_s = r.tokens_per_s, step_s = r.step_s, mfu = r.mfu, peak_bytes = r.peak, capacity_bytes = r.capacity,
@@ -837,7 +854,7 @@ local function row_of(r)
 end
 
 M.CSV_COLUMNS = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
-  "reshard_after_forward", "offload_policy", "status",
+  "reshard_after_forward", "offload_policy", "prefetch_explicit", "status",
   "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes", "estimate_s", "rule",
   "reason" }
 
@@ -847,7 +864,7 @@ function M.to_json(res)
   for i, r in ipairs(res.evaluated) do
     local row = row_of(r)
     local keys = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
-      "reshard_after_forward", "offload_policy", "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
+      "reshard_after_forward", "offload_policy", "prefetch_explicit", "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
       "estimate_s", "plan_s", "rule", "reason" }
     for _, k in ipairs(keys) do if row[k] == nil then row[k] = json.null end end
     rows[i] = json.object(keys, row)

@@ -185,12 +185,12 @@ describe("moonshard sweep", function()
     local lines = {}
     for line in c.out:gmatch("[^\n]+") do lines[#lines + 1] = line end
     assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,reshard_after_forward," ..
-      "offload_policy,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes,lower_bound_bytes,estimate_s,rule," ..
-      "reason", lines[1])
+      "offload_policy,prefetch_explicit,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes," ..
+      "lower_bound_bytes,estimate_s,rule,reason", lines[1])
     assert.equal(#res.evaluated + 1, #lines)
     for i = 2, #lines do
       local fields = select(2, lines[i]:gsub('"[^"]*"', "x"):gsub(",", ","))
-      assert.equal(20, fields, lines[i])
+      assert.equal(21, fields, lines[i])
     end
   end)
 
@@ -221,7 +221,13 @@ describe("moonshard sweep", function()
     assert.is_true(#fits > 0)
     for _, a in ipairs(fits) do
       for _, b in ipairs(fits) do
-        if a ~= b and a.mesh == b.mesh then assert.is_false(subset(savers(b), savers(a)), a.mesh) end
+        if a ~= b and a.mesh == b.mesh then
+          assert.is_false(subset(savers(b), savers(a)), a.mesh)
+          -- nor, between knob sets neither of which saves less, one no faster and no smaller
+          if not subset(savers(a), savers(b)) then
+            assert.is_false(b.tokens_per_s >= a.tokens_per_s and b.peak_bytes <= a.peak_bytes, a.mesh)
+          end
+        end
       end
     end
     assert.equal(0, j.candidates % 8) -- 2 x 2 x 2 knob values for each layout the bound lets through
@@ -229,7 +235,7 @@ describe("moonshard sweep", function()
     local bad = sweep({ "--knobs", "prefetch" })
     assert.equal(2, bad.code)
     assert_has(bad.err, "--knobs: unknown knob 'prefetch' (knobs: activation_checkpointing, reshard_after_forward, " ..
-      "offload_policy; or none)")
+      "offload_policy, prefetch.explicit; or none)")
   end)
 
   it("refuses bad usage, naming what was wrong", function()
