@@ -30,9 +30,10 @@ usage: moonshard sweep --config FILE --world N --device NAME|FILE --seq-len S
                        --global-batch G --policy PATH [options]
 
 Plans every valid layout of N ranks over pp, dp_replicate, dp_shard, cp, tp and ep (the
-MoE mesh's ep, inside dp_replicate x dp_shard x cp x tp), with and without activation
-checkpointing when the policy declares the option, as `moonshard plan` plans them; ranks
-those that fit the device by estimated tokens/s and says why the others were rejected.
+MoE mesh's ep, inside dp_replicate x dp_shard x cp x tp), with each combination of the
+policy's knobs it declares (activation checkpointing, resharding after forward, CPU
+offload; see --knobs), as `moonshard plan` plans them; ranks those that fit the device by
+estimated tokens/s (each an estimate) and says why the others were rejected.
 Layouts are rejected by rule first (the planner's checks), then by a lower bound of memory
 per rank, and the rest planned in order of a cheap estimate until --max-plans.
 
