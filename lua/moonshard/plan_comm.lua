@@ -345,10 +345,15 @@ end
 function T.per_step(ctx, mesh, owned, tokens)
   local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
     all_reduce = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } }
+  -- with a batch of several micro-batches and no pipeline, every micro-batch gathers the
+  -- units again (FSDP2 reshards after backward); gradients reduce once a step (accumulation
+  -- without gradient sync).  A pipeline stage keeps its units gathered across micro-batches.
+  local gathers = tokens and not ctx.pp and tokens.accumulation or 1
   for _, u in ipairs(ctx.units) do
     for _, c in ipairs(u.comm.all_gather) do
-      comm.all_gather.count = comm.all_gather.count + 1
-      comm.all_gather.bytes = add(comm.all_gather.bytes, c.bytes, "the all-gather bytes per step")
+      comm.all_gather.count = comm.all_gather.count + gathers
+      comm.all_gather.bytes = add(comm.all_gather.bytes, mul(c.bytes, gathers, "the all-gather bytes per step"),
+        "the all-gather bytes per step")
     end
     for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do
       local c = u.comm[kind]

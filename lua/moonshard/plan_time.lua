@@ -300,10 +300,24 @@ function T.bubble(schedule, pp, v, f, b, w)
   error("moonshard: plan_time: no bubble rule for schedule " .. tostring(schedule), 0)
 end
 
+-- CPU offload's rates, assumptions (no profile holds them): host <-> device copies at 25 GB/s
+-- a direction (PCIe 4 x16 or 5 x16 as achieved), and the host's AdamW on the offloaded state at
+-- 20 GB/s of host memory traffic.
+T.HOST_LINK_BYTES_PER_S, T.HOST_OPTIMIZER_BYTES_PER_S = 25e9, 20e9
+
 --- The optimizer step's seconds: AdamW is bound by memory: it reads the parameters, the
 -- gradients and its state and writes the parameters and the state back, at the HBM bandwidth.
+-- With CPU offload (mem.offloaded: the bytes of parameters, gradients and state in host
+-- memory), that part steps on the host instead, and the parameter shards and gradients cross
+-- the host link once each way (the parameters' copies to the device for every gather, the
+-- gradients' back: once a step here, an underestimate when micro-batches gather again).
 function T.optimizer_s(dev, mem)
-  return (2 * (mem.params + mem.optimizer) + mem.grads) / dev.hbm_bytes_per_s
+  local off = mem.offloaded or 0
+  local total = 2 * (mem.params + mem.optimizer) + mem.grads
+  local share = (mem.params + mem.grads + mem.optimizer) > 0 and off / (mem.params + mem.grads + mem.optimizer) or 0
+  local device_s = total * (1 - share) / dev.hbm_bytes_per_s
+  if off == 0 then return device_s end
+  return device_s + total * share / T.HOST_OPTIMIZER_BYTES_PER_S + off / T.HOST_LINK_BYTES_PER_S
 end
 
 -- The units of pp rank p (all of them without a pipeline), in forward order, with their

@@ -91,6 +91,19 @@ describe("a plan's batch", function()
   end)
 end)
 
+describe("FSDP's collectives over a step of several micro-batches", function()
+  it("gathers every micro-batch again and reduces once a step; a pipeline stage gathers once", function()
+    local one = plan("dp_shard=4", { seq_len = 32, micro_batch = 1, global_batch = 4 })
+    local four = plan("dp_shard=4", { seq_len = 32, micro_batch = 1, global_batch = 16 })
+    assert.equal(4, four.tokens.accumulation)
+    assert.equal(4 * one.comm.all_gather.count, four.comm.all_gather.count)
+    assert.equal(4 * one.comm.all_gather.bytes, four.comm.all_gather.bytes)
+    assert.same(one.comm.reduce_scatter, four.comm.reduce_scatter)
+    local none = plan("dp_shard=4")
+    assert.equal(one.comm.all_gather.count, none.comm.all_gather.count)
+  end)
+end)
+
 describe("context parallelism's key/value exchange", function()
   -- a Llama of 3 layers, 2 key/value heads of 8 (hidden 32 over 4 heads), bf16
   local LLAMA = { architectures = { "LlamaForCausalLM" }, hidden_size = 32, intermediate_size = 48,

@@ -278,3 +278,19 @@ describe("moonshard plan --device", function()
     assert.matches("%-%-device NAME|FILE", S.run({ "plan", "--help" }).out)
   end)
 end)
+
+describe("the optimizer step with CPU offload", function()
+  local T = require "moonshard.plan_time"
+  it("steps the offloaded share on the host and moves it across the host link", function()
+    local dev = { hbm_bytes_per_s = 3e12 }
+    local mem = { params = 1e9, grads = 1e9, optimizer = 4e9, offloaded = 0 }
+    local on_device = (2 * (1e9 + 4e9) + 1e9) / 3e12
+    assert.near(on_device, T.optimizer_s(dev, mem), 1e-12)
+    mem.offloaded = 6e9 -- all of it
+    assert.near((2 * (1e9 + 4e9) + 1e9) / T.HOST_OPTIMIZER_BYTES_PER_S + 6e9 / T.HOST_LINK_BYTES_PER_S,
+      T.optimizer_s(dev, mem), 1e-9)
+    mem.offloaded = 3e9 -- half
+    assert.near(on_device / 2 + 11e9 / 2 / T.HOST_OPTIMIZER_BYTES_PER_S + 3e9 / T.HOST_LINK_BYTES_PER_S,
+      T.optimizer_s(dev, mem), 1e-9)
+  end)
+end)
