@@ -631,10 +631,30 @@ function M.rank_view(plan, r)
   end
   for _, o in ipairs(plan.owned) do owned[o.fqn] = o end
   local tp = plan.tensor_parallel and plan.tensor_parallel.params
+  -- under a pipeline, the rank holds its own stages' parameters only
+  local stages, mine
+  if plan.pipeline then
+    stages, mine = {}, {}
+    local pr = mesh:coord("pp", r)
+    for _, st in ipairs(plan.pipeline.stages) do
+      if st.pp_rank == pr then
+        stages[#stages + 1] = st.index
+        for _, name in ipairs(st.modules) do mine[#mine + 1] = name end
+      end
+    end
+  end
+  local function held(fqn)
+    if not mine then return true end
+    for _, name in ipairs(mine) do
+      if fqn:sub(1, #name + 1) == name .. "." then return true end
+    end
+    return false
+  end
   local params = {}
   for _, np in ipairs(plan.params) do
     local fqn, p = np[1], np[2]
     local iu, o, t = in_unit[p], owned[fqn], tp and tp[p]
+    if held(fqn) then
     local shape, placements, axes, unit
     local padded
     if iu then
@@ -666,12 +686,13 @@ function M.rank_view(plan, r)
     end
     params[#params + 1] = { fqn = fqn, local_shape = shape, padded = padded, placements = placements, axes = axes,
       unit = unit }
+    end
   end
   local memory
   for _, run in ipairs(plan.memory.runs) do
     if r >= run.first and r < run.first + run.count then memory = run end
   end
-  return { rank = r, coords = coords, params = params, memory = memory }
+  return { rank = r, coords = coords, params = params, memory = memory, stages = stages }
 end
 
 --- The rank view as text.
@@ -679,7 +700,9 @@ function M.rank_text(plan, view)
   local out, parts = {}, {}
   for i, c in ipairs(view.coords) do parts[i] = c[1] .. "=" .. c[2] end
   local m = plan.memory
-  out[1] = string.format("rank %d: %s", view.rank, table.concat(parts, ", "))
+  out[1] = string.format("rank %d: %s%s", view.rank, table.concat(parts, ", "), view.stages and
+    string.format("; pipeline stage%s %s (their parameters only)", #view.stages == 1 and "" or "s",
+      table.concat(view.stages, ", ")) or "")
   local run = view.memory
   out[2] = string.format("  holds params %s, grads %s, optimizer %s, peak unsharded %s, total %s",
     util.bytes(run.params or m.params), util.bytes(run.grads or m.grads), util.bytes(run.optimizer),
@@ -705,7 +728,10 @@ function M.rank_json(view)
       { "padded_shard_shape", p.padded and jints(p.padded) or "null" }, { "placements", jstrs(p.placements) },
       { "placement_axes", jstrs(p.axes) }, { "unit", p.unit and jstr(p.unit) or "null" } }) }
   end
-  return jobj({ { "rank", jnum(view.rank) }, { "coords", jobj(coords) }, { "params", jobj(params) } })
+  local fields = { { "rank", jnum(view.rank) }, { "coords", jobj(coords) } }
+  if view.stages then fields[#fields + 1] = { "stages", jints(view.stages) } end
+  fields[#fields + 1] = { "params", jobj(params) }
+  return jobj(fields)
 end
 
 return M

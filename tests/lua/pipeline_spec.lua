@@ -322,3 +322,25 @@ describe("fsdp2_default: tensor parallelism with activation checkpointing under 
     assert.equal(m0.tensor_parallel.count, m.tensor_parallel.count)
   end)
 end)
+
+describe("--rank under a pipeline", function()
+  it("shows the rank's own stages and only their parameters", function()
+    local p = plan(llama(), "pp=2,dp_shard=2")
+    local view = report.rank_view(p, 3) -- pp 1
+    assert.same({ 1 }, view.stages)
+    local stage1 = {}
+    for _, name in ipairs(p.pipeline.stages[2].modules) do stage1[#stage1 + 1] = name end
+    local n = 0
+    for _, x in ipairs(view.params) do
+      local ok = false
+      for _, name in ipairs(stage1) do ok = ok or x.fqn:sub(1, #name + 1) == name .. "." end
+      assert.is_true(ok, x.fqn)
+      n = n + 1
+    end
+    -- every parameter is in exactly one stage: the two views cover the model once
+    assert.equal(#p.params, n + #report.rank_view(p, 0).params)
+    assert_has(report.rank_text(p, view), "pipeline stage 1 (their parameters only)")
+    local j = json.decode(report.rank_json(view), "rank view")
+    assert.same({ 1 }, j.stages)
+  end)
+end)
