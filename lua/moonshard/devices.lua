@@ -176,8 +176,14 @@ function M.get(spec, opts)
   end
   opts = opts or {}
   local policy = require "moonshard.policy"
-  local loaded = policy.load(spec, { instructions = opts.instructions, memory_mb = opts.memory_mb,
+  -- the policy sandbox's errors name "policy FILE"; here it is a device profile
+  local ok, loaded = pcall(policy.load, spec, { instructions = opts.instructions, memory_mb = opts.memory_mb,
     seconds = opts.seconds, modules = {} })
+  if not ok then
+    local msg = tostring(loaded):gsub("^moonshard: ", "")
+    msg = msg:gsub("^policy ", "")
+    error("moonshard: device profile " .. msg, 0)
+  end
   local stem = spec:gsub("/+$", ""):match("([^/]+)$"):gsub("%.lua$", "")
   local out = M.check(rawget(loaded, stem), spec)
   out.name = out.name or spec

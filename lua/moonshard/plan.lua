@@ -1625,6 +1625,10 @@ local function plan(model, mesh, policy, opts)
   local warnings = util.copy(ctx.warnings)
   unit_warnings(ctx, warnings)
   transformers_fp32_warning(ctx, model, warnings)
+  if tokens and tokens.cp_rotate and mesh:size("cp") == 1 then
+    warnings[#warnings + 1] = string.format("cp_rotate %s has no effect: cp = 1, so no keys or values are exchanged",
+      tokens.cp_rotate)
+  end
   if mesh:size("pp") > 1 and not ctx.pp then
     warnings[#warnings + 1] = string.format("pp = %d but the policy split the model into no pipeline stages " ..
       "(ctx:pipeline): every pp rank holds the whole model as planned, and the pp axis only divides the ranks",

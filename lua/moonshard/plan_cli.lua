@@ -305,7 +305,19 @@ function M.main(args)
   if o.rank and not (o.rank:match("^%d+$") and #o.rank <= 10) then
     return usage_error("--rank is a rank, a whole number from 0, not '" .. util.short_name(o.rank) .. "'")
   end
-  if o.rank then o.rank = tonumber(o.rank) end
+  if o.rank then
+    o.rank = tonumber(o.rank)
+    -- the world the mesh spells, when it parses (the planner reports a mesh that does not)
+    local ok, sizes = pcall(require("moonshard.mesh_context").parse, o.mesh or "")
+    if ok and type(sizes) == "table" then
+      local world = 1
+      for _, a in ipairs({ "pp", "dp_replicate", "dp_shard", "cp", "tp" }) do world = world * (sizes[a] or 1) end
+      if o.rank >= world then
+        return usage_error(string.format("--rank %d: the mesh %s has %d ranks (0 to %d)", o.rank, o.mesh, world,
+          world - 1))
+      end
+    end
+  end
   if o.efficiency and not (o.efficiency:match("^%d*%.?%d+$") and tonumber(o.efficiency) > 0 and
       tonumber(o.efficiency) <= 1) then
     return usage_error("--efficiency is a number in (0, 1] (the share of the peak FLOP/s), not '" ..

@@ -36,14 +36,24 @@ end
 -- A plan JSON from path, or nil and why.
 local function load(path)
   local text, err = util.read_file(path, "json")
-  if not text then return nil, err end
+  if not text then
+    err = tostring(err)
+    return nil, err:find(path, 1, true) and err or path .. ": " .. err
+  end
   local ok, plan = pcall(json.decode, text, path)
   if not ok then return nil, tostring(plan):gsub("^moonshard: ", "") end
   if type(plan) ~= "table" or plan.moonshard_plan ~= 1 then
     return nil, path .. ": not a plan's JSON (made by moonshard plan --json: its first key is \"moonshard_plan\": 1)"
   end
   for _, key in ipairs({ "model", "mesh", "units", "memory", "comm" }) do
-    if type(plan[key]) ~= "table" then return nil, path .. ": a plan's JSON without its \"" .. key .. "\"" end
+    if type(plan[key]) ~= "table" or plan[key] == json.null then
+      return nil, path .. ": a plan's JSON without its \"" .. key .. "\" (an object)"
+    end
+  end
+  for _, key in ipairs({ "time", "pipeline", "options" }) do
+    if plan[key] ~= nil and plan[key] ~= json.null and type(plan[key]) ~= "table" then
+      return nil, string.format("%s: \"%s\" is a %s; a plan's JSON has an object there", path, key, type(plan[key]))
+    end
   end
   return plan
 end
@@ -176,7 +186,7 @@ local function terms(A, B)
   if type(A.time) == "table" or type(B.time) == "table" then
     for _, k in ipairs(union_keys(A.time, B.time)) do
       add("time per step (estimate)", k, num((A.time or {})[k]), num((B.time or {})[k]),
-        k:find("_s$") and "seconds" or "number")
+        (k:find("_s$") and not k:find("_per_s$")) and "seconds" or "number")
     end
   end
   return out

@@ -604,20 +604,35 @@ function M.run(o, s, progress)
   -- 3: the memory bound, then each survivor's knobs with their estimates
   t0 = clock()
   local candidates = {}
+  local function cannot_fit(bound)
+    return string.format("cannot fit: needs at least %s of %s (parameters, gradients and optimizer state sharded " ..
+      "as evenly as the mesh allows, each layer's input, the device's fixed overhead)", util.bytes(bound),
+      util.bytes(dev.memory_bytes))
+  end
   for _, r in ipairs(survivors) do
+    -- the bound with the state on the device, and with it offloaded (what an offloading
+    -- variant needs); a layout goes when no variant can fit, a variant when it cannot
+    local on_b, on_p = M.lower_bound(facts, r.sizes, tokens, dev, offload)
+    local off_b, off_p = M.lower_bound(facts, r.sizes, tokens, dev, true)
     local can_offload = offload
     for _, k in ipairs(knobs) do if k.offload_policy == "cpu" then can_offload = true end end
-    r.bound, r.parts = M.lower_bound(facts, r.sizes, tokens, dev, can_offload)
+    r.bound, r.parts = can_offload and off_b or on_b, can_offload and off_p or on_p
     if r.bound > dev.memory_bytes then
-      reject(r, "cannot fit", string.format("cannot fit: needs at least %s of %s (parameters, gradients and " ..
-        "optimizer state sharded as evenly as the mesh allows, each layer's input, the device's fixed overhead)",
-        util.bytes(r.bound), util.bytes(dev.memory_bytes)))
+      reject(r, "cannot fit", cannot_fit(r.bound))
     else
       r.status = "candidate"
       for _, k in ipairs(knobs) do
-        candidates[#candidates + 1] = { sizes = r.sizes, mesh_text = r.mesh_text, knobs = k, bound = r.bound,
-          parts = r.parts,
-          estimate_s = M.estimate(facts, r.sizes, tokens, dev, eff, k, r.parts) }
+        local offloads = offload or k.offload_policy == "cpu"
+        local c = { sizes = r.sizes, mesh_text = r.mesh_text, knobs = k, bound = offloads and off_b or on_b,
+          parts = offloads and off_p or on_p,
+          -- (the offload's cost is of the state it moves: the bound's state on the device)
+          estimate_s = M.estimate(facts, r.sizes, tokens, dev, eff, k, on_p) }
+        if c.bound > dev.memory_bytes then
+          records[#records + 1] = c
+          reject(c, "cannot fit", cannot_fit(c.bound))
+        else
+          candidates[#candidates + 1] = c
+        end
       end
     end
   end
@@ -630,7 +645,7 @@ function M.run(o, s, progress)
 
   -- 4: full plans
   t0 = clock()
-  local fits, planned, unplanned, fits_with, attempts = {}, 0, 0, {}, 0
+  local fits, planned, unplanned, fits_with, attempts, first_failure = {}, 0, 0, {}, 0, nil
   local evaluated = {}
   for _, r in ipairs(records) do if r.status == "rejected" then evaluated[#evaluated + 1] = r end end
   -- The order planned: the estimate's, except that a candidate expected not to fit goes to
@@ -709,6 +724,7 @@ function M.run(o, s, progress)
       -- budget of plans (the attempts stop at 4 x the budget, which bounds the time)
       if not ok then
         planned = planned - 1
+        first_failure = first_failure or (strip(plan):gsub("^plan: ", ""))
         reject(cand, "plan failed", (strip(plan):gsub("^plan: ", "")))
       else
         local mem = plan.memory
@@ -738,6 +754,11 @@ function M.run(o, s, progress)
     evaluated[#evaluated + 1] = cand
   end
   if progress and planned > 0 then io.stderr:write("\r" .. string.rep(" ", 78) .. "\r") end
+  -- every plan refused (a bad --set value, a policy that cannot plan this model): an error,
+  -- not an empty ranking
+  if planned == 0 and first_failure then
+    error("moonshard: every plan the sweep made failed; the first: " .. first_failure, 0)
+  end
   -- a layout that fits with fewer memory savers than another that fits on the same mesh
   -- dominates it, whichever was planned first
   -- and of two fits on the same mesh, one no faster and no smaller than the other (the knobs

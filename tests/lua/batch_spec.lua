@@ -144,6 +144,8 @@ describe("context parallelism's key/value exchange", function()
     local j = json.decode(report.to_json(p), "plan JSON").comm.context_parallel
     assert.same({ count = 3, bytes = 3 * 2 * 64 / 2 * 32 }, j.per_micro_batch.forward.all_gather)
     assert.equal("allgather", j.rotate)
+    assert_has(table.concat(llama_plan("dp_shard=2", { seq_len = 64, cp_rotate = "alltoall" }).warnings, "\n"),
+      "cp_rotate alltoall has no effect: cp = 1")
     assert_has(errmsg(llama_plan, "dp_shard=2,cp=2", { seq_len = 64, cp_rotate = "ring" }),
       "cp_rotate is 'ring'; expected \"allgather\" or \"alltoall\"")
   end)

@@ -230,8 +230,16 @@ describe("moonshard sweep", function()
         end
       end
     end
-    assert.equal(0, j.candidates % 8) -- 2 x 2 x 2 knob values for each layout the bound lets through
+    -- 2 x 2 x 2 knob values for each layout the bound lets through (a value that cannot fit,
+    -- one keeping the state on the device, is rejected before planning)
+    local with_knobs = 0
+    for _, e in ipairs(j.evaluated) do if e.activation_checkpointing ~= json.null then with_knobs = with_knobs + 1 end end
+    assert.equal(0, with_knobs % 8)
+    assert.is_true(with_knobs >= j.candidates)
     assert.is_true(dominated > 0)
+    local every = sweep({ "--set", "activation_checkpointing=maybe" })
+    assert.equal(1, every.code)
+    assert_has(every.err, "every plan the sweep made failed; the first: checkpoint_wrap(model.layers): 'maybe'")
     local bad = sweep({ "--knobs", "prefetch" })
     assert.equal(2, bad.code)
     assert_has(bad.err, "--knobs: unknown knob 'prefetch' (knobs: activation_checkpointing, reshard_after_forward, " ..
