@@ -56,7 +56,7 @@ options:
   --optimizer NAME     adamw (default), torch_adamw or none
   --efficiency X       the share of the peak FLOP/s the compute reaches, in (0, 1]
   --top K              layouts shown in the table (default 10)
-  --max-plans M        full plans at most (default 40, about 10 s for DeepSeek-V3)
+  --max-plans M        full plans at most (default 32, about 8 s for DeepSeek-V3)
   --json               every layout evaluated, with its figures or why it was rejected
   --csv                the same, one layout a line
   --no-progress        no progress line on stderr (shown only when stderr is a terminal)
@@ -177,7 +177,7 @@ function M.check(o)
   return s
 end
 
-M.DEFAULT_MAX_PLANS = 40
+M.DEFAULT_MAX_PLANS = 32
 
 local AXES = { "pp", "dp_replicate", "dp_shard", "cp", "tp" }
 
