@@ -216,6 +216,15 @@ function Module:param_count()
   return n
 end
 
+--- Total elements of the parameters that take gradients (requires_grad), tied ones once.
+function Module:trainable_param_count()
+  local n = 0
+  for _, np in ipairs(self:named_parameters()) do
+    if np[2].requires_grad then n = n + np[2].numel end
+  end
+  return n
+end
+
 --- Total bytes of the parameters in their stored dtypes.
 function Module:param_bytes()
   local n = 0

@@ -1656,7 +1656,7 @@ local function plan(model, mesh, policy, opts)
   local result = {
     optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
-      params = model:param_count(), bytes = model:param_bytes(),
+      params = model:param_count(), trainable_params = model:trainable_param_count(), bytes = model:param_bytes(),
       convention = type(model.attrs.convention) == "string" and model.attrs.convention or nil },
     mesh = mesh,
     units = ctx.units,

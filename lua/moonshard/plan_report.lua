@@ -174,7 +174,8 @@ function M.to_json(plan, opts)
   local function add(s) out[#out + 1] = s end
   add('{"moonshard_plan":1,\n')
   add(' "model":' .. jobj({ { "name", jstr(plan.model.name) }, { "architecture", jstr(plan.model.architecture) },
-    { "params", jnum(plan.model.params) }, { "bytes", jnum(plan.model.bytes) },
+    { "params", jnum(plan.model.params) }, { "trainable_params", jnum(plan.model.trainable_params) },
+    { "bytes", jnum(plan.model.bytes) },
     { "convention", plan.model.convention and jstr(plan.model.convention) or "null" } }) .. ",\n")
   local axes = {}
   for i, a in ipairs(mesh:root_axes()) do axes[i] = jobj({ { "name", jstr(a.name) }, { "size", jnum(a.size) } }) end

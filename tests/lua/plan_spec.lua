@@ -785,3 +785,30 @@ describe("the plan table", function()
     assert.matches("optimizer state differs across ranks by 88 B: from 32 to 120 bytes", report.to_text(plan), 1, true)
   end)
 end)
+
+describe("the plan's model", function()
+  it("counts trainable parameters beside all of them: frozen ones out, a tied weight once", function()
+    local mesh_context = require "moonshard.mesh_context"
+    local pl = require "moonshard.plan"
+    local pol = require "moonshard.policy"
+    local mods = require "moonshard.models"
+    local rep = require "moonshard.plan_report"
+    local js = require "moonshard.json"
+    local fsdp2 = pol.entry_point(pol.load("policies/fsdp2_default.lua"), "fsdp2_default")
+    local cfg = { architectures = { "LlamaForCausalLM" }, vocab_size = 64, hidden_size = 16, intermediate_size = 24,
+      num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, tie_word_embeddings = true,
+      torch_dtype = "bfloat16" }
+    local model = mods.from_config(cfg, "tied llama")
+    local norm = model:get("model.norm").params.weight
+    norm.requires_grad = false
+    local p = pl.plan(model, mesh_context.new("dp_shard=2"), fsdp2)
+    -- by hand: embedding (tied head, once) 64 x 16; per layer q 16x16, k and v 8x16, o 16x16,
+    -- gate, up 24x16, down 16x24, two norms of 16; the final norm of 16, frozen
+    local layer = 16 * 16 + 2 * 8 * 16 + 16 * 16 + 3 * 24 * 16 + 2 * 16
+    local all = 64 * 16 + 2 * layer + 16
+    assert.equal(all, p.model.params)
+    assert.equal(all - 16, p.model.trainable_params)
+    local j = js.decode(rep.to_json(p), "plan JSON")
+    assert.equal(all - 16, j.model.trainable_params)
+  end)
+end)
