@@ -8,6 +8,10 @@ local plan_memory = require "moonshard.plan_memory"
 
 local M = {}
 
+-- The collectives tensor and context parallelism's breakdowns count (plan_comm), in order.
+local TP_KINDS = { "all_reduce", "all_gather", "reduce_scatter" }
+local CP_KINDS = { "all_gather", "all_to_all" }
+
 -- The plan JSON lists every rank (memory.per_rank) and every coordinate of each unit's
 -- shard axis (local_shapes): it grows with the mesh, and a plan whose JSON would pass this
 -- many bytes is refused instead of written (building it takes several times as much memory).
@@ -276,30 +280,31 @@ function M.to_json(plan, opts)
     comm[#comm + 1] = jstr("send_recv") .. ":" .. jobj({ { "count", jnum(plan.comm.send_recv.count) },
       { "bytes", jnum(plan.comm.send_recv.bytes) } })
   end
+  -- a breakdown's {forward, backward} of {kind: {count, bytes}}, for the given kinds
+  local function per_micro_batch(t, kinds)
+    local phases = {}
+    for i, ph in ipairs({ "forward", "backward" }) do
+      local out = {}
+      for j, k in ipairs(kinds) do
+        out[j] = { k, jobj({ { "count", jnum(t[ph][k].count) }, { "bytes", jnum(t[ph][k].bytes) } }) }
+      end
+      phases[i] = { ph, jobj(out) }
+    end
+    return jobj(phases)
+  end
   local tpc = plan.comm.tensor_parallel
   local tp_json = ""
   if tpc then
-    local function kinds(t)
-      local out = {}
-      for i, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
-        out[i] = { k, jobj({ { "count", jnum(t[k].count) }, { "bytes", jnum(t[k].bytes) } }) }
-      end
-      return jobj(out)
-    end
     tp_json = ',"tensor_parallel":' .. jobj({ { "size", jnum(tpc.size) },
-      { "per_micro_batch", jobj({ { "forward", kinds(tpc.forward) }, { "backward", kinds(tpc.backward) } }) },
+      { "per_micro_batch", per_micro_batch(tpc, TP_KINDS) },
       { "norm_grads", jobj({ { "count", jnum(tpc.norm_grads.count) }, { "bytes", jnum(tpc.norm_grads.bytes) } }) },
       { "notes", jstrs(tpc.notes) } })
   end
   local cpc = plan.comm.context_parallel
   if cpc then
-    local function kinds(t)
-      return jobj({ { "all_gather", jobj({ { "count", jnum(t.all_gather.count) }, { "bytes", jnum(t.all_gather.bytes) } }) },
-        { "all_to_all", jobj({ { "count", jnum(t.all_to_all.count) }, { "bytes", jnum(t.all_to_all.bytes) } }) } })
-    end
     tp_json = tp_json .. ',"context_parallel":' .. jobj({ { "size", jnum(cpc.size) }, { "rotate", jstr(cpc.rotate) },
       { "layers", jnum(cpc.layers) }, { "uncounted_layers", jnum(cpc.skipped) },
-      { "per_micro_batch", jobj({ { "forward", kinds(cpc.forward) }, { "backward", kinds(cpc.backward) } }) } })
+      { "per_micro_batch", per_micro_batch(cpc, CP_KINDS) } })
   end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
   add(require("moonshard.plan_time").json(plan, jstr, jobj))
@@ -533,19 +538,23 @@ function M.to_text(plan, opts)
         c.uncounted_ep) or (k == "all_reduce" and tp_note) or (c.uncounted_cp and string.format("  (+ context " ..
         "parallelism's keys and values over cp = %d: give the batch, --seq-len, to count them)", c.uncounted_cp)) or ""))
   end
-  local tpc = plan.comm.tensor_parallel
-  if tpc then
+  -- a breakdown's phases as "forward 5 all_reduce (3.8 KiB); backward ..."
+  local function phases_text(t, kinds)
     local parts = {}
     for _, ph in ipairs({ "forward", "backward" }) do
       local q = {}
-      for _, k in ipairs({ "all_reduce", "all_gather", "reduce_scatter" }) do
-        local c = tpc[ph][k]
+      for _, k in ipairs(kinds) do
+        local c = t[ph][k]
         if c.count > 0 then q[#q + 1] = string.format("%d %s (%s)", c.count, k, util.bytes(c.bytes)) end
       end
       parts[#parts + 1] = ph .. " " .. (q[1] and table.concat(q, ", ") or "none")
     end
+    return table.concat(parts, "; ")
+  end
+  local tpc = plan.comm.tensor_parallel
+  if tpc then
     add(string.format("  of which tensor parallelism's activations over tp = %d, per micro-batch: %s", tpc.size,
-      table.concat(parts, "; ")))
+      phases_text(tpc, TP_KINDS)))
     if tpc.norm_grads.count > 0 then
       add(string.format("    and once a step, the all_reduce of %d sequence-parallel norm gradients (%s)",
         tpc.norm_grads.count, util.bytes(tpc.norm_grads.bytes)))
@@ -554,17 +563,8 @@ function M.to_text(plan, opts)
   end
   local cpc = plan.comm.context_parallel
   if cpc then
-    local parts = {}
-    for _, ph in ipairs({ "forward", "backward" }) do
-      local q = {}
-      for _, k in ipairs({ "all_gather", "all_to_all" }) do
-        local c = cpc[ph][k]
-        if c.count > 0 then q[#q + 1] = string.format("%d %s (%s)", c.count, k, util.bytes(c.bytes)) end
-      end
-      parts[#parts + 1] = ph .. " " .. (q[1] and table.concat(q, ", ") or "none")
-    end
     add(string.format("  of which context parallelism's keys and values over cp = %d (%s, %d attention layers), per " ..
-      "micro-batch: %s%s", cpc.size, cpc.rotate, cpc.layers, table.concat(parts, "; "),
+      "micro-batch: %s%s", cpc.size, cpc.rotate, cpc.layers, phases_text(cpc, CP_KINDS),
       cpc.skipped > 0 and string.format("; %d attention layers without k_proj and v_proj not counted", cpc.skipped) or ""))
   end
   if plan.comm.send_recv then
