@@ -190,7 +190,10 @@ typedef enum {
     C_OPTION,
     C_LIMITS,
     C_SECONDS,
-    C_BATCH
+    C_BATCH,
+    C_RECIPE,
+    C_PARAM_INFO,
+    C_LORA
 } call_kind;
 
 typedef struct {
@@ -203,12 +206,15 @@ typedef struct {
     double d1, d2;       /* number arguments */
     int64_t i1, i2, i3;  /* integer arguments */
     lua_Integer out[2]; /* integer results */
+    int64_t *shape_out; /* C_PARAM_INFO's shape (MS_MAX_DIMS) */
+    ms_dtype dtype_out;
+    double alpha_out;
     char *json;          /* C_PLAN_JSON's result, malloc'd */
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
                                  "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
-                                 "set_policy_seconds", "set_batch"};
+                                 "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -255,7 +261,10 @@ static int p_call(lua_State *L) {
         break;
     case C_CONFIG:
     case C_OPTIMIZER:
+    case C_RECIPE:
     case C_OPTION: lua_pushstring(L, c->s1); nargs = 1; break;
+    case C_PARAM_INFO: lua_pushstring(L, c->s1); nargs = 1; nres = 4; break;
+    case C_LORA: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
     case C_LIMITS:
         lua_pushnumber(L, c->d1);
         lua_pushnumber(L, c->d2);
@@ -273,7 +282,28 @@ static int p_call(lua_State *L) {
     case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
     }
     lua_call(L, nargs, nres);
-    if (c->kind == C_PLAN_JSON) {
+    if (c->kind == C_PARAM_INFO) {
+        /* ndim, shape, dtype name, requires_grad */
+        lua_Integer nd = int_result(L, fn, 1, 4);
+        if (nd < 0 || nd > MS_MAX_DIMS) luaL_error(L, "moonshard internal error: embed: param_info: %d dims", (int)nd);
+        for (lua_Integer i = 0; i < nd; i++) {
+            lua_rawgeti(L, -3, i + 1);
+            int isnum = 0;
+            lua_Integer v = lua_tointegerx(L, -1, &isnum);
+            if (!isnum) luaL_error(L, "moonshard internal error: embed: param_info: a size is not an integer");
+            c->shape_out[i] = (int64_t)v;
+            lua_pop(L, 1);
+        }
+        ms_dtype dt;
+        if (ms_dtype_parse(lua_tostring(L, -2), &dt) != MS_OK)
+            luaL_error(L, "moonshard internal error: embed: param_info: dtype %s", lua_tostring(L, -2));
+        c->out[0] = nd;
+        c->out[1] = lua_toboolean(L, -1);
+        c->dtype_out = dt;
+    } else if (c->kind == C_LORA) {
+        c->out[0] = int_result(L, fn, 1, 2);
+        c->alpha_out = lua_tonumber(L, -1);
+    } else if (c->kind == C_PLAN_JSON) {
         size_t len;
         if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "moonshard internal error: embed: plan_json returned no string");
         const char *s = lua_tolstring(L, -1, &len);
@@ -595,6 +625,42 @@ ms_unit *ms_interp_unit(ms_interp *in, int i) {
         return NULL;
     }
     return in->units[i];
+}
+
+ms_status ms_interp_set_recipe(ms_interp *in, const char *path) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(path);
+    embed_call c = {.kind = C_RECIPE, .s1 = path};
+    return call(in, &c);
+}
+
+ms_status ms_interp_param_info(ms_interp *in, const char *fqn, int *ndim, int64_t *shape, ms_dtype *dtype,
+                               int *requires_grad) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(fqn);
+    EMB_NOT_NULL(ndim);
+    EMB_NOT_NULL(shape);
+    int64_t tmp[MS_MAX_DIMS];
+    embed_call c = {.kind = C_PARAM_INFO, .s1 = fqn, .shape_out = tmp};
+    ms_status st = call(in, &c);
+    if (st) return st;
+    *ndim = (int)c.out[0];
+    for (int i = 0; i < *ndim; i++) shape[i] = tmp[i];
+    if (dtype) *dtype = c.dtype_out;
+    if (requires_grad) *requires_grad = (int)c.out[1];
+    return MS_OK;
+}
+
+ms_status ms_interp_lora(ms_interp *in, const char *module, int *dim, double *alpha) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(module);
+    EMB_NOT_NULL(dim);
+    embed_call c = {.kind = C_LORA, .s1 = module};
+    ms_status st = call(in, &c);
+    if (st) return st;
+    *dim = (int)c.out[0];
+    if (alpha) *alpha = c.alpha_out;
+    return MS_OK;
 }
 
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index) {

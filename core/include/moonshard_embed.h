@@ -146,6 +146,25 @@ ms_unit *ms_interp_unit(ms_interp *in, int i);
  * own stage's units).  MS_ERR_STATE before materialize; MS_ERR_ARG for a name the plan
  * does not have. */
 ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *index);
+/* A recipe (docs/recipes.md: a Lua file of NeMo Automodel's sections, loaded in the policy
+ * sandbox with the limits set so far) that the plans made after this apply before the
+ * policy shards: 4-bit quantization, LoRA adapters, fp8, QAT, and the policy options its
+ * distributed fields set.  MS_ERR_IO when it cannot be read, MS_ERR_ARG for a recipe with
+ * an unknown section or field (the message lists the known ones), MS_ERR_STATE after
+ * materialize. */
+ms_status ms_interp_set_recipe(ms_interp *in, const char *path);
+/* A parameter of the last plan's model, the recipe's adapters included (a LoRA adapter of
+ * module M is "M.lora_A.weight" [dim, in] and "M.lora_B.weight" [out, dim]): its ndim, its
+ * sizes into shape (room for MS_MAX_DIMS), its dtype and whether it takes gradients (dtype
+ * and requires_grad may be NULL).  MS_ERR_STATE before a plan; MS_ERR_ARG for a name the
+ * planned model does not have. */
+ms_status ms_interp_param_info(ms_interp *in, const char *fqn, int *ndim, int64_t *shape, ms_dtype *dtype,
+                               int *requires_grad);
+/* The LoRA adapter the recipe put on module `module` of the last plan's model: *dim its
+ * rank and *alpha its alpha (the adapter's output is scaled by alpha / dim, as Automodel's
+ * LinearLoRA does); *dim = 0 when the module has none.  alpha may be NULL.  MS_ERR_STATE
+ * before a plan; MS_ERR_ARG for a module the planned model does not have. */
+ms_status ms_interp_lora(ms_interp *in, const char *module, int *dim, double *alpha);
 
 /* MS_API_END */
 

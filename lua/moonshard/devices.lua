@@ -175,17 +175,9 @@ function M.get(spec, opts)
       "; or a FILE.lua returning a table)")
   end
   opts = opts or {}
-  local policy = require "moonshard.policy"
   -- the policy sandbox's errors name "policy FILE"; here it is a device profile
-  local ok, loaded = pcall(policy.load, spec, { instructions = opts.instructions, memory_mb = opts.memory_mb,
-    seconds = opts.seconds, modules = {} })
-  if not ok then
-    local msg = tostring(loaded):gsub("^moonshard: ", "")
-    msg = msg:gsub("^policy ", "")
-    error("moonshard: device profile " .. msg, 0)
-  end
-  local stem = spec:gsub("/+$", ""):match("([^/]+)$"):gsub("%.lua$", "")
-  local out = M.check(rawget(loaded, stem), spec)
+  local value = require("moonshard.policy").load_data(spec, "device profile", opts)
+  local out = M.check(value, spec)
   out.name = out.name or spec
   out.source = out.source or spec
   return out

@@ -149,8 +149,51 @@ function M.plan(mesh, policy_path)
     instructions = limits.instructions, memory_mb = limits.memory_mb, seconds = limits.seconds })
   local entry = policy.entry_point(p, policy_path)
   state.plan = require("moonshard.plan").plan(tree(), mc, entry, { name = "host model", optimizer = state.optimizer,
-    policy_name = policy_path, set = state.options, tokens = state.batch })
+    policy_name = policy_path, set = state.options, tokens = state.batch, recipe = state.recipe })
   return #state.plan.units
+end
+
+--- The recipe (moonshard.recipe) the plans made after this apply: loaded and checked now, in
+-- the policy sandbox with the limits set so far.
+function M.set_recipe(path)
+  if state.rank then fail_state("the units were already materialised: set the recipe before planning") end
+  if path == "" then fail("the recipe path is empty") end
+  state.recipe = require("moonshard.recipe").load(path, state.limits)
+end
+
+-- The planned model tree (after the recipe's steps).
+local function planned_tree()
+  if not state.plan then fail_state("no plan yet: plan the model first") end
+  return state.plan.model_tree
+end
+
+--- A parameter of the planned model (the recipe's adapters included): ndim, the shape's
+-- sizes, dtype name, requires_grad.
+function M.param_info(fqn)
+  local strip = require("moonshard.module").strip_checkpoint
+  for _, np in ipairs(planned_tree():named_parameters()) do
+    if np[1] == fqn or strip(np[1]) == fqn then
+      local p = np[2]
+      if #p.shape > 8 then fail(string.format("parameter '%s' has %d dims, more than 8", fqn, #p.shape)) end
+      return #p.shape, p.shape, p.dtype, p.requires_grad
+    end
+  end
+  fail("the planned model has no parameter '" .. fqn .. "'")
+end
+
+--- The LoRA adapter the recipe put on a module: its dim and alpha; 0, 0 when it has none.
+function M.lora(name)
+  local m = planned_tree():get(name)
+  if not m then
+    -- activation checkpointing wraps modules: look the name up with its wrappers
+    for _, nm in ipairs(planned_tree():named_modules()) do
+      if require("moonshard.module").strip_checkpoint(nm[1]) == name then m = nm[2] break end
+    end
+  end
+  if not m then fail("the planned model has no module '" .. name .. "'") end
+  local l = m.attrs and m.attrs.lora
+  if not l then return 0, 0 end
+  return l.dim, l.alpha
 end
 
 --- The optimizer the plans made after this count (and their units follow).

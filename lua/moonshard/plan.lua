@@ -1568,9 +1568,20 @@ end
 
 local function plan(model, mesh, policy, opts)
   local optimizer, parallelize = check_request(mesh, policy, opts)
+  -- a recipe (moonshard.recipe): its steps run on a copy of the model, in Automodel's order,
+  -- before the policy shards it; its distributed, pipeline and moe fields set policy options
+  local recipe, steps, values = opts.recipe, nil, opts.options
+  if recipe ~= nil then
+    local R = require "moonshard.recipe"
+    if type(recipe) ~= "table" or type(recipe.file) ~= "string" then recipe = R.check(recipe, "recipe") end
+    R.check_mesh(recipe, mesh)
+    model, steps = R.apply(recipe, model)
+    values = R.policy_options(recipe, M.declared_options(policy), opts.policy_name, mesh:size("ep"))
+    for k, v in pairs(opts.options or {}) do values[k] = v end
+  end
   check_params(model)
-  -- the options: declared defaults, then opts.options, then opts.set
-  local option_list, options = M.resolve_options(M.declared_options(policy), opts.options, opts.set)
+  -- the options: declared defaults, then opts.options (after the recipe's), then opts.set
+  local option_list, options = M.resolve_options(M.declared_options(policy), values, opts.set)
   local tokens = M.tokens(mesh, opts.tokens)
   local ctx, checkpointed = run_policy(model, mesh, policy, parallelize, options, opts)
   local params = model:named_parameters()
@@ -1673,12 +1684,32 @@ local function plan(model, mesh, policy, opts)
     tensor_parallel = tp_summary(ctx),
     tokens = tokens,
     pipeline = pipeline_view,
+    manager = M.manager_of(ctx.units),
+    model_tree = model,
   }
+  if recipe ~= nil then
+    result.recipe = { file = recipe.file, manager = recipe.manager, steps = steps, notes = recipe.notes }
+    if recipe.manager ~= result.manager and #ctx.units > 0 then
+      fail(string.format("the recipe %s asks for the %s manager, but the policy %s made %s units (give the " ..
+        "manager's policy, or leave --policy out to take the shipped one)", recipe.file, recipe.manager,
+        opts.policy_name or "", result.manager))
+    end
+  end
   -- with a device profile: its memory figures and the step's time (moonshard.plan_time)
   if opts.device ~= nil then require("moonshard.plan_time").attach(result, ctx, opts) end
   -- with a batch, each rank's peak; with a device too, whether it fits (plan_memory)
   memory.peaks(result.memory)
   return result
+end
+
+--- The distributed manager a plan's units stand for: "ddp" when every unit is a replicate
+-- unit (ctx:replicate), "megatron_fsdp" when they are Megatron-FSDP's, else "fsdp2".
+function M.manager_of(units)
+  local kinds = {}
+  for _, u in ipairs(units) do kinds[u.kind == "replicate" and "ddp" or u.manager or "fsdp2"] = true end
+  local only = next(kinds)
+  if only and next(kinds, only) == nil then return only end
+  return only and "mixed" or "fsdp2"
 end
 
 function M.plan(model, mesh, policy, opts)

@@ -35,9 +35,19 @@ model (one of):
                        stderr)
 required:
   --mesh SIZES         e.g. dp_replicate=2,dp_shard=4,ep=8 (axes pp dp_replicate dp_shard
-                       cp tp ep; unset sizes are 1; the world is their product without ep)
+                       cp tp ep; unset sizes are 1; the world is their product without ep);
+                       with --recipe, the recipe's distributed sizes when it gives dp_size
   --policy PATH        a policy directory (e.g. policies/inkling2) or one policy file
-                       (e.g. policies/fsdp2_default.lua)
+                       (e.g. policies/fsdp2_default.lua); with --recipe, the shipped policy
+                       of the recipe's manager when not given
+a recipe (NeMo Automodel's infrastructure steps, docs/recipes.md):
+  --recipe FILE        a Lua file returning Automodel's sections (distributed, pipeline, moe,
+                       peft, quantization, fp8, qat, activation_checkpointing) with its field
+                       names; loaded in the policy sandbox.  Its steps run in Automodel's
+                       order on the model (4-bit quantization, LoRA, fp8, QAT), then the
+                       policy shards it; its distributed, pipeline and moe fields set the
+                       policy's options (--set overrides them).  The plan shows each step and
+                       the modules it changed
 the policy's options (declared by the policy, read by it from ctx.options):
   --set NAME=VALUE     set an option, repeatable (--set reshard_after_forward=false
                        --set prefetch.forward=2 --set activation_checkpointing=every:2);
@@ -102,6 +112,7 @@ local FLAGS = { json = true, audit = true, checkpoint = true, ["list-options"] =
 -- options given any number of times: option -> list of values
 local REPEATED = { set = true }
 local VALUES = { config = true, safetensors = true, model = true, mesh = true, policy = true, svg = true, optimizer = true,
+  recipe = true,
   name = true, rank = true, device = true, efficiency = true, ["seq-len"] = true, ["micro-batch"] = true, ["global-batch"] = true, ["cp-rotate"] = true,
   ["policy-instructions"] = true, ["policy-memory"] = true, ["policy-seconds"] = true }
 -- the sandbox's limits: option -> policy.load's opts key
@@ -216,11 +227,24 @@ end
 function M.make_plan(o)
   local mesh_context = require "moonshard.mesh_context"
   local tree, name, config = load_model(o)
-  local sizes = mesh_context.parse(o.mesh)
+  local recipe = o.recipe and require("moonshard.recipe").load(o.recipe, o.limits)
+  local sizes
+  if o.mesh then
+    sizes = mesh_context.parse(o.mesh)
+  else
+    -- the recipe's distributed sizes (M.main made sure it has a recipe)
+    sizes = require("moonshard.recipe").mesh_sizes(recipe)
+    if not sizes.dp_shard then
+      error(string.format("moonshard: recipe %s: distributed.dp_size is %s; give --mesh, or a number of ranks " ..
+        "as dp_size (Automodel infers \"none\" from the world size, which a plan does not have)", recipe.file,
+        recipe.distributed and recipe.distributed.dp_size or "not given"), 0)
+    end
+  end
   -- the experts of the MoE blocks the builder made, whatever its config calls them (none
   -- for a dense model, and for a checkpoint's tree, whose experts expert_parallel checks)
   sizes.n_routed_experts = config and require("moonshard.models").routed_experts(tree) or nil
   local mesh = mesh_context.new(sizes)
+  if not o.policy then o.policy = M.manager_policy(recipe) end
   local entry = M.load_policy(o)
   local plan = require("moonshard.plan").plan(tree, mesh, entry, {
     name = name, architecture = config and config.architectures and config.architectures[1] or tree.type,
@@ -228,8 +252,22 @@ function M.make_plan(o)
     tokens = o["seq-len"] and { seq_len = tonumber(o["seq-len"]), micro_batch = tonumber(o["micro-batch"]),
       global_batch = tonumber(o["global-batch"]), cp_rotate = o["cp-rotate"] } or nil,
     device = o.device, efficiency = o.efficiency and tonumber(o.efficiency), device_limits = o.limits,
+    recipe = recipe,
   })
   return plan
+end
+
+--- The shipped policy of a recipe's manager (policies/fsdp2_default.lua, ddp.lua,
+-- megatron_fsdp.lua).
+function M.manager_policy(recipe)
+  local R = require "moonshard.recipe"
+  local dir = require("moonshard.policy").shipped_dir()
+  local file = R.POLICIES[recipe.manager]
+  if not dir or not util.exists(dir .. "/" .. file) then
+    error(string.format("moonshard: recipe %s: the %s manager's policy %s is not installed; give --policy",
+      recipe.file, recipe.manager, file), 0)
+  end
+  return dir .. "/" .. file
 end
 
 --- The policy's entry table, loaded in the sandbox with the limits given.
@@ -271,8 +309,10 @@ function M.main(args)
         util.short_name(o.model), why))
     end
   end
-  if not o.mesh and not o["list-options"] then return usage_error("--mesh is required, e.g. --mesh dp_shard=8") end
-  if not o.policy then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
+  if not o.mesh and not o["list-options"] and not o.recipe then
+    return usage_error("--mesh is required, e.g. --mesh dp_shard=8")
+  end
+  if not o.policy and not o.recipe then return usage_error("--policy is required, e.g. --policy policies/inkling2") end
   for flag, key in pairs(LIMITS) do
     local v = o[flag]
     if v then

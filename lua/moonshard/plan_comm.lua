@@ -342,6 +342,33 @@ end
 
 --- Communication per step: the units' collectives summed, and with a batch expert
 -- parallelism's token all_to_all (without one, uncounted_ep says it is left out).
+-- torchao's float8 all-gather needs one scale for a weight on every rank: the amax of its
+-- shard all-reduced (MAX, f32) over the unit's mesh before each gather
+-- (torchao/float8/fsdp_utils.py: tensor_to_scale with reduce_amax), or, with
+-- precompute_float8_dynamic_scale_for_fsdp, once a step for all the weights together
+-- (precompute_float8_dynamic_scale_for_fsdp: one all-reduce of the stacked amaxes).
+function T.fp8_amax(ctx, comm, gathers)
+  local per_gather, stacked, precompute = 0, 0, false
+  for _, u in ipairs(ctx.units) do
+    local n = 0
+    for _, e in ipairs(u.entries or {}) do
+      if e.param.fp8_gather then
+        n = n + 1
+        precompute = precompute or e.param.fp8_gather.precompute
+      end
+    end
+    if n > 0 then
+      if precompute then stacked = stacked + n else per_gather = per_gather + n * #u.comm.all_gather * gathers end
+    end
+  end
+  if per_gather + stacked == 0 then return end
+  local x = { count = per_gather + (stacked > 0 and 1 or 0), bytes = 4 * (per_gather + stacked),
+    precompute = stacked > 0 }
+  comm.fp8_amax = x
+  comm.all_reduce.count = comm.all_reduce.count + x.count
+  comm.all_reduce.bytes = add(comm.all_reduce.bytes, x.bytes, "the all_reduce bytes per step")
+end
+
 function T.per_step(ctx, mesh, owned, tokens)
   local comm = { all_gather = { count = 0, bytes = 0 }, reduce_scatter = { count = 0, bytes = 0 },
     all_reduce = { count = 0, bytes = 0 }, all_to_all = { count = 0, bytes = 0 } }
@@ -363,6 +390,7 @@ function T.per_step(ctx, mesh, owned, tokens)
       end
     end
   end
+  T.fp8_amax(ctx, comm, gathers)
   if mesh:size("tp") > 1 and #ctx.tp_modules > 0 then
     if tokens then
       local t = T.tp_traffic(ctx, mesh, tokens)

@@ -107,6 +107,9 @@ local function finish_unit(ctx, unit, fqn_of)
     if #shape > 0 then padded[d + 1] = util.ceil_div(shape[d + 1], W) end
     local pn = numel_of(padded)
     local gather, red = plan.effective_dtypes(p.dtype, unit.mp)
+    -- torchao's float8 all-gather (a recipe's fp8 step): the weight is cast to e4m3 with its
+    -- tensorwise scale before FSDP gathers it (torchao/float8/fsdp_utils.py fsdp_pre_all_gather)
+    if p.fp8_gather then gather = "f8e4m3" end
     -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
     if p.requires_grad and FLOAT[p.dtype] then
       dtypes[p.dtype] = dtypes[p.dtype] or {}

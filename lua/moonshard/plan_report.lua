@@ -187,6 +187,8 @@ function M.to_json(plan, opts)
     { "ep", jnum(mesh:size("ep")) }, { "ep_shard", jnum(mesh:size("ep_shard")) },
     { "fsdp_axes", jstrs(mesh.fsdp_axes) } }) .. ",\n")
   add(' "optimizer":' .. jstr(plan.optimizer or "adamw") .. ",\n")
+  add(' "manager":' .. jstr(plan.manager or "fsdp2") .. ",\n")
+  add(' "recipe":' .. M.recipe_json(plan) .. ",\n")
   -- the policy's options as used (flat, dotted names; none is null), which were set, the
   -- prefetch depths and the modules wrapped for activation checkpointing
   local options, set = {}, {}
@@ -393,6 +395,39 @@ function M.peak_lines(plan, add)
 end
 
 --- The plan as text: units, expert parallelism, memory per rank, communication, warnings.
+--- The recipe's steps, in the order they ran, with the modules each changed (the first few
+-- named; --json lists all).
+function M.recipe_lines(plan, add)
+  local r = plan.recipe
+  if not r then return end
+  add(string.format("recipe  %s: %d step%s, then the %s manager shards", r.file, #r.steps, #r.steps == 1 and "" or "s",
+    r.manager))
+  for i, st in ipairs(r.steps) do
+    local names = {}
+    for k = 1, math.min(#st.changed, 3) do names[k] = st.changed[k] end
+    add(string.format("  %d. %-12s %s", i, st.name, st.summary or ""))
+    if #st.changed > 0 then
+      add(string.format("     changed %s%s", table.concat(names, ", "),
+        #st.changed > 3 and string.format(" and %d more", #st.changed - 3) or ""))
+    end
+  end
+  if #r.notes > 0 then
+    add("  fields that change no plan: " .. table.concat(r.notes, "; "))
+  end
+end
+
+--- The recipe as JSON (null without one).
+function M.recipe_json(plan)
+  local r = plan.recipe
+  if not r then return "null" end
+  local steps = {}
+  for i, st in ipairs(r.steps) do
+    steps[i] = jobj({ { "name", jstr(st.name) }, { "summary", jstr(st.summary or "") }, { "changed", jstrs(st.changed) } })
+  end
+  return jobj({ { "file", jstr(r.file) }, { "manager", jstr(r.manager) }, { "steps", "[" .. table.concat(steps, ",") .. "]" },
+    { "notes", jstrs(r.notes) } })
+end
+
 function M.to_text(plan, opts)
   opts = opts or {}
   local out = {}
@@ -403,7 +438,8 @@ function M.to_text(plan, opts)
   if plan.model.convention then add("        built as " .. plan.model.convention) end
   add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
-  if opts.policy then add("policy  " .. opts.policy) end
+  if opts.policy then add("policy  " .. opts.policy .. "  (manager " .. (plan.manager or "fsdp2") .. ")") end
+  M.recipe_lines(plan, add)
   if plan.options and #plan.options > 0 then
     local parts = {}
     for i, op in ipairs(plan.options) do

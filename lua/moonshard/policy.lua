@@ -344,4 +344,22 @@ function M.load(path, opts)
   return setmetatable(p, { __index = fields })
 end
 
+--- load_data(path, what, limits?) -> the value a single data file returns (a device profile,
+-- a recipe), loaded like a policy file (the sandbox, limits: instructions, memory_mb,
+-- seconds), and the loaded policy; errors name the file as `what` ("device profile FILE:
+-- ...") instead of "policy FILE"; an io error keeps its status.
+function M.load_data(path, what, limits)
+  limits = limits or {}
+  local ok, loaded = pcall(M.load, path, { instructions = limits.instructions, memory_mb = limits.memory_mb,
+    seconds = limits.seconds, modules = {} })
+  if not ok then
+    local msg = tostring(loaded)
+    if msg:find("^moonshard io error: ") then error((msg:gsub("^(moonshard io error: )policy ", "%1" .. what .. " ")), 0) end
+    msg = msg:gsub("^moonshard: ", ""):gsub("^policy ", "")
+    error("moonshard: " .. what .. " " .. msg, 0)
+  end
+  local stem = path:gsub("/+$", ""):match("([^/]+)$"):gsub("%.lua$", "")
+  return rawget(loaded, stem), loaded
+end
+
 return M

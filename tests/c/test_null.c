@@ -513,6 +513,22 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_find_param, unit, in, "w", NULL, &index);
     REFUSE(ms_interp_find_param, index, in, "w", &unit, NULL);
     CHECK_OK(ms_interp_find_param(in, "model.layers.0.w", &unit, &index)); /* still works */
+    int ndim, rg, ldim;
+    int64_t pshape[MS_MAX_DIMS];
+    ms_dtype dt;
+    double alpha;
+    REFUSE(ms_interp_param_info, in, NULL, "model.layers.0.w", &ndim, pshape, &dt, &rg);
+    REFUSE(ms_interp_param_info, fqn, in, NULL, &ndim, pshape, &dt, &rg);
+    REFUSE(ms_interp_param_info, ndim, in, "model.layers.0.w", NULL, pshape, &dt, &rg);
+    REFUSE(ms_interp_param_info, shape, in, "model.layers.0.w", &ndim, NULL, &dt, &rg);
+    ALLOW(ms_interp_param_info, dtype, 1, in, "model.layers.0.w", &ndim, pshape, NULL, &rg);
+    ALLOW(ms_interp_param_info, requires_grad, 1, in, "model.layers.0.w", &ndim, pshape, &dt, NULL);
+    REFUSE(ms_interp_lora, in, NULL, "model.layers.0", &ldim, &alpha);
+    REFUSE(ms_interp_lora, module, in, NULL, &ldim, &alpha);
+    REFUSE(ms_interp_lora, dim, in, "model.layers.0", NULL, &alpha);
+    ALLOW(ms_interp_lora, alpha, 1, in, "model.layers.0", &ldim, NULL);
+    REFUSE(ms_interp_set_recipe, in, NULL, "recipe.lua");
+    REFUSE(ms_interp_set_recipe, path, in, NULL);
     ms_interp_free(in);
 }
 #endif
