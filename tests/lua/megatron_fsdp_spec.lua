@@ -1,8 +1,9 @@
 -- megatron_fsdp_spec.lua: Megatron-FSDP units (ctx:megatron_fsdp, NeMo Automodel's
--- MegatronFSDPManager) in the planner: the buckets and their padded flat layout against the
--- rules of megatron_fsdp 0.5.0's param_and_grad_buffer.py (_get_parameter_groups,
--- build_data_parallel_buffer_index, _get_dp_buffer_shard_bucket_index), worked out here by
--- hand; each ZeRO stage's bytes per rank against the closed forms; the collectives per step
+-- MegatronFSDPManager) in the planner: the buckets and their padded flat layout against
+-- megatron_fsdp 0.5.0's own _get_parameter_groups and build_data_parallel_buffer_index, run on
+-- CPU (tests/reference/data/megatron_fsdp_buffers.json, made by
+-- tests/reference/megatron_fsdp_buffers.py: 36 cases, 3 models x 3 strategies x dp 1, 2, 3, 8),
+-- and against its rules worked out here by hand; each ZeRO stage's bytes per rank against the closed forms; the collectives per step
 -- against their formulas; and the plan's manager field.
 local module = require "moonshard.module"
 local mesh_context = require "moonshard.mesh_context"
@@ -43,6 +44,45 @@ describe("Megatron-FSDP's strategies", function()
 end)
 
 describe("Megatron-FSDP's buckets", function()
+  it("are megatron_fsdp 0.5.0's own, measured (tests/reference/megatron_fsdp_buffers.py)", function()
+    local PATH = "tests/reference/data/megatron_fsdp_buffers.json"
+    local ref = json.decode(S.read_file(PATH), PATH)
+    local checked = 0
+    for _, case in ipairs(ref.cases) do
+      local params, units = {}, {}
+      for i, p in ipairs(ref.params[case.model]) do
+        local unit = p[1]:match("^(.-layers%.%d+)%.")
+        if unit and not units[unit] then
+          units[#units + 1] = unit
+          units[unit] = #units - 1
+        end
+        params[i] = { fqn = p[1], shape = p[2], dtype = p[3], requires_grad = p[4],
+          unit_id = unit and units[unit] or nil, expert = p[1]:find(".experts.", 1, true) ~= nil }
+      end
+      local got = G.groups(params)
+      local what = case.model .. " " .. case.strategy .. " dp " .. case.dp
+      assert.equal(#case.buckets, #got, what)
+      for bi, want in ipairs(case.buckets) do
+        local b = got[bi]
+        local fqns, numels = {}, {}
+        for k, i in ipairs(b.indices) do fqns[k], numels[k] = params[i].fqn, numel(params[i].shape) end
+        assert.same(want.params, fqns, what)
+        assert.equal(want.dtype, b.dtype, what)
+        assert.equal(want.requires_grad, b.requires_grad, what)
+        assert.equal(want.expert, b.expert, what)
+        local uid = want.fsdp_unit_id
+        if uid == json.null then uid = nil end
+        assert.equal(uid, b.unit_id, what)
+        assert.equal(want.chunk_size_factor, b.chunk, what)
+        local off, _, size = G.buffer_index(numels, b.chunk, case.dp, case.strategy)
+        assert.same(want.offsets, off, what)
+        assert.equal(want.size, size, what)
+        checked = checked + 1
+      end
+    end
+    assert.is_true(checked > 300)
+  end)
+
   it("group by (dtype, expert, requires_grad, FSDP unit), in named_parameters() order (_get_parameter_groups)", function()
     local params = {
       { shape = { 8, 4 }, dtype = "bf16", requires_grad = true },                  -- 1 outside
