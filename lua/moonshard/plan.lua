@@ -883,6 +883,14 @@ M.ddp_buckets = replicate.buckets
 -- parameters to it, as FSDP2 does with a replicated module.
 function Ctx:replicate(module, opts) return replicate.replicate(self, module, opts) end
 
+local megatron = require("moonshard.plan_megatron").bind(helpers)
+--- Makes `module` a Megatron-FSDP unit (moonshard.plan_megatron): its parameters in flat,
+-- padded buffers per bucket, each rank holding one contiguous slice of every bucket for the
+-- sharded states of opts.zero_dp_strategy (0..3 or no_shard, optim, optim_grads,
+-- optim_grads_params; default 3).  opts: mesh, unit_modules (class names), grad_reduce_in_fp32,
+-- preserve_fp32_weights, overlap_param_gather, bucket_size.
+function Ctx:megatron_fsdp(module, opts) return megatron.megatron_fsdp(self, module, opts) end
+
 --- Splits the model into pipeline stages (moonshard.plan_pp) before any unit is made.
 function Ctx:pipeline(opts) return pipeline.apply(self, opts) end
 local traffic = require("moonshard.plan_comm").bind(helpers)
@@ -1226,6 +1234,23 @@ local function policy_context(ctx, opts)
     end
     return { name = unit.name, kind = unit.kind, mesh_axes = util.copy(unit.mesh_axes), params = params,
       buckets = buckets }
+  end
+  function pub.megatron_fsdp(_, m, mopts)
+    local module = ctx:module(module_arg(view, m, "ctx:megatron_fsdp"))
+    local o
+    if mopts ~= nil then
+      if type(mopts) ~= "table" then
+        fail(string.format("megatron_fsdp(%s): the options are a %s; expected a table", display(ctx:name_of(module)),
+          type(mopts)))
+      end
+      o = {}
+      for k, v in next, mopts do o[k] = type(v) == "table" and (copy_data(v, 0) or {}) or v end
+    end
+    local unit = ctx:megatron_fsdp(module, o)
+    local params = {}
+    for i, p in ipairs(unit.params) do params[i] = view.param(p) end
+    return { name = unit.name, kind = unit.kind, mesh_axes = util.copy(unit.mesh_axes), params = params,
+      strategy = unit.megatron.strategy, buckets = #unit.megatron.buckets }
   end
   function pub.fully_shard(_, m, sopts)
     local module = ctx:module(module_arg(view, m, "ctx:fully_shard"))
@@ -1665,6 +1690,7 @@ local function plan(model, mesh, policy, opts)
   expert_warnings(model, mesh, owned, warnings, tokens)
   optimizer_warnings(optimizer, params, warnings)
   local result = {
+    manager = M.manager_of(ctx.units),
     optimizer = optimizer,
     model = { name = opts.name or "model", architecture = opts.architecture or model.type,
       params = model:param_count(), trainable_params = model:trainable_param_count(), bytes = model:param_bytes(),
@@ -1684,7 +1710,6 @@ local function plan(model, mesh, policy, opts)
     tensor_parallel = tp_summary(ctx),
     tokens = tokens,
     pipeline = pipeline_view,
-    manager = M.manager_of(ctx.units),
     model_tree = model,
   }
   if recipe ~= nil then
@@ -1702,14 +1727,15 @@ local function plan(model, mesh, policy, opts)
   return result
 end
 
---- The distributed manager a plan's units stand for: "ddp" when every unit is a replicate
--- unit (ctx:replicate), "megatron_fsdp" when they are Megatron-FSDP's, else "fsdp2".
+--- The distributed manager a plan's units stand for: "megatron_fsdp" with a Megatron-FSDP
+-- unit, "ddp" with a replicate unit, else "fsdp2".
 function M.manager_of(units)
-  local kinds = {}
-  for _, u in ipairs(units) do kinds[u.kind == "replicate" and "ddp" or u.manager or "fsdp2"] = true end
-  local only = next(kinds)
-  if only and next(kinds, only) == nil then return only end
-  return only and "mixed" or "fsdp2"
+  local m = "fsdp2"
+  for _, u in ipairs(units) do
+    if u.kind == "megatron_fsdp" then return "megatron_fsdp" end
+    if u.kind == "replicate" then m = "ddp" end
+  end
+  return m
 end
 
 function M.plan(model, mesh, policy, opts)

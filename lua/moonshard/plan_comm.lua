@@ -378,8 +378,9 @@ function T.per_step(ctx, mesh, owned, tokens)
   local gathers = tokens and not ctx.pp and tokens.accumulation or 1
   for _, u in ipairs(ctx.units) do
     for _, c in ipairs(u.comm.all_gather) do
-      comm.all_gather.count = comm.all_gather.count + gathers
-      comm.all_gather.bytes = add(comm.all_gather.bytes, mul(c.bytes, gathers, "the all-gather bytes per step"),
+      local g = c.once and 1 or gathers -- Megatron-FSDP's once-a-step gathers (plan_megatron)
+      comm.all_gather.count = comm.all_gather.count + g
+      comm.all_gather.bytes = add(comm.all_gather.bytes, mul(c.bytes, g, "the all-gather bytes per step"),
         "the all-gather bytes per step")
     end
     for _, kind in ipairs({ "reduce_scatter", "all_reduce" }) do

@@ -3,6 +3,7 @@
 
 local util = require "moonshard.util"
 local replicate = require "moonshard.plan_replicate"
+local megatron = require "moonshard.plan_megatron"
 
 local L = {}
 
@@ -86,7 +87,8 @@ end
 local function finish_unit(ctx, unit, fqn_of)
   local axes = unit.mesh_axes
   -- a replicate unit (DDP) is laid out as a unit of one shard rank replicated over its axis
-  local replicated = unit.kind == "replicate"
+  -- (a megatron_fsdp unit too: moonshard.plan_megatron lays out its flat buffers)
+  local replicated = unit.kind == "replicate" or unit.kind == "megatron_fsdp"
   local W = replicated and 1 or ctx.mesh:size(axes[#axes])
   local R = (#axes == 2 or replicated) and ctx.mesh:size(axes[1]) or 1
   unit.shard_size, unit.replicate_size = W, R
@@ -195,9 +197,10 @@ local function finish_unit(ctx, unit, fqn_of)
   for _, c in ipairs(ag) do
     unit.all_gather_bytes = add(unit.all_gather_bytes, c.bytes, "the all-gather bytes of unit %s", uname)
   end
-  if replicated then replicate.finish(unit, R) end
+  if unit.kind == "replicate" then replicate.finish(unit, R) end
   unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
   unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
+  if unit.kind == "megatron_fsdp" then megatron.finish(unit, R) end
 end
 
 --- Lays out every unit of ctx: marks the FSDP2 roots, then each unit's shards, dtypes,

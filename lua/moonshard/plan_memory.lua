@@ -165,7 +165,9 @@ local function shards(ctx, optimizer, fqn_of)
   end
   for _, u in ipairs(ctx.units) do
     local grads = 0
-    for _, e in ipairs(u.entries) do
+    -- a megatron_fsdp unit's figures come from its buffers (moonshard.plan_megatron)
+    if u.kind == "megatron_fsdp" then require("moonshard.plan_megatron").optimizer_events(u, events, state_bytes) end
+    for _, e in ipairs(u.kind ~= "megatron_fsdp" and u.entries or {}) do
       if e.param.requires_grad and FLOAT[e.param.dtype] then
         grads = grads + numel_of(e.padded) * DTYPE_SIZE[e.param.dtype]
         local n = e.shape[e.dim + 1]

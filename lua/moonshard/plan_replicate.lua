@@ -109,21 +109,30 @@ local FLAGS = { "find_unused_parameters", "gradient_as_bucket_view", "static_gra
 local FLAT = { dp_shard = "dp_shard", ["dp_replicate,dp_shard"] = "dp", dp_shard_cp = "dp_shard_cp",
   ["dp_replicate,dp_shard_cp"] = "dp_cp" }
 
+--- Fails unless opts is a table whose keys are all in the list `known` (where: the call,
+-- for the message); shared with moonshard.plan_megatron.
+function R.check_options(where, opts, known_list)
+  if type(opts) ~= "table" then fail(string.format("%s: the options are a %s; expected a table", where, type(opts))) end
+  for k in pairs(opts) do
+    local known = false
+    for _, o in ipairs(known_list) do known = known or k == o end
+    if not known then
+      fail(string.format("%s: unknown option %s (options: %s)", where,
+        type(k) == "string" and "'" .. k .. "'" or shown(k), table.concat(known_list, ", ")))
+    end
+  end
+end
+
+--- The flattened data-parallel axis of ctx's FSDP mesh (dp_shard, dp, dp_shard_cp or dp_cp).
+function R.flat_axis(ctx) return FLAT[table.concat(ctx.mesh.fsdp_axes, ",")] end
+
 --- ctx:replicate(module, opts): DDP over `module`; see moonshard.plan's Ctx:replicate.
 function R.replicate(ctx, module, opts)
   opts = opts or {}
   module = ctx:module(module)
   local name = ctx:name_of(module)
   local where = "replicate(" .. display(name) .. ")"
-  if type(opts) ~= "table" then fail(string.format("%s: the options are a %s; expected a table", where, type(opts))) end
-  for k in pairs(opts) do
-    local known = false
-    for _, o in ipairs(OPTIONS) do known = known or k == o end
-    if not known then
-      fail(string.format("%s: unknown option %s (options: %s)", where,
-        type(k) == "string" and "'" .. k .. "'" or shown(k), table.concat(OPTIONS, ", ")))
-    end
-  end
+  R.check_options(where, opts, OPTIONS)
   local site = call_site()
   if ctx.pp then
     fail(string.format("%s: the model is split into pipeline stages; DDP takes no pipeline (Automodel's DDPConfig: " ..
@@ -156,7 +165,7 @@ function R.replicate(ctx, module, opts)
     end
     axis = axis[1]
   end
-  if axis == nil then axis = FLAT[table.concat(ctx.mesh.fsdp_axes, ",")] end
+  if axis == nil then axis = R.flat_axis(ctx) end
   if type(axis) ~= "string" then
     fail(string.format("%s: mesh is %s; expected an axis name or a list of one", where, shown(axis)))
   end

@@ -132,6 +132,10 @@ local function unit_json(u, plan)
     fields[#fields + 1] = jstr("buckets") .. ":[" .. (#buckets > 0 and "\n" .. table.concat(buckets, ",\n") ..
       "\n    " or "") .. "]"
   end
+  if u.kind == "megatron_fsdp" then -- its strategy, buffers and buckets (moonshard.plan_megatron)
+    fields[#fields + 1] = require("moonshard.plan_megatron").json(u, { jstr = jstr, jnum = jnum, jbool = jbool,
+      jstrs = jstrs, jobj = jobj })
+  end
   return "    {" .. table.concat(fields, ",") .. "}"
 end
 
@@ -186,8 +190,8 @@ function M.to_json(plan, opts)
   add(' "mesh":' .. jobj({ { "world", jnum(mesh.world) }, { "axes", "[" .. table.concat(axes, ",") .. "]" },
     { "ep", jnum(mesh:size("ep")) }, { "ep_shard", jnum(mesh:size("ep_shard")) },
     { "fsdp_axes", jstrs(mesh.fsdp_axes) } }) .. ",\n")
-  add(' "optimizer":' .. jstr(plan.optimizer or "adamw") .. ",\n")
   add(' "manager":' .. jstr(plan.manager or "fsdp2") .. ",\n")
+  add(' "optimizer":' .. jstr(plan.optimizer or "adamw") .. ",\n")
   add(' "recipe":' .. M.recipe_json(plan) .. ",\n")
   -- the policy's options as used (flat, dotted names; none is null), which were set, the
   -- prefetch depths and the modules wrapped for activation checkpointing
@@ -438,7 +442,8 @@ function M.to_text(plan, opts)
   if plan.model.convention then add("        built as " .. plan.model.convention) end
   add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
     mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
-  if opts.policy then add("policy  " .. opts.policy .. "  (manager " .. (plan.manager or "fsdp2") .. ")") end
+  if plan.manager and plan.manager ~= "fsdp2" then add("manager " .. plan.manager) end
+  if opts.policy then add("policy  " .. opts.policy) end
   M.recipe_lines(plan, add)
   if plan.options and #plan.options > 0 then
     local parts = {}
@@ -520,12 +525,13 @@ function M.to_text(plan, opts)
     local raf = u.reshard
     add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
       u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
-      u.kind == "replicate" and "-" or tostring(raf), util.bytes(u.all_gather_bytes),
+      (u.kind == "replicate" or u.kind == "megatron_fsdp") and "-" or tostring(raf), util.bytes(u.all_gather_bytes),
       util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
       or "") .. (offload and "  " .. (u.offload or "-") or "") .. (staged and string.format("  %5d", u.stage) or ""))
   end
   for _, u in ipairs(plan.units) do
     if u.kind == "replicate" then M.bucket_lines(u, plan.mesh, add) end
+    if u.kind == "megatron_fsdp" then require("moonshard.plan_megatron").lines(u, plan.mesh, add) end
   end
   if #plan.owned > 0 then
     local n, bytes = 0, 0
