@@ -249,6 +249,14 @@ static char *run_rank(rank_job *job, ms_comm *world) {
     setup_state(L, job, world);
     lua_pushcfunction(L, traceback);
     int st = job->script ? luaL_loadfilex(L, job->script, NULL) : luaL_loadbufferx(L, job->code, strlen(job->code), "=(command line)", "t");
+    /* the arguments go on the stack: room for them first (a long command line overflowed
+     * the default 20 slots) */
+    if (st == LUA_OK && !lua_checkstack(L, job->argc + 1)) {
+        lua_close(L);
+        char buf[96];
+        snprintf(buf, sizeof buf, "too many arguments (%d) for the Lua stack", job->argc);
+        return strdup(buf);
+    }
     if (st == LUA_OK) {
         for (int i = 0; i < job->argc; i++) lua_pushstring(L, job->argv[i]);
         st = lua_pcall(L, job->argc, 1, 1);

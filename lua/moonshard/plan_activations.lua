@@ -97,7 +97,8 @@ end
 
 local function weight_shape(m) -- {out, in} of a Linear, {n} of a norm
   local w = m and m.params.weight
-  return w and w.shape
+  -- a 4-bit weight (a recipe's quantization) by its logical shape
+  return w and (w.quant and w.quant.shape or w.shape)
 end
 
 -- The bytes of a per-token tensor of `width` elements of `size` bytes for T tokens.

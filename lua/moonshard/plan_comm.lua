@@ -348,7 +348,9 @@ end
 -- precompute_float8_dynamic_scale_for_fsdp, once a step for all the weights together
 -- (precompute_float8_dynamic_scale_for_fsdp: one all-reduce of the stacked amaxes).
 function T.fp8_amax(ctx, comm, gathers)
-  local per_gather, stacked, precompute = 0, 0, false
+  -- bus bytes of an all-reduce of S bytes over n ranks, as plan_layout counts them
+  local function bus(S, n) return 2 * S - util.ceil_div(2 * S, n) end
+  local count, bytes, stacked, group, precompute = 0, 0, 0, 1, false
   for _, u in ipairs(ctx.units) do
     local n = 0
     for _, e in ipairs(u.entries or {}) do
@@ -357,13 +359,19 @@ function T.fp8_amax(ctx, comm, gathers)
         precompute = precompute or e.param.fp8_gather.precompute
       end
     end
-    if n > 0 then
-      if precompute then stacked = stacked + n else per_gather = per_gather + n * #u.comm.all_gather * gathers end
+    local ranks = (u.shard_size or 1) * (u.replicate_size or 1)
+    if n > 0 and ranks > 1 then
+      if precompute then
+        stacked, group = stacked + n, math.max(group, ranks)
+      else
+        local k = n * #u.comm.all_gather * gathers
+        count, bytes = count + k, bytes + k * bus(4, ranks)
+      end
     end
   end
-  if per_gather + stacked == 0 then return end
-  local x = { count = per_gather + (stacked > 0 and 1 or 0), bytes = 4 * (per_gather + stacked),
-    precompute = stacked > 0 }
+  if stacked > 0 then count, bytes = 1, bus(4 * stacked, group) end
+  if count == 0 then return end
+  local x = { count = count, bytes = bytes, precompute = stacked > 0 }
   comm.fp8_amax = x
   comm.all_reduce.count = comm.all_reduce.count + x.count
   comm.all_reduce.bytes = add(comm.all_reduce.bytes, x.bytes, "the all_reduce bytes per step")

@@ -312,6 +312,11 @@ function M.to_json(plan, opts)
       { "layers", jnum(cpc.layers) }, { "uncounted_layers", jnum(cpc.skipped) },
       { "per_micro_batch", per_micro_batch(cpc, CP_KINDS) } })
   end
+  local amax = plan.comm.fp8_amax
+  if amax then
+    tp_json = tp_json .. ',"fp8_amax":' .. jobj({ { "count", jnum(amax.count) }, { "bytes", jnum(amax.bytes) },
+      { "precompute", jbool(amax.precompute) } })
+  end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
   add(require("moonshard.plan_time").json(plan, jstr, jobj))
   if opts.audit then

@@ -110,11 +110,15 @@ function T.flops(ctx, seq_len, pp_rank, global)
       if m.type ~= "Embedding" then
         for _, pname in ipairs(m.param_order) do
           local p = m.params[pname]
-          if #p.shape >= 2 then
-            local n = numel((not global and ctx.tp[p] and ctx.tp[p].local_shapes and ctx.tp[p].local_shapes[1]) or p.shape)
+          -- a 4-bit weight (a recipe's quantization) counts at its logical shape, in its
+          -- compute dtype; an fp8 linear's (torchao's Float8Linear) matmuls run in e4m3
+          local shape = p.quant and p.quant.shape or p.shape
+          if #shape >= 2 then
+            local n = numel((not global and ctx.tp[p] and ctx.tp[p].local_shapes and ctx.tp[p].local_shapes[1]) or shape)
             local f = 2 * n * active
             local u = ctx.owner[p] or cur
-            local e, d = slot(u), dtype_of(p, u)
+            local e, d = slot(u), p.quant and p.quant.compute or dtype_of(p, u)
+            if m.attrs and m.attrs.fp8 and pname == "weight" then d = "f8e4m3" end
             put(e.matmul, d, f)
             e.weights = e.weights + f
             if recompute then put(e.recompute, d, f) end

@@ -62,6 +62,7 @@ local EXPECT = {
   boolean = "true or false",
   string = "a string",
   dtype = "a dtype (bfloat16, float16 or float32; bf16, f16, f32)",
+  storage = "a storage dtype (uint8, bfloat16, float16 or float32)",
   size = "a whole number >= 1",
   dp = "a whole number >= 1 or \"none\"",
   count = "a whole number >= 0",
@@ -86,7 +87,7 @@ local SECTIONS = {
       strategy = { kind = "string", values = { "fsdp2", "megatron_fsdp", "ddp" } },
       manager = { kind = "string", values = { "fsdp2", "megatron_fsdp", "ddp" } },
       dp_size = { kind = "dp", mesh = "dp_shard" },
-      dp_replicate_size = { kind = "size", mesh = "dp_replicate" },
+      dp_replicate_size = { kind = "dp", mesh = "dp_replicate" },
       tp_size = { kind = "size", mesh = "tp" },
       cp_size = { kind = "size", mesh = "cp" },
       pp_size = { kind = "size", mesh = "pp" },
@@ -132,6 +133,9 @@ local SECTIONS = {
       autocast_dtype = { kind = "any", note = "autocast of the forward (the plan's compute dtype is the policy's)" },
       timeout_minutes = { kind = "number", note = "the process group's timeout" },
       _target_ = { kind = "string", note = "a Python class path" },
+      -- Automodel's YAML nests these two sections in distributed
+      pipeline = { kind = "table", nested = true },
+      moe = { kind = "table", nested = true },
     },
   },
   pipeline = {
@@ -192,7 +196,7 @@ local SECTIONS = {
       bnb_4bit_compute_dtype = { kind = "dtype" },
       bnb_4bit_use_double_quant = { kind = "boolean" },
       bnb_4bit_quant_type = { kind = "string", values = { "nf4", "fp4" } },
-      bnb_4bit_quant_storage = { kind = "dtype" },
+      bnb_4bit_quant_storage = { kind = "storage" },
       llm_int8_skip_modules = { kind = "names" },
       _target_ = { kind = "string", note = "a Python class path" },
     },
@@ -257,6 +261,11 @@ local function valid(kind, v, where)
   end
   if kind == "string" then return type(v) == "string" and #v <= 1000 and v or nil end
   if kind == "dtype" then return type(v) == "string" and DTYPES[v:lower()] or nil end
+  if kind == "storage" then
+    if type(v) ~= "string" then return nil end
+    local l = v:lower()
+    return (l == "uint8" or l == "u8") and "u8" or DTYPES[l]
+  end
   if kind == "function" then return type(v) == "function" and v or nil end
   if kind == "table" then return type(v) == "table" and v or nil end
   if kind == "names" then
@@ -347,10 +356,30 @@ function R.check(t, file)
       local sec, notes = check_section(k, v, file)
       r[k] = sec
       for _, x in ipairs(notes) do r.notes[#r.notes + 1] = x end
+      -- distributed.pipeline and distributed.moe (Automodel's YAML) are the sections
+      for _, inner in ipairs({ "pipeline", "moe" }) do
+        if k == "distributed" and sec[inner] ~= nil then
+          local isec, inotes = check_section(inner, sec[inner], file .. ": distributed")
+          sec[inner] = nil
+          if r["distributed." .. inner] then fail(file, "distributed." .. inner .. " given twice") end
+          r["distributed." .. inner] = isec
+          for _, x in ipairs(inotes) do r.notes[#r.notes + 1] = "distributed." .. x end
+        end
+      end
     else
       fail(file, string.format("unknown section %s (sections: %s)", shown(k), table.concat(R.SECTION_ORDER, ", ")))
     end
   end
+  for _, inner in ipairs({ "pipeline", "moe" }) do
+    local nested = r["distributed." .. inner]
+    if nested then
+      if r[inner] then
+        fail(file, string.format("%s is given twice, as a section and as distributed.%s", inner, inner))
+      end
+      r[inner], r["distributed." .. inner] = nested, nil
+    end
+  end
+  table.sort(r.notes)
   local d = r.distributed or {}
   if d.strategy and d.manager and d.strategy ~= d.manager then
     fail(file .. ": distributed", string.format("strategy %s and manager %s disagree (they name the same thing; " ..
@@ -610,12 +639,9 @@ local function step_quantization(r, model, rec)
     if m.type == "Linear" and out_f and m ~= head and not skip[leaf] and not skip[name] then
       local w = m.params.weight
       local numel = out_f * in_f
+      -- two codes a byte, the bytes viewed as storage elements (bitsandbytes quantize_4bit)
       local per = require("moonshard").dtype_size(storage)
-      if (numel % (2 * per)) ~= 0 then
-        fail(r.file, string.format("quantization: %s.weight has %d elements, which do not pack into whole %s " ..
-          "storage elements", name, numel, storage))
-      end
-      local p = module.param({ numel / (2 * per), 1 }, storage, { requires_grad = false })
+      local p = module.param({ util.ceil_div(util.ceil_div(numel, 2), per), 1 }, storage, { requires_grad = false })
       p.quant = { type = q.bnb_4bit_quant_type or "nf4", shape = { out_f, in_f }, dtype = w.dtype,
         double_quant = double, state_bytes = R.quant_state_bytes(numel, double),
         compute = q.bnb_4bit_compute_dtype or "f32" }
@@ -624,7 +650,6 @@ local function step_quantization(r, model, rec)
       -- the quant state lives beside the weight, whole on every rank (FSDP2 shards parameters
       -- only): planned as a buffer of its bytes
       m:buffer("weight_quant_state", { p.quant.state_bytes }, "u8")
-      m.type = "Linear4bit"
       rec.changed[#rec.changed + 1] = name
     end
   end
@@ -675,11 +700,10 @@ local function step_peft(r, model, rec)
       m:param("lora_down_A", { E, I, rdim }, dt)
       m:param("lora_down_B", { E, rdim, H }, dt)
       added = added + E * (H * rdim + rdim * U + I * rdim + rdim * H)
-      m.type = "GroupedExpertsLoRA"
       m.attrs = util.copy(m.attrs)
       m.attrs.lora = { dim = rdim, alpha = p.alpha or 32 }
       rec.changed[#rec.changed + 1] = name
-    elseif (m.type == "Linear" or m.type == "Linear4bit") and match(m, name) then
+    elseif m.type == "Linear" and match(m, name) then
       local out_f, in_f = weight_dims(m)
       if not out_f then fail(where, name .. " is a Linear module without a 2-d weight") end
       local w = m.params.weight
@@ -689,7 +713,6 @@ local function step_peft(r, model, rec)
       local B = m:add("lora_B", module.new("Linear"))
       B:param("weight", { out_f, dim }, dt)
       added = added + dim * (in_f + out_f)
-      m.type = m.type == "Linear4bit" and "LinearLoRA4bit" or "LinearLoRA"
       m.attrs = util.copy(m.attrs)
       m.attrs.lora = { dim = dim, alpha = p.alpha or 32 }
       rec.changed[#rec.changed + 1] = name
@@ -720,6 +743,10 @@ end
 local function step_fp8(r, model, rec)
   local f = r.fp8
   if not f or not f.enabled then return end
+  if r.quantization and r.quantization.load_in_4bit then
+    fail(r.file .. ": fp8", "goes without 4-bit quantization: torchao would swap bitsandbytes' Linear4bit " ..
+      "modules (nn.Linear subclasses) for Float8Linear, whose weight cannot be a packed 4-bit tensor")
+  end
   if r.peft then
     fail(r.file .. ": fp8", "goes without peft: torchao's convert_to_float8_training swaps every nn.Linear for a " ..
       "Float8Linear, LoRA's patched linears too, which drops their adapters (Automodel applies fp8 after LoRA)")
@@ -746,7 +773,6 @@ local function step_fp8(r, model, rec)
         ok = v
       end
       if ok then
-        m.type = "Float8Linear"
         m.attrs = util.copy(m.attrs)
         m.attrs.fp8 = { recipe = recipe }
         if fp8_gather then m.params.weight.fp8_gather = { scaling = "tensorwise", precompute = precompute } end
@@ -764,12 +790,20 @@ local function step_fp8(r, model, rec)
   return true
 end
 
--- torchao's QAT quantizers swap nn.Linear modules whose in_features suit the group size
--- (_check_linear_int4_k: in_features % groupsize == 0, and for int4 weight-only
--- in_features % (inner_k_tiles * 16) == 0), or any with padding_allowed.
+-- torchao's QAT quantizers (torchao 0.18, quantization/qat/linear.py and
+-- linear_quant_modules.py):
+--   int8_dynact_int4weight: every Linear whose in_features is a multiple of groupsize
+--     (_check_linear_int4_k), or any Linear with padding_allowed;
+--   int4_weight_only: every Linear without a bias (prepare passes padding_allowed=True), and
+--     Int4WeightOnlyQATLinear refuses in_features that are not a multiple of groupsize and of
+--     inner_k_tiles x 16 ("Padding for QAT 4w is not supported yet"): prepare fails.
 local function step_qat(r, model, rec)
   local q = r.qat
   if not q or q.enabled == false then return end
+  if r.quantization and r.quantization.load_in_4bit then
+    fail(r.file .. ": qat", "goes without 4-bit quantization: fake-quantising a base that is already stored in 4 " ..
+      "bits has no bf16 weight to quantise")
+  end
   if r.peft then
     fail(r.file .. ": qat", "goes without peft: torchao's QAT quantizers swap every matching nn.Linear, LoRA's " ..
       "patched linears too, which drops their adapters (Automodel applies QAT after LoRA)")
@@ -782,15 +816,27 @@ local function step_qat(r, model, rec)
   end
   local kind = q.quantizer_type or "int8_dynact_int4weight"
   local groupsize = q.groupsize or 256
-  local tiles = kind == "int4_weight_only" and (q.inner_k_tiles or 8) or nil
+  local w4 = kind == "int4_weight_only"
+  local tiles = w4 and (q.inner_k_tiles or 8) or nil
   local skipped = 0
   for _, nm in ipairs(model:named_modules()) do
     local name, m = nm[1], nm[2]
     if m.type == "Linear" then
       local _, in_f = weight_dims(m)
-      local ok = in_f and (q.padding_allowed or (in_f % groupsize == 0 and (not tiles or in_f % (tiles * 16) == 0)))
+      local fits = in_f and in_f % groupsize == 0 and (not tiles or in_f % (tiles * 16) == 0)
+      local ok
+      if w4 then
+        ok = m.params.bias == nil
+        if ok and not fits then
+          fail(r.file .. ": qat", string.format("int4_weight_only: %s has in_features %s, not a multiple of the group " ..
+            "size %d and of inner_k_tiles x 16 = %d: torchao's Int4WeightOnlyQATQuantizer refuses it (\"Padding " ..
+            "for QAT 4w is not supported yet\"); pick a group size that divides it", name, tostring(in_f), groupsize,
+            tiles * 16))
+        end
+      else
+        ok = in_f and (fits or q.padding_allowed)
+      end
       if ok then
-        m.type = kind == "int4_weight_only" and "Int4WeightOnlyQATLinear" or "Int8DynActInt4WeightQATLinear"
         m.attrs = util.copy(m.attrs)
         m.attrs.qat = { quantizer = kind, groupsize = groupsize }
         rec.changed[#rec.changed + 1] = name
@@ -799,8 +845,8 @@ local function step_qat(r, model, rec)
       end
     end
   end
-  rec.summary = string.format("%d Linear modules fake-quantised (%s, group size %d; %d left out: in_features not a " ..
-    "multiple of %d)", #rec.changed, kind, groupsize, skipped, tiles and math.max(groupsize, tiles * 16) or groupsize)
+  rec.summary = string.format("%d Linear modules fake-quantised (%s, group size %d; %d left out: %s)", #rec.changed,
+    kind, groupsize, skipped, w4 and "those with a bias" or "in_features not a multiple of the group size")
   return true
 end
 

@@ -15,6 +15,9 @@ meta device and runs the step with the libraries' own code:
   trainable count huggingface/peft's get_peft_model gives.
 - fp8: torchao's convert_to_float8_training with Automodel's _module_filter_fn
   (quantization/fp8.py): the modules that became Float8Linear.
+- nf4: bitsandbytes' quantize_4bit (blocksize 64, with and without double quantisation,
+  bf16 and uint8 storage): the packed weight's shape and dtype and the quant state's
+  tensors, the bytes QLoRA plans.
 - qat: torchao's Int8DynActInt4WeightQATQuantizer / Int4WeightOnlyQATQuantizer .prepare on
   the model in bf16, with Automodel's precision defaults (quantization/qat.py): the modules
   swapped for QAT linears, or the error prepare raises (int4 weight-only swaps every
@@ -119,6 +122,26 @@ def peft_library_count(model, kw, leaves):
 
 FP8_CASES = [("lm_head", ["lm_head"]), ("none", []), ("mlp", ["mlp"])]
 
+# bitsandbytes' 4-bit weights (quantize_4bit on the CPU): the packed tensor and the quant
+# state's tensors, for QLoRA's planned bytes
+NF4_SHAPES = [(96, 64), (4096, 4096), (1024, 4096), (100, 30), (7, 9), (14336, 4096)]
+
+
+def nf4_case(shape, double, storage):
+    import bitsandbytes.functional as F
+    w = torch.zeros(shape, dtype=torch.bfloat16)
+    q, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=double, quant_type="nf4", quant_storage=storage)
+    state = [["absmax", qs.absmax.numel(), str(qs.absmax.dtype)]]
+    if double:
+        state += [["state2.absmax", qs.state2.absmax.numel(), str(qs.state2.absmax.dtype)],
+                  ["state2.code", qs.state2.code.numel(), str(qs.state2.code.dtype)],
+                  ["offset", qs.offset.numel(), str(qs.offset.dtype)]]
+    size = {"torch.float32": 4, "torch.uint8": 1, "torch.bfloat16": 2}
+    return {"shape": list(shape), "double_quant": double, "storage": DT.get(storage, "u8"),
+            "packed_shape": list(q.shape), "packed_dtype": DT.get(q.dtype, "u8"), "state": state,
+            "state_bytes": sum(n * size[d] for _, n, d in state)}
+
+
 QAT_CASES = [
     ("8da4w_256", Int8DynActInt4WeightQATQuantizer, {"groupsize": 256}),
     ("8da4w_32", Int8DynActInt4WeightQATQuantizer, {"groupsize": 32}),
@@ -132,7 +155,13 @@ def main():
     out = {"about": __doc__.strip().splitlines()[0], "versions": refdata.versions() + [
         "peft " + peft.__version__, "torchao " + torchao.__version__,
         "nemo_automodel source " + os.environ.get("AUTOMODEL_SRC", "/tmp/automodel_src")],
-        "configs": configs(), "peft": [], "fp8": [], "qat": []}
+        "configs": configs(), "peft": [], "fp8": [], "qat": [], "nf4": []}
+    import bitsandbytes
+    out["versions"].append("bitsandbytes " + bitsandbytes.__version__)
+    for shape in NF4_SHAPES:
+        for double in (True, False):
+            for storage in (torch.bfloat16, torch.uint8):
+                out["nf4"].append(nf4_case(shape, double, storage))
     for mname, cfg in out["configs"].items():
         model = build(cfg)
         for cname, kw, leaves in PEFT_CASES:
