@@ -66,7 +66,7 @@ static const char USAGE[] =
     "                  most once, sizes 1..64, unset sizes 1; cp may be given as 1 only (not\n"
     "                  implemented); ep, pp and tp: at most one of them above 1\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
-    "  --steps N       optimizer steps (>= 1)\n"
+    "  --steps N       optimizer steps (>= 0; 0 with --save saves the initial parameters)\n"
     "  --seed S        seeds the initial parameters and the batches\n"
     "options:\n"
     "  --config FILE   model and batch sizes as key = value lines ('#' starts a comment);\n"
@@ -79,6 +79,21 @@ static const char USAGE[] =
     "                  written fails at once), then written as FILE.XXXXXX beside it after\n"
     "                  the last step, synced to disk and renamed to FILE; a run that fails\n"
     "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
+    "  --recipe FILE   a NeMo Automodel recipe (a Lua file, docs/recipes.md) given to the\n"
+    "                  planner before the policy: its peft section puts LoRA adapters on\n"
+    "                  the matched Linear modules (the shared experts' gate_proj, up_proj,\n"
+    "                  down_proj of each layer, lm_head), y = x W^T + alpha/dim (x A^T) B^T,\n"
+    "                  A initialised by lora_A_init (xavier normal or kaiming uniform), B 0;\n"
+    "                  every other parameter is frozen (no gradient, no optimizer state),\n"
+    "                  so only the adapters train; --save writes them beside the base.\n"
+    "                  Refused: adapters on GroupedExperts, dropout > 0, 4-bit\n"
+    "                  quantization, fp8, QAT, and tp > 1\n"
+    "  --lora-grad-check  with --recipe and -n 1: instead of training, compare the\n"
+    "                  adapters' gradients (B set nonzero) on the first batch with an\n"
+    "                  independent computation (the base weight's gradient at W + s B A,\n"
+    "                  projected) and with central differences; prints \"lora_grad NAME\n"
+    "                  independent=D fd=D\" (each the largest difference over the tensor's\n"
+    "                  largest gradient)\n"
     "  --eps E         AdamW's eps (default 1e-8)\n"
     "  --max-norm X    the gradient norm is clipped at X (default 1.0; 0: no clipping)\n"
     "  --microbatches M  with pp > 1: micro-batches a step (default pp); M divides each\n"
@@ -270,7 +285,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
         {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
         {"--eps", &eps},      {"--max-norm", &max_norm}, {"--microbatches", &micro},
-        {"--schedule", &o->schedule},
+        {"--schedule", &o->schedule}, {"--recipe", &o->recipe},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -284,6 +299,8 @@ static int parse_options(int argc, char **argv, Options *o) {
             o->records = 1;
         } else if (!strcmp(a, "--memory")) {
             o->memory = 1;
+        } else if (!strcmp(a, "--lora-grad-check")) {
+            o->lora_grad_check = 1;
         } else if (!strcmp(a, "--sequence-parallel")) {
             o->sp = 1;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -299,7 +316,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     long v;
     if (parse_long(n, 1, MAX_RANKS, &v)) return usage_error("-n %s: expected a number of ranks 1..%d", n, MAX_RANKS);
     o->nranks = (int)v;
-    if (parse_long(steps, 1, 1000000000L, &o->steps)) return usage_error("--steps %s: expected an integer >= 1", steps);
+    if (parse_long(steps, 0, 1000000000L, &o->steps)) return usage_error("--steps %s: expected an integer >= 0", steps);
     char *end;
     errno = 0;
     o->seed = strtoull(seed, &end, 10);
@@ -331,6 +348,17 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (o->sp && o->tp == 1)
         return usage_error("--sequence-parallel needs tp > 1 in --mesh (it splits the sequence over the tp ranks)");
     if (model_tp_check(&o->model, o->tp, o->sp, err, sizeof err)) return usage_error("%s", err);
+    if (o->recipe && o->tp > 1)
+        return usage_error("--recipe with tp = %d: LoRA adapters under tensor parallelism are not implemented by "
+                           "moe_trainer", o->tp);
+    if (o->lora_grad_check && (!o->recipe || o->nranks != 1))
+        return usage_error("--lora-grad-check needs --recipe and -n 1");
+    if (o->recipe) { // a regular file of at most 1 MiB, as --config (the interpreter reads it)
+        int opened;
+        FILE *f = data_open_regular(o->recipe, MAX_CONFIG_BYTES, NULL, err, sizeof err, &opened);
+        if (!f) return file_error("--recipe %s: %s", o->recipe, err);
+        fclose(f);
+    }
     return 0;
 }
 
@@ -386,6 +414,8 @@ size_t param_part(const Trainer *tr, int i, size_t *numel, int64_t shape[3]) {
 }
 
 static int param_stage(const ModelConfig *cfg, int i) {
+    const int m = model_lora_of(cfg, i, NULL); // an adapter: its module's stage
+    if (m >= 0) return m == LORA_PER_LAYER * cfg->num_layers ? cfg->num_layers + 1 : 1 + m / LORA_PER_LAYER;
     if (i == MODEL_EMBED) return 0;
     if (i < model_final_norm(cfg)) return 1 + (i - 1) / LP_COUNT;
     return cfg->num_layers + 1;
@@ -411,11 +441,18 @@ static const struct { const char *name, *type; } LAYER_TYPES[] = {
 };
 
 static ms_status describe_model(Trainer *tr) {
-    for (int i = 0; i < tr->nparams; i++) {
-        const ModelParam *p = &tr->table[i];
+    const int n = model_base_param_count(&tr->opt->model); // the recipe adds the adapters
+    ModelParam *table = calloc((size_t)n, sizeof *table);
+    if (!table) return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    model_params(&tr->opt->model, table);
+    for (int i = 0; i < n; i++) {
+        const ModelParam *p = &table[i];
         int64_t shape[3] = {p->shape[0], p->shape[1], p->shape[2]};
-        TRY("describing the model", ms_interp_model_param(tr->in, p->name, p->ndim, shape, MS_F32, p->requires_grad));
+        ms_status st = ms_interp_model_param(tr->in, p->name, p->ndim, shape, MS_F32, p->requires_grad);
+        if (st) free(table);
+        TRY("describing the model", st);
     }
+    free(table);
     for (size_t k = 0; k < sizeof MODULE_TYPES / sizeof MODULE_TYPES[0]; k++)
         TRY("describing the model", ms_interp_model_module_type(tr->in, MODULE_TYPES[k].name, MODULE_TYPES[k].type));
     for (int l = 0; l < tr->cfg->num_layers; l++)
@@ -424,6 +461,91 @@ static ms_status describe_model(Trainer *tr) {
             snprintf(name, sizeof name, "model.layers.%d%s%s", l, *LAYER_TYPES[k].name ? "." : "", LAYER_TYPES[k].name);
             TRY("describing the model", ms_interp_model_module_type(tr->in, name, LAYER_TYPES[k].type));
         }
+    return MS_OK;
+}
+
+// --recipe: the plan's model is the trainer's with the recipe's steps applied.  The steps
+// the trainer runs are LoRA's (peft) on its Linear modules: every other step would change
+// what the kernels compute (4-bit weights, fp8 or fake-quantized matmuls), so it is refused,
+// as are expert adapters and dropout.  Reads each Linear module's adapter (ms_interp_lora),
+// checks the planned adapter shapes (ms_interp_param_info), and makes tr->cfg the model
+// with them: the parameter table then continues with the adapters (model.h).
+static ms_status lora_setup(Trainer *tr) {
+    const Options *opt = tr->opt;
+    const ModelConfig *base = &opt->model;
+    char *json = NULL;
+    TRY("--recipe: reading the plan JSON", ms_interp_plan_json(tr->in, &json));
+    static const char *const steps[] = {"quantization", "fp8", "qat"};
+    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
+        char key[64];
+        snprintf(key, sizeof key, "{\"name\":\"%s\",\"summary\"", steps[k]);
+        if (strstr(json, key)) {
+            free(json);
+            return fail(tr, MS_ERR_ARG, "--recipe", "%s: its %s step is not implemented by moe_trainer, whose kernels "
+                        "compute in f32 (it runs the peft step, LoRA on Linear modules, only)", opt->recipe, steps[k]);
+        }
+    }
+    free(json);
+    // The peft fields ms_interp_lora does not give: dropout (refused above 0) and lora_A_init.
+    // A chunk in the interpreter reads them with moonshard.recipe (the file loaded again, in
+    // the policy sandbox); its error is the refusal, or says the init is "uniform".
+    char path[4 * 1024 + 1] = "", chunk[10 * 1024];
+    for (size_t j = 0, o = 0; opt->recipe[j] && o + 5 < sizeof path; j++, o += 4) // "\ddd" per byte
+        snprintf(path + o, sizeof path - o, "\\%03u", (unsigned char)opt->recipe[j]);
+    snprintf(chunk, sizeof chunk,
+             "local p = require('moonshard.recipe').load('%s').peft or {}\n"
+             "if (p.dropout or 0) > 0 then error('--recipe %s: peft.dropout = ' .. p.dropout .. ': moe_trainer runs "
+             "LoRA without dropout (give dropout = 0 or leave it out)', 0) end\n"
+             "if p.lora_A_init == 'uniform' then error('uniform', 0) end", path, path);
+    ms_status st = ms_interp_exec(tr->in, chunk);
+    int uniform = st && !strcmp(ms_last_error(), "uniform");
+    if (st && !uniform) return fail(tr, st, "--recipe", "%s", ms_last_error());
+    const int L = base->num_layers, M = model_lora_module_count(base);
+    for (int l = 0; l < L; l++) {
+        char name[MODEL_NAME_MAX];
+        int dim;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts", l);
+        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &dim, NULL));
+        if (dim)
+            return fail(tr, MS_ERR_ARG, "--recipe", "%s: its peft puts LoRA on the GroupedExperts %s (lora_gate_and_up_A/B, "
+                        "lora_down_A/B); moe_trainer runs adapters on Linear modules only (the shared experts' gate_proj, "
+                        "up_proj and down_proj, lm_head): narrow target_modules", opt->recipe, name);
+    }
+    tr->lora.dim = calloc((size_t)M, sizeof *tr->lora.dim);
+    tr->lora.scale = calloc((size_t)M, sizeof *tr->lora.scale);
+    if (!tr->lora.dim || !tr->lora.scale) return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    tr->lora.a_init = uniform ? LORA_INIT_UNIFORM : LORA_INIT_XAVIER;
+    for (int m = 0; m < M; m++) {
+        char name[MODEL_NAME_MAX], fqn[MODEL_NAME_MAX + 16];
+        int dim, out, in;
+        double alpha;
+        model_lora_module(base, m, name, sizeof name, &out, &in);
+        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &dim, &alpha));
+        if (!dim) continue;
+        for (int which = 0; which < 2; which++) { // the plan's A [dim, in] and B [out, dim], trainable
+            int ndim, rg;
+            int64_t shape[MS_MAX_DIMS];
+            snprintf(fqn, sizeof fqn, "%s.lora_%c.weight", name, which ? 'B' : 'A');
+            TRY("--recipe: reading the adapters", ms_interp_param_info(tr->in, fqn, &ndim, shape, NULL, &rg));
+            if (ndim != 2 || shape[0] != (which ? out : dim) || shape[1] != (which ? dim : in) || !rg)
+                return fail(tr, MS_ERR_INTERNAL, "--recipe", "the plan's %s is not a trainable [%d, %d] tensor", fqn,
+                            which ? out : dim, which ? dim : in);
+        }
+        tr->lora.dim[m] = dim;
+        tr->lora.scale[m] = (float)(alpha / dim);
+    }
+    tr->lora_cfg = *base;
+    tr->lora_cfg.lora = &tr->lora;
+    tr->cfg = &tr->lora_cfg;
+    tr->nparams = model_param_count(tr->cfg);
+    return MS_OK;
+}
+
+// requires_grad of every parameter as planned: with a recipe's LoRA only the adapters train.
+static ms_status planned_requires_grad(Trainer *tr) {
+    for (int i = 0; i < tr->nparams; i++)
+        TRY("reading the plan", ms_interp_param_info(tr->in, tr->table[i].name, &(int){0}, (int64_t[MS_MAX_DIMS]){0},
+                                                     NULL, &tr->table[i].requires_grad));
     return MS_OK;
 }
 
@@ -709,7 +831,6 @@ static ms_status measure_memory(Trainer *tr) {
 static ms_status alloc_buffers(Trainer *tr) {
     const ModelConfig *cfg = tr->cfg;
     const size_t n = (size_t)tr->nparams, P = model_param_numel(cfg);
-    tr->rows = tr->opt->batch_size / tr->opt->dp;
     tr->table = calloc(n, sizeof *tr->table);
     tr->unit_of = calloc(n, sizeof(int));
     tr->index_of = calloc(n, sizeof(int));
@@ -777,9 +898,132 @@ static void free_buffers(Trainer *tr) {
     free(tr->ep_recv);
     ms_comm_release(tr->ep_group);
     ms_comm_release(tr->tp_group);
+    free(tr->lora.dim);
+    free(tr->lora.scale);
     void *all[] = {tr->table, tr->units, tr->unit_of, tr->index_of, tr->stage_of, tr->first_stage, tr->last_stage,
                    tr->gathered, tr->params, tr->grads, tr->param_ptrs, tr->grad_ptrs, tr->tokens, tr->ws};
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free(all[k]);
+}
+
+// --lora-grad-check (-n 1, after planning; no unit is used): every parameter from the seed,
+// each lora_B set to a deterministic nonzero pattern (at init B = 0 makes d A = 0), and the
+// first batch.  The adapters' gradients from model_backward are compared with (1) an
+// independent computation: the model without adapters at the merged weights W' = W + s B A
+// gives d W', and d A = s B^T d W', d B = s d W' A^T (in double); (2) central differences of
+// the loss (eps 5e-2 x the largest |element| of the tensor) at 8 elements of each tensor, the
+// largest gradients first, skipping (and counting) a perturbation that changes a top-k
+// choice.  Prints one line per adapter tensor, each difference divided by the tensor's
+// largest |gradient|.
+static ms_status lora_grad_check(Trainer *tr) {
+    const ModelConfig *cfg = tr->cfg, *base = &tr->opt->model;
+    const int nb = model_base_param_count(base), T = cfg->seq_len, B = tr->rows;
+    const size_t Pb = model_param_numel(base);
+    for (int i = 0; i < tr->nparams; i++) model_init_param(cfg, i, tr->param_ptrs[i], tr->opt->seed);
+    for (int i = nb; i < tr->nparams; i++) {
+        int which;
+        model_lora_of(cfg, i, &which);
+        for (size_t j = 0; which && j < tr->table[i].numel; j++) tr->param_ptrs[i][j] = 0.05f * sinf(0.7f * (float)j + (float)i);
+    }
+    if (dataset_rows(tr->args->data, tr->opt->seed, 1, T, 0, B, tr->tokens))
+        return fail(tr, MS_ERR_ARG, "--lora-grad-check", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
+    float loss;
+    memset(tr->grads, 0, model_param_numel(cfg) * sizeof(float));
+    if (model_forward(cfg, tr->param_ptrs, tr->tokens, B, &loss, tr->ws))
+        return fail(tr, MS_ERR_ARG, "--lora-grad-check", "a byte of the text is outside the vocabulary");
+    model_backward(cfg, tr->param_ptrs, tr->grad_ptrs, tr->ws);
+    // every layer's top-k choices (contiguous in ws), to skip perturbations that change one
+    const size_t route_bytes = (size_t)cfg->num_layers * B * T * cfg->top_k * sizeof(int);
+    int *routing = malloc(route_bytes);
+    if (routing) memcpy(routing, model_routing(cfg, 0, tr->ws), route_bytes);
+    // the merged model: the base table is the first nb entries, laid out alike
+    float *merged = malloc(Pb * sizeof *merged), *mgrad = calloc(Pb, sizeof *mgrad);
+    float **mp = calloc((size_t)nb, sizeof *mp), **mg = calloc((size_t)nb, sizeof *mg);
+    void *ws = malloc(model_workspace_size(base, B));
+    ms_status st = merged && mgrad && mp && mg && ws && routing ? MS_OK : fail(tr, MS_ERR_OOM, "allocating", "out of memory");
+    if (!st) {
+        memcpy(merged, tr->params, Pb * sizeof *merged);
+        model_param_pointers(base, merged, mp);
+        model_param_pointers(base, mgrad, mg);
+        for (int m = 0; m < model_lora_module_count(base); m++) {
+            const int ia = model_lora_param(cfg, m, 0), r = ia < 0 ? 0 : tr->lora.dim[m];
+            if (!r) continue;
+            const int w = m == LORA_PER_LAYER * base->num_layers ? model_lm_head(base)
+                        : model_layer_param(base, m / LORA_PER_LAYER, LP_SHARED_GATE + m % LORA_PER_LAYER);
+            const int out = tr->table[w].shape[0], in = tr->table[w].shape[1];
+            const float *A = tr->param_ptrs[ia], *Bm = tr->param_ptrs[ia + 1];
+            for (int o = 0; o < out; o++)
+                for (int c = 0; c < in; c++) {
+                    double v = 0;
+                    for (int k = 0; k < r; k++) v += (double)Bm[o * r + k] * A[k * in + c];
+                    mp[w][o * in + c] += (float)(tr->lora.scale[m] * v);
+                }
+        }
+        float mloss;
+        model_forward(base, mp, tr->tokens, B, &mloss, ws);
+        model_backward(base, mp, mg, ws);
+        printf("lora_grad loss %.9g merged %.9g\n", loss, mloss);
+    }
+    for (int i = nb; !st && i < tr->nparams; i++) {
+        int which, m = model_lora_of(cfg, i, &which), r = tr->lora.dim[m];
+        const int ia = model_lora_param(cfg, m, 0);
+        const int w = m == LORA_PER_LAYER * base->num_layers ? model_lm_head(base)
+                    : model_layer_param(base, m / LORA_PER_LAYER, LP_SHARED_GATE + m % LORA_PER_LAYER);
+        const int out = tr->table[w].shape[0], in = tr->table[w].shape[1];
+        const float *A = tr->param_ptrs[ia], *Bm = tr->param_ptrs[ia + 1], *dW = mg[w], *g = tr->grad_ptrs[i];
+        const size_t n = tr->table[i].numel;
+        const double s = tr->lora.scale[m];
+        double gmax = 0, ind = 0, fd = 0, xmax = 0;
+        for (size_t j = 0; j < n; j++) {
+            double v = 0; // (1) the independent gradient of element j
+            if (!which) { // A [r, in]: s sum_o B[o, k] dW'[o, c]
+                const int k = (int)(j / (size_t)in), c = (int)(j % (size_t)in);
+                for (int o = 0; o < out; o++) v += (double)Bm[o * r + k] * dW[(size_t)o * in + c];
+            } else {      // B [out, r]: s sum_c dW'[o, c] A[k, c]
+                const int o = (int)(j / (size_t)r), k = (int)(j % (size_t)r);
+                for (int c = 0; c < in; c++) v += (double)dW[(size_t)o * in + c] * A[k * in + c];
+            }
+            v *= s;
+            if (fabs(v) > gmax) gmax = fabs(v);
+            if (fabs(v - g[j]) > ind) ind = fabs(v - g[j]);
+            if (fabs(tr->param_ptrs[i][j]) > xmax) xmax = fabs(tr->param_ptrs[i][j]);
+        }
+        // (2) central differences at the 8 largest |gradients|
+        int picked[8], np = 0;
+        for (int q = 0; q < 8 && q < (int)n; q++) {
+            size_t best = n;
+            for (size_t j = 0; j < n; j++) {
+                int taken = 0;
+                for (int t = 0; t < np; t++) taken |= picked[t] == (int)j;
+                if (!taken && (best == n || fabs(g[j]) > fabs(g[best]))) best = j;
+            }
+            picked[np++] = (int)best;
+        }
+        const float eps = (float)(5e-2 * xmax);
+        int skipped = 0;
+        for (int q = 0; q < np; q++) {
+            float *x = &tr->param_ptrs[i][picked[q]], x0 = *x, lp, lm;
+            *x = x0 + eps;
+            model_forward(cfg, tr->param_ptrs, tr->tokens, B, &lp, tr->ws);
+            int flip = memcmp(model_routing(cfg, 0, tr->ws), routing, route_bytes) != 0;
+            *x = x0 - eps;
+            model_forward(cfg, tr->param_ptrs, tr->tokens, B, &lm, tr->ws);
+            flip |= memcmp(model_routing(cfg, 0, tr->ws), routing, route_bytes) != 0;
+            *x = x0;
+            const double num = ((double)lp - lm) / (2.0 * eps);
+            if (flip) skipped++; // a top-k choice changed: the loss is not smooth there
+            else if (fabs(num - g[picked[q]]) > fd) fd = fabs(num - g[picked[q]]);
+        }
+        printf("lora_grad %s elements=%zu max_grad=%.3g independent=%.3g fd=%.3g skipped=%d\n", tr->table[i].name, n,
+               gmax, gmax > 0 ? ind / gmax : ind, gmax > 0 ? fd / gmax : fd, skipped);
+    }
+    fflush(stdout);
+    free(merged);
+    free(mgrad);
+    free(mp);
+    free(mg);
+    free(ws);
+    free(routing);
+    return st;
 }
 
 // A rank's training: it makes an interpreter (moonshard_embed.h), describes the model
@@ -790,10 +1034,11 @@ static ms_status train(Trainer *tr) {
     const Options *opt = tr->opt;
     tr->nparams = model_param_count(tr->cfg);
     tr->nstages = tr->cfg->num_layers + 2;
-    CHECK(alloc_buffers(tr));
+    tr->rows = opt->batch_size / opt->dp;
     TRY("joining the world", ms_world_comm(tr->args->world, tr->args->rank, &tr->world));
     TRY("making the interpreter", ms_interp_new(&tr->in, tr->world));
     CHECK(describe_model(tr));
+    if (opt->recipe) TRY("--recipe", ms_interp_set_recipe(tr->in, opt->recipe));
     if (opt->pp > 1) { // the planner checks the micro-batches against the schedule (plan_pp)
         TRY("planning", ms_interp_set_batch(tr->in, tr->cfg->seq_len, tr->rows / opt->microbatches, opt->batch_size));
         if (opt->schedule) {
@@ -804,6 +1049,10 @@ static ms_status train(Trainer *tr) {
     }
     if (opt->sp) TRY("setting the policy's sequence_parallel", ms_interp_set_option(tr->in, "sequence_parallel=true"));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
+    if (opt->recipe) CHECK(lora_setup(tr));
+    CHECK(alloc_buffers(tr));
+    CHECK(planned_requires_grad(tr));
+    if (opt->lora_grad_check) return lora_grad_check(tr);
     TRY("reading the policy's prefetch", ms_interp_prefetch(tr->in, &tr->prefetch_fwd, &tr->prefetch_bwd));
     TRY("materialising the plan", ms_interp_materialize(tr->in));
     tr->nunits = ms_interp_unit_count(tr->in); // the plan's and the ep-local ones

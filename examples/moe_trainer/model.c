@@ -29,6 +29,7 @@ void model_config_default(ModelConfig *cfg) {
     cfg->num_shared = 1;
     cfg->conv_kernel = 4;
     cfg->seq_len = 64;
+    cfg->lora = NULL;
 }
 
 int model_config_check(const ModelConfig *cfg, char *err, size_t errlen) {
@@ -57,7 +58,47 @@ int model_config_check(const ModelConfig *cfg, char *err, size_t errlen) {
 // ----------------------------------------------------------------------------
 // parameter table
 
-int model_param_count(const ModelConfig *cfg) { return 1 + cfg->num_layers * LP_COUNT + 3; }
+int model_base_param_count(const ModelConfig *cfg) { return 1 + cfg->num_layers * LP_COUNT + 3; }
+int model_lora_module_count(const ModelConfig *cfg) { return LORA_PER_LAYER * cfg->num_layers + 1; }
+
+int model_lora_param(const ModelConfig *cfg, int m, int which) {
+    if (!cfg->lora || m < 0 || m >= model_lora_module_count(cfg) || !cfg->lora->dim[m]) return -1;
+    int i = model_base_param_count(cfg);
+    for (int k = 0; k < m; k++) i += cfg->lora->dim[k] ? 2 : 0;
+    return i + which;
+}
+
+int model_lora_of(const ModelConfig *cfg, int i, int *which) {
+    int j = model_base_param_count(cfg);
+    for (int m = 0; cfg->lora && m < model_lora_module_count(cfg); m++) {
+        if (!cfg->lora->dim[m]) continue;
+        if (i == j || i == j + 1) {
+            if (which) *which = i - j;
+            return m;
+        }
+        j += 2;
+    }
+    return -1;
+}
+
+int model_param_count(const ModelConfig *cfg) {
+    int n = model_base_param_count(cfg);
+    for (int m = 0; cfg->lora && m < model_lora_module_count(cfg); m++) n += cfg->lora->dim[m] ? 2 : 0;
+    return n;
+}
+
+void model_lora_module(const ModelConfig *cfg, int m, char *name, size_t len, int *out, int *in) {
+    static const char *const leaf[LORA_PER_LAYER] = {"gate_proj", "up_proj", "down_proj"};
+    const int H = cfg->hidden_size, Is = cfg->expert_dim * cfg->num_shared;
+    if (m == LORA_PER_LAYER * cfg->num_layers) {
+        snprintf(name, len, "lm_head");
+        *out = cfg->vocab_size, *in = H;
+        return;
+    }
+    snprintf(name, len, "model.layers.%d.mlp.shared_experts.%s", m / LORA_PER_LAYER, leaf[m % LORA_PER_LAYER]);
+    *out = m % LORA_PER_LAYER == LORA_DOWN ? H : Is;
+    *in = m % LORA_PER_LAYER == LORA_DOWN ? Is : H;
+}
 int model_layer_param(const ModelConfig *cfg, int l, int k) { (void)cfg; return 1 + l * LP_COUNT + k; }
 int model_final_norm(const ModelConfig *cfg) { return 1 + cfg->num_layers * LP_COUNT; }
 int model_output_query(const ModelConfig *cfg) { return model_final_norm(cfg) + 1; }
@@ -69,8 +110,14 @@ static void param_desc(const ModelConfig *cfg, int i, ModelParam *p) {
     int I = cfg->expert_dim, Is = cfg->expert_dim * cfg->num_shared, Kc = cfg->conv_kernel;
     memset(p, 0, sizeof *p);
     p->requires_grad = 1;
-    int s0 = 0, s1 = 0, s2 = 0;
-    if (i == MODEL_EMBED) {
+    int s0 = 0, s1 = 0, s2 = 0, which, m = model_lora_of(cfg, i, &which);
+    if (m >= 0) {
+        char module[MODEL_NAME_MAX - 16]; // the longest module name is 45 bytes
+        int out, in, r = cfg->lora->dim[m];
+        model_lora_module(cfg, m, module, sizeof module, &out, &in);
+        snprintf(p->name, sizeof p->name, "%s.lora_%c.weight", module, which ? 'B' : 'A');
+        s0 = which ? out : r, s1 = which ? r : in;
+    } else if (i == MODEL_EMBED) {
         snprintf(p->name, sizeof p->name, "model.embed_tokens.weight");
         s0 = V, s1 = H;
     } else if (i == model_final_norm(cfg)) {
@@ -159,6 +206,17 @@ static double normal(uint64_t *state) {
 void model_init_param(const ModelConfig *cfg, int i, float *dst, uint64_t seed) {
     ModelParam p;
     param_desc(cfg, i, &p);
+    uint64_t state = seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
+    int which, m = model_lora_of(cfg, i, &which);
+    if (m >= 0) { // LinearLoRA.init_lora_weights: A xavier normal or kaiming uniform (a = sqrt 5), B zeros
+        const double in = p.shape[1], r = p.shape[0];
+        for (size_t j = 0; j < p.numel; j++)
+            dst[j] = which ? 0.0f
+                   : cfg->lora->a_init == LORA_INIT_UNIFORM
+                       ? (float)((2.0 * (double)(splitmix64(&state) >> 11) * 0x1.0p-53 - 1.0) / sqrt(in))
+                       : (float)(sqrt(2.0 / (in + r)) * normal(&state));
+        return;
+    }
     int k = (i >= 1 && i < model_final_norm(cfg)) ? (i - 1) % LP_COUNT : -1;
     double H = cfg->hidden_size, std = 0.0; // std 0: the constant `value`
     float value = 0.0f;                     // queries and the correction bias
@@ -174,7 +232,6 @@ void model_init_param(const ModelConfig *cfg, int i, float *dst, uint64_t seed) 
     case LP_SHARED_DOWN: std = 1.0 / sqrt((double)cfg->expert_dim * cfg->num_shared); break;
     default: break;
     }
-    uint64_t state = seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
     for (size_t j = 0; j < p.numel; j++) dst[j] = std > 0.0 ? (float)(std * normal(&state)) : value;
 }
 
@@ -223,6 +280,7 @@ typedef struct {
     float *edout;    // (BT, K, H) d loss / d expert output of each pair, same layer
     float *edh;      // (BT, K, H) d loss / d h through each pair's expert, same layer
     float *tpbuf;    // (3, BT, max(H, V)) tensor parallelism: a full buffer, then scratch
+    float *lu, *lg;  // (max LoRA rank) one row's x A^T and B^T dy
 } Acts;
 
 enum { WS_ALIGN = 64 };
@@ -273,6 +331,11 @@ static size_t acts_layout(const ModelConfig *c, int B, char *base, Acts *a) {
     a->edout = take(base, &off, BT * K * H * f);
     a->edh = take(base, &off, BT * K * H * f);
     a->tpbuf = take(base, &off, 3 * BT * (H > V ? H : V) * f);
+    size_t r = 0;
+    for (int m = 0; c->lora && m < model_lora_module_count(c); m++)
+        if ((size_t)c->lora->dim[m] > r) r = (size_t)c->lora->dim[m];
+    a->lu = take(base, &off, r * f);
+    a->lg = take(base, &off, r * f);
     return off;
 }
 
@@ -406,6 +469,10 @@ int model_tp_check(const ModelConfig *cfg, int tp, int sp, char *err, size_t err
                  "(lm_head is split on it)", tp, cfg->vocab_size);
         return -1;
     }
+    if (tp > 1 && cfg->lora) {
+        snprintf(err, errlen, "tensor parallel: tp = %d with LoRA adapters is not implemented", tp);
+        return -1;
+    }
     if (sp && cfg->seq_len % tp) {
         snprintf(err, errlen, "sequence parallel: tp = %d does not divide seq_len = %d (each tp "
                  "rank holds seq_len / tp positions of every row)", tp, cfg->seq_len);
@@ -435,6 +502,49 @@ static void axpy(float *y, float alpha, const float *x, int n) {
 }
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// One module's LoRA adapter as the stage functions see it: rank 0 means none.
+typedef struct {
+    const float *A, *B; // (r, in), (out, r)
+    float *dA, *dB;     // their gradients (NULL in forward)
+    int r, in, out;
+    float scale;
+} Lora;
+
+static Lora lora_of(const ModelConfig *cfg, int m, float *const *params, float *const *grads) {
+    Lora a = {0};
+    const int i = model_lora_param(cfg, m, 0);
+    if (i < 0) return a;
+    char name[MODEL_NAME_MAX];
+    model_lora_module(cfg, m, name, sizeof name, &a.out, &a.in);
+    a.r = cfg->lora->dim[m], a.scale = cfg->lora->scale[m];
+    a.A = params[i], a.B = params[i + 1];
+    if (grads) a.dA = grads[i], a.dB = grads[i + 1];
+    return a;
+}
+
+// y (out) += scale * B (A x) for one row x (in); u (r) scratch.
+static void lora_forward(const Lora *a, float *y, const float *x, float *u) {
+    if (!a->r) return;
+    for (int k = 0; k < a->r; k++) u[k] = dot(x, a->A + (size_t)k * a->in, a->in);
+    for (int o = 0; o < a->out; o++) y[o] += a->scale * dot(u, a->B + (size_t)o * a->r, a->r);
+}
+
+// Backward of lora_forward for one row, given dy (out): dA += scale (B^T dy) x^T, dB +=
+// scale dy (A x)^T, dx (in) += scale A^T (B^T dy).  u, g (r) scratch.
+static void lora_backward(const Lora *a, float *dx, const float *dy, const float *x, float *u, float *g) {
+    if (!a->r) return;
+    for (int k = 0; k < a->r; k++) u[k] = dot(x, a->A + (size_t)k * a->in, a->in);
+    memset(g, 0, (size_t)a->r * sizeof(float));
+    for (int o = 0; o < a->out; o++) {
+        axpy(g, dy[o], a->B + (size_t)o * a->r, a->r);
+        axpy(a->dB + (size_t)o * a->r, a->scale * dy[o], u, a->r);
+    }
+    for (int k = 0; k < a->r; k++) {
+        axpy(a->dA + (size_t)k * a->in, a->scale * g[k], x, a->in);
+        axpy(dx, a->scale * g[k], a->A + (size_t)k * a->in, a->in);
+    }
+}
 
 // act (n) = silu(gu[0, n)) * gu[n, 2n): the gated unit of every expert.
 static void swiglu_forward(float *act, const float *gu, int n) {
@@ -645,6 +755,9 @@ static int layer_end(const ModelConfig *cfg, int l, float *const *params, void *
     LayerActs la = layer_acts(cfg, &a, B, l);
     LayerParams lp = layer_params(cfg, l, params);
     float *y = a.dh; // (BT, H) the shared experts' output, partial over tp (dh is free here)
+    const int m0 = LORA_PER_LAYER * l; // the shared experts' adapters (none under tp)
+    const Lora lg = lora_of(cfg, m0 + LORA_GATE, params, NULL), lu = lora_of(cfg, m0 + LORA_UP, params, NULL);
+    const Lora ld = lora_of(cfg, m0 + LORA_DOWN, params, NULL);
     for (int n = 0; n < BT; n++) {
         const float *h = la.h + (size_t)n * H;
         if (own(sp, n, T)) {
@@ -658,8 +771,11 @@ static int layer_end(const ModelConfig *cfg, int l, float *const *params, void *
             sgu[i] = dot(h, lp.sg + (size_t)i * H, H);
             sgu[Is + i] = dot(h, lp.su + (size_t)i * H, H);
         }
+        lora_forward(&lg, sgu, h, a.lu);
+        lora_forward(&lu, sgu + Is, h, a.lu);
         swiglu_forward(sact, sgu, Is);
         for (int c = 0; c < H; c++) y[(size_t)n * H + c] = dot(sact, lp.sd + (size_t)c * Is, Is);
+        lora_forward(&ld, y + (size_t)n * H, sact, a.lu);
     }
     if (tp_reduce(sp, y, tp_scratch(cfg, &a, B), B, T, H)) return -1;
     for (int n = 0; n < BT; n++)
@@ -741,9 +857,12 @@ int model_tp_forward_head(const ModelConfig *cfg, float *const *params, void *ws
     if (sp.sp && seq_gather(&sp, a.fnorm, scratch, B, T, H)) return -1;
     // this rank's logits (BT, V/tp), all-gathered over tp into probs (BT, V)
     float *logits = sp.tp ? a.tpbuf : a.probs;
-    for (int n = 0; n < BT; n++)
+    const Lora lh = lora_of(cfg, LORA_PER_LAYER * L, params, NULL); // none under tp
+    for (int n = 0; n < BT; n++) {
         for (int v = 0; v < Vl; v++)
             logits[(size_t)n * Vl + v] = dot(a.fnorm + (size_t)n * H, wlm + (size_t)v * H, H);
+        lora_forward(&lh, logits + (size_t)n * Vl, a.fnorm + (size_t)n * H, a.lu);
+    }
     if (sp.tp) {
         const size_t piece = (size_t)BT * Vl;
         if (sp.tp->all_gather(sp.tp->host, scratch, logits, piece)) return -1;
@@ -806,6 +925,7 @@ int model_tp_backward_head(const ModelConfig *cfg, float *const *params, float *
     const float *wlm = params[ih];                        // (V/tp, H)
     float *dwlm = grads[ih];                              // (V/tp, H)
     float *dxn = a.dh; // (BT, H) d loss / d fnorm: partial over tp (dh is free here)
+    const Lora lh = lora_of(cfg, LORA_PER_LAYER * L, params, grads); // none under tp
     memset(a.dresid, 0, (size_t)BT * H * sizeof(float));
     for (int n = 0; n < BT; n++) {
         const float *xn = a.fnorm + (size_t)n * H, *probs = a.probs + (size_t)n * V;
@@ -818,6 +938,7 @@ int model_tp_backward_head(const ModelConfig *cfg, float *const *params, float *
             axpy(dwlm + (size_t)v * H, a.dlogits[v0 + v], xn, H);
             axpy(d, a.dlogits[v0 + v], wlm + (size_t)v * H, H);
         }
+        lora_backward(&lh, d, a.dlogits, xn, a.lu, a.lg);
     }
     if (tp_reduce(&sp, dxn, tp_scratch(cfg, &a, B), B, T, H)) return -1;
     for (int n = 0; n < BT; n++)
@@ -903,6 +1024,9 @@ static int layer_backward_end(const ModelConfig *cfg, int l, float *const *param
     float *dsg = g[LP_SHARED_GATE], *dsu = g[LP_SHARED_UP]; // (Is/tp, H)
     float *dsd = g[LP_SHARED_DOWN];                          // (H, Is/tp)
     float *scratch = tp_scratch(cfg, &a, B);
+    const int m0 = LORA_PER_LAYER * l; // the shared experts' adapters (none under tp)
+    const Lora lg = lora_of(cfg, m0 + LORA_GATE, params, grads), lu = lora_of(cfg, m0 + LORA_UP, params, grads);
+    const Lora ld = lora_of(cfg, m0 + LORA_DOWN, params, grads);
 
     const float *dyall = a.dresid; // d loss / d shared output at every position
     if (sp->sp) {
@@ -920,7 +1044,10 @@ static int layer_backward_end(const ModelConfig *cfg, int l, float *const *param
             axpy(a.dsact, dy[c], lp.sd + (size_t)c * Is, Is);
             axpy(dsd + (size_t)c * Is, dy[c], sact, Is);
         }
+        lora_backward(&ld, a.dsact, dy, sact, a.lu, a.lg);
         swiglu_backward(a.dsgu, a.dsact, sgu, Is);
+        lora_backward(&lg, dh, a.dsgu, h, a.lu, a.lg);
+        lora_backward(&lu, dh, a.dsgu + Is, h, a.lu, a.lg);
         for (int i = 0; i < Is; i++) {
             axpy(dsg + (size_t)i * H, a.dsgu[i], h, H);
             axpy(dh, a.dsgu[i], lp.sg + (size_t)i * H, H);

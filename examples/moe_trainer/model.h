@@ -64,9 +64,10 @@ typedef struct {
     int num_shared;   // n_shared; the fused shared MLP has Is = I * n_shared
     int conv_kernel;  // Kc, short-conv kernel
     int seq_len;      // T
+    const struct ModelLora *lora; // LoRA adapters (below), NULL: none
 } ModelConfig;
 
-// V=256, H=64, L=2, E=4, K=2, I=64, n_shared=1, Kc=4, T=64.
+// V=256, H=64, L=2, E=4, K=2, I=64, n_shared=1, Kc=4, T=64, no LoRA.
 void model_config_default(ModelConfig *cfg);
 // 0 when every size is positive and K <= E; else -1 with the reason in err.
 int model_config_check(const ModelConfig *cfg, char *err, size_t errlen);
@@ -94,7 +95,7 @@ enum {
 };
 enum { MODEL_EMBED = 0 }; // model.embed_tokens.weight is parameter 0
 
-int model_param_count(const ModelConfig *cfg);             // 1 + L*LP_COUNT + 3 tensors
+int model_param_count(const ModelConfig *cfg);             // 1 + L*LP_COUNT + 3 tensors (+ LoRA's)
 int model_layer_param(const ModelConfig *cfg, int l, int k); // index of layer l's parameter k
 int model_final_norm(const ModelConfig *cfg);               // index of model.norm.weight
 int model_output_query(const ModelConfig *cfg);             // index of model.output_query.query
@@ -111,6 +112,38 @@ void model_param_pointers(const ModelConfig *cfg, float *flat, float **ptrs);
 void model_init_param(const ModelConfig *cfg, int i, float *dst, uint64_t seed);
 // model_init_param for every parameter into one flat array laid out as model_params says.
 void model_init(const ModelConfig *cfg, float *flat, uint64_t seed);
+
+// ----------------------------------------------------------------------------
+// LoRA adapters (NeMo Automodel's LinearLoRA) on the Linear modules
+//
+// The Linear modules, numbered: per layer l the shared experts' gate_proj, up_proj and
+// down_proj (module 3l + LORA_GATE, LORA_UP, LORA_DOWN), then lm_head (module 3L).  An
+// adapter of rank r on module W (out, in) has A (r, in) and B (out, r), named
+// "NAME.lora_A.weight" and "NAME.lora_B.weight" (NAME the module), and makes the module
+// y = x W^T + scale * (x A^T) B^T, scale = alpha / r (no dropout).  With cfg->lora set the
+// parameter table continues after lm_head with A then B of each module whose rank is not 0,
+// in module order; the stage functions apply them and backward adds their exact gradients
+// (and the base weights' as before: a host that freezes the base ignores those).  Init:
+// A xavier normal (std sqrt(2 / (in + r))) or kaiming uniform with a = sqrt(5) (bound
+// 1/sqrt(in)), as LinearLoRA's lora_A_init "xavier" or "uniform"; B zeros.
+// Not with tensor parallelism (model_tp_check refuses it).
+enum { LORA_GATE, LORA_UP, LORA_DOWN, LORA_PER_LAYER };
+enum { LORA_INIT_XAVIER, LORA_INIT_UNIFORM };
+typedef struct ModelLora {
+    int *dim;     // (3L + 1) rank of each module's adapter, 0: none
+    float *scale; // (3L + 1) alpha / rank
+    int a_init;   // LORA_INIT_XAVIER or LORA_INIT_UNIFORM
+} ModelLora;
+
+int model_lora_module_count(const ModelConfig *cfg); // 3L + 1
+// Module m's name ("model.layers.0.mlp.shared_experts.gate_proj", "lm_head") and its
+// weight's (out, in).
+void model_lora_module(const ModelConfig *cfg, int m, char *name, size_t len, int *out, int *in);
+int model_base_param_count(const ModelConfig *cfg); // the table without adapters
+// The table index of module m's A (which 0) or B (1), -1 without an adapter; and the module
+// of adapter parameter i (*which 0 for A, 1 for B), -1 for a base parameter.
+int model_lora_param(const ModelConfig *cfg, int m, int which);
+int model_lora_of(const ModelConfig *cfg, int i, int *which);
 
 // ----------------------------------------------------------------------------
 // forward and backward
@@ -233,7 +266,8 @@ typedef struct ModelTp {
     int (*reduce_scatter)(void *host, float *out, const float *in, size_t n);
 } ModelTp;
 
-// 0 when tp (with sp) splits this config and B rows evenly; else -1 with the reason in err.
+// 0 when tp (with sp) splits this config and B rows evenly (and, tp > 1, it has no LoRA
+// adapter); else -1 with the reason in err.
 int model_tp_check(const ModelConfig *cfg, int tp, int sp, char *err, size_t errlen);
 // The stage functions under tensor parallelism (tp NULL or size 1: the plain ones).  Every
 // expert is local.  -1 when a collective failed.

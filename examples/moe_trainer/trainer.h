@@ -21,6 +21,8 @@
 typedef struct {
     int nranks;
     const char *mesh, *policy, *config, *data, *save;
+    const char *recipe;   // --recipe FILE: NeMo Automodel's sections (docs/recipes.md); its peft adds LoRA
+    int lora_grad_check;  // --lora-grad-check: the adapters' gradients checked, no training (-n 1)
     long steps;
     unsigned long long seed;
     double eps, max_norm; // AdamW's eps and the gradient norm clipped at (0: no clipping)
@@ -73,7 +75,9 @@ typedef struct {
 
 typedef struct {
     const Options *opt;
-    const ModelConfig *cfg;
+    const ModelConfig *cfg;       // opt->model, or lora_cfg with --recipe
+    ModelConfig lora_cfg;         // opt->model with the recipe's adapters (lora)
+    ModelLora lora;               // the rank and alpha / rank of each Linear module's adapter
     RankArgs *args;
     ms_comm *world;
     ms_interp *in;

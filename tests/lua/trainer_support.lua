@@ -59,7 +59,8 @@ local function f32(b1, b2, b3, b4)
   return sign * (1 + mant / 2.0 ^ 23) * 2.0 ^ (exp - 127)
 end
 
--- {name -> {shape, values}}: the header checked by moonshard's own reader, then the data.
+-- {name -> {shape, values, raw}}: the header checked by moonshard's own reader, then the data
+-- (raw: the tensor's bytes).
 function TS.read_params(path)
   local tensors = safetensors.read_header(path)
   local f = assert(io.open(path, "rb"))
@@ -74,7 +75,8 @@ function TS.read_params(path)
     for at = 8 + n + t.data_offsets[1], 8 + n + t.data_offsets[2] - 1, 4 do
       values[#values + 1] = f32(bytes:byte(at + 1, at + 4))
     end
-    out[t.name] = { shape = t.shape, values = values }
+    out[t.name] = { shape = t.shape, values = values,
+      raw = bytes:sub(8 + n + t.data_offsets[1] + 1, 8 + n + t.data_offsets[2]) }
   end
   return out
 end
