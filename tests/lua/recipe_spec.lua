@@ -387,11 +387,14 @@ describe("moonshard plan --recipe", function()
           if not cont then break end
         end
       end
-      assert(#args > 2 and args[1] == "moonshard" and args[2] == "plan", f .. ": no `moonshard plan` command in its header")
-      table.remove(args, 1)
-      local r = S.run(args)
-      assert(r.code == 0, f .. ": " .. r.err)
-      S.assert_has(r.out, "recipe  " .. f .. ": ")
+      -- (the trainer's recipe runs in trainer_lora_spec)
+      if not S.read_file(f):find("build/moe_trainer", 1, true) then
+        assert(#args > 2 and args[1] == "moonshard" and args[2] == "plan", f .. ": no `moonshard plan` command in its header")
+        table.remove(args, 1)
+        local r = S.run(args)
+        assert(r.code == 0, f .. ": " .. r.err)
+        S.assert_has(r.out, "recipe  " .. f .. ": ")
+      end
     end
   end)
 
