@@ -1760,6 +1760,7 @@ function M.audit(plan)
   for _, np in ipairs(plan.params) do
     local fqn, p = np[1], np[2]
     local ue = unit_of[p]
+    local steps = M.recipe_tags(plan, np)
     if ue then
       out[#out + 1] = { fqn = fqn, unit = ue[1].name, kind = ue[1].kind, stored = p.dtype, gathered = ue[2].gather,
         reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
@@ -1771,8 +1772,30 @@ function M.audit(plan)
     else
       out[#out + 1] = { fqn = fqn, unit = nil, kind = "frozen", stored = p.dtype, gathered = p.dtype, reduced = nil }
     end
+    out[#out].steps = steps
   end
   return out
+end
+
+--- What a recipe's steps made of a parameter (moonshard.recipe), a list of tags: "4-bit nf4"
+-- (a quantized weight), "lora adapter", "lora base" (a frozen weight under an adapter), "fp8"
+-- (a Float8Linear's weight; "fp8 gather" when gathered as e4m3), "qat <quantizer>".
+function M.recipe_tags(plan, np)
+  local tags = {}
+  if not plan.recipe then return tags end
+  local fqn, p, owner = np[1], np[2], np[3]
+  local m = plan.model_tree and plan.model_tree:get(owner)
+  local attrs = m and m.attrs or {}
+  local pname = fqn:match("([^.]+)$")
+  if p.quant then tags[#tags + 1] = "4-bit " .. p.quant.type end
+  if fqn:find("lora_", 1, true) then
+    tags[#tags + 1] = "lora adapter"
+  elseif attrs.lora then
+    tags[#tags + 1] = "lora base"
+  end
+  if attrs.fp8 and pname == "weight" then tags[#tags + 1] = p.fp8_gather and "fp8 gather" or "fp8" end
+  if attrs.qat and pname == "weight" then tags[#tags + 1] = "qat " .. attrs.qat.quantizer end
+  return tags
 end
 
 return M

@@ -323,7 +323,8 @@ function M.to_json(plan, opts)
     local rows = {}
     for i, a in ipairs(plan_mod.audit(plan)) do
       rows[i] = "    " .. jobj({ { "fqn", jstr(a.fqn) }, { "unit", jstr(a.unit) }, { "kind", jstr(a.kind) },
-        { "stored", jstr(a.stored) }, { "gathered", jstr(a.gathered) }, { "reduced", jstr(a.reduced) } })
+        { "stored", jstr(a.stored) }, { "gathered", jstr(a.gathered) }, { "reduced", jstr(a.reduced) },
+        { "recipe", jstrs(a.steps or {}) } })
     end
     add(' "audit":[\n' .. table.concat(rows, ",\n") .. "\n ],\n")
   end
@@ -634,12 +635,14 @@ function M.audit_text(plan)
   local rows = plan_mod.audit(plan)
   local w = 10
   for _, a in ipairs(rows) do w = math.max(w, #a.fqn) end
-  local out = { string.format("%s  %-6s %-8s %-8s %-11s %s", pad("parameter", w), "stored", "gathered", "reduced",
-    "kind", "unit") }
+  local tagged = plan.recipe ~= nil
+  local out = { string.format("%s  %-6s %-8s %-8s %-11s %s%s", pad("parameter", w), "stored", "gathered", "reduced",
+    "kind", "unit", tagged and "  [recipe steps]" or "") }
   local counts = {}
   for _, a in ipairs(rows) do
-    out[#out + 1] = string.format("%s  %-6s %-8s %-8s %-11s %s", pad(a.fqn, w), a.stored, a.gathered, a.reduced or "-",
-      a.kind, a.unit and (a.unit == "" and "<root>" or a.unit) or "-")
+    out[#out + 1] = string.format("%s  %-6s %-8s %-8s %-11s %s%s", pad(a.fqn, w), a.stored, a.gathered, a.reduced or "-",
+      a.kind, a.unit and (a.unit == "" and "<root>" or a.unit) or "-",
+      tagged and #a.steps > 0 and "  [" .. table.concat(a.steps, ", ") .. "]" or "")
     if a.reduced then counts[a.reduced] = (counts[a.reduced] or 0) + 1 end
   end
   local keys = {}

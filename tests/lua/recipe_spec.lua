@@ -266,7 +266,13 @@ describe("a plan with a recipe", function()
     S.assert_has(text, "1. quantization 14 Linear modules store 4-bit nf4 weights (bf16 storage, blocksize 64, " ..
       "double quantisation)")
     S.assert_has(text, "2. peft         LoRA dim 16, alpha 32 on 14 modules")
-    local j = json.decode(report.to_json(p))
+    local j = json.decode(report.to_json(p, { audit = true }))
+    local tags = {}
+    for _, a in ipairs(j.audit) do tags[a.fqn] = table.concat(a.recipe, ",") end
+    assert.equal("4-bit nf4,lora base", tags["model.layers.0.self_attn.q_proj.weight"])
+    assert.equal("lora adapter", tags["model.layers.1.mlp.down_proj.lora_B.weight"])
+    assert.equal("", tags["lm_head.weight"])
+    S.assert_has(report.audit_text(p), "[4-bit nf4, lora base]")
     assert.equal("quantization", j.recipe.steps[1].name)
     assert.equal(14, #j.recipe.steps[2].changed)
     assert.equal(adapters, j.model.trainable_params)
@@ -297,6 +303,10 @@ describe("a plan with a recipe", function()
         end
       end
       assert.equal(14, fp8_params)
+      for _, a in ipairs(planner.audit(p)) do
+        local want = a.fqn:find("_proj.weight$") and "fp8 gather" or ""
+        assert.equal(want, table.concat(a.steps, ","))
+      end
       assert.equal(base.comm.all_gather.bytes - saved, p.comm.all_gather.bytes)
       local x = p.comm.fp8_amax
       if precompute then
