@@ -9,6 +9,8 @@
 
 #include <stdint.h>
 
+static void ms_lua_open_zero(lua_State *L);
+
 /* unit_new(name, shard, replicate|nil, param_dtype, reduce_dtype, reshard) */
 static int l_unit_new(lua_State *L) {
     const char *name = luaL_checkstring(L, 1);
@@ -138,13 +140,15 @@ static int l_unit_grad_sq_norm(lua_State *L) {
     return 1;
 }
 
-/* unit_adamw_step(u, lr, beta1, beta2, eps, weight_decay, step) */
-static int l_unit_adamw_step(lua_State *L) {
+/* unit_adamw_step(u, lr, beta1, beta2, eps, weight_decay, step), and zero_adamw_step's */
+typedef ms_status (*adamw_fn)(ms_unit *, double, double, double, double, double, int64_t);
+static int adamw_call(lua_State *L, adamw_fn fn) {
     ms_unit *u = check_unit(L, 1);
-    TRY(L, ms_unit_adamw_step(u, luaL_checknumber(L, 2), luaL_checknumber(L, 3), luaL_checknumber(L, 4),
-                              luaL_checknumber(L, 5), luaL_checknumber(L, 6), (int64_t)luaL_checkinteger(L, 7)));
+    TRY(L, fn(u, luaL_checknumber(L, 2), luaL_checknumber(L, 3), luaL_checknumber(L, 4), luaL_checknumber(L, 5),
+              luaL_checknumber(L, 6), (int64_t)luaL_checkinteger(L, 7)));
     return ms_lua_done(L);
 }
+static int l_unit_adamw_step(lua_State *L) { return adamw_call(L, ms_unit_adamw_step); }
 
 static int l_unit_set_adamw(lua_State *L) {
     TRY(L, ms_unit_set_adamw(check_unit(L, 1), int_arg(L, 2)));
@@ -228,5 +232,79 @@ void ms_lua_open_unit(lua_State *L) {
     set_codes(L, k, unit_action_names, N_ACTIONS);
     set_codes(L, k, unit_flag_names, 2);
     set_codes(L, k, unit_number_names, 2);
-    lua_pop(L, 1);
+    lua_pop(L, 1);    ms_lua_open_zero(L);
+}
+
+/* ---------------------------------------------------------------- Megatron-FSDP buckets */
+
+/* zero_new(name, dp, strategy, dtype, requires_grad, grad_dtype, main_f32) */
+static int l_zero_new(lua_State *L) {
+    const char *name = luaL_checkstring(L, 1);
+    ms_comm *dp = check_group(L, 2);
+    ms_unit *u = NULL;
+    BOXED(L, CLASS_UNIT,
+          ms_unit_zero_new(&u, name, dp, (ms_zero_strategy)int_arg(L, 3), (ms_dtype)int_arg(L, 4), lua_toboolean(L, 5),
+                           int_arg(L, 6), lua_toboolean(L, 7)),
+          u);
+}
+
+/* zero_add_param(u, fqn, shape, offset) */
+static int l_zero_add_param(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    int64_t shape[MS_MAX_DIMS];
+    int nd = int_list(L, 3, shape);
+    TRY(L, ms_unit_zero_add_param(u, luaL_checkstring(L, 2), nd, shape, (int64_t)luaL_checkinteger(L, 4)));
+    return ms_lua_done(L);
+}
+
+static int l_zero_finalize(lua_State *L) {
+    TRY(L, ms_unit_zero_finalize(check_unit(L, 1), (int64_t)luaL_checkinteger(L, 2)));
+    return ms_lua_done(L);
+}
+
+/* zero_tensor(u, i, which) */
+static int l_zero_tensor(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    return push_lent(L, ms_unit_zero_tensor(u, int_arg(L, 2), (ms_zero_view)int_arg(L, 3)));
+}
+
+/* zero_piece(u, i) -> start, stop */
+static int l_zero_piece(lua_State *L) {
+    int64_t a, b;
+    TRY(L, ms_unit_zero_piece(check_unit(L, 1), int_arg(L, 2), &a, &b));
+    lua_pushinteger(L, (lua_Integer)a);
+    lua_pushinteger(L, (lua_Integer)b);
+    return 2;
+}
+
+static int l_zero_load_full(lua_State *L) {
+    TRY(L, ms_unit_zero_load_full(check_unit(L, 1), int_arg(L, 2), check_tensor(L, 3)));
+    return ms_lua_done(L);
+}
+
+/* zero_action(u, code): 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads */
+static ms_status (*const zero_actions[])(ms_unit *) = {ms_unit_zero_unshard, ms_unit_zero_reshard,
+                                                       ms_unit_zero_reduce_grads, ms_unit_zero_clear_grads};
+static int l_zero_action(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    lua_Integer code = luaL_checkinteger(L, 2);
+    luaL_argcheck(L, code >= 0 && code < 4, 2, "not a zero action code");
+    TRY(L, zero_actions[code](u));
+    return ms_lua_done(L);
+}
+
+static int l_zero_adamw_step(lua_State *L) { return adamw_call(L, ms_unit_zero_adamw_step); }
+
+static int l_unit_is_zero(lua_State *L) {
+    lua_pushboolean(L, ms_unit_is_zero(check_unit(L, 1)));
+    return 1;
+}
+
+static void ms_lua_open_zero(lua_State *L) {
+    static const luaL_Reg funcs[] = {
+        {"zero_new", l_zero_new}, {"zero_add_param", l_zero_add_param}, {"zero_finalize", l_zero_finalize},
+        {"zero_tensor", l_zero_tensor}, {"zero_piece", l_zero_piece}, {"zero_load_full", l_zero_load_full},
+        {"zero_action", l_zero_action}, {"zero_adamw_step", l_zero_adamw_step}, {"unit_is_zero", l_unit_is_zero},
+        {NULL, NULL}};
+    luaL_setfuncs(L, funcs, 0);
 }

@@ -630,6 +630,99 @@ ms_status ms_file_stat(const char *path, ms_file_kind *kind, int64_t *size);
  * "socket", "special file": a static string; NULL for an invalid kind. */
 const char *ms_file_kind_name(ms_file_kind kind);
 
+/* ---------------------------------------------------------------- Megatron-FSDP buckets (ZeRO-0..3 runtime)
+ *
+ * One rank's part of one bucket of a Megatron-FSDP unit (moonshard.plan_megatron; megatron_fsdp's
+ * param_and_grad_buffer.py): parameters of one dtype and requires_grad, placed at given offsets
+ * in a flat buffer of `size` elements (padded by the plan to a multiple of dp x chunk, except
+ * for no_shard), dp rank r owning elements [r*size/dp, (r+1)*size/dp): its slice, which may cut
+ * a parameter anywhere (each element belongs to exactly one rank).  It is an ms_unit handle of
+ * its own mode, made by ms_unit_zero_new: ms_unit_name, ms_unit_param_count, ms_unit_param_fqn,
+ * ms_unit_param_info, ms_unit_set_adamw, ms_unit_bytes, ms_unit_rank_allocated,
+ * ms_unit_record* and ms_unit_release serve it; the FSDP2 calls refuse it (MS_ERR_STATE).
+ * What a rank holds, per strategy (W = dp ranks, S = size):
+ *   no_shard (0)   each parameter whole (MS_BYTES_SHARDS), the gradient buffer of S elements;
+ *                  AdamW state for every element; all_reduce of the gradients
+ *   optim (1)      the parameter buffer of S elements, the gradient buffer of S elements;
+ *                  AdamW state for the rank's slice; reduce_scatter of the gradients, all_gather
+ *                  of the updated slices after AdamW
+ *   optim_grads (2) as optim, but the gradients kept are the rank's slice (S/W): the whole
+ *                  gradient bucket is transient (MS_BYTES_UNSHARDED), from the first
+ *                  ms_unit_zero_tensor(MS_ZERO_GRAD) to its reduce_scatter
+ *   optim_grads_params (3) as optim_grads, and the parameters kept are the rank's slice:
+ *                  ms_unit_zero_unshard all_gathers the whole bucket (transient) for forward
+ *                  or backward, ms_unit_zero_reshard frees it
+ * With W = 1 the slice is the whole bucket: nothing is transient and no collective runs.
+ * Gradients are in grad_dtype (grad_reduce_in_fp32: f32), multiplied by 1/W and summed.  With
+ * main_f32 (preserve_fp32_weights) the rank's slice has f32 main weights (MS_BYTES_SHARDS, the
+ * whole buffer for no_shard), which AdamW updates and rounds into the parameters; else AdamW
+ * works as ms_unit_set_adamw says (MS_ADAMW_MASTER: f32 moments and master weights of the
+ * slice's parameter elements; MS_ADAMW_TORCH: moments in the stored dtype), the state
+ * (MS_BYTES_OPTIMIZER) counting only the parameter elements of the slice (not padding), made
+ * by the first adamw_step.  AdamW is the shard units' (unit_math.h), element by element.
+ * Collectives run on the rank's thread, synchronously, and are recorded (ms_unit_record):
+ * the bytes of the whole buffer. */
+typedef enum ms_zero_strategy {
+    MS_ZERO_NO_SHARD = 0,
+    MS_ZERO_OPTIM = 1,
+    MS_ZERO_OPTIM_GRADS = 2,
+    MS_ZERO_OPTIM_GRADS_PARAMS = 3
+} ms_zero_strategy;
+/* A bucket over the dp group `dp`: stored dtype `dtype`; requires_grad 0 for a frozen bucket
+ * (no gradients, no optimizer state); grad_dtype a floating dtype or -1 for `dtype`;
+ * main_f32: f32 main weights (trainable buckets only). */
+ms_status ms_unit_zero_new(ms_unit **out, const char *name, ms_comm *dp, ms_zero_strategy strategy, ms_dtype dtype,
+                           int requires_grad, int grad_dtype, int main_f32);
+/* Adds a parameter of `shape` (0 to 8 dims) at element `offset` of the bucket, in plan order. */
+ms_status ms_unit_zero_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape, int64_t offset);
+/* Fixes the bucket's size (a multiple of W unless no_shard), checks that the parameters fit
+ * without overlapping, and allocates what the strategy keeps (zero-filled). */
+ms_status ms_unit_zero_finalize(ms_unit *u, int64_t size);
+/* 1 for a unit made by ms_unit_zero_new, else 0. */
+int ms_unit_is_zero(const ms_unit *u);
+/* Views, borrowed while the buffer behind them lives:
+ *   MS_ZERO_PARAM  parameter i (its shape, stored dtype) in the whole bucket: always, except
+ *                  under optim_grads_params with W > 1, where only while unsharded
+ *   MS_ZERO_GRAD   parameter i's gradient (its shape, grad dtype) in the whole gradient bucket,
+ *                  for the host's backward to write or add into (a transient bucket is made
+ *                  zero-filled by the first call after a reduce)
+ *   MS_ZERO_PIECE_* the elements [start, stop) of parameter i that this rank owns
+ *                  (ms_unit_zero_piece), flat: its parameter values, its reduced gradient,
+ *                  AdamW's exp_avg, exp_avg_sq (once made), and its f32 main or master weights
+ * NULL with an empty message where there is none (a frozen bucket's gradient; no state yet). */
+typedef enum ms_zero_view {
+    MS_ZERO_PARAM = 0,
+    MS_ZERO_GRAD = 1,
+    MS_ZERO_PIECE_PARAM = 2,
+    MS_ZERO_PIECE_GRAD = 3,
+    MS_ZERO_PIECE_EXP_AVG = 4,
+    MS_ZERO_PIECE_EXP_AVG_SQ = 5,
+    MS_ZERO_PIECE_MAIN = 6
+} ms_zero_view;
+ms_tensor *ms_unit_zero_tensor(ms_unit *u, int i, ms_zero_view which);
+/* The elements [*start, *stop) of parameter i (flat, row-major) in this rank's slice (no_shard:
+ * all of them; an empty piece has start == stop). */
+ms_status ms_unit_zero_piece(const ms_unit *u, int i, int64_t *start, int64_t *stop);
+/* Copies a full tensor (parameter i's numel, contiguous, any dtype) into what this rank holds
+ * of parameter i: the parameter (or its piece under optim_grads_params) and the piece's main
+ * or master weights. */
+ms_status ms_unit_zero_load_full(ms_unit *u, int i, const ms_tensor *full);
+/* optim_grads_params: all_gather of the bucket into a transient whole bucket; reshard frees
+ * it.  A no-op for the other strategies and for W = 1. */
+ms_status ms_unit_zero_unshard(ms_unit *u);
+ms_status ms_unit_zero_reshard(ms_unit *u);
+/* The gradient bucket multiplied by 1/W and reduced: all_reduce (no_shard) or reduce_scatter
+ * into the rank's slice (added into the kept slice under optim_grads and optim_grads_params,
+ * freeing the transient bucket).  A no-op for a frozen bucket. */
+ms_status ms_unit_zero_reduce_grads(ms_unit *u);
+/* Zeroes the kept gradients (Megatron-FSDP's zero_grad of the main gradient buffer). */
+ms_status ms_unit_zero_clear_grads(ms_unit *u);
+/* AdamW (step counted from 1) on the rank's slice of a trainable bucket with reduced gradients,
+ * then, under optim and optim_grads with W > 1, the all_gather of every rank's updated slice
+ * into the parameter buffer (frozen buckets too: Megatron-FSDP gathers every bucket once a step). */
+ms_status ms_unit_zero_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
+                                  double weight_decay, int64_t step);
+
 /* MS_API_END */
 
 #ifdef __cplusplus

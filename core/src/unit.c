@@ -62,6 +62,7 @@ static const char *const state_name[] = {
     [ST_KWAY] = "resharded to a k-way shard",
     [ST_REDUCING] = "reducing (reduce_grads pending; call ms_unit_wait)",
     [ST_FAILED] = "failed",
+    [ST_ZERO] = "a Megatron-FSDP bucket (use the ms_unit_zero_* calls)",
 };
 
 static void view_free(ms_tensor **t) {
@@ -267,6 +268,7 @@ void ms_unit_release(ms_unit *u) {
     op_clear(u);
     buf_free(u, MS_BYTES_UNSHARDED, &u->kept);
     for (int i = 0; i < u->nparams; i++) param_free(u, &u->params[i]);
+    zero_free(u);
     cache_drop(u->cache, u);
     cache_release(u->cache);
     ms_comm_release(u->kgroup);
@@ -1025,4 +1027,8 @@ ms_status ms_unit_record(const ms_unit *u, int i, ms_record_kind *kind, ms_dtype
 void ms_unit_clear_records(ms_unit *u) {
     MS_NOT_NULL_OR(u, );
     u->nrecords = 0;
+}
+
+ms_status unit_add_record(ms_unit *u, ms_record_kind kind, ms_dtype dtype, int group_size, int64_t bytes) {
+    return record(u, kind, dtype, group_size, bytes);
 }

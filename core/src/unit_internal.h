@@ -25,7 +25,8 @@ typedef enum unit_state {
     ST_KEPT,      /* resharded with MS_RESHARD_KEEP: the unsharded parameters are kept */
     ST_KWAY,      /* resharded to a k-way shard (u->kept) */
     ST_REDUCING,  /* a reduce_grads is pending (ms_unit_wait accumulates) */
-    ST_FAILED     /* a collective failed: u->failure */
+    ST_FAILED,    /* a collective failed: u->failure */
+    ST_ZERO       /* a Megatron-FSDP bucket (unit_zero.c): the FSDP2 calls refuse it */
 } unit_state;
 
 #define ST(s) (1u << (s))
@@ -119,6 +120,7 @@ struct ms_unit {
     int64_t bytes[MS_BYTES_CACHED]; /* the categories held; the cache counts MS_BYTES_CACHED */
     unit_record *records; /* (nrecords), capacity rcap */
     int nrecords, rcap;
+    struct unit_zero *zero; /* a Megatron-FSDP bucket's own part (unit_zero.c), else NULL */
 };
 
 /* How messages name a unit: the root (the empty name) as "<root>", as the planner shows it. */
@@ -155,5 +157,13 @@ ms_status check_state(const ms_unit *u, const char *call, unsigned allowed);
 ms_status param_at(const ms_unit *u, const char *call, int i, unit_param **out);
 /* flat[at, at + numel(src)) <- src (contiguous, any device), cast to flat's dtype. */
 ms_status copy_into_flat(ms_tensor *flat, int64_t at, ms_tensor *src);
+
+/* Records a collective of u (ms_unit_record). */
+ms_status unit_add_record(ms_unit *u, ms_record_kind kind, ms_dtype dtype, int group_size, int64_t bytes);
+
+/* ---------------------------------------------------------------- unit_zero.c */
+
+/* Frees a Megatron-FSDP bucket's own buffers (ms_unit_release, before the cache is dropped). */
+void zero_free(ms_unit *u);
 
 #endif /* MS_UNIT_INTERNAL_H */

@@ -217,4 +217,49 @@ function M.opt_dtype(v, arg, def)
   return M.ok(R.dtype_code(check_string(v, arg)))
 end
 
+-- ---------------------------------------------------------------- AdamW options
+
+-- Field `name` of an options table: a number (required, or def when absent).
+local function field_number(o, fn, name, required, def)
+  local v = o[name]
+  local n = tonumber(v)
+  if n then return n end
+  if v == nil and not required then return def end
+  raise("moonshard invalid_argument error: %s: field '%s' is %s; expected a number", fn, name, M.typename(v))
+end
+
+local ADAMW_FIELDS = { lr = true, betas = true, eps = true, weight_decay = true, step = true }
+local DEFAULT_B1, DEFAULT_B2, DEFAULT_EPS, DEFAULT_WD = R.adamw_defaults() -- torch's, from the core
+
+--- adamw_options({lr=, betas={b1, b2}, eps=, weight_decay=, step=}, fn) -> lr, beta1, beta2,
+-- eps, weight_decay, step (torch's defaults for what is left out; lr and step required), for
+-- the adamw_step of units and Megatron-FSDP buckets (argument 2 of the method fn)
+function M.adamw_options(o, fn)
+  M.check_table(o, 2)
+  -- a misspelt key would silently leave its default in place
+  for k in pairs(o) do
+    if not ADAMW_FIELDS[k] then
+      raise("moonshard invalid_argument error: %s: unknown field '%s'; expected lr, betas, eps, weight_decay and step",
+        fn, type(k) == "string" and k or M.typename(k))
+    end
+  end
+  local lr = field_number(o, fn, "lr", true)
+  local eps = field_number(o, fn, "eps", false, DEFAULT_EPS)
+  local wd = field_number(o, fn, "weight_decay", false, DEFAULT_WD)
+  local step = M.to_integer(o.step)
+  if not step then
+    raise("moonshard invalid_argument error: %s: field 'step' is %s; expected an integer (the step count, from 1)", fn,
+      tonumber(o.step) and "not an integer" or M.typename(o.step))
+  end
+  local b1, b2 = DEFAULT_B1, DEFAULT_B2
+  if o.betas ~= nil then
+    if type(o.betas) ~= "table" then
+      raise("moonshard invalid_argument error: %s: field 'betas' is %s; expected {beta1, beta2}", fn, M.typename(o.betas))
+    end
+    b1, b2 = tonumber(o.betas[1]), tonumber(o.betas[2])
+    if not (b1 and b2) then raise("moonshard invalid_argument error: %s: field 'betas' must be two numbers {beta1, beta2}", fn) end
+  end
+  return lr, b1, b2, eps, wd, step
+end
+
 return M

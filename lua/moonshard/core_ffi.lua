@@ -759,5 +759,48 @@ end
 
 function R.unit_clear_records(u) C.ms_unit_clear_records(unit_h(u)) end
 
+-- ---------------------------------------------------------------- Megatron-FSDP buckets
+
+function R.zero_new(name, dp, strategy, dtype, requires_grad, grad_dtype, main_f32)
+  local st = C.ms_unit_zero_new(unit_out, name, group_h(dp), strategy, dtype, requires_grad and 1 or 0, grad_dtype,
+    main_f32 and 1 or 0)
+  if st ~= 0 then return failed(st) end
+  return box("unit", unit_out[0])
+end
+
+function R.zero_add_param(u, fqn, shape, offset)
+  local h = unit_h(u)
+  local nd = fill(shape_a, shape)
+  return done(C.ms_unit_zero_add_param(h, fqn, nd, shape_a, offset))
+end
+
+function R.zero_finalize(u, size) return done(C.ms_unit_zero_finalize(unit_h(u), size)) end
+function R.zero_tensor(u, i, which) return lent(C.ms_unit_zero_tensor(unit_h(u), i, which)) end
+
+--- zero_piece(u, i) -> start, stop
+function R.zero_piece(u, i)
+  local st = C.ms_unit_zero_piece(unit_h(u), i, int64_out, int64_out2)
+  if st ~= 0 then return failed(st) end
+  return num(int64_out[0]), num(int64_out2[0])
+end
+
+function R.zero_load_full(u, i, t) return done(C.ms_unit_zero_load_full(unit_h(u), i, tensor_h(t))) end
+
+-- zero_action's codes: 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads
+local ZERO_ACTION = { [0] = C.ms_unit_zero_unshard, C.ms_unit_zero_reshard, C.ms_unit_zero_reduce_grads,
+  C.ms_unit_zero_clear_grads }
+function R.zero_action(u, code)
+  local h = unit_h(u)
+  local f = ZERO_ACTION[code]
+  if not f then error("moonshard.core_ffi: zero_action: not a zero action code", 2) end
+  return done(f(h))
+end
+
+function R.zero_adamw_step(u, lr, b1, b2, eps, wd, step)
+  return done(C.ms_unit_zero_adamw_step(unit_h(u), lr, b1, b2, eps, wd, step))
+end
+
+function R.unit_is_zero(u) return C.ms_unit_is_zero(unit_h(u)) ~= 0 end
+
 REGISTRY[CACHE_KEY] = R
 return R

@@ -57,4 +57,10 @@
 --               unit_set_adamw_skipped(u, i, k), unit_bytes(u, category),
 --               unit_rank_allocated(u, category), unit_record_count(u),
 --               unit_record(u, i) -> kind, dtype, group_size, bytes, unit_clear_records(u)
+--   buckets     (Megatron-FSDP, units of their own mode) zero_new(name, dp, strategy, dtype,
+--               requires_grad, grad_dtype, main_f32), zero_add_param(u, fqn, shape, offset),
+--               zero_finalize(u, size), zero_tensor(u, i, which) -> tensor | false | nil, reason,
+--               zero_piece(u, i) -> start, stop, zero_load_full(u, i, t), zero_action(u, code)
+--               (0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads),
+--               zero_adamw_step(u, lr, b1, b2, eps, wd, step), unit_is_zero(u)
 return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")

@@ -76,10 +76,28 @@ local function check_agreement(plan, mc, world)
   end
 end
 
+--- The buckets (moonshard.zero) of a planned megatron_fsdp unit pu over the dp group `dp`
+-- (its axis's group; the plan's dp size), in plan order, each with its plan bucket as
+-- .plan_bucket; optimizer: the plan's ("torch_adamw" keeps AdamW's moments in the stored dtype).
+function M.megatron_buckets(pu, dp, optimizer)
+  local m, list = pu.megatron, {}
+  for _, b in ipairs(m.buckets) do
+    local bk = require("moonshard.zero").zero_bucket(string.format("%s[bucket %d]", pu.name, b.index), dp,
+      { strategy = m.strategy, dtype = b.dtype, requires_grad = b.requires_grad, grad_dtype = b.grad_dtype,
+        main_f32 = m.preserve_fp32_weights })
+    for k, i in ipairs(b.indices) do bk:add_param(m.items[i].fqn, m.items[i].shape, b.offsets[k]) end
+    bk:finalize(b.size)
+    if optimizer == "torch_adamw" then bk:set_adamw("torch") end
+    bk.plan_bucket = b
+    list[#list + 1] = bk
+  end
+  return list
+end
+
 --- materialize(plan) -> rank state {units = {...} (the plan's, a replicate unit's as one per
--- bucket, then the ep-local ones), by_name = {}, ep_local = {the ep-local units}, replicas =
--- {replicate unit name -> its runtime units}, stage = this rank's pipeline stage (nil without
--- a pipeline)}.  Under a pipeline the units are those of the rank's stage, in plan order.
+-- bucket, a megatron_fsdp unit's as one per bucket (state.buckets), then the ep-local ones),
+-- by_name = {}, ep_local = {the ep-local units}, replicas = {replicate unit name -> its
+-- runtime units}, stage = this rank's pipeline stage (nil without a pipeline)}.  Under a pipeline the units are those of the rank's stage, in plan order.
 function M.materialize(plan)
   local mc = type(plan) == "table" and plan.mesh
   if type(mc) ~= "table" or type(mc.root_axes) ~= "function" or type(plan.units) ~= "table" then
@@ -200,9 +218,27 @@ function M.materialize(plan)
       if pu.stage == my_stage then mine[#mine + 1] = pu end
     end
   end
+  -- A Megatron-FSDP unit (moonshard.plan_megatron) runs as one bucket a plan bucket
+  -- (moonshard.zero), in plan order, named "<unit>[bucket i]", over the group of its dp axis:
+  -- the plan's offsets and padded size, its strategy, gradient dtype and main weights.
+  -- state.units gets each bucket's unit handle (so the rank's bytes, allocations and records
+  -- count them, and an embedding host gets them as units: ms_unit_zero_*), state.buckets the
+  -- buckets, state.megatron[name] a unit's buckets.
+  state.buckets, state.megatron = {}, {}
+  local function add_megatron(pu)
+    local list = M.megatron_buckets(pu, group(pu.mesh_axes[1]), plan.optimizer)
+    for _, bk in ipairs(list) do
+      state.buckets[#state.buckets + 1] = bk
+      state.units[#state.units + 1] = bk.unit
+      state.by_name[bk:name()] = bk.unit
+    end
+    state.megatron[pu.name] = list
+  end
   for _, pu in ipairs(mine) do
     if pu.kind == "replicate" then
       add_replicate(pu)
+    elseif pu.kind == "megatron_fsdp" then
+      add_megatron(pu)
     else
       local axes_u = pu.mesh_axes
       local params = {}

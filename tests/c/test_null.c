@@ -455,6 +455,36 @@ static void test_units(ms_comm *c) {
     ms_unit_release(u);
 }
 
+/* Megatron-FSDP buckets (ms_unit_zero_*) */
+static void test_zero(ms_comm *c) {
+    ms_unit *z = NULL;
+    REFUSE(ms_unit_zero_new, out, NULL, "z", c, MS_ZERO_OPTIM, MS_F32, 1, -1, 0);
+    REFUSE(ms_unit_zero_new, name, &z, NULL, c, MS_ZERO_OPTIM, MS_F32, 1, -1, 0);
+    REFUSE(ms_unit_zero_new, dp, &z, "z", NULL, MS_ZERO_OPTIM, MS_F32, 1, -1, 0);
+    CHECK_OK(ms_unit_zero_new(&z, "z", c, MS_ZERO_OPTIM, MS_F32, 1, -1, 0));
+    const int64_t shape[1] = {4};
+    REFUSE(ms_unit_zero_add_param, u, NULL, "w", 1, shape, 0);
+    REFUSE(ms_unit_zero_add_param, fqn, z, NULL, 1, shape, 0);
+    REFUSE(ms_unit_zero_add_param, shape, z, "w", 1, NULL, 0);
+    CHECK_OK(ms_unit_zero_add_param(z, "w", 1, shape, 0));
+    REFUSE(ms_unit_zero_finalize, u, NULL, 4);
+    CHECK_OK(ms_unit_zero_finalize(z, 4));
+    REFUSE_VALUE(ms_unit_is_zero, u, 0, NULL);
+    REFUSE_VALUE(ms_unit_zero_tensor, u, NULL, NULL, 0, MS_ZERO_PARAM);
+    int64_t a, b;
+    REFUSE(ms_unit_zero_piece, u, NULL, 0, &a, &b);
+    REFUSE(ms_unit_zero_piece, start, z, 0, NULL, &b);
+    REFUSE(ms_unit_zero_piece, stop, z, 0, &a, NULL);
+    REFUSE(ms_unit_zero_load_full, u, NULL, 0, NULL);
+    REFUSE(ms_unit_zero_load_full, full, z, 0, NULL);
+    REFUSE(ms_unit_zero_unshard, u, NULL);
+    REFUSE(ms_unit_zero_reshard, u, NULL);
+    REFUSE(ms_unit_zero_reduce_grads, u, NULL);
+    REFUSE(ms_unit_zero_clear_grads, u, NULL);
+    REFUSE(ms_unit_zero_adamw_step, u, NULL, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1);
+    ms_unit_release(z);
+}
+
 #ifdef MS_TEST_EMBED
 static void test_interp(ms_comm *c) {
     ms_interp *in = NULL;
@@ -721,6 +751,7 @@ int main(void) {
         test_worlds_and_comms(w, c);
         test_meshes(c);
         test_units(c);
+        test_zero(c);
 #ifdef MS_TEST_EMBED
         test_interp(c);
 #endif
