@@ -57,4 +57,12 @@
 --               unit_set_adamw_skipped(u, i, k), unit_bytes(u, category),
 --               unit_rank_allocated(u, category), unit_record_count(u),
 --               unit_record(u, i) -> kind, dtype, group_size, bytes, unit_clear_records(u)
+--   quant       (core/src/quant.c; outputs made by moonshard.quant) nf4_quantize(x, blocksize,
+--               codes, absmax), nf4_dequantize(out, codes, absmax, blocksize),
+--               nf4_compress_absmax(absmax, qabsmax, absmax2) -> offset,
+--               nf4_decompress_absmax(absmax, qabsmax, absmax2, offset),
+--               nf4_bytes(numel, blocksize, double_quant) -> bytes, fp8_amax(amax, x, scaling),
+--               fp8_scale(scale, amax, fp8, pow2), fp8_cast(out, x, scale),
+--               fp8_dequantize(out, fp8, scale), qat_fake_quantize(out, x, scheme, group_size,
+--               scales_precision)
 return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")
