@@ -125,6 +125,25 @@ describe("NF4 (bitsandbytes quantize_4bit / dequantize_4bit)", function()
     end
   end)
 
+  it("holds bitsandbytes' NF4 table and 8-bit dynamic map", function()
+    -- every NF4 code (two a byte) with absmax 1 gives the table
+    local codes = {}
+    for i = 0, 7 do codes[i + 1] = (2 * i) * 16 + 2 * i + 1 end
+    local q = { codes = ms.from_table(codes, "u8"), absmax = ms.from_table({ 1 }, "f32"), shape = { 16 },
+      dtype = "f32", blocksize = 32 }
+    compare("nf4", "table", ms.nf4_dequantize(q):bits(), D.nf4_table.values, "f32")
+    -- every 8-bit code, nested absmax 1, offset 0, gives the map
+    local all = {}
+    for i = 0, 255 do all[i + 1] = i end
+    q = { codes = ms.tensor({ 128 * 32 }, "u8"), qabsmax = ms.from_table(all, "u8"),
+      absmax2 = ms.from_table({ 1 }, "f32"), offset = 0, double_quant = true, shape = { 256 * 32 },
+      dtype = "f32", blocksize = 32 }
+    local y = ms.nf4_dequantize(q):totable()
+    local got = {}
+    for b = 0, 255 do got[b + 1] = -y[b * 32 + 1] end -- code 0 is -1.0: the block's absmax negated
+    compare("nf4", "dynamic map", ms.from_table(got, "f32"):bits(), D.dynamic_map.values, "f32")
+  end)
+
   it("counts the bytes of codes and statistics", function()
     assert.are.equal(32 + 4, ms.nf4_bytes(64))
     assert.are.equal(33 + 8, ms.nf4_bytes(65))
