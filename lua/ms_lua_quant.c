@@ -63,13 +63,19 @@ static int l_qat_fake_quantize(lua_State *L) {
     return ms_lua_done(L);
 }
 
+static int l_unit_set_fp8_all_gather(lua_State *L) {
+    TRY(L, ms_unit_set_fp8_all_gather(check_unit(L, 1), (int)luaL_checkinteger(L, 2), lua_toboolean(L, 3)));
+    return ms_lua_done(L);
+}
+
 void ms_lua_open_quant(lua_State *L) {
     static const luaL_Reg funcs[] = {
         {"nf4_quantize", l_nf4_quantize}, {"nf4_dequantize", l_nf4_dequantize},
         {"nf4_compress_absmax", l_nf4_compress_absmax}, {"nf4_decompress_absmax", l_nf4_decompress_absmax},
         {"nf4_bytes", l_nf4_bytes}, {"fp8_amax", l_fp8_amax}, {"fp8_scale", l_fp8_scale},
         {"fp8_cast", l_fp8_cast}, {"fp8_dequantize", l_fp8_dequantize},
-        {"qat_fake_quantize", l_qat_fake_quantize}, {NULL, NULL}};
+        {"qat_fake_quantize", l_qat_fake_quantize}, {"unit_set_fp8_all_gather", l_unit_set_fp8_all_gather},
+        {NULL, NULL}};
     luaL_setfuncs(L, funcs, 0);
     static const struct { const char *name; int value; } k[] = {
         {"FP8_TENSORWISE", MS_FP8_TENSORWISE}, {"FP8_ROWWISE", MS_FP8_ROWWISE},

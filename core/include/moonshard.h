@@ -674,7 +674,7 @@ ms_status ms_fp8_scale(ms_tensor *scale, const ms_tensor *amax, ms_dtype fp8, in
 /* out (f8e4m3 or f8e5m2, x's numel) = x.to(f32) * scale, clamped to +-fp8_max, cast (x f32 or
  * bf16; scale f32 of 1 or rows elements): hp_tensor_and_scale_to_float8. */
 ms_status ms_fp8_cast(ms_tensor *out, const ms_tensor *x, const ms_tensor *scale);
-/* out (f32 or bf16) = fp8.to(out's dtype) / scale, as torchao's to_original_precision. */
+/* out (f32, bf16 or f16) = fp8.to(out's dtype) / scale, as torchao's to_original_precision. */
 ms_status ms_fp8_dequantize(ms_tensor *out, const ms_tensor *fp8, const ms_tensor *scale);
 
 /* QAT fake quantisation (torchao.quantization.qat): the forward values; the gradient is
@@ -692,6 +692,17 @@ typedef enum ms_qat_scheme {
  * size). */
 ms_status ms_qat_fake_quantize(ms_tensor *out, const ms_tensor *x, ms_qat_scheme scheme, int64_t group_size,
                                ms_dtype scales_precision);
+
+/* The FP8 all-gather of a parameter, as torchao's float8 weights under FSDP2
+ * (torchao/float8/fsdp_utils.py, WeightWithDynamicFloat8CastTensor with dynamic scaling):
+ * on unshard this rank's shard's amax is all-reduced MAX over the unit's shard group (and
+ * replicate group), each rank casts its shard to e4m3 with that scale (ms_fp8_scale,
+ * ms_fp8_cast), the fp8 bytes are all-gathered, and the unsharded parameter is the gathered
+ * data dequantized to its gather dtype (ms_fp8_dequantize).  Set while the unit is being
+ * built (before ms_unit_finalize), on a parameter stored in f32 or bf16 and gathered in f32,
+ * bf16 or f16, in a cpu unit without a k-way reshard; MS_ERR_STATE, MS_ERR_DTYPE or
+ * MS_ERR_ARG naming the reason otherwise.  Gradients are reduced as for any parameter. */
+ms_status ms_unit_set_fp8_all_gather(ms_unit *u, int i, int enable);
 
 /* MS_API_END */
 

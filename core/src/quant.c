@@ -86,6 +86,7 @@ static ms_status check_numel(const char *fn, const char *what, const ms_tensor *
 
 static const ms_dtype FLOATS3[] = {MS_F32, MS_BF16, MS_F16, MS_DTYPE_COUNT};
 static const ms_dtype FLOATS2[] = {MS_F32, MS_BF16, MS_DTYPE_COUNT};
+
 static const ms_dtype ONLY_F32[] = {MS_F32, MS_DTYPE_COUNT};
 static const ms_dtype ONLY_U8[] = {MS_U8, MS_DTYPE_COUNT};
 static const ms_dtype FP8S[] = {MS_F8E4M3, MS_F8E5M2, MS_DTYPE_COUNT};
@@ -519,7 +520,7 @@ ms_status ms_fp8_dequantize(ms_tensor *out, const ms_tensor *fp8, const ms_tenso
     MS_NOT_NULL(scale);
     const char *fn = __func__;
     ms_status st;
-    if ((st = check_tensor(fn, "out", out, FLOATS2)) || (st = check_tensor(fn, "fp8", fp8, FP8S)) ||
+    if ((st = check_tensor(fn, "out", out, FLOATS3)) || (st = check_tensor(fn, "fp8", fp8, FP8S)) ||
         (st = check_tensor(fn, "scale", scale, ONLY_F32)))
         return st;
     int64_t n = ms_tensor_numel(fp8);

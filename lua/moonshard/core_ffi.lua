@@ -807,5 +807,7 @@ function R.qat_fake_quantize(out, x, scheme, group_size, precision)
   return done(C.ms_qat_fake_quantize(tensor_h(out), tensor_h(x), scheme, group_size, precision))
 end
 
+function R.unit_set_fp8_all_gather(u, i, on) return done(C.ms_unit_set_fp8_all_gather(unit_h(u), i, on and 1 or 0)) end
+
 REGISTRY[CACHE_KEY] = R
 return R

@@ -64,5 +64,5 @@
 --               nf4_bytes(numel, blocksize, double_quant) -> bytes, fp8_amax(amax, x, scaling),
 --               fp8_scale(scale, amax, fp8, pow2), fp8_cast(out, x, scale),
 --               fp8_dequantize(out, fp8, scale), qat_fake_quantize(out, x, scheme, group_size,
---               scales_precision)
+--               scales_precision), unit_set_fp8_all_gather(u, i, on)
 return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")

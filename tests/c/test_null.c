@@ -556,6 +556,7 @@ static void test_quant(void) {
     REFUSE(ms_fp8_dequantize, scale, x, f8, NULL);
     REFUSE(ms_qat_fake_quantize, out, NULL, y, MS_QAT_8DA4W_WEIGHT, 32, MS_F32);
     REFUSE(ms_qat_fake_quantize, x, y, NULL, MS_QAT_8DA4W_WEIGHT, 32, MS_F32);
+    REFUSE(ms_unit_set_fp8_all_gather, u, NULL, 0, 1);
     ms_tensor_release(x);
     ms_tensor_release(codes);
     ms_tensor_release(am);

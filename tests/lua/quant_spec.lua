@@ -233,6 +233,16 @@ describe("QAT fake quantisation (torchao.quantization.qat)", function()
   end)
 end)
 
+describe("the FP8 all-gather of shard units", function()
+  for _, mode in ipairs({ "", "hsdp" }) do
+    it("gathers torchao's fp8 values on every rank" .. (mode == "" and "" or " (HSDP 2x2)"), function()
+      local r = S.run({ "-n", "4", "tests/lua/scripts/fp8_units.lua", mode })
+      assert.are.equal(0, r.code, r.out .. r.err)
+      for rank = 0, 3 do assert.truthy(r.out:find("fp8_units ok " .. rank, 1, true), r.out .. r.err) end
+    end)
+  end
+end)
+
 describe("quant reference", function()
   it("was compared value by value", function()
     for _, fam in ipairs({ "nf4", "fp8", "qat" }) do
