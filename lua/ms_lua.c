@@ -341,5 +341,6 @@ int luaopen_moonshard_core(lua_State *L) {
     ms_lua_open_tensor(L);
     ms_lua_open_mesh(L);
     ms_lua_open_unit(L);
+    ms_lua_open_quant(L);
     return 1;
 }

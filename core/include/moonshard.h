@@ -723,6 +723,80 @@ ms_status ms_unit_zero_clear_grads(ms_unit *u);
 ms_status ms_unit_zero_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps,
                                   double weight_decay, int64_t step);
 
+/* ---------------------------------------------------------------- lower precision (quant.c)
+ *
+ * The numerics of NeMo Automodel's lower-precision steps, value for value as the libraries
+ * that define them (docs/numerics.md, "Lower precision", cites their source): QLoRA's NF4
+ * (bitsandbytes' quantize_4bit / dequantize_4bit, compress_statistics), torchao's float8
+ * training casts (torchao.float8) and torchao's QAT fake quantisation.  Every tensor is a
+ * contiguous cpu tensor; outputs are the caller's, of the shapes and dtypes stated
+ * (MS_ERR_SHAPE / MS_ERR_DTYPE / MS_ERR_DEVICE naming the argument otherwise). */
+
+/* NF4.  x (f32, bf16 or f16, any shape) in blocks of `blocksize` consecutive elements
+ * (bitsandbytes' sizes: 32, 64, 128, 256, 512, 1024, 2048, 4096): absmax (f32, one per
+ * block, the last block may be short) and codes (u8, ceil(numel / 2): element 2i in the
+ * high nibble of byte i, 2i + 1 in the low one, as bitsandbytes packs them), each element
+ * the index of the nearest value of the NF4 table to x / absmax. */
+ms_status ms_nf4_quantize(const ms_tensor *x, int64_t blocksize, ms_tensor *codes, ms_tensor *absmax);
+/* out (f32, bf16 or f16; numel <= 2 * codes' numel) = table[code] * absmax of its block. */
+ms_status ms_nf4_dequantize(ms_tensor *out, const ms_tensor *codes, const ms_tensor *absmax, int64_t blocksize);
+/* Double quantisation of the absmax (compress_statistics): offset = mean(absmax) (f32), and
+ * absmax - offset quantized blockwise (blocks of 256) with bitsandbytes' 8-bit dynamic map:
+ * qabsmax (u8, absmax's numel), absmax2 (f32, ceil(numel / 256)).  *offset holds an f32. */
+ms_status ms_nf4_compress_absmax(const ms_tensor *absmax, ms_tensor *qabsmax, ms_tensor *absmax2, double *offset);
+/* absmax (f32) = dynamic_map[qabsmax] * absmax2 of its block + offset (an f32 value). */
+ms_status ms_nf4_decompress_absmax(ms_tensor *absmax, const ms_tensor *qabsmax, const ms_tensor *absmax2,
+                                   double offset);
+/* Bytes of a quantized tensor of numel elements: ceil(numel / 2) codes + 4 per block
+ * (absmax), or with double_quant 1 per block + 4 per 256 blocks + 4 (the offset).  The
+ * 256-byte dynamic map is shared by every tensor and not counted. */
+ms_status ms_nf4_bytes(int64_t numel, int64_t blocksize, int double_quant, int64_t *out);
+
+/* Float8 (torchao.float8).  Tensorwise: one amax (and scale) for the whole tensor; rowwise
+ * (axiswise on the last dim): one per row, numel / size(-1) of them. */
+typedef enum ms_fp8_scaling {
+    MS_FP8_TENSORWISE = 0,
+    MS_FP8_ROWWISE = 1
+} ms_fp8_scaling;
+/* amax (f32, 1 or rows elements) = max |x| (x f32 or bf16); NaN propagates, as torch.max. */
+ms_status ms_fp8_amax(ms_tensor *amax, const ms_tensor *x, ms_fp8_scaling scaling);
+/* scale (f32, amax's numel) = fp8_max / max(amax, 1e-12) in f64, rounded to f32
+ * (amax_to_scale); round_pow2 then rounds it down to a power of two
+ * (round_scales_to_power_of_2).  fp8: f8e4m3 (max 448) or f8e5m2 (57344). */
+ms_status ms_fp8_scale(ms_tensor *scale, const ms_tensor *amax, ms_dtype fp8, int round_pow2);
+/* out (f8e4m3 or f8e5m2, x's numel) = x.to(f32) * scale, clamped to +-fp8_max, cast (x f32 or
+ * bf16; scale f32 of 1 or rows elements): hp_tensor_and_scale_to_float8. */
+ms_status ms_fp8_cast(ms_tensor *out, const ms_tensor *x, const ms_tensor *scale);
+/* out (f32, bf16 or f16) = fp8.to(out's dtype) / scale, as torchao's to_original_precision. */
+ms_status ms_fp8_dequantize(ms_tensor *out, const ms_tensor *fp8, const ms_tensor *scale);
+
+/* QAT fake quantisation (torchao.quantization.qat): the forward values; the gradient is
+ * the straight-through estimator, the identity. */
+typedef enum ms_qat_scheme {
+    MS_QAT_INT4_WEIGHT_ONLY = 0, /* Int4WeightOnlyQATQuantizer's weight: uint4 groupwise
+                                  * asymmetric, tinygemm's float zero-point domain */
+    MS_QAT_8DA4W_WEIGHT = 1,     /* Int8DynActInt4WeightQATQuantizer's weight: int4 groupwise
+                                  * symmetric */
+    MS_QAT_8DA4W_ACTIVATION = 2  /* its activation: int8 per-token asymmetric, dynamic */
+} ms_qat_scheme;
+/* out (x's dtype and numel) = x (f32 or bf16, groups of group_size along the last dim, which
+ * group_size divides; the activation's groups are its rows) quantized and dequantized;
+ * scales_precision (f32 or bf16) is the quantizer's (the activation ignores it and the group
+ * size). */
+ms_status ms_qat_fake_quantize(ms_tensor *out, const ms_tensor *x, ms_qat_scheme scheme, int64_t group_size,
+                               ms_dtype scales_precision);
+
+/* The FP8 all-gather of a parameter, as torchao's float8 weights under FSDP2
+ * (torchao/float8/fsdp_utils.py, WeightWithDynamicFloat8CastTensor with dynamic scaling):
+ * on unshard this rank's shard's amax is all-reduced MAX over the unit's shard group (and
+ * replicate group), each rank casts its shard to e4m3 with that scale (ms_fp8_scale,
+ * ms_fp8_cast), the fp8 bytes are all-gathered, and the unsharded parameter is the gathered
+ * data dequantized to its gather dtype (ms_fp8_dequantize).  Set while the unit is being
+ * built (before ms_unit_finalize), on a parameter stored in f32 or bf16 and gathered in f32,
+ * bf16 or f16, in a cpu unit without a k-way reshard; MS_ERR_STATE, MS_ERR_DTYPE or
+ * MS_ERR_ARG naming the reason otherwise.  Gradients are reduced as for any parameter. */
+ms_status ms_unit_set_fp8_all_gather(ms_unit *u, int i, int enable);
+
 /* MS_API_END */
 
 #ifdef __cplusplus

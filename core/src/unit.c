@@ -356,13 +356,14 @@ ms_status ms_unit_finalize(ms_unit *u) {
     for (int i = 0; i < u->nparams; i++) {
         unit_param *p = &u->params[i];
         p->gather = pd >= 0 && pd != (int)p->dtype && ms_dtype_is_float(p->dtype) ? (ms_dtype)pd : p->dtype;
-        u->gather_bytes |= p->gather != u->gather;
+        u->gather_bytes |= p->gather != u->gather || p->fp8; /* fp8: bytes (unit_fp8.c) */
     }
     int64_t S = 0, bytes;
     for (int i = 0; i < u->nparams; i++) {
         u->params[i].flat_offset = S;
         /* each padded shard fits in memory, so the sum fits */
-        S += u->params[i].padded_numel * (u->gather_bytes ? (int64_t)ms_dtype_size(u->params[i].gather) : 1);
+        S += u->params[i].padded_numel *
+             (u->gather_bytes ? (int64_t)(u->params[i].fp8 ? 1 : ms_dtype_size(u->params[i].gather)) : 1);
     }
     int64_t es = ms_dtype_size(u->gather) > ms_dtype_size(u->reduce) ? ms_dtype_size(u->gather)
                                                                      : ms_dtype_size(u->reduce);
@@ -378,7 +379,7 @@ ms_status ms_unit_finalize(ms_unit *u) {
         const unit_param *p = &u->params[0];
         int64_t outer = 1;
         for (int d = 0; d < p->dim; d++) outer *= p->shape[d];
-        u->in_place = outer == 1;
+        u->in_place = outer == 1 && !p->fp8;
     }
     u->state = ST_SHARDED;
     return ms__ok();
@@ -610,7 +611,7 @@ static ms_status prepare_gather(ms_unit *u) {
         st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * u->S, u->S);
         for (int i = 0; !st && i < u->nparams; i++) {
             const unit_param *p = &u->params[i];
-            if (!p->padded_numel) continue;
+            if (!p->padded_numel || p->fp8) continue; /* fp8: cast by the op (unit_fp8.c) */
             if (u->gather_bytes) { /* cast into a block of the gather dtype, whose bytes go into the buffer */
                 ms_tensor *blk = NULL;
                 st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
@@ -623,6 +624,12 @@ static ms_status prepare_gather(ms_unit *u) {
             else
                 st = copy_into_flat(u->flat, u->rank * u->S + p->flat_offset, p->padded);
         }
+    }
+    for (int i = 0; !st && i < u->nparams; i++) { /* each fp8 parameter's amax all-reduce first */
+        const unit_param *p = &u->params[i];
+        const int es8 = ms_dtype_size(p->dtype);
+        if (p->fp8) st = record(u, MS_RECORD_ALL_REDUCE, p->dtype, u->W, es8);
+        if (!st && p->fp8 && u->replicate) st = record(u, MS_RECORD_ALL_REDUCE, p->dtype, u->R, es8);
     }
     if (!st) st = record(u, MS_RECORD_ALL_GATHER, fd, ms_comm_size(group), total * es);
     return st;
@@ -637,7 +644,7 @@ ms_status ms_unit_unshard(ms_unit *u) {
         return ms__ok();
     }
     st = prepare_gather(u);
-    if (!st) st = op_submit(u, run_all_gather, ST_GATHERING);
+    if (!st) st = op_submit(u, ms__unit_has_fp8(u) ? ms__unit_fp8_all_gather : run_all_gather, ST_GATHERING);
     if (st) {
         op_clear(u);
         return ms__wrap(st, "unit '%s': unshard", unit_label(u));
@@ -660,6 +667,10 @@ static ms_status finish_unshard(ms_unit *u) {
         for (int i = 0; !st && i < u->nparams; i++) {
             unit_param *p = &u->params[i];
             ms_tensor *blk = NULL;
+            if (p->fp8) {
+                st = ms__unit_fp8_unpack(u, p);
+                continue;
+            }
             st = buf_new(u, MS_BYTES_UNSHARDED, &p->full, p->ndim, p->shape, p->gather, false);
             if (!st && u->gather_bytes) st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
             for (int q = 0; !st && q < u->W; q++)

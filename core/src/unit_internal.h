@@ -64,6 +64,8 @@ typedef struct unit_param {
     ms_tensor *full_flat; /* (W*S) gather dtype: the all_gather output full views; MS_BYTES_UNSHARDED */
     ms_tensor *grad_flat; /* (W*S) gather dtype: the reduce_scatter input grad_full views; MS_BYTES_UNSHARDED */
     ms_tensor *grad_acc;    /* (shape) reduce dtype: gradients accumulated with sync off; MS_BYTES_UNSHARDED */
+    bool fp8;        /* gathered as e4m3 with a dynamic scale (unit_fp8.c) */
+    float fp8_scale; /* the scale of the last fp8 gather */
 } unit_param;
 
 /* The pending collective.  Between submit and wait only the communication thread uses it. */
@@ -165,5 +167,10 @@ ms_status unit_add_record(ms_unit *u, ms_record_kind kind, ms_dtype dtype, int g
 
 /* Frees a Megatron-FSDP bucket's own buffers (ms_unit_release, before the cache is dropped). */
 void zero_free(ms_unit *u);
+
+/* unit_fp8.c: the FP8 all-gather (ms_unit_set_fp8_all_gather) */
+bool ms__unit_has_fp8(const ms_unit *u);
+ms_status ms__unit_fp8_all_gather(void *arg); /* the pending op: amax all-reduce, cast, all_gather */
+ms_status ms__unit_fp8_unpack(ms_unit *u, unit_param *p); /* p->full from the gathered fp8 bytes */
 
 #endif /* MS_UNIT_INTERNAL_H */

@@ -801,6 +801,55 @@ function R.zero_adamw_step(u, lr, b1, b2, eps, wd, step)
 end
 
 function R.unit_is_zero(u) return C.ms_unit_is_zero(unit_h(u)) ~= 0 end
+-- ---------------------------------------------------------------- lower precision (quant.c)
+
+K.FP8_TENSORWISE, K.FP8_ROWWISE = C.MS_FP8_TENSORWISE, C.MS_FP8_ROWWISE
+K.QAT_INT4_WEIGHT_ONLY, K.QAT_8DA4W_WEIGHT = C.MS_QAT_INT4_WEIGHT_ONLY, C.MS_QAT_8DA4W_WEIGHT
+K.QAT_8DA4W_ACTIVATION = C.MS_QAT_8DA4W_ACTIVATION
+
+function R.nf4_quantize(x, blocksize, codes, absmax)
+  return done(C.ms_nf4_quantize(tensor_h(x), blocksize, tensor_h(codes), tensor_h(absmax)))
+end
+
+function R.nf4_dequantize(out, codes, absmax, blocksize)
+  return done(C.ms_nf4_dequantize(tensor_h(out), tensor_h(codes), tensor_h(absmax), blocksize))
+end
+
+--- nf4_compress_absmax(absmax, qabsmax, absmax2) -> offset
+function R.nf4_compress_absmax(absmax, qabsmax, absmax2)
+  local st = C.ms_nf4_compress_absmax(tensor_h(absmax), tensor_h(qabsmax), tensor_h(absmax2), double_out)
+  if st ~= 0 then return failed(st) end
+  return double_out[0]
+end
+
+function R.nf4_decompress_absmax(absmax, qabsmax, absmax2, offset)
+  return done(C.ms_nf4_decompress_absmax(tensor_h(absmax), tensor_h(qabsmax), tensor_h(absmax2), offset))
+end
+
+--- nf4_bytes(numel, blocksize, double_quant) -> bytes
+function R.nf4_bytes(numel, blocksize, double_quant)
+  local st = C.ms_nf4_bytes(numel, blocksize, double_quant and 1 or 0, int64_out)
+  if st ~= 0 then return failed(st) end
+  return num(int64_out[0])
+end
+
+function R.fp8_amax(amax, x, scaling) return done(C.ms_fp8_amax(tensor_h(amax), tensor_h(x), scaling)) end
+
+function R.fp8_scale(scale, amax, fp8, pow2)
+  return done(C.ms_fp8_scale(tensor_h(scale), tensor_h(amax), fp8, pow2 and 1 or 0))
+end
+
+function R.fp8_cast(out, x, scale) return done(C.ms_fp8_cast(tensor_h(out), tensor_h(x), tensor_h(scale))) end
+
+function R.fp8_dequantize(out, fp8, scale)
+  return done(C.ms_fp8_dequantize(tensor_h(out), tensor_h(fp8), tensor_h(scale)))
+end
+
+function R.qat_fake_quantize(out, x, scheme, group_size, precision)
+  return done(C.ms_qat_fake_quantize(tensor_h(out), tensor_h(x), scheme, group_size, precision))
+end
+
+function R.unit_set_fp8_all_gather(u, i, on) return done(C.ms_unit_set_fp8_all_gather(unit_h(u), i, on and 1 or 0)) end
 
 REGISTRY[CACHE_KEY] = R
 return R

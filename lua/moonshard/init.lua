@@ -13,7 +13,7 @@ A.library_file()
 
 local M = {}
 local INTERNAL = { check = true, check_group = true, device_string = true } -- the class modules' helpers
-for _, class in ipairs { "tensor", "mesh", "unit", "zero" } do
+for _, class in ipairs { "tensor", "mesh", "unit", "zero", "quant" } do
   for k, v in pairs(require("moonshard." .. class)) do
     if type(v) == "function" and not INTERNAL[k] then M[k] = v end
   end

@@ -63,4 +63,12 @@
 --               zero_piece(u, i) -> start, stop, zero_load_full(u, i, t), zero_action(u, code)
 --               (0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads),
 --               zero_adamw_step(u, lr, b1, b2, eps, wd, step), unit_is_zero(u)
+--   quant       (core/src/quant.c; outputs made by moonshard.quant) nf4_quantize(x, blocksize,
+--               codes, absmax), nf4_dequantize(out, codes, absmax, blocksize),
+--               nf4_compress_absmax(absmax, qabsmax, absmax2) -> offset,
+--               nf4_decompress_absmax(absmax, qabsmax, absmax2, offset),
+--               nf4_bytes(numel, blocksize, double_quant) -> bytes, fp8_amax(amax, x, scaling),
+--               fp8_scale(scale, amax, fp8, pow2), fp8_cast(out, x, scale),
+--               fp8_dequantize(out, fp8, scale), qat_fake_quantize(out, x, scheme, group_size,
+--               scales_precision), unit_set_fp8_all_gather(u, i, on)
 return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")

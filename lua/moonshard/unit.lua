@@ -211,6 +211,15 @@ function methods.fqn(self, i)
   return R.unit_fqn(u, param_index(u, i, 2))
 end
 
+--- unit:set_fp8_all_gather(i, on?) -> the unit: parameter i gathers as e4m3 with an
+-- all-reduced dynamic scale, as torchao's float8 weights under FSDP2 (core/src/unit_fp8.c);
+-- before finalize
+function methods.set_fp8_all_gather(self, i, on)
+  local u = check_unit(self, 1)
+  ok(R.unit_set_fp8_all_gather(u, param_index(u, i, 2), on == nil or on ~= false))
+  return self
+end
+
 A.define("unit", methods, function(u) return format("unit(%s, %d params)", R.unit_name(u), R.unit_count(u)) end)
 
 REGISTRY["moonshard.unit"] = M

@@ -563,6 +563,55 @@ static void test_interp(ms_comm *c) {
 }
 #endif
 
+/* the lower-precision kernels (quant.c) */
+static void test_quant(void) {
+    const int64_t n64[1] = {64}, n32[1] = {32}, one[1] = {1}, n8[2] = {2, 32};
+    ms_tensor *x = NULL, *codes = NULL, *am = NULL, *q = NULL, *a2 = NULL, *f8 = NULL, *y = NULL;
+    CHECK_OK(ms_tensor_new(&x, 1, n64, MS_F32, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&codes, 1, n32, MS_U8, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&am, 1, one, MS_F32, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&q, 1, one, MS_U8, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&a2, 1, one, MS_F32, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&f8, 1, n64, MS_F8E4M3, MS_DEVICE_CPU, 0));
+    CHECK_OK(ms_tensor_new(&y, 2, n8, MS_F32, MS_DEVICE_CPU, 0));
+    REFUSE(ms_nf4_quantize, x, NULL, 64, codes, am);
+    REFUSE(ms_nf4_quantize, codes, x, 64, NULL, am);
+    REFUSE(ms_nf4_quantize, absmax, x, 64, codes, NULL);
+    CHECK_OK(ms_nf4_quantize(x, 64, codes, am));
+    REFUSE(ms_nf4_dequantize, out, NULL, codes, am, 64);
+    REFUSE(ms_nf4_dequantize, codes, x, NULL, am, 64);
+    REFUSE(ms_nf4_dequantize, absmax, x, codes, NULL, 64);
+    double off = 0.0;
+    REFUSE(ms_nf4_compress_absmax, absmax, NULL, q, a2, &off);
+    REFUSE(ms_nf4_compress_absmax, qabsmax, am, NULL, a2, &off);
+    REFUSE(ms_nf4_compress_absmax, absmax2, am, q, NULL, &off);
+    REFUSE(ms_nf4_compress_absmax, offset, am, q, a2, NULL);
+    REFUSE(ms_nf4_decompress_absmax, absmax, NULL, q, a2, 0.0);
+    REFUSE(ms_nf4_decompress_absmax, qabsmax, am, NULL, a2, 0.0);
+    REFUSE(ms_nf4_decompress_absmax, absmax2, am, q, NULL, 0.0);
+    REFUSE(ms_nf4_bytes, out, 64, 64, 0, NULL);
+    REFUSE(ms_fp8_amax, amax, NULL, x, MS_FP8_TENSORWISE);
+    REFUSE(ms_fp8_amax, x, am, NULL, MS_FP8_TENSORWISE);
+    REFUSE(ms_fp8_scale, scale, NULL, am, MS_F8E4M3, 0);
+    REFUSE(ms_fp8_scale, amax, a2, NULL, MS_F8E4M3, 0);
+    REFUSE(ms_fp8_cast, out, NULL, x, am);
+    REFUSE(ms_fp8_cast, x, f8, NULL, am);
+    REFUSE(ms_fp8_cast, scale, f8, x, NULL);
+    REFUSE(ms_fp8_dequantize, out, NULL, f8, am);
+    REFUSE(ms_fp8_dequantize, fp8, x, NULL, am);
+    REFUSE(ms_fp8_dequantize, scale, x, f8, NULL);
+    REFUSE(ms_qat_fake_quantize, out, NULL, y, MS_QAT_8DA4W_WEIGHT, 32, MS_F32);
+    REFUSE(ms_qat_fake_quantize, x, y, NULL, MS_QAT_8DA4W_WEIGHT, 32, MS_F32);
+    REFUSE(ms_unit_set_fp8_all_gather, u, NULL, 0, 1);
+    ms_tensor_release(x);
+    ms_tensor_release(codes);
+    ms_tensor_release(am);
+    ms_tensor_release(q);
+    ms_tensor_release(a2);
+    ms_tensor_release(f8);
+    ms_tensor_release(y);
+}
+
 /* ---------------------------------------------------------------- the headers' prototypes */
 
 typedef struct {
@@ -743,6 +792,7 @@ static void test_coverage(void) {
 int main(void) {
     test_core_without_handles();
     test_tensors();
+    test_quant();
     ms_world *w = NULL;
     ms_comm *c = NULL;
     CHECK_OK(ms_threads_world_new(&w, 1, 60));
