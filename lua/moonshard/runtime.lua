@@ -159,7 +159,11 @@ function M.materialize(plan)
     local u = ms.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
     -- where the shards live is fixed before the first parameter is allocated
     if offload then u:set_cpu_offload(true) end
-    for _, p in ipairs(params) do u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad) end
+    for i, p in ipairs(params) do
+      u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad)
+      -- a recipe's fp8 step with the float8 all-gather: gathered as e4m3 (unit_fp8.c)
+      if p.fp8 then u:set_fp8_all_gather(i - 1) end
+    end
     u:finalize()
     if factor then u:set_gradient_divide_factor(factor) end
     -- the plan's optimizer: torch_adamw keeps AdamW's state in the stored dtype
@@ -245,7 +249,7 @@ function M.materialize(plan)
       for _, e in ipairs(pu.entries) do
         local t = tp and tp[e.param]
         params[#params + 1] = { fqn = e.fqn, shape = t and t.local_shapes[tp_coord + 1] or e.shape, dtype = e.param.dtype,
-          dim = e.dim, requires_grad = e.param.requires_grad }
+          dim = e.dim, requires_grad = e.param.requires_grad, fp8 = e.param.fp8_gather ~= nil }
       end
       local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
       add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,

@@ -320,6 +320,17 @@ describe("a plan with a recipe", function()
     end
   end)
 
+  it("materialises the fp8 plan: the units gather the planned weights as e4m3 (torchao's cast, every rank), " ..
+     "an amax all-reduce each, the all-gather the plan's bytes", function()
+    for _, run in ipairs({ { "2" }, { "4" }, { "4", "hsdp" } }) do
+      local r = S.run({ "-n", run[1], "tests/lua/scripts/recipe_units.lua", run[2] })
+      assert(r.code == 0, r.out .. r.err)
+      local oks = 0
+      for _ in r.out:gmatch("recipe_units ok %d") do oks = oks + 1 end
+      assert.equal(tonumber(run[1]), oks)
+    end
+  end)
+
   it("sets the policy's options from distributed, pipeline, moe and activation_checkpointing; --set overrides", function()
     local model = tree("llama3.1_8b")
     local r = recipe({ distributed = { activation_checkpointing = true, enable_fsdp2_prefetch = true,
