@@ -15,7 +15,10 @@
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
 #   - moe_trainer with ranks as processes: a pipeline (pp=2; pp=2,dp_shard=2 in 4
 #     micro-batches), FSDP (dp_shard=4) and tensor parallelism (tp=2; dp_shard=2,tp=2 with
-#     sequence parallel) print the threads run's losses and save its parameters, bit for bit
+#     sequence parallel), LoRA adapters from a recipe (HSDP 2x2) print the threads run's
+#     losses and save its parameters, bit for bit
+#   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies) and a recipe's fp8
+#     all-gather (recipe_units.lua) on 4 ranks
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
 #   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
 #     that never arrives (timeout) and a killed rank each end the whole job non-zero within
@@ -169,7 +172,8 @@ done
 TRAINER=$BUILD_DIR/moe_trainer
 if [ -x "$TRAINER" ]; then
   printf 'hidden_size = 32\nexpert_dim = 32\nseq_len = 32\n' >"$TMP/trainer.cfg"
-  for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4" "2 tp=2" "4 dp_shard=2,tp=2 --sequence-parallel"; do
+  for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4" "2 tp=2" "4 dp_shard=2,tp=2 --sequence-parallel" \
+    "4 dp_replicate=2,dp_shard=2 --recipe examples/recipes/moe_trainer_lora.lua"; do
     read -r np mesh extra <<<"$case"
     name=trainer_${mesh//[=,]/_}
     targs=(-n "$np" --mesh "$mesh" --policy policies/full_fp32.lua --steps 5 --seed 7 --config "$TMP/trainer.cfg")
@@ -209,6 +213,22 @@ for mesh in dp_shard=4 dp_replicate=2,dp_shard=2 dp_shard=4,ep=2; do
     fail "units.lua $mesh (exit $code)" "$TMP/units_$mesh.out" "$TMP/units_$mesh.err"
   fi
 done
+
+# Megatron-FSDP's buckets (ZeRO-0..3), the fp8 all-gather of a recipe's plan
+for strategy in no_shard optim optim_grads optim_grads_params; do
+  job "megatron_$strategy" 4 -- tests/lua/scripts/megatron_units.lua "$strategy"
+  if [ "$code" = 0 ] && every_rank "megatron_$strategy" 4 "^rank R: megatron $strategy W=4: params max diff 0 "; then
+    ok "megatron_units.lua $strategy on 4 ranks: every rank's slice the 1-rank run's bits"
+  else
+    fail "megatron_units.lua $strategy (exit $code)" "$TMP/megatron_$strategy.out" "$TMP/megatron_$strategy.err"
+  fi
+done
+job recipe_units 4 -- tests/lua/scripts/recipe_units.lua hsdp
+if [ "$code" = 0 ] && every_rank recipe_units 4 "^recipe_units ok R$"; then
+  ok "recipe_units.lua hsdp on 4 ranks: the fp8 step's weights gathered as torchao's e4m3 on every rank"
+else
+  fail "recipe_units.lua hsdp (exit $code)" "$TMP/recipe_units.out" "$TMP/recipe_units.err"
+fi
 
 # ---------------------------------------------------------------- LuaJIT ranks over MPI
 if [ -x "$BUILD_DIR/moonshard-jit" ]; then
