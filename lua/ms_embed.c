@@ -193,7 +193,8 @@ typedef enum {
     C_BATCH,
     C_RECIPE,
     C_PARAM_INFO,
-    C_LORA
+    C_LORA,
+    C_RAN
 } call_kind;
 
 typedef struct {
@@ -208,13 +209,13 @@ typedef struct {
     lua_Integer out[2]; /* integer results */
     int64_t *shape_out; /* C_PARAM_INFO's shape (MS_MAX_DIMS) */
     ms_dtype dtype_out;
-    double alpha_out;
+    double num_out[2]; /* C_LORA's alpha, dropout */
     char *json;          /* C_PLAN_JSON's result, malloc'd */
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
                                  "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
-                                 "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora"};
+                                 "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora", "recipe_ran"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -264,7 +265,8 @@ static int p_call(lua_State *L) {
     case C_RECIPE:
     case C_OPTION: lua_pushstring(L, c->s1); nargs = 1; break;
     case C_PARAM_INFO: lua_pushstring(L, c->s1); nargs = 1; nres = 4; break;
-    case C_LORA: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
+    case C_LORA: lua_pushstring(L, c->s1); nargs = 1; nres = 5; break;
+    case C_RAN: lua_pushstring(L, c->s1); nargs = 1; nres = 1; break;
     case C_LIMITS:
         lua_pushnumber(L, c->d1);
         lua_pushnumber(L, c->d2);
@@ -301,8 +303,11 @@ static int p_call(lua_State *L) {
         c->out[1] = lua_toboolean(L, -1);
         c->dtype_out = dt;
     } else if (c->kind == C_LORA) {
-        c->out[0] = int_result(L, fn, 1, 2);
-        c->alpha_out = lua_tonumber(L, -1);
+        /* dim, alpha, dropout, dropout_pre, init_uniform */
+        c->out[0] = int_result(L, fn, 1, 5);
+        c->num_out[0] = lua_tonumber(L, -4);
+        c->num_out[1] = lua_tonumber(L, -3);
+        c->out[1] = int_result(L, fn, 4, 5) * 2 + int_result(L, fn, 5, 5);
     } else if (c->kind == C_PLAN_JSON) {
         size_t len;
         if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "moonshard internal error: embed: plan_json returned no string");
@@ -651,15 +656,29 @@ ms_status ms_interp_param_info(ms_interp *in, const char *fqn, int *ndim, int64_
     return MS_OK;
 }
 
-ms_status ms_interp_lora(ms_interp *in, const char *module, int *dim, double *alpha) {
+ms_status ms_interp_lora(ms_interp *in, const char *module, ms_lora *out) {
     EMB_NOT_NULL(in);
     EMB_NOT_NULL(module);
-    EMB_NOT_NULL(dim);
+    EMB_NOT_NULL(out);
     embed_call c = {.kind = C_LORA, .s1 = module};
     ms_status st = call(in, &c);
     if (st) return st;
-    *dim = (int)c.out[0];
-    if (alpha) *alpha = c.alpha_out;
+    out->dim = (int)c.out[0];
+    out->alpha = c.num_out[0];
+    out->dropout = c.num_out[1];
+    out->dropout_pre = (int)(c.out[1] / 2);
+    out->init_uniform = (int)(c.out[1] % 2);
+    return MS_OK;
+}
+
+ms_status ms_interp_recipe_ran(ms_interp *in, const char *step, int *ran) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(step);
+    EMB_NOT_NULL(ran);
+    embed_call c = {.kind = C_RAN, .s1 = step};
+    ms_status st = call(in, &c);
+    if (st) return st;
+    *ran = (int)c.out[0];
     return MS_OK;
 }
 

@@ -160,11 +160,24 @@ ms_status ms_interp_set_recipe(ms_interp *in, const char *path);
  * planned model does not have. */
 ms_status ms_interp_param_info(ms_interp *in, const char *fqn, int *ndim, int64_t *shape, ms_dtype *dtype,
                                int *requires_grad);
-/* The LoRA adapter the recipe put on module `module` of the last plan's model: *dim its
- * rank and *alpha its alpha (the adapter's output is scaled by alpha / dim, as Automodel's
- * LinearLoRA does); *dim = 0 when the module has none.  alpha may be NULL.  MS_ERR_STATE
- * before a plan; MS_ERR_ARG for a module the planned model does not have. */
-ms_status ms_interp_lora(ms_interp *in, const char *module, int *dim, double *alpha);
+/* A LoRA adapter a recipe put on a module (Automodel's LinearLoRA, from the recipe's peft
+ * section): its rank (0 when the module has none), alpha (the adapter's output is scaled by
+ * alpha / dim), dropout probability and position, and how lora_A is initialised (lora_B
+ * starts at zero). */
+typedef struct ms_lora {
+    int dim;
+    double alpha;
+    double dropout;
+    int dropout_pre;  /* 1: dropout_position "pre" (on the adapter's input), 0: "post" */
+    int init_uniform; /* lora_A_init: 0 "xavier" (xavier normal), 1 "uniform" (kaiming uniform, a = sqrt 5) */
+} ms_lora;
+/* The adapter on module `module` of the last plan's model into *out (out->dim = 0 when the
+ * module has none).  MS_ERR_STATE before a plan; MS_ERR_ARG for a module the planned model
+ * does not have. */
+ms_status ms_interp_lora(ms_interp *in, const char *module, ms_lora *out);
+/* Whether the last plan's recipe ran a step ("quantization", "peft", "fp8" or "qat"): *ran
+ * 1 or 0 (0 without a recipe).  MS_ERR_STATE before a plan; MS_ERR_ARG for another name. */
+ms_status ms_interp_recipe_ran(ms_interp *in, const char *step, int *ran);
 
 /* MS_API_END */
 

@@ -467,46 +467,28 @@ static ms_status describe_model(Trainer *tr) {
 // --recipe: the plan's model is the trainer's with the recipe's steps applied.  The steps
 // the trainer runs are LoRA's (peft) on its Linear modules: every other step would change
 // what the kernels compute (4-bit weights, fp8 or fake-quantized matmuls), so it is refused,
-// as are expert adapters and dropout.  Reads each Linear module's adapter (ms_interp_lora),
+// as are expert adapters and dropout (ms_interp_recipe_ran).  Reads each Linear module's
+// adapter (ms_interp_lora: rank, alpha, dropout, lora_A's init),
 // checks the planned adapter shapes (ms_interp_param_info), and makes tr->cfg the model
 // with them: the parameter table then continues with the adapters (model.h).
 static ms_status lora_setup(Trainer *tr) {
     const Options *opt = tr->opt;
     const ModelConfig *base = &opt->model;
-    char *json = NULL;
-    TRY("--recipe: reading the plan JSON", ms_interp_plan_json(tr->in, &json));
     static const char *const steps[] = {"quantization", "fp8", "qat"};
     for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
-        char key[64];
-        snprintf(key, sizeof key, "{\"name\":\"%s\",\"summary\"", steps[k]);
-        if (strstr(json, key)) {
-            free(json);
+        int ran;
+        TRY("--recipe: reading the plan", ms_interp_recipe_ran(tr->in, steps[k], &ran));
+        if (ran)
             return fail(tr, MS_ERR_ARG, "--recipe", "%s: its %s step is not implemented by moe_trainer, whose kernels "
                         "compute in f32 (it runs the peft step, LoRA on Linear modules, only)", opt->recipe, steps[k]);
-        }
     }
-    free(json);
-    // The peft fields ms_interp_lora does not give: dropout (refused above 0) and lora_A_init.
-    // A chunk in the interpreter reads them with moonshard.recipe (the file loaded again, in
-    // the policy sandbox); its error is the refusal, or says the init is "uniform".
-    char path[4 * 1024 + 1] = "", chunk[10 * 1024];
-    for (size_t j = 0, o = 0; opt->recipe[j] && o + 5 < sizeof path; j++, o += 4) // "\ddd" per byte
-        snprintf(path + o, sizeof path - o, "\\%03u", (unsigned char)opt->recipe[j]);
-    snprintf(chunk, sizeof chunk,
-             "local p = require('moonshard.recipe').load('%s').peft or {}\n"
-             "if (p.dropout or 0) > 0 then error('--recipe %s: peft.dropout = ' .. p.dropout .. ': moe_trainer runs "
-             "LoRA without dropout (give dropout = 0 or leave it out)', 0) end\n"
-             "if p.lora_A_init == 'uniform' then error('uniform', 0) end", path, path);
-    ms_status st = ms_interp_exec(tr->in, chunk);
-    int uniform = st && !strcmp(ms_last_error(), "uniform");
-    if (st && !uniform) return fail(tr, st, "--recipe", "%s", ms_last_error());
     const int L = base->num_layers, M = model_lora_module_count(base);
     for (int l = 0; l < L; l++) {
         char name[MODEL_NAME_MAX];
-        int dim;
+        ms_lora lora;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts", l);
-        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &dim, NULL));
-        if (dim)
+        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &lora));
+        if (lora.dim)
             return fail(tr, MS_ERR_ARG, "--recipe", "%s: its peft puts LoRA on the GroupedExperts %s (lora_gate_and_up_A/B, "
                         "lora_down_A/B); moe_trainer runs adapters on Linear modules only (the shared experts' gate_proj, "
                         "up_proj and down_proj, lm_head): narrow target_modules", opt->recipe, name);
@@ -514,14 +496,21 @@ static ms_status lora_setup(Trainer *tr) {
     tr->lora.dim = calloc((size_t)M, sizeof *tr->lora.dim);
     tr->lora.scale = calloc((size_t)M, sizeof *tr->lora.scale);
     if (!tr->lora.dim || !tr->lora.scale) return fail(tr, MS_ERR_OOM, "allocating", "out of memory");
-    tr->lora.a_init = uniform ? LORA_INIT_UNIFORM : LORA_INIT_XAVIER;
+    tr->lora.a_init = LORA_INIT_XAVIER;
     for (int m = 0; m < M; m++) {
         char name[MODEL_NAME_MAX], fqn[MODEL_NAME_MAX + 16];
-        int dim, out, in;
-        double alpha;
+        int out, in;
+        ms_lora lora;
         model_lora_module(base, m, name, sizeof name, &out, &in);
-        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &dim, &alpha));
+        TRY("--recipe: reading the adapters", ms_interp_lora(tr->in, name, &lora));
+        const int dim = lora.dim;
+        const double alpha = lora.alpha;
         if (!dim) continue;
+        if (lora.dropout > 0)
+            return fail(tr, MS_ERR_ARG, "--recipe", "%s: peft.dropout = %g: moe_trainer runs LoRA without dropout "
+                        "(give dropout = 0 or leave it out)", opt->recipe, lora.dropout);
+        // one peft section: every adapter is initialised alike
+        tr->lora.a_init = lora.init_uniform ? LORA_INIT_UNIFORM : LORA_INIT_XAVIER;
         for (int which = 0; which < 2; which++) { // the plan's A [dim, in] and B [out, dim], trainable
             int ndim, rg;
             int64_t shape[MS_MAX_DIMS];

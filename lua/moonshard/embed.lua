@@ -181,7 +181,8 @@ function M.param_info(fqn)
   fail("the planned model has no parameter '" .. fqn .. "'")
 end
 
---- The LoRA adapter the recipe put on a module: its dim and alpha; 0, 0 when it has none.
+--- The LoRA adapter the recipe put on a module: dim, alpha, dropout, 1 when dropout is "pre",
+-- 1 when lora_A_init is "uniform"; all 0 when it has none.
 function M.lora(name)
   local m = planned_tree():get(name)
   if not m then
@@ -192,8 +193,22 @@ function M.lora(name)
   end
   if not m then fail("the planned model has no module '" .. name .. "'") end
   local l = m.attrs and m.attrs.lora
-  if not l then return 0, 0 end
-  return l.dim, l.alpha
+  if not l then return 0, 0, 0, 0, 0 end
+  return l.dim, l.alpha, l.dropout, l.dropout_position == "pre" and 1 or 0, l.init == "uniform" and 1 or 0
+end
+
+--- 1 when the last plan's recipe ran `step`, else 0.
+function M.recipe_ran(step)
+  if not state.plan then fail_state("no plan yet: plan the model first") end
+  local known = { quantization = true, peft = true, fp8 = true, qat = true }
+  if not known[step] then
+    fail(string.format("recipe step '%s': expected quantization, peft, fp8 or qat",
+      require("moonshard.util").short_name(step)))
+  end
+  for _, st in ipairs(state.plan.recipe and state.plan.recipe.steps or {}) do
+    if st.name == step then return 1 end
+  end
+  return 0
 end
 
 --- The optimizer the plans made after this count (and their units follow).

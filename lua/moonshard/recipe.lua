@@ -701,7 +701,8 @@ local function step_peft(r, model, rec)
       m:param("lora_down_B", { E, rdim, H }, dt)
       added = added + E * (H * rdim + rdim * U + I * rdim + rdim * H)
       m.attrs = util.copy(m.attrs)
-      m.attrs.lora = { dim = rdim, alpha = p.alpha or 32 }
+      m.attrs.lora = { dim = rdim, alpha = p.alpha or 32, dropout = p.dropout or 0,
+        dropout_position = p.dropout_position or "post", init = p.lora_A_init or "xavier" }
       rec.changed[#rec.changed + 1] = name
     elseif m.type == "Linear" and match(m, name) then
       local out_f, in_f = weight_dims(m)
@@ -714,7 +715,8 @@ local function step_peft(r, model, rec)
       B:param("weight", { out_f, dim }, dt)
       added = added + dim * (in_f + out_f)
       m.attrs = util.copy(m.attrs)
-      m.attrs.lora = { dim = dim, alpha = p.alpha or 32 }
+      m.attrs.lora = { dim = dim, alpha = p.alpha or 32, dropout = p.dropout or 0,
+        dropout_position = p.dropout_position or "post", init = p.lora_A_init or "xavier" }
       rec.changed[#rec.changed + 1] = name
     end
   end
