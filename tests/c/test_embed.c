@@ -649,6 +649,58 @@ static void plans_agree(void) {
     }
 }
 
+/* A recipe (ms_interp_set_recipe): its LoRA adapters appear in the plan, described by
+ * ms_interp_param_info and ms_interp_lora, and materialise in the units. */
+static void recipes(void) {
+    ms_interp *in = NULL;
+    CHECK_OK(ms_interp_new(&in, C1));
+    if (!in) return;
+    const char *cfg = MOONSHARD_SOURCE_DIR "/tests/lua/configs/inkling2_tiny.json";
+    CHECK_OK(ms_interp_model_config(in, cfg));
+    CHECK_ERR(ms_interp_set_recipe(in, at("nonexistent_recipe.lua")), MS_ERR_IO, "recipe ");
+    CHECK_ERR(ms_interp_set_recipe(in, at("badrecipe.lua")), MS_ERR_ARG,
+              "peft: unknown field 'rank' (peft's fields: ");
+    CHECK_ERR(ms_interp_set_recipe(in, ""), MS_ERR_ARG, "embed: the recipe path is empty");
+    ms_lora lora;
+    int ran = -1;
+    CHECK_ERR(ms_interp_lora(in, "lm_head", &lora), MS_ERR_STATE, "no plan yet");
+    CHECK_ERR(ms_interp_recipe_ran(in, "peft", &ran), MS_ERR_STATE, "no plan yet");
+    CHECK_OK(ms_interp_set_recipe(in, at("recipe.lua")));
+    const char *policy = MOONSHARD_SOURCE_DIR "/policies/fsdp2_default.lua";
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", policy, NULL));
+    CHECK_OK(ms_interp_recipe_ran(in, "peft", &ran));
+    CHECK(ran == 1, "(peft ran %d)", ran);
+    CHECK_OK(ms_interp_recipe_ran(in, "fp8", &ran));
+    CHECK(ran == 0, "(fp8 ran %d)", ran);
+    CHECK_ERR(ms_interp_recipe_ran(in, "lora", &ran), MS_ERR_ARG, "recipe step 'lora': expected quantization, peft");
+    CHECK_OK(ms_interp_lora(in, "lm_head", &lora));
+    CHECK(lora.dim == 4 && lora.alpha == 8 && lora.dropout == 0 && !lora.dropout_pre && lora.init_uniform,
+          "(lm_head: dim %d alpha %g dropout %g pre %d uniform %d)", lora.dim, lora.alpha, lora.dropout,
+          lora.dropout_pre, lora.init_uniform);
+    CHECK_OK(ms_interp_lora(in, "model.norm", &lora));
+    CHECK(lora.dim == 0, "(model.norm has no adapter: dim %d)", lora.dim);
+    CHECK_ERR(ms_interp_lora(in, "no.such.module", &lora), MS_ERR_ARG, "the planned model has no module 'no.such.module'");
+    int ndim = 0, rg = -1;
+    int64_t shape[MS_MAX_DIMS];
+    ms_dtype dt;
+    CHECK_OK(ms_interp_param_info(in, "lm_head.lora_B.weight", &ndim, shape, &dt, &rg));
+    int64_t vocab = 0;
+    CHECK_OK(ms_interp_param_info(in, "lm_head.weight", &ndim, shape, &dt, &rg));
+    vocab = shape[0];
+    CHECK(ndim == 2 && rg == 0, "(lm_head.weight frozen: ndim %d requires_grad %d)", ndim, rg);
+    CHECK_OK(ms_interp_param_info(in, "lm_head.lora_B.weight", &ndim, shape, &dt, &rg));
+    CHECK(ndim == 2 && shape[0] == vocab && shape[1] == 4 && rg == 1, "(lora_B: %d dims [%lld, %lld] rg %d)", ndim,
+          (long long)shape[0], (long long)shape[1], rg);
+    CHECK_ERR(ms_interp_param_info(in, "lm_head.lora_C.weight", &ndim, shape, &dt, &rg), MS_ERR_ARG,
+              "the planned model has no parameter 'lm_head.lora_C.weight'");
+    CHECK_OK(ms_interp_materialize(in));
+    int unit = -1, index = -1;
+    CHECK_OK(ms_interp_find_param(in, "lm_head.lora_A.weight", &unit, &index));
+    CHECK(unit >= 0 && index >= 0, "(lora_A in unit %d index %d)", unit, index);
+    CHECK_ERR(ms_interp_set_recipe(in, at("recipe.lua")), MS_ERR_STATE, "set the recipe before planning");
+    ms_interp_free(in);
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(void) {
@@ -718,6 +770,9 @@ int main(void) {
                              "  ctx.units, ctx.owner = {}, {}\n"
                              "end\n"
                              "return M\n");
+    write_file("recipe.lua", "return { peft = { target_modules = { 'lm_head' }, dim = 4, alpha = 8, "
+                             "lora_A_init = 'uniform' } }\n");
+    write_file("badrecipe.lua", "return { peft = { rank = 4 } }\n");
     snprintf(good, sizeof good, "%s", at("good.lua"));
     out_of_memory();
     if (ms_threads_world_new(&W1, 1, 60) || ms_world_comm(W1, 0, &C1)) {
@@ -733,12 +788,13 @@ int main(void) {
     plan_options();
     hostile_policies();
     plans_agree();
+    recipes();
 
     ms_comm_release(C1);
     ms_world_release(W1);
     const char *names[] = {"good.lua", "typecheck.lua", "typecheck_config.lua", "unowned.lua", "badprefetch.lua", "tableerr.lua",
                            "nilerr.lua", "tostringerr.lua", "tostringboom.lua", "bad.json", "leak.lua",
-                           "spin.lua", "tamper.lua", "slow.lua"};
+                           "spin.lua", "tamper.lua", "slow.lua", "recipe.lua", "badrecipe.lua"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) unlink(at(names[i]));
     rmdir(dir);
     printf("test_embed: %d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
