@@ -18,8 +18,9 @@ local M = {}
 M.options = {
   zero_dp_strategy = { default = 3, type = "number|string",
     doc = "0/no_shard, 1/optim (ZeRO-1), 2/optim_grads (ZeRO-2), 3/optim_grads_params (ZeRO-3)" },
-  megatron_fsdp_unit_modules = { default = nil, type = "nil|list",
-    doc = "class names of the FSDP unit modules (none: the classes of model.layers, as _no_split_modules)" },
+  megatron_fsdp_unit_modules = { default = nil, type = "nil|string",
+    doc = "class names of the FSDP unit modules, comma-separated (LlamaDecoderLayer,MLP; none: the classes of " ..
+      "model.layers, as _no_split_modules)" },
   grad_reduce_in_fp32 = { default = false, doc = "main gradients (and their reduction) in fp32" },
   preserve_fp32_weights = { default = false, doc = "fp32 main weights for the optimizer (sharded from ZeRO-1 on)" },
   overlap_param_gather = { default = true, doc = "prefetch the next FSDP unit's buckets (ZeRO-3's transient memory)" },
@@ -43,8 +44,12 @@ function M.parallelize(ctx)
     ctx:warn("activation_checkpointing: Automodel logs \"Activation checkpointing is not yet supported with " ..
       "MegatronFSDP. Skipping.\"; the plan skips it too")
   end
-  local classes = o.megatron_fsdp_unit_modules
-  if classes == nil then
+  local classes = nil
+  if o.megatron_fsdp_unit_modules ~= nil then
+    classes = {}
+    for name in o.megatron_fsdp_unit_modules:gmatch("[^,%s]+") do classes[#classes + 1] = name end
+    if #classes == 0 then error("megatron_fsdp_unit_modules names no class; give class names, comma-separated", 0) end
+  else
     classes = {}
     local layers = ctx.model:get("model.layers")
     local seen = {}

@@ -1595,13 +1595,17 @@ local function plan(model, mesh, policy, opts)
   local optimizer, parallelize = check_request(mesh, policy, opts)
   -- a recipe (moonshard.recipe): its steps run on a copy of the model, in Automodel's order,
   -- before the policy shards it; its distributed, pipeline and moe fields set policy options
-  local recipe, steps, values = opts.recipe, nil, opts.options
+  local recipe, steps, values, recipe_notes = opts.recipe, nil, opts.options, nil
   if recipe ~= nil then
     local R = require "moonshard.recipe"
     if type(recipe) ~= "table" or type(recipe.file) ~= "string" then recipe = R.check(recipe, "recipe") end
     R.check_mesh(recipe, mesh)
-    model, steps = R.apply(recipe, model)
-    values = R.policy_options(recipe, M.declared_options(policy), opts.policy_name, mesh:size("ep"))
+    model, steps, recipe_notes = R.apply(recipe, model)
+    local option_notes
+    values, option_notes = R.policy_options(recipe, M.declared_options(policy), opts.policy_name, mesh:size("ep"),
+      mesh:size("pp"))
+    for _, x in ipairs(option_notes) do recipe_notes[#recipe_notes + 1] = x end
+    table.sort(recipe_notes)
     for k, v in pairs(opts.options or {}) do values[k] = v end
   end
   check_params(model)
@@ -1665,6 +1669,23 @@ local function plan(model, mesh, policy, opts)
     warnings[#warnings + 1] = string.format("cp_rotate %s has no effect: cp = 1, so no keys or values are exchanged",
       tokens.cp_rotate)
   end
+  -- a recipe's 4-bit weights: FSDP2's mixed precision would cast their packed codes
+  local packed, storage = {}, nil
+  for _, u in ipairs(ctx.units) do
+    for _, e in ipairs(u.entries or {}) do
+      if e.param.quant and u.mp and u.mp.param_dtype and u.mp.param_dtype ~= e.param.dtype then
+        packed[#packed + 1] = string.format("%s (unit %s, param_dtype %s)", e.fqn, display(u.name), u.mp.param_dtype)
+        storage = storage or e.param.dtype
+      end
+    end
+  end
+  if #packed > 0 then
+    warnings[#warnings + 1] = string.format("%d 4-bit weight%s stored as packed codes in %s sit in units whose " ..
+      "mixed precision casts parameters to another dtype (%s%s): FSDP2 would cast the packed codes; the plan " ..
+      "gathers them in their storage dtype. Set bnb_4bit_quant_storage to the units' param_dtype",
+      #packed, #packed == 1 and "" or "s", storage, packed[1], #packed > 1 and
+      string.format(", and %d more", #packed - 1) or "")
+  end
   if mesh:size("pp") > 1 and not ctx.pp then
     warnings[#warnings + 1] = string.format("pp = %d but the policy split the model into no pipeline stages " ..
       "(ctx:pipeline): every pp rank holds the whole model as planned, and the pp axis only divides the ranks",
@@ -1713,7 +1734,7 @@ local function plan(model, mesh, policy, opts)
     model_tree = model,
   }
   if recipe ~= nil then
-    result.recipe = { file = recipe.file, manager = recipe.manager, steps = steps, notes = recipe.notes }
+    result.recipe = { file = recipe.file, manager = recipe.manager, steps = steps, notes = recipe_notes }
     if recipe.manager ~= result.manager and #ctx.units > 0 then
       fail(string.format("the recipe %s asks for the %s manager, but the policy %s made %s units (give the " ..
         "manager's policy, or leave --policy out to take the shipped one)", recipe.file, recipe.manager,

@@ -267,7 +267,13 @@ function M.manager_policy(recipe)
     error(string.format("moonshard: recipe %s: the %s manager's policy %s is not installed; give --policy",
       recipe.file, recipe.manager, file), 0)
   end
-  return dir .. "/" .. file
+  -- "lua/moonshard/../../policies" read as "policies": each "x/.." dropped
+  local parts = {}
+  for part in (dir .. "/" .. file):gmatch("[^/]+") do
+    if part == ".." and #parts > 0 and parts[#parts] ~= ".." then parts[#parts] = nil
+    elseif part ~= "." then parts[#parts + 1] = part end
+  end
+  return (dir:sub(1, 1) == "/" and "/" or "") .. table.concat(parts, "/")
 end
 
 --- The policy's entry table, loaded in the sandbox with the limits given.
@@ -295,7 +301,7 @@ function M.main(args)
   end
   local models_given = (o.config and 1 or 0) + (o.safetensors and 1 or 0) + (o.model and 1 or 0)
   if o["list-options"] then
-    if not o.policy then return usage_error("--list-options needs --policy") end
+    if not o.policy and not o.recipe then return usage_error("--list-options needs --policy (or --recipe)") end
   elseif models_given ~= 1 then
     return usage_error("give the model with exactly one of --config FILE, --safetensors PATH or --model ORG/NAME")
   end
@@ -373,7 +379,11 @@ function M.main(args)
     io.stderr:write("moonshard plan: error: " .. msg .. "\n")
   end
   if o["list-options"] then
-    local ok, text = pcall(M.options_listing, o)
+    local ok, text = pcall(function()
+      -- with only a recipe: its manager's shipped policy
+      if not o.policy then o.policy = M.manager_policy(require("moonshard.recipe").load(o.recipe, o.limits)) end
+      return M.options_listing(o)
+    end)
     if not ok then
       print_error(text)
       return 1

@@ -360,7 +360,7 @@ function T.fp8_amax(ctx, comm, gathers)
       end
     end
     local ranks = (u.shard_size or 1) * (u.replicate_size or 1)
-    if n > 0 and ranks > 1 then
+    if n > 0 and ranks > 1 and u.kind ~= "replicate" and u.kind ~= "megatron_fsdp" then
       if precompute then
         stacked, group = stacked + n, math.max(group, ranks)
       else

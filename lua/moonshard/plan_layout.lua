@@ -111,7 +111,10 @@ local function finish_unit(ctx, unit, fqn_of)
     local gather, red = plan.effective_dtypes(p.dtype, unit.mp)
     -- torchao's float8 all-gather (a recipe's fp8 step): the weight is cast to e4m3 with its
     -- tensorwise scale before FSDP gathers it (torchao/float8/fsdp_utils.py fsdp_pre_all_gather)
-    if p.fp8_gather then gather = "f8e4m3" end
+    if p.fp8_gather and not replicated then gather = "f8e4m3" end
+    -- a 4-bit weight's packed codes (a recipe's quantization) travel in their storage dtype:
+    -- a cast would scramble them (plan.lua warns when the policy asks for one)
+    if p.quant then gather = p.dtype end
     -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
     if p.requires_grad and FLOAT[p.dtype] then
       dtypes[p.dtype] = dtypes[p.dtype] or {}

@@ -523,14 +523,17 @@ function M.to_text(plan, opts)
   -- the all_reduce (HSDP) and offload columns only when some unit has them, so other plans
   -- read as before
   local staged = plan.pipeline ~= nil
-  add(string.format("%4s  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), "kind", pad("mesh", mw),
+  -- the kind column fits the longest kind (megatron_fsdp)
+  local kw = 11
+  for _, u in ipairs(plan.units) do kw = math.max(kw, #u.kind) end
+  add(string.format("%4s  %s  %s %s %12s %6s %6s %-7s %10s %10s", "#", pad("unit", nw), pad("kind", kw), pad("mesh", mw),
     "params", "gather", "reduce", "reshard", "AG/step", "RS/step") .. (replicated and string.format(" %10s", "AR/step")
     or "") .. (offload and "  offload" or "") .. (staged and "  stage" or ""))
   for i, u in ipairs(plan.units) do
     local g, r = dtypes_str(u)
     local raf = u.reshard
-    add(string.format("%4d  %s  %-11s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
-      u.kind, pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
+    add(string.format("%4d  %s  %s %s %12s %6s %6s %-7s %10s %10s", i, pad(u.name == "" and "<root>" or u.name, nw),
+      pad(u.kind, kw), pad(table.concat(u.mesh_axes, ","), mw), util.thousands(u.numel), g, r,
       (u.kind == "replicate" or u.kind == "megatron_fsdp") and "-" or tostring(raf), util.bytes(u.all_gather_bytes),
       util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
       or "") .. (offload and "  " .. (u.offload or "-") or "") .. (staged and string.format("  %5d", u.stage) or ""))

@@ -91,7 +91,7 @@ function T.flops(ctx, seq_len, pp_rank, global)
   local function slot(u)
     local key = u or false
     if not by_unit[key] then
-      by_unit[key] = { matmul = {}, recompute = {}, attention = {}, weights = 0 }
+      by_unit[key] = { matmul = {}, recompute = {}, attention = {}, frozen = {}, weights = 0 }
       order[#order + 1] = key
     end
     return by_unit[key]
@@ -120,6 +120,8 @@ function T.flops(ctx, seq_len, pp_rank, global)
             local e, d = slot(u), p.quant and p.quant.compute or dtype_of(p, u)
             if m.attrs and m.attrs.fp8 and pname == "weight" then d = "f8e4m3" end
             put(e.matmul, d, f)
+            -- a frozen weight (a LoRA base) has no weight-gradient matmul in backward
+            if not p.requires_grad then put(e.frozen, d, f) end
             e.weights = e.weights + f
             if recompute then put(e.recompute, d, f) end
           end
@@ -332,11 +334,15 @@ local function rank_units(ctx, mesh, dev, eff, tokens, p, sums)
   ctx:name_of(ctx.model) -- the preorder
   local list = {}
   local function entry(u)
-    local f = by_unit[u or false] or { matmul = {}, recompute = {}, attention = {}, weights = 0 }
+    local f = by_unit[u or false] or { matmul = {}, recompute = {}, attention = {}, frozen = {}, weights = 0 }
     local fwd = seconds(f.matmul, tok, dev, eff) + seconds(f.attention, tok, dev, eff)
+    -- backward: the input gradients (as the forward) and the weight gradients (as the
+    -- forward, but none for frozen weights), and what checkpointing recomputes
+    local frozen = seconds(f.frozen, tok, dev, eff)
     local e = { unit = u or nil, name = u and (u.name == "" and "<root>" or u.name) or "(no unit)",
-      cf = fwd, cb = 2 * fwd + seconds(f.recompute, tok, dev, eff), w = seconds(f.matmul, tok, dev, eff),
-      flops = tok * (3 * (total(f.matmul) + total(f.attention)) + total(f.recompute)),
+      cf = fwd, cb = 2 * fwd - frozen + seconds(f.recompute, tok, dev, eff),
+      w = seconds(f.matmul, tok, dev, eff) - frozen,
+      flops = tok * (3 * (total(f.matmul) + total(f.attention)) - total(f.frozen) + total(f.recompute)),
       pos = u and (ctx.preorder[u.module] or 0) or 0 }
     if u then
       local c = unit_comm(mesh, dev, u, sums)
@@ -457,11 +463,16 @@ function T.estimate(ctx, mesh, tokens, comm, mem, dev, opts)
   end
   out.exposed_comm_s = math.max(0, out.step_s - out.compute_s - out.bubble_s - optimizer_s)
   out.collectives = sums
-  -- model FLOPs: the whole model's, a token's forward x 3 (forward and backward, no recompute)
+  -- model FLOPs: the whole model's, a token's forward x 3 (forward and backward, no recompute),
+  -- less the weight gradients frozen weights do not have
   local by_unit = T.flops(ctx, tokens.seq_len, nil, true)
   local per_token = 0
-  for _, f in pairs(by_unit) do per_token = per_token + total(f.matmul) + total(f.attention) end
-  out.model_flops = 3 * per_token * tokens.global_batch * tokens.seq_len
+  local frozen = 0
+  for _, f in pairs(by_unit) do
+    per_token = per_token + total(f.matmul) + total(f.attention)
+    frozen = frozen + total(f.frozen)
+  end
+  out.model_flops = (3 * per_token - frozen) * tokens.global_batch * tokens.seq_len
   out.tokens_per_s = tokens.global_batch * tokens.seq_len / out.step_s
   out.mfu = out.model_flops / (mesh.world * dev.bf16_flops * out.step_s)
   if skipped and skipped > 0 then

@@ -46,6 +46,7 @@ local function fail(where, msg) error("moonshard: recipe " .. where .. ": " .. m
 local function shown(v)
   local t = type(v)
   if t == "string" then return "'" .. util.short_name(v, 60) .. "'" end
+  if t == "number" and v ~= v then return "nan" end
   if t == "number" or t == "boolean" then return tostring(v) end
   return "a " .. t
 end
@@ -69,7 +70,7 @@ local EXPECT = {
   positive = "a whole number >= 1",
   number = "a number >= 0",
   names = "a string or a list of strings",
-  ac = "true, false, \"every:K\" or a list of layer positions",
+  ac = "true, false, \"full\", \"every:K\" or a list of layer positions",
   ["function"] = "a function(fqn, info) returning true or false",
   table = "a table of fields",
   any = "a value",
@@ -260,10 +261,11 @@ local function valid(kind, v, where)
     return nil
   end
   if kind == "string" then return type(v) == "string" and #v <= 1000 and v or nil end
-  if kind == "dtype" then return type(v) == "string" and DTYPES[v:lower()] or nil end
+  -- Automodel's dtype_from_str takes "torch.bfloat16" too
+  if kind == "dtype" then return type(v) == "string" and DTYPES[(v:lower():gsub("^torch%.", ""))] or nil end
   if kind == "storage" then
     if type(v) ~= "string" then return nil end
-    local l = v:lower()
+    local l = v:lower():gsub("^torch%.", "")
     return (l == "uint8" or l == "u8") and "u8" or DTYPES[l]
   end
   if kind == "function" then return type(v) == "function" and v or nil end
@@ -273,11 +275,22 @@ local function valid(kind, v, where)
     if type(v) ~= "table" then return nil end
     local l = raw_list(v, where)
     if not l then return nil end
-    for _, s in ipairs(l) do if type(s) ~= "string" or #s > 1000 then return nil end end
+    for i, s in ipairs(l) do
+      if type(s) ~= "string" or #s > 1000 then
+        fail(where, string.format("[%d] is %s; expected a string (of at most 1000 bytes)", i, shown(s)))
+      end
+    end
+    if #l > 1000 then fail(where, string.format("has %d entries; at most 1000", #l)) end
     return l
   end
   if kind == "ac" then
     if type(v) == "boolean" then return v, true end
+    -- Automodel's ActivationCheckpointingMode: "full" is true; "selective" is not planned
+    if v == "full" then return true end
+    if v == "selective" then
+      fail(where, "is 'selective': selective activation checkpointing (some ops of a layer) is not planned; give " ..
+        "true or \"full\" (whole layers), \"every:K\" or a list of layer positions")
+    end
     if type(v) == "string" and v:match("^every:%d+$") then return v end
     if type(v) == "table" then
       local l = raw_list(v, where)
@@ -422,19 +435,36 @@ end
 -- memory_mb, seconds, as for a policy), then checked (R.check).
 function R.load(path, limits)
   if type(path) ~= "string" or path == "" then fail("", "expected a .lua file name") end
+  local stat = util.file_stat_fn()
+  if stat and stat(path) == "directory" then fail(path, "is a directory; expected a .lua file returning a table") end
   local t = require("moonshard.policy").load_data(path, "recipe", limits)
   return R.check(t, path)
 end
 
 -- ---------------------------------------------------------------- the mesh and the options
 
---- The mesh sizes the recipe's distributed section gives: axis -> size (dp_shard nil for
--- "none": the world decides).
+--- The mesh sizes the recipe's distributed section gives: axis -> size.  As Automodel's
+-- mesh (distributed/mesh_utils.py): dp_size is the whole data-parallel size, replicate x
+-- shard, so dp_shard = dp_size / dp_replicate_size (dp_shard nil when dp_size is none: the
+-- world decides).
 function R.mesh_sizes(r)
+  local d = r.distributed or {}
   local out = {}
   for field, spec in pairs(SECTIONS.distributed.fields) do
-    local v = r.distributed and r.distributed[field]
-    if spec.mesh and v ~= nil and v ~= "none" then out[spec.mesh] = v end
+    local v = d[field]
+    if spec.mesh and spec.mesh ~= "dp_shard" and v ~= nil and v ~= "none" then out[spec.mesh] = v end
+  end
+  local rep = out.dp_replicate or 1
+  if d.dp_size ~= nil and d.dp_size ~= "none" then
+    if d.dp_size % rep ~= 0 then
+      fail(r.file, string.format("distributed.dp_size = %d is not a multiple of dp_replicate_size = %d (Automodel: " ..
+        "\"dp_size must be a multiple of dp_replicate_size\")", d.dp_size, rep))
+    end
+    if rep >= d.dp_size and rep ~= 1 then
+      fail(r.file, string.format("distributed.dp_replicate_size = %d must be less than dp_size = %d (Automodel: " ..
+        "\"DDP usecase is not supported by FSDP2\")", rep, d.dp_size))
+    end
+    out.dp_shard = util.idiv(d.dp_size, rep)
   end
   return out
 end
@@ -442,13 +472,19 @@ end
 --- Checks the recipe's sizes against a mesh (mesh:size(axis)); an error names each
 -- disagreement.
 function R.check_mesh(r, mesh)
+  local d = r.distributed or {}
   local bad = {}
   for field, spec in pairs(SECTIONS.distributed.fields) do
-    local v = r.distributed and r.distributed[field]
-    if spec.mesh and v ~= nil and v ~= "none" and mesh:size(spec.mesh) ~= v then
+    local v = d[field]
+    if spec.mesh and spec.mesh ~= "dp_shard" and v ~= nil and v ~= "none" and mesh:size(spec.mesh) ~= v then
       bad[#bad + 1] = string.format("distributed.%s = %d but the mesh has %s = %d", field, v, spec.mesh,
         mesh:size(spec.mesh))
     end
+  end
+  local dp = mesh:size("dp_replicate") * mesh:size("dp_shard")
+  if d.dp_size ~= nil and d.dp_size ~= "none" and d.dp_size ~= dp then
+    bad[#bad + 1] = string.format("distributed.dp_size = %d but the mesh has dp_replicate x dp_shard = %d x %d = %d",
+      d.dp_size, mesh:size("dp_replicate"), mesh:size("dp_shard"), dp)
   end
   table.sort(bad)
   if #bad > 0 then fail(r.file, table.concat(bad, "; ") .. " (give the mesh the recipe describes, or change it)") end
@@ -461,8 +497,8 @@ R.POLICIES = { fsdp2 = "fsdp2_default.lua", ddp = "ddp.lua", megatron_fsdp = "me
 -- name -> value.  ep: the mesh's ep size (moe.reshard_after_forward is the MoE path's).
 -- A field for an option the policy does not declare is an error unless it holds
 -- Automodel's default.
-function R.policy_options(r, decl_list, policy_name, ep)
-  local out, from, decl = {}, {}, {}
+function R.policy_options(r, decl_list, policy_name, ep, pp)
+  local out, from, decl, notes = {}, {}, {}, {}
   for _, e in ipairs(decl_list) do decl[e.name] = e end
   local function set(section, field, value)
     local spec = SECTIONS[section] and SECTIONS[section].fields[field]
@@ -474,6 +510,7 @@ function R.policy_options(r, decl_list, policy_name, ep)
         "options: %s)", section ~= "" and section .. "." or "", field, shown(value), opt, policy_name or "",
         #names > 0 and table.concat(names, ", ") or "none"))
     end
+    if spec and spec.kind == "names" and type(value) == "table" then value = table.concat(value, ",") end
     if from[opt] and out[opt] ~= value then
       fail(r.file, string.format("%s and %s both set the option %s, to different values", from[opt],
         (section ~= "" and section .. "." or "") .. field, opt))
@@ -488,6 +525,12 @@ function R.policy_options(r, decl_list, policy_name, ep)
         local skip = section == "moe" and field == "reshard_after_forward" and ep <= 1
           or section == "distributed" and field == "reshard_after_forward" and ep > 1 and r.moe
             and r.moe.reshard_after_forward ~= nil
+        if skip then
+          notes[#notes + 1] = section == "moe" and "moe.reshard_after_forward (the expert-parallel path's; ep = 1)" or
+            "distributed.reshard_after_forward (ep > 1: moe.reshard_after_forward decides)"
+        elseif section == "pipeline" and (pp or 1) <= 1 and spec.opt then
+          notes[#notes + 1] = string.format("pipeline.%s (pp = 1: no pipeline)", field)
+        end
         if spec.opt and not skip then
           set(section, field, s[field])
         end
@@ -495,7 +538,7 @@ function R.policy_options(r, decl_list, policy_name, ep)
     end
   end
   if r.activation_checkpointing ~= nil then set("", "activation_checkpointing", r.activation_checkpointing) end
-  return out
+  return out, notes
 end
 
 -- ---------------------------------------------------------------- the model's copy
@@ -537,7 +580,12 @@ end
 -- then every ".*" into "(.*)", and matches the whole name with Python's re.  The patterns it
 -- makes are literal text, "." (any character) and ".*"; other regex syntax in a pattern is
 -- refused.
-local function compile_pattern(pat, where)
+-- Matching work is bounded: every step of every match counts against budget.left (a table
+-- shared by a section's patterns), and an exhausted budget is an error naming the field.
+R.MATCH_STEPS = 2e7
+
+local function compile_pattern(pat, where, budget)
+  budget = budget or { left = R.MATCH_STEPS }
   if pat:find("[%[%]%(%)%+%?%^%$|\\{}]") then
     fail(where, string.format("pattern '%s' holds regular-expression syntax beyond '*' and '.'; moonshard " ..
       "matches Automodel's wildcard patterns (literal names, '.', '*')", util.short_name(pat, 80)))
@@ -547,37 +595,49 @@ local function compile_pattern(pat, where)
   local i = 1
   while i <= #pat do
     local c = pat:sub(i, i)
-    if c == "." and pat:sub(i + 1, i + 1) == "*" then toks[#toks + 1] = "*" i = i + 2
-    elseif c == "*" then toks[#toks + 1] = "*" i = i + 1
+    local star = (c == "." and pat:sub(i + 1, i + 1) == "*") and 2 or c == "*" and 1 or nil
+    if star then
+      if toks[#toks] ~= "*" then toks[#toks + 1] = "*" end
+      i = i + star
     elseif c == "." then toks[#toks + 1] = "?" i = i + 1
     else toks[#toks + 1] = c i = i + 1 end
   end
-  -- a backtracking matcher over the tokens (names are short)
-  local function match(s, si, ti)
-    while ti <= #toks do
+  -- the classic two-pointer glob match: on a mismatch, go back to the last "*" and let it
+  -- take one character more; O(#name x #tokens) at worst, whatever the pattern
+  local function match(s)
+    local si, ti, star, mark = 1, 1, nil, 1
+    local ns, nt = #s, #toks
+    while si <= ns do
+      budget.left = budget.left - 1
+      if budget.left < 0 then
+        fail(where, string.format("matching the patterns took more than %d steps (many '*' in long patterns); " ..
+          "simplify them", R.MATCH_STEPS))
+      end
       local t = toks[ti]
       if t == "*" then
-        for k = #s + 1, si, -1 do
-          if match(s, k, ti + 1) then return true end
-        end
+        star, mark, ti = ti, si, ti + 1
+      elseif t ~= nil and (t == "?" or t == s:sub(si, si)) then
+        si, ti = si + 1, ti + 1
+      elseif star then
+        mark = mark + 1
+        si, ti = mark, star + 1
+      else
         return false
       end
-      if si > #s then return false end
-      if t ~= "?" and s:sub(si, si) ~= t then return false end
-      si, ti = si + 1, ti + 1
     end
-    return si == #s + 1
+    while toks[ti] == "*" do ti = ti + 1 end
+    return ti > nt
   end
-  return function(name) return match(name, 1, 1) end
+  return match
 end
 R.compile_pattern = compile_pattern
 
 local function matcher(p, where)
   local tm, em = p.target_modules or {}, p.exclude_modules or {}
   if not p.match_all_linear and #tm == 0 and #em == 0 then tm = { "*_proj" } end -- Automodel's default
-  local tms, ems = {}, {}
-  for i, s in ipairs(tm) do tms[i] = { s, compile_pattern(s, where .. ".target_modules") } end
-  for i, s in ipairs(em) do ems[i] = { s, compile_pattern(s, where .. ".exclude_modules") } end
+  local tms, ems, budget = {}, {}, { left = R.MATCH_STEPS }
+  for i, s in ipairs(tm) do tms[i] = { s, compile_pattern(s, where .. ".target_modules", budget) } end
+  for i, s in ipairs(em) do ems[i] = { s, compile_pattern(s, where .. ".exclude_modules", budget) } end
   -- ModuleMatcher.match(m, name): name is the full dotted name
   return function(m, name)
     local linear = m.type == "Linear"
@@ -721,7 +781,8 @@ local function step_peft(r, model, rec)
     end
   end
   if #rec.changed == 0 then
-    fail(where, "matched no module (LoRA goes on Linear modules and GroupedExperts; check target_modules)")
+    fail(where, "matched no module (LoRA goes on Linear modules and GroupedExperts; a pattern matches the whole " ..
+      "dotted name, as Automodel's: '*.q_proj' or '*_proj', not 'q_proj')")
   end
   -- after sharding Automodel freezes every parameter whose name has no "lora_"
   -- (infrastructure.py, "Freeze parameters after checkpoint loading and parallelization")
@@ -754,8 +815,19 @@ local function step_fp8(r, model, rec)
       "Float8Linear, LoRA's patched linears too, which drops their adapters (Automodel applies fp8 after LoRA)")
   end
   local recipe = f.recipe_name or "tensorwise"
-  local fp8_gather = f.enable_fsdp_float8_all_gather == true and recipe == "tensorwise"
+  -- torchao's float8 all-gather is FSDP2's (fsdp_pre_all_gather), for the tensorwise recipe
+  -- only, and the precomputed scales go with it (Automodel's apply_fp8_to_model)
+  local fp8_gather = f.enable_fsdp_float8_all_gather == true and recipe == "tensorwise" and r.manager == "fsdp2"
   local precompute = f.precompute_float8_dynamic_scale_for_fsdp == true and fp8_gather
+  local function note(field, why) rec.notes[#rec.notes + 1] = string.format("fp8.%s (%s)", field, why) end
+  if f.enable_fsdp_float8_all_gather and not fp8_gather then
+    note("enable_fsdp_float8_all_gather", recipe ~= "tensorwise" and "the " .. recipe .. " recipe gathers in the " ..
+      "parameter dtype: torchao's float8 all-gather is tensorwise only" or "FSDP2's all-gather; the " .. r.manager ..
+      " manager's collectives move the parameter dtype")
+  end
+  if f.precompute_float8_dynamic_scale_for_fsdp and not precompute then
+    note("precompute_float8_dynamic_scale_for_fsdp", "it goes with the tensorwise float8 all-gather under FSDP2")
+  end
   local skipped = 0
   for _, nm in ipairs(model:named_modules()) do
     local name, m = nm[1], nm[2]
@@ -768,7 +840,12 @@ local function step_fp8(r, model, rec)
       if ok and (not out_f or out_f % 16 ~= 0 or in_f % 16 ~= 0) then ok = false end
       if ok and f.module_filter then
         local w = m.params.weight
-        local v = f.module_filter(name, { type = m.type, shape = util.copy(w.shape), dtype = w.dtype })
+        local okc, v = pcall(f.module_filter, name, { type = m.type, shape = util.copy(w.shape), dtype = w.dtype })
+        if not okc then
+          -- the sandbox's messages name "policy FILE"; here the function is a recipe's
+          local msg = tostring(v):gsub("^moonshard: ", ""):gsub("^policy [^\n]-%.lua: ", "")
+          fail(r.file .. ": fp8.module_filter", string.format("failed for %s: %s", name, msg))
+        end
         if type(v) ~= "boolean" then
           fail(r.file .. ": fp8.module_filter", string.format("returned %s for %s; expected true or false", shown(v), name))
         end
@@ -801,7 +878,12 @@ end
 --     inner_k_tiles x 16 ("Padding for QAT 4w is not supported yet"): prepare fails.
 local function step_qat(r, model, rec)
   local q = r.qat
-  if not q or q.enabled == false then return end
+  -- Automodel runs QAT only when the section says enabled (train_ft.py: cfg_qat.get("enabled", False))
+  if not q or q.enabled ~= true then return end
+  if r.fp8 and r.fp8.enabled then
+    fail(r.file .. ": qat", "goes without fp8: torchao's QAT quantizers swap every matching nn.Linear, and " ..
+      "Float8Linear is one, so QAT would replace the fp8 linears (Automodel applies QAT after fp8)")
+  end
   if r.quantization and r.quantization.load_in_4bit then
     fail(r.file .. ": qat", "goes without 4-bit quantization: fake-quantising a base that is already stored in 4 " ..
       "bits has no bf16 weight to quantise")
@@ -859,17 +941,19 @@ R.STEPS = {
   { name = "qat", run = step_qat },
 }
 
---- apply(r, model) -> model', steps: a copy of the model with the recipe's steps applied in
--- Automodel's order; steps lists those that ran: {name, changed = {module names},
--- summary, ...}.
+--- apply(r, model) -> model', steps, notes: a copy of the model with the recipe's steps
+-- applied in Automodel's order; steps lists those that ran: {name, changed = {module names},
+-- summary, ...}; notes the recipe's fields that change no plan (its own and the steps').
 function R.apply(r, model)
   local copy = R.clone(model)
-  local steps = {}
+  local steps, notes = {}, util.copy(r.notes)
   for _, s in ipairs(R.STEPS) do
-    local rec = { name = s.name, changed = {} }
+    local rec = { name = s.name, changed = {}, notes = {} }
     if s.run(r, copy, rec) then steps[#steps + 1] = rec end
+    for _, x in ipairs(rec.notes) do notes[#notes + 1] = x end
   end
-  return copy, steps
+  table.sort(notes)
+  return copy, steps, notes
 end
 
 return R

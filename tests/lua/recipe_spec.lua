@@ -212,6 +212,45 @@ return setmetatable({ peft = hit }, { __index = function() error("ran __index") 
     S.assert_has(msg, "fp8.module_filter: returned a table for model.layers.0.self_attn.q_proj; expected true or false")
   end)
 
+  it("matches patterns in time linear in the name, whatever their '*' (a bounded number of steps)", function()
+    local t0 = os.clock()
+    local r = recipe({ peft = { target_modules = { string.rep("*", 999) .. "x", "*.*.*.*_xyz", string.rep("*a", 400) .. "q",
+      "*_proj" } } })
+    local _, steps = R.apply(r, tree("llama3.1_8b"))
+    assert.equal(14, #steps[1].changed)
+    assert.is_true(os.clock() - t0 < 5)
+    local saved = R.MATCH_STEPS
+    R.MATCH_STEPS = 100
+    local msg = S.errmsg(R.apply, recipe({ peft = { target_modules = string.rep("*a", 100) .. "q" } }), tree("llama3.1_8b"))
+    R.MATCH_STEPS = saved
+    S.assert_has(msg, "peft.target_modules: matching the patterns took more than 100 steps")
+  end)
+
+  it("takes Automodel's other spellings: torch.bfloat16, activation_checkpointing \"full\"; refuses \"selective\"", function()
+    assert.equal("bf16", recipe({ peft = { lora_dtype = "torch.bfloat16" } }).peft.lora_dtype)
+    assert.is_true(recipe({ distributed = { activation_checkpointing = "full" } }).distributed.activation_checkpointing)
+    S.assert_has(S.errmsg(recipe, { distributed = { activation_checkpointing = "selective" } }),
+      "selective activation checkpointing (some ops of a layer) is not planned")
+    S.assert_has(S.errmsg(recipe, { peft = { target_modules = { "*_proj", 3 } } }),
+      "peft.target_modules: [2] is 3; expected a string")
+    S.assert_has(S.errmsg(recipe, { peft = { alpha = 0 / 0 } }), "peft.alpha: is nan")
+    S.assert_has(S.errmsg(R.load, "examples/recipes"), "recipe examples/recipes: is a directory")
+  end)
+
+  it("runs QAT only when enabled (Automodel's rule), and refuses it beside fp8", function()
+    local _, steps = R.apply(recipe({ qat = { quantizer_type = "int4_weight_only" } }), tree("llama3.1_8b"))
+    assert.equal(0, #steps)
+    S.assert_has(S.errmsg(R.apply, recipe({ fp8 = { enabled = true }, qat = { enabled = true } }), tree("llama3.1_8b")),
+      "qat: goes without fp8")
+  end)
+
+  it("names the recipe, the field and the module when fp8.module_filter fails", function()
+    local path = write("return { fp8 = { enabled = true, module_filter = function(fqn) error('boom in filter') end } }")
+    local msg = S.errmsg(R.apply, R.load(path), tree("llama3.1_8b"))
+    S.assert_has(msg, "recipe " .. path .. ": fp8.module_filter: failed for model.layers.0.self_attn.q_proj: ")
+    S.assert_has(msg, "boom in filter")
+  end)
+
   it("refuses fp8 or QAT with peft (both would drop the adapters), and QAT on parameters not bf16", function()
     S.assert_has(S.errmsg(R.apply, recipe({ peft = {}, fp8 = { enabled = true } }), tree("tiny_llama")),
       "fp8: goes without peft")
@@ -354,11 +393,56 @@ describe("a plan with a recipe", function()
     for _, o in ipairs(p.options) do if o.name == "reshard_after_forward" then assert.is_nil(o.value) end end
   end)
 
+  it("times a LoRA step without the frozen base's weight gradients", function()
+    local model = tree("llama3.1_8b")
+    local tokens = { seq_len = 4096 }
+    local full = plan(model, "dp_shard=8", nil, FSDP, { tokens = tokens, device = "h100-80gb" })
+    local lora = plan(model, "dp_shard=8", recipe({ peft = { dim = 16 } }), FSDP, { tokens = tokens, device = "h100-80gb" })
+    -- a token's forward F over the base's matmuls (and attention a): full 3F + 3a, LoRA 2F + 3a
+    -- + the adapters' 3 x 2 x 16 x (in + out), tiny
+    local ratio = lora.time.compute_s / full.time.compute_s
+    assert(ratio > 0.6 and ratio < 0.8, "LoRA compute / full compute " .. ratio)
+    assert.is_true(lora.time.model_flops < full.time.model_flops)
+  end)
+
+  it("gathers fp8 weights as e4m3 under FSDP2 only, and lists what a plan does not use", function()
+    local model = tree("llama3.1_8b")
+    local r = recipe({ distributed = { strategy = "ddp" }, fp8 = { enabled = true, enable_fsdp_float8_all_gather = true,
+      precompute_float8_dynamic_scale_for_fsdp = true } })
+    local p = plan(model, "dp_shard=2", r, "policies/ddp.lua")
+    assert.is_nil(p.comm.fp8_amax)
+    for _, a in ipairs(planner.audit(p)) do assert.is_true(a.gathered ~= "f8e4m3") end
+    local notes = table.concat(p.recipe.notes, "; ")
+    S.assert_has(notes, "fp8.enable_fsdp_float8_all_gather (FSDP2's all-gather; the ddp manager's collectives move " ..
+      "the parameter dtype)")
+    S.assert_has(notes, "fp8.precompute_float8_dynamic_scale_for_fsdp (it goes with the tensorwise float8 all-gather")
+    p = plan(model, "dp_shard=2", recipe({ fp8 = { enabled = true, recipe_name = "rowwise",
+      enable_fsdp_float8_all_gather = true }, pipeline = { layers_per_stage = 2 } }), FSDP)
+    notes = table.concat(p.recipe.notes, "; ")
+    S.assert_has(notes, "fp8.enable_fsdp_float8_all_gather (the rowwise recipe gathers in the parameter dtype")
+    S.assert_has(notes, "pipeline.layers_per_stage (pp = 1: no pipeline)")
+    -- a 4-bit base under a policy that casts to f32: gathered as stored, with a warning
+    p = plan(model, "dp_shard=2", recipe({ quantization = { load_in_4bit = true } }), "policies/full_fp32.lua")
+    for _, a in ipairs(planner.audit(p)) do
+      if a.fqn == "model.layers.0.self_attn.q_proj.weight" then assert.equal("bf16", a.gathered) end
+    end
+    S.assert_has(table.concat(p.warnings, "\n"), "14 4-bit weights stored as packed codes in bf16 sit in units whose " ..
+      "mixed precision casts parameters to another dtype")
+  end)
+
   it("checks its sizes against the mesh and its manager against the policy's units", function()
     local model = tree("tiny_llama")
     local msg = S.errmsg(plan, model, "dp_shard=2", recipe({ distributed = { dp_size = 4, tp_size = 2 } }), FSDP)
-    S.assert_has(msg, "distributed.dp_size = 4 but the mesh has dp_shard = 2; distributed.tp_size = 2 but the mesh " ..
-      "has tp = 1")
+    S.assert_has(msg, "distributed.dp_size = 4 but the mesh has dp_replicate x dp_shard = 1 x 2 = 2; " ..
+      "distributed.tp_size = 2 but the mesh has tp = 1")
+    -- dp_size is replicate x shard, as Automodel's mesh makes it
+    local r = recipe({ distributed = { dp_size = 8, dp_replicate_size = 2 } })
+    assert.same({ dp_replicate = 2, dp_shard = 4 }, R.mesh_sizes(r))
+    plan(model, "dp_replicate=2,dp_shard=4", r, FSDP)
+    S.assert_has(S.errmsg(R.mesh_sizes, recipe({ distributed = { dp_size = 6, dp_replicate_size = 4 } })),
+      "dp_size = 6 is not a multiple of dp_replicate_size = 4")
+    S.assert_has(S.errmsg(R.mesh_sizes, recipe({ distributed = { dp_size = 4, dp_replicate_size = 4 } })),
+      "dp_replicate_size = 4 must be less than dp_size = 4")
     msg = S.errmsg(plan, model, "dp_shard=2", recipe({ distributed = { strategy = "ddp" } }), FSDP)
     S.assert_has(msg, "the recipe test recipe asks for the ddp manager, but the policy policies/fsdp2_default.lua " ..
       "made fsdp2 units")

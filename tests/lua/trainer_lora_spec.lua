@@ -159,7 +159,7 @@ describe("moe_trainer --recipe (LoRA)", function()
 
     it("a peft section that matches nothing, or with an unknown field (the recipe layer's messages)", function()
       fails([[return { peft = { target_modules = "no_such_module" } }]],
-        "peft: matched no module %(LoRA goes on Linear modules and GroupedExperts; check target_modules%)")
+        "peft: matched no module %(LoRA goes on Linear modules and GroupedExperts; a pattern matches the whole dotted name")
       fails([[return { peft = { dimm = 8 } }]], "peft: unknown field 'dimm' %(peft's fields: .*dim, dropout")
       fails([[return { pefft = {} }]], "unknown section 'pefft' %(sections: distributed")
     end)
