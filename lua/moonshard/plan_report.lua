@@ -446,8 +446,11 @@ function M.to_text(plan, opts)
   add(string.format("model   %s (%s): %s params, %s", plan.model.name, plan.model.architecture,
     util.thousands(plan.model.params), util.bytes(plan.model.bytes)))
   if plan.model.convention then add("        built as " .. plan.model.convention) end
-  add(string.format("mesh    %s (world %d); FSDP over %s; experts over ep=%d, ep_shard=%d", mesh:describe(),
-    mesh.world, table.concat(mesh.fsdp_axes, " x "), mesh:size("ep"), mesh:size("ep_shard")))
+  -- what shards over the data-parallel axes is the manager's; experts only where there are
+  local over = ({ ddp = "DDP replicas over", megatron_fsdp = "Megatron-FSDP over" })[plan.manager] or "FSDP over"
+  add(string.format("mesh    %s (world %d); %s %s%s", mesh:describe(), mesh.world, over,
+    table.concat(mesh.fsdp_axes, " x "), (mesh:size("ep") > 1 or #plan.owned > 0) and
+    string.format("; experts over ep=%d, ep_shard=%d", mesh:size("ep"), mesh:size("ep_shard")) or ""))
   if plan.manager and plan.manager ~= "fsdp2" then add("manager " .. plan.manager) end
   if opts.policy then add("policy  " .. opts.policy) end
   M.recipe_lines(plan, add)
