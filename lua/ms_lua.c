@@ -246,6 +246,21 @@ static int l_file_stat(lua_State *L) {
     return 2;
 }
 
+/* file_read_region(path, offset, dtype, src_shape, start, perm|nil, dst) -> bytes read | nil, err */
+static int l_file_read_region(lua_State *L) {
+    const char *path = luaL_checkstring(L, 1);
+    int64_t shape[MS_MAX_DIMS], start[MS_MAX_DIMS], perm[MS_MAX_DIMS];
+    int nd = int_list(L, 4, shape);
+    if (int_list(L, 5, start) != nd) return luaL_error(L, "moonshard internal error: file_read_region: start");
+    int has_perm = !lua_isnoneornil(L, 6);
+    if (has_perm && int_list(L, 6, perm) != nd) return luaL_error(L, "moonshard internal error: file_read_region: perm");
+    int64_t bytes = 0;
+    TRY(L, ms_file_read_region(path, (int64_t)luaL_checkinteger(L, 2), (ms_dtype)luaL_checkinteger(L, 3), nd, shape,
+                               start, has_perm ? perm : NULL, check_tensor(L, 7), &bytes));
+    lua_pushinteger(L, (lua_Integer)bytes);
+    return 1;
+}
+
 static int l_cast_set_impl(lua_State *L) {
     TRY(L, ms_cast_set_impl((ms_cast_impl)luaL_checkinteger(L, 1)));
     return ms_lua_done(L);
@@ -320,6 +335,7 @@ int luaopen_moonshard_core(lua_State *L) {
         {"dtype_code", l_dtype_code}, {"dtype_name", l_dtype_name}, {"dtype_size", l_dtype_size},
         {"dtype_is_float", l_dtype_is_float}, {"device_code", l_device_code}, {"op_code", l_op_code},
         {"cuda_device_count", l_cuda_device_count}, {"file_stat", l_file_stat},
+        {"file_read_region", l_file_read_region},
         {"cast_set_impl", l_cast_set_impl}, {"cast_get_impl", l_cast_get_impl},
         {"adamw_defaults", l_adamw_defaults}, {"memory_cap", ms_lua_memory_cap},
         {"memory_refused", ms_lua_memory_refused}, {NULL, NULL}};

@@ -629,6 +629,15 @@ ms_status ms_file_stat(const char *path, ms_file_kind *kind, int64_t *size);
 /* "regular file", "directory", "FIFO (named pipe)", "character device", "block device",
  * "socket", "special file": a static string; NULL for an invalid kind. */
 const char *ms_file_kind_name(ms_file_kind kind);
+/* Reads the box [start, start + size) of a row-major tensor of ndim dims src_shape and dtype
+ * src_dtype stored at byte data_offset of the file at path, and copies it with a cast (ms_cast's
+ * rules) into dst (cpu, any strides), whose dim i is the box's dim perm[i] (perm NULL: the
+ * identity; the box's sizes are dst's, permuted).  One pread of the bytes from the box's first
+ * element to its last (exactly the box when it is rows of dim 0); *bytes_read (may be NULL)
+ * gets their count.  The Hugging Face checkpoint loader's reads (core/src/ckpt_hf.c). */
+ms_status ms_file_read_region(const char *path, int64_t data_offset, ms_dtype src_dtype, int ndim,
+                              const int64_t *src_shape, const int64_t *start, const int64_t *perm, ms_tensor *dst,
+                              int64_t *bytes_read);
 
 /* ---------------------------------------------------------------- Megatron-FSDP buckets (ZeRO-0..3 runtime)
  *

@@ -362,6 +362,17 @@ function R.file_stat(path)
   return ffi.string(C.ms_file_kind_name(file_kind_out[0])), num(int64_out[0])
 end
 
+--- file_read_region(path, offset, dtype, src_shape, start, perm|nil, dst) -> bytes read | nil, err
+function R.file_read_region(path, offset, dtype, src_shape, start, perm, dst)
+  local nd = fill(shape_a, src_shape)
+  fill(shape_b, start)
+  if perm then fill(shape_c, perm) end
+  local st = C.ms_file_read_region(path, offset, dtype, nd, shape_a, shape_b, perm and shape_c or nil, tensor_h(dst),
+    int64_out)
+  if st ~= 0 then return failed(st) end
+  return num(int64_out[0])
+end
+
 function R.cast_set_impl(code) return done(C.ms_cast_set_impl(code)) end
 
 function R.cast_get_impl() return tonumber(C.ms_cast_get_impl()) end

@@ -19,7 +19,9 @@
 --   misc        MAX_DIMS, version, const, dtype_code(name), dtype_name(code),
 --               dtype_size(code), dtype_is_float(code) -> boolean, device_code(name) ->
 --               type, index, op_code(name), cuda_device_count() -> n | 0, reason,
---               file_stat(path) -> kind, size | nil, reason, cast_set_impl(code),
+--               file_stat(path) -> kind, size | nil, reason,
+--               file_read_region(path, offset, dtype, src_shape, start, perm, dst) -> bytes
+--               (ms_file_read_region, for moonshard.checkpoint_hf), cast_set_impl(code),
 --               cast_get_impl(), adamw_defaults() -> beta1, beta2, eps, weight_decay,
 --               memory_cap(bytes?), memory_refused()
 --   world       world_rank(), world_size(), world_backend(), world_device() -> type, index
