@@ -1,5 +1,5 @@
--- checkpoint_units.lua: the tiny inkling2 plan made real, trained, saved and loaded through
--- moonshard.checkpoint (moonshard -n N checkpoint_units.lua MESH STEPS [save=K:ROOT]
+-- ckpt_units.lua: the tiny inkling2 plan made real, trained, saved and loaded through
+-- moonshard.checkpoint (moonshard -n N ckpt_units.lua MESH STEPS [save=K:ROOT]
 -- [load=ROOT] [export=DIR] [resave=ROOT]).  Parameters start from values that depend on each
 -- element's global position, gradients too (the same on every rank, so the reduced mean is
 -- exact on any mesh and AdamW's result is independent of the sharding): a run resumed from a
@@ -110,4 +110,4 @@ for step = first, steps do
 end
 if opts.resave then ckpt.save(state, opts.resave, { step = steps, extra = { note = "resume here" } }) end
 if opts.export then ckpt.export_hf(state, opts.export, { max_shard_size = "20KB" }) end
-print(string.format("rank %d: checkpoint_units ok (%s, %d units)", ms.rank(), mesh_spec, #state.units))
+print(string.format("rank %d: ckpt_units ok (%s, %d units)", ms.rank(), mesh_spec, #state.units))
