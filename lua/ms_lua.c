@@ -358,5 +358,6 @@ int luaopen_moonshard_core(lua_State *L) {
     ms_lua_open_mesh(L);
     ms_lua_open_unit(L);
     ms_lua_open_quant(L);
+    ms_lua_open_ckpt(L);
     return 1;
 }

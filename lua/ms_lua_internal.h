@@ -81,5 +81,6 @@ MS_LUA_HIDDEN void ms_lua_open_tensor(lua_State *L); /* ms_lua_tensor.c */
 MS_LUA_HIDDEN void ms_lua_open_mesh(lua_State *L);   /* ms_lua_mesh.c: world, meshes, groups, layouts */
 MS_LUA_HIDDEN void ms_lua_open_unit(lua_State *L);   /* ms_lua_unit.c */
 MS_LUA_HIDDEN void ms_lua_open_quant(lua_State *L);  /* ms_lua_quant.c */
+MS_LUA_HIDDEN void ms_lua_open_ckpt(lua_State *L);   /* ms_lua_ckpt.c */
 
 #endif

@@ -54,6 +54,8 @@ static const char *usage_text =
     "                                  comes first)\n"
     "       " PROG " compare --help     two plans' JSON side by side, term by term\n"
     "       " PROG " sweep --help       every layout of N ranks planned, those that fit ranked\n"
+    "       " PROG " checkpoint --help  a checkpoint's contents (info), checksums (verify),\n"
+    "                                  Hugging Face safetensors of it (export)\n"
     "\n"
     "Runs a Lua script on N ranks, each a thread with its own Lua state (SPMD: every rank\n"
     "runs the same script; ms.rank() tells them apart).  Collectives between the ranks move\n"
@@ -408,6 +410,12 @@ int main(int argc, char **argv) {
         i = 2;
         goto run;
     }
+    if (argc > 1 && strcmp(argv[1], "checkpoint") == 0) { /* moonshard.checkpoint_cli: one rank */
+        code = "return require('moonshard.checkpoint_cli').main({...})";
+        backend = "threads";
+        i = 2;
+        goto run;
+    }
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
@@ -476,7 +484,8 @@ run:;
         if (access(script, R_OK) != 0 || stat(script, &sb) != 0 || S_ISDIR(sb.st_mode)) {
             fprintf(stderr, "moonshard: cannot read script '%s': %s\n", script,
                     errno ? strerror(errno) : "is a directory");
-            if (strcmp(script, "plan") == 0 || strcmp(script, "compare") == 0 || strcmp(script, "sweep") == 0)
+            if (strcmp(script, "plan") == 0 || strcmp(script, "compare") == 0 || strcmp(script, "sweep") == 0 ||
+                strcmp(script, "checkpoint") == 0)
                 fprintf(stderr, "moonshard: '%s' is a command only as the first argument: " PROG " %s --help\n",
                         script, script);
             return 2;

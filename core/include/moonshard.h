@@ -806,6 +806,48 @@ ms_status ms_qat_fake_quantize(ms_tensor *out, const ms_tensor *x, ms_qat_scheme
  * MS_ERR_ARG naming the reason otherwise.  Gradients are reduced as for any parameter. */
 ms_status ms_unit_set_fp8_all_gather(ms_unit *u, int i, int enable);
 
+/* ---------------------------------------------------------------- checkpoint files (ckpt.c)
+ *
+ * The primitives of lua/moonshard/checkpoint.lua (docs/checkpoints.md): checksums, files
+ * written from tensors and synced, byte ranges read back with pread, renames that survive a
+ * crash.  Tensors are contiguous cpu tensors (MS_ERR_DEVICE / MS_ERR_ARG otherwise); fds are
+ * POSIX file descriptors from ms_ckpt_open.  Failures of the system are MS_ERR_IO with the
+ * path (where there is one) and strerror. */
+
+/* CRC32C (Castagnoli, as iSCSI, ext4 and Google's crc32c): *out = the checksum of nbytes
+ * bytes continuing crc (0 to start), so crc32c(a..b) = ms_crc32c(ms_crc32c(0, a), b).
+ * "123456789" gives 0xE3069283.  data may be NULL when nbytes = 0. */
+ms_status ms_crc32c(uint32_t crc, const void *data, int64_t nbytes, uint32_t *out);
+/* "sse4.2" (the crc32 instruction) or "table" (slicing-by-8; MOONSHARD_CRC32C=table forces
+ * it): the same values either way. */
+const char *ms_crc32c_impl(void);
+/* The same over a tensor's bytes. */
+ms_status ms_tensor_crc32c(const ms_tensor *t, uint32_t crc, uint32_t *out);
+/* Opens path for reading (write = 0) or creates / truncates it for writing (mode 0644). */
+ms_status ms_ckpt_open(const char *path, int write, int *fd);
+/* Appends nbytes bytes (data may be NULL when nbytes = 0). */
+ms_status ms_ckpt_write(int fd, const void *data, int64_t nbytes);
+/* Appends a tensor's bytes; *crc gets their CRC32C. */
+ms_status ms_ckpt_write_tensor(int fd, const ms_tensor *t, uint32_t *crc);
+/* Reads a box of a row-major tensor of `shape` (ndim 1 to 8 dims) stored at byte `offset` of
+ * the file, in out's dtype (its element size): the elements [start[d], start[d] + out's
+ * size(d)) of each dim d, into out (contiguous, ndim dims), with one pread per contiguous
+ * run.  MS_ERR_SHAPE for a box outside shape, MS_ERR_IO for a file that ends too soon. */
+ms_status ms_ckpt_read_box(int fd, int64_t offset, int ndim, const int64_t *shape, const int64_t *start,
+                           ms_tensor *out);
+/* Closes fd, after fsync(2) when sync is nonzero (a failed fsync is reported, fd closed). */
+ms_status ms_ckpt_close(int fd, int sync);
+/* fsync(2) of a file or directory by path. */
+ms_status ms_ckpt_fsync_path(const char *path);
+/* rename(2), then fsync of the directory holding `to`. */
+ms_status ms_ckpt_rename(const char *from, const char *to);
+/* mkdir(2), mode 0755; exist_ok: an existing directory is no error. */
+ms_status ms_ckpt_mkdir(const char *path, int exist_ok);
+/* The names in a directory (not "." and ".."), each followed by a NUL byte, into buf when
+ * they fit in cap bytes; *len gets the bytes they need (call again with a larger buf when
+ * *len > cap).  buf may be NULL when cap = 0. */
+ms_status ms_ckpt_list_dir(const char *path, char *buf, int64_t cap, int64_t *len);
+
 /* MS_API_END */
 
 #ifdef __cplusplus

@@ -862,5 +862,74 @@ end
 
 function R.unit_set_fp8_all_gather(u, i, on) return done(C.ms_unit_set_fp8_all_gather(unit_h(u), i, on and 1 or 0)) end
 
+-- ---------------------------------------------------------------- checkpoint files (ckpt.c)
+
+ffi.cdef "int isatty(int fd);"
+local u32_out, int_out, ckpt_a, ckpt_b = ffi.new("uint32_t[1]"), Ints(1), Int64s(MAX_DIMS), Int64s(MAX_DIMS)
+
+--- crc32c(string, crc?) -> integer
+function R.crc32c(s, crc)
+  local st = C.ms_crc32c(crc or 0, s, #s, u32_out)
+  if st ~= 0 then return failed(st) end
+  return tonumber(u32_out[0])
+end
+
+function R.crc32c_impl() return ffi.string(C.ms_crc32c_impl()) end
+
+function R.tensor_crc32c(t, crc)
+  local st = C.ms_tensor_crc32c(tensor_h(t), crc or 0, u32_out)
+  if st ~= 0 then return failed(st) end
+  return tonumber(u32_out[0])
+end
+
+--- ckpt_open(path, write) -> fd
+function R.ckpt_open(path, write)
+  local st = C.ms_ckpt_open(path, write and 1 or 0, int_out)
+  if st ~= 0 then return failed(st) end
+  return int_out[0]
+end
+
+function R.ckpt_write(fd, s) return done(C.ms_ckpt_write(fd, s, #s)) end
+
+--- ckpt_write_tensor(fd, t) -> crc
+function R.ckpt_write_tensor(fd, t)
+  local st = C.ms_ckpt_write_tensor(fd, tensor_h(t), u32_out)
+  if st ~= 0 then return failed(st) end
+  return tonumber(u32_out[0])
+end
+
+function R.ckpt_read_box(fd, offset, shape, start, out)
+  local n = fill(ckpt_a, shape)
+  if fill(ckpt_b, start) ~= n then error("ckpt_read_box: shape and start differ in length", 2) end
+  return done(C.ms_ckpt_read_box(fd, offset, n, ckpt_a, ckpt_b, tensor_h(out)))
+end
+
+function R.ckpt_close(fd, sync) return done(C.ms_ckpt_close(fd, sync and 1 or 0)) end
+function R.ckpt_fsync_path(path) return done(C.ms_ckpt_fsync_path(path)) end
+function R.ckpt_rename(from, to) return done(C.ms_ckpt_rename(from, to)) end
+function R.ckpt_mkdir(path, exist_ok) return done(C.ms_ckpt_mkdir(path, exist_ok and 1 or 0)) end
+
+--- ckpt_list_dir(path) -> {names} (unsorted)
+function R.ckpt_list_dir(path)
+  local st = C.ms_ckpt_list_dir(path, nil, 0, int64_out)
+  while st == 0 do
+    local len = tonumber(int64_out[0])
+    local buf = ffi.new("char[?]", len + 1)
+    st = C.ms_ckpt_list_dir(path, buf, len, int64_out)
+    if st == 0 and tonumber(int64_out[0]) <= len then
+      local names, i = {}, 0
+      while i < len do
+        local name = ffi.string(buf + i)
+        names[#names + 1] = name
+        i = i + #name + 1
+      end
+      return names
+    end
+  end
+  return failed(st)
+end
+
+function R.stderr_isatty() return ffi.C.isatty(2) == 1 end
+
 REGISTRY[CACHE_KEY] = R
 return R

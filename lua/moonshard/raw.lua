@@ -73,4 +73,9 @@
 --               fp8_scale(scale, amax, fp8, pow2), fp8_cast(out, x, scale),
 --               fp8_dequantize(out, fp8, scale), qat_fake_quantize(out, x, scheme, group_size,
 --               scales_precision), unit_set_fp8_all_gather(u, i, on)
+--   checkpoint  (core/src/ckpt.c) crc32c(s, crc?), crc32c_impl(), tensor_crc32c(t, crc?),
+--               ckpt_open(path, write) -> fd, ckpt_write(fd, s), ckpt_write_tensor(fd, t) -> crc,
+--               ckpt_read_box(fd, offset, shape, start, out), ckpt_close(fd, sync),
+--               ckpt_fsync_path(path), ckpt_rename(from, to), ckpt_mkdir(path, exist_ok),
+--               ckpt_list_dir(path) -> names, stderr_isatty()
 return require(type(rawget(_G, "jit")) == "table" and "moonshard.core_ffi" or "moonshard.core")

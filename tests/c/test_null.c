@@ -565,6 +565,40 @@ static void test_interp(ms_comm *c) {
 }
 #endif
 
+/* the checkpoint file primitives (ckpt.c) */
+static void test_ckpt(void) {
+    const int64_t n4[1] = {4}, start[1] = {0};
+    ms_tensor *t = NULL;
+    CHECK_OK(ms_tensor_new(&t, 1, n4, MS_U8, MS_DEVICE_CPU, 0));
+    uint32_t crc = 0;
+    int fd = -1;
+    int64_t len = 0;
+    char buf[4];
+    REFUSE(ms_crc32c, data, 0, NULL, 1, &crc);
+    REFUSE(ms_crc32c, out, 0, "a", 1, NULL);
+    ALLOW(ms_crc32c, data, 1, 0, NULL, 0, &crc);
+    NO_POINTERS(ms_crc32c_impl);
+    REFUSE(ms_tensor_crc32c, t, NULL, 0, &crc);
+    REFUSE(ms_tensor_crc32c, out, t, 0, NULL);
+    REFUSE(ms_ckpt_open, path, NULL, 0, &fd);
+    REFUSE(ms_ckpt_open, fd, "/", 0, NULL);
+    REFUSE(ms_ckpt_write, data, -1, NULL, 1);
+    REFUSE(ms_ckpt_write_tensor, t, -1, NULL, &crc);
+    REFUSE(ms_ckpt_write_tensor, crc, -1, t, NULL);
+    REFUSE(ms_ckpt_read_box, shape, -1, 0, 1, NULL, start, t);
+    REFUSE(ms_ckpt_read_box, start, -1, 0, 1, n4, NULL, t);
+    REFUSE(ms_ckpt_read_box, out, -1, 0, 1, n4, start, NULL);
+    NO_POINTERS(ms_ckpt_close);
+    REFUSE(ms_ckpt_fsync_path, path, NULL);
+    REFUSE(ms_ckpt_rename, from, NULL, "x");
+    REFUSE(ms_ckpt_rename, to, "x", NULL);
+    REFUSE(ms_ckpt_mkdir, path, NULL, 1);
+    REFUSE(ms_ckpt_list_dir, path, NULL, buf, 4, &len);
+    REFUSE(ms_ckpt_list_dir, buf, "/", NULL, 4, &len);
+    REFUSE(ms_ckpt_list_dir, len, "/", buf, 4, NULL);
+    ms_tensor_release(t);
+}
+
 /* the lower-precision kernels (quant.c) */
 static void test_quant(void) {
     const int64_t n64[1] = {64}, n32[1] = {32}, one[1] = {1}, n8[2] = {2, 32};
@@ -795,6 +829,7 @@ int main(void) {
     test_core_without_handles();
     test_tensors();
     test_quant();
+    test_ckpt();
     ms_world *w = NULL;
     ms_comm *c = NULL;
     CHECK_OK(ms_threads_world_new(&w, 1, 60));

@@ -1,0 +1,840 @@
+-- moonshard.checkpoint: distributed checkpoints of shard units (docs/checkpoints.md).
+--
+-- save(units, root, {step=, extra=, keep_last=}) is collective: every rank describes the
+-- boxes it holds (which rows of which tensor: parameters, AdamW's moments and master weights),
+-- the descriptions are all-gathered, and of the ranks holding the same box only the lowest
+-- writes it (replicas, as DCP deduplicates them).  Each writing rank writes one safetensors
+-- file; rank 0 then writes checkpoint.json (every box's global offsets, dtype, file, byte
+-- offset and CRC32C, the mesh, the step, the caller's extra state).  Everything goes into
+-- ROOT/.tmp-step_N, every file fsynced, then renamed to ROOT/step_N (the parent fsynced), then
+-- ROOT/latest is replaced atomically and old checkpoints beyond keep_last are removed.
+--
+-- load(units, path) reads a checkpoint on any world size or mesh: each rank computes the
+-- global box of each of its shards and reads, with pread, only the overlapping parts of the
+-- saved boxes.  Every saved box is checksummed by one rank at least (those a rank reads whole,
+-- and the rest round-robin), and a mismatch names the tensor and the file on every rank.
+
+local ms = require "moonshard"
+local R = require "moonshard.raw"
+local json = require "moonshard.json"
+
+local M = {}
+
+local format = string.format
+local unpack = table.unpack or unpack
+
+M.INDEX = "checkpoint.json"
+M.LATEST = "latest"
+M.FORMAT = "moonshard.checkpoint"
+M.VERSION = 1
+
+local KINDS = { "param", "exp_avg", "exp_avg_sq", "master" }
+
+local function fail(fmt, ...) error("moonshard: checkpoint: " .. format(fmt, ...), 0) end
+
+local function check(v, err)
+  if v == nil then error("moonshard: checkpoint: " .. tostring(err), 0) end
+  return v
+end
+
+-- ---------------------------------------------------------------- files and directories
+
+local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b end
+
+local function stat(path) return R.file_stat(path) end
+
+local function is_dir(path) return stat(path) == "directory" end
+
+local function is_file(path) return stat(path) == "regular file" end
+
+local function read_text(path)
+  local f, err = io.open(path, "rb")
+  if not f then fail("cannot open %s: %s", path, tostring(err)) end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- A small file written in full and fsynced (then renamed into place by the caller).
+local function write_text(path, text)
+  local fd = check(R.ckpt_open(path, true))
+  local okw, err = R.ckpt_write(fd, text)
+  local okc, errc = R.ckpt_close(fd, true)
+  if not okw then fail("%s: %s", path, err) end
+  if not okc then fail("%s: %s", path, errc) end
+end
+
+local function remove_tree(path)
+  if is_dir(path) then
+    for _, name in ipairs(check(R.ckpt_list_dir(path))) do remove_tree(join(path, name)) end
+  end
+  local ok, err = os.remove(path)
+  if not ok then fail("cannot remove %s: %s", path, tostring(err)) end
+end
+
+-- ---------------------------------------------------------------- progress (a terminal only)
+
+local function human(b)
+  local units = { "B", "KiB", "MiB", "GiB", "TiB" }
+  local u = 1
+  while b >= 1024 and u < #units do
+    b, u = b / 1024, u + 1
+  end
+  return u == 1 and format("%d B", b) or format("%.1f %s", b, units[u])
+end
+M.human = human
+
+-- progress(label, total, on): update(bytes done), finish().  Shown on stderr when it is a
+-- terminal and the work has taken more than a second.
+local function progress(label, total, on)
+  local start, shown = os.time(), false
+  local p = {}
+  function p.update(done)
+    if not on then return end
+    local dt = os.difftime(os.time(), start)
+    if dt < 1 then return end
+    shown = true
+    io.stderr:write(format("\rcheckpoint: %s %s of %s (%s/s)   ", label, human(done), human(total), human(done / dt)))
+  end
+  function p.finish()
+    if shown then io.stderr:write("\n") end
+  end
+  return p
+end
+
+local function progress_on(opts)
+  if opts.progress ~= nil then return opts.progress and true or false end
+  return ms.rank() == 0 and R.stderr_isatty()
+end
+
+-- ---------------------------------------------------------------- agreement between ranks
+
+local world_group
+local function world()
+  world_group = world_group or ms.mesh({ { "world", ms.world_size() } }):group("world")
+  return world_group
+end
+
+-- Every rank's string, all-gathered (lengths, then the bytes padded to the longest).
+local function all_gather_strings(s)
+  local n = ms.world_size()
+  if n == 1 then return { s } end
+  local g = world()
+  local lens = ms.tensor({ n }, "i64")
+  g:all_gather(lens, ms.from_table({ #s }, "i64"))
+  local lv = lens:totable()
+  local max = 0
+  for _, l in ipairs(lv) do max = math.max(max, l) end
+  if max == 0 then
+    local out = {}
+    for r = 1, n do out[r] = "" end
+    return out
+  end
+  local bytes = {}
+  for i = 1, max do bytes[i] = i <= #s and s:byte(i) or 0 end
+  local all = ms.tensor({ n * max }, "u8")
+  g:all_gather(all, ms.from_table(bytes, "u8"))
+  local v = all:totable()
+  local out = {}
+  for r = 0, n - 1 do
+    local parts = {}
+    for i = 1, lv[r + 1], 4096 do
+      parts[#parts + 1] = string.char(unpack(v, r * max + i, r * max + math.min(i + 4095, lv[r + 1])))
+    end
+    out[r + 1] = table.concat(parts)
+  end
+  return out
+end
+
+-- agree(ok, value_or_error) -> the list of every rank's value; raises on every rank, naming
+-- each failed rank, when any failed.
+local function agree(ok, value)
+  local mine = json.encode(ok and { ok = true, value = value } or { ok = false, err = tostring(value) })
+  local all = all_gather_strings(mine)
+  local values, errs = {}, {}
+  for r, s in ipairs(all) do
+    local v = json.decode(s)
+    if v.ok then values[r] = v.value else errs[#errs + 1] = format("rank %d: %s", r - 1, v.err) end
+  end
+  if #errs > 0 then
+    if ms.world_size() == 1 then error(errs[1]:gsub("^rank 0: ", ""), 0) end
+    error(table.concat(errs, "; "), 0)
+  end
+  return values
+end
+
+-- ---------------------------------------------------------------- what a rank holds
+
+local function plain_list(t)
+  local out = {}
+  for i, v in ipairs(t) do out[i] = v end
+  return out
+end
+
+-- units: a rank state (runtime.materialize), a list of units, or one unit -> list of units and
+-- the set of expert units with this rank's ep coordinate and the ep size.
+local function units_of(units)
+  local list, experts, ep, ep_size, mesh = {}, {}, 0, 1, nil
+  if type(units) == "table" and units.units and units.plan then
+    local plan = units.plan
+    local mc = plan.mesh
+    if plan.tensor_parallel and mc:size("tp") > 1 then
+      fail("a plan with tensor parallelism (tp = %d) is not supported yet: its pieces have no global boxes here",
+        mc:size("tp"))
+    end
+    if #(units.buckets or {}) > 0 then
+      fail("Megatron-FSDP buckets (state.buckets) are not supported yet: their slices are flat ranges, not boxes")
+    end
+    ep, ep_size = mc:coord("ep", ms.rank()), mc:size("ep")
+    for _, pu in ipairs(plan.units) do
+      local axes = pu.mesh_axes
+      if pu.kind ~= "replicate" and pu.kind ~= "megatron_fsdp" and axes[#axes] == "ep_shard" then
+        local u = units.by_name[pu.name]
+        if u then experts[u] = true end
+      end
+    end
+    for _, u in ipairs(units.ep_local or {}) do experts[u] = true end
+    list = units.units
+    local axes = {}
+    for _, a in ipairs(mc:root_axes()) do axes[#axes + 1] = { a.name, a.size } end
+    mesh = { axes = axes, ep = ep_size }
+  elseif type(units) == "table" and (getmetatable(units) == nil or units[1]) then
+    list = units
+  else
+    list = { units }
+  end
+  for i, u in ipairs(list) do
+    if R.classof(u) ~= "unit" then fail("units[%d] is %s, not a unit", i, type(u)) end
+    if R.unit_is_zero(u) then
+      fail("unit %s is a Megatron-FSDP bucket; those are not supported yet", u:name())
+    end
+  end
+  return list, experts, ep, ep_size, mesh
+end
+
+local function shape_of(t) return plain_list(t:shape()) end
+
+local function contiguous_cpu(t)
+  if t:is_contiguous() and t:device() == "cpu" then return t end
+  local c = ms.tensor(t:shape(), t:dtype())
+  c:copy_(t)
+  return c
+end
+
+-- The boxes this rank holds: {fqn, kind, tensor, shape (of the box), off (unit-level offsets),
+-- expert (dim 0 split over ep), unit, index}.
+local function local_boxes(list, experts, with_optimizer)
+  local boxes, meta = {}, {}
+  for _, u in ipairs(list) do
+    local has_state = with_optimizer and u:bytes().optimizer > 0
+    for i = 0, u:count() - 1 do
+      local fqn = u:fqn(i)
+      local shard = u:param_shard(i)
+      local shape = shape_of(shard)
+      local offset, _, dim = u:param_offset(i)
+      local off = {}
+      for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+      local function add(kind, t)
+        if t then
+          boxes[#boxes + 1] = { fqn = fqn, kind = kind, tensor = t, shape = shape, off = off, expert = experts[u],
+            unit = u, index = i, dtype = t:dtype() }
+        end
+      end
+      add("param", shard)
+      local trainable = false
+      if has_state then
+        for _, kind in ipairs({ "exp_avg", "exp_avg_sq", "master" }) do
+          local t = u:adamw_state(i, kind)
+          if t then
+            if kind ~= "master" then trainable = true end
+            add(kind, t:view(shape))
+          end
+        end
+      end
+      meta[fqn] = { unit = u:name(), skipped = trainable and u:adamw_skipped(i) or 0, trainable = trainable,
+        dim = dim }
+    end
+  end
+  return boxes, meta
+end
+
+local function key_of(b, off)
+  return b.kind .. "/" .. b.fqn .. "@" .. table.concat(off, ",") .. ":" .. table.concat(b.shape, "x")
+end
+
+local function numel(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
+-- ---------------------------------------------------------------- safetensors
+
+-- moonshard dtype -> safetensors dtype
+local ST_DTYPE = {}
+for st, v in pairs(require("moonshard.safetensors").dtypes) do ST_DTYPE[v[1]] = st end
+M.ST_DTYPE = ST_DTYPE
+
+-- header(entries, metadata) -> text padded to 8 bytes; entries: {name, dtype, shape, nbytes}
+-- in data order; sets e.begin (offset in the data area).
+local function st_header(entries, metadata)
+  local h, pos = {}, 0
+  for _, e in ipairs(entries) do
+    h[e.name] = { dtype = ST_DTYPE[e.dtype], shape = json.array(plain_list(e.shape)),
+      data_offsets = json.array({ pos, pos + e.nbytes }) }
+    e.begin = pos
+    pos = pos + e.nbytes
+  end
+  if metadata then h.__metadata__ = metadata end
+  local text = json.encode(h)
+  return text .. string.rep(" ", (8 - #text % 8) % 8)
+end
+
+local function le64(n)
+  local b = {}
+  for i = 1, 8 do
+    b[i] = string.char(n % 256)
+    n = math.floor(n / 256)
+  end
+  return table.concat(b)
+end
+
+-- Writes a safetensors file: entries {name, dtype, shape, nbytes, get = function -> tensor};
+-- returns the header length; sets e.crc, e.file_offset.  prog: progress or nil.
+local function write_safetensors(path, entries, metadata, prog, done)
+  local header = st_header(entries, metadata)
+  local fd = check(R.ckpt_open(path, true))
+  local ok, err = pcall(function()
+    check(R.ckpt_write(fd, le64(#header) .. header))
+    for _, e in ipairs(entries) do
+      local t = e.get()
+      e.crc = check(R.ckpt_write_tensor(fd, t))
+      e.file_offset = 8 + #header + e.begin
+      done = done + e.nbytes
+      if prog then prog.update(done) end
+    end
+  end)
+  local okc, errc = R.ckpt_close(fd, true)
+  if not ok then error(err, 0) end
+  if not okc then fail("%s: %s", path, errc) end
+  return done
+end
+
+-- ---------------------------------------------------------------- save
+
+local function step_name(step) return format("step_%08d", step) end
+
+-- Writes the checkpoint of `units` into final (through final's .tmp- sibling); collective.
+-- Returns the index (on every rank).
+local function write_checkpoint(units, root, name, opts)
+  local list, experts, ep, ep_size, mesh = units_of(units)
+  local rank, n = ms.rank(), ms.world_size()
+  local boxes, meta = local_boxes(list, experts, not opts.params_only)
+  -- describe, gather, decide who writes what
+  local desc = {}
+  for i, b in ipairs(boxes) do
+    desc[i] = { f = b.fqn, k = b.kind, d = b.dtype, s = b.shape, o = b.off, x = b.expert and ep or json.null }
+  end
+  local all = agree(true, { boxes = desc, meta = meta, ep_size = ep_size })
+  -- local extent of expert tensors on dim 0 (per ep coordinate), then global offsets
+  local e_local = {}
+  for _, r in ipairs(all) do
+    for _, d in ipairs(r.boxes) do
+      if d.x ~= json.null then e_local[d.f] = math.max(e_local[d.f] or 0, d.o[1] + d.s[1]) end
+    end
+  end
+  local tensors, writer, order = {}, {}, {}
+  for r0, r in ipairs(all) do
+    for bi, d in ipairs(r.boxes) do
+      local off = plain_list(d.o)
+      if d.x ~= json.null then off[1] = off[1] + d.x * e_local[d.f] end
+      local t = tensors[d.f]
+      if not t then
+        local m = r.meta[d.f]
+        t = { shape = {}, dtype = d.d, skipped = m.skipped, unit = m.unit, kinds = {} }
+        tensors[d.f] = t
+      end
+      if d.k == "param" then t.dtype = d.d end
+      if r.meta[d.f].trainable then t.skipped = r.meta[d.f].skipped end
+      t.kinds[d.k] = true
+      for i = 1, #d.s do t.shape[i] = math.max(t.shape[i] or 0, off[i] + d.s[i]) end
+      local key = d.k .. "/" .. d.f .. "@" .. table.concat(off, ",") .. ":" .. table.concat(plain_list(d.s), "x")
+      if numel(d.s) > 0 and not writer[key] then
+        writer[key] = { rank = r0 - 1, fqn = d.f, kind = d.k, dtype = d.d, offset = off, shape = plain_list(d.s) }
+        order[#order + 1] = key
+        if r0 - 1 == rank then writer[key].box = boxes[bi] end
+      end
+    end
+  end
+  table.sort(order)
+  -- the directory
+  local final, tmp = join(root, name), join(root, ".tmp-" .. name)
+  agree(pcall(function()
+    if rank == 0 then
+      check(R.ckpt_mkdir(root, true))
+      if stat(final) then
+        fail("%s exists already (a checkpoint of step %s); remove it or save another step", final, tostring(opts.step))
+      end
+      if stat(tmp) then remove_tree(tmp) end
+      check(R.ckpt_mkdir(tmp, false))
+    end
+  end))
+  -- this rank's file
+  local mine, total = {}, 0
+  for _, key in ipairs(order) do
+    local w = writer[key]
+    if w.rank == rank then
+      local b = w.box
+      mine[#mine + 1] = { name = key, dtype = w.dtype, shape = w.shape, nbytes = b.tensor:nbytes(), key = key,
+        get = function() return contiguous_cpu(b.tensor) end }
+      total = total + b.tensor:nbytes()
+    end
+  end
+  local file = format("rank%05d.safetensors", rank)
+  local written = agree(pcall(function()
+    if #mine == 0 then return {} end
+    local prog = progress("saving (rank 0)", total, progress_on(opts))
+    write_safetensors(join(tmp, file), mine, { format = "moonshard", rank = tostring(rank) }, prog, 0)
+    prog.finish()
+    local out = {}
+    for _, e in ipairs(mine) do out[e.key] = { e.crc, e.file_offset, e.nbytes } end
+    return { file = file, bytes = R.file_stat(join(tmp, file)) and select(2, R.file_stat(join(tmp, file))), boxes = out }
+  end))
+  -- the index, last
+  local files, shards = {}, {}
+  for r0, w in ipairs(written) do
+    if w.file then files[#files + 1] = { name = w.file, rank = r0 - 1, bytes = w.bytes } end
+  end
+  for _, key in ipairs(order) do
+    local w = writer[key]
+    local got = written[w.rank + 1].boxes[key]
+    shards[#shards + 1] = { tensor = w.fqn, kind = w.kind, dtype = w.dtype, offset = json.array(w.offset),
+      shape = json.array(w.shape), file = format("rank%05d.safetensors", w.rank), key = key,
+      file_offset = got[2], nbytes = got[3], crc32c = format("%08x", got[1]) }
+  end
+  local tlist = {}
+  for fqn, t in pairs(tensors) do
+    local kinds = {}
+    for _, k in ipairs(KINDS) do if t.kinds[k] then kinds[#kinds + 1] = k end end
+    tlist[fqn] = { shape = json.array(t.shape), dtype = t.dtype, skipped = t.skipped, unit = t.unit,
+      kinds = json.array(kinds) }
+  end
+  local index = { format = M.FORMAT, version = M.VERSION, step = opts.step, extra = opts.extra,
+    world = n, backend = ms.backend(), mesh = mesh and { axes = mesh.axes, ep = mesh.ep } or { axes = { { "world", n } } },
+    crc = "crc32c", files = files, tensors = tlist, shards = shards }
+  agree(pcall(function()
+    if rank == 0 then
+      write_text(join(tmp, M.INDEX), json.encode(index, { indent = 1 }) .. "\n")
+      check(R.ckpt_fsync_path(tmp))
+      check(R.ckpt_rename(tmp, final))
+    end
+  end))
+  return index, final
+end
+
+-- Checkpoints under root, oldest first: {name, step}.
+local function list_checkpoints(root)
+  local out = {}
+  if not is_dir(root) then return out end
+  for _, name in ipairs(check(R.ckpt_list_dir(root))) do
+    local step = name:match("^step_(%d+)$")
+    if step and is_file(join(join(root, name), M.INDEX)) then out[#out + 1] = { name = name, step = tonumber(step) } end
+  end
+  table.sort(out, function(a, b) return a.step < b.step end)
+  return out
+end
+M.list = list_checkpoints
+
+--- save(units, root, {step = n, extra = {...}, keep_last = k, progress = bool}) -> path of
+-- the new checkpoint (ROOT/step_n).  Collective over the world.
+function M.save(units, root, opts)
+  opts = opts or {}
+  if type(root) ~= "string" or root == "" then fail("save: root directory expected, got %s", tostring(root)) end
+  local step = opts.step
+  if type(step) ~= "number" or step < 0 or step ~= math.floor(step) then
+    fail("save: opts.step must be an integer >= 0, got %s", tostring(step))
+  end
+  if opts.keep_last ~= nil and (type(opts.keep_last) ~= "number" or opts.keep_last < 1) then
+    fail("save: keep_last must be an integer >= 1, got %s", tostring(opts.keep_last))
+  end
+  if opts.extra ~= nil then
+    local ok, err = pcall(json.encode, opts.extra)
+    if not ok then fail("save: extra must be a JSON-able table: %s", tostring(err)) end
+  end
+  local name = step_name(step)
+  local _, final = write_checkpoint(units, root, name, opts)
+  agree(pcall(function()
+    if ms.rank() ~= 0 then return end
+    -- the latest pointer, atomically; then old checkpoints (never the new one)
+    local tmp = join(root, M.LATEST .. ".tmp")
+    write_text(tmp, name .. "\n")
+    check(R.ckpt_rename(tmp, join(root, M.LATEST)))
+    if opts.keep_last then
+      local all = list_checkpoints(root)
+      for i = 1, #all - opts.keep_last do
+        if all[i].name ~= name then
+          local trash = join(root, ".trash-" .. all[i].name)
+          check(R.ckpt_rename(join(root, all[i].name), trash))
+          remove_tree(trash)
+        end
+      end
+    end
+    -- leftovers of saves killed before (another step's .tmp-)
+    for _, n2 in ipairs(check(R.ckpt_list_dir(root))) do
+      if n2:match("^%.tmp%-") or n2:match("^%.trash%-") then remove_tree(join(root, n2)) end
+    end
+  end))
+  return final
+end
+
+-- ---------------------------------------------------------------- reading
+
+--- resolve(path) -> the checkpoint directory: path itself when it holds checkpoint.json,
+-- else the one path/latest names.
+function M.resolve(path)
+  if is_file(join(path, M.INDEX)) then return path end
+  local latest = join(path, M.LATEST)
+  if is_file(latest) then
+    local name = read_text(latest):match("^%s*(.-)%s*$")
+    local dir = join(path, name)
+    if not is_file(join(dir, M.INDEX)) then fail("%s names %s, which has no %s", latest, dir, M.INDEX) end
+    return dir
+  end
+  fail("%s holds no checkpoint (neither %s nor %s)", path, M.INDEX, M.LATEST)
+end
+
+--- read_index(dir) -> the decoded checkpoint.json, checked
+function M.read_index(dir)
+  local path = join(dir, M.INDEX)
+  local index = json.decode(read_text(path), path)
+  if type(index) ~= "table" or index.format ~= M.FORMAT then fail("%s is not a moonshard checkpoint index", path) end
+  if index.version ~= M.VERSION then fail("%s: version %s; this moonshard reads version %d", path,
+      tostring(index.version), M.VERSION) end
+  return index
+end
+
+-- Open files of one load, by name.
+local function file_cache(dir)
+  local fds = {}
+  local c = {}
+  function c.fd(name)
+    if not fds[name] then fds[name] = check(R.ckpt_open(join(dir, name), false)) end
+    return fds[name]
+  end
+  function c.close()
+    for _, fd in pairs(fds) do R.ckpt_close(fd, false) end
+  end
+  return c
+end
+
+-- The whole saved box s as a tensor, its checksum checked (an error naming the tensor and
+-- file otherwise).
+local function read_whole(dir, files, s)
+  local t = ms.tensor(plain_list(s.shape), s.dtype)
+  local zero = {}
+  for i = 1, #s.shape do zero[i] = 0 end
+  local ok, err = R.ckpt_read_box(files.fd(s.file), s.file_offset, plain_list(s.shape), zero, t)
+  if not ok then fail("%s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), err) end
+  local crc = format("%08x", check(R.tensor_crc32c(t)))
+  if crc ~= s.crc32c then
+    fail("checksum mismatch: %s of tensor %s (box at %s) in %s: crc32c %s, the index says %s", s.kind, s.tensor,
+      table.concat(plain_list(s.offset), ","), join(dir, s.file), crc, s.crc32c)
+  end
+  return t
+end
+M.read_whole = read_whole
+
+--- verify(path) -> list of problems (empty when every checksum matches), bytes checked.
+-- One process; every box read whole.
+function M.verify(path)
+  local dir = M.resolve(path)
+  local index = M.read_index(dir)
+  local files = file_cache(dir)
+  local problems, bytes = {}, 0
+  for _, f in ipairs(index.files) do
+    local kind, size = stat(join(dir, f.name))
+    if kind ~= "regular file" then
+      problems[#problems + 1] = format("%s: missing", join(dir, f.name))
+    elseif f.bytes and size ~= f.bytes then
+      problems[#problems + 1] = format("%s: %d bytes, the index says %d", join(dir, f.name), size, f.bytes)
+    end
+  end
+  if #problems == 0 then
+    for _, s in ipairs(index.shards) do
+      local ok, err = pcall(read_whole, dir, files, s)
+      if not ok then problems[#problems + 1] = tostring(err):gsub("^moonshard: checkpoint: ", "") end
+      bytes = bytes + s.nbytes
+    end
+  end
+  files.close()
+  return problems, bytes, dir, index
+end
+
+-- Reads, into dst (a tensor of the target box's shape at global offset toff), every part of
+-- the saved boxes of (fqn, kind) that overlaps it.  Returns the elements covered.
+local function fill_box(dir, files, saved, dst, toff, cache)
+  local tshape = shape_of(dst)
+  local covered = 0
+  for _, s in ipairs(saved) do
+    local inter_start, inter_len, empty = {}, {}, false
+    for d = 1, #tshape do
+      local a = math.max(toff[d], s.offset[d])
+      local b = math.min(toff[d] + tshape[d], s.offset[d] + s.shape[d])
+      if b <= a then empty = true break end
+      inter_start[d], inter_len[d] = a, b - a
+    end
+    if not empty then
+      local src
+      local whole = cache[s]
+      if whole then
+        src = whole
+        for d = 1, #tshape do src = src:narrow(d - 1, inter_start[d] - s.offset[d], inter_len[d]) end
+      else
+        src = ms.tensor(inter_len, s.dtype)
+        local start = {}
+        for d = 1, #tshape do start[d] = inter_start[d] - s.offset[d] end
+        local ok, err = R.ckpt_read_box(files.fd(s.file), s.file_offset, plain_list(s.shape), start, src)
+        if not ok then fail("%s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), err) end
+      end
+      local view = dst
+      for d = 1, #tshape do view = view:narrow(d - 1, inter_start[d] - toff[d], inter_len[d]) end
+      view:copy_(src)
+      covered = covered + numel(inter_len)
+    end
+  end
+  return covered
+end
+
+--- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
+function M.load(units, path, opts)
+  opts = opts or {}
+  local list, experts, ep, ep_size = units_of(units)
+  local rank, n = ms.rank(), ms.world_size()
+  local dir, index
+  agree(pcall(function()
+    dir = M.resolve(path)
+    index = M.read_index(dir)
+  end))
+  local by = {} -- fqn -> kind -> saved boxes
+  for _, s in ipairs(index.shards) do
+    by[s.tensor] = by[s.tensor] or {}
+    by[s.tensor][s.kind] = by[s.tensor][s.kind] or {}
+    table.insert(by[s.tensor][s.kind], s)
+  end
+  local files = file_cache(dir)
+  local ok, err = pcall(function()
+    -- targets: every (unit, parameter) of this rank
+    local targets = {}
+    for _, u in ipairs(list) do
+      for i = 0, u:count() - 1 do
+        local fqn = u:fqn(i)
+        local t = index.tensors[fqn]
+        if not t then fail("%s has no tensor %s (unit %s)", dir, fqn, u:name()) end
+        local shard = u:param_shard(i)
+        local shape = shape_of(shard)
+        local offset, _, dim = u:param_offset(i)
+        local off = {}
+        for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+        local unit_shape = {}
+        for d = 1, #t.shape do unit_shape[d] = t.shape[d] end
+        if experts[u] and ep_size > 1 then
+          if t.shape[1] % ep_size ~= 0 then fail("tensor %s: %d experts do not divide over ep = %d", fqn, t.shape[1], ep_size) end
+          unit_shape[1] = math.floor(t.shape[1] / ep_size)
+          off[1] = off[1] + ep * unit_shape[1]
+        end
+        if #shape ~= #t.shape then
+          fail("tensor %s: the unit holds %d dims, the checkpoint %d (shape %s)", fqn, #shape, #t.shape,
+            table.concat(t.shape, "x"))
+        end
+        for d = 1, #shape do
+          if off[d] + shape[d] > t.shape[d] then
+            fail("tensor %s: the unit's rows [%d, %d) of dim %d are outside the checkpoint's shape %s", fqn, off[d],
+              off[d] + shape[d], d - 1, table.concat(t.shape, "x"))
+          end
+        end
+        targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = shape, off = off, info = t }
+      end
+    end
+    -- which saved boxes this rank verifies: those it reads whole, and round-robin the rest
+    local needed_whole = {}
+    for _, tg in ipairs(targets) do
+      for _, kind in ipairs(KINDS) do
+        for _, s in ipairs((by[tg.fqn] or {})[kind] or {}) do
+          local inside = true
+          for d = 1, #tg.shape do
+            if s.offset[d] < tg.off[d] or s.offset[d] + s.shape[d] > tg.off[d] + tg.shape[d] then inside = false end
+          end
+          if inside then needed_whole[s] = true end
+        end
+      end
+    end
+    local cache = {}
+    local total, done = 0, 0
+    for j, s in ipairs(index.shards) do
+      if needed_whole[s] or (opts.verify ~= false and (j - 1) % n == rank) then total = total + s.nbytes end
+    end
+    local prog = progress("loading (rank 0)", total, progress_on(opts))
+    for j, s in ipairs(index.shards) do
+      if needed_whole[s] or (opts.verify ~= false and (j - 1) % n == rank) then
+        local t
+        if opts.verify ~= false then t = read_whole(dir, files, s) end
+        if needed_whole[s] then cache[s] = t end
+        done = done + s.nbytes
+        prog.update(done)
+      end
+    end
+    prog.finish()
+    -- parameters first (a unit's first adamw_state makes master weights from them), then state
+    for pass = 1, 2 do
+      for _, tg in ipairs(targets) do
+        local u, i, saved = tg.unit, tg.index, by[tg.fqn] or {}
+        if pass == 1 then
+          local shard = u:param_shard(i)
+          local got = fill_box(dir, files, saved.param or {}, shard, tg.off, cache)
+          if got ~= numel(tg.shape) then
+            fail("the checkpoint holds %d of the %d elements of tensor %s this rank needs", got, numel(tg.shape), tg.fqn)
+          end
+        elseif saved.exp_avg and numel(tg.shape) >= 0 then
+          local ea = u:adamw_state(i, "exp_avg")
+          if ea then
+            for _, kind in ipairs({ "exp_avg", "exp_avg_sq", "master" }) do
+              local st = u:adamw_state(i, kind)
+              if st and numel(tg.shape) > 0 then
+                local view = st:view(tg.shape)
+                if saved[kind] then
+                  fill_box(dir, files, saved[kind], view, tg.off, cache)
+                elseif kind == "master" then
+                  view:copy_(u:param_shard(i))
+                end
+              end
+            end
+            u:set_adamw_skipped(i, tg.info.skipped or 0)
+          end
+        end
+      end
+    end
+  end)
+  files.close()
+  agree(ok, err)
+  local extra = index.extra
+  if extra == json.null then extra = nil end
+  return index.step, extra, dir
+end
+
+-- ---------------------------------------------------------------- Hugging Face export
+
+local function parse_size(v)
+  if v == nil then return 5 * 1000 ^ 3 end
+  if type(v) == "number" then return v end
+  local num, unit = tostring(v):match("^%s*([%d%.]+)%s*(%a*)%s*$")
+  local mult = { [""] = 1, B = 1, KB = 1e3, MB = 1e6, GB = 1e9, TB = 1e12, KIB = 1024, MIB = 1024 ^ 2,
+    GIB = 1024 ^ 3, TIB = 1024 ^ 4 }
+  local m = unit and mult[unit:upper()]
+  if not num or not m then fail("max_shard_size '%s': expected bytes like 5GB, 500MB or 1073741824", tostring(v)) end
+  return tonumber(num) * m
+end
+M.parse_size = parse_size
+
+--- export_dir(checkpoint, out, {dtype=, max_shard_size=, names = function(fqn) -> name})
+-- -> files written: the parameters of a checkpoint consolidated into Hugging Face safetensors
+-- (model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json
+-- when past max_shard_size, default 5GB).  One process; every box read is checksummed.
+function M.export_dir(path, out, opts)
+  opts = opts or {}
+  local dir = M.resolve(path)
+  local index = M.read_index(dir)
+  local strip = require("moonshard.module").strip_checkpoint
+  local rename = opts.names or strip
+  local names, by = {}, {}
+  for fqn, t in pairs(index.tensors) do
+    local name = rename(fqn)
+    if by[name] then fail("export: %s and %s are both named %s", by[name].fqn, fqn, name) end
+    by[name] = { fqn = fqn, info = t, dtype = opts.dtype or t.dtype, saved = {} }
+    names[#names + 1] = name
+  end
+  table.sort(names)
+  for _, s in ipairs(index.shards) do
+    if s.kind == "param" then table.insert(by[rename(s.tensor)].saved, s) end
+  end
+  local limit = parse_size(opts.max_shard_size)
+  local shards, cur, size, total = {}, nil, 0, 0
+  for _, name in ipairs(names) do
+    local e = by[name]
+    if not ST_DTYPE[e.dtype] then fail("export: dtype %s has no safetensors name", e.dtype) end
+    e.nbytes = numel(e.info.shape) * ms.dtype_size(e.dtype)
+    if not cur or (size + e.nbytes > limit and #cur > 0) then
+      cur, size = {}, 0
+      shards[#shards + 1] = cur
+    end
+    cur[#cur + 1] = name
+    size, total = size + e.nbytes, total + e.nbytes
+  end
+  check(R.ckpt_mkdir(out, true))
+  local files = file_cache(dir)
+  local written, weight_map = {}, {}
+  local prog = progress("exporting", total, opts.progress == nil and R.stderr_isatty() or opts.progress)
+  local done = 0
+  local ok, err = pcall(function()
+    for k, list in ipairs(shards) do
+      local fname = #shards == 1 and "model.safetensors" or format("model-%05d-of-%05d.safetensors", k, #shards)
+      local entries = {}
+      for _, name in ipairs(list) do
+        local e = by[name]
+        weight_map[name] = fname
+        entries[#entries + 1] = { name = name, dtype = e.dtype, shape = plain_list(e.info.shape), nbytes = e.nbytes,
+          get = function()
+            local full = ms.tensor(plain_list(e.info.shape), e.info.dtype)
+            local zero = {}
+            for d = 1, #e.info.shape do zero[d] = 0 end
+            local cache = {}
+            for _, s in ipairs(e.saved) do cache[s] = read_whole(dir, files, s) end
+            local got = fill_box(dir, files, e.saved, full, zero, cache)
+            if got ~= numel(e.info.shape) then fail("export: the checkpoint holds %d of the %d elements of %s", got,
+                numel(e.info.shape), e.fqn) end
+            if e.dtype ~= e.info.dtype then return full:to(e.dtype) end
+            return full
+          end }
+      end
+      local tmp = join(out, fname .. ".tmp")
+      done = write_safetensors(tmp, entries, { format = "pt" }, prog, done)
+      check(R.ckpt_rename(tmp, join(out, fname)))
+      written[#written + 1] = fname
+    end
+    if #shards > 1 then
+      local tmp = join(out, "model.safetensors.index.json.tmp")
+      write_text(tmp, json.encode({ metadata = { total_size = total }, weight_map = weight_map }, { indent = 1 }) .. "\n")
+      check(R.ckpt_rename(tmp, join(out, "model.safetensors.index.json")))
+      written[#written + 1] = "model.safetensors.index.json"
+    end
+  end)
+  prog.finish()
+  files.close()
+  if not ok then error(err, 0) end
+  return written, total
+end
+
+--- export_hf(units, out, {dtype=, max_shard_size=}) -> files written: collective; the units'
+-- parameters are saved into OUT/.moonshard-export (each rank its boxes, once), rank 0
+-- consolidates them into Hugging Face safetensors in OUT, and the temporary checkpoint goes.
+function M.export_hf(units, out, opts)
+  opts = opts or {}
+  if type(out) ~= "string" or out == "" then fail("export_hf: output directory expected") end
+  local name = ".moonshard-export"
+  agree(pcall(function()
+    if ms.rank() == 0 then
+      check(R.ckpt_mkdir(out, true))
+      if stat(join(out, name)) then remove_tree(join(out, name)) end
+    end
+  end))
+  write_checkpoint(units, out, name, { step = 0, params_only = true, progress = opts.progress })
+  local files = agree(pcall(function()
+    if ms.rank() ~= 0 then return {} end
+    local ok, w = pcall(M.export_dir, join(out, name), out, opts)
+    remove_tree(join(out, name))
+    if not ok then error(w, 0) end
+    return w
+  end))
+  return files[1]
+end
+
+return M

@@ -1,0 +1,136 @@
+-- moonshard.checkpoint_cli: `moonshard checkpoint info|verify|export` (lua/ms_main.c runs
+-- main with the arguments after "checkpoint").  One process; reads the files of a checkpoint
+-- written by moonshard.checkpoint.save (docs/checkpoints.md).
+local ckpt = require "moonshard.checkpoint"
+
+local M = {}
+
+local format = string.format
+
+M.usage = [[
+usage: moonshard checkpoint info DIR
+       moonshard checkpoint verify DIR
+       moonshard checkpoint export DIR --to OUT [--dtype DTYPE] [--max-shard-size SIZE]
+
+DIR is a checkpoint (a directory holding checkpoint.json) or a root of checkpoints (its
+'latest' file names the newest).
+
+  info     the step, the mesh and world size that wrote it, the files, and every tensor:
+           shape, dtype, what is saved of it (param, exp_avg, exp_avg_sq, master), boxes
+  verify   reads every box of every file and checks its CRC32C against the index; exit
+           status 1 naming each tensor and file that is wrong (0 when all match)
+  export   the parameters consolidated into Hugging Face safetensors in OUT
+           (model.safetensors, or model-0000i-of-0000N.safetensors with
+           model.safetensors.index.json past --max-shard-size, default 5GB); --dtype casts
+           them (bf16, f32, ...; default: as stored).  Copy the model's config.json beside
+           them for from_pretrained.
+
+  -h, --help   this help
+]]
+
+local function usage_error(msg)
+  io.stderr:write("moonshard checkpoint: " .. msg .. "\n(try 'moonshard checkpoint --help')\n")
+  return 2
+end
+
+local function info(dir)
+  dir = ckpt.resolve(dir)
+  local index = ckpt.read_index(dir)
+  local axes = {}
+  for _, a in ipairs(index.mesh.axes or {}) do axes[#axes + 1] = a[1] .. "=" .. a[2] end
+  local bytes = 0
+  for _, f in ipairs(index.files) do bytes = bytes + (f.bytes or 0) end
+  local out = {}
+  out[#out + 1] = format("checkpoint %s", dir)
+  out[#out + 1] = format("step       %s", tostring(index.step))
+  out[#out + 1] = format("written by %d ranks (%s), mesh %s%s", index.world, tostring(index.backend),
+    table.concat(axes, ","), (index.mesh.ep or 1) > 1 and format(", ep=%d", index.mesh.ep) or "")
+  out[#out + 1] = format("files      %d, %s (%d shards, crc32c each)", #index.files, ckpt.human(bytes), #index.shards)
+  if type(index.extra) == "table" then
+    local keys = {}
+    for k in pairs(index.extra) do keys[#keys + 1] = tostring(k) end
+    table.sort(keys)
+    out[#out + 1] = format("extra      %s", #keys > 0 and table.concat(keys, ", ") or "(empty)")
+  end
+  local names, boxes = {}, {}
+  for name in pairs(index.tensors) do names[#names + 1] = name end
+  table.sort(names)
+  for _, s in ipairs(index.shards) do
+    if s.kind == "param" then boxes[s.tensor] = (boxes[s.tensor] or 0) + 1 end
+  end
+  out[#out + 1] = format("tensors    %d", #names)
+  for _, name in ipairs(names) do
+    local t = index.tensors[name]
+    local shape = {}
+    for i, v in ipairs(t.shape) do shape[i] = tostring(v) end
+    local kinds = {}
+    for i, v in ipairs(t.kinds) do kinds[i] = v end
+    out[#out + 1] = format("  %-48s %-14s %-5s %s; %d boxes%s", name, table.concat(shape, "x"), t.dtype,
+      table.concat(kinds, ","), boxes[name] or 0, (t.skipped or 0) > 0 and format("; skipped %d steps", t.skipped) or "")
+  end
+  io.stdout:write(table.concat(out, "\n") .. "\n")
+  return 0
+end
+
+local function verify(dir)
+  local t0 = os.time()
+  local problems, bytes, resolved, index = ckpt.verify(dir)
+  if #problems > 0 then
+    for _, p in ipairs(problems) do io.stderr:write("moonshard checkpoint verify: " .. p .. "\n") end
+    io.stderr:write(format("moonshard checkpoint verify: %s: %d problem%s\n", resolved, #problems,
+      #problems == 1 and "" or "s"))
+    return 1
+  end
+  io.stdout:write(format("%s: ok, %d boxes of %d tensors in %d files, %s checked (crc32c, %ds)\n", resolved,
+    #index.shards, (function() local n = 0 for _ in pairs(index.tensors) do n = n + 1 end return n end)(),
+    #index.files, ckpt.human(bytes), os.difftime(os.time(), t0)))
+  return 0
+end
+
+function M.main(args)
+  local cmd, dir, opts, i = args[1], nil, {}, 2
+  if cmd == nil or cmd == "-h" or cmd == "--help" then
+    io.stdout:write(M.usage)
+    return cmd == nil and 2 or 0
+  end
+  while i <= #args do
+    local a = args[i]
+    local function value()
+      i = i + 1
+      if args[i] == nil then error({ usage = a .. " needs a value" }) end
+      return args[i]
+    end
+    if a == "-h" or a == "--help" then
+      io.stdout:write(M.usage)
+      return 0
+    elseif a == "--to" then opts.to = value()
+    elseif a == "--dtype" then opts.dtype = value()
+    elseif a == "--max-shard-size" then opts.max_shard_size = value()
+    elseif a:sub(1, 1) == "-" then return usage_error("unknown option '" .. a .. "'")
+    elseif dir then return usage_error("one DIR expected, got '" .. dir .. "' and '" .. a .. "'")
+    else dir = a end
+    i = i + 1
+  end
+  if cmd ~= "info" and cmd ~= "verify" and cmd ~= "export" then
+    return usage_error("unknown command '" .. tostring(cmd) .. "' (info, verify or export)")
+  end
+  if not dir then return usage_error(cmd .. ": DIR expected") end
+  local ok, code = pcall(function()
+    if cmd == "info" then return info(dir) end
+    if cmd == "verify" then return verify(dir) end
+    if not opts.to then error({ usage = "export: --to OUT expected" }) end
+    if opts.dtype then opts.dtype = require("moonshard").dtype_name and opts.dtype or opts.dtype end
+    local files, total = ckpt.export_dir(dir, opts.to, { dtype = opts.dtype, max_shard_size = opts.max_shard_size })
+    io.stdout:write(format("%s: %d files, %s of parameters: %s\n", opts.to, #files, ckpt.human(total),
+      table.concat(files, ", ")))
+    return 0
+  end)
+  if not ok then
+    if type(code) == "table" and code.usage then return usage_error(code.usage) end
+    io.stderr:write(tostring(code):gsub("^moonshard: checkpoint: ", "moonshard checkpoint: ") .. "\n")
+    return 1
+  end
+  return code
+end
+
+return M

@@ -1,0 +1,235 @@
+-- checkpoint_spec.lua: moonshard.checkpoint (docs/checkpoints.md).  The C primitives against
+-- CRC32C's test vectors and a file Python's safetensors wrote; the tiny inkling2 plan trained
+-- by tests/lua/scripts/ckpt_units.lua: saved on 4 ranks and loaded bit for bit on 4, on
+-- 3, on HSDP 2x2, on 1 and with other ep, training continued to the bytes of the uninterrupted
+-- run; a corrupted byte named by verify and load; a save killed with SIGKILL leaving the
+-- previous checkpoint whole; keep_last; every file written read by Python's safetensors when
+-- the venv is there.
+local S = require "support"
+
+local SCRIPT = "tests/lua/scripts/ckpt_units.lua"
+local PY = os.getenv("MOONSHARD_PYTHON") or "/tmp/ref/venv/bin/python"
+
+local function tmpdir()
+  local p = os.tmpname()
+  os.remove(p)
+  assert(os.execute("mkdir -p " .. S.quote(p)))
+  return p
+end
+
+local function sh(cmd) return S.run_with("bash", { "-c", cmd }) end
+
+local function run(n, ...)
+  local r = S.run({ "-n", tostring(n), SCRIPT, ... })
+  assert.equal("", r.err)
+  assert.equal(0, r.code)
+  return r
+end
+
+-- every safetensors file under dir, concatenated in name order
+local function export_bytes(dir)
+  local r = sh("cat " .. S.quote(dir) .. "/*.safetensors | od -An -tx1 | md5sum")
+  assert.equal(0, r.code)
+  return r.out
+end
+
+describe("checkpoint primitives", function()
+  local R = require "moonshard.raw"
+  it("CRC32C gives the published check values", function()
+    assert.equal(0xE3069283, R.crc32c("123456789"))
+    assert.equal(0x8A9136AA, R.crc32c(string.rep("\0", 32)))
+    assert.equal(0x62A8AB43, R.crc32c(string.rep("\255", 32)))
+    assert.equal(R.crc32c("123456789"), R.crc32c("6789", R.crc32c("12345")))
+    assert.truthy(R.crc32c_impl() == "sse4.2" or R.crc32c_impl() == "table")
+  end)
+
+  it("reads a file written by Python's safetensors, tensor by tensor with pread", function()
+    local ms = require "moonshard"
+    local path = "tests/data/checkpoint/python_written.safetensors"
+    local tensors = require("moonshard.safetensors").read_header(path)
+    local f = assert(io.open(path, "rb"))
+    local b = f:read(8)
+    f:close()
+    local hlen = 0
+    for i = 8, 1, -1 do hlen = hlen * 256 + b:byte(i) end
+    local fd = assert(R.ckpt_open(path, false))
+    local got = {}
+    for _, t in ipairs(tensors) do
+      local out = ms.tensor(t.shape, t.dtype)
+      local zero = {}
+      for d = 1, #t.shape do zero[d] = 0 end
+      assert(R.ckpt_read_box(fd, 8 + hlen + t.data_offsets[1], t.shape, zero, out))
+      got[t.name] = out:totable()
+    end
+    R.ckpt_close(fd, false)
+    assert.same({ 0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1, 1.125, 1.25, 1.375 }, got.a)
+    assert.same({ -2.5, -1.5, -0.5, 0.5, 1.5, 2.5 }, got.b)
+    assert.same({ 1, -2, 3 }, got.c)
+  end)
+end)
+
+describe("checkpoints of materialised plans", function()
+  local root, ref, saved_dir
+  setup(function()
+    root = tmpdir()
+    ref, saved_dir = root .. "/ref", root .. "/ckpt"
+    run(4, "dp_shard=4", "4", "export=" .. ref)                    -- the uninterrupted run
+    run(4, "dp_shard=4", "2", "save=2:" .. saved_dir)              -- stopped after step 2
+  end)
+  teardown(function() sh("rm -rf " .. S.quote(root)) end)
+
+  it("round-trips bit for bit on the same 4 ranks (parameters and AdamW state)", function()
+    local again = root .. "/again"
+    run(4, "dp_shard=4", "2", "load=" .. saved_dir, "resave=" .. again)
+    local ckpt = require "moonshard.checkpoint"
+    local a = ckpt.read_index(ckpt.resolve(saved_dir))
+    local b = ckpt.read_index(ckpt.resolve(again))
+    local crc = {}
+    for _, s in ipairs(a.shards) do crc[s.key] = s.crc32c end
+    assert.equal(#a.shards, #b.shards)
+    local kinds = {}
+    for _, s in ipairs(b.shards) do
+      assert.equal(crc[s.key], s.crc32c)
+      kinds[s.kind] = true
+    end
+    assert.same({ param = true, exp_avg = true, exp_avg_sq = true, master = true }, kinds)
+    assert.same({ note = "resume here", rng = { 1, 2, 3 } }, setmetatable(a.extra, nil))
+  end)
+
+  for _, case in ipairs({ { 3, "dp_shard=3" }, { 4, "dp_replicate=2,dp_shard=2" }, { 1, "dp_shard=1" },
+    { 2, "dp_shard=2,ep=2" }, { 4, "dp_shard=4,ep=4" } }) do
+    it("resumes on " .. case[2] .. " and continues as the uninterrupted run", function()
+      local out = root .. "/out_" .. case[1] .. "_" .. case[2]:gsub("[^%w]", "_")
+      run(case[1], case[2], "4", "load=" .. saved_dir, "export=" .. out)
+      assert.equal(export_bytes(ref), export_bytes(out))
+    end)
+  end
+
+  it("saves under expert parallelism and resumes without it", function()
+    local ep_dir, out = root .. "/ep", root .. "/out_from_ep"
+    run(4, "dp_shard=4,ep=2", "2", "save=2:" .. ep_dir)
+    run(3, "dp_shard=3", "4", "load=" .. ep_dir, "export=" .. out)
+    assert.equal(export_bytes(ref), export_bytes(out))
+  end)
+
+  it("info and verify describe a good checkpoint; export writes Hugging Face safetensors", function()
+    local r = S.run({ "checkpoint", "info", saved_dir })
+    assert.equal(0, r.code)
+    assert.matches("step       2", r.out)
+    assert.matches("written by 4 ranks %(threads%), mesh pp=1,dp_replicate=1,dp_shard=4", r.out)
+    assert.matches("lm_head.weight%s+67x24%s+bf16%s+param,exp_avg,exp_avg_sq,master; 4 boxes", r.out)
+    r = S.run({ "checkpoint", "verify", saved_dir })
+    assert.equal(0, r.code)
+    assert.matches(": ok, %d+ boxes of 45 tensors in 4 files", r.out)
+    local out = root .. "/cli_export"
+    r = S.run({ "checkpoint", "export", saved_dir, "--to", out, "--max-shard-size", "30KB" })
+    assert.equal(0, r.code)
+    local index = require("moonshard.safetensors").read_index(out .. "/model.safetensors.index.json")
+    assert.equal(45, #index)
+    r = S.run({ "checkpoint", "--help" })
+    assert.equal(0, r.code)
+    assert.matches("verify", r.out)
+  end)
+
+  it("names a corrupted tensor and its file in verify and load", function()
+    local bad = root .. "/bad"
+    assert.equal(0, sh("cp -r " .. S.quote(saved_dir) .. " " .. S.quote(bad)).code)
+    local ckpt = require "moonshard.checkpoint"
+    local dir = ckpt.resolve(bad)
+    local index = ckpt.read_index(dir)
+    local s = index.shards[#index.shards]
+    -- flip one byte in the middle of the last box
+    local path = dir .. "/" .. s.file
+    local f = assert(io.open(path, "r+b"))
+    local at = s.file_offset + math.floor(s.nbytes / 2)
+    f:seek("set", at)
+    local c = f:read(1)
+    f:seek("set", at)
+    f:write(string.char((c:byte() + 1) % 256))
+    f:close()
+    local r = S.run({ "checkpoint", "verify", bad })
+    assert.equal(1, r.code)
+    S.assert_has(r.err, "checksum mismatch: " .. s.kind .. " of tensor " .. s.tensor)
+    S.assert_has(r.err, s.file)
+    r = S.run({ "-n", "3", SCRIPT, "dp_shard=3", "4", "load=" .. bad })
+    assert.not_equal(0, r.code)
+    S.assert_has(r.err, "checksum mismatch: " .. s.kind .. " of tensor " .. s.tensor)
+    S.assert_has(r.err, s.file)
+  end)
+
+  it("keeps the last checkpoints only, and latest names the newest", function()
+    local kroot = root .. "/keep"
+    -- ckpt_units saves with keep_last = 2: steps 1, 2, 3 leave 2 and 3
+    for step = 1, 3 do
+      run(2, "dp_shard=2", tostring(step), step > 1 and ("load=" .. kroot) or "steps=0", "save=" .. step .. ":" .. kroot)
+    end
+    local r = sh("ls -A " .. S.quote(kroot))
+    assert.equal("latest\nstep_00000002\nstep_00000003\n", r.out)
+    assert.equal("step_00000003\n", S.read_file(kroot .. "/latest"))
+  end)
+
+  it("leaves the previous checkpoint whole when a save is killed with SIGKILL", function()
+    local kroot = root .. "/killed"
+    -- big units (8 MiB a rank) so that the second save is caught mid-write
+    -- one f32 unit of 4096 x 2048 over the ranks
+    local unit = [[
+      local ms = require "moonshard"
+      local ckpt = require "moonshard.checkpoint"
+      local g = ms.mesh({ { "dp", ms.world_size() } }):group("dp")
+      local u = ms.unit("big", g, nil, nil, nil, true)
+      u:add_param("big.weight", { 4096, 2048 }, "f32")
+      u:finalize()
+    ]]
+    local code = unit .. [[
+      u:param_shard(0):fill_(ms.rank() + 1)
+      for step = 1, 200 do ckpt.save({ u }, arg[1], { step = step, keep_last = 1, progress = false }) end
+    ]]
+    local script = root .. "/kill.lua"
+    S.write_file(script, code)
+    local r = sh(string.format([[
+      %s -n 4 %s %s & pid=$!
+      for i in $(seq 1 2000); do [ -f %s/latest ] && ls -d %s/.tmp-* >/dev/null 2>&1 && break; sleep 0.005; done
+      kill -9 $pid; wait $pid; echo killed $?]], S.quote(S.bin), S.quote(script), S.quote(kroot), S.quote(kroot),
+      S.quote(kroot)))
+    assert.matches("killed 137", r.out)
+    r = S.run({ "checkpoint", "verify", kroot })
+    assert.equal(0, r.code)
+    local check = unit .. [[
+      local step = ckpt.load({ u }, arg[1])
+      local v = u:param_shard(0):narrow(0, 0, 1):totable()
+      print("loaded step " .. step .. " first " .. v[1])
+    ]]
+    r = S.run({ "-n", "1", "-e", check, kroot })
+    assert.equal(0, r.code)
+    assert.matches("loaded step %d+ first 1", r.out)
+  end)
+
+  it("writes files Python's safetensors reads", function()
+    local f = io.open(PY, "rb")
+    if not f then
+      pending("no Python venv at " .. PY .. " (set MOONSHARD_PYTHON): the check is skipped")
+      return
+    end
+    f:close()
+    local probe = sh(S.quote(PY) .. " -c 'import safetensors, torch'")
+    if probe.code ~= 0 then
+      pending("the Python at " .. PY .. " has no safetensors/torch: the check is skipped")
+      return
+    end
+    local code = [[
+import sys, glob
+from safetensors import safe_open
+n = 0
+files = sorted(glob.glob(sys.argv[1] + "/**/*.safetensors", recursive=True))
+for p in files:
+    with safe_open(p, framework="pt") as f:
+        for k in f.keys():
+            f.get_tensor(k)
+            n += 1
+print("read", n, "tensors from", len(files), "files")
+]]
+    local r = S.run_with(PY, { "-c", code, root })
+    assert.equal(0, r.code)
+    assert.matches("read %d+ tensors from %d+ files", r.out)
+  end)
+end)

@@ -1,0 +1,113 @@
+-- ckpt_units.lua: the tiny inkling2 plan made real, trained, saved and loaded through
+-- moonshard.checkpoint (moonshard -n N ckpt_units.lua MESH STEPS [save=K:ROOT]
+-- [load=ROOT] [export=DIR] [resave=ROOT]).  Parameters start from values that depend on each
+-- element's global position, gradients too (the same on every rank, so the reduced mean is
+-- exact on any mesh and AdamW's result is independent of the sharding): a run resumed from a
+-- checkpoint on another mesh must export the same bytes as the uninterrupted run.
+local ms = require "moonshard"
+local json = require "moonshard.json"
+local ckpt = require "moonshard.checkpoint"
+
+local mesh_spec, steps = arg[1], tonumber(arg[2])
+local opts = {}
+for i = 3, #arg do
+  local k, v = arg[i]:match("^(%w+)=(.*)$")
+  opts[k] = v
+end
+local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
+local config = json.decode(f:read("a"))
+f:close()
+local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
+local mc = require("moonshard.mesh_context").new(mesh_spec)
+local policy = require("moonshard.policy").load("policies/inkling2")
+local plan = require("moonshard.plan").plan(tree, mc, policy.shard_units)
+local state = require("moonshard.runtime").materialize(plan)
+
+local strip = require("moonshard.module").strip_checkpoint
+local global, kof = {}, {}
+for k, np in ipairs(tree:named_parameters()) do
+  global[strip(np[1])] = np[2].shape
+  kof[strip(np[1])] = k
+end
+local experts = {}
+for _, pu in ipairs(plan.units) do
+  if pu.mesh_axes[#pu.mesh_axes] == "ep_shard" and state.by_name[pu.name] then experts[state.by_name[pu.name]] = true end
+end
+for _, u in ipairs(state.ep_local) do experts[u] = true end
+local ep, ep_size = mc:coord("ep", ms.rank()), mc:size("ep")
+
+-- values of a box (shape at global offset off) of tensor fqn by fn(k, global flat index)
+local function box_values(fqn, shape, off, fn)
+  local g, k = global[strip(fqn)], kof[strip(fqn)]
+  local vals, idx, n = {}, {}, 1
+  for d = 1, #shape do idx[d], n = 0, n * shape[d] end
+  for j = 1, n do
+    local gi = 0
+    for d = 1, #shape do gi = gi * g[d] + off[d] + idx[d] end
+    vals[j] = fn(k, gi)
+    local d = #shape
+    while d >= 1 do
+      idx[d] = idx[d] + 1
+      if idx[d] < shape[d] then break end
+      idx[d], d = 0, d - 1
+    end
+  end
+  return ms.from_table(vals, "f64", shape)
+end
+
+local function ep_offset(u, fqn)
+  if experts[u] and ep_size > 1 then return ep * (global[strip(fqn)][1] / ep_size) end
+  return 0
+end
+
+local first = 1
+if opts.load then
+  local step, extra = ckpt.load(state, opts.load)
+  assert(extra.note == "resume here", "extra state")
+  first = step + 1
+else
+  for _, u in ipairs(state.units) do
+    for i = 0, u:count() - 1 do
+      local sh = u:param_shard(i)
+      local shape = sh:shape()
+      if sh:numel() > 0 then
+        local offset, _, dim = u:param_offset(i)
+        local off = {}
+        for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+        off[1] = off[1] + ep_offset(u, u:fqn(i))
+        sh:copy_(box_values(u:fqn(i), shape, off, function(k, gi) return ((k * 131 + gi * 17) % 97) / 97 - 0.5 end))
+      end
+    end
+  end
+end
+
+for step = first, steps do
+  for _, u in ipairs(state.units) do
+    u:unshard():wait()
+    local handed = false
+    for i = 0, u:count() - 1 do
+      local g = u:grad_full(i)
+      if g then
+        local off = {}
+        for d = 1, g:ndim() do off[d] = 0 end
+        off[1] = ep_offset(u, u:fqn(i))
+        -- an expert's gradient on a rank sums the ep group's contributions (runtime.lua), and
+        -- the unit divides by ep_shard x ep: ep x the value gives the same mean on any mesh
+        local scale = experts[u] and ep_size or 1
+        g:copy_(box_values(u:fqn(i), g:shape(), off,
+          function(k, gi) return scale * (((k * 7 + gi * 3 + step) % 64) / 64 - 0.5) end))
+        handed = true
+      end
+    end
+    if handed then u:reduce_grads():wait() else u:release_unsharded() end
+  end
+  for _, u in ipairs(state.units) do u:adamw_step({ lr = 1e-2, step = step }) end
+  for _, u in ipairs(state.units) do u:zero_grad() end
+  if opts.save and tonumber(opts.save:match("^(%d+):")) == step then
+    ckpt.save(state, opts.save:match(":(.*)$"), { step = step, extra = { note = "resume here", rng = { 1, 2, 3 } },
+      keep_last = 2 })
+  end
+end
+if opts.resave then ckpt.save(state, opts.resave, { step = steps, extra = { note = "resume here" } }) end
+if opts.export then ckpt.export_hf(state, opts.export, { max_shard_size = "20KB" }) end
+print(string.format("rank %d: ckpt_units ok (%s, %d units)", ms.rank(), mesh_spec, #state.units))
