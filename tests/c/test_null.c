@@ -596,6 +596,15 @@ static void test_ckpt(void) {
     REFUSE(ms_ckpt_list_dir, path, NULL, buf, 4, &len);
     REFUSE(ms_ckpt_list_dir, buf, "/", NULL, 4, &len);
     REFUSE(ms_ckpt_list_dir, len, "/", buf, 4, NULL);
+    /* the Hugging Face loader's box read (checkpoint_hf.lua) */
+    const int64_t perm1[1] = {0};
+    int64_t nread = 0;
+    REFUSE(ms_file_read_region, path, NULL, 0, MS_U8, 1, n4, start, perm1, t, &nread);
+    REFUSE(ms_file_read_region, src_shape, "/", 0, MS_U8, 1, NULL, start, perm1, t, &nread);
+    REFUSE(ms_file_read_region, start, "/", 0, MS_U8, 1, n4, NULL, perm1, t, &nread);
+    ALLOW(ms_file_read_region, perm, 0, "/", 0, MS_U8, 1, n4, start, NULL, t, &nread);
+    REFUSE(ms_file_read_region, dst, "/", 0, MS_U8, 1, n4, start, perm1, NULL, &nread);
+    ALLOW(ms_file_read_region, bytes_read, 0, "/", 0, MS_U8, 1, n4, start, perm1, t, NULL);
     ms_tensor_release(t);
 }
 
