@@ -2,10 +2,12 @@
  * main.c: moe_trainer, a host program that trains the MoE character LM of model.h through
  * moonshard shard units chosen by a Lua policy, its ranks threads of this process.
  *
- *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N --seed S [--config FILE] [--save FILE]
+ *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N [--seed S] [--config FILE] [--save FILE]
  *
- * Rank 0 prints "step K loss L" per step; USAGE below lists every option.  pipeline.c runs
- * the pipeline (--mesh pp=P): train_step hands it the step.
+ * Rank 0 prints a banner ("# " lines), then "step K loss L lr X grad_norm G time_ms T
+ * tokens_per_s R" per step (and "eval K loss L time_ms T" with --eval-every); USAGE below
+ * lists every option.  pipeline.c runs the pipeline (--mesh pp=P): train_step hands it the
+ * step.
  */
 #include <moonshard.h>
 #include <moonshard_embed.h>
@@ -24,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef MOONSHARD_HAVE_MPI
 #include <mpi.h>
@@ -32,7 +35,11 @@
 // ----------------------------------------------------------------------------
 // hyperparameters: fixed, so that runs on any number of ranks are comparable
 
-#define LR 3e-3
+#define LR 3e-3 // --lr; --min-lr defaults to it: a constant learning rate
+#define DEFAULT_SEED 42
+#define EVAL_TAIL 10 // --eval-every holds out the last 1/EVAL_TAIL of the text
+#define DEFAULT_EVAL_BATCHES 4
+#define EVAL_SEED 0 // the held-out batches' rows: the same whatever --seed is
 #define BETA1 0.9
 #define BETA2 0.95
 #define ADAM_EPS 1e-8 // --eps
@@ -48,13 +55,23 @@
 // options
 
 static const char USAGE[] =
-    "usage: moe_trainer -n RANKS --mesh SPEC --policy PATH --steps N --seed S [options]\n"
+    "usage: moe_trainer -n RANKS --mesh SPEC --policy PATH --steps N [--seed S] [options]\n"
     "\n"
     "Trains a small inkling2-like MoE character-level language model (model.h) on a text,\n"
     "its parameters held in moonshard shard units that a Lua policy chooses.  RANKS ranks\n"
     "run as threads of this process, or under mpirun (mpirun -np RANKS moe_trainer -n RANKS\n"
-    "...) one rank a process; rank 0 prints \"step K loss L\" after every step, L the\n"
-    "training loss of the global batch (the mean over the data-parallel ranks).\n"
+    "...) one rank a process.  Rank 0 prints a banner of \"# \" lines (the model, its\n"
+    "parameters, the mesh and world, rank 0's units with their dtypes and resharding, the\n"
+    "policy, the recipe, the optimizer, the learning-rate schedule, the seed, the data),\n"
+    "then after every step one line:\n"
+    "  step K loss L lr X grad_norm G time_ms T tokens_per_s R\n"
+    "L the training loss of the global batch (the mean over the data-parallel ranks), X the\n"
+    "learning rate step K used, G the global gradient norm before clipping (over every\n"
+    "unit and rank), T the step's wall time on rank 0 and R = batch_size x seq_len / T.\n"
+    "Everything before time_ms is the same bits on any backend; time_ms and tokens_per_s\n"
+    "are the only fields that vary between identical runs.  With --eval-every K, after\n"
+    "steps K, 2K, ... and the last: \"eval K loss L time_ms T\", L the mean loss of the\n"
+    "held-out batches.  At the end \"# done: ...\" gives the totals.\n"
     "\n"
     "required:\n"
     "  -n RANKS        ranks, 1..64: pp x dp_replicate x dp_shard x tp of the mesh (under\n"
@@ -67,8 +84,20 @@ static const char USAGE[] =
     "                  implemented); ep, pp and tp: at most one of them above 1\n"
     "  --policy PATH   a policy directory or file (policies/inkling2, policies/full_fp32.lua)\n"
     "  --steps N       optimizer steps (>= 0; 0 with --save saves the initial parameters)\n"
-    "  --seed S        seeds the initial parameters and the batches\n"
     "options:\n"
+    "  --seed S        seeds the initial parameters and the batches (default 42)\n"
+    "  --lr X          the peak learning rate (default 3e-3)\n"
+    "  --warmup-steps W  steps of linear warm-up (default 0)\n"
+    "  --min-lr Y      the learning rate the cosine decay ends at on step N (default: --lr,\n"
+    "                  a constant rate); 0 <= Y <= X.  Step k (1..N) uses\n"
+    "                    X k / W                                   for k <= W\n"
+    "                    Y + (X - Y) (1 + cos(pi (k - W) / (N - W))) / 2   for k > W\n"
+    "  --eval-every K  hold out the last tenth of the text (at least seq_len + 1 bytes),\n"
+    "                  never trained on (the batches are drawn from the rest), and after\n"
+    "                  every K steps and the last step print the mean loss of\n"
+    "                  --eval-batches global batches of it: the same rows every time and on\n"
+    "                  any mesh, forward only, split over the ranks as a training batch\n"
+    "  --eval-batches N  held-out batches of batch_size rows an eval averages (default 4)\n"
     "  --config FILE   model and batch sizes as key = value lines ('#' starts a comment);\n"
     "                  keys and defaults: hidden_size 64, num_layers 2, num_experts 4,\n"
     "                  top_k 2, expert_dim 64, num_shared 1, conv_kernel 4, seq_len 64,\n"
@@ -113,8 +142,9 @@ static const char USAGE[] =
     "  -h, --help      this text\n"
     "\n"
     "The global batch is split evenly over the data-parallel ranks (batch_size must divide\n"
-    "by dp_replicate x dp_shard).  AdamW: lr 3e-3, betas (0.9, 0.95), eps --eps, no weight\n"
-    "decay; gradient norm clipped at --max-norm; e_score_correction_bias is frozen.\n"
+    "by dp_replicate x dp_shard).  AdamW: lr from the schedule above, betas (0.9, 0.95),\n"
+    "eps --eps, no weight decay; gradient norm clipped at --max-norm; e_score_correction_bias\n"
+    "is frozen.\n"
     "\n"
     "Expert parallelism (ep > 1): the ranks form groups of ep consecutive ranks; rank r\n"
     "holds experts [(r mod ep) E/ep, (r mod ep + 1) E/ep) of every layer, and each layer\n"
@@ -281,11 +311,14 @@ static int parse_options(int argc, char **argv, Options *o) {
     model_config_default(&o->model);
     o->batch_size = DEFAULT_BATCH;
     const char *n = NULL, *steps = NULL, *seed = NULL, *eps = NULL, *max_norm = NULL, *micro = NULL;
+    const char *lr = NULL, *min_lr = NULL, *warmup = NULL, *eval_every = NULL, *eval_batches = NULL;
     const struct { const char *flag; const char **value; } valued[] = {
         {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
         {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
         {"--eps", &eps},      {"--max-norm", &max_norm}, {"--microbatches", &micro},
         {"--schedule", &o->schedule}, {"--recipe", &o->recipe},
+        {"--lr", &lr},        {"--min-lr", &min_lr},    {"--warmup-steps", &warmup},
+        {"--eval-every", &eval_every}, {"--eval-batches", &eval_batches},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -311,7 +344,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         }
     }
     const char *missing = !n ? "-n RANKS" : !o->mesh ? "--mesh SPEC" : !o->policy ? "--policy PATH"
-                        : !steps ? "--steps N" : !seed ? "--seed S" : NULL;
+                        : !steps ? "--steps N" : NULL;
     if (missing) return usage_error("missing %s", missing);
     long v;
     if (parse_long(n, 1, MAX_RANKS, &v)) return usage_error("-n %s: expected a number of ranks 1..%d", n, MAX_RANKS);
@@ -319,8 +352,26 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (parse_long(steps, 0, 1000000000L, &o->steps)) return usage_error("--steps %s: expected an integer >= 0", steps);
     char *end;
     errno = 0;
-    o->seed = strtoull(seed, &end, 10);
-    if (errno || end == seed || *end || *seed == '-') return usage_error("--seed %s: expected an integer >= 0", seed);
+    o->seed = DEFAULT_SEED;
+    if (seed) {
+        o->seed = strtoull(seed, &end, 10);
+        if (errno || end == seed || *end || *seed == '-') return usage_error("--seed %s: expected an integer >= 0", seed);
+    }
+    o->lr = LR;
+    if (lr && (parse_double(lr, &o->lr) || !(o->lr > 0)))
+        return usage_error("--lr %s: expected a finite number > 0", lr);
+    o->min_lr = o->lr;
+    if (min_lr && (parse_double(min_lr, &o->min_lr) || o->min_lr < 0 || o->min_lr > o->lr))
+        return usage_error("--min-lr %s: expected a finite number from 0 to --lr (%g)", min_lr, o->lr);
+    if (warmup && parse_long(warmup, 0, 1000000000L, &o->warmup))
+        return usage_error("--warmup-steps %s: expected an integer >= 0", warmup);
+    if (eval_every && parse_long(eval_every, 1, 1000000000L, &o->eval_every))
+        return usage_error("--eval-every %s: expected an integer >= 1", eval_every);
+    o->eval_batches = DEFAULT_EVAL_BATCHES;
+    if (eval_batches && !eval_every) return usage_error("--eval-batches is for --eval-every");
+    if (eval_batches && parse_long(eval_batches, 1, 1000000, &v))
+        return usage_error("--eval-batches %s: expected an integer 1..1000000", eval_batches);
+    if (eval_batches) o->eval_batches = (int)v;
     o->eps = ADAM_EPS;
     o->max_norm = CLIP_NORM;
     if (eps && (parse_double(eps, &o->eps) || !(o->eps > 0)))
@@ -727,8 +778,19 @@ static ms_status backward(Trainer *tr) {
 // ----------------------------------------------------------------------------
 // one step
 
-// Clips the global gradient norm at --max-norm (unless 0; 1.0 by default), then AdamW on every
-// unit's shards.
+// The learning rate of step k (1..N = --steps): a linear warm-up over W = --warmup-steps
+// steps to X = --lr, then a cosine decay to Y = --min-lr at step N.  With the defaults (W = 0,
+// Y = X) it is X exactly: Y + 0 * (...) = X.
+static double lr_at(const Options *o, long k) {
+    const double X = o->lr, Y = o->min_lr;
+    if (k <= o->warmup) return X * (double)k / (double)o->warmup;
+    const double progress = (double)(k - o->warmup) / (double)(o->steps - o->warmup);
+    return Y + (X - Y) * (1.0 + cos(M_PI * progress)) / 2.0;
+}
+
+// The global gradient norm before clipping (tr->grad_norm, every rank) and clipping at
+// --max-norm (unless 0; 1.0 by default), then AdamW on every unit's shards at the schedule's
+// learning rate (tr->lr).
 ms_status update(Trainer *tr, long step) {
     double sq = 0.0;
     for (int u = 0; tr->tp == 1 && u < tr->nunits; u++) {
@@ -738,11 +800,12 @@ ms_status update(Trainer *tr, long step) {
     }
     if (tr->tp > 1) CHECK(tp_grad_sq_norm(tr, &sq)); // replicated parameters once over tp
     CHECK(all_reduce_one(tr, &sq, MS_OP_SUM));
-    double norm = sqrt(sq);
+    double norm = tr->grad_norm = sqrt(sq);
+    tr->lr = lr_at(tr->opt, step);
     for (int u = 0; u < tr->nunits; u++) {
         const double max_norm = tr->opt->max_norm;
         if (max_norm > 0 && norm > max_norm) TRY("clipping", ms_unit_scale_grads(tr->units[u], max_norm / norm));
-        TRY("adamw_step", ms_unit_adamw_step(tr->units[u], LR, BETA1, BETA2, tr->opt->eps, WEIGHT_DECAY, step));
+        TRY("adamw_step", ms_unit_adamw_step(tr->units[u], tr->lr, BETA1, BETA2, tr->opt->eps, WEIGHT_DECAY, step));
         TRY("zero_grad", ms_unit_zero_grad(tr->units[u]));
     }
     return MS_OK;
@@ -762,6 +825,36 @@ static ms_status train_step(Trainer *tr, long step, double *loss) {
     *loss = local;
     CHECK(all_reduce_one(tr, loss, MS_OP_AVG)); // the loss of the global batch
     return update(tr, step);
+}
+
+// --eval-every: the mean loss of --eval-batches global batches of the held-out text, forward
+// only, each split over the ranks as a training batch (so the same rows on any mesh) and
+// averaged over them as the training loss is.  The units are left as a step leaves them:
+// sharded, nothing gathered.
+static ms_status evaluate(Trainer *tr, double *loss) {
+    const Dataset *d = tr->args->eval_data;
+    const int T = tr->cfg->seq_len;
+    double sum = 0.0;
+    for (int b = 0; b < tr->opt->eval_batches; b++) {
+        double l;
+        if (tr->pipe) {
+            CHECK(pipeline_eval_batch(tr, d, EVAL_SEED, b, &l));
+        } else {
+            if (dataset_rows(d, EVAL_SEED, b, T, tr->args->rank / tr->tp * tr->rows, tr->rows, tr->tokens))
+                return fail(tr, MS_ERR_ARG, "eval", "the held-out text is shorter than seq_len + 1 = %d bytes", T + 1);
+            float local = 0.0f;
+            CHECK(forward(tr, &local));
+            l = local;
+            CHECK(all_reduce_one(tr, &l, MS_OP_AVG));
+        }
+        sum += l;
+    }
+    for (int u = 0; u < tr->nunits; u++) {
+        TRY("eval: releasing the gathered parameters", ms_unit_release_unsharded(tr->units[u]));
+        tr->gathered[u] = 0;
+    }
+    *loss = sum / tr->opt->eval_batches;
+    return MS_OK;
 }
 
 // ----------------------------------------------------------------------------
@@ -810,6 +903,133 @@ static ms_status measure_memory(Trainer *tr) {
         tr->args->planned[c] = planned_bytes(json, tr->args->rank, keys[c]);
     }
     free(json);
+    return MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// the banner and the step lines (rank 0)
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// n with thousands separators, into buf.
+static const char *grouped(int64_t n, char *buf, size_t len) {
+    char digits[32];
+    int k = snprintf(digits, sizeof digits, "%lld", (long long)n), o = 0;
+    for (int i = 0; i < k && o + 2 < (int)len; i++) {
+        if (i && digits[i - 1] != '-' && (k - i) % 3 == 0) buf[o++] = ',';
+        buf[o++] = digits[i];
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+// The value of `key` in the plan JSON's unit named `name` (plan JSON version 1,
+// docs/planning.md: '{"name":NAME,"kind":...,"mesh_axes":[...],...,"reshard_after_forward":X,
+// "params":[...'), its quotes and brackets dropped, into out; "-" when the plan has no such
+// unit (an ep-local unit: the runtime's, not the plan's).
+static const char *plan_unit_field(const char *json, const char *name, const char *key, char *out, size_t len) {
+    char anchor[MODEL_NAME_MAX + 32], k[48];
+    snprintf(anchor, sizeof anchor, "{\"name\":\"%s\",\"kind\":", name);
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char *p = strstr(json, anchor), *end = p ? strstr(p, "\"params\":") : NULL;
+    p = p ? strstr(p, k) : NULL;
+    snprintf(out, len, "-");
+    if (!p || !end || p > end) return out;
+    p += strlen(k);
+    size_t o = 0;
+    for (int depth = 0; *p && o + 1 < len && (depth || (*p != ',' && *p != '}')); p++) {
+        if (*p == '[') depth++;
+        else if (*p == ']') depth--;
+        else if (*p != '"') out[o++] = *p;
+    }
+    out[o] = '\0';
+    return out;
+}
+
+// What the run is, before step 1: "# " lines on rank 0 (README.md, "The trainer").
+static ms_status print_banner(Trainer *tr) {
+    const Options *o = tr->opt;
+    const ModelConfig *c = &o->model;
+    char a[32], b[32], e[32];
+    int64_t total = 0, trainable = 0;
+    for (int i = 0; i < tr->nparams; i++) {
+        total += (int64_t)tr->table[i].numel;
+        if (tr->table[i].requires_grad) trainable += (int64_t)tr->table[i].numel;
+    }
+    printf("# moe_trainer: %d rank%s %s\n", o->nranks, o->nranks > 1 ? "s" : "",
+           ms_mpi_launched() ? "as MPI processes" : o->nranks > 1 ? "as threads of one process" : "(a thread)");
+    printf("# model: vocab 256, hidden_size %d, num_layers %d, num_experts %d (top_k %d), expert_dim %d, num_shared "
+           "%d, conv_kernel %d, seq_len %d\n", c->hidden_size, c->num_layers, c->num_experts, c->top_k, c->expert_dim,
+           c->num_shared, c->conv_kernel, c->seq_len);
+    printf("# parameters: %s (trainable %s, frozen %s)\n", grouped(total, a, sizeof a), grouped(trainable, b, sizeof b),
+           grouped(total - trainable, e, sizeof e));
+    printf("# batch: %d rows x %d tokens = %s tokens a step, %d rows on each of %d data-parallel ranks", o->batch_size,
+           c->seq_len, grouped((int64_t)o->batch_size * c->seq_len, a, sizeof a), tr->rows, o->dp);
+    if (o->pp > 1) printf(" in %d micro-batches", o->microbatches);
+    printf("\n# mesh: %s (world %d: pp %d, dp_replicate x dp_shard %d, ep %d, tp %d%s)\n", o->mesh, o->nranks, o->pp,
+           o->dp, o->ep, o->tp, o->sp ? ", sequence parallel" : "");
+    printf("# policy: %s\n", o->policy);
+    for (int w = 0; w < ms_interp_warning_count(tr->in); w++) printf("# plan warning: %s\n", ms_interp_warning(tr->in, w));
+    if (o->recipe) {
+        int adapted = 0, dim = 0;
+        double scale = 0;
+        for (int m = 0; m < model_lora_module_count(&o->model); m++)
+            if (tr->lora.dim[m]) adapted++, dim = tr->lora.dim[m], scale = tr->lora.scale[m];
+        printf("# recipe: %s (LoRA on %d Linear modules, rank %d, alpha/rank %g, lora_A init %s; the rest frozen)\n",
+               o->recipe, adapted, dim, scale, tr->lora.a_init == LORA_INIT_UNIFORM ? "kaiming uniform" : "xavier normal");
+    } else {
+        printf("# recipe: none\n");
+    }
+    char *json = NULL;
+    TRY("reading the plan JSON", ms_interp_plan_json(tr->in, &json));
+    printf("# units: rank 0 holds %d (mesh, elements, gather dtype, reduce dtype, reshard after forward)\n", tr->nunits);
+    for (int u = 0; u < tr->nunits; u++) {
+        const char *name = ms_unit_name(tr->units[u]);
+        char gather[64] = "", mesh[128], reshard[32];
+        int64_t elements = 0;
+        for (int i = 0; i < ms_unit_param_count(tr->units[u]); i++) {
+            int ndim;
+            int64_t shape[MS_MAX_DIMS], n = 1;
+            ms_dtype stored, g;
+            if (ms_unit_param_info(tr->units[u], i, &ndim, shape, &stored, &g, &(int){0})) continue;
+            for (int d = 0; d < ndim; d++) n *= shape[d];
+            elements += n;
+            const char *gn = ms_dtype_name(g);
+            if (!strstr(gather, gn) && strlen(gather) + strlen(gn) + 2 < sizeof gather)
+                snprintf(gather + strlen(gather), sizeof gather - strlen(gather), "%s%s", *gather ? "+" : "", gn);
+        }
+        ms_dtype reduce = MS_F32;
+        ms_unit_reduce_dtype(tr->units[u], &reduce);
+        printf("#   %-52s mesh=%s elements=%s gather=%s reduce=%s reshard=%s\n", *name ? name : "<root>",
+               plan_unit_field(json, name, "mesh_axes", mesh, sizeof mesh), grouped(elements, a, sizeof a),
+               *gather ? gather : "-", ms_dtype_name(reduce), plan_unit_field(json, name, "reshard_after_forward",
+               reshard, sizeof reshard));
+    }
+    free(json);
+    printf("# optimizer: AdamW, betas (%g, %g), eps %g, weight_decay %g; gradient norm ", BETA1, BETA2, o->eps,
+           WEIGHT_DECAY);
+    if (o->max_norm > 0) printf("clipped at %g\n", o->max_norm);
+    else printf("not clipped\n");
+    if (o->warmup == 0 && o->min_lr == o->lr)
+        printf("# lr: constant %g\n", o->lr);
+    else
+        printf("# lr: %g, linear warm-up over %ld steps, cosine decay to %g at step %ld\n", o->lr, o->warmup, o->min_lr,
+               o->steps);
+    printf("# seed: %llu\n", o->seed);
+    const Dataset *d = tr->args->data, *ev = tr->args->eval_data;
+    printf("# data: %s, %s bytes", o->data ? o->data : DATA_DEFAULT_PATH, grouped((int64_t)(d->size + (ev ? ev->size : 0)),
+           a, sizeof a));
+    if (ev)
+        printf(": the first %s trained on, the last %s held out (eval every %ld steps, %d batches)\n",
+               grouped((int64_t)d->size, b, sizeof b), grouped((int64_t)ev->size, e, sizeof e), o->eval_every,
+               o->eval_batches);
+    else
+        printf(", all trained on (no eval)\n");
+    fflush(stdout);
     return MS_OK;
 }
 
@@ -1051,16 +1271,41 @@ static ms_status train(Trainer *tr) {
     CHECK(locate_params(tr));
     if (opt->pp > 1) CHECK(pipeline_setup(tr));
     CHECK(init_params(tr));
+    const int rank0 = tr->args->rank == 0;
+    if (rank0) CHECK(print_banner(tr));
+    const double tokens = (double)opt->batch_size * tr->cfg->seq_len; // a step's, global
+    double train_s = 0.0, eval_s = 0.0;
     for (long step = 1; step <= opt->steps; step++) {
         double loss;
+        const double t0 = now_seconds(); // timing only: nothing below depends on it
         CHECK(train_step(tr, step, &loss));
-        if (tr->args->rank == 0) {
-            printf("step %ld loss %.9g\n", step, loss);
+        const double dt = now_seconds() - t0;
+        train_s += dt;
+        if (rank0) {
+            printf("step %ld loss %.9g lr %.9g grad_norm %.9g time_ms %.3f tokens_per_s %.0f\n", step, loss, tr->lr,
+                   tr->grad_norm, 1e3 * dt, dt > 0 ? tokens / dt : 0.0);
             fflush(stdout);
             if (step == 1 && opt->records) print_records(tr);
         }
         if (step == 1 && opt->memory) CHECK(measure_memory(tr));
+        if (opt->eval_every && (step % opt->eval_every == 0 || step == opt->steps)) {
+            double eval_loss = 0.0;
+            const double e0 = now_seconds();
+            CHECK(evaluate(tr, &eval_loss));
+            const double de = now_seconds() - e0;
+            eval_s += de;
+            if (rank0) {
+                printf("eval %ld loss %.9g time_ms %.3f\n", step, eval_loss, 1e3 * de);
+                fflush(stdout);
+            }
+        }
         for (int u = 0; u < tr->nunits; u++) ms_unit_clear_records(tr->units[u]); // one step's worth at a time
+    }
+    if (rank0 && opt->steps > 0) {
+        printf("# done: %ld steps, %.0f tokens in %.3f s (%.0f tokens/s)%s", opt->steps, tokens * opt->steps, train_s,
+               train_s > 0 ? tokens * opt->steps / train_s : 0.0, opt->eval_every ? "" : "\n");
+        if (opt->eval_every) printf(", eval %.3f s\n", eval_s);
+        fflush(stdout);
     }
     return opt->save ? save(tr) : MS_OK;
 }
@@ -1157,9 +1402,10 @@ static void print_memory(const RankArgs *a) {
 // rank of the MPI world and runs rank_main itself.  A failing rank prints its message and
 // ends the job (MPI_Abort: no peer is left waiting in a collective); --memory prints this
 // rank's lines; rank 0 renames --save's file after a barrier, once every rank succeeded.
-static int run_mpi_rank(Options *opt, const Dataset *data) {
+static int run_mpi_rank(Options *opt, const Dataset *data, const Dataset *eval_data) {
 #ifndef MOONSHARD_HAVE_MPI
     (void)data;
+    (void)eval_data;
     fprintf(stderr, "moe_trainer: started by an MPI launcher, but built without MPI\n");
     return save_end(opt, 1);
 #else
@@ -1177,7 +1423,7 @@ static int run_mpi_rank(Options *opt, const Dataset *data) {
         return save_end(opt, st);
     }
     static RankArgs args;
-    args = (RankArgs){.opt = opt, .data = data, .world = world, .rank = rank};
+    args = (RankArgs){.opt = opt, .data = data, .eval_data = eval_data, .world = world, .rank = rank};
     rank_main(&args);
     if (args.status) {
         fflush(stdout);
@@ -1208,26 +1454,41 @@ int main(int argc, char **argv) {
         dataset_close(&data);
         return st;
     }
+    // --eval-every: the last tenth (at least a row) held out; the batches come from the rest
+    Dataset whole = data, eval = {0}, *eval_data = NULL;
+    if (opt.eval_every) {
+        const size_t row = (size_t)opt.model.seq_len + 1, tail = data.size / EVAL_TAIL > row ? data.size / EVAL_TAIL : row;
+        if (data.size < tail + row) {
+            st = file_error("dataset: %s has %zu bytes, too few for --eval-every: at least 2 x (seq_len + 1) = %zu, "
+                            "a row to train on and a row held out", opt.data ? opt.data : DATA_DEFAULT_PATH, data.size,
+                            2 * row);
+            dataset_close(&data);
+            return st;
+        }
+        eval = (Dataset){data.bytes + data.size - tail, tail};
+        data.size -= tail;
+        eval_data = &eval;
+    }
     if (opt.save && (st = save_check(&opt))) {
-        dataset_close(&data);
+        dataset_close(&whole);
         return save_end(&opt, st);
     }
     if (ms_mpi_launched()) {
-        st = run_mpi_rank(&opt, &data);
-        dataset_close(&data);
+        st = run_mpi_rank(&opt, &data, eval_data);
+        dataset_close(&whole);
         return st;
     }
     ms_world *world = NULL; // RANKS ranks as threads of this process: moonshard's threads world
     if (ms_threads_world_new(&world, opt.nranks, 0)) {
         fprintf(stderr, "moe_trainer: %s\n", ms_last_error());
-        dataset_close(&data);
+        dataset_close(&whole);
         return save_end(&opt, 1);
     }
     pthread_t tid[MAX_RANKS];
     int started[MAX_RANKS];
     static RankArgs args[MAX_RANKS];
     for (int r = 0; r < opt.nranks; r++) {
-        args[r] = (RankArgs){.opt = &opt, .data = &data, .world = world, .rank = r};
+        args[r] = (RankArgs){.opt = &opt, .data = &data, .eval_data = eval_data, .world = world, .rank = r};
         started[r] = pthread_create(&tid[r], NULL, rank_main, &args[r]) == 0;
         if (!started[r]) { // the others must not wait for it
             args[r].status = MS_ERR_OOM;
@@ -1247,7 +1508,7 @@ int main(int argc, char **argv) {
         for (int r = 0; r < opt.nranks; r++) print_memory(&args[r]);
     }
     ms_world_release(world);
-    dataset_close(&data);
+    dataset_close(&whole);
     opt.save_tmp = args[0].save_tmp; // rank 0's file, written after the last step
     return save_end(&opt, failed >= 0 ? 1 : 0);
 }

@@ -281,14 +281,21 @@ static ms_status backward_with(Trainer *tr, Batch *b, int i) {
 // ----------------------------------------------------------------------------
 // schedules
 
-static ms_status run_gpipe(Trainer *tr) {
-    const int M = tr->pipe->micro;
+// Every micro-batch forward: GPipe's first half, and an eval's pass.
+static ms_status run_forwards(Trainer *tr) {
     Batch b = {0};
-    for (int i = 0; i < M; i++) {
+    for (int i = 0; i < tr->pipe->micro; i++) {
         CHECK(forward_with(tr, &b, i));
         CHECK(send_activation(tr, &b, i));
         CHECK(post(tr, &b));
     }
+    return MS_OK;
+}
+
+static ms_status run_gpipe(Trainer *tr) {
+    const int M = tr->pipe->micro;
+    Batch b = {0};
+    CHECK(run_forwards(tr));
     for (int i = 0; i < M; i++) {
         CHECK(backward_with(tr, &b, i));
         CHECK(send_gradient(tr, &b, i));
@@ -328,18 +335,38 @@ static ms_status run_1f1b(Trainer *tr) {
 // ----------------------------------------------------------------------------
 // one step
 
+// The rows of this dp index of d's global batch (seed, step), and the stage's units
+// unsharded once for every micro-batch (reshard_after_forward false).
+static ms_status begin_batch(Trainer *tr, const Dataset *d, uint64_t seed, int64_t step) {
+    struct Pipeline *pl = tr->pipe;
+    const int T = tr->cfg->seq_len;
+    if (dataset_rows(d, seed, step, T, pl->dp_index * tr->rows, tr->rows, tr->tokens))
+        return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes", T + 1);
+    for (int s = pl->lo; s <= pl->hi; s++) CHECK(unshard_stage(tr, s));
+    for (int s = pl->lo; s <= pl->hi; s++) CHECK(gather_stage(tr, s));
+    pl->loss_sum = 0.0;
+    return MS_OK;
+}
+
+// The mean loss of the global batch on every rank: the last stage's mean over its
+// micro-batches and dp ranks, summed over the world (the other stages add 0).
+static ms_status batch_loss(Trainer *tr, double *loss) {
+    const struct Pipeline *pl = tr->pipe;
+    *loss = pl->hi == tr->cfg->num_layers + 1 ? pl->loss_sum / pl->micro / tr->opt->dp : 0.0;
+    return all_reduce_one(tr, loss, MS_OP_SUM);
+}
+
+ms_status pipeline_eval_batch(Trainer *tr, const Dataset *d, uint64_t seed, int64_t step, double *loss) {
+    CHECK(begin_batch(tr, d, seed, step));
+    CHECK(run_forwards(tr));
+    return batch_loss(tr, loss);
+}
+
 ms_status pipeline_step(Trainer *tr, long step, double *loss) {
     struct Pipeline *pl = tr->pipe;
     const ModelConfig *cfg = tr->cfg;
-    if (dataset_rows(tr->args->data, tr->opt->seed, step, cfg->seq_len, pl->dp_index * tr->rows, tr->rows,
-                     tr->tokens))
-        return fail(tr, MS_ERR_ARG, "reading the batch", "the text is shorter than seq_len + 1 = %d bytes",
-                    cfg->seq_len + 1);
-    // the stage's units unsharded once for every micro-batch (reshard_after_forward false)
-    for (int s = pl->lo; s <= pl->hi; s++) CHECK(unshard_stage(tr, s));
-    for (int s = pl->lo; s <= pl->hi; s++) CHECK(gather_stage(tr, s));
+    CHECK(begin_batch(tr, tr->args->data, tr->opt->seed, step));
     memset(tr->grads, 0, model_param_numel(cfg) * sizeof(float));
-    pl->loss_sum = 0.0;
     CHECK(pl->schedule == SCHEDULE_GPIPE ? run_gpipe(tr) : run_1f1b(tr));
     // the sum of M micro-batch mean gradients, to the gradient of the mean over the rows
     const float scale = 1.0f / (float)pl->micro;
@@ -347,7 +374,6 @@ ms_status pipeline_step(Trainer *tr, long step, double *loss) {
     for (int u = 0; u < tr->nunits; u++)
         if (tr->first_stage[u] >= 0) CHECK(reduce_unit(tr, u));
     for (int u = 0; u < tr->nunits; u++) TRY("waiting for reduce_grads", ms_unit_wait(tr->units[u]));
-    *loss = pl->hi == cfg->num_layers + 1 ? pl->loss_sum / pl->micro / tr->opt->dp : 0.0;
-    CHECK(all_reduce_one(tr, loss, MS_OP_SUM)); // the last stage's, over its dp ranks
+    CHECK(batch_loss(tr, loss));
     return update(tr, step);
 }

@@ -24,8 +24,12 @@ typedef struct {
     const char *recipe;   // --recipe FILE: NeMo Automodel's sections (docs/recipes.md); its peft adds LoRA
     int lora_grad_check;  // --lora-grad-check: the adapters' gradients checked, no training (-n 1)
     long steps;
-    unsigned long long seed;
+    unsigned long long seed; // --seed (default DEFAULT_SEED)
     double eps, max_norm; // AdamW's eps and the gradient norm clipped at (0: no clipping)
+    double lr, min_lr;    // --lr, --min-lr: the schedule's peak and floor (lr_at)
+    long warmup;          // --warmup-steps
+    long eval_every;      // --eval-every K (0: no eval, the whole text trains)
+    int eval_batches;     // --eval-batches N: global batches of held-out text an eval averages
     int records, memory;
     char *save_path;  // --save, its symbolic links resolved (save_check)
     char *save_dir;   // the directory it is in, where the new file is made
@@ -49,7 +53,8 @@ typedef struct {
 typedef struct {
     // shared, read-only
     const Options *opt;
-    const Dataset *data;
+    const Dataset *data;          // the text trained on (with --eval-every, all but the held-out tail)
+    const Dataset *eval_data;     // --eval-every: the held-out tail, never trained on; else NULL
     ms_world *world;
     int rank;
     // results
@@ -109,6 +114,7 @@ typedef struct {
     ms_comm *tp_group;            // tag 2: apart from the units' groups
     ModelTp mtp;                  // the model's hooks onto tp_group
     ms_status tp_status;          // of the latest collective on tp_group
+    double lr, grad_norm;         // the latest step's learning rate and global gradient norm (before clipping)
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
@@ -148,6 +154,10 @@ ms_status update(Trainer *tr, long step);
 // group and its micro-batch workspaces; then one training step; then the frees.
 ms_status pipeline_setup(Trainer *tr);
 ms_status pipeline_step(Trainer *tr, long step, double *loss);
+// The loss of one global batch of d (rows drawn for (seed, step)), forward only, through the
+// stages as GPipe's forwards; the mean over the rows, on every rank.  The stage's units stay
+// gathered (the caller releases them).
+ms_status pipeline_eval_batch(Trainer *tr, const Dataset *d, uint64_t seed, int64_t step, double *loss);
 void pipeline_free(Trainer *tr);
 
 // The part of parameter i this rank's units hold: the whole tensor, or under expert

@@ -15,8 +15,10 @@
 #   - examples/quickstart.lua and the shard-unit runtime (units.lua) on 4 ranks
 #   - moe_trainer with ranks as processes: a pipeline (pp=2; pp=2,dp_shard=2 in 4
 #     micro-batches), FSDP (dp_shard=4) and tensor parallelism (tp=2; dp_shard=2,tp=2 with
-#     sequence parallel), LoRA adapters from a recipe (HSDP 2x2) print the threads run's
-#     losses and save its parameters, bit for bit
+#     sequence parallel), LoRA adapters from a recipe (HSDP 2x2), a warm-up and cosine
+#     schedule with held-out evals (dp_shard=4; pp=2) print the threads run's banner,
+#     losses, learning rates, gradient norms and eval losses and save its parameters, bit
+#     for bit (only the timing fields, the banner's backend line and its totals differ)
 #   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies) and a recipe's fp8
 #     all-gather (recipe_units.lua) on 4 ranks
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
@@ -170,19 +172,28 @@ done
 # sends between pipeline stages, the units' collectives and the loss all go through MPI,
 # and give what the threads world gives (the reductions are bit for bit the same).
 TRAINER=$BUILD_DIR/moe_trainer
+# trainer_bits FILE: the trainer's output without what differs between identical runs or
+# backends: the timing fields (time_ms, tokens_per_s: the last on a step or eval line), the
+# banner's first line (threads or MPI processes) and its totals ("# done:").
+trainer_bits() { sed -E -e '/^# (moe_trainer|done):/d' -e 's/ time_ms .*$//' "$1"; }
 if [ -x "$TRAINER" ]; then
   printf 'hidden_size = 32\nexpert_dim = 32\nseq_len = 32\n' >"$TMP/trainer.cfg"
+  sched="--lr 1e-2 --warmup-steps 2 --min-lr 1e-3 --eval-every 2 --eval-batches 2"
   for case in "2 pp=2" "4 pp=2,dp_shard=2 --microbatches 4" "4 dp_shard=4" "2 tp=2" "4 dp_shard=2,tp=2 --sequence-parallel" \
-    "4 dp_replicate=2,dp_shard=2 --recipe examples/recipes/moe_trainer_lora.lua"; do
+    "4 dp_replicate=2,dp_shard=2 --recipe examples/recipes/moe_trainer_lora.lua" "4 dp_shard=4 $sched" "2 pp=2 $sched"; do
     read -r np mesh extra <<<"$case"
-    name=trainer_${mesh//[=,]/_}
+    name=trainer_${mesh//[=,]/_}${extra:+_$(printf %s "$extra" | cksum | cut -d' ' -f1)}
     targs=(-n "$np" --mesh "$mesh" --policy policies/full_fp32.lua --steps 5 --seed 7 --config "$TMP/trainer.cfg")
     [ -n "${extra:-}" ] && read -r -a more <<<"$extra" && targs+=("${more[@]}")
     "$TRAINER" "${targs[@]}" --save "$TMP/$name.threads.st" >"$TMP/$name.threads.out" 2>&1
     BIN=$TRAINER job "$name" "$np" -- "${targs[@]}" --save "$TMP/$name.st"
-    if [ "$code" = 0 ] && [ "$(grep -c '^step [0-9]* loss ' "$TMP/$name.out")" = 5 ] &&
-      cmp -s "$TMP/$name.out" "$TMP/$name.threads.out" && cmp -s "$TMP/$name.st" "$TMP/$name.threads.st"; then
-      ok "moe_trainer -np $np --mesh $mesh${extra:+ $extra}: ranks as processes, the threads run's losses and saved parameters bit for bit"
+    evals=0 what="losses, learning rates, gradient norms" # --eval-every 2 of 5 steps: after steps 2, 4 and 5
+    [[ "${extra:-}" == *--eval-every* ]] && evals=3 what+=", eval losses"
+    if [ "$code" = 0 ] && [ "$(grep -c '^step [0-9]* loss [^ ]* lr [^ ]* grad_norm ' "$TMP/$name.out")" = 5 ] &&
+      [ "$(grep -c '^eval [0-9]* loss ' "$TMP/$name.out")" = "$evals" ] && grep -q '^# units: ' "$TMP/$name.out" &&
+      cmp -s <(trainer_bits "$TMP/$name.out") <(trainer_bits "$TMP/$name.threads.out") &&
+      cmp -s "$TMP/$name.st" "$TMP/$name.threads.st"; then
+      ok "moe_trainer -np $np --mesh $mesh${extra:+ $extra}: ranks as processes, the threads run's banner, $what and saved parameters bit for bit"
     else
       fail "moe_trainer -np $np --mesh $mesh (exit $code; the threads run printed $(grep -c '^step' "$TMP/$name.threads.out") steps)" \
         "$TMP/$name.out" "$TMP/$name.err" "$TMP/$name.threads.out"
