@@ -194,7 +194,11 @@ typedef enum {
     C_RECIPE,
     C_PARAM_INFO,
     C_LORA,
-    C_RAN
+    C_RAN,
+    C_CKPT_SAVE,
+    C_CKPT_LOAD,
+    C_CKPT_READ,
+    C_LOAD_HF
 } call_kind;
 
 typedef struct {
@@ -210,12 +214,13 @@ typedef struct {
     int64_t *shape_out; /* C_PARAM_INFO's shape (MS_MAX_DIMS) */
     ms_dtype dtype_out;
     double num_out[2]; /* C_LORA's alpha, dropout */
-    char *json;          /* C_PLAN_JSON's result, malloc'd */
+    char *json;          /* C_PLAN_JSON's result, C_CKPT_LOAD's and C_CKPT_READ's extra (NULL: none), malloc'd */
 } embed_call;
 
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
                                  "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
-                                 "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora", "recipe_ran"};
+                                 "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora", "recipe_ran",
+                                 "checkpoint_save", "checkpoint_load", "checkpoint_read", "load_hf"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -282,6 +287,17 @@ static int p_call(lua_State *L) {
     case C_PREFETCH: nres = 2; break;
     case C_PLAN_JSON: nres = 1; break;
     case C_FIND: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
+    case C_CKPT_SAVE:
+        lua_pushstring(L, c->s1);
+        lua_pushinteger(L, (lua_Integer)c->i1);
+        if (c->s2) lua_pushstring(L, c->s2);
+        else lua_pushnil(L);
+        lua_pushinteger(L, (lua_Integer)c->i2);
+        nargs = 4;
+        break;
+    case C_CKPT_LOAD: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break; /* step, extra (its dir dropped) */
+    case C_CKPT_READ: lua_pushstring(L, c->s1); nargs = 1; nres = 2; break;
+    case C_LOAD_HF: lua_pushstring(L, c->s1); nargs = 1; nres = 1; break;
     }
     lua_call(L, nargs, nres);
     if (c->kind == C_PARAM_INFO) {
@@ -314,6 +330,16 @@ static int p_call(lua_State *L) {
         const char *s = lua_tolstring(L, -1, &len);
         if (!(c->json = malloc(len + 1))) luaL_error(L, "moonshard out_of_memory error: interp_plan_json: %d bytes", (int)len);
         memcpy(c->json, s, len + 1); /* nothing raises after this */
+    } else if (c->kind == C_CKPT_LOAD || c->kind == C_CKPT_READ) {
+        /* step, the extra as JSON text or nil */
+        c->out[0] = int_result(L, fn, 1, 2);
+        if (!lua_isnil(L, -1)) {
+            size_t len;
+            if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "moonshard internal error: embed: %s: extra is no string", fn);
+            const char *s = lua_tolstring(L, -1, &len);
+            if (!(c->json = malloc(len + 1))) luaL_error(L, "moonshard out_of_memory error: %s: %d bytes", fn, (int)len);
+            memcpy(c->json, s, len + 1); /* nothing raises after this */
+        }
     } else {
         for (int i = 0; i < nres; i++) c->out[i] = int_result(L, fn, i + 1, nres);
     }
@@ -693,4 +719,47 @@ ms_status ms_interp_find_param(ms_interp *in, const char *fqn, int *unit, int *i
     *unit = (int)c.out[0];
     *index = (int)c.out[1];
     return MS_OK;
+}
+
+/* ---------------------------------------------------------------- checkpoints */
+
+ms_status ms_interp_checkpoint_save(ms_interp *in, const char *dir, int64_t step, const char *extra_json, int keep_last) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(dir);
+    if (step < 0) return emb_fail(MS_ERR_ARG, "interp_checkpoint_save: step %lld: expected an integer >= 0", (long long)step);
+    embed_call c = {.kind = C_CKPT_SAVE, .s1 = dir, .s2 = extra_json, .i1 = step, .i2 = keep_last};
+    return call(in, &c);
+}
+
+/* A checkpoint's step and extra (C_CKPT_LOAD or C_CKPT_READ) into the host's pointers. */
+static ms_status checkpoint_step(ms_interp *in, call_kind kind, const char *path, int64_t *step, char **extra_json) {
+    embed_call c = {.kind = kind, .s1 = path};
+    ms_status st = call(in, &c);
+    if (st) {
+        free(c.json);
+        return st;
+    }
+    if (step) *step = (int64_t)c.out[0];
+    if (extra_json) *extra_json = c.json;
+    else free(c.json);
+    return MS_OK;
+}
+
+ms_status ms_interp_checkpoint_load(ms_interp *in, const char *path, int64_t *step, char **extra_json) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(path);
+    return checkpoint_step(in, C_CKPT_LOAD, path, step, extra_json);
+}
+
+ms_status ms_interp_checkpoint_read(ms_interp *in, const char *path, int64_t *step, char **extra_json) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(path);
+    return checkpoint_step(in, C_CKPT_READ, path, step, extra_json);
+}
+
+ms_status ms_interp_load_hf(ms_interp *in, const char *path) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(path);
+    embed_call c = {.kind = C_LOAD_HF, .s1 = path};
+    return call(in, &c);
 }

@@ -179,6 +179,36 @@ ms_status ms_interp_lora(ms_interp *in, const char *module, ms_lora *out);
  * 1 or 0 (0 without a recipe).  MS_ERR_STATE before a plan; MS_ERR_ARG for another name. */
 ms_status ms_interp_recipe_ran(ms_interp *in, const char *step, int *ran);
 
+/* Checkpoints of the materialised units (docs/checkpoints.md; moonshard.checkpoint and
+ * moonshard.checkpoint_hf do the work).  Errors carry the Lua layer's messages: MS_ERR_IO for
+ * a path that cannot be read or written (none there, no checkpoint in it, a failed open),
+ * MS_ERR_ARG for content (extra_json that is not JSON, a bad index, a checksum mismatch, a
+ * tensor the checkpoint lacks or whose shape differs), MS_ERR_STATE before
+ * ms_interp_materialize. */
+/* Saves every unit of this rank (parameters, AdamW state once stepped, skipped-step counts)
+ * as DIR/step_<step> (8 digits) and points DIR/latest at it: a collective call, every rank
+ * with the same arguments.  extra_json: a JSON text the checkpoint keeps for the host (a
+ * data loader's position, RNG state), or NULL.  keep_last > 0 removes the older step_*
+ * beyond the newest keep_last once the new one is complete; 0 keeps them all.  A kill at
+ * any moment leaves DIR/latest naming a complete checkpoint; a step saved before is
+ * MS_ERR_ARG naming it. */
+ms_status ms_interp_checkpoint_save(ms_interp *in, const char *dir, int64_t step, const char *extra_json, int keep_last);
+/* Loads the checkpoint PATH names (a checkpoint, or a DIR whose latest names one) into the
+ * units, on any mesh and world size (each rank reads only the parts it holds; checksums
+ * verified): a collective call.  *step gets its step, *extra_json its extra as JSON text
+ * (malloc'd: the host frees it; NULL when it has none); either pointer may be NULL. */
+ms_status ms_interp_checkpoint_load(ms_interp *in, const char *path, int64_t *step, char **extra_json);
+/* The step and extra of the checkpoint PATH names, as ms_interp_checkpoint_load gives them,
+ * from its index alone: nothing is loaded, at any time, not collective (a host checks its
+ * extra before loading).  Either pointer may be NULL. */
+ms_status ms_interp_checkpoint_read(ms_interp *in, const char *path, int64_t *step, char **extra_json);
+/* Loads a Hugging Face checkpoint (a .safetensors file, a model.safetensors.index.json, or a
+ * directory holding one; what `moonshard checkpoint export` writes) into the units, each rank
+ * reading only what it holds, cast to the stored dtype (and into master weights once a unit
+ * has them).  Every missing, unexpected or mis-shaped tensor is named in one MS_ERR_ARG
+ * before anything is written.  Not collective. */
+ms_status ms_interp_load_hf(ms_interp *in, const char *path);
+
 /* MS_API_END */
 
 #ifdef __cplusplus

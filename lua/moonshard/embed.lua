@@ -349,6 +349,77 @@ function M.find(fqn)
   fail("the plan has no parameter '" .. fqn .. "'")
 end
 
+-- ---------------------------------------------------------------- checkpoints
+
+-- A failure of moonshard.checkpoint or moonshard.checkpoint_hf with its status: a file that
+-- cannot be read or written (no such path, no checkpoint there, a failed open) is "io", the
+-- rest (a bad index, a checksum, a tensor that does not fit the units) an invalid argument.
+-- The Lua layer's message is kept as it is, its "moonshard: " giving way to the status.
+local IO_MESSAGES = { "cannot open", "cannot create", "cannot remove", "holds no checkpoint", "which has no checkpoint.json",
+  "No such file or directory", "Permission denied", "a directory without model.safetensors" }
+local function checkpoint_error(ok, ...)
+  if ok then return ... end
+  local msg = tostring((...))
+  if not msg:find("moonshard %a+ error:") then
+    for _, needle in ipairs(IO_MESSAGES) do
+      if msg:find(needle, 1, true) then
+        msg = "moonshard io error: " .. msg:gsub("^moonshard: ", "")
+        break
+      end
+    end
+  end
+  error(msg, 0)
+end
+
+local function materialised(what)
+  if not state.rank then fail_state(what .. ": no units yet: materialise the plan first") end
+  return state.rank
+end
+
+--- ckpt.save of the materialised units (collective): extra_json a JSON text or nil; returns
+-- the checkpoint's directory.
+function M.checkpoint_save(root, step, extra_json, keep_last)
+  local rank = materialised("checkpoint_save")
+  local json = require "moonshard.json"
+  local extra
+  if extra_json then
+    local ok, v = pcall(json.decode, extra_json, "extra_json")
+    if not ok then fail("checkpoint_save: extra_json is not JSON text: " .. tostring(v):gsub("^moonshard: ", "")) end
+    if v ~= json.null then extra = v end
+  end
+  if keep_last < 0 then fail(string.format("checkpoint_save: keep_last %d: expected 0 (keep all) or more", keep_last)) end
+  local ckpt = require "moonshard.checkpoint"
+  return checkpoint_error(pcall(ckpt.save, rank, root, { step = step, extra = extra,
+    keep_last = keep_last > 0 and keep_last or nil }))
+end
+
+--- ckpt.load into the materialised units (collective, any mesh): step, extra as JSON text
+-- (nil when the checkpoint has none), the checkpoint's directory.
+function M.checkpoint_load(path)
+  local rank = materialised("checkpoint_load")
+  local step, extra, dir = checkpoint_error(pcall(require("moonshard.checkpoint").load, rank, path))
+  if extra ~= nil then extra = require("moonshard.json").encode(extra) end
+  return step, extra, dir
+end
+
+--- The step and extra (JSON text or nil) of the checkpoint path names, from its index only:
+-- at any time, on one rank.
+function M.checkpoint_read(path)
+  local ckpt = require "moonshard.checkpoint"
+  local index = checkpoint_error(pcall(function() return ckpt.read_index(ckpt.resolve(path)) end))
+  local json = require "moonshard.json"
+  local extra = index.extra
+  if extra == nil or extra == json.null then return index.step, nil end
+  return index.step, json.encode(extra)
+end
+
+--- checkpoint_hf.load_hf into the materialised units: the number of checkpoint tensors read.
+function M.load_hf(path)
+  local rank = materialised("load_hf")
+  local report = checkpoint_error(pcall(require("moonshard.checkpoint_hf").load_hf, rank, path))
+  return report.tensors
+end
+
 -- ---------------------------------------------------------------- messages for the host
 
 -- The directory of moonshard's Lua files as chunk names spell it ("@<dir>embed.lua").

@@ -701,6 +701,106 @@ static void recipes(void) {
     ms_interp_free(in);
 }
 
+/* ---------------------------------------------------------------- 10: checkpoints */
+
+/* The model() planned with good.lua and materialised, each element of its shards set to
+ * base + its index (rank 0 of one rank: the shards are the whole parameters). */
+static ms_interp *materialised(float base) {
+    ms_interp *in = model();
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", good, NULL));
+    CHECK_OK(ms_interp_materialize(in));
+    for (int u = 0; u < ms_interp_unit_count(in); u++)
+        for (int i = 0; i < ms_unit_param_count(ms_interp_unit(in, u)); i++) {
+            ms_tensor *t = ms_unit_param_shard(ms_interp_unit(in, u), i);
+            float *v = ms_tensor_data(t);
+            for (int64_t j = 0; j < ms_tensor_numel(t); j++) v[j] = base + (float)(u * 100 + i * 10) + (float)j;
+        }
+    return in;
+}
+
+/* 1 when every shard of a holds the bits of b's. */
+static int same_shards(ms_interp *a, ms_interp *b) {
+    if (ms_interp_unit_count(a) != ms_interp_unit_count(b)) return 0;
+    for (int u = 0; u < ms_interp_unit_count(a); u++)
+        for (int i = 0; i < ms_unit_param_count(ms_interp_unit(a, u)); i++) {
+            ms_tensor *x = ms_unit_param_shard(ms_interp_unit(a, u), i), *y = ms_unit_param_shard(ms_interp_unit(b, u), i);
+            if (ms_tensor_numel(x) != ms_tensor_numel(y) ||
+                memcmp(ms_tensor_data(x), ms_tensor_data(y), (size_t)ms_tensor_numel(x) * sizeof(float)))
+                return 0;
+        }
+    return 1;
+}
+
+/* Save, load, read, keep_last, a Hugging Face export loaded back, and each error's status. */
+static void checkpoints(void) {
+    char root[300], hf[300], code[800];
+    snprintf(root, sizeof root, "%s", at("ckpt"));
+    snprintf(hf, sizeof hf, "%s", at("ckpt_hf"));
+    ms_interp *early = model();
+    CHECK_ERR(ms_interp_checkpoint_save(early, root, 1, NULL, 0), MS_ERR_STATE, "materialise the plan first");
+    CHECK_ERR(ms_interp_checkpoint_load(early, root, NULL, NULL), MS_ERR_STATE, "materialise the plan first");
+    CHECK_ERR(ms_interp_load_hf(early, root), MS_ERR_STATE, "materialise the plan first");
+    ms_interp_free(early);
+
+    ms_interp *a = materialised(1.0f);
+    CHECK_ERR(ms_interp_checkpoint_save(a, root, 3, "{\"pos\": ", 0), MS_ERR_ARG, "extra_json is not JSON text");
+    CHECK_ERR(ms_interp_checkpoint_save(a, root, -1, NULL, 0), MS_ERR_ARG, "step -1");
+    CHECK_OK(ms_interp_checkpoint_save(a, root, 3, "{\"pos\": 51200, \"rng\": [7, 9], \"seed\": \"18446744073709551615\"}", 0));
+    CHECK_ERR(ms_interp_checkpoint_save(a, root, 3, NULL, 0), MS_ERR_ARG, "exists already");
+    int64_t step = -1;
+    char *extra = NULL;
+    CHECK_OK(ms_interp_checkpoint_read(a, root, &step, &extra));
+    CHECK(step == 3 && extra && strstr(extra, "\"pos\":51200") && strstr(extra, "\"seed\":\"18446744073709551615\""),
+          "(read: step %lld, extra %s)", (long long)step, extra ? extra : "NULL");
+    free(extra);
+    extra = NULL;
+
+    ms_interp *b = materialised(-5.0f);
+    CHECK(!same_shards(a, b), "(the shards differ before the load)");
+    CHECK_OK(ms_interp_checkpoint_load(b, root, &step, &extra));
+    CHECK(step == 3 && extra && strstr(extra, "\"rng\":[7,9]"), "(load: step %lld, extra %s)", (long long)step,
+          extra ? extra : "NULL");
+    CHECK(same_shards(a, b), "(the loaded shards are the saved ones, bit for bit)");
+    free(extra);
+
+    /* keep_last: steps 4 and 5 with keep_last 2 leave steps 4 and 5 */
+    CHECK_OK(ms_interp_checkpoint_save(a, root, 4, NULL, 2));
+    CHECK_OK(ms_interp_checkpoint_save(a, root, 5, "null", 2));
+    struct stat st;
+    char p3[400], p4[400];
+    snprintf(p3, sizeof p3, "%s/step_00000003", root);
+    snprintf(p4, sizeof p4, "%s/step_00000004", root);
+    CHECK(stat(p3, &st) != 0 && stat(p4, &st) == 0, "(keep_last 2: step 3 removed, step 4 kept)");
+    extra = (char *)"unset";
+    CHECK_OK(ms_interp_checkpoint_load(b, p4, &step, &extra));
+    CHECK(step == 4 && extra == NULL, "(a checkpoint without extra: step %lld)", (long long)step);
+
+    /* the errors: no such path (io), not a checkpoint (io), another model (arg) */
+    CHECK_ERR(ms_interp_checkpoint_load(b, at("no_such_ckpt"), &step, NULL), MS_ERR_IO, "holds no checkpoint");
+    CHECK_ERR(ms_interp_checkpoint_read(b, dir, &step, NULL), MS_ERR_IO, "holds no checkpoint");
+    ms_interp *other = NULL;
+    CHECK_OK(ms_interp_new(&other, C1));
+    const int64_t w[2] = {8, 7};
+    CHECK_OK(ms_interp_model_param(other, "layers.0.weight", 2, w, MS_F32, 1));
+    CHECK_OK(ms_interp_plan(other, "dp_shard=1", good, NULL));
+    CHECK_OK(ms_interp_materialize(other));
+    CHECK_ERR(ms_interp_checkpoint_load(other, root, &step, NULL), MS_ERR_ARG, "layers.0.weight");
+    ms_interp_free(other);
+
+    /* a Hugging Face export of the checkpoint, loaded into fresh units: the same bits */
+    snprintf(code, sizeof code, "require('moonshard.checkpoint').export_dir('%s', '%s')", root, hf);
+    CHECK_OK(ms_interp_exec(a, code));
+    ms_interp *c = materialised(9.0f);
+    CHECK_ERR(ms_interp_load_hf(c, at("no_such_hf")), MS_ERR_IO, "no_such_hf");
+    CHECK_OK(ms_interp_load_hf(c, hf));
+    CHECK(same_shards(a, c), "(load_hf of the export: the checkpoint's bits)");
+    ms_interp_free(c);
+    ms_interp_free(b);
+    ms_interp_free(a);
+    snprintf(code, sizeof code, "rm -rf '%s' '%s'", root, hf);
+    CHECK(system(code) == 0, "(%s)", code);
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(void) {
@@ -789,6 +889,7 @@ int main(void) {
     hostile_policies();
     plans_agree();
     recipes();
+    checkpoints();
 
     ms_comm_release(C1);
     ms_world_release(W1);

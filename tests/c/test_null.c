@@ -561,6 +561,28 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_recipe_ran, ran, in, "peft", NULL);
     REFUSE(ms_interp_set_recipe, in, NULL, "recipe.lua");
     REFUSE(ms_interp_set_recipe, path, in, NULL);
+    /* checkpoints: a save without extra, loaded and read without wanting step or extra */
+    char root[] = "/tmp/ms_test_null_ckpt_XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    int64_t step = -1;
+    char *extra = NULL;
+    REFUSE(ms_interp_checkpoint_save, in, NULL, root, 1, "{}", 0);
+    REFUSE(ms_interp_checkpoint_save, dir, in, NULL, 1, "{}", 0);
+    ALLOW(ms_interp_checkpoint_save, extra_json, 1, in, root, 1, NULL, 0);
+    REFUSE(ms_interp_checkpoint_load, in, NULL, root, &step, &extra);
+    REFUSE(ms_interp_checkpoint_load, path, in, NULL, &step, &extra);
+    ALLOW(ms_interp_checkpoint_load, step, 1, in, root, NULL, &extra);
+    ALLOW(ms_interp_checkpoint_load, extra_json, 1, in, root, &step, NULL);
+    CHECK(step == 1 && extra == NULL);
+    REFUSE(ms_interp_checkpoint_read, in, NULL, root, &step, &extra);
+    REFUSE(ms_interp_checkpoint_read, path, in, NULL, &step, &extra);
+    ALLOW(ms_interp_checkpoint_read, step, 1, in, root, NULL, &extra);
+    ALLOW(ms_interp_checkpoint_read, extra_json, 1, in, root, &step, NULL);
+    REFUSE(ms_interp_load_hf, in, NULL, root);
+    REFUSE(ms_interp_load_hf, path, in, NULL);
+    char cleanup[128];
+    snprintf(cleanup, sizeof cleanup, "rm -rf %s", root);
+    CHECK(system(cleanup) == 0);
     ms_interp_free(in);
 }
 #endif
