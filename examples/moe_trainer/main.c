@@ -3,6 +3,7 @@
  * moonshard shard units chosen by a Lua policy, its ranks threads of this process.
  *
  *   moe_trainer -n RANKS --mesh SPEC --policy DIR --steps N [--seed S] [--config FILE] [--save FILE]
+ *               [--save-dir DIR [--save-every K] [--keep-last N]] [--resume DIR | --init-from PATH]
  *
  * Rank 0 prints a banner ("# " lines), then "step K loss L lr X grad_norm G time_ms T
  * tokens_per_s R" per step (and "eval K loss L time_ms T" with --eval-every); USAGE below
@@ -108,6 +109,29 @@ static const char USAGE[] =
     "                  written fails at once), then written as FILE.XXXXXX beside it after\n"
     "                  the last step, synced to disk and renamed to FILE; a run that fails\n"
     "                  or is killed before that leaves no FILE.XXXXXX and FILE as it was\n"
+    "  --save-dir DIR  moonshard checkpoints of the units (docs/checkpoints.md) in DIR:\n"
+    "                  DIR/step_K (every rank writes its shards: parameters, AdamW state)\n"
+    "                  after every --save-every K steps and after the last, DIR/latest\n"
+    "                  naming the newest; its extra keeps the trainer's state: the data\n"
+    "                  position (the batches are drawn for (seed, step)), the seed (the\n"
+    "                  RNG state), the lr schedule and the step's lr, the model's sizes.\n"
+    "                  A kill at any moment leaves DIR/latest naming a whole checkpoint.\n"
+    "                  With --steps 0 it saves step 0, the initial parameters\n"
+    "  --save-every K  with --save-dir: a checkpoint after steps K, 2K, ... (default: only\n"
+    "                  after the last)\n"
+    "  --keep-last N   with --save-dir: after each save keep only the newest N step_*\n"
+    "  --resume DIR    continue from a checkpoint (DIR/step_K, or DIR whose latest names\n"
+    "                  one) saved by moe_trainer on any mesh: the units' parameters and\n"
+    "                  AdamW state are loaded onto this run's mesh, and steps K+1..N run\n"
+    "                  (--steps N is the total count; K = N runs none).  Refused when the\n"
+    "                  checkpoint's model sizes or --seed differ from this run's (named).\n"
+    "                  On the same mesh the losses and parameters are the uninterrupted\n"
+    "                  run's bits; on another, within the parity figures of README.md\n"
+    "  --init-from PATH  the parameters from a Hugging Face checkpoint (a model.safetensors,\n"
+    "                  its index, or their directory: e.g. what `moonshard checkpoint\n"
+    "                  export DIR --to OUT` writes) instead of the seed, loaded before\n"
+    "                  step 1; every missing, unexpected or mis-shaped tensor is named.\n"
+    "                  Not with --resume.  --save-dir, --resume, --init-from: not with tp > 1\n"
     "  --recipe FILE   a NeMo Automodel recipe (a Lua file, docs/recipes.md) given to the\n"
     "                  planner before the policy: its peft section puts LoRA adapters on\n"
     "                  the matched Linear modules (the shared experts' gate_proj, up_proj,\n"
@@ -170,8 +194,9 @@ static const char USAGE[] =
     "Not with ep > 1 or pp > 1.  Not implemented: context parallelism (cp: each sequence\n"
     "split over ranks).\n"
     "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
-    "2 refused before training: a usage error, a --config, --data or --save file that\n"
-    "cannot be used, or a text shorter than seq_len + 1 bytes.\n";
+    "2 refused before training: a usage error, a --config, --data or --save file, a\n"
+    "--resume or --init-from path or a --save-dir that cannot be used, or a text shorter\n"
+    "than seq_len + 1 bytes.  A --resume whose checkpoint does not fit the run is 1.\n";
 
 // Prints an error refused before training, with the hint to --help for a usage error, and
 // returns 2 (the exit status).
@@ -312,6 +337,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     o->batch_size = DEFAULT_BATCH;
     const char *n = NULL, *steps = NULL, *seed = NULL, *eps = NULL, *max_norm = NULL, *micro = NULL;
     const char *lr = NULL, *min_lr = NULL, *warmup = NULL, *eval_every = NULL, *eval_batches = NULL;
+    const char *save_every = NULL, *keep_last = NULL;
     const struct { const char *flag; const char **value; } valued[] = {
         {"-n", &n},           {"--mesh", &o->mesh},     {"--policy", &o->policy}, {"--steps", &steps},
         {"--seed", &seed},    {"--config", &o->config}, {"--data", &o->data},     {"--save", &o->save},
@@ -319,6 +345,8 @@ static int parse_options(int argc, char **argv, Options *o) {
         {"--schedule", &o->schedule}, {"--recipe", &o->recipe},
         {"--lr", &lr},        {"--min-lr", &min_lr},    {"--warmup-steps", &warmup},
         {"--eval-every", &eval_every}, {"--eval-batches", &eval_batches},
+        {"--save-dir", &o->ckpt_dir}, {"--save-every", &save_every}, {"--keep-last", &keep_last},
+        {"--resume", &o->resume}, {"--init-from", &o->init_from},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -402,6 +430,18 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (o->recipe && o->tp > 1)
         return usage_error("--recipe with tp = %d: LoRA adapters under tensor parallelism are not implemented by "
                            "moe_trainer", o->tp);
+    if ((save_every || keep_last) && !o->ckpt_dir)
+        return usage_error("%s is for --save-dir", save_every ? "--save-every" : "--keep-last");
+    if (save_every && parse_long(save_every, 1, 1000000000L, &o->ckpt_every))
+        return usage_error("--save-every %s: expected an integer >= 1", save_every);
+    if (keep_last && parse_long(keep_last, 1, 1000000, &v))
+        return usage_error("--keep-last %s: expected an integer >= 1", keep_last);
+    if (keep_last) o->keep_last = (int)v;
+    if (o->ckpt_dir && !*o->ckpt_dir) return usage_error("--save-dir: expected a directory name, got ''");
+    if (o->resume && o->init_from) return usage_error("--resume and --init-from: give one (a resumed run has its parameters)");
+    if ((o->ckpt_dir || o->resume || o->init_from) && o->tp > 1)
+        return usage_error("%s with tp = %d: moonshard checkpoints of tensor-parallel plans are not implemented",
+                           o->ckpt_dir ? "--save-dir" : o->resume ? "--resume" : "--init-from", o->tp);
     if (o->lora_grad_check && (!o->recipe || o->nranks != 1))
         return usage_error("--lora-grad-check needs --recipe and -n 1");
     if (o->recipe) { // a regular file of at most 1 MiB, as --config (the interpreter reads it)
@@ -1020,6 +1060,15 @@ static ms_status print_banner(Trainer *tr) {
         printf("# lr: %g, linear warm-up over %ld steps, cosine decay to %g at step %ld\n", o->lr, o->warmup, o->min_lr,
                o->steps);
     printf("# seed: %llu\n", o->seed);
+    if (o->resume) printf("# resume: %s\n", tr->resume_note);
+    if (o->init_from) printf("# init: the parameters from %s (Hugging Face safetensors), not the seed\n", o->init_from);
+    if (o->ckpt_dir) {
+        printf("# checkpoints: %s, ", o->ckpt_dir);
+        if (o->ckpt_every) printf("every %ld steps and after the last", o->ckpt_every);
+        else printf("after the last step");
+        if (o->keep_last) printf(", the newest %d kept\n", o->keep_last);
+        else printf(", all kept\n");
+    }
     const Dataset *d = tr->args->data, *ev = tr->args->eval_data;
     printf("# data: %s, %s bytes", o->data ? o->data : DATA_DEFAULT_PATH, grouped((int64_t)(d->size + (ev ? ev->size : 0)),
            a, sizeof a));
@@ -1271,11 +1320,14 @@ static ms_status train(Trainer *tr) {
     CHECK(locate_params(tr));
     if (opt->pp > 1) CHECK(pipeline_setup(tr));
     CHECK(init_params(tr));
+    if (opt->init_from) TRY("--init-from", ms_interp_load_hf(tr->in, opt->init_from));
+    long done = 0; // steps done before this run: --resume's checkpoint's
+    if (opt->resume) CHECK(checkpoint_resume(tr, &done));
     const int rank0 = tr->args->rank == 0;
     if (rank0) CHECK(print_banner(tr));
     const double tokens = (double)opt->batch_size * tr->cfg->seq_len; // a step's, global
     double train_s = 0.0, eval_s = 0.0;
-    for (long step = 1; step <= opt->steps; step++) {
+    for (long step = done + 1; step <= opt->steps; step++) {
         double loss;
         const double t0 = now_seconds(); // timing only: nothing below depends on it
         CHECK(train_step(tr, step, &loss));
@@ -1285,9 +1337,9 @@ static ms_status train(Trainer *tr) {
             printf("step %ld loss %.9g lr %.9g grad_norm %.9g time_ms %.3f tokens_per_s %.0f\n", step, loss, tr->lr,
                    tr->grad_norm, 1e3 * dt, dt > 0 ? tokens / dt : 0.0);
             fflush(stdout);
-            if (step == 1 && opt->records) print_records(tr);
+            if (step == done + 1 && opt->records) print_records(tr);
         }
-        if (step == 1 && opt->memory) CHECK(measure_memory(tr));
+        if (step == done + 1 && opt->memory) CHECK(measure_memory(tr));
         if (opt->eval_every && (step % opt->eval_every == 0 || step == opt->steps)) {
             double eval_loss = 0.0;
             const double e0 = now_seconds();
@@ -1299,11 +1351,15 @@ static ms_status train(Trainer *tr) {
                 fflush(stdout);
             }
         }
+        if (opt->ckpt_dir && ((opt->ckpt_every && step % opt->ckpt_every == 0) || step == opt->steps))
+            CHECK(checkpoint_save(tr, step));
         for (int u = 0; u < tr->nunits; u++) ms_unit_clear_records(tr->units[u]); // one step's worth at a time
     }
-    if (rank0 && opt->steps > 0) {
-        printf("# done: %ld steps, %.0f tokens in %.3f s (%.0f tokens/s)%s", opt->steps, tokens * opt->steps, train_s,
-               train_s > 0 ? tokens * opt->steps / train_s : 0.0, opt->eval_every ? "" : "\n");
+    if (opt->ckpt_dir && opt->steps == 0) CHECK(checkpoint_save(tr, 0)); // the initial parameters
+    const long ran = opt->steps - done;
+    if (rank0 && ran > 0) {
+        printf("# done: %ld steps, %.0f tokens in %.3f s (%.0f tokens/s)%s", ran, tokens * ran, train_s,
+               train_s > 0 ? tokens * ran / train_s : 0.0, opt->eval_every ? "" : "\n");
         if (opt->eval_every) printf(", eval %.3f s\n", eval_s);
         fflush(stdout);
     }
@@ -1468,6 +1524,23 @@ int main(int argc, char **argv) {
         eval = (Dataset){data.bytes + data.size - tail, tail};
         data.size -= tail;
         eval_data = &eval;
+    }
+    const char *paths[2][2] = {{"--resume", opt.resume}, {"--init-from", opt.init_from}};
+    for (int k = 0; k < 2; k++) {
+        struct stat ps;
+        if (paths[k][1] && stat(paths[k][1], &ps)) {
+            st = file_error("%s %s: %s", paths[k][0], paths[k][1], strerror(errno));
+            dataset_close(&whole);
+            return st;
+        }
+    }
+    if (opt.ckpt_dir) {
+        struct stat ds;
+        if (stat(opt.ckpt_dir, &ds) == 0 && !S_ISDIR(ds.st_mode)) {
+            st = file_error("--save-dir %s: it exists and is not a directory", opt.ckpt_dir);
+            dataset_close(&whole);
+            return st;
+        }
     }
     if (opt.save && (st = save_check(&opt))) {
         dataset_close(&whole);

@@ -1,11 +1,14 @@
 /*
- * save.c: moe_trainer's --save: the full f32 parameters in a safetensors file.
+ * save.c: moe_trainer's --save (the full f32 parameters in a safetensors file) and its
+ * checkpoints: --save-dir (moonshard checkpoints of the units through the embedding API, the
+ * trainer's own state in their extra), --resume and --init-from.
  */
 #include "save.h"
 #include "tp.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,4 +160,107 @@ ms_status save(Trainer *tr) {
                     first - tr->table[i].offset, gap);
     }
     return tr->args->rank == 0 ? write_save_file(tr, full, P) : MS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// checkpoints: --save-dir, --resume, --init-from
+
+// The model sizes a checkpoint's extra records and --resume compares.
+static const struct {
+    const char *key;
+    size_t off;
+} SIZES[] = {
+    {"hidden_size", offsetof(ModelConfig, hidden_size)}, {"num_layers", offsetof(ModelConfig, num_layers)},
+    {"num_experts", offsetof(ModelConfig, num_experts)}, {"top_k", offsetof(ModelConfig, top_k)},
+    {"expert_dim", offsetof(ModelConfig, expert_dim)},   {"num_shared", offsetof(ModelConfig, num_shared)},
+    {"conv_kernel", offsetof(ModelConfig, conv_kernel)}, {"seq_len", offsetof(ModelConfig, seq_len)},
+};
+#define SIZE_OF(cfg, k) (*(const int *)((const char *)(cfg) + SIZES[k].off))
+
+// The value of "key" in the flat JSON object the trainer wrote (json.encode gives it back
+// compact, keys sorted): a string without its quotes, or a number's text; NULL when absent.
+static const char *extra_field(const char *json, const char *key, char *out, size_t len) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *at = strstr(json, pat);
+    if (!at) return NULL;
+    at += strlen(pat);
+    const int quoted = *at == '"';
+    at += quoted;
+    size_t n = 0;
+    while (at[n] && (quoted ? at[n] != '"' : at[n] != ',' && at[n] != '}')) n++;
+    if (n >= len) n = len - 1;
+    memcpy(out, at, n);
+    out[n] = '\0';
+    return out;
+}
+
+// After step `step` (the last, or every --save-every): the units into --save-dir, with the
+// data-loader position (batches are drawn for (seed, step): the next is step + 1), the RNG
+// state (the seed: every draw is a hash of it and the step), the lr schedule and its
+// position, and the model's sizes in extra.  Collective.
+ms_status checkpoint_save(Trainer *tr, long step) {
+    const Options *o = tr->opt;
+    char extra[1024];
+    int n = snprintf(extra, sizeof extra,
+                     "{\"moe_trainer\":1,\"step\":%ld,\"data_next_step\":%ld,\"seed\":\"%llu\",\"lr\":%.17g,"
+                     "\"lr_peak\":%.17g,\"lr_min\":%.17g,\"warmup_steps\":%ld,\"total_steps\":%ld,\"batch_size\":%d,"
+                     "\"mesh\":\"%s\",\"world\":%d",
+                     step, step + 1, o->seed, step > 0 ? tr->lr : 0.0, o->lr, o->min_lr, o->warmup, o->steps,
+                     o->batch_size, o->mesh, o->nranks);
+    for (size_t k = 0; k < sizeof SIZES / sizeof SIZES[0]; k++)
+        n += snprintf(extra + n, sizeof extra - (size_t)n, ",\"%s\":%d", SIZES[k].key, SIZE_OF(&o->model, k));
+    snprintf(extra + n, sizeof extra - (size_t)n, "}");
+    TRY("--save-dir", ms_interp_checkpoint_save(tr->in, o->ckpt_dir, step, extra, o->keep_last));
+    return MS_OK;
+}
+
+// --resume: the checkpoint's extra checked against this run (saved by moe_trainer, the same
+// model sizes, the same seed, a step within --steps), then loaded into the units on this
+// mesh, whatever mesh saved it.  *done: the checkpoint's step; tr->resume_note: the banner's.
+ms_status checkpoint_resume(Trainer *tr, long *done) {
+    const Options *o = tr->opt;
+    int64_t step = 0;
+    char *extra = NULL, v[128], mesh[128] = "?", world[32] = "?", lr[64] = "?";
+    TRY("--resume", ms_interp_checkpoint_read(tr->in, o->resume, &step, &extra));
+    ms_status st = MS_OK;
+    char diff[1024] = "";
+    size_t len = 0;
+    if (!extra || !extra_field(extra, "moe_trainer", v, sizeof v)) {
+        st = fail(tr, MS_ERR_ARG, "--resume", "%s: its checkpoint (step %lld) was not saved by moe_trainer: its extra "
+                  "has no trainer state", o->resume, (long long)step);
+    } else {
+        for (size_t k = 0; k < sizeof SIZES / sizeof SIZES[0]; k++) {
+            const long want = SIZE_OF(&o->model, k);
+            if (extra_field(extra, SIZES[k].key, v, sizeof v) && strtol(v, NULL, 10) == want) continue;
+            len += (size_t)snprintf(diff + len, sizeof diff - len, "%s%s %s (this run %ld)", len ? ", " : "",
+                                    SIZES[k].key, extra_field(extra, SIZES[k].key, v, sizeof v) ? v : "unknown", want);
+            if (len >= sizeof diff) len = sizeof diff - 1;
+        }
+        char seed[32];
+        snprintf(seed, sizeof seed, "%llu", o->seed);
+        if (len)
+            st = fail(tr, MS_ERR_ARG, "--resume", "%s: the checkpoint's model differs from this run's: %s", o->resume,
+                      diff);
+        else if (!extra_field(extra, "seed", v, sizeof v) || strcmp(v, seed))
+            st = fail(tr, MS_ERR_ARG, "--resume", "%s: the checkpoint was trained with --seed %s, this run has --seed "
+                      "%s (the batches are drawn from the seed and the step): give --seed %s", o->resume, v, seed, v);
+        else if (step > o->steps)
+            st = fail(tr, MS_ERR_ARG, "--resume", "%s: the checkpoint is at step %lld, past --steps %ld (--steps is the "
+                      "total count)", o->resume, (long long)step, o->steps);
+        extra_field(extra, "mesh", mesh, sizeof mesh);
+        extra_field(extra, "world", world, sizeof world);
+        extra_field(extra, "lr", lr, sizeof lr);
+    }
+    free(extra);
+    if (st) return st;
+    int64_t loaded = 0;
+    TRY("--resume", ms_interp_checkpoint_load(tr->in, o->resume, &loaded, NULL));
+    if (loaded != step) return fail(tr, MS_ERR_STATE, "--resume", "%s changed while it was read (step %lld, then %lld)",
+                                    o->resume, (long long)step, (long long)loaded);
+    *done = (long)step;
+    snprintf(tr->resume_note, sizeof tr->resume_note, "%s at step %lld (saved on mesh %s, world %s; its lr %.9g): steps "
+             "%lld..%ld run here", o->resume, (long long)step, mesh, world, strtod(lr, NULL), (long long)step + 1,
+             o->steps);
+    return MS_OK;
 }

@@ -14,4 +14,10 @@
 // parameter the rank's unit holds (param_part: the whole tensor, or its local experts).
 ms_status save(Trainer *tr);
 
+// --save-dir: a checkpoint of the units after step `step` (collective), its extra the
+// trainer's state (the data position, the seed, the lr schedule, the model sizes).
+ms_status checkpoint_save(Trainer *tr, long step);
+// --resume: the checkpoint checked against this run and loaded; *done its step.
+ms_status checkpoint_resume(Trainer *tr, long *done);
+
 #endif

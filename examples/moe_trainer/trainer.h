@@ -35,6 +35,11 @@ typedef struct {
     char *save_dir;   // the directory it is in, where the new file is made
     mode_t save_mode; // the new file's: an existing FILE's, else 0666 less the umask
     char *save_tmp;   // FILE.XXXXXX once rank 0 wrote it (RankArgs.save_tmp); save_end renames it
+    const char *ckpt_dir;  // --save-dir DIR: moonshard checkpoints of the units (save.c)
+    long ckpt_every;       // --save-every K (0: after the last step only)
+    int keep_last;         // --keep-last N (0: keep every checkpoint)
+    const char *resume;    // --resume DIR: a checkpoint, or a DIR whose latest names one
+    const char *init_from; // --init-from PATH: a Hugging Face checkpoint loaded before step 1
     // from --mesh and --config
     int dp;         // data-parallel size: dp_replicate * dp_shard = RANKS / (pp * tp)
     int ep;         // expert-parallel size: experts split over groups of ep ranks
@@ -115,6 +120,7 @@ typedef struct {
     ModelTp mtp;                  // the model's hooks onto tp_group
     ms_status tp_status;          // of the latest collective on tp_group
     double lr, grad_norm;         // the latest step's learning rate and global gradient norm (before clipping)
+    char resume_note[1024];       // --resume: the banner's line (checkpoint_resume)
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
