@@ -15,6 +15,14 @@ function TS.trainer(args, env)
   return S.run_with(TRAINER, args, env)
 end
 
+--- run_ok(args) -> the result of a trainer run that must succeed with nothing on stderr
+function TS.run_ok(args)
+  local r = TS.trainer(args)
+  assert.equal("", r.err)
+  assert.equal(0, r.code)
+  return r
+end
+
 -- The trainer under mpirun, one rank a process (as tests/mpi/run.sh launches moonshard); nil
 -- when there is no mpirun.
 TS.MPIRUN = os.getenv("MPIEXEC") or "mpirun"
