@@ -205,6 +205,25 @@ if [ -x "$TRAINER" ]; then
   else
     fail "moe_trainer -n 2 under mpirun -np 3 (exit $code)" "$TMP/trainer_np.out" "$TMP/trainer_np.err"
   fi
+  # checkpoints: saved at step 3 by 4 processes, resumed to step 5 by 4 processes (the
+  # uninterrupted threads run's bits, "4 dp_shard=4" above) and by 2 threads (dp_shard=2)
+  cargs=(--policy policies/full_fp32.lua --seed 7 --config "$TMP/trainer.cfg")
+  BIN=$TRAINER job trainer_ckpt_save 4 -- -n 4 --mesh dp_shard=4 "${cargs[@]}" --steps 3 --save-dir "$TMP/trainer_ckpt"
+  save_code=$code
+  BIN=$TRAINER job trainer_ckpt_resume 4 -- -n 4 --mesh dp_shard=4 "${cargs[@]}" --steps 5 --resume "$TMP/trainer_ckpt" \
+    --save "$TMP/trainer_ckpt_resume.st"
+  "$TRAINER" -n 2 --mesh dp_shard=2 "${cargs[@]}" --steps 5 --resume "$TMP/trainer_ckpt" >"$TMP/trainer_ckpt_2.out" 2>&1
+  threads2=$?
+  if [ "$save_code" = 0 ] && [ "$code" = 0 ] && [ "$threads2" = 0 ] &&
+    cmp -s <(grep '^step [45] ' "$TMP/trainer_ckpt_resume.out" | sed 's/ time_ms .*//') \
+      <(grep '^step [45] ' "$TMP/trainer_dp_shard_4.threads.out" | sed 's/ time_ms .*//') &&
+    cmp -s "$TMP/trainer_ckpt_resume.st" "$TMP/trainer_dp_shard_4.threads.st" &&
+    [ "$(grep -c '^step [45] ' "$TMP/trainer_ckpt_2.out")" = 2 ]; then
+    ok "moe_trainer checkpoint of 4 processes at step 3: resumed by 4 processes to step 5 bit for bit, and by 2 threads"
+  else
+    fail "moe_trainer checkpoint saved by 4 processes, resumed (exit $save_code, $code, $threads2)" \
+      "$TMP/trainer_ckpt_save.err" "$TMP/trainer_ckpt_resume.out" "$TMP/trainer_ckpt_resume.err" "$TMP/trainer_ckpt_2.out"
+  fi
 fi
 
 # ---------------------------------------------------------------- the quickstart, units
