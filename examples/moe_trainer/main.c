@@ -1061,6 +1061,7 @@ static ms_status print_banner(Trainer *tr) {
                o->steps);
     printf("# seed: %llu\n", o->seed);
     if (o->resume) printf("# resume: %s\n", tr->resume_note);
+    if (o->resume && tr->resume_schedule[0]) printf("# resume: note: %s\n", tr->resume_schedule);
     if (o->init_from) printf("# init: the parameters from %s (Hugging Face safetensors), not the seed\n", o->init_from);
     if (o->ckpt_dir) {
         printf("# checkpoints: %s, ", o->ckpt_dir);

@@ -251,6 +251,17 @@ ms_status checkpoint_resume(Trainer *tr, long *done) {
         extra_field(extra, "mesh", mesh, sizeof mesh);
         extra_field(extra, "world", world, sizeof world);
         extra_field(extra, "lr", lr, sizeof lr);
+        // the lr schedule is this run's flags': say so when they are not the saved run's
+        char pk[64] = "", mn[64] = "", wu[32] = "", tot[32] = "";
+        extra_field(extra, "lr_peak", pk, sizeof pk);
+        extra_field(extra, "lr_min", mn, sizeof mn);
+        extra_field(extra, "warmup_steps", wu, sizeof wu);
+        extra_field(extra, "total_steps", tot, sizeof tot);
+        if (strtod(pk, NULL) != o->lr || strtod(mn, NULL) != o->min_lr || strtol(wu, NULL, 10) != o->warmup ||
+            strtol(tot, NULL, 10) != o->steps)
+            snprintf(tr->resume_schedule, sizeof tr->resume_schedule, "the saved run's lr schedule was --lr %.9g "
+                     "--min-lr %.9g --warmup-steps %s --steps %s; this run's flags differ, and its lr follows them",
+                     strtod(pk, NULL), strtod(mn, NULL), wu, tot);
     }
     free(extra);
     if (st) return st;

@@ -121,6 +121,7 @@ typedef struct {
     ms_status tp_status;          // of the latest collective on tp_group
     double lr, grad_norm;         // the latest step's learning rate and global gradient norm (before clipping)
     char resume_note[1024];       // --resume: the banner's line (checkpoint_resume)
+    char resume_schedule[512];    // --resume: a note when this run's lr schedule is not the saved one's
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
