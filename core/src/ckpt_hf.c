@@ -6,7 +6,12 @@
  * first element to its last are read, so a rank that holds rows [a, b) of a tensor sharded on
  * dim 0 reads exactly those rows.
  *
- * (Another file, ckpt.c, holds the checkpoint save/load IO; the two may be merged.)
+ * ckpt.c's ms_ckpt_read_box is the other pread primitive; they stay two: this one takes a
+ * path (the loader opens each tensor's file once per region), casts and permutes through a
+ * buffer of the covering run; ms_ckpt_read_box takes an open fd and reads exact runs with no
+ * cast straight into its tensor (the checkpoint's direct reads into shards).  Folding one into
+ * the other would add a dtype/perm path to the checkpoint's hot loop or an fd cache to the
+ * loader for no gain; the pread loops are a dozen lines each.
  */
 #include "ms_internal.h"
 

@@ -527,19 +527,30 @@ local function file_cache(dir)
   return c
 end
 
--- The whole saved box s as a tensor, its checksum checked (an error naming the tensor and
--- file otherwise).
-local function read_whole(dir, files, s)
-  local t = ms.tensor(plain_list(s.shape), s.dtype)
-  local zero = {}
-  for i = 1, #s.shape do zero[i] = 0 end
-  local ok, err = R.ckpt_read_box(files.fd(s.file), s.file_offset, plain_list(s.shape), zero, t)
-  if not ok then fail("%s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), err) end
+-- The checksum of a saved box's bytes (t: the box, contiguous) against the index.
+local function check_crc(dir, s, t)
   local crc = format("%08x", check(R.tensor_crc32c(t)))
   if crc ~= s.crc32c then
     fail("checksum mismatch: %s of tensor %s (box at %s) in %s: crc32c %s, the index says %s", s.kind, s.tensor,
       table.concat(plain_list(s.offset), ","), join(dir, s.file), crc, s.crc32c)
   end
+end
+
+-- Reads the part of saved box s starting at `start` (offsets within the box) into out (a
+-- contiguous cpu tensor of s's dtype, the part's shape): one pread per contiguous run.
+local function read_box(dir, files, s, start, out)
+  local ok, err = R.ckpt_read_box(files.fd(s.file), s.file_offset, plain_list(s.shape), start, out)
+  if not ok then fail("%s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), err) end
+end
+
+-- The whole saved box s as a tensor (into `into` when given: a contiguous tensor of its shape
+-- and dtype), its checksum checked (an error naming the tensor and file otherwise).
+local function read_whole(dir, files, s, into)
+  local t = into or ms.tensor(plain_list(s.shape), s.dtype)
+  local zero = {}
+  for i = 1, #s.shape do zero[i] = 0 end
+  read_box(dir, files, s, zero, t)
+  check_crc(dir, s, t)
   return t
 end
 M.read_whole = read_whole
@@ -571,38 +582,39 @@ function M.verify(path)
 end
 
 -- Reads, into dst (a tensor of the target box's shape at global offset toff), every part of
--- the saved boxes of (fqn, kind) that overlaps it.  Returns the elements covered.
-local function fill_box(dir, files, saved, dst, toff, cache)
+-- the saved boxes of (fqn, kind) that overlaps it.  A part lands straight in dst when dst's
+-- view of it is contiguous and of the saved dtype (a box cut on dim 0: no buffer, no copy);
+-- else it is read into a buffer and copied (cast) in.  A saved box that lies whole inside
+-- dst is checksummed when `verify` (in place).  Returns the elements covered and the bytes
+-- read.
+local function fill_box(dir, files, saved, dst, toff, verify)
   local tshape = shape_of(dst)
-  local covered = 0
+  local covered, bytes = 0, 0
+  local direct_ok = dst:device() == "cpu"
   for _, s in ipairs(saved) do
-    local inter_start, inter_len, empty = {}, {}, false
+    local inter_start, inter_len, empty, whole = {}, {}, false, true
     for d = 1, #tshape do
       local a = math.max(toff[d], s.offset[d])
       local b = math.min(toff[d] + tshape[d], s.offset[d] + s.shape[d])
       if b <= a then empty = true break end
       inter_start[d], inter_len[d] = a, b - a
+      if a ~= s.offset[d] or b - a ~= s.shape[d] then whole = false end
     end
     if not empty then
-      local src
-      local whole = cache[s]
-      if whole then
-        src = whole
-        for d = 1, #tshape do src = src:narrow(d - 1, inter_start[d] - s.offset[d], inter_len[d]) end
-      else
-        src = ms.tensor(inter_len, s.dtype)
-        local start = {}
-        for d = 1, #tshape do start[d] = inter_start[d] - s.offset[d] end
-        local ok, err = R.ckpt_read_box(files.fd(s.file), s.file_offset, plain_list(s.shape), start, src)
-        if not ok then fail("%s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), err) end
-      end
       local view = dst
       for d = 1, #tshape do view = view:narrow(d - 1, inter_start[d] - toff[d], inter_len[d]) end
-      view:copy_(src)
-      covered = covered + numel(inter_len)
+      local start = {}
+      for d = 1, #tshape do start[d] = inter_start[d] - s.offset[d] end
+      local into = (direct_ok and view:dtype() == s.dtype and view:is_contiguous()) and view or
+        ms.tensor(inter_len, s.dtype)
+      read_box(dir, files, s, start, into)
+      if whole and verify then check_crc(dir, s, into) end
+      if into ~= view then view:copy_(into) end
+      local nel = numel(inter_len)
+      covered, bytes = covered + nel, bytes + nel * ms.dtype_size(s.dtype)
     end
   end
-  return covered
+  return covered, bytes
 end
 
 --- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
@@ -655,42 +667,64 @@ function M.load(units, path, opts)
         targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = shape, off = off, info = t }
       end
     end
-    -- which saved boxes this rank verifies: those it reads whole, and round-robin the rest
-    local needed_whole = {}
+    -- which saved boxes this rank reads whole (checksummed where they land), and of those no
+    -- rank reads whole, the ones it verifies (round-robin over the ranks, before anything is
+    -- written into a unit)
+    local verify = opts.verify ~= false
+    local index_of, seen, whole_here, wanted = {}, {}, {}, 0
+    for j, s in ipairs(index.shards) do index_of[s] = j end
     for _, tg in ipairs(targets) do
       for _, kind in ipairs(KINDS) do
         for _, s in ipairs((by[tg.fqn] or {})[kind] or {}) do
-          local inside = true
+          local inside, overlaps = true, true
           for d = 1, #tg.shape do
             if s.offset[d] < tg.off[d] or s.offset[d] + s.shape[d] > tg.off[d] + tg.shape[d] then inside = false end
+            if s.offset[d] >= tg.off[d] + tg.shape[d] or s.offset[d] + s.shape[d] <= tg.off[d] then overlaps = false end
           end
-          if inside then needed_whole[s] = true end
+          if inside and not seen[index_of[s]] then
+            seen[index_of[s]] = true
+            whole_here[#whole_here + 1] = index_of[s]
+          end
+          if overlaps then wanted = wanted + s.nbytes end
         end
       end
     end
-    local cache = {}
-    local total, done = 0, 0
-    for j, s in ipairs(index.shards) do
-      if needed_whole[s] or (opts.verify ~= false and (j - 1) % n == rank) then total = total + s.nbytes end
-    end
-    local prog = progress("loading (rank 0)", total, progress_on(opts))
-    for j, s in ipairs(index.shards) do
-      if needed_whole[s] or (opts.verify ~= false and (j - 1) % n == rank) then
-        local t
-        if opts.verify ~= false then t = read_whole(dir, files, s) end
-        if needed_whole[s] then cache[s] = t end
-        done = done + s.nbytes
-        prog.update(done)
+    return { whole_here = whole_here, wanted = wanted, targets = targets, verify = verify }
+  end)
+  if not ok then files.close() end
+  local all = agree(ok, ok and err.whole_here or err)
+  local wanted, targets, verify = err.wanted, err.targets, err.verify
+  local read_whole_somewhere = {}
+  for _, list in ipairs(all) do for _, j in ipairs(list) do read_whole_somewhere[j] = true end end
+  ok, err = pcall(function()
+    local mine, total = {}, wanted
+    if verify then
+      local k = 0
+      for j, s in ipairs(index.shards) do
+        if not read_whole_somewhere[j] then
+          if k % n == rank then
+            mine[#mine + 1] = s
+            total = total + s.nbytes
+          end
+          k = k + 1
+        end
       end
     end
-    prog.finish()
+    local prog = progress("loading (rank 0)", total, progress_on(opts))
+    local done = 0
+    for _, s in ipairs(mine) do
+      read_whole(dir, files, s)
+      done = done + s.nbytes
+      prog.update(done)
+    end
     -- parameters first (a unit's first adamw_state makes master weights from them), then state
     for pass = 1, 2 do
       for _, tg in ipairs(targets) do
         local u, i, saved = tg.unit, tg.index, by[tg.fqn] or {}
         if pass == 1 then
           local shard = u:param_shard(i)
-          local got = fill_box(dir, files, saved.param or {}, shard, tg.off, cache)
+          local got, b = fill_box(dir, files, saved.param or {}, shard, tg.off, verify)
+          done = done + b
           if got ~= numel(tg.shape) then
             fail("the checkpoint holds %d of the %d elements of tensor %s this rank needs", got, numel(tg.shape), tg.fqn)
           end
@@ -702,7 +736,8 @@ function M.load(units, path, opts)
               if st and numel(tg.shape) > 0 then
                 local view = st:view(tg.shape)
                 if saved[kind] then
-                  fill_box(dir, files, saved[kind], view, tg.off, cache)
+                  local _, b = fill_box(dir, files, saved[kind], view, tg.off, verify)
+                  done = done + b
                 elseif kind == "master" then
                   view:copy_(u:param_shard(i))
                 end
@@ -711,8 +746,10 @@ function M.load(units, path, opts)
             u:set_adamw_skipped(i, tg.info.skipped or 0)
           end
         end
+        prog.update(done)
       end
     end
+    prog.finish()
   end)
   files.close()
   agree(ok, err)
@@ -735,33 +772,96 @@ local function parse_size(v)
 end
 M.parse_size = parse_size
 
---- export_dir(checkpoint, out, {dtype=, max_shard_size=, names = function(fqn) -> name})
+-- Expert e.expert's Hugging Face tensor of a grouped expert tensor (export_dir with
+-- expert_names): the transpose of grouped[e][:, col:col + rows] (checkpoint_hf.expert_parts),
+-- read from every saved box it overlaps with pread and cast to e.dtype.  The saved boxes of
+-- the grouped tensor are checksummed once, the first time one of its experts is read.
+local function expert_part(dir, files, e, verified)
+  if not verified[e.fqn] then
+    for _, s in ipairs(e.saved) do read_whole(dir, files, s) end
+    verified[e.fqn] = true
+  end
+  local rows, cols = e.shape[1], e.shape[2] -- [rows, cols] = grouped[e][:, col:col+rows]^T
+  local out = ms.tensor({ 1, rows, cols }, e.dtype)
+  local lo, len = { e.expert, 0, e.col }, { 1, cols, rows }
+  local covered = 0
+  for _, s in ipairs(e.saved) do
+    local a, b, empty = {}, {}, false
+    for d = 1, 3 do
+      a[d] = math.max(lo[d], s.offset[d])
+      b[d] = math.min(lo[d] + len[d], s.offset[d] + s.shape[d])
+      if b[d] <= a[d] then empty = true end
+    end
+    if not empty then
+      local dst = out:narrow(1, a[3] - e.col, b[3] - a[3]):narrow(2, a[2], b[2] - a[2])
+      local start = { a[1] - s.offset[1], a[2] - s.offset[2], a[3] - s.offset[3] }
+      local got, err = R.file_read_region(join(dir, s.file), s.file_offset, R.dtype_code(s.dtype), plain_list(s.shape),
+        start, { 0, 2, 1 }, dst)
+      if not got then fail("export: %s of tensor %s in %s: %s", s.kind, s.tensor, join(dir, s.file), tostring(err)) end
+      covered = covered + (b[2] - a[2]) * (b[3] - a[3])
+    end
+  end
+  if covered ~= rows * cols then
+    fail("export: the checkpoint holds %d of the %d elements of expert %d of %s", covered, rows * cols, e.expert, e.fqn)
+  end
+  return out:view({ rows, cols })
+end
+
+--- export_dir(checkpoint, out, {dtype=, max_shard_size=, names = function(fqn) -> name,
+-- expert_names = bool})
 -- -> files written: the parameters of a checkpoint consolidated into Hugging Face safetensors
 -- (model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json
 -- when past max_shard_size, default 5GB).  One process; every box read is checksummed.
+-- expert_names: grouped experts (`<p>.experts.gate_and_up_projs`, `down_projs`) written as
+-- Hugging Face's per-expert tensors `<p>.experts.{e}.gate_proj.weight`, `up_proj.weight`,
+-- `down_proj.weight` (transposed as Automodel's adapters do), which from_pretrained loads.
 function M.export_dir(path, out, opts)
   opts = opts or {}
   local dir = M.resolve(path)
   local index = M.read_index(dir)
   local strip = require("moonshard.module").strip_checkpoint
   local rename = opts.names or strip
-  local names, by = {}, {}
-  for fqn, t in pairs(index.tensors) do
-    local name = rename(fqn)
-    if by[name] then fail("export: %s and %s are both named %s", by[name].fqn, fqn, name) end
-    by[name] = { fqn = fqn, info = t, dtype = opts.dtype or t.dtype, saved = {} }
+  local names, by, saved = {}, {}, {}
+  local hf = opts.expert_names and require("moonshard.checkpoint_hf")
+  local function add(name, e)
+    if by[name] then fail("export: %s and %s are both named %s", by[name].fqn, e.fqn, name) end
+    by[name] = e
     names[#names + 1] = name
+  end
+  for fqn, t in pairs(index.tensors) do
+    saved[fqn] = {}
+    local name = rename(fqn)
+    -- grouped experts as Hugging Face's per-expert tensors (checkpoint_hf's rule): gated
+    -- when gate_and_up_projs is twice as wide as down_projs is tall (else, without a
+    -- down_projs beside it, when its width is even)
+    local gated
+    if hf and #t.shape == 3 then
+      local down = index.tensors[(fqn:gsub("gate_and_up_projs$", "down_projs"))]
+      gated = down and #down.shape == 3 and t.shape[3] == 2 * down.shape[2] or (not down and t.shape[3] % 2 == 0)
+    end
+    local prefix, parts = nil, nil
+    if hf then prefix, parts = hf.expert_parts(name, t.shape, gated) end
+    if parts then
+      for ex = 0, t.shape[1] - 1 do
+        for _, part in ipairs(parts) do
+          add(format("%s.%d.%s.weight", prefix, ex, part.proj), { fqn = fqn, info = t, dtype = opts.dtype or t.dtype,
+            saved = saved[fqn], shape = part.shape, expert = ex, col = part.col })
+        end
+      end
+    else
+      add(name, { fqn = fqn, info = t, dtype = opts.dtype or t.dtype, saved = saved[fqn], shape = t.shape })
+    end
   end
   table.sort(names)
   for _, s in ipairs(index.shards) do
-    if s.kind == "param" then table.insert(by[rename(s.tensor)].saved, s) end
+    if s.kind == "param" then table.insert(saved[s.tensor], s) end
   end
   local limit = parse_size(opts.max_shard_size)
   local shards, cur, size, total = {}, nil, 0, 0
   for _, name in ipairs(names) do
     local e = by[name]
     if not ST_DTYPE[e.dtype] then fail("export: dtype %s has no safetensors name", e.dtype) end
-    e.nbytes = numel(e.info.shape) * ms.dtype_size(e.dtype)
+    e.nbytes = numel(e.shape) * ms.dtype_size(e.dtype)
     if not cur or (size + e.nbytes > limit and #cur > 0) then
       cur, size = {}, 0
       shards[#shards + 1] = cur
@@ -771,7 +871,7 @@ function M.export_dir(path, out, opts)
   end
   check(R.ckpt_mkdir(out, true))
   local files = file_cache(dir)
-  local written, weight_map = {}, {}
+  local written, weight_map, verified = {}, {}, {}
   local prog = progress("exporting", total, opts.progress == nil and R.stderr_isatty() or opts.progress)
   local done = 0
   local ok, err = pcall(function()
@@ -781,14 +881,13 @@ function M.export_dir(path, out, opts)
       for _, name in ipairs(list) do
         local e = by[name]
         weight_map[name] = fname
-        entries[#entries + 1] = { name = name, dtype = e.dtype, shape = plain_list(e.info.shape), nbytes = e.nbytes,
+        entries[#entries + 1] = { name = name, dtype = e.dtype, shape = plain_list(e.shape), nbytes = e.nbytes,
           get = function()
+            if e.expert then return expert_part(dir, files, e, verified) end
             local full = ms.tensor(plain_list(e.info.shape), e.info.dtype)
             local zero = {}
             for d = 1, #e.info.shape do zero[d] = 0 end
-            local cache = {}
-            for _, s in ipairs(e.saved) do cache[s] = read_whole(dir, files, s) end
-            local got = fill_box(dir, files, e.saved, full, zero, cache)
+            local got = fill_box(dir, files, e.saved, full, zero, true)
             if got ~= numel(e.info.shape) then fail("export: the checkpoint holds %d of the %d elements of %s", got,
                 numel(e.info.shape), e.fqn) end
             if e.dtype ~= e.info.dtype then return full:to(e.dtype) end
@@ -813,7 +912,7 @@ function M.export_dir(path, out, opts)
   return written, total
 end
 
---- export_hf(units, out, {dtype=, max_shard_size=}) -> files written: collective; the units'
+--- export_hf(units, out, {dtype=, max_shard_size=, expert_names=}) -> files written: collective; the units'
 -- parameters are saved into OUT/.moonshard-export (each rank its boxes, once), rank 0
 -- consolidates them into Hugging Face safetensors in OUT, and the temporary checkpoint goes.
 function M.export_hf(units, out, opts)

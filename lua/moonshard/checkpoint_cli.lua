@@ -10,7 +10,7 @@ local format = string.format
 M.usage = [[
 usage: moonshard checkpoint info DIR
        moonshard checkpoint verify DIR
-       moonshard checkpoint export DIR --to OUT [--dtype DTYPE] [--max-shard-size SIZE]
+       moonshard checkpoint export DIR --to OUT [--dtype DTYPE] [--max-shard-size SIZE] [--per-expert]
 
 DIR is a checkpoint (a directory holding checkpoint.json) or a root of checkpoints (its
 'latest' file names the newest).
@@ -22,8 +22,9 @@ DIR is a checkpoint (a directory holding checkpoint.json) or a root of checkpoin
   export   the parameters consolidated into Hugging Face safetensors in OUT
            (model.safetensors, or model-0000i-of-0000N.safetensors with
            model.safetensors.index.json past --max-shard-size, default 5GB); --dtype casts
-           them (bf16, f32, ...; default: as stored).  Copy the model's config.json beside
-           them for from_pretrained.
+           them (bf16, f32, ...; default: as stored); --per-expert writes grouped experts
+           as Hugging Face's per-expert tensors (experts.{e}.gate_proj.weight, up_proj,
+           down_proj).  Copy the model's config.json beside them for from_pretrained.
 
   -h, --help   this help
 ]]
@@ -106,6 +107,7 @@ function M.main(args)
     elseif a == "--to" then opts.to = value()
     elseif a == "--dtype" then opts.dtype = value()
     elseif a == "--max-shard-size" then opts.max_shard_size = value()
+    elseif a == "--per-expert" then opts.per_expert = true
     elseif a:sub(1, 1) == "-" then return usage_error("unknown option '" .. a .. "'")
     elseif dir then return usage_error("one DIR expected, got '" .. dir .. "' and '" .. a .. "'")
     else dir = a end
@@ -120,7 +122,8 @@ function M.main(args)
     if cmd == "verify" then return verify(dir) end
     if not opts.to then error({ usage = "export: --to OUT expected" }) end
     if opts.dtype then opts.dtype = require("moonshard").dtype_name and opts.dtype or opts.dtype end
-    local files, total = ckpt.export_dir(dir, opts.to, { dtype = opts.dtype, max_shard_size = opts.max_shard_size })
+    local files, total = ckpt.export_dir(dir, opts.to, { dtype = opts.dtype, max_shard_size = opts.max_shard_size,
+      expert_names = opts.per_expert })
     io.stdout:write(format("%s: %d files, %s of parameters: %s\n", opts.to, #files, ckpt.human(total),
       table.concat(files, ", ")))
     return 0

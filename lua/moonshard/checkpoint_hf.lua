@@ -197,6 +197,33 @@ end
 
 -- ---------------------------------------------------------------- matching the checkpoint
 
+--- expert_parts(fqn, shape, gated) -> nil when fqn is not a grouped expert tensor
+-- (`<p>.experts.gate_and_up_projs` [E, H, X] or `<p>.experts.down_projs` [E, I, H]); else the
+-- prefix `<p>.experts`, the per-expert parts {{proj = "gate_proj"|"up_proj"|"down_proj",
+-- shape = the Hugging Face shape, col = its first column in grouped[e]}}, I and the kind
+-- ("gate_and_up" or "down").  Expert e's tensor `<p>.experts.e.proj.weight` is the transpose
+-- of grouped[e][:, col:col + shape[1]], as Automodel's state-dict adapters map them:
+-- gate_and_up_projs[e] = cat(gate^T, up^T, dim=-1) (up^T alone when not gated), down_projs[e]
+-- = down^T.  The loader below reads by this rule, checkpoint.export_dir writes by it.
+function M.expert_parts(fqn, shape, gated)
+  if not shape or #shape ~= 3 then return nil end
+  local prefix = fqn:match("^(.*%.experts)%.gate_and_up_projs$")
+  if not prefix then
+    prefix = fqn:match("^(.*%.experts)%.down_projs$")
+    if not prefix then return nil end
+    local I, H = shape[2], shape[3]
+    return prefix, { { proj = "down_proj", shape = { H, I }, col = 0 } }, I, "down"
+  end
+  local H = shape[2]
+  local I = gated and shape[3] / 2 or shape[3]
+  if gated then
+    return prefix, { { proj = "gate_proj", shape = { I, H }, col = 0 }, { proj = "up_proj", shape = { I, H }, col = I } },
+      I, "gate_and_up"
+  end
+  return prefix, { { proj = "up_proj", shape = { I, H }, col = 0 } }, I, "gate_and_up"
+end
+
+
 -- How each expected parameter comes from the checkpoint: {kind = "direct", t = tensor} or
 -- {kind = "gate_and_up"|"down", gated, experts = {e -> {gate=, up=, down=}}, inter}.
 -- Appends to missing, misshaped; marks used names.
@@ -217,8 +244,8 @@ local function match(expected, order, tensors, aliases, missing, misshaped, used
         if tensors[a] then t, name = tensors[a], a break end
       end
     end
-    local prefix, which = fqn:match("^(.*%.experts)%.(gate_and_up_projs)$")
-    if not prefix then prefix, which = fqn:match("^(.*%.experts)%.(down_projs)$") end
+    local prefix = shape and #shape == 3 and (fqn:match("^(.*%.experts)%.gate_and_up_projs$") or
+      fqn:match("^(.*%.experts)%.down_projs$"))
     if t then
       used[name] = true
       for _, a in ipairs(alias_of[fqn] or {}) do if tensors[a] then used[a] = true end end
@@ -235,29 +262,22 @@ local function match(expected, order, tensors, aliases, missing, misshaped, used
       for e = 0, E - 1 do
         if tensors[format("%s.%d.gate_proj.weight", prefix, e)] then gated = true end
       end
-      local src = { kind = which == "down_projs" and "down" or "gate_and_up", gated = gated, experts = {} }
-      local H, I
-      if which == "down_projs" then I, H = shape[2], shape[3] else
-        H = shape[2]
-        I = gated and shape[3] / 2 or shape[3]
-      end
-      src.inter = I
-      local parts = which == "down_projs" and { { "down_proj", { H, I } } } or
-        (gated and { { "gate_proj", { I, H } }, { "up_proj", { I, H } } } or { { "up_proj", { I, H } } })
+      local _, parts, I, kind = M.expert_parts(fqn, shape, gated)
+      local src = { kind = kind, gated = gated, experts = {}, inter = I }
       for e = 0, E - 1 do
         src.experts[e] = {}
         for _, part in ipairs(parts) do
-          local n = format("%s.%d.%s.weight", prefix, e, part[1])
+          local n = format("%s.%d.%s.weight", prefix, e, part.proj)
           local pt = tensors[n]
           if not pt then
             missing[#missing + 1] = n
           else
             used[n] = true
-            if not same_shape(pt.shape, part[2]) then
+            if not same_shape(pt.shape, part.shape) then
               misshaped[#misshaped + 1] = format("%s: %s in the checkpoint, %s for %s %s", n, shape_str(pt.shape),
-                shape_str(part[2]), fqn, shape_str(shape))
+                shape_str(part.shape), fqn, shape_str(shape))
             end
-            src.experts[e][part[1]:match("^(%a+)_")] = pt
+            src.experts[e][part.proj:match("^(%a+)_")] = pt
           end
         end
       end

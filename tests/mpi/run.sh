@@ -21,6 +21,8 @@
 #     for bit (only the timing fields, the banner's backend line and its totals differ)
 #   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies) and a recipe's fp8
 #     all-gather (recipe_units.lua) on 4 ranks
+#   - a checkpoint saved on 4 processes and loaded on 4 (ckpt_units.lua): rank files and the
+#     export the threads run's bytes; checkpoint verify and info of what MPI wrote
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
 #   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
 #     that never arrives (timeout) and a killed rank each end the whole job non-zero within
@@ -258,6 +260,40 @@ if [ "$code" = 0 ] && every_rank recipe_units 4 "^recipe_units ok R$"; then
   ok "recipe_units.lua hsdp on 4 ranks: the fp8 step's weights gathered as torchao's e4m3 on every rank"
 else
   fail "recipe_units.lua hsdp (exit $code)" "$TMP/recipe_units.out" "$TMP/recipe_units.err"
+fi
+
+# ---------------------------------------------------------------- checkpoints
+# saved on 4 processes after step 2 and loaded on 4 to step 4: the rank files and the export
+# the same bytes as the threads run's; checkpoint verify of what MPI wrote
+"$BIN" -n 4 tests/lua/scripts/ckpt_units.lua dp_shard=4 2 "save=2:$TMP/ckpt_threads" >"$TMP/ckpt_t1.out" 2>&1 &&
+  "$BIN" -n 4 tests/lua/scripts/ckpt_units.lua dp_shard=4 4 "load=$TMP/ckpt_threads" "export=$TMP/export_threads" \
+    >"$TMP/ckpt_t2.out" 2>&1
+tcode=$?
+job ckpt_save 4 -- tests/lua/scripts/ckpt_units.lua dp_shard=4 2 "save=2:$TMP/ckpt_mpi"
+scode=$code
+job ckpt_load 4 -- tests/lua/scripts/ckpt_units.lua dp_shard=4 4 "load=$TMP/ckpt_mpi" "export=$TMP/export_mpi"
+same=yes
+for f in "$TMP"/ckpt_threads/step_00000002/rank*.safetensors; do
+  cmp -s "$f" "$TMP/ckpt_mpi/step_00000002/${f##*/}" || same=no
+done
+cat "$TMP"/export_threads/*.safetensors >"$TMP/export_threads.bin" 2>/dev/null
+cat "$TMP"/export_mpi/*.safetensors >"$TMP/export_mpi.bin" 2>/dev/null
+cmp -s "$TMP/export_threads.bin" "$TMP/export_mpi.bin" && [ -s "$TMP/export_mpi.bin" ] || same=no
+if [ "$tcode" = 0 ] && [ "$scode" = 0 ] && [ "$code" = 0 ] && [ $same = yes ] &&
+  every_rank ckpt_load 4 "^rank R: ckpt_units ok"; then
+  ok "checkpoint saved on 4 MPI processes, loaded on 4 and trained on: rank files and export the threads run's bytes"
+else
+  fail "checkpoint under MPI (threads $tcode, save $scode, load $code, same bytes $same)" "$TMP/ckpt_save.err" \
+    "$TMP/ckpt_load.err" "$TMP/ckpt_t1.out" "$TMP/ckpt_t2.out"
+fi
+"$BIN" checkpoint verify "$TMP/ckpt_mpi" >"$TMP/ckpt_verify.out" 2>&1
+vcode=$?
+"$BIN" checkpoint info "$TMP/ckpt_mpi" >"$TMP/ckpt_info.out" 2>&1
+if [ $vcode = 0 ] && has "$TMP/ckpt_verify.out" ': ok, [0-9]+ boxes of 45 tensors in 4 files' &&
+  has "$TMP/ckpt_info.out" 'written by 4 ranks \(mpi\)'; then
+  ok "checkpoint verify of what 4 MPI processes wrote: every box's crc32c right, the index says mpi"
+else
+  fail "checkpoint verify of the MPI checkpoint (exit $vcode)" "$TMP/ckpt_verify.out" "$TMP/ckpt_info.out"
 fi
 
 # ---------------------------------------------------------------- LuaJIT ranks over MPI
