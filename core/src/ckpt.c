@@ -6,6 +6,8 @@
  */
 #include "ms_internal.h"
 
+#include <pthread.h>
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -20,7 +22,11 @@
 #define CRC32C_POLY 0x82F63B78u /* reflected 0x1EDC6F41 */
 
 static uint32_t crc_table[8][256];
-static int crc_ready;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+static void crc_zeros_init(void);
+#endif
 
 static void crc_init(void) {
     for (uint32_t n = 0; n < 256; n++) {
@@ -30,6 +36,9 @@ static void crc_init(void) {
     }
     for (uint32_t n = 0; n < 256; n++)
         for (int t = 1; t < 8; t++) crc_table[t][n] = (crc_table[t - 1][n] >> 8) ^ crc_table[0][crc_table[t - 1][n] & 0xff];
+#if defined(__x86_64__) && defined(__GNUC__)
+    crc_zeros_init();
+#endif
 }
 
 /* c: the register (already inverted) */
@@ -55,10 +64,75 @@ static uint32_t crc_soft(uint32_t c, const unsigned char *p, size_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <nmmintrin.h>
 #define HAVE_CRC_HW 1
+/* Three streams at once: the crc32 instruction takes 3 cycles and issues one a cycle, so a
+ * buffer cut in three runs about three times faster, the three registers joined after each
+ * block.  The register of A then B, from c: shift(reg(A, c), |B|) ^ reg(B, 0), where shift
+ * runs the register over |B| zero bytes, a linear map of 32 bits: crc_zeros holds it for
+ * CRC_BLOCK bytes as four byte tables, built once by squaring the one-zero-bit operator (the
+ * method of zlib's crc32_combine). */
+enum { CRC_BLOCK = 8192 };
+static uint32_t crc_zeros[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    for (int i = 0; vec; vec >>= 1, i++)
+        if (vec & 1) sum ^= mat[i];
+    return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]);
+}
+
+/* The register run over len zero bytes (len >= 1). */
+static uint32_t crc_shift_slow(uint32_t crc, size_t len) {
+    uint32_t even[32], odd[32];
+    odd[0] = 0x82F63B78u; /* one zero bit: the reflected polynomial, then a shift */
+    for (int n = 1; n < 32; n++) odd[n] = 1u << (n - 1);
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four */
+    for (;;) {
+        gf2_square(even, odd); /* 8, 32, 128, ... bits */
+        if (len & 1) crc = gf2_times(even, crc);
+        len >>= 1;
+        if (!len) break;
+        gf2_square(odd, even); /* 16, 64, ... bits */
+        if (len & 1) crc = gf2_times(odd, crc);
+        len >>= 1;
+        if (!len) break;
+    }
+    return crc;
+}
+
+static void crc_zeros_init(void) {
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) crc_zeros[k][b] = crc_shift_slow(b << (8 * k), CRC_BLOCK);
+}
+
+static uint32_t crc_shift_block(uint32_t c) {
+    return crc_zeros[0][c & 0xff] ^ crc_zeros[1][(c >> 8) & 0xff] ^ crc_zeros[2][(c >> 16) & 0xff] ^
+           crc_zeros[3][c >> 24];
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const unsigned char *p, size_t n) {
     while (n && ((uintptr_t)p & 7)) {
         c = _mm_crc32_u8(c, *p++);
         n--;
+    }
+    while (n >= 3 * (size_t)CRC_BLOCK) {
+        uint64_t a = c, b = 0, d = 0;
+        for (size_t i = 0; i < CRC_BLOCK; i += 8) {
+            uint64_t x, y, z;
+            memcpy(&x, p + i, 8);
+            memcpy(&y, p + CRC_BLOCK + i, 8);
+            memcpy(&z, p + 2 * CRC_BLOCK + i, 8);
+            a = _mm_crc32_u64(a, x);
+            b = _mm_crc32_u64(b, y);
+            d = _mm_crc32_u64(d, z);
+        }
+        c = crc_shift_block(crc_shift_block((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
+        p += 3 * CRC_BLOCK;
+        n -= 3 * CRC_BLOCK;
     }
     uint64_t c64 = c;
     while (n >= 8) {
@@ -78,10 +152,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const unsig
 static int crc_use_hw = -1;
 
 static uint32_t crc_update(uint32_t crc, const void *data, size_t n) {
-    if (!crc_ready) { /* idempotent: racing threads write the same tables */
-        crc_init();
-        crc_ready = 1;
-    }
+    pthread_once(&crc_once, crc_init);
     if (crc_use_hw < 0) {
         int hw = 0;
 #ifdef HAVE_CRC_HW

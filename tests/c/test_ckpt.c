@@ -50,6 +50,27 @@ static void vectors(void) {
         off_ok &= crc_of(big + s, 1000 - s) == ~r;
     }
     CHECK(off_ok);
+    /* buffers long enough for the hardware's three streams (blocks of 3 x 8 KiB), at several
+     * lengths and offsets, against the bitwise reference */
+    enum { HUGE = 3 * 3 * 8192 + 1000 };
+    unsigned char *h = malloc(HUGE);
+    CHECK(h != NULL);
+    if (h) {
+        for (int i = 0; i < HUGE; i++) h[i] = (unsigned char)(i * 131 + (i >> 9));
+        int big_ok = 1;
+        const int lens[] = {3 * 8192, 3 * 8192 + 1, 6 * 8192 + 7, HUGE - 3};
+        for (int s = 0; s < 3; s++)
+            for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+                uint32_t r = ~0u;
+                for (int i = s; i < s + lens[k]; i++) {
+                    r ^= h[i];
+                    for (int b = 0; b < 8; b++) r = r & 1 ? (r >> 1) ^ 0x82F63B78u : r >> 1;
+                }
+                big_ok &= crc_of(h + s, lens[k]) == ~r;
+            }
+        CHECK(big_ok);
+        free(h);
+    }
     printf("crc32c: %s\n", ms_crc32c_impl());
 }
 
