@@ -174,13 +174,26 @@ end
 -- units: a rank state (runtime.materialize), a list of units, or one unit -> list of units and
 -- the set of expert units with this rank's ep coordinate and the ep size.
 local function units_of(units)
-  local list, experts, ep, ep_size, mesh = {}, {}, 0, 1, nil
+  local list, experts, ep, ep_size, mesh, tpoff = {}, {}, 0, 1, nil, {}
   if type(units) == "table" and units.units and units.plan then
     local plan = units.plan
     local mc = plan.mesh
-    if plan.tensor_parallel and mc:size("tp") > 1 then
-      fail("a plan with tensor parallelism (tp = %d) is not supported yet: its pieces have no global boxes here",
-        mc:size("tp"))
+    -- tensor parallelism: a parameter split over tp holds its tp coordinate's piece, cut as
+    -- torch.chunk cuts it (plan_tp: local_shapes per coordinate), so the piece is a box of the
+    -- global tensor offset on the split dim by the rows of the coordinates before it
+    local tpp = plan.tensor_parallel and mc:size("tp") > 1 and plan.tensor_parallel.params
+    if tpp then
+      local c = mc:coord("tp", ms.rank())
+      for _, pu in ipairs(plan.units) do
+        for _, e in ipairs(pu.entries or {}) do
+          local t = tpp[e.param]
+          if t and t.dim then
+            local at = 0
+            for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
+            tpoff[e.fqn] = { dim = t.dim, off = at }
+          end
+        end
+      end
     end
     if #(units.buckets or {}) > 0 then
       fail("Megatron-FSDP buckets (state.buckets) are not supported yet: their slices are flat ranges, not boxes")
@@ -209,7 +222,19 @@ local function units_of(units)
       fail("unit %s is a Megatron-FSDP bucket; those are not supported yet", u:name())
     end
   end
-  return list, experts, ep, ep_size, mesh
+  return list, experts, ep, ep_size, mesh, tpoff
+end
+
+-- The offsets of parameter i of unit u's shard in the (tp-)global tensor: the unit's shard
+-- offset on its dim, plus the tp piece's offset on the tp-split dim (tpoff, units_of).  The
+-- ep offset of experts is added by the callers.
+local function shard_offsets(u, i, shape, tpoff)
+  local offset, _, dim = u:param_offset(i)
+  local off = {}
+  for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+  local t = tpoff[u:fqn(i)]
+  if t then off[t.dim + 1] = off[t.dim + 1] + t.off end
+  return off, dim
 end
 
 local function shape_of(t) return plain_list(t:shape()) end
@@ -223,7 +248,7 @@ end
 
 -- The boxes this rank holds: {fqn, kind, tensor, shape (of the box), off (unit-level offsets),
 -- expert (dim 0 split over ep), unit, index}.
-local function local_boxes(list, experts, with_optimizer)
+local function local_boxes(list, experts, with_optimizer, tpoff)
   local boxes, meta = {}, {}
   for _, u in ipairs(list) do
     local has_state = with_optimizer and u:bytes().optimizer > 0
@@ -231,9 +256,7 @@ local function local_boxes(list, experts, with_optimizer)
       local fqn = u:fqn(i)
       local shard = u:param_shard(i)
       local shape = shape_of(shard)
-      local offset, _, dim = u:param_offset(i)
-      local off = {}
-      for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+      local off, dim = shard_offsets(u, i, shape, tpoff)
       local function add(kind, t)
         if t then
           boxes[#boxes + 1] = { fqn = fqn, kind = kind, tensor = t, shape = shape, off = off, expert = experts[u],
@@ -327,9 +350,9 @@ local function step_name(step) return format("step_%08d", step) end
 -- Writes the checkpoint of `units` into final (through final's .tmp- sibling); collective.
 -- Returns the index (on every rank).
 local function write_checkpoint(units, root, name, opts)
-  local list, experts, ep, ep_size, mesh = units_of(units)
+  local list, experts, ep, ep_size, mesh, tpoff = units_of(units)
   local rank, n = ms.rank(), ms.world_size()
-  local boxes, meta = local_boxes(list, experts, not opts.params_only)
+  local boxes, meta = local_boxes(list, experts, not opts.params_only, tpoff)
   -- describe, gather, decide who writes what
   local desc = {}
   for i, b in ipairs(boxes) do
@@ -620,7 +643,7 @@ end
 --- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
 function M.load(units, path, opts)
   opts = opts or {}
-  local list, experts, ep, ep_size = units_of(units)
+  local list, experts, ep, ep_size, _, tpoff = units_of(units)
   local rank, n = ms.rank(), ms.world_size()
   local dir, index
   agree(pcall(function()
@@ -644,9 +667,7 @@ function M.load(units, path, opts)
         if not t then fail("%s has no tensor %s (unit %s)", dir, fqn, u:name()) end
         local shard = u:param_shard(i)
         local shape = shape_of(shard)
-        local offset, _, dim = u:param_offset(i)
-        local off = {}
-        for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+        local off = shard_offsets(u, i, shape, tpoff)
         local unit_shape = {}
         for d = 1, #t.shape do unit_shape[d] = t.shape[d] end
         if experts[u] and ep_size > 1 then

@@ -17,6 +17,12 @@ end
 local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
 local config = json.decode(f:read("a"))
 f:close()
+-- heads=Q:KV: other head counts (tp must divide them)
+if opts.heads then
+  config.num_attention_heads, config.num_key_value_heads = opts.heads:match("^(%d+):(%d+)$")
+  config.num_attention_heads, config.num_key_value_heads = tonumber(config.num_attention_heads),
+    tonumber(config.num_key_value_heads)
+end
 local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
 local mc = require("moonshard.mesh_context").new(mesh_spec)
 local policy = require("moonshard.policy").load("policies/inkling2")
@@ -60,6 +66,28 @@ local function ep_offset(u, fqn)
   return 0
 end
 
+-- a tp piece's global offsets: the rows of the tp coordinates before this one on its dim
+local tp_at = {}
+if plan.tensor_parallel then
+  local c = mc:coord("tp", ms.rank())
+  for _, pu in ipairs(plan.units) do
+    for _, e in ipairs(pu.entries) do
+      local t = plan.tensor_parallel.params[e.param]
+      if t and t.dim then
+        local at = 0
+        for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
+        tp_at[e.fqn] = { t.dim + 1, at }
+      end
+    end
+  end
+end
+local function global_off(u, fqn, off)
+  off[1] = off[1] + ep_offset(u, fqn)
+  local t = tp_at[fqn]
+  if t then off[t[1]] = off[t[1]] + t[2] end
+  return off
+end
+
 local first = 1
 if opts.load then
   local step, extra = ckpt.load(state, opts.load)
@@ -74,7 +102,7 @@ else
         local offset, _, dim = u:param_offset(i)
         local off = {}
         for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
-        off[1] = off[1] + ep_offset(u, u:fqn(i))
+        global_off(u, u:fqn(i), off)
         sh:copy_(box_values(u:fqn(i), shape, off, function(k, gi) return ((k * 131 + gi * 17) % 97) / 97 - 0.5 end))
       end
     end
@@ -90,7 +118,7 @@ for step = first, steps do
       if g then
         local off = {}
         for d = 1, g:ndim() do off[d] = 0 end
-        off[1] = ep_offset(u, u:fqn(i))
+        global_off(u, u:fqn(i), off)
         -- an expert's gradient on a rank sums the ep group's contributions (runtime.lua), and
         -- the unit divides by ep_shard x ep: ep x the value gives the same mean on any mesh
         local scale = experts[u] and ep_size or 1
