@@ -180,7 +180,7 @@ end
 -- units: a rank state (runtime.materialize), a list of units, or one unit -> list of units and
 -- the set of expert units with this rank's ep coordinate and the ep size.
 local function units_of(units)
-  local list, experts, ep, ep_size, mesh, tpoff, zero = {}, {}, 0, 1, nil, {}, {}
+  local list, experts, ep, ep_size, mesh, tpoff, zero, gshape = {}, {}, 0, 1, nil, {}, {}, {}
   if type(units) == "table" and units.units and units.plan then
     local plan = units.plan
     local mc = plan.mesh
@@ -200,6 +200,15 @@ local function units_of(units)
           end
         end
       end
+    end
+    -- every parameter's global shape (the model's), checked against the checkpoint's on load
+    for _, pu in ipairs(plan.units) do
+      for _, e in ipairs(pu.entries or {}) do
+        if e.param and e.param.shape then gshape[e.fqn] = plain_list(e.param.shape) end
+      end
+    end
+    for _, o in ipairs(plan.owned or {}) do
+      if o.shape and not gshape[o.fqn] then gshape[o.fqn] = plain_list(o.shape) end
     end
     -- Megatron-FSDP buckets: each bucket's unit handle, with its bucket and the global shape
     -- of each parameter (the plan's items)
@@ -237,7 +246,7 @@ local function units_of(units)
         "(runtime.materialize's), whose plan gives its parameters' shapes", u:name())
     end
   end
-  return list, experts, ep, ep_size, mesh, tpoff, zero
+  return list, experts, ep, ep_size, mesh, tpoff, zero, gshape
 end
 
 -- The elements [a, b) of a row-major tensor of `shape`, flat, as boxes of the tensor in flat
@@ -719,7 +728,7 @@ end
 --- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
 function M.load(units, path, opts)
   opts = opts or {}
-  local list, experts, ep, ep_size, _, tpoff, zero = units_of(units)
+  local list, experts, ep, ep_size, _, tpoff, zero, gshape = units_of(units)
   local rank, n = ms.rank(), ms.world_size()
   local dir, index
   agree(pcall(function()
@@ -747,6 +756,11 @@ function M.load(units, path, opts)
         if not index.tensors[fqn] then fqn = unwrapped[strip(fqn)] or fqn end
         local t = index.tensors[fqn]
         if not t then fail("%s has no tensor %s (unit %s)", dir, u:fqn(i), u:name()) end
+        local want = gshape[u:fqn(i)]
+        if want and table.concat(want, "x") ~= table.concat(plain_list(t.shape), "x") then
+          fail("tensor %s: the model's shape is %s, the checkpoint's %s (in %s)", fqn, table.concat(want, "x"),
+            table.concat(plain_list(t.shape), "x"), dir)
+        end
         if z then
           -- a bucket: the whole parameter (load_full), then the state of its piece's boxes
           local gshape = z.shapes[i + 1]

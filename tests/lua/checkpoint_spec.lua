@@ -126,6 +126,10 @@ describe("checkpoints of materialised plans", function()
       run(case[1], case[2], "4", "heads=4:2", "load=" .. tp_dir, "export=" .. out)
       assert.equal(export_bytes(tref), export_bytes(out))
     end
+    -- a model of other shapes (the config's 3 and 1 heads) is refused, naming the tensor
+    local r = S.run({ "-n", "2", SCRIPT, "dp_shard=2", "4", "load=" .. tp_dir })
+    assert.not_equal(0, r.code)
+    assert.matches("tensor [%w._]+: the model's shape is [%dx]+, the checkpoint's [%dx]+", r.err)
   end)
 
   for _, case in ipairs({ { 3, "dp_shard=3" }, { 4, "dp_replicate=2,dp_shard=2" }, { 1, "dp_shard=1" },
