@@ -282,13 +282,14 @@ static int l_zero_load_full(lua_State *L) {
     return ms_lua_done(L);
 }
 
-/* zero_action(u, code): 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads */
+/* zero_action(u, code): 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads, 4 make_state */
 static ms_status (*const zero_actions[])(ms_unit *) = {ms_unit_zero_unshard, ms_unit_zero_reshard,
-                                                       ms_unit_zero_reduce_grads, ms_unit_zero_clear_grads};
+                                                       ms_unit_zero_reduce_grads, ms_unit_zero_clear_grads,
+                                                       ms_unit_zero_make_state};
 static int l_zero_action(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
     lua_Integer code = luaL_checkinteger(L, 2);
-    luaL_argcheck(L, code >= 0 && code < 4, 2, "not a zero action code");
+    luaL_argcheck(L, code >= 0 && code < 5, 2, "not a zero action code");
     TRY(L, zero_actions[code](u));
     return ms_lua_done(L);
 }

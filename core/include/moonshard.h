@@ -720,6 +720,10 @@ ms_status ms_unit_zero_load_full(ms_unit *u, int i, const ms_tensor *full);
  * it.  A no-op for the other strategies and for W = 1. */
 ms_status ms_unit_zero_unshard(ms_unit *u);
 ms_status ms_unit_zero_reshard(ms_unit *u);
+/* Makes AdamW's state of a trainable bucket now, as its first adamw_step would (zero moments,
+ * main or master weights from the parameters), for a checkpoint's load to fill; a no-op when
+ * it exists or the bucket is frozen. */
+ms_status ms_unit_zero_make_state(ms_unit *u);
 /* The gradient bucket multiplied by 1/W and reduced: all_reduce (no_shard) or reduce_scatter
  * into the rank's slice (added into the kept slice under optim_grads and optim_grads_params,
  * freeing the transient bucket).  A no-op for a frozen bucket. */

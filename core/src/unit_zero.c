@@ -501,6 +501,15 @@ static ms_status state_make(ms_unit *u, struct unit_zero *z) {
     return st;
 }
 
+ms_status ms_unit_zero_make_state(ms_unit *u) {
+    MS_NOT_NULL(u);
+    struct unit_zero *z = NULL;
+    ms_status st = zero_of(u, "zero_make_state", true, &z);
+    if (st) return st;
+    if (z->trainable && (st = state_make(u, z))) return ms__wrap(st, "bucket '%s': make_state", unit_label(u));
+    return ms__ok();
+}
+
 ms_status ms_unit_zero_adamw_step(ms_unit *u, double lr, double beta1, double beta2, double eps, double weight_decay,
                                   int64_t step) {
     MS_NOT_NULL(u);

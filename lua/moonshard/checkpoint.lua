@@ -165,6 +165,12 @@ end
 
 -- ---------------------------------------------------------------- what a rank holds
 
+local function numel(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
 local function plain_list(t)
   local out = {}
   for i, v in ipairs(t) do out[i] = v end
@@ -174,16 +180,46 @@ end
 -- units: a rank state (runtime.materialize), a list of units, or one unit -> list of units and
 -- the set of expert units with this rank's ep coordinate and the ep size.
 local function units_of(units)
-  local list, experts, ep, ep_size, mesh = {}, {}, 0, 1, nil
+  local list, experts, ep, ep_size, mesh, tpoff, zero, gshape = {}, {}, 0, 1, nil, {}, {}, {}
   if type(units) == "table" and units.units and units.plan then
     local plan = units.plan
     local mc = plan.mesh
-    if plan.tensor_parallel and mc:size("tp") > 1 then
-      fail("a plan with tensor parallelism (tp = %d) is not supported yet: its pieces have no global boxes here",
-        mc:size("tp"))
+    -- tensor parallelism: a parameter split over tp holds its tp coordinate's piece, cut as
+    -- torch.chunk cuts it (plan_tp: local_shapes per coordinate), so the piece is a box of the
+    -- global tensor offset on the split dim by the rows of the coordinates before it
+    local tpp = plan.tensor_parallel and mc:size("tp") > 1 and plan.tensor_parallel.params
+    if tpp then
+      local c = mc:coord("tp", ms.rank())
+      for _, pu in ipairs(plan.units) do
+        for _, e in ipairs(pu.entries or {}) do
+          local t = tpp[e.param]
+          if t and t.dim then
+            local at = 0
+            for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
+            tpoff[e.fqn] = { dim = t.dim, off = at }
+          end
+        end
+      end
     end
-    if #(units.buckets or {}) > 0 then
-      fail("Megatron-FSDP buckets (state.buckets) are not supported yet: their slices are flat ranges, not boxes")
+    -- every parameter's global shape (the model's), checked against the checkpoint's on load
+    for _, pu in ipairs(plan.units) do
+      for _, e in ipairs(pu.entries or {}) do
+        if e.param and e.param.shape then gshape[e.fqn] = plain_list(e.param.shape) end
+      end
+    end
+    for _, o in ipairs(plan.owned or {}) do
+      if o.shape and not gshape[o.fqn] then gshape[o.fqn] = plain_list(o.shape) end
+    end
+    -- Megatron-FSDP buckets: each bucket's unit handle, with its bucket and the global shape
+    -- of each parameter (the plan's items)
+    for _, pu in ipairs(plan.units) do
+      if pu.kind == "megatron_fsdp" then
+        for _, bk in ipairs((units.megatron or {})[pu.name] or {}) do
+          local shapes = {}
+          for k, i in ipairs(bk.plan_bucket.indices) do shapes[k] = plain_list(pu.megatron.items[i].shape) end
+          zero[bk.unit] = { bucket = bk, shapes = shapes }
+        end
+      end
     end
     ep, ep_size = mc:coord("ep", ms.rank()), mc:size("ep")
     for _, pu in ipairs(plan.units) do
@@ -205,11 +241,71 @@ local function units_of(units)
   end
   for i, u in ipairs(list) do
     if R.classof(u) ~= "unit" then fail("units[%d] is %s, not a unit", i, type(u)) end
-    if R.unit_is_zero(u) then
-      fail("unit %s is a Megatron-FSDP bucket; those are not supported yet", u:name())
+    if R.unit_is_zero(u) and not zero[u] then
+      fail("unit %s is a Megatron-FSDP bucket given without its rank state; pass the state " ..
+        "(runtime.materialize's), whose plan gives its parameters' shapes", u:name())
     end
   end
-  return list, experts, ep, ep_size, mesh
+  return list, experts, ep, ep_size, mesh, tpoff, zero, gshape
+end
+
+-- The elements [a, b) of a row-major tensor of `shape`, flat, as boxes of the tensor in flat
+-- order (each a contiguous run): a partial row at each end (recursively, its own partial
+-- rows), whole rows between; at most 2 x dims - 1 boxes.  {off, shape, start (flat), n}.
+local function flat_boxes(shape, a, b)
+  local out, nd = {}, #shape
+  local function box(prefix, d, lo, hi, start)
+    local off, shp = {}, {}
+    for k = 1, nd do
+      if k < d then off[k], shp[k] = prefix[k], 1
+      elseif k == d then off[k], shp[k] = lo, hi - lo
+      else off[k], shp[k] = 0, shape[k] end
+    end
+    out[#out + 1] = { off = off, shape = shp, start = start, n = numel(shp) }
+  end
+  -- elements [a, b) of the sub-tensor of dims d.. at index prefix (dims < d), flat0 its start
+  local function rec(prefix, d, a0, b0, flat0)
+    if a0 >= b0 then return end
+    local row = 1
+    for k = d + 1, nd do row = row * shape[k] end
+    local r0 = math.floor(a0 / row)
+    if a0 % row ~= 0 then -- the partial first row
+      local stop = math.min(b0, (r0 + 1) * row)
+      local p = plain_list(prefix)
+      p[d] = r0
+      rec(p, d + 1, a0 - r0 * row, stop - r0 * row, flat0 + r0 * row)
+      a0, r0 = stop, r0 + 1
+    end
+    local r1 = math.floor(b0 / row)
+    if r1 > r0 then box(prefix, d, r0, r1, flat0 + r0 * row) end
+    if b0 > math.max(a0, r1 * row) then -- the partial last row
+      local p = plain_list(prefix)
+      p[d] = r1
+      rec(p, d + 1, 0, b0 - r1 * row, flat0 + r1 * row)
+    end
+  end
+  if nd == 0 then
+    if b > a then out[1] = { off = {}, shape = {}, start = 0, n = 1 } end
+  else
+    rec({}, 1, a, b, 0)
+  end
+  return out
+end
+M.flat_boxes = flat_boxes
+
+-- the piece views of a bucket: checkpoint kind -> piece_tensor's name
+local ZERO_VIEW = { param = "param", exp_avg = "exp_avg", exp_avg_sq = "exp_avg_sq", master = "main" }
+
+-- The offsets of parameter i of unit u's shard in the (tp-)global tensor: the unit's shard
+-- offset on its dim, plus the tp piece's offset on the tp-split dim (tpoff, units_of).  The
+-- ep offset of experts is added by the callers.
+local function shard_offsets(u, i, shape, tpoff)
+  local offset, _, dim = u:param_offset(i)
+  local off = {}
+  for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+  local t = tpoff[u:fqn(i)]
+  if t then off[t.dim + 1] = off[t.dim + 1] + t.off end
+  return off, dim
 end
 
 local function shape_of(t) return plain_list(t:shape()) end
@@ -223,17 +319,34 @@ end
 
 -- The boxes this rank holds: {fqn, kind, tensor, shape (of the box), off (unit-level offsets),
 -- expert (dim 0 split over ep), unit, index}.
-local function local_boxes(list, experts, with_optimizer)
+local function local_boxes(list, experts, with_optimizer, tpoff, zero)
   local boxes, meta = {}, {}
   for _, u in ipairs(list) do
     local has_state = with_optimizer and u:bytes().optimizer > 0
-    for i = 0, u:count() - 1 do
+    local z = zero[u]
+    -- a Megatron-FSDP bucket: the rank's piece [start, stop) of each parameter, flat, as the
+    -- boxes of the parameter it covers (flat_boxes), for the parameters and each state
+    for i = 0, z and u:count() - 1 or -1 do
+      local fqn, gshape = u:fqn(i), z.shapes[i + 1]
+      local s0, s1 = z.bucket:piece(i)
+      local trainable = false
+      for _, kind in ipairs(KINDS) do
+        local t = (kind == "param" or has_state) and z.bucket:piece_tensor(i, ZERO_VIEW[kind])
+        if t then
+          if kind == "exp_avg" then trainable = true end
+          for _, b in ipairs(flat_boxes(gshape, s0, s1)) do
+            boxes[#boxes + 1] = { fqn = fqn, kind = kind, tensor = t:narrow(0, b.start - s0, b.n):view(b.shape),
+              shape = b.shape, off = b.off, unit = u, index = i, dtype = t:dtype() }
+          end
+        end
+      end
+      meta[fqn] = { unit = u:name(), skipped = 0, trainable = trainable, dim = 0 }
+    end
+    for i = 0, z and -1 or u:count() - 1 do
       local fqn = u:fqn(i)
       local shard = u:param_shard(i)
       local shape = shape_of(shard)
-      local offset, _, dim = u:param_offset(i)
-      local off = {}
-      for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
+      local off, dim = shard_offsets(u, i, shape, tpoff)
       local function add(kind, t)
         if t then
           boxes[#boxes + 1] = { fqn = fqn, kind = kind, tensor = t, shape = shape, off = off, expert = experts[u],
@@ -262,11 +375,6 @@ local function key_of(b, off)
   return b.kind .. "/" .. b.fqn .. "@" .. table.concat(off, ",") .. ":" .. table.concat(b.shape, "x")
 end
 
-local function numel(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
 
 -- ---------------------------------------------------------------- safetensors
 
@@ -327,9 +435,9 @@ local function step_name(step) return format("step_%08d", step) end
 -- Writes the checkpoint of `units` into final (through final's .tmp- sibling); collective.
 -- Returns the index (on every rank).
 local function write_checkpoint(units, root, name, opts)
-  local list, experts, ep, ep_size, mesh = units_of(units)
+  local list, experts, ep, ep_size, mesh, tpoff, zero = units_of(units)
   local rank, n = ms.rank(), ms.world_size()
-  local boxes, meta = local_boxes(list, experts, not opts.params_only)
+  local boxes, meta = local_boxes(list, experts, not opts.params_only, tpoff, zero)
   -- describe, gather, decide who writes what
   local desc = {}
   for i, b in ipairs(boxes) do
@@ -620,7 +728,7 @@ end
 --- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
 function M.load(units, path, opts)
   opts = opts or {}
-  local list, experts, ep, ep_size = units_of(units)
+  local list, experts, ep, ep_size, _, tpoff, zero, gshape = units_of(units)
   local rank, n = ms.rank(), ms.world_size()
   local dir, index
   agree(pcall(function()
@@ -637,34 +745,61 @@ function M.load(units, path, opts)
   local ok, err = pcall(function()
     -- targets: every (unit, parameter) of this rank
     local targets = {}
+    local strip, unwrapped = require("moonshard.module").strip_checkpoint, {}
+    for name in pairs(index.tensors) do unwrapped[strip(name)] = name end
     for _, u in ipairs(list) do
+      local z = zero[u]
       for i = 0, u:count() - 1 do
         local fqn = u:fqn(i)
+        -- the checkpoint's name of the tensor: the same, or the same without activation
+        -- checkpointing's wrapper (a plan with another policy)
+        if not index.tensors[fqn] then fqn = unwrapped[strip(fqn)] or fqn end
         local t = index.tensors[fqn]
-        if not t then fail("%s has no tensor %s (unit %s)", dir, fqn, u:name()) end
-        local shard = u:param_shard(i)
-        local shape = shape_of(shard)
-        local offset, _, dim = u:param_offset(i)
-        local off = {}
-        for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
-        local unit_shape = {}
-        for d = 1, #t.shape do unit_shape[d] = t.shape[d] end
-        if experts[u] and ep_size > 1 then
-          if t.shape[1] % ep_size ~= 0 then fail("tensor %s: %d experts do not divide over ep = %d", fqn, t.shape[1], ep_size) end
-          unit_shape[1] = math.floor(t.shape[1] / ep_size)
-          off[1] = off[1] + ep * unit_shape[1]
+        if not t then fail("%s has no tensor %s (unit %s)", dir, u:fqn(i), u:name()) end
+        local want = gshape[u:fqn(i)]
+        if want and table.concat(want, "x") ~= table.concat(plain_list(t.shape), "x") then
+          fail("tensor %s: the model's shape is %s, the checkpoint's %s (in %s)", fqn, table.concat(want, "x"),
+            table.concat(plain_list(t.shape), "x"), dir)
         end
-        if #shape ~= #t.shape then
-          fail("tensor %s: the unit holds %d dims, the checkpoint %d (shape %s)", fqn, #shape, #t.shape,
-            table.concat(t.shape, "x"))
-        end
-        for d = 1, #shape do
-          if off[d] + shape[d] > t.shape[d] then
-            fail("tensor %s: the unit's rows [%d, %d) of dim %d are outside the checkpoint's shape %s", fqn, off[d],
-              off[d] + shape[d], d - 1, table.concat(t.shape, "x"))
+        if z then
+          -- a bucket: the whole parameter (load_full), then the state of its piece's boxes
+          local gshape = z.shapes[i + 1]
+          if table.concat(gshape, "x") ~= table.concat(plain_list(t.shape), "x") then
+            fail("tensor %s: the bucket holds shape %s, the checkpoint %s", fqn, table.concat(gshape, "x"),
+              table.concat(plain_list(t.shape), "x"))
           end
+          local zeros = {}
+          for d = 1, #gshape do zeros[d] = 0 end
+          local s0, s1 = z.bucket:piece(i)
+          targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = gshape, off = zeros, info = t,
+            zero = z, kinds = { "param" }, pieces = flat_boxes(gshape, s0, s1), start = s0 }
+          for _, b in ipairs(targets[#targets].pieces) do
+            targets[#targets + 1] = { fqn = fqn, shape = b.shape, off = b.off, kinds = { "exp_avg", "exp_avg_sq",
+              "master" }, plan_only = true }
+          end
+        else
+          local shard = u:param_shard(i)
+          local shape = shape_of(shard)
+          local off = shard_offsets(u, i, shape, tpoff)
+          local unit_shape = {}
+          for d = 1, #t.shape do unit_shape[d] = t.shape[d] end
+          if experts[u] and ep_size > 1 then
+            if t.shape[1] % ep_size ~= 0 then fail("tensor %s: %d experts do not divide over ep = %d", fqn, t.shape[1], ep_size) end
+            unit_shape[1] = math.floor(t.shape[1] / ep_size)
+            off[1] = off[1] + ep * unit_shape[1]
+          end
+          if #shape ~= #t.shape then
+            fail("tensor %s: the unit holds %d dims, the checkpoint %d (shape %s)", fqn, #shape, #t.shape,
+              table.concat(t.shape, "x"))
+          end
+          for d = 1, #shape do
+            if off[d] + shape[d] > t.shape[d] then
+              fail("tensor %s: the unit's rows [%d, %d) of dim %d are outside the checkpoint's shape %s", fqn, off[d],
+                off[d] + shape[d], d - 1, table.concat(t.shape, "x"))
+            end
+          end
+          targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = shape, off = off, info = t }
         end
-        targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = shape, off = off, info = t }
       end
     end
     -- which saved boxes this rank reads whole (checksummed where they land), and of those no
@@ -674,7 +809,7 @@ function M.load(units, path, opts)
     local index_of, seen, whole_here, wanted = {}, {}, {}, 0
     for j, s in ipairs(index.shards) do index_of[s] = j end
     for _, tg in ipairs(targets) do
-      for _, kind in ipairs(KINDS) do
+      for _, kind in ipairs(tg.kinds or KINDS) do
         for _, s in ipairs((by[tg.fqn] or {})[kind] or {}) do
           local inside, overlaps = true, true
           for d = 1, #tg.shape do
@@ -721,7 +856,31 @@ function M.load(units, path, opts)
     for pass = 1, 2 do
       for _, tg in ipairs(targets) do
         local u, i, saved = tg.unit, tg.index, by[tg.fqn] or {}
-        if pass == 1 then
+        if tg.plan_only then
+          -- (a bucket's state boxes: read with its parameter below)
+        elseif tg.zero and pass == 1 then
+          local full = ms.tensor(tg.shape, tg.zero.bucket:piece_tensor(i, "param"):dtype())
+          local got, b = fill_box(dir, files, saved.param or {}, full, tg.off, verify)
+          done = done + b
+          if got ~= numel(tg.shape) then
+            fail("the checkpoint holds %d of the %d elements of tensor %s this rank needs", got, numel(tg.shape), tg.fqn)
+          end
+          tg.zero.bucket:load_full(i, full)
+        elseif tg.zero then
+          if saved.exp_avg then
+            tg.zero.bucket:make_state()
+            for _, kind in ipairs({ "exp_avg", "exp_avg_sq", "master" }) do
+              local st = tg.zero.bucket:piece_tensor(i, ZERO_VIEW[kind])
+              if st and saved[kind] then
+                for _, pc in ipairs(tg.pieces) do
+                  local _, b = fill_box(dir, files, saved[kind], st:narrow(0, pc.start - tg.start, pc.n):view(pc.shape),
+                    pc.off, verify)
+                  done = done + b
+                end
+              end
+            end
+          end
+        elseif pass == 1 then
           local shard = u:param_shard(i)
           local got, b = fill_box(dir, files, saved.param or {}, shard, tg.off, verify)
           done = done + b

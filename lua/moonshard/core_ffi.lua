@@ -797,9 +797,9 @@ end
 
 function R.zero_load_full(u, i, t) return done(C.ms_unit_zero_load_full(unit_h(u), i, tensor_h(t))) end
 
--- zero_action's codes: 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads
+-- zero_action's codes: 0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads, 4 make_state
 local ZERO_ACTION = { [0] = C.ms_unit_zero_unshard, C.ms_unit_zero_reshard, C.ms_unit_zero_reduce_grads,
-  C.ms_unit_zero_clear_grads }
+  C.ms_unit_zero_clear_grads, C.ms_unit_zero_make_state }
 function R.zero_action(u, code)
   local h = unit_h(u)
   local f = ZERO_ACTION[code]

@@ -63,7 +63,7 @@
 --               requires_grad, grad_dtype, main_f32), zero_add_param(u, fqn, shape, offset),
 --               zero_finalize(u, size), zero_tensor(u, i, which) -> tensor | false | nil, reason,
 --               zero_piece(u, i) -> start, stop, zero_load_full(u, i, t), zero_action(u, code)
---               (0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads),
+--               (0 unshard, 1 reshard, 2 reduce_grads, 3 clear_grads, 4 make_state),
 --               zero_adamw_step(u, lr, b1, b2, eps, wd, step), unit_is_zero(u)
 --   quant       (core/src/quant.c; outputs made by moonshard.quant) nf4_quantize(x, blocksize,
 --               codes, absmax), nf4_dequantize(out, codes, absmax, blocksize),

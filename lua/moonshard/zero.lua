@@ -24,7 +24,7 @@ local STRATEGIES = { [0] = "no_shard", "optim", "optim_grads", "optim_grads_para
 local CODE = { no_shard = 0, optim = 1, optim_grads = 2, optim_grads_params = 3 }
 -- moonshard.h's ms_zero_view
 local VIEW = { param = 0, grad = 1, piece_param = 2, piece_grad = 3, exp_avg = 4, exp_avg_sq = 5, main = 6 }
-local ACTION = { unshard = 0, reshard = 1, reduce_grads = 2, clear_grads = 3 }
+local ACTION = { unshard = 0, reshard = 1, reduce_grads = 2, clear_grads = 3, make_state = 4 }
 
 --- ms.zero_bucket(name, dp_group, {strategy = 0..3 or its name, dtype = "bf16", requires_grad =
 -- true, grad_dtype = nil (the dtype) | "f32", main_f32 = false}) -> a bucket to add parameters to

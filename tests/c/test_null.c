@@ -477,6 +477,7 @@ static void test_zero(ms_comm *c) {
     REFUSE(ms_unit_zero_piece, stop, z, 0, &a, NULL);
     REFUSE(ms_unit_zero_load_full, u, NULL, 0, NULL);
     REFUSE(ms_unit_zero_load_full, full, z, 0, NULL);
+    REFUSE(ms_unit_zero_make_state, u, NULL);
     REFUSE(ms_unit_zero_unshard, u, NULL);
     REFUSE(ms_unit_zero_reshard, u, NULL);
     REFUSE(ms_unit_zero_reduce_grads, u, NULL);

@@ -17,10 +17,22 @@ end
 local f = assert(io.open("tests/lua/configs/inkling2_tiny.json"))
 local config = json.decode(f:read("a"))
 f:close()
+-- heads=Q:KV: other head counts (tp must divide them)
+if opts.heads then
+  config.num_attention_heads, config.num_key_value_heads = opts.heads:match("^(%d+):(%d+)$")
+  config.num_attention_heads, config.num_key_value_heads = tonumber(config.num_attention_heads),
+    tonumber(config.num_key_value_heads)
+end
 local tree = require("moonshard.models").from_config(config, "inkling2_tiny")
 local mc = require("moonshard.mesh_context").new(mesh_spec)
-local policy = require("moonshard.policy").load("policies/inkling2")
-local plan = require("moonshard.plan").plan(tree, mc, policy.shard_units)
+-- mfsdp=S: the Megatron-FSDP policy with zero_dp_strategy S (buckets), else inkling2's units
+local plan
+if opts.mfsdp then
+  plan = require("moonshard.plan").plan(tree, mc, require("moonshard.policy").load("policies/megatron_fsdp.lua").main,
+    { set = { "zero_dp_strategy=" .. opts.mfsdp } })
+else
+  plan = require("moonshard.plan").plan(tree, mc, require("moonshard.policy").load("policies/inkling2").shard_units)
+end
 local state = require("moonshard.runtime").materialize(plan)
 
 local strip = require("moonshard.module").strip_checkpoint
@@ -60,6 +72,48 @@ local function ep_offset(u, fqn)
   return 0
 end
 
+-- a tp piece's global offsets: the rows of the tp coordinates before this one on its dim
+local tp_at = {}
+if plan.tensor_parallel then
+  local c = mc:coord("tp", ms.rank())
+  for _, pu in ipairs(plan.units) do
+    for _, e in ipairs(pu.entries) do
+      local t = plan.tensor_parallel.params[e.param]
+      if t and t.dim then
+        local at = 0
+        for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
+        tp_at[e.fqn] = { t.dim + 1, at }
+      end
+    end
+  end
+end
+local function global_off(u, fqn, off)
+  off[1] = off[1] + ep_offset(u, fqn)
+  local t = tp_at[fqn]
+  if t then off[t[1]] = off[t[1]] + t[2] end
+  return off
+end
+
+-- Megatron-FSDP buckets by their unit handles, with each parameter's global shape
+local bucket_of = {}
+for _, pu in ipairs(plan.units) do
+  for _, bk in ipairs(pu.kind == "megatron_fsdp" and state.megatron[pu.name] or {}) do
+    local shapes = {}
+    for k, i in ipairs(bk.plan_bucket.indices) do shapes[k] = pu.megatron.items[i].shape end
+    bucket_of[bk.unit] = { bk = bk, shapes = shapes }
+  end
+end
+local function zeros(n)
+  local z = {}
+  for d = 1, n do z[d] = 0 end
+  return z
+end
+
+local dense = {}
+for _, u in ipairs(state.units) do
+  if not bucket_of[u] then dense[#dense + 1] = u end
+end
+
 local first = 1
 if opts.load then
   local step, extra = ckpt.load(state, opts.load)
@@ -67,14 +121,20 @@ if opts.load then
   first = step + 1
 else
   for _, u in ipairs(state.units) do
-    for i = 0, u:count() - 1 do
+    local z = bucket_of[u]
+    for i = 0, z and u:count() - 1 or -1 do
+      local shape, dtype = z.shapes[i + 1], z.bk:piece_tensor(i, "param"):dtype()
+      z.bk:load_full(i, box_values(u:fqn(i), shape, zeros(#shape),
+        function(k, gi) return ((k * 131 + gi * 17) % 97) / 97 - 0.5 end):to(dtype))
+    end
+    for i = 0, z and -1 or u:count() - 1 do
       local sh = u:param_shard(i)
       local shape = sh:shape()
       if sh:numel() > 0 then
         local offset, _, dim = u:param_offset(i)
         local off = {}
         for d = 1, #shape do off[d] = d == dim + 1 and offset or 0 end
-        off[1] = off[1] + ep_offset(u, u:fqn(i))
+        global_off(u, u:fqn(i), off)
         sh:copy_(box_values(u:fqn(i), shape, off, function(k, gi) return ((k * 131 + gi * 17) % 97) / 97 - 0.5 end))
       end
     end
@@ -82,7 +142,19 @@ else
 end
 
 for step = first, steps do
-  for _, u in ipairs(state.units) do
+  for _, u in ipairs(state.buckets) do
+    u:unshard()
+    for i = 0, u:count() - 1 do
+      local g = u:grad(i)
+      if g then
+        g:copy_(box_values(u:fqn(i), g:shape(), zeros(g:ndim()),
+          function(k, gi) return ((k * 7 + gi * 3 + step) % 64) / 64 - 0.5 end))
+      end
+    end
+    u:reduce_grads()
+    u:reshard()
+  end
+  for _, u in ipairs(dense) do
     u:unshard():wait()
     local handed = false
     for i = 0, u:count() - 1 do
@@ -90,7 +162,7 @@ for step = first, steps do
       if g then
         local off = {}
         for d = 1, g:ndim() do off[d] = 0 end
-        off[1] = ep_offset(u, u:fqn(i))
+        global_off(u, u:fqn(i), off)
         -- an expert's gradient on a rank sums the ep group's contributions (runtime.lua), and
         -- the unit divides by ep_shard x ep: ep x the value gives the same mean on any mesh
         local scale = experts[u] and ep_size or 1
@@ -101,8 +173,14 @@ for step = first, steps do
     end
     if handed then u:reduce_grads():wait() else u:release_unsharded() end
   end
-  for _, u in ipairs(state.units) do u:adamw_step({ lr = 1e-2, step = step }) end
-  for _, u in ipairs(state.units) do u:zero_grad() end
+  for _, u in ipairs(state.units) do
+    local z = bucket_of[u]
+    if z then z.bk:adamw_step({ lr = 1e-2, step = step }) else u:adamw_step({ lr = 1e-2, step = step }) end
+  end
+  for _, u in ipairs(state.units) do
+    local z = bucket_of[u]
+    if z then z.bk:clear_grads() else u:zero_grad() end
+  end
   if opts.save and tonumber(opts.save:match("^(%d+):")) == step then
     ckpt.save(state, opts.save:match(":(.*)$"), { step = step, extra = { note = "resume here", rng = { 1, 2, 3 } },
       keep_last = 2 })
