@@ -131,7 +131,7 @@ static const char USAGE[] =
     "                  its index, or their directory: e.g. what `moonshard checkpoint\n"
     "                  export DIR --to OUT` writes) instead of the seed, loaded before\n"
     "                  step 1; every missing, unexpected or mis-shaped tensor is named.\n"
-    "                  Not with --resume.  --save-dir, --resume, --init-from: not with tp > 1\n"
+    "                  Not with --resume, nor with tp > 1.\n"
     "  --recipe FILE   a NeMo Automodel recipe (a Lua file, docs/recipes.md) given to the\n"
     "                  planner before the policy: its peft section puts LoRA adapters on\n"
     "                  the matched Linear modules (the shared experts' gate_proj, up_proj,\n"
@@ -439,9 +439,9 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (keep_last) o->keep_last = (int)v;
     if (o->ckpt_dir && !*o->ckpt_dir) return usage_error("--save-dir: expected a directory name, got ''");
     if (o->resume && o->init_from) return usage_error("--resume and --init-from: give one (a resumed run has its parameters)");
-    if ((o->ckpt_dir || o->resume || o->init_from) && o->tp > 1)
-        return usage_error("%s with tp = %d: moonshard checkpoints of tensor-parallel plans are not implemented",
-                           o->ckpt_dir ? "--save-dir" : o->resume ? "--resume" : "--init-from", o->tp);
+    if (o->init_from && o->tp > 1)
+        return usage_error("--init-from with tp = %d: loading a Hugging Face checkpoint into tensor-parallel units is "
+                           "not implemented (--resume from a moonshard checkpoint is)", o->tp);
     if (o->lora_grad_check && (!o->recipe || o->nranks != 1))
         return usage_error("--lora-grad-check needs --recipe and -n 1");
     if (o->recipe) { // a regular file of at most 1 MiB, as --config (the interpreter reads it)

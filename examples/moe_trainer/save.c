@@ -257,8 +257,11 @@ ms_status checkpoint_resume(Trainer *tr, long *done) {
         extra_field(extra, "lr_min", mn, sizeof mn);
         extra_field(extra, "warmup_steps", wu, sizeof wu);
         extra_field(extra, "total_steps", tot, sizeof tot);
+        // (a constant lr is the same whatever the step count)
+        const int constant = strtod(pk, NULL) == strtod(mn, NULL) && strtol(wu, NULL, 10) == 0 && o->lr == o->min_lr &&
+                             o->warmup == 0;
         if (strtod(pk, NULL) != o->lr || strtod(mn, NULL) != o->min_lr || strtol(wu, NULL, 10) != o->warmup ||
-            strtol(tot, NULL, 10) != o->steps)
+            (!constant && strtol(tot, NULL, 10) != o->steps))
             snprintf(tr->resume_schedule, sizeof tr->resume_schedule, "the saved run's lr schedule was --lr %.9g "
                      "--min-lr %.9g --warmup-steps %s --steps %s; this run's flags differ, and its lr follows them",
                      strtod(pk, NULL), strtod(mn, NULL), wu, tot);

@@ -68,11 +68,11 @@ describe("moe_trainer checkpoints", function()
     for name, t in pairs(ref.params) do assert.equal(t.raw, params[name].raw, name) end
   end)
 
-  it("resumes on other meshes (dp_shard=2, HSDP 2x2, 1 rank, ep=2) within the trainer's parity figures", function()
+  it("resumes on other meshes (dp_shard=2, HSDP 2x2, 1 rank, ep=2, tp=2) within the trainer's parity figures", function()
     -- stated for dp_shard=4 against 1 rank over 20 steps (trainer_spec.lua, README.md): loss
     -- 6.1e-8 relative, parameters 4.9e-6, 1 element past 1e-6; held to twice them, as there
     for _, case in ipairs({ { 2, "dp_shard=2" }, { 4, "dp_replicate=2,dp_shard=2" }, { 1, "dp_shard=1" },
-      { 2, "dp_shard=2,ep=2" } }) do
+      { 2, "dp_shard=2,ep=2" }, { 2, "tp=2" }, { 4, "dp_shard=2,tp=2" } }) do
       local save = root .. "/other.safetensors"
       local r = ok_run(args(case[1], case[2], { "--resume", ckpts .. "/step_00000004", "--save", save }))
       local run = { losses = losses(r.out), params = read_params(save) }
@@ -95,6 +95,18 @@ describe("moe_trainer checkpoints", function()
       assert.is_true(max_diff <= 2 * 4.9e-6, case[2] .. ": parameter " .. max_diff)
       assert.is_true(loose <= 4, case[2] .. ": " .. loose .. " loose elements")
     end
+  end)
+
+  it("checkpoints tensor-parallel runs: saved on tp=2, resumed on tp=2 bit for bit", function()
+    local d = root .. "/tp"
+    local full, res = root .. "/tp_full.safetensors", root .. "/tp_res.safetensors"
+    local a = args(2, "tp=2", { "--save-dir", d, "--save-every", "4", "--save", full })
+    local r1 = ok_run(a)
+    local r2 = ok_run(args(2, "tp=2", { "--resume", d .. "/step_00000004", "--save", res }))
+    local want, got = step_lines(r1.out), step_lines(r2.out)
+    assert.same({ want[5], want[6], want[7], want[8] }, got)
+    local p1, p2 = read_params(full), read_params(res)
+    for name, t in pairs(p1) do assert.equal(t.raw, p2[name].raw, name) end
   end)
 
   it("--init-from an export of a checkpoint gives the checkpoint's parameters bit for bit", function()
