@@ -8,7 +8,7 @@ local S = require "support"
 
 local SCRIPT = "tests/lua/scripts/ckpt_export_experts.lua"
 local QWEN = "tests/reference/data/hf_checkpoints/qwen3_moe_tiny"
-local PY = os.getenv("MOONSHARD_PYTHON") or "/tmp/ref/venv/bin/python"
+local PY = S.PYTHON
 
 local function tmpdir()
   local p = os.tmpname()
@@ -69,14 +69,9 @@ describe("export_hf with per-expert names", function()
   end)
 
   it("is loaded by transformers' from_pretrained with the original's tensors", function()
-    local f = io.open(PY, "rb")
-    if not f then
-      pending("no Python venv at " .. PY .. " (set MOONSHARD_PYTHON): the check is skipped")
-      return
-    end
-    f:close()
-    if S.run_with(PY, { "-c", "import transformers, torch" }).code ~= 0 then
-      pending("the Python at " .. PY .. " has no transformers/torch: the check is skipped")
+    local py, why = S.python_with("transformers, torch")
+    if not py then
+      pending(why)
       return
     end
     local out = root .. "/for_transformers"

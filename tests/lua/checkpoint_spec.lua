@@ -8,7 +8,7 @@
 local S = require "support"
 
 local SCRIPT = "tests/lua/scripts/ckpt_units.lua"
-local PY = os.getenv("MOONSHARD_PYTHON") or "/tmp/ref/venv/bin/python"
+local PY = S.PYTHON
 
 local function tmpdir()
   local p = os.tmpname()
@@ -268,15 +268,9 @@ describe("checkpoints of materialised plans", function()
   end)
 
   it("writes files Python's safetensors reads", function()
-    local f = io.open(PY, "rb")
-    if not f then
-      pending("no Python venv at " .. PY .. " (set MOONSHARD_PYTHON): the check is skipped")
-      return
-    end
-    f:close()
-    local probe = sh(S.quote(PY) .. " -c 'import safetensors, torch'")
-    if probe.code ~= 0 then
-      pending("the Python at " .. PY .. " has no safetensors/torch: the check is skipped")
+    local py, why = S.python_with("safetensors, torch")
+    if not py then
+      pending(why)
       return
     end
     local code = [[

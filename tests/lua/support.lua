@@ -178,6 +178,20 @@ function S.offloaded_bytes(plan)
 end
 
 --- The message of the error f(...) raises (the call must fail).
+--- The Python of the reference venv (MOONSHARD_PYTHON, else /tmp/ref/venv/bin/python) when it
+-- exists and imports `modules` (e.g. "safetensors, torch"); else nil and why the check that
+-- needs it is skipped (a line for pending()).
+S.PYTHON = os.getenv("MOONSHARD_PYTHON") or "/tmp/ref/venv/bin/python"
+function S.python_with(modules)
+  local f = io.open(S.PYTHON, "rb")
+  if not f then return nil, "no Python venv at " .. S.PYTHON .. " (set MOONSHARD_PYTHON): the check is skipped" end
+  f:close()
+  if S.run_with(S.PYTHON, { "-c", "import " .. modules }).code ~= 0 then
+    return nil, "the Python at " .. S.PYTHON .. " has no " .. modules:gsub(", ", "/") .. ": the check is skipped"
+  end
+  return S.PYTHON
+end
+
 function S.errmsg(f, ...)
   local ok, err = pcall(f, ...)
   assert(not ok, "expected an error")
