@@ -223,3 +223,41 @@ describe("runaway policies end with an error naming the policy", function()
       r.err)
   end)
 end)
+
+-- A recipe's code (moonshard.recipe: the file, and fp8.module_filter, the one function it
+-- hands back) runs in the same sandbox, under the CLI's limits.
+describe("hostile recipes end with an error naming the recipe", function()
+  local function recipe_plan(text)
+    local path = os.tmpname() .. ".lua"
+    S.write_file(path, text)
+    local args = { "plan", "--config", CONFIG, "--recipe", path, "--policy-instructions", "1000000",
+      "--policy-seconds", "3" }
+    local r = S.run(args)
+    os.remove(path)
+    return r, path
+  end
+  it("a runaway file, a runaway module_filter, io and os out of reach", function()
+    local r, path = recipe_plan("while true do end")
+    assert.equal(1, r.code)
+    S.assert_has(r.err, "recipe " .. path)
+    S.assert_has(r.err, "instruction budget")
+    r = recipe_plan("return { distributed = { dp_size = 8 }, fp8 = { enabled = true, " ..
+      "module_filter = function() while true do end end } }")
+    assert.equal(1, r.code)
+    S.assert_has(r.err, "fp8.module_filter: failed for model.layers.0.self_attn.q_proj")
+    S.assert_has(r.err, "instruction budget")
+    r = recipe_plan("return { peft = { dim = io.open('/etc/passwd'):read('a') } }")
+    assert.equal(1, r.code)
+    assert.is_nil(r.err:find("root:", 1, true))
+  end)
+  it("values handed back run none of their metamethods", function()
+    local r = recipe_plan([[
+local boom = { __index = function() error("ran __index") end, __eq = function() error("ran __eq") end,
+  __tostring = function() error("ran __tostring") end, __len = function() error("ran __len") end }
+return setmetatable({ distributed = setmetatable({ dp_size = 8 }, boom),
+  fp8 = { enabled = true, module_filter = function() return setmetatable({}, boom) end } }, boom)]])
+    assert.equal(1, r.code)
+    assert.is_nil(r.err:find("ran __", 1, true), r.err)
+    S.assert_has(r.err, "fp8.module_filter: returned a table for model.layers.0.self_attn.q_proj; expected true or false")
+  end)
+end)
