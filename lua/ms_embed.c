@@ -757,7 +757,7 @@ ms_status ms_interp_checkpoint_read(ms_interp *in, const char *path, int64_t *st
     return checkpoint_step(in, C_CKPT_READ, path, step, extra_json);
 }
 
-ms_status ms_interp_load_hf(ms_interp *in, const char *path) {
+ms_status ms_ckpt_load_hf(ms_interp *in, const char *path) {
     EMB_NOT_NULL(in);
     EMB_NOT_NULL(path);
     embed_call c = {.kind = C_LOAD_HF, .s1 = path};

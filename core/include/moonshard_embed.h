@@ -207,7 +207,7 @@ ms_status ms_interp_checkpoint_read(ms_interp *in, const char *path, int64_t *st
  * reading only what it holds, cast to the stored dtype (and into master weights once a unit
  * has them).  Every missing, unexpected or mis-shaped tensor is named in one MS_ERR_ARG
  * before anything is written.  Not collective. */
-ms_status ms_interp_load_hf(ms_interp *in, const char *path);
+ms_status ms_ckpt_load_hf(ms_interp *in, const char *path);
 
 /* MS_API_END */
 

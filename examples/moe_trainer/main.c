@@ -439,9 +439,6 @@ static int parse_options(int argc, char **argv, Options *o) {
     if (keep_last) o->keep_last = (int)v;
     if (o->ckpt_dir && !*o->ckpt_dir) return usage_error("--save-dir: expected a directory name, got ''");
     if (o->resume && o->init_from) return usage_error("--resume and --init-from: give one (a resumed run has its parameters)");
-    if (o->init_from && o->tp > 1)
-        return usage_error("--init-from with tp = %d: loading a Hugging Face checkpoint into tensor-parallel units is "
-                           "not implemented (--resume from a moonshard checkpoint is)", o->tp);
     if (o->lora_grad_check && (!o->recipe || o->nranks != 1))
         return usage_error("--lora-grad-check needs --recipe and -n 1");
     if (o->recipe) { // a regular file of at most 1 MiB, as --config (the interpreter reads it)
@@ -1321,7 +1318,7 @@ static ms_status train(Trainer *tr) {
     CHECK(locate_params(tr));
     if (opt->pp > 1) CHECK(pipeline_setup(tr));
     CHECK(init_params(tr));
-    if (opt->init_from) TRY("--init-from", ms_interp_load_hf(tr->in, opt->init_from));
+    if (opt->init_from) TRY("--init-from", ms_ckpt_load_hf(tr->in, opt->init_from));
     long done = 0; // steps done before this run: --resume's checkpoint's
     if (opt->resume) CHECK(checkpoint_resume(tr, &done));
     const int rank0 = tr->args->rank == 0;

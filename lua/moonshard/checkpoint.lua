@@ -184,23 +184,8 @@ local function units_of(units)
   if type(units) == "table" and units.units and units.plan then
     local plan = units.plan
     local mc = plan.mesh
-    -- tensor parallelism: a parameter split over tp holds its tp coordinate's piece, cut as
-    -- torch.chunk cuts it (plan_tp: local_shapes per coordinate), so the piece is a box of the
-    -- global tensor offset on the split dim by the rows of the coordinates before it
-    local tpp = plan.tensor_parallel and mc:size("tp") > 1 and plan.tensor_parallel.params
-    if tpp then
-      local c = mc:coord("tp", ms.rank())
-      for _, pu in ipairs(plan.units) do
-        for _, e in ipairs(pu.entries or {}) do
-          local t = tpp[e.param]
-          if t and t.dim then
-            local at = 0
-            for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
-            tpoff[e.fqn] = { dim = t.dim, off = at }
-          end
-        end
-      end
-    end
+    -- tensor parallelism: each tp piece a box of the global tensor (checkpoint_hf.tp_offsets)
+    tpoff = require("moonshard.checkpoint_hf").tp_offsets(plan, ms.rank())
     -- every parameter's global shape (the model's), checked against the checkpoint's on load
     for _, pu in ipairs(plan.units) do
       for _, e in ipairs(pu.entries or {}) do
@@ -725,7 +710,9 @@ local function fill_box(dir, files, saved, dst, toff, verify)
   return covered, bytes
 end
 
---- load(units, path, {verify = true, progress = bool}) -> step, extra, dir.  Collective.
+--- load(units, path, {verify = true, progress = bool}) -> step, extra, dir, stats.  Collective.
+-- stats.bytes_read: the bytes this rank read from the files (what it loads, and the boxes it
+-- verifies that no rank reads whole).
 function M.load(units, path, opts)
   opts = opts or {}
   local list, experts, ep, ep_size, _, tpoff, zero, gshape = units_of(units)
@@ -771,11 +758,13 @@ function M.load(units, path, opts)
           local zeros = {}
           for d = 1, #gshape do zeros[d] = 0 end
           local s0, s1 = z.bucket:piece(i)
+          -- (ZeRO-3 holds the piece of the parameter only: its boxes, not the whole, are read)
+          local piece_only = z.bucket.strategy == "optim_grads_params"
           targets[#targets + 1] = { unit = u, index = i, fqn = fqn, shape = gshape, off = zeros, info = t,
-            zero = z, kinds = { "param" }, pieces = flat_boxes(gshape, s0, s1), start = s0 }
+            zero = z, kinds = piece_only and {} or { "param" }, pieces = flat_boxes(gshape, s0, s1), start = s0 }
           for _, b in ipairs(targets[#targets].pieces) do
-            targets[#targets + 1] = { fqn = fqn, shape = b.shape, off = b.off, kinds = { "exp_avg", "exp_avg_sq",
-              "master" }, plan_only = true }
+            targets[#targets + 1] = { fqn = fqn, shape = b.shape, off = b.off, kinds = piece_only and
+              { "param", "exp_avg", "exp_avg_sq", "master" } or { "exp_avg", "exp_avg_sq", "master" }, plan_only = true }
           end
         else
           local shard = u:param_shard(i)
@@ -831,6 +820,7 @@ function M.load(units, path, opts)
   local wanted, targets, verify = err.wanted, err.targets, err.verify
   local read_whole_somewhere = {}
   for _, list in ipairs(all) do for _, j in ipairs(list) do read_whole_somewhere[j] = true end end
+  local bytes_read = 0
   ok, err = pcall(function()
     local mine, total = {}, wanted
     if verify then
@@ -858,7 +848,23 @@ function M.load(units, path, opts)
         local u, i, saved = tg.unit, tg.index, by[tg.fqn] or {}
         if tg.plan_only then
           -- (a bucket's state boxes: read with its parameter below)
+        elseif tg.zero and pass == 1 and tg.zero.bucket.strategy == "optim_grads_params" then
+          -- ZeRO-3: the rank holds its piece of the parameter alone; read its boxes only, and
+          -- the piece's main weights take them as load_full gives them
+          local bk = tg.zero.bucket
+          local piece, got = bk:piece_tensor(i, "param"), 0
+          for _, pc in ipairs(tg.pieces) do
+            local g, b = fill_box(dir, files, saved.param or {}, piece:narrow(0, pc.start - tg.start, pc.n):view(pc.shape),
+              pc.off, verify)
+            got, done = got + g, done + b
+          end
+          if got ~= piece:numel() then
+            fail("the checkpoint holds %d of the %d elements of tensor %s this rank needs", got, piece:numel(), tg.fqn)
+          end
+          local main = bk:piece_tensor(i, "main")
+          if main and piece:numel() > 0 then main:copy_(piece) end
         elseif tg.zero and pass == 1 then
+          -- ZeRO-0..2: every rank holds the whole parameter
           local full = ms.tensor(tg.shape, tg.zero.bucket:piece_tensor(i, "param"):dtype())
           local got, b = fill_box(dir, files, saved.param or {}, full, tg.off, verify)
           done = done + b
@@ -909,12 +915,13 @@ function M.load(units, path, opts)
       end
     end
     prog.finish()
+    bytes_read = done
   end)
   files.close()
   agree(ok, err)
   local extra = index.extra
   if extra == json.null then extra = nil end
-  return index.step, extra, dir
+  return index.step, extra, dir, { bytes_read = bytes_read }
 end
 
 -- ---------------------------------------------------------------- Hugging Face export

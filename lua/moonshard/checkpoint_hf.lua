@@ -23,7 +23,9 @@
 -- What it does, as Automodel's checkpoint loading with its state-dict adapters does:
 --   * A parameter named in the checkpoint is read as its rows of the shard's dim (the unit's
 --     param_offset), cast from the checkpoint dtype to the unit's stored dtype with moonshard's
---     casts (bit for bit torch's .to()).  Tensor-parallel plans are refused.
+--     casts (bit for bit torch's .to()).  Under tensor parallelism a rank's unit holds its tp
+--     coordinate's piece, cut as torch.chunk cuts it (M.tp_offsets), so its box starts that
+--     piece's rows further on the split dim.
 --   * Grouped experts (`<p>.experts.gate_and_up_projs` [E, H, 2I], `<p>.experts.down_projs`
 --     [E, I, H]) from Hugging Face's per-expert tensors `<p>.experts.{e}.gate_proj.weight`,
 --     `up_proj.weight` [I, H] and `down_proj.weight` [H, I], as Automodel's
@@ -105,6 +107,29 @@ end
 
 -- ---------------------------------------------------------------- what the rank holds
 
+--- tp_offsets(plan, rank) -> {fqn -> {dim, off}}: under tensor parallelism each parameter
+-- split over tp holds its tp coordinate's piece, cut as torch.chunk cuts it (the plan's
+-- local_shapes per coordinate), so the piece is a box of the global tensor offset on the split
+-- dim by the rows of the coordinates before it.  Empty when the plan has no tp.
+function M.tp_offsets(plan, rank)
+  local out = {}
+  local mc = plan.mesh
+  local tpp = plan.tensor_parallel and mc:size("tp") > 1 and plan.tensor_parallel.params
+  if not tpp then return out end
+  local c = mc:coord("tp", rank)
+  for _, pu in ipairs(plan.units) do
+    for _, e in ipairs(pu.entries or {}) do
+      local t = tpp[e.param]
+      if t and t.dim then
+        local at = 0
+        for k = 1, c do at = at + t.local_shapes[k][t.dim + 1] end
+        out[e.fqn] = { dim = t.dim, off = at }
+      end
+    end
+  end
+  return out
+end
+
 -- The parameters the target holds: slots {fqn (checkpoint name), global shape (nil: unknown),
 -- ep_offset (first expert of the rank), write(kind, fn)}; and the full list of expected
 -- parameters {fqn -> global shape} (from the plan; the units' own when there is none), the
@@ -124,12 +149,10 @@ local function collect(target)
       tostring(target))
   end
   local plan = is_state and target.plan or nil
-  local global, local_shape = {}, {}
+  local global, local_shape, tpoff = {}, {}, {}
   local ep_coord = 0
   if plan then
-    if plan.tensor_parallel and plan.tensor_parallel.params and next(plan.tensor_parallel.params) then
-      fail("load_hf: the plan is tensor parallel; loading tp pieces from a Hugging Face checkpoint is not done yet")
-    end
+    tpoff = M.tp_offsets(plan, ms.rank())
     ep_coord = plan.mesh:coord("ep", ms.rank())
     for _, pu in ipairs(plan.units) do
       for _, e in ipairs(pu.entries or {}) do global[module.strip_checkpoint(e.fqn)] = e.param.shape end
@@ -179,16 +202,31 @@ local function collect(target)
         if g and lshape and lshape[1] ~= g[1] then ep_offset = ep_coord * lshape[1] end
         if not plan then expect(fqn, nil) end
         slots[#slots + 1] = { fqn = fqn, unit = u, index = i, shard = shard, dim = dim, offset = offset, rows = rows,
-          global = g, ep_offset = ep_offset, master = u:adamw_state(i, "master") }
+          global = g, ep_offset = ep_offset, tp = tpoff[u:fqn(i)], master = u:adamw_state(i, "master") }
       end
     end
   end
+  -- Megatron-FSDP buckets: under ZeRO-3 (optim_grads_params) the rank holds its piece
+  -- [a, b) of the flattened parameter, its f32 main weights too; under ZeRO-0..2 the whole
+  -- parameter (read whole, as one box) and the piece's main weights
   for _, bk in ipairs(is_state and target.buckets or {}) do
     for i = 0, bk:count() - 1 do
       local fqn = module.strip_checkpoint(bk:fqn(i))
       local a, b = bk:piece(i)
-      slots[#slots + 1] = { fqn = fqn, flat = true, start = a, stop = b, shard = bk:piece_tensor(i, "param"),
-        master = bk:piece_tensor(i, "main"), global = global[fqn], ep_offset = 0 }
+      if bk.strategy == "optim_grads_params" then
+        slots[#slots + 1] = { fqn = fqn, flat = true, start = a, stop = b, shard = bk:piece_tensor(i, "param"),
+          master = bk:piece_tensor(i, "main"), global = global[fqn], ep_offset = 0 }
+      else
+        local full = bk:param(i)
+        local shape = full:shape()
+        slots[#slots + 1] = { fqn = fqn, shard = full, dim = 0, offset = 0, rows = shape[1] or 1, global = global[fqn],
+          ep_offset = 0 }
+        local main = bk:piece_tensor(i, "main")
+        if main then
+          slots[#slots + 1] = { fqn = fqn, flat = true, start = a, stop = b, shard = main, global = global[fqn],
+            ep_offset = 0, extra = true }
+        end
+      end
       if not plan then expect(fqn, nil) end
     end
   end
@@ -315,8 +353,10 @@ local function fill_slot(read, slot, src, dst)
     if src.kind ~= "direct" then
       fail(format("%s: grouped experts in a Megatron-FSDP bucket are not loaded from per-expert tensors yet", slot.fqn))
     end
-    read(src.t, { slot.start }, nil, dst)
-    -- the flat piece of a row-major tensor: one range
+    -- the flat piece of a row-major tensor: its boxes in flat order (at most 2 x dims - 1)
+    for _, b in ipairs(require("moonshard.checkpoint").flat_boxes(src.t.shape, slot.start, slot.stop)) do
+      read(src.t, b.off, nil, dst:narrow(0, b.start - slot.start, b.n):view(b.shape))
+    end
     return
   end
   if src.kind == "direct" then
@@ -329,12 +369,14 @@ local function fill_slot(read, slot, src, dst)
     for d = 1, #t.shape do lo[d] = 0 end
     lo[slot.dim + 1] = slot.offset
     lo[1] = lo[1] + slot.ep_offset
+    if slot.tp then lo[slot.tp.dim + 1] = lo[slot.tp.dim + 1] + slot.tp.off end
     return read(t, lo, nil, dst)
   end
   -- grouped experts: dst is [e_rows, a, b] of [E_l, H, X] (gate_and_up) or [E_l, I, H] (down)
   local shape = dst:shape()
   local lo = { 0, 0, 0 }
   lo[slot.dim + 1] = slot.offset
+  if slot.tp then lo[slot.tp.dim + 1] = lo[slot.tp.dim + 1] + slot.tp.off end
   if slot.rows == 0 then return end
   for k = 0, shape[1] - 1 do
     local e = slot.ep_offset + lo[1] + k
@@ -428,7 +470,7 @@ function M.load_hf(target, path, opts)
       fill_slot(read, s, src, s.shard)
       if master then fill_slot(read, s, src, master) end
     end
-    report.params = report.params + 1
+    if not s.extra then report.params = report.params + 1 end
   end
   local n = 0
   for _ in pairs(report.read_from) do n = n + 1 end

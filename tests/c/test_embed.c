@@ -739,7 +739,7 @@ static void checkpoints(void) {
     ms_interp *early = model();
     CHECK_ERR(ms_interp_checkpoint_save(early, root, 1, NULL, 0), MS_ERR_STATE, "materialise the plan first");
     CHECK_ERR(ms_interp_checkpoint_load(early, root, NULL, NULL), MS_ERR_STATE, "materialise the plan first");
-    CHECK_ERR(ms_interp_load_hf(early, root), MS_ERR_STATE, "materialise the plan first");
+    CHECK_ERR(ms_ckpt_load_hf(early, root), MS_ERR_STATE, "materialise the plan first");
     ms_interp_free(early);
 
     ms_interp *a = materialised(1.0f);
@@ -791,8 +791,8 @@ static void checkpoints(void) {
     snprintf(code, sizeof code, "require('moonshard.checkpoint').export_dir('%s', '%s')", root, hf);
     CHECK_OK(ms_interp_exec(a, code));
     ms_interp *c = materialised(9.0f);
-    CHECK_ERR(ms_interp_load_hf(c, at("no_such_hf")), MS_ERR_IO, "no_such_hf");
-    CHECK_OK(ms_interp_load_hf(c, hf));
+    CHECK_ERR(ms_ckpt_load_hf(c, at("no_such_hf")), MS_ERR_IO, "no_such_hf");
+    CHECK_OK(ms_ckpt_load_hf(c, hf));
     CHECK(same_shards(a, c), "(load_hf of the export: the checkpoint's bits)");
     ms_interp_free(c);
     ms_interp_free(b);

@@ -579,8 +579,8 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_checkpoint_read, path, in, NULL, &step, &extra);
     ALLOW(ms_interp_checkpoint_read, step, 1, in, root, NULL, &extra);
     ALLOW(ms_interp_checkpoint_read, extra_json, 1, in, root, &step, NULL);
-    REFUSE(ms_interp_load_hf, in, NULL, root);
-    REFUSE(ms_interp_load_hf, path, in, NULL);
+    REFUSE(ms_ckpt_load_hf, in, NULL, root);
+    REFUSE(ms_ckpt_load_hf, path, in, NULL);
     char cleanup[128];
     snprintf(cleanup, sizeof cleanup, "rm -rf %s", root);
     CHECK(system(cleanup) == 0);

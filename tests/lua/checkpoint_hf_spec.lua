@@ -8,8 +8,9 @@ local S = require "support"
 local D = "tests/reference/data/hf_checkpoints/"
 local LLAMA, QWEN = D .. "llama_tiny", D .. "qwen3_moe_tiny"
 
-local function load(n, config, mesh, ckpt, dtype, ref)
-  local r = S.run({ "-n", tostring(n), "tests/lua/scripts/checkpoint_hf.lua", config, mesh, ckpt, dtype or "", ref or "" })
+local function load(n, config, mesh, ckpt, dtype, ref, policy, set)
+  local r = S.run({ "-n", tostring(n), "tests/lua/scripts/checkpoint_hf.lua", config, mesh, ckpt, dtype or "", ref or "",
+    policy or "", set or "" })
   assert.equal("", r.err)
   assert.equal(0, r.code)
   local ranks = {}
@@ -77,12 +78,38 @@ describe("moonshard.checkpoint_hf", function()
     for _, v in pairs(ranks2) do assert.is_true(v.read < v.data / 2) end
   end)
 
+  it("loads tensor-parallel plans (tp=2, tp=2 over dp_shard=2): each rank its tp piece's rows, lm_head's 67 split 34 + 33", function()
+    for _, case in ipairs({ { 2, "tp=2" }, { 4, "tp=2,dp_shard=2" } }) do
+      local ranks, _, out = load(case[1], LLAMA .. "/config.json", case[2], LLAMA)
+      local elements = 0
+      for _, v in pairs(ranks) do assert.equal(26, v.params) end
+      for e in out:gmatch("params, (%d+) elements") do elements = elements + tonumber(e) end
+      -- every element of the 11,152 once per replica of what tp leaves whole (the norms, and
+      -- what the plan does not split), so at least the model's count
+      assert.is_true(elements >= 11152, case[2] .. ": " .. elements)
+    end
+  end)
+
+  it("loads Megatron-FSDP buckets: the whole parameter under ZeRO-0..2, each rank its flat piece under ZeRO-3", function()
+    for _, strategy in ipairs({ "no_shard", "optim", "optim_grads", "optim_grads_params" }) do
+      local ranks, total = load(2, LLAMA .. "/config.json", "dp_shard=2", LLAMA, nil, nil, "policies/megatron_fsdp.lua",
+        "zero_dp_strategy=" .. strategy)
+      for _, v in pairs(ranks) do assert.equal(26, v.params) end
+      -- ZeRO-3: every byte once, by the rank whose piece holds it; else every rank all of them
+      assert.equal(strategy == "optim_grads_params" and 44608 or 2 * 44608, total)
+    end
+  end)
+
   it("converts dtypes as the plan stores them: f32 into bf16 units as torch casts, bf16 into f32", function()
     -- the reference is torch's .to(torch.bfloat16) of every tensor
     load(2, LLAMA .. "/config.json", "dp_shard=2", LLAMA, "bfloat16", D .. "llama_tiny_bf16.safetensors")
     load(4, LLAMA .. "/config.json", "dp_replicate=2,dp_shard=2", LLAMA .. "/model.safetensors", "bfloat16",
       D .. "llama_tiny_bf16.safetensors")
     load(2, QWEN .. "/config.json", "dp_shard=2,ep=2", QWEN, "float32")
+    for _, strategy in ipairs({ "optim", "optim_grads_params" }) do
+      load(2, LLAMA .. "/config.json", "dp_shard=2", LLAMA, "bfloat16", D .. "llama_tiny_bf16.safetensors",
+        "policies/megatron_fsdp.lua", "zero_dp_strategy=" .. strategy .. " preserve_fp32_weights=true")
+    end
   end)
 
   it("names every missing, unexpected and mis-shaped tensor before writing anything", function()

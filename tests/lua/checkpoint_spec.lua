@@ -82,7 +82,7 @@ describe("checkpoints of materialised plans", function()
   -- for bytes (parameters and every kind of AdamW state); returns the first index
   local function round_trip(n, mesh, dir, ...)
     local again = dir .. "_again"
-    run(n, mesh, "2", "load=" .. dir, "resave=" .. again, ...)
+    local r = run(n, mesh, "2", "load=" .. dir, "resave=" .. again, ...)
     local ckpt = require "moonshard.checkpoint"
     local a = ckpt.read_index(ckpt.resolve(dir))
     local b = ckpt.read_index(ckpt.resolve(again))
@@ -95,11 +95,23 @@ describe("checkpoints of materialised plans", function()
       kinds[s.kind] = true
     end
     assert.same({ param = true, exp_avg = true, exp_avg_sq = true, master = true }, kinds)
-    return a
+    return a, r.out
   end
 
-  it("round-trips bit for bit on the same 4 ranks (parameters and AdamW state)", function()
-    local a = round_trip(4, "dp_shard=4", saved_dir)
+  -- the bytes every rank of a ckpt_units run read (its "loaded, read N bytes" lines), summed,
+  -- and the bytes of every saved box
+  local function bytes_read(out, index)
+    local sum, ranks, saved = 0, 0, 0
+    for b in out:gmatch("loaded, read (%d+) bytes") do sum, ranks = sum + tonumber(b), ranks + 1 end
+    for _, s in ipairs(index.shards) do saved = saved + s.nbytes end
+    return sum, ranks, saved
+  end
+
+  it("round-trips bit for bit on the same 4 ranks (parameters and AdamW state), reading each byte once", function()
+    local a, out = round_trip(4, "dp_shard=4", saved_dir)
+    local sum, ranks, saved = bytes_read(out, a)
+    assert.equal(4, ranks)
+    assert.equal(saved, sum)
     assert.same({ note = "resume here", rng = { 1, 2, 3 } }, setmetatable(a.extra, nil))
   end)
 
@@ -147,7 +159,11 @@ describe("checkpoints of materialised plans", function()
     -- are exact, so Megatron-FSDP on dp 2 and 4 trains to the bytes of the FSDP run
     local m_dir = root .. "/mfsdp"
     run(4, "dp_shard=4", "2", "mfsdp=3", "save=2:" .. m_dir)
-    round_trip(4, "dp_shard=4", m_dir, "mfsdp=3")
+    -- ZeRO-3 on the mesh that saved it: each rank reads its own pieces, every byte once
+    local index, out = round_trip(4, "dp_shard=4", m_dir, "mfsdp=3")
+    local sum, ranks, saved = bytes_read(out, index)
+    assert.equal(4, ranks)
+    assert.equal(saved, sum)
     for _, case in ipairs({ { 2, "dp_shard=2", "mfsdp=1", m_dir }, { 4, "dp_shard=4", "steps=0", m_dir },
       { 2, "dp_shard=2", "mfsdp=3", saved_dir } }) do
       local out = root .. "/out_mfsdp_" .. case[1] .. case[3]:gsub("[^%w]", "_")

@@ -109,17 +109,19 @@ describe("moe_trainer checkpoints", function()
     for name, t in pairs(p1) do assert.equal(t.raw, p2[name].raw, name) end
   end)
 
-  it("--init-from an export of a checkpoint gives the checkpoint's parameters bit for bit", function()
+  it("--init-from an export of a checkpoint gives the checkpoint's parameters bit for bit, on any mesh", function()
     local hf = root .. "/hf"
     local r = S.run({ "checkpoint", "export", ckpts, "--to", hf })
     assert.equal(0, r.code)
-    local save = root .. "/init.safetensors"
-    local a = { "-n", "2", "--mesh", "dp_shard=2,ep=2", "--policy", "policies/full_fp32.lua", "--seed", "7",
-      "--config", small_config, "--steps", "0", "--init-from", hf, "--save", save }
-    r = ok_run(a)
-    assert.matches("# init: the parameters from " .. hf:gsub("%p", "%%%0"), r.out)
-    local params = read_params(save)
-    for name, t in pairs(ref.params) do assert.equal(t.raw, params[name].raw, name) end
+    for _, case in ipairs({ { 2, "dp_shard=2,ep=2" }, { 2, "tp=2" }, { 4, "dp_shard=2,tp=2" } }) do
+      local save = root .. "/init.safetensors"
+      local a = { "-n", tostring(case[1]), "--mesh", case[2], "--policy", "policies/full_fp32.lua", "--seed", "7",
+        "--config", small_config, "--steps", "0", "--init-from", hf, "--save", save }
+      r = ok_run(a)
+      assert.matches("# init: the parameters from " .. hf:gsub("%p", "%%%0"), r.out)
+      local params = read_params(save)
+      for name, t in pairs(ref.params) do assert.equal(t.raw, params[name].raw, case[2] .. ": " .. name) end
+    end
   end)
 
   it("keeps the newest --keep-last checkpoints, and a save killed with SIGKILL leaves the previous one resumable", function()

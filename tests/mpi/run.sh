@@ -22,7 +22,9 @@
 #   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies) and a recipe's fp8
 #     all-gather (recipe_units.lua) on 4 ranks
 #   - a checkpoint saved on 4 processes and loaded on 4 (ckpt_units.lua): rank files and the
-#     export the threads run's bytes; checkpoint verify and info of what MPI wrote
+#     export the threads run's bytes; checkpoint verify and info of what MPI wrote; HSDP,
+#     tensor-parallel and Megatron-FSDP checkpoints saved on 4 and loaded on 2 processes on
+#     other meshes, as the threads runs
 #   - the backend choice: mpi under mpirun, --backend / MOONSHARD_BACKEND, -n refused
 #   - failures: a rank's error, a mismatch, a rank that finishes without joining, a rank
 #     that never arrives (timeout) and a killed rank each end the whole job non-zero within
@@ -286,6 +288,43 @@ else
   fail "checkpoint under MPI (threads $tcode, save $scode, load $code, same bytes $same)" "$TMP/ckpt_save.err" \
     "$TMP/ckpt_load.err" "$TMP/ckpt_t1.out" "$TMP/ckpt_t2.out"
 fi
+# other units and meshes: HSDP saved, loaded on dp_shard=2,ep=2; tensor parallelism saved on
+# tp=2,dp_shard=2, loaded on tp=2; Megatron-FSDP ZeRO-3 buckets saved, loaded as ZeRO-1 on 2.
+# Each saved by 4 processes and loaded by the load's count of processes: the rank files and
+# the export the bytes of the same two runs on threads.
+for case in "dp_replicate=2,dp_shard=2|2|dp_shard=2,ep=2|" "tp=2,dp_shard=2|2|tp=2|heads=4:2" \
+  "dp_shard=4|2|dp_shard=2|mfsdp=optim_grads_params|mfsdp=optim"; do
+  IFS='|' read -r smesh lnp lmesh sextra lextra <<<"$case"
+  [ -n "$lextra" ] || lextra=$sextra
+  name=ckpt_${smesh//[=,]/_}_${lmesh//[=,]/_}
+  sx=() lx=()
+  [ -n "$sextra" ] && sx=("$sextra")
+  [ -n "$lextra" ] && lx=("$lextra")
+  "$BIN" -n 4 tests/lua/scripts/ckpt_units.lua "$smesh" 2 "${sx[@]}" "save=2:$TMP/$name.threads" \
+    >"$TMP/$name.t1.out" 2>&1 &&
+    "$BIN" -n "$lnp" tests/lua/scripts/ckpt_units.lua "$lmesh" 4 "${lx[@]}" "load=$TMP/$name.threads" \
+      "export=$TMP/$name.export_threads" >"$TMP/$name.t2.out" 2>&1
+  tcode=$?
+  job "${name}_save" 4 -- tests/lua/scripts/ckpt_units.lua "$smesh" 2 "${sx[@]}" "save=2:$TMP/$name.mpi"
+  scode=$code
+  job "${name}_load" "$lnp" -- tests/lua/scripts/ckpt_units.lua "$lmesh" 4 "${lx[@]}" "load=$TMP/$name.mpi" \
+    "export=$TMP/$name.export_mpi"
+  same=yes files=0
+  for f in "$TMP/$name.threads"/step_00000002/rank*.safetensors; do
+    cmp -s "$f" "$TMP/$name.mpi/step_00000002/${f##*/}" || same=no
+    files=$((files + 1))
+  done
+  cat "$TMP/$name.export_threads"/*.safetensors >"$TMP/$name.et.bin" 2>/dev/null
+  cat "$TMP/$name.export_mpi"/*.safetensors >"$TMP/$name.em.bin" 2>/dev/null
+  cmp -s "$TMP/$name.et.bin" "$TMP/$name.em.bin" && [ -s "$TMP/$name.em.bin" ] || same=no
+  if [ "$tcode" = 0 ] && [ "$scode" = 0 ] && [ "$code" = 0 ] && [ $same = yes ] && [ "$files" -ge 2 ] &&
+    every_rank "${name}_load" "$lnp" "^rank R: ckpt_units ok"; then
+    ok "checkpoint of $smesh${sextra:+ $sextra} saved by 4 MPI processes ($files rank files), loaded on $lnp as $lmesh${lextra:+ $lextra}: the threads runs' bytes"
+  else
+    fail "checkpoint $smesh -> $lmesh under MPI (threads $tcode, save $scode, load $code, same bytes $same, $files files)" \
+      "$TMP/${name}_save.err" "$TMP/${name}_load.err" "$TMP/$name.t1.out" "$TMP/$name.t2.out"
+  fi
+done
 "$BIN" checkpoint verify "$TMP/ckpt_mpi" >"$TMP/ckpt_verify.out" 2>&1
 vcode=$?
 "$BIN" checkpoint info "$TMP/ckpt_mpi" >"$TMP/ckpt_info.out" 2>&1

@@ -2,13 +2,16 @@
 -- shards checked bit for bit against the tensors read whole (here, in plain Lua, from the
 -- file's bytes: nothing of moonshard's reading or casting is used to make the expected values).
 --
---   moonshard -n N checkpoint_hf.lua CONFIG MESH CHECKPOINT [DTYPE [REFERENCE [POLICY]]]
+--   moonshard -n N checkpoint_hf.lua CONFIG MESH CHECKPOINT [DTYPE [REFERENCE [POLICY [SET]]]]
 --
 -- CONFIG: a config.json (its model is planned); MESH: "dp_shard=4", ...; CHECKPOINT: what
 -- load_hf reads (a directory, an index, a file); DTYPE: the model's dtype for the plan
 -- (default the config's: "float32", "bfloat16"), so the units store another dtype than the
 -- checkpoint; REFERENCE: a .safetensors file holding the expected values in the units' dtype
--- (torch's cast), default the checkpoint itself; POLICY: default policies/fsdp2_default.lua.
+-- (torch's cast), default the checkpoint itself; POLICY: default policies/fsdp2_default.lua;
+-- SET: KEY=VALUE options for the policy, space-separated ("zero_dp_strategy=optim
+-- preserve_fp32_weights=true"); f32 main weights are compared with the checkpoint's values.  A Megatron-FSDP bucket's
+-- whole parameter is compared where the rank holds it whole (ZeRO-0..2), else its piece.
 -- Prints per rank "rank R: ok P params, N elements, max diff X, read B of D bytes (K reads)"
 -- and on rank 0 "total read T bytes of D".
 local ms = require "moonshard"
@@ -16,7 +19,9 @@ local json = require "moonshard.json"
 local st = require "moonshard.safetensors"
 
 local config_path, mesh_spec, ckpt = arg[1], arg[2], arg[3]
-local dtype, ref_path, policy_path = arg[4], arg[5], arg[6] or "policies/fsdp2_default.lua"
+local dtype, ref_path, policy_path = arg[4], arg[5], arg[6] and arg[6] ~= "" and arg[6] or "policies/fsdp2_default.lua"
+local set = {}
+for kv in (arg[7] or ""):gmatch("%S+") do set[#set + 1] = kv end
 local f = assert(io.open(config_path))
 local config = json.decode(f:read("a"))
 f:close()
@@ -25,7 +30,7 @@ local tree = require("moonshard.models").from_config(config, config_path)
 local mesh = require("moonshard.mesh_context").new(mesh_spec)
 local policy = require("moonshard.policy")
 local loaded = policy.load(policy_path, { modules = policy.host_modules() })
-local plan = require("moonshard.plan").plan(tree, mesh, policy.entry_point(loaded, policy_path))
+local plan = require("moonshard.plan").plan(tree, mesh, policy.entry_point(loaded, policy_path), { set = set })
 local state = require("moonshard.runtime").materialize(plan)
 local report = require("moonshard.checkpoint_hf").load_hf(state, ckpt)
 
@@ -69,6 +74,7 @@ local function load_whole(path)
   return out
 end
 whole = load_whole(ref_path and ref_path ~= "" and ref_path or ckpt)
+local whole_ckpt = load_whole(ckpt) -- the f32 main weights take the checkpoint's own values
 
 local function value_of(bits, dt)
   if dt == "bf16" then bits = bits * 65536 end
@@ -95,6 +101,21 @@ end
 local owned = {}
 for _, o in ipairs(plan.owned) do owned[o.fqn] = o end
 local ep_coord = mesh:coord("ep", ms.rank())
+-- tensor parallelism: fqn -> {dim, off}, the tp piece's first row as torch.chunk cuts a dim of
+-- n rows into tp pieces (ceil(n / tp) rows each, the last fewer), from the global shape alone
+local tp_at = {}
+local tp_size, tp_coord = mesh:size("tp"), mesh:coord("tp", ms.rank())
+local tpp = plan.tensor_parallel and plan.tensor_parallel.params or {}
+for _, pu in ipairs(plan.units) do
+  for _, e in ipairs(pu.entries or {}) do
+    local t = tpp[e.param]
+    if t and t.dim and tp_size > 1 then
+      local rows = e.param.shape[t.dim + 1]
+      local chunk = math.ceil(rows / tp_size)
+      tp_at[e.fqn] = { dim = t.dim, off = math.min(tp_coord * chunk, rows) }
+    end
+  end
+end
 
 -- expected (bits in the ref's dtype, and that dtype) of element idx (0-based, unit-level) of fqn
 local function expected(fqn, g)
@@ -149,6 +170,8 @@ for _, u in ipairs(state.units) do
         for d = #shape, 1, -1 do idx[d] = k % shape[d] k = math.floor(k / shape[d]) end
         idx[dim + 1] = idx[dim + 1] + off
         idx[1] = idx[1] + eo
+        local tpo = tp_at[fqn]
+        if tpo then idx[tpo.dim + 1] = idx[tpo.dim + 1] + tpo.off end
         return idx
       end, shard:numel())
       params = params + 1
@@ -160,11 +183,23 @@ for _, bk in ipairs(state.buckets or {}) do
     local fqn = bk:fqn(i)
     local a, b = bk:piece(i)
     local t = tensor_named(fqn)
-    compare(fqn, bk:piece_tensor(i, "param"), function(k)
-      local idx, n = {}, a + k
-      for d = #t.shape, 1, -1 do idx[d] = n % t.shape[d] n = math.floor(n / t.shape[d]) end
-      return idx
-    end, b - a)
+    local main = bk:piece_tensor(i, "main")
+    local function at(first)
+      return function(k)
+        local idx, n = {}, first + k
+        for d = #t.shape, 1, -1 do idx[d] = n % t.shape[d] n = math.floor(n / t.shape[d]) end
+        return idx
+      end
+    end
+    if main and b > a then
+      local saved = whole
+      whole = whole_ckpt
+      compare(fqn, main, at(a), b - a)
+      whole = saved
+    end
+    if bk.strategy ~= "optim_grads_params" then a, b = 0, bk:param(i):numel() end
+    local values = bk.strategy ~= "optim_grads_params" and bk:param(i):view({ b }) or bk:piece_tensor(i, "param")
+    compare(fqn, values, at(a), b - a)
     params = params + 1
   end
 end

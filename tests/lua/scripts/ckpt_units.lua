@@ -116,8 +116,9 @@ end
 
 local first = 1
 if opts.load then
-  local step, extra = ckpt.load(state, opts.load)
+  local step, extra, _, stats = ckpt.load(state, opts.load)
   assert(extra.note == "resume here", "extra state")
+  print(string.format("rank %d: loaded, read %d bytes", ms.rank(), stats.bytes_read))
   first = step + 1
 else
   for _, u in ipairs(state.units) do
