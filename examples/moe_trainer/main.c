@@ -115,8 +115,11 @@ static const char USAGE[] =
     "                  naming the newest; its extra keeps the trainer's state: the data\n"
     "                  position (the batches are drawn for (seed, step)), the seed (the\n"
     "                  RNG state), the lr schedule and the step's lr, the model's sizes.\n"
-    "                  A kill at any moment leaves DIR/latest naming a whole checkpoint.\n"
-    "                  With --steps 0 it saves step 0, the initial parameters\n"
+    "                  A kill at any moment leaves DIR/latest naming a whole checkpoint;\n"
+    "                  each save prints \"# saved: DIR/step_K (step K) in S s\".  DIR is made\n"
+    "                  (with its parents) before training; refused when it holds another\n"
+    "                  run's checkpoints (a fresh run: any step_*; a resumed run: those past\n"
+    "                  its step).  With --steps 0 it saves step 0, the initial parameters\n"
     "  --save-every K  with --save-dir: a checkpoint after steps K, 2K, ... (default: only\n"
     "                  after the last)\n"
     "  --keep-last N   with --save-dir: after each save keep only the newest N step_*\n"
@@ -124,14 +127,16 @@ static const char USAGE[] =
     "                  one) saved by moe_trainer on any mesh: the units' parameters and\n"
     "                  AdamW state are loaded onto this run's mesh, and steps K+1..N run\n"
     "                  (--steps N is the total count; K = N runs none).  Refused when the\n"
-    "                  checkpoint's model sizes or --seed differ from this run's (named).\n"
+    "                  checkpoint's model sizes or --seed differ from this run's (named);\n"
+    "                  another --data, batch_size or --eval-every (which holds a tail out)\n"
+    "                  draws other batches, said in a \"# resume: note:\" line.\n"
     "                  On the same mesh the losses and parameters are the uninterrupted\n"
     "                  run's bits; on another, within the parity figures of README.md\n"
     "  --init-from PATH  the parameters from a Hugging Face checkpoint (a model.safetensors,\n"
     "                  its index, or their directory: e.g. what `moonshard checkpoint\n"
     "                  export DIR --to OUT` writes) instead of the seed, loaded before\n"
     "                  step 1; every missing, unexpected or mis-shaped tensor is named.\n"
-    "                  Not with --resume, nor with tp > 1.\n"
+    "                  On any mesh (tensor-parallel ones too); not with --resume\n"
     "  --recipe FILE   a NeMo Automodel recipe (a Lua file, docs/recipes.md) given to the\n"
     "                  planner before the policy: its peft section puts LoRA adapters on\n"
     "                  the matched Linear modules (the shared experts' gate_proj, up_proj,\n"
@@ -196,7 +201,8 @@ static const char USAGE[] =
     "Exit status: 0 trained; 1 a failure while planning or training (or writing --save);\n"
     "2 refused before training: a usage error, a --config, --data or --save file, a\n"
     "--resume or --init-from path or a --save-dir that cannot be used, or a text shorter\n"
-    "than seq_len + 1 bytes.  A --resume whose checkpoint does not fit the run is 1.\n";
+    "than seq_len + 1 bytes.  A --resume whose checkpoint does not fit the run, or a\n"
+    "--save-dir holding checkpoints past the step it resumes at, is 1.\n";
 
 // Prints an error refused before training, with the hint to --help for a usage error, and
 // returns 2 (the exit status).
@@ -946,7 +952,7 @@ static ms_status measure_memory(Trainer *tr) {
 // ----------------------------------------------------------------------------
 // the banner and the step lines (rank 0)
 
-static double now_seconds(void) {
+double now_seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
@@ -1059,10 +1065,15 @@ static ms_status print_banner(Trainer *tr) {
     printf("# seed: %llu\n", o->seed);
     if (o->resume) printf("# resume: %s\n", tr->resume_note);
     if (o->resume && tr->resume_schedule[0]) printf("# resume: note: %s\n", tr->resume_schedule);
+    if (o->resume && tr->resume_data[0]) printf("# resume: note: %s\n", tr->resume_data);
     if (o->init_from) printf("# init: the parameters from %s (Hugging Face safetensors), not the seed\n", o->init_from);
-    if (o->ckpt_dir) {
+    if (o->ckpt_dir && tr->done >= o->steps && o->steps > 0) {
+        printf("# checkpoints: %s: none (no step runs here)\n", o->ckpt_dir);
+    } else if (o->ckpt_dir) {
         printf("# checkpoints: %s, ", o->ckpt_dir);
-        if (o->ckpt_every) printf("every %ld steps and after the last", o->ckpt_every);
+        if (o->steps == 0) printf("step 0 (the initial parameters)");
+        else if (o->ckpt_every == 1) printf("every step");
+        else if (o->ckpt_every) printf("every %ld steps and after the last", o->ckpt_every);
         else printf("after the last step");
         if (o->keep_last) printf(", the newest %d kept\n", o->keep_last);
         else printf(", all kept\n");
@@ -1321,6 +1332,7 @@ static ms_status train(Trainer *tr) {
     if (opt->init_from) TRY("--init-from", ms_ckpt_load_hf(tr->in, opt->init_from));
     long done = 0; // steps done before this run: --resume's checkpoint's
     if (opt->resume) CHECK(checkpoint_resume(tr, &done));
+    tr->done = done;
     const int rank0 = tr->args->rank == 0;
     if (rank0) CHECK(print_banner(tr));
     const double tokens = (double)opt->batch_size * tr->cfg->seq_len; // a step's, global
@@ -1355,7 +1367,10 @@ static ms_status train(Trainer *tr) {
     }
     if (opt->ckpt_dir && opt->steps == 0) CHECK(checkpoint_save(tr, 0)); // the initial parameters
     const long ran = opt->steps - done;
-    if (rank0 && ran > 0) {
+    if (rank0 && ran == 0) {
+        printf("# done: 0 steps (%s)\n", opt->resume ? "the checkpoint is at --steps, the total" : "--steps 0");
+        fflush(stdout);
+    } else if (rank0 && ran > 0) {
         printf("# done: %ld steps, %.0f tokens in %.3f s (%.0f tokens/s)%s", ran, tokens * ran, train_s,
                train_s > 0 ? tokens * ran / train_s : 0.0, opt->eval_every ? "" : "\n");
         if (opt->eval_every) printf(", eval %.3f s\n", eval_s);
@@ -1495,6 +1510,75 @@ static int run_mpi_rank(Options *opt, const Dataset *data, const Dataset *eval_d
 #endif
 }
 
+// --resume PATH, before any rank starts: a directory holding a checkpoint (checkpoint.json)
+// or a root of them (latest); a file, a Hugging Face checkpoint or another directory is
+// refused with what it is.  (What is in the checkpoint is checked by the ranks.)
+static int resume_path_check(const char *path) {
+    struct stat ps;
+    char sub[4096];
+    if (stat(path, &ps) == 0 && !S_ISDIR(ps.st_mode))
+        return file_error("--resume %s: a file; --resume takes a checkpoint directory (DIR/step_K, or a DIR whose "
+                          "latest names one)", path);
+    static const char *const have[] = {"checkpoint.json", "latest"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(sub, sizeof sub, "%s/%s", path, have[k]);
+        if (stat(sub, &ps) == 0) return 0;
+    }
+    static const char *const hf[] = {"model.safetensors.index.json", "model.safetensors"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(sub, sizeof sub, "%s/%s", path, hf[k]);
+        if (stat(sub, &ps) == 0)
+            return file_error("--resume %s: a Hugging Face checkpoint (%s), not a moonshard one: start from it with "
+                              "--init-from %s", path, hf[k], path);
+    }
+    return file_error("--resume %s: no checkpoint there (neither checkpoint.json nor latest)", path);
+}
+
+// mkdir -p: each missing directory of path made (0777 less the umask); 0 or an errno.
+static int make_dirs(const char *path) {
+    char buf[4096];
+    const size_t n = strlen(path);
+    if (n >= sizeof buf) return ENAMETOOLONG;
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != '\0') continue;
+        const char c = buf[i];
+        buf[i] = '\0';
+        struct stat ds;
+        if (stat(buf, &ds) != 0) {
+            if (mkdir(buf, 0777) != 0 && errno != EEXIST) return errno;
+        } else if (!S_ISDIR(ds.st_mode)) {
+            return ENOTDIR;
+        }
+        buf[i] = c;
+    }
+    return 0;
+}
+
+// --save-dir DIR, before any rank starts: made with its parents when missing, writable, and
+// without a checkpoint of another run (a fresh run's step_* would mix with them, and
+// --keep-last would prune by step across both); a resumed run's are checked by the ranks
+// once they know its step (save.c, checkpoint_dir_check).
+static int save_dir_check(const Options *o) {
+    struct stat ds;
+    if (stat(o->ckpt_dir, &ds) == 0 && !S_ISDIR(ds.st_mode))
+        return file_error("--save-dir %s: it exists and is not a directory", o->ckpt_dir);
+    const int e = make_dirs(o->ckpt_dir);
+    if (e) return file_error("--save-dir %s: cannot make it: %s", o->ckpt_dir, strerror(e));
+    if (access(o->ckpt_dir, W_OK | X_OK) != 0)
+        return file_error("--save-dir %s: cannot write there: %s", o->ckpt_dir, strerror(errno));
+    if (!o->resume) {
+        char first[64] = "", last[64] = "";
+        const int n = checkpoint_dir_steps(o->ckpt_dir, -1, first, last, sizeof first);
+        if (n > 0)
+            return file_error("--save-dir %s holds %d checkpoint%s (%s%s%s) of another run: this run would mix its "
+                              "own with them (and --keep-last prune across both); remove them or give another "
+                              "--save-dir (a --resume run keeps those up to its step)", o->ckpt_dir, n,
+                              n == 1 ? "" : "s", first, n > 1 ? " .. " : "", n > 1 ? last : "");
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     Options opt;
     int st = parse_options(argc, argv, &opt);
@@ -1532,13 +1616,13 @@ int main(int argc, char **argv) {
             return st;
         }
     }
-    if (opt.ckpt_dir) {
-        struct stat ds;
-        if (stat(opt.ckpt_dir, &ds) == 0 && !S_ISDIR(ds.st_mode)) {
-            st = file_error("--save-dir %s: it exists and is not a directory", opt.ckpt_dir);
-            dataset_close(&whole);
-            return st;
-        }
+    if (opt.resume && (st = resume_path_check(opt.resume))) {
+        dataset_close(&whole);
+        return st;
+    }
+    if (opt.ckpt_dir && (st = save_dir_check(&opt))) {
+        dataset_close(&whole);
+        return st;
     }
     if (opt.save && (st = save_check(&opt))) {
         dataset_close(&whole);

@@ -6,6 +6,7 @@
 #include "save.h"
 #include "tp.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
@@ -195,23 +196,79 @@ static const char *extra_field(const char *json, const char *key, char *out, siz
     return out;
 }
 
+int checkpoint_dir_steps(const char *dir, long after, char *first, char *last, size_t len) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    long lo = -1, hi = -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *name = e->d_name;
+        if (strncmp(name, "step_", 5) || !name[5] || strspn(name + 5, "0123456789") != strlen(name + 5)) continue;
+        const long k = strtol(name + 5, NULL, 10);
+        if (k <= after) continue;
+        n++;
+        if (lo < 0 || k < lo) lo = k;
+        if (k > hi) hi = k;
+    }
+    closedir(d);
+    if (n) {
+        snprintf(first, len, "step_%08ld", lo);
+        snprintf(last, len, "step_%08ld", hi);
+    }
+    return n;
+}
+
+ms_status checkpoint_dir_check(Trainer *tr, long done) {
+    const Options *o = tr->opt;
+    char first[64] = "", last[64] = "";
+    const int n = checkpoint_dir_steps(o->ckpt_dir, done, first, last, sizeof first);
+    if (n > 0)
+        return fail(tr, MS_ERR_ARG, "--save-dir", "%s holds %d checkpoint%s past step %ld, where this run resumes (%s%s%s): "
+                    "its saves would collide with them; remove them or give another --save-dir", o->ckpt_dir, n,
+                    n == 1 ? "" : "s", done, first, n > 1 ? " .. " : "", n > 1 ? last : "");
+    return MS_OK;
+}
+
+// s as the body of a JSON string (quotes, backslashes and control bytes escaped) into out.
+static void json_escape(const char *s, char *out, size_t len) {
+    size_t n = 0;
+    for (; *s && n + 7 < len; s++) {
+        const unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') {
+            out[n++] = '\\';
+            out[n++] = (char)c;
+        } else if (c < 0x20) {
+            n += (size_t)snprintf(out + n, len - n, "\\u%04x", c);
+        } else {
+            out[n++] = (char)c;
+        }
+    }
+    out[n] = '\0';
+}
+
 // After step `step` (the last, or every --save-every): the units into --save-dir, with the
 // data-loader position (batches are drawn for (seed, step): the next is step + 1), the RNG
 // state (the seed: every draw is a hash of it and the step), the lr schedule and its
 // position, and the model's sizes in extra.  Collective.
 ms_status checkpoint_save(Trainer *tr, long step) {
     const Options *o = tr->opt;
-    char extra[1024];
+    char extra[3072], data[1100];
+    json_escape(o->data ? o->data : DATA_DEFAULT_PATH, data, sizeof data);
     int n = snprintf(extra, sizeof extra,
                      "{\"moe_trainer\":1,\"step\":%ld,\"data_next_step\":%ld,\"seed\":\"%llu\",\"lr\":%.17g,"
                      "\"lr_peak\":%.17g,\"lr_min\":%.17g,\"warmup_steps\":%ld,\"total_steps\":%ld,\"batch_size\":%d,"
-                     "\"mesh\":\"%s\",\"world\":%d",
+                     "\"mesh\":\"%s\",\"world\":%d,\"data\":\"%s\",\"eval_held_out\":%d",
                      step, step + 1, o->seed, step > 0 ? tr->lr : 0.0, o->lr, o->min_lr, o->warmup, o->steps,
-                     o->batch_size, o->mesh, o->nranks);
+                     o->batch_size, o->mesh, o->nranks, data, o->eval_every > 0);
     for (size_t k = 0; k < sizeof SIZES / sizeof SIZES[0]; k++)
         n += snprintf(extra + n, sizeof extra - (size_t)n, ",\"%s\":%d", SIZES[k].key, SIZE_OF(&o->model, k));
     snprintf(extra + n, sizeof extra - (size_t)n, "}");
+    const double t0 = now_seconds();
     TRY("--save-dir", ms_interp_checkpoint_save(tr->in, o->ckpt_dir, step, extra, o->keep_last));
+    if (tr->args->rank == 0) {
+        printf("# saved: %s/step_%08ld (step %ld) in %.3f s\n", o->ckpt_dir, step, step, now_seconds() - t0);
+        fflush(stdout);
+    }
     return MS_OK;
 }
 
@@ -265,6 +322,19 @@ ms_status checkpoint_resume(Trainer *tr, long *done) {
             snprintf(tr->resume_schedule, sizeof tr->resume_schedule, "the saved run's lr schedule was --lr %.9g "
                      "--min-lr %.9g --warmup-steps %s --steps %s; this run's flags differ, and its lr follows them",
                      strtod(pk, NULL), strtod(mn, NULL), wu, tot);
+        // the batches: drawn for (seed, step) from the text, batch_size rows of it, less the
+        // held-out tail under --eval-every; another of these draws other batches
+        char bs[32] = "", dpath[1100] = "", held[8] = "", mine[1100];
+        json_escape(o->data ? o->data : DATA_DEFAULT_PATH, mine, sizeof mine);
+        extra_field(extra, "batch_size", bs, sizeof bs);
+        const int has_data = extra_field(extra, "data", dpath, sizeof dpath) != NULL;
+        const int has_held = extra_field(extra, "eval_held_out", held, sizeof held) != NULL;
+        if ((bs[0] && strtol(bs, NULL, 10) != o->batch_size) || (has_data && strcmp(dpath, mine)) ||
+            (has_held && (strtol(held, NULL, 10) != 0) != (o->eval_every > 0)))
+            snprintf(tr->resume_data, sizeof tr->resume_data, "the saved run drew its batches from %s (batch_size %s%s); "
+                     "this run's %s (batch_size %d%s): its batches are not the ones the saved run would have drawn",
+                     has_data ? dpath : "?", bs[0] ? bs : "?", has_held && strtol(held, NULL, 10) ? ", a tail held out "
+                     "for --eval-every" : "", mine, o->batch_size, o->eval_every ? ", a tail held out for --eval-every" : "");
     }
     free(extra);
     if (st) return st;
@@ -273,8 +343,14 @@ ms_status checkpoint_resume(Trainer *tr, long *done) {
     if (loaded != step) return fail(tr, MS_ERR_STATE, "--resume", "%s changed while it was read (step %lld, then %lld)",
                                     o->resume, (long long)step, (long long)loaded);
     *done = (long)step;
-    snprintf(tr->resume_note, sizeof tr->resume_note, "%s at step %lld (saved on mesh %s, world %s; its lr %.9g): steps "
-             "%lld..%ld run here", o->resume, (long long)step, mesh, world, strtod(lr, NULL), (long long)step + 1,
-             o->steps);
+    if (step < o->steps)
+        snprintf(tr->resume_note, sizeof tr->resume_note, "%s at step %lld (saved on mesh %s, world %s; its lr %.9g): "
+                 "steps %lld..%ld run here", o->resume, (long long)step, mesh, world, strtod(lr, NULL),
+                 (long long)step + 1, o->steps);
+    else
+        snprintf(tr->resume_note, sizeof tr->resume_note, "%s at step %lld (saved on mesh %s, world %s; its lr %.9g): "
+                 "--steps %ld is the total, so no step runs here", o->resume, (long long)step, mesh, world,
+                 strtod(lr, NULL), o->steps);
+    if (o->ckpt_dir) return checkpoint_dir_check(tr, (long)step);
     return MS_OK;
 }

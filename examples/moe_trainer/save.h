@@ -20,4 +20,11 @@ ms_status checkpoint_save(Trainer *tr, long step);
 // --resume: the checkpoint checked against this run and loaded; *done its step.
 ms_status checkpoint_resume(Trainer *tr, long *done);
 
+// The checkpoints (step_K directories) in dir with K > after: their count, the first's and
+// the last's names in first and last (len bytes each).  0 when dir cannot be read.
+int checkpoint_dir_steps(const char *dir, long after, char *first, char *last, size_t len);
+// --save-dir with --resume at step `done`: refused when the directory holds checkpoints past
+// it (of another run, or of this one beyond its resumed step: the saves would collide).
+ms_status checkpoint_dir_check(Trainer *tr, long done);
+
 #endif

@@ -122,10 +122,14 @@ typedef struct {
     double lr, grad_norm;         // the latest step's learning rate and global gradient norm (before clipping)
     char resume_note[1024];       // --resume: the banner's line (checkpoint_resume)
     char resume_schedule[512];    // --resume: a note when this run's lr schedule is not the saved one's
+    long done;                    // the steps done before this run (--resume's checkpoint's step)
+    char resume_data[2560];       // --resume: a note when this run draws other batches (data, batch_size)
 } Trainer;
 
 // Records a failure in the rank's message ("WHAT: DETAIL") and returns st (main.c).
 ms_status fail(Trainer *tr, ms_status st, const char *what, const char *fmt, ...);
+// Seconds of the monotonic clock (timing only).
+double now_seconds(void);
 
 // A moonshard call that must succeed; its message explains a failure.
 #define TRY(what, call)                                                                     \

@@ -593,6 +593,18 @@ function M.resolve(path)
     if not is_file(join(dir, M.INDEX)) then fail("%s names %s, which has no %s", latest, dir, M.INDEX) end
     return dir
   end
+  local kind = stat(path)
+  if not kind then fail("%s: no such file or directory", path) end
+  if kind ~= "directory" then
+    fail("%s is a %s, not a checkpoint: a checkpoint is a directory holding %s (or a root whose %s names one)", path,
+      kind, M.INDEX, M.LATEST)
+  end
+  for _, hf in ipairs({ "model.safetensors.index.json", "model.safetensors" }) do
+    if is_file(join(path, hf)) then
+      fail("%s holds a Hugging Face checkpoint (%s), not a moonshard one (%s): load it with checkpoint_hf.load_hf " ..
+        "(the trainer's --init-from)", path, hf, M.INDEX)
+    end
+  end
   fail("%s holds no checkpoint (neither %s nor %s)", path, M.INDEX, M.LATEST)
 end
 
@@ -661,6 +673,47 @@ function M.verify(path)
       problems[#problems + 1] = format("%s: missing", join(dir, f.name))
     elseif f.bytes and size ~= f.bytes then
       problems[#problems + 1] = format("%s: %d bytes, the index says %d", join(dir, f.name), size, f.bytes)
+    end
+  end
+  -- each file's own safetensors header: it parses (so any safetensors reader opens the file)
+  -- and lists the index's boxes of the file, no others, with their dtypes, shapes and places
+  if #problems == 0 then
+    local st = require "moonshard.safetensors"
+    local of_file = {}
+    for _, s in ipairs(index.shards) do
+      of_file[s.file] = of_file[s.file] or {}
+      of_file[s.file][s.key] = s
+    end
+    for _, f in ipairs(index.files) do
+      local path = join(dir, f.name)
+      local ok, list = pcall(st.read_header, path)
+      if not ok then
+        problems[#problems + 1] = format("%s: its safetensors header does not parse: %s", path,
+          tostring(list):gsub("^moonshard: safetensors: ", ""))
+      else
+        local fh = assert(io.open(path, "rb"))
+        local head = fh:read(8)
+        fh:close()
+        local start = 8
+        for i = 8, 1, -1 do start = start + head:byte(i) * 256 ^ (i - 1) end
+        local want, seen = of_file[f.name] or {}, {}
+        for _, t in ipairs(list) do
+          local s = want[t.name]
+          seen[t.name] = true
+          if not s then
+            problems[#problems + 1] = format("%s: its header lists %s, which the index does not place in it", path, t.name)
+          elseif t.dtype ~= s.dtype or table.concat(t.shape, "x") ~= table.concat(plain_list(s.shape), "x") or
+              start + t.data_offsets[1] ~= s.file_offset or t.data_offsets[2] - t.data_offsets[1] ~= s.nbytes then
+            problems[#problems + 1] = format("%s: its header gives %s as %s %s at bytes [%d, %d), the index %s %s " ..
+              "at [%d, %d)", path, t.name, t.dtype, table.concat(t.shape, "x"), start + t.data_offsets[1],
+              start + t.data_offsets[2], s.dtype, table.concat(plain_list(s.shape), "x"), s.file_offset,
+              s.file_offset + s.nbytes)
+          end
+        end
+        for key in pairs(want) do
+          if not seen[key] then problems[#problems + 1] = format("%s: its header lacks %s", path, key) end
+        end
+      end
     end
   end
   if #problems == 0 then
@@ -933,7 +986,9 @@ local function parse_size(v)
   local mult = { [""] = 1, B = 1, KB = 1e3, MB = 1e6, GB = 1e9, TB = 1e12, KIB = 1024, MIB = 1024 ^ 2,
     GIB = 1024 ^ 3, TIB = 1024 ^ 4 }
   local m = unit and mult[unit:upper()]
-  if not num or not m then fail("max_shard_size '%s': expected bytes like 5GB, 500MB or 1073741824", tostring(v)) end
+  if not num or not m or not tonumber(num) or tonumber(num) * m < 1 then
+    fail("max_shard_size '%s': expected a size of at least 1 byte, like 5GB, 500MB or 1073741824", tostring(v))
+  end
   return tonumber(num) * m
 end
 M.parse_size = parse_size
@@ -1035,9 +1090,15 @@ function M.export_dir(path, out, opts)
     cur[#cur + 1] = name
     size, total = size + e.nbytes, total + e.nbytes
   end
+  -- never into a checkpoint (ours, or the one exported)
+  if is_file(join(out, M.INDEX)) or is_file(join(out, M.LATEST)) then
+    fail("export: %s is a moonshard checkpoint (it holds %s); export into another directory", out,
+      is_file(join(out, M.INDEX)) and M.INDEX or M.LATEST)
+  end
   check(R.ckpt_mkdir(out, true))
   local files = file_cache(dir)
   local written, weight_map, verified = {}, {}, {}
+  local tmps = {}
   local prog = progress("exporting", total, opts.progress == nil and R.stderr_isatty() or opts.progress)
   local done = 0
   local ok, err = pcall(function()
@@ -1061,12 +1122,14 @@ function M.export_dir(path, out, opts)
           end }
       end
       local tmp = join(out, fname .. ".tmp")
+      tmps[#tmps + 1] = tmp
       done = write_safetensors(tmp, entries, { format = "pt" }, prog, done)
       check(R.ckpt_rename(tmp, join(out, fname)))
       written[#written + 1] = fname
     end
     if #shards > 1 then
       local tmp = join(out, "model.safetensors.index.json.tmp")
+      tmps[#tmps + 1] = tmp
       write_text(tmp, json.encode({ metadata = { total_size = total }, weight_map = weight_map }, { indent = 1 }) .. "\n")
       check(R.ckpt_rename(tmp, join(out, "model.safetensors.index.json")))
       written[#written + 1] = "model.safetensors.index.json"
@@ -1074,7 +1137,20 @@ function M.export_dir(path, out, opts)
   end)
   prog.finish()
   files.close()
-  if not ok then error(err, 0) end
+  if not ok then
+    for _, tmp in ipairs(tmps) do if stat(tmp) then os.remove(tmp) end end
+    error(err, 0)
+  end
+  -- what an earlier export left in OUT and this one did not write goes, as transformers'
+  -- save_pretrained cleans its folder: its weight files (model*.safetensors) and index
+  local mine = {}
+  for _, f in ipairs(written) do mine[f] = true end
+  for _, name in ipairs(check(R.ckpt_list_dir(out))) do
+    if not mine[name] and (name:match("^model.*%.safetensors$") or name == "model.safetensors.index.json") and
+        is_file(join(out, name)) then
+      os.remove(join(out, name))
+    end
+  end
   return written, total
 end
 

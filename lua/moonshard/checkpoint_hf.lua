@@ -70,6 +70,13 @@ function M.resolve(path)
     for _, name in ipairs({ "model.safetensors.index.json", "model.safetensors" }) do
       if util.exists(dir .. "/" .. name) then return dir .. "/" .. name end
     end
+    for _, name in ipairs({ "checkpoint.json", "latest" }) do
+      if util.exists(dir .. "/" .. name) then
+        fail(format("%s is a moonshard checkpoint (it holds %s), not a Hugging Face one: load it with " ..
+          "checkpoint.load (the trainer's --resume), or export it first: moonshard checkpoint export %s --to OUT",
+          path, name, path))
+      end
+    end
     fail(format("%s: a directory without model.safetensors.index.json or model.safetensors (name the index or " ..
       "the .safetensors file)", path))
   end

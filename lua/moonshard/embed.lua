@@ -356,7 +356,8 @@ end
 -- rest (a bad index, a checksum, a tensor that does not fit the units) an invalid argument.
 -- The Lua layer's message is kept as it is, its "moonshard: " giving way to the status.
 local IO_MESSAGES = { "cannot open", "cannot create", "cannot remove", "holds no checkpoint", "which has no checkpoint.json",
-  "No such file or directory", "Permission denied", "a directory without model.safetensors" }
+  "No such file or directory", "no such file or directory", "Permission denied", "a directory without model.safetensors",
+  ", not a checkpoint: a checkpoint is a directory", "holds a Hugging Face checkpoint", "is a moonshard checkpoint" }
 local function checkpoint_error(ok, ...)
   if ok then return ... end
   local msg = tostring((...))

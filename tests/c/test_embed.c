@@ -776,7 +776,7 @@ static void checkpoints(void) {
     CHECK(step == 4 && extra == NULL, "(a checkpoint without extra: step %lld)", (long long)step);
 
     /* the errors: no such path (io), not a checkpoint (io), another model (arg) */
-    CHECK_ERR(ms_interp_checkpoint_load(b, at("no_such_ckpt"), &step, NULL), MS_ERR_IO, "holds no checkpoint");
+    CHECK_ERR(ms_interp_checkpoint_load(b, at("no_such_ckpt"), &step, NULL), MS_ERR_IO, "no_such_ckpt: no such file or directory");
     CHECK_ERR(ms_interp_checkpoint_read(b, dir, &step, NULL), MS_ERR_IO, "holds no checkpoint");
     ms_interp *other = NULL;
     CHECK_OK(ms_interp_new(&other, C1));

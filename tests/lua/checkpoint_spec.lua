@@ -210,22 +210,83 @@ describe("checkpoints of materialised plans", function()
     assert.matches("verify", r.out)
   end)
 
-  it("names a corrupted tensor and its file in verify and load", function()
-    local bad = root .. "/bad"
+  it("the CLI: info's extra values and root, export's options checked before it runs, earlier exports replaced, " ..
+    "no .tmp left by a failed one, never into a checkpoint", function()
+    local r = S.run({ "checkpoint", "info", root .. "/ckpt" })
+    assert.equal(0, r.code)
+    assert.matches('extra      {"note":"resume here","rng":%[1,2,3%]}', r.out)
+    assert.matches("root       .-/ckpt: step_00000002 %(latest%)", r.out)
+    -- the columns line up whatever the names' lengths
+    local cols = {}
+    for line in r.out:gmatch("\n  (%S+%s+)%d") do cols[#line] = true end
+    assert.equal(1, (function() local n = 0 for _ in pairs(cols) do n = n + 1 end return n end)())
+    for _, case in ipairs({ { { "--to" }, "%-%-to needs a value" }, { { "--to", "x", "--dtype", "int3" },
+      "%-%-dtype int3: expected one of bf16" }, { { "--to", "x", "--max-shard-size", "0" },
+      "%-%-max%-shard%-size '0': expected a size of at least 1 byte" } }) do
+      local a = { "checkpoint", "export", saved_dir }
+      for _, x in ipairs(case[1]) do a[#a + 1] = x end
+      r = S.run(a)
+      assert.equal(2, r.code)
+      assert.matches(case[2], r.err)
+      assert.is_nil(r.err:match("traceback"))
+    end
+    r = S.run({ "checkpoint", "info", root .. "/no_such" })
+    assert.equal(1, r.code)
+    assert.matches("no_such: no such file or directory", r.err)
+    -- torch's dtype names; a smaller export replaces a sharded one whole
+    local out = root .. "/cli_export2"
+    r = S.run({ "checkpoint", "export", saved_dir, "--to", out, "--max-shard-size", "30KB", "--dtype", "float16" })
+    assert.equal(0, r.code)
+    assert.matches("%d+ files", r.out)
+    r = S.run({ "checkpoint", "export", saved_dir, "--to", out })
+    assert.equal(0, r.code)
+    assert.matches(": 1 file, ", r.out)
+    assert.equal("model.safetensors\n", sh("ls " .. S.quote(out)).out)
+    -- into a checkpoint: refused; from a corrupt one: no .tmp left behind
+    r = S.run({ "checkpoint", "export", saved_dir, "--to", require("moonshard.checkpoint").resolve(saved_dir) })
+    assert.equal(1, r.code)
+    assert.matches("is a moonshard checkpoint %(it holds checkpoint.json%); export into another directory", r.err)
+  end)
+
+  -- a copy of the saved checkpoint as root/name with one byte changed: pick(index) -> the
+  -- file, the byte's offset, and a function of the old byte giving the new -> the copy, its
+  -- checkpoint directory
+  local function corrupted(name, pick)
+    local bad = root .. "/" .. name
     assert.equal(0, sh("cp -r " .. S.quote(saved_dir) .. " " .. S.quote(bad)).code)
     local ckpt = require "moonshard.checkpoint"
     local dir = ckpt.resolve(bad)
-    local index = ckpt.read_index(dir)
-    local s = index.shards[#index.shards]
-    -- flip one byte in the middle of the last box
-    local path = dir .. "/" .. s.file
-    local f = assert(io.open(path, "r+b"))
-    local at = s.file_offset + math.floor(s.nbytes / 2)
+    local file, at, byte = pick(ckpt.read_index(dir))
+    local f = assert(io.open(dir .. "/" .. file, "r+b"))
     f:seek("set", at)
     local c = f:read(1)
     f:seek("set", at)
-    f:write(string.char((c:byte() + 1) % 256))
+    f:write(string.char(byte(c:byte())))
     f:close()
+    return bad, dir
+  end
+
+  it("verify checks each file's safetensors header against the index", function()
+    -- byte 20 is inside "__metadata__": the header no longer parses as safetensors
+    local bad = corrupted("bad_header", function() return "rank00001.safetensors", 20, function() return 127 end end)
+    local r = S.run({ "checkpoint", "verify", bad })
+    assert.equal(1, r.code)
+    S.assert_has(r.err, "rank00001.safetensors: its safetensors header does not parse")
+    local out = root .. "/from_bad"
+    r = S.run({ "checkpoint", "export", bad, "--to", out })
+    -- (export reads the boxes by the index, whose checksums still hold: the header is verify's)
+    assert.equal(0, r.code)
+    assert.equal("", sh("ls " .. S.quote(out) .. " | grep tmp || true").out)
+    sh("rm -rf " .. S.quote(bad)) -- (no safetensors reader opens it: the Python check below reads the rest)
+  end)
+
+  it("names a corrupted tensor and its file in verify and load", function()
+    -- one byte in the middle of the last box changed
+    local s
+    local bad = corrupted("bad", function(index)
+      s = index.shards[#index.shards]
+      return s.file, s.file_offset + math.floor(s.nbytes / 2), function(c) return (c + 1) % 256 end
+    end)
     local r = S.run({ "checkpoint", "verify", bad })
     assert.equal(1, r.code)
     S.assert_has(r.err, "checksum mismatch: " .. s.kind .. " of tensor " .. s.tensor)
@@ -234,6 +295,12 @@ describe("checkpoints of materialised plans", function()
     assert.not_equal(0, r.code)
     S.assert_has(r.err, "checksum mismatch: " .. s.kind .. " of tensor " .. s.tensor)
     S.assert_has(r.err, s.file)
+    -- an export of it fails, naming the box, and leaves no .tmp file
+    local out = root .. "/export_bad"
+    r = S.run({ "checkpoint", "export", bad, "--to", out })
+    assert.equal(1, r.code)
+    S.assert_has(r.err, "checksum mismatch")
+    assert.equal("", sh("ls -A " .. S.quote(out)).out)
   end)
 
   it("keeps the last checkpoints only, and latest names the newest", function()

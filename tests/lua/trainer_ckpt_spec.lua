@@ -169,8 +169,11 @@ describe("moe_trainer checkpoints", function()
     assert.equal(2, r.code)
     assert.matches("--resume .-no_such_dir: No such file or directory", r.err)
     r = trainer(args(2, "dp_shard=2", { "--resume", root }))
-    assert.equal(1, r.code)
-    assert.matches("holds no checkpoint", r.err)
+    assert.equal(2, r.code)
+    assert.matches("no checkpoint there %(neither checkpoint.json nor latest%)", r.err)
+    r = trainer(args(2, "dp_shard=2", { "--resume", small_config }))
+    assert.equal(2, r.code)
+    assert.matches("a file; %-%-resume takes a checkpoint directory", r.err)
     local big = S.write_file(os.tmpname(), "hidden_size = 48\nexpert_dim = 32\nseq_len = 32\nnum_experts = 4\n")
     local a = args(2, "dp_shard=2", { "--resume", ckpts })
     for i, x in ipairs(a) do if a[i - 1] == "--config" then a[i] = big end end
@@ -188,11 +191,49 @@ describe("moe_trainer checkpoints", function()
     r = trainer(a)
     assert.equal(1, r.code)
     assert.matches("at step 8, past %-%-steps 6", r.err)
+    r = trainer(args(2, "dp_shard=2", { "--init-from", ckpts }))
+    assert.equal(1, r.code)
+    assert.matches("is a moonshard checkpoint %(it holds latest%), not a Hugging Face one: load it with checkpoint.load " ..
+      "%(the trainer's %-%-resume%), or export it first", r.err)
     r = trainer(args(2, "dp_shard=2", { "--resume", ckpts, "--init-from", ckpts }))
     assert.equal(2, r.code)
     assert.matches("give one", r.err)
     r = trainer(args(2, "dp_shard=2", { "--keep-last", "2" }))
     assert.equal(2, r.code)
     assert.matches("%-%-keep%-last is for %-%-save%-dir", r.err)
+  end)
+
+  it("--save-dir: made with its parents, refused before training when it cannot be made or holds another run's " ..
+    "checkpoints; a resumed run at the last step runs none and says so", function()
+    local deep = root .. "/x/y/z"
+    local r = ok_run(args(1, "dp_shard=1", { "--save-dir", deep, "--save-every", "4" }))
+    assert.matches("# saved: " .. deep:gsub("%p", "%%%0") .. "/step_00000004 %(step 4%) in [%d.]+ s", r.out)
+    assert.equal("latest\nstep_00000004\nstep_00000008\n", sh("ls " .. S.quote(deep)))
+    -- a fresh run into it: refused, exit 2, before any step
+    r = trainer(args(1, "dp_shard=1", { "--save-dir", deep }))
+    assert.equal(2, r.code)
+    assert.matches("holds 2 checkpoints %(step_00000004 %.%. step_00000008%) of another run", r.err)
+    assert.is_nil(r.out:match("\nstep "))
+    -- resumed at step 4 into it: step 8 is past its step, refused
+    r = trainer(args(1, "dp_shard=1", { "--resume", deep .. "/step_00000004", "--save-dir", deep }))
+    assert.equal(1, r.code)
+    assert.matches("holds 1 checkpoint past step 4, where this run resumes %(step_00000008%)", r.err)
+    -- resumed from its latest (step 8 = --steps): nothing to run, nothing saved
+    r = ok_run(args(1, "dp_shard=1", { "--resume", deep, "--save-dir", deep }))
+    assert.matches("%-%-steps 8 is the total, so no step runs here", r.out)
+    assert.matches("# checkpoints: .-: none %(no step runs here%)", r.out)
+    assert.matches("# done: 0 steps", r.out)
+    -- another batch size: a note
+    local cfg = S.write_file(os.tmpname(), S.read_file(small_config) .. "\nbatch_size = 4\n")
+    local a = args(1, "dp_shard=1", { "--resume", deep .. "/step_00000004" })
+    for i in ipairs(a) do if a[i - 1] == "--config" then a[i] = cfg end end
+    r = ok_run(a)
+    os.remove(cfg)
+    assert.matches("# resume: note: the saved run drew its batches from .- %(batch_size 8%); this run's .- %(batch_size 4%)",
+      r.out)
+    -- a file where the directory should go, and a path under a file
+    r = trainer(args(1, "dp_shard=1", { "--save-dir", small_config .. "/sub" }))
+    assert.equal(2, r.code)
+    assert.matches("%-%-save%-dir .-/sub: cannot make it: Not a directory", r.err)
   end)
 end)
