@@ -198,7 +198,8 @@ typedef enum {
     C_CKPT_SAVE,
     C_CKPT_LOAD,
     C_CKPT_READ,
-    C_LOAD_HF
+    C_LOAD_HF,
+    C_TIE
 } call_kind;
 
 typedef struct {
@@ -220,7 +221,7 @@ typedef struct {
 static const char *const FN[] = {"add_param", "set_module_type", "use_config", "plan", "prefetch",
                                  "plan_json", "find", "set_optimizer", "set_option", "set_policy_limits",
                                  "set_policy_seconds", "set_batch", "set_recipe", "param_info", "lora", "recipe_ran",
-                                 "checkpoint_save", "checkpoint_load", "checkpoint_read", "load_hf"};
+                                 "checkpoint_save", "checkpoint_load", "checkpoint_read", "load_hf", "tie"};
 
 /* Pushes moonshard.embed[fn] (protected: raises when it is gone or not a function). */
 static void push_fn(lua_State *L, const char *fn) {
@@ -259,6 +260,7 @@ static int p_call(lua_State *L) {
         nargs = 4;
         break;
     case C_MODULE_TYPE:
+    case C_TIE:
     case C_PLAN:
         lua_pushstring(L, c->s1);
         lua_pushstring(L, c->s2);
@@ -487,6 +489,14 @@ ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const cha
     EMB_NOT_NULL(name);
     EMB_NOT_NULL(type_name);
     embed_call c = {.kind = C_MODULE_TYPE, .s1 = name, .s2 = type_name};
+    return call(in, &c);
+}
+
+ms_status ms_interp_model_tie(ms_interp *in, const char *fqn, const char *target) {
+    EMB_NOT_NULL(in);
+    EMB_NOT_NULL(fqn);
+    EMB_NOT_NULL(target);
+    embed_call c = {.kind = C_TIE, .s1 = fqn, .s2 = target};
     return call(in, &c);
 }
 

@@ -68,6 +68,13 @@ ms_status ms_interp_model_param(ms_interp *in, const char *fqn, int ndim, const 
  * far (a prefix of a parameter's name, "" for the root, or a module of the config's model):
  * MS_ERR_ARG otherwise; MS_ERR_STATE once the model was planned. */
 ms_status ms_interp_model_module_type(ms_interp *in, const char *name, const char *type_name);
+/* Ties a name to a parameter described before: fqn becomes a second name of target (one
+ * parameter, as a tied lm_head.weight is model.embed_tokens.weight; policies see the same
+ * parameter in both modules, and it is counted once).  MS_ERR_ARG when target was not
+ * described or is itself a tie, for a name described before, or one that makes a parameter a
+ * module or a module a parameter; MS_ERR_STATE once the model was planned or was given by
+ * ms_interp_model_config. */
+ms_status ms_interp_model_tie(ms_interp *in, const char *fqn, const char *target);
 /* Or the model from a Hugging Face config.json (the builders of moonshard plan).
  * MS_ERR_IO when the file cannot be read; MS_ERR_ARG when it is not a config of a known
  * architecture; MS_ERR_STATE after ms_interp_model_param, after another config, or once the

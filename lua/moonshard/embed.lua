@@ -16,7 +16,7 @@ local M = {}
 -- contents and module tree of the config that gave the model instead; types: module name
 -- -> type; frozen: fqn -> true; optimizer and limits: what the next plans take (nil: the
 -- defaults); plan; rank and where: the materialised units.
-local state = { tensors = {}, params = {}, modules = { [""] = true }, types = {}, frozen = {} }
+local state = { tensors = {}, params = {}, modules = { [""] = true }, types = {}, frozen = {}, ties = {} }
 
 local function fail(msg) error("moonshard: embed: " .. msg, 0) end
 local function fail_state(msg) error("moonshard state error: embed: " .. msg, 0) end
@@ -46,7 +46,9 @@ local function check_limits(name, what)
   if why then fail(string.format("%s name '%s' %s", what, require("moonshard.util").short_name(name), why)) end
 end
 
-function M.add_param(fqn, shape, dtype, requires_grad)
+-- A new parameter name fqn (add_param's, tie's): not planned yet, no config, not described
+-- before, not a module, no prefix a parameter; its prefixes become modules.
+local function new_name(fqn)
   check_limits(fqn, "parameter")
   if state.plan then
     fail_state("parameter '" .. fqn .. "': the model cannot change after it was planned")
@@ -57,10 +59,6 @@ function M.add_param(fqn, shape, dtype, requires_grad)
   end
   local parts = segments(fqn, "parameter")
   if state.params[fqn] then fail("parameter '" .. fqn .. "' is already described") end
-  if requires_grad and not FLOATING[dtype] then
-    fail(string.format("parameter '%s': a parameter of dtype %s cannot require gradients; only floating dtypes can",
-      fqn, tostring(dtype)))
-  end
   if state.modules[fqn] then
     fail("parameter '" .. fqn .. "': '" .. fqn .. "' is already a module of the parameters described before")
   end
@@ -72,6 +70,31 @@ function M.add_param(fqn, shape, dtype, requires_grad)
   end
   for i = 1, #parts - 1 do state.modules[table.concat(parts, ".", 1, i)] = true end
   state.params[fqn] = true
+end
+
+--- tie(fqn, target): fqn a second name of the parameter target (tied weights).
+function M.tie(fqn, target)
+  if state.plan or state.config then return new_name(fqn) end -- (the state errors)
+  if not state.params[target] then
+    fail("tie '" .. fqn .. "' to '" .. target .. "': no parameter '" .. target .. "' was described" ..
+      (#state.tensors > 0 and " among the " .. described() or ""))
+  end
+  for _, t in ipairs(state.ties) do
+    if t[1] == target then
+      fail("tie '" .. fqn .. "' to '" .. target .. "': '" .. target .. "' is itself a tie of '" .. t[2] ..
+        "'; tie to '" .. t[2] .. "'")
+    end
+  end
+  new_name(fqn)
+  state.ties[#state.ties + 1] = { fqn, target }
+end
+
+function M.add_param(fqn, shape, dtype, requires_grad)
+  if requires_grad and not FLOATING[dtype] and not state.plan and not state.config then
+    fail(string.format("parameter '%s': a parameter of dtype %s cannot require gradients; only floating dtypes can",
+      fqn, tostring(dtype)))
+  end
+  new_name(fqn)
   state.tensors[#state.tensors + 1] = { name = fqn, shape = shape, dtype = dtype }
   if not requires_grad then state.frozen[fqn] = true end
 end
@@ -124,6 +147,22 @@ local function tree()
   else
     if #state.tensors == 0 then fail_state("no model yet: describe its parameters or give a config first") end
     root = require("moonshard.safetensors").tree(state.tensors, "host model", { host = true })
+    -- tied names: the target's parameter object in a second module
+    for _, t in ipairs(state.ties) do
+      local tprefix, tlast = t[2]:match("^(.*)%.([^.]+)$")
+      local owner = tprefix and root:get(tprefix) or root
+      local p = owner.params[tlast or t[2]]
+      local m, name = root, t[1]
+      local prefix, last = name:match("^(.*)%.([^.]+)$")
+      for part in (prefix or ""):gmatch("[^.]+") do
+        m = m.children[part] or m:add(part, module.new("Module"))
+      end
+      m:param(last or name, p)
+      if (t[1] == "lm_head.weight" and t[2] == "model.embed_tokens.weight") or
+          (t[2] == "lm_head.weight" and t[1] == "model.embed_tokens.weight") then
+        root.attrs.tie_word_embeddings = true
+      end
+    end
   end
   for name, t in pairs(state.types) do
     local m = root:get(name)

@@ -234,6 +234,41 @@ static void lua_errors(void) {
     ms_interp_free(in);
 }
 
+/* ---------------------------------------------------------------- tied parameters */
+
+/* A tied lm_head.weight: one parameter in two modules, counted once; fsdp2_default sees it
+ * tied (neither the embedding nor the head a unit of its own: the root owns it). */
+static void tied_params(void) {
+    ms_interp *in = NULL;
+    CHECK_OK(ms_interp_new(&in, C1));
+    const int64_t emb[2] = {10, 4}, w[2] = {4, 4};
+    CHECK_OK(ms_interp_model_param(in, "model.embed_tokens.weight", 2, emb, MS_F32, 1));
+    CHECK_OK(ms_interp_model_param(in, "model.layers.0.mlp.weight", 2, w, MS_F32, 1));
+    CHECK_OK(ms_interp_model_param(in, "model.layers.1.mlp.weight", 2, w, MS_F32, 1));
+    CHECK_ERR(ms_interp_model_tie(in, "lm_head.weight", "model.embed.weight"), MS_ERR_ARG,
+              "embed: tie 'lm_head.weight' to 'model.embed.weight': no parameter 'model.embed.weight' was described");
+    CHECK_ERR(ms_interp_model_tie(in, "model.layers.0.mlp.weight", "model.embed_tokens.weight"), MS_ERR_ARG,
+              "parameter 'model.layers.0.mlp.weight' is already described");
+    CHECK_ERR(ms_interp_model_tie(in, "model.layers", "model.embed_tokens.weight"), MS_ERR_ARG,
+              "'model.layers' is already a module of the parameters described before");
+    CHECK_OK(ms_interp_model_tie(in, "lm_head.weight", "model.embed_tokens.weight"));
+    CHECK_ERR(ms_interp_model_tie(in, "out.weight", "lm_head.weight"), MS_ERR_ARG,
+              "'lm_head.weight' is itself a tie of 'model.embed_tokens.weight'; tie to 'model.embed_tokens.weight'");
+    CHECK_OK(ms_interp_model_module_type(in, "model.layers", "ModuleList"));
+    int units = 0;
+    CHECK_OK(ms_interp_plan(in, "dp_shard=1", MOONSHARD_SOURCE_DIR "/policies/fsdp2_default.lua", &units));
+    CHECK(units == 3, "(%d units: the two layers and the root, which owns the tied weight)", units);
+    char *json = NULL;
+    CHECK_OK(ms_interp_plan_json(in, &json));
+    /* 40 + 16 + 16 elements: the tied weight once */
+    CHECK(json && strstr(json, "\"params\":72"), "(%.300s)", json ? json : "");
+    CHECK(json && !strstr(json, "\"name\":\"lm_head\""), "(lm_head is no unit of its own)");
+    free(json);
+    CHECK_ERR(ms_interp_model_tie(in, "late.weight", "model.embed_tokens.weight"), MS_ERR_STATE,
+              "the model cannot change after it was planned");
+    ms_interp_free(in);
+}
+
 /* ---------------------------------------------------------------- 4: calls that were ignored */
 
 static void ignored_calls(void) {
@@ -881,6 +916,7 @@ int main(void) {
     }
 
     unit_lifetime();
+    tied_params();
     lua_errors();
     ignored_calls();
     statuses();

@@ -505,6 +505,9 @@ static void test_interp(ms_comm *c) {
     REFUSE(ms_interp_model_param, fqn, in, NULL, 1, shape, MS_F32, 1);
     REFUSE(ms_interp_model_param, shape, in, "w", 1, NULL, MS_F32, 1);
     CHECK_OK(ms_interp_model_param(in, "model.layers.0.w", 1, shape, MS_F32, 1));
+    REFUSE(ms_interp_model_tie, in, NULL, "b", "a");
+    REFUSE(ms_interp_model_tie, fqn, in, NULL, "a");
+    REFUSE(ms_interp_model_tie, target, in, "b", NULL);
     REFUSE(ms_interp_model_module_type, in, NULL, "", "Model");
     REFUSE(ms_interp_model_module_type, name, in, NULL, "Model");
     REFUSE(ms_interp_model_module_type, type_name, in, "", NULL);
