@@ -24,6 +24,11 @@ need_packages() {
   # the MPI backend and its suite (tests/mpi): mpirun, mpicc and the headers
   command -v mpirun >/dev/null || missing+=(openmpi-bin)
   dpkg-query -W -f='${Status}' libopenmpi-dev 2>/dev/null | grep -q 'ok installed' || missing+=(libopenmpi-dev)
+  # the test command's PyTorch host tests (tests/torch) make a virtual environment
+  if [ "${MOONSHARD_NEED_VENV:-0}" = 1 ]; then
+    command -v python3 >/dev/null || missing+=(python3)
+    python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
+  fi
   printf '%s\n' "${missing[@]}"
 }
 

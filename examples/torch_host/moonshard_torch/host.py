@@ -1,0 +1,359 @@
+"""Plan a torch nn.Module with a moonshard Lua policy, apply the plan with PyTorch's FSDP2, and
+check the result against the plan.
+
+    plan = moonshard_torch.plan_model(model, "dp_shard=4", "policies/fsdp2_default.lua")
+    moonshard_torch.apply_plan(model, plan)          # fully_shard per unit, in the plan's order
+    report = moonshard_torch.check_plan(model, plan)  # every parameter, unit and byte, or an error
+
+The policy is the single source of truth: the plan names each unit (a module), its mesh
+axes, its MixedPrecisionPolicy, reshard_after_forward, offload policy, each parameter's
+placement and the modules wrapped for activation checkpointing; apply_plan calls torch's own
+APIs with exactly those, and check_plan compares what FSDP2 built with the plan on this rank.
+"""
+import json
+import math
+import re
+
+import torch
+
+from ._embed import Interp, MoonshardError
+
+CHECKPOINT = "_checkpoint_wrapped_module"
+
+TORCH_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+               torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "bool"}
+if hasattr(torch, "float8_e4m3fn"):
+    TORCH_DTYPE[torch.float8_e4m3fn] = "f8e4m3"
+    TORCH_DTYPE[torch.float8_e5m2] = "f8e5m2"
+MS_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+
+
+def strip_checkpoint(name):
+    """A dotted name without activation checkpointing's wrapper segments."""
+    return ".".join(p for p in name.split(".") if p != CHECKPOINT)
+
+
+def _dtype_of(p, fqn):
+    if p.dtype not in TORCH_DTYPE:
+        raise MoonshardError("dtype", "parameter %s: torch dtype %s has no moonshard dtype" % (fqn, p.dtype))
+    return TORCH_DTYPE[p.dtype]
+
+
+def model_description(model):
+    """What describe() gives the interpreter: [(fqn, shape, dtype, requires_grad)] in
+    named_parameters order (each parameter once), ties [(second name, first name)], and the
+    type of every module that holds a parameter below it."""
+    params, ties, first = [], [], {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((fqn, first[id(p)]))
+            continue
+        first[id(p)] = fqn
+        params.append((fqn, list(p.shape), _dtype_of(p, fqn), bool(p.requires_grad)))
+    holders = {""}
+    for fqn, _, _, _ in params + [(t[0], None, None, None) for t in ties]:
+        parts = fqn.split(".")
+        for i in range(1, len(parts)):
+            holders.add(".".join(parts[:i]))
+    types = [(name, type(m).__name__) for name, m in model.named_modules() if name in holders]
+    return params, ties, types
+
+
+def describe(model, interp):
+    """Describes model to the interpreter: its parameters (names, shapes, dtypes,
+    requires_grad), tied parameters (one parameter, a second name) and module types."""
+    params, ties, types = model_description(model)
+    for fqn, shape, dtype, rg in params:
+        interp.add_param(fqn, shape, dtype, rg)
+    for fqn, target in ties:
+        interp.tie(fqn, target)
+    for name, t in types:
+        interp.module_type(name, t)
+    return params, ties
+
+
+def plan_model(model, mesh, policy, options=(), optimizer=None):
+    """The plan (a dict, the JSON of `moonshard plan --json`) of model on mesh ("dp_shard=4",
+    "dp_replicate=2,dp_shard=2") with the policy file or directory; options are the policy's
+    NAME=VALUE settings (moonshard plan --set).  The same on every rank: each plans alone."""
+    with Interp() as interp:
+        describe(model, interp)
+        if optimizer:
+            interp.set_optimizer(optimizer)
+        for o in options:
+            interp.set_option(o)
+        interp.plan(mesh, policy)
+        plan = interp.plan_json()
+        plan["host_warnings"] = interp.warnings()
+    plan["host"] = {"mesh": mesh, "policy": policy, "options": list(options)}
+    return plan
+
+
+def parse_mesh(spec):
+    """"dp_replicate=2,dp_shard=2" -> {"dp_replicate": 2, "dp_shard": 2}."""
+    out = {}
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\d+)\s*", item)
+        if not m:
+            raise MoonshardError("invalid_argument", "mesh %r: expected AXIS=SIZE items like dp_shard=4" % spec)
+        out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def load_plan(path, model, mesh=None):
+    """A plan written by `moonshard plan --json` (or json.dump of plan_model's), checked
+    against model and, when given, the mesh spec: every parameter's name, shape and dtype
+    (and requires_grad where the plan says), and the mesh's axis sizes.  A difference is a
+    MoonshardError listing each."""
+    with open(path) as f:
+        plan = json.load(f)
+    if not isinstance(plan, dict) or "units" not in plan or "mesh" not in plan:
+        raise MoonshardError("invalid_argument", "%s: not a moonshard plan (no units or mesh)" % path)
+    problems = []
+    planned = {}
+    for u in plan["units"]:
+        for p in u.get("params", []):
+            planned[strip_checkpoint(p["fqn"])] = (list(p["shape"]), p["dtype"])
+    for o in plan.get("owned") or []:
+        planned[strip_checkpoint(o["fqn"])] = (list(o["shape"]), o.get("dtype"))
+    params, ties, _ = model_description(model)
+    have = {fqn: (shape, dtype) for fqn, shape, dtype, _ in params}
+    for fqn in sorted(set(planned) - set(have)):
+        problems.append("%s is in the plan, not in the model" % fqn)
+    for fqn in sorted(set(have) - set(planned)):
+        problems.append("%s is in the model, not in the plan" % fqn)
+    for fqn in sorted(set(have) & set(planned)):
+        ps, pd = planned[fqn]
+        ms, md = have[fqn]
+        if ps != ms or (pd and pd != md):
+            problems.append("%s: the model's is %s %s, the plan's %s %s" % (fqn, "x".join(map(str, ms)), md,
+                                                                              "x".join(map(str, ps)), pd))
+    if mesh is not None:
+        want = parse_mesh(mesh)
+        got = {a["name"]: a["size"] for a in plan["mesh"]["axes"]}
+        if plan["mesh"].get("ep", 1) != 1:
+            got["ep"] = plan["mesh"]["ep"]
+        for axis in sorted(set(want) | set(got)):
+            if want.get(axis, 1) != got.get(axis, 1):
+                problems.append("mesh axis %s: %d in the plan, %d asked for" % (axis, got.get(axis, 1), want.get(axis, 1)))
+    if problems:
+        shown = problems[:20] + (["... and %d more" % (len(problems) - 20)] if len(problems) > 20 else [])
+        raise MoonshardError("invalid_argument", "%s does not fit this model and mesh (%d problem%s): %s"
+                             % (path, len(problems), "" if len(problems) == 1 else "s", "; ".join(shown)))
+    return plan
+
+
+# ---------------------------------------------------------------- applying
+
+def _world_mesh(plan, device_type):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        raise MoonshardError("state", "apply_plan: torch.distributed is not initialised (torchrun, then "
+                             "dist.init_process_group)")
+    axes = plan["mesh"]["axes"]
+    world = plan["mesh"]["world"]
+    if dist.get_world_size() != world:
+        raise MoonshardError("invalid_argument", "apply_plan: the plan's mesh is %s, a world of %d; this job has %d "
+                             "processes" % (",".join("%s=%d" % (a["name"], a["size"]) for a in axes if a["size"] > 1),
+                                            world, dist.get_world_size()))
+    for a in axes:
+        if a["name"] in ("pp", "cp", "tp") and a["size"] > 1:
+            raise MoonshardError("not_built", "apply_plan: %s = %d: moonshard_torch applies data-parallel plans "
+                                 "(dp_replicate, dp_shard) only; pipelines, context and tensor parallelism are not "
+                                 "applied yet" % (a["name"], a["size"]))
+    if plan["mesh"].get("ep", 1) > 1 or plan.get("owned"):
+        raise MoonshardError("not_built", "apply_plan: expert parallelism (ep = %d): its placements are not applied "
+                             "by moonshard_torch yet" % plan["mesh"].get("ep", 1))
+    return init_device_mesh(device_type, tuple(a["size"] for a in axes), mesh_dim_names=tuple(a["name"] for a in axes))
+
+
+def _module(model, name):
+    if name in ("", "<root>"):
+        return model
+    try:
+        return model.get_submodule(name)
+    except AttributeError as e:
+        raise MoonshardError("invalid_argument", "the plan's unit %s is no module of the model (%s)" % (name, e))
+
+
+def _wrap_checkpointed(model, names):
+    """Wraps each module the plan checkpoints in torch's CheckpointWrapper (its child is
+    _checkpoint_wrapped_module, the name the plan's units use)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for name in names:
+        target = _module(model, name)
+        if type(target).__name__ == "CheckpointWrapper":
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = _module(model, parent_name)
+        setattr(parent, child, checkpoint_wrapper(target))
+
+
+def _placement_dim(text):
+    m = re.fullmatch(r"Shard\((\d+)\)", text)
+    return int(m.group(1)) if m else None
+
+
+def apply_plan(model, plan, device_type="cpu"):
+    """Applies the plan to model on this rank: activation checkpointing's wrappers for the
+    modules it lists, then fully_shard for every unit in the plan's order with the unit's mesh
+    (a 2-D mesh for HSDP), MixedPrecisionPolicy, reshard_after_forward, offload policy,
+    ignored parameters (those inside the module that neither this unit nor an earlier one
+    holds) and, where a parameter is sharded on another dim, shard_placement_fn; then the
+    prefetch the plan counts.  Returns {unit name: module}."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+    mesh = _world_mesh(plan, device_type)
+    _wrap_checkpointed(model, plan.get("checkpointed") or [])
+    named = dict(model.named_parameters())
+    managed = set()
+    units = {}
+    for u in plan["units"]:
+        if u["kind"] not in ("module", "fp32_island", "root"):
+            raise MoonshardError("not_built", "apply_plan: unit %s is a %s unit; moonshard_torch applies FSDP2 units "
+                                 "(fully_shard) only" % (u["name"], u["kind"]))
+        mod = _module(model, u["name"])
+        mine = [p["fqn"] for p in u["params"]]
+        for fqn in mine:
+            if fqn not in named:
+                raise MoonshardError("invalid_argument", "unit %s: the plan's parameter %s is not the model's "
+                                     "(after activation checkpointing's wrappers)" % (u["name"], fqn))
+        mine_ids = {id(named[f]) for f in mine}
+        ignored = {p for _, p in mod.named_parameters() if id(p) not in mine_ids and id(p) not in managed}
+        dims = {}
+        for p in u["params"]:
+            d = _placement_dim(p["placement"])
+            if d is None:
+                raise MoonshardError("not_built", "unit %s: parameter %s is placed %s; moonshard_torch applies "
+                                     "Shard(d) placements" % (u["name"], p["fqn"], p["placement"]))
+            dims[id(named[p["fqn"]])] = d
+        axes = u["mesh_axes"]
+        unit_mesh = mesh[axes[0]] if len(axes) == 1 else mesh[tuple(axes)]
+        mp = MixedPrecisionPolicy(param_dtype=MS_DTYPE[u["param_dtype"]], reduce_dtype=MS_DTYPE[u["reduce_dtype"]],
+                                  output_dtype=MS_DTYPE[u["output_dtype"]] if u.get("output_dtype") else None,
+                                  cast_forward_inputs=u["cast_forward_inputs"])
+        offload = CPUOffloadPolicy() if u.get("offload_policy") == "cpu" else OffloadPolicy()
+        kwargs = dict(mesh=unit_mesh, reshard_after_forward=u["reshard_after_forward"], mp_policy=mp,
+                      offload_policy=offload)
+        if ignored:
+            kwargs["ignored_params"] = ignored
+        if any(d != 0 for d in dims.values()):
+            kwargs["shard_placement_fn"] = lambda p, dims=dims: Shard(dims[id(p)]) if id(p) in dims else None
+        fully_shard(mod, **kwargs)
+        managed |= mine_ids
+        units[u["name"]] = mod
+    _prefetch(plan, units)
+    return units
+
+
+def _prefetch(plan, units):
+    """FSDP2 prefetches one unit ahead each way by itself; a deeper prefetch in the plan is
+    set explicitly over the units in the plan's order (the root, which runs first, aside)."""
+    pf = plan.get("prefetch") or {}
+    fwd, bwd = pf.get("forward", 1), pf.get("backward", 1)
+    if fwd <= 1 and bwd <= 1:
+        return
+    order = [m for name, m in units.items() if name not in ("", "<root>")]
+    for i, m in enumerate(order):
+        if fwd > 1:
+            m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + fwd])
+        if bwd > 1:
+            m.set_modules_to_backward_prefetch(list(reversed(order[max(0, i - bwd):i])))
+
+
+# ---------------------------------------------------------------- checking
+
+def _placement_text(pl):
+    name = type(pl).__name__
+    if name == "Shard":
+        return "Shard(%d)" % pl.dim
+    if name == "Replicate":
+        return "Replicate()"
+    if name == "_StridedShard":
+        return "_StridedShard(%d, %d)" % (pl.dim, pl.split_factor)
+    return str(pl)
+
+
+def _fsdp_group(mod):
+    state = mod._get_fsdp_state()
+    return state._fsdp_param_group
+
+
+def check_plan(model, plan, rank=None):
+    """Compares what FSDP2 built on this rank with the plan: every parameter's local shape and
+    placements (in DTensor notation, on the unit's mesh axes), every unit's parameters, mesh
+    axes and mixed-precision policy, and the parameter bytes this rank holds against the plan's
+    memory.per_rank[rank].params.  Returns a summary dict; raises MoonshardError listing every
+    difference."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if rank is None else rank
+    named = dict(model.named_parameters())
+    fqn_of = {id(p): n for n, p in named.items()}
+    problems = []
+    checked = 0
+    bytes_held = 0
+    in_units = set()
+    for u in plan["units"]:
+        mod = _module(model, u["name"])
+        group = _fsdp_group(mod)
+        if group is None:
+            problems.append("unit %s: its module holds no FSDP2 parameter group" % u["name"])
+            continue
+        got = {fqn_of.get(id(fp.sharded_param), "?") for fp in group.fsdp_params}
+        want = {p["fqn"] for p in u["params"]}
+        if got != want:
+            problems.append("unit %s: FSDP2 holds %s, the plan %s" % (u["name"], sorted(got - want) or "-",
+                                                                       sorted(want - got) or "-"))
+        names = tuple(group.mesh_info.mesh.mesh_dim_names or ())
+        if names != tuple(u["mesh_axes"]):
+            problems.append("unit %s: mesh %s, the plan's %s" % (u["name"], names, tuple(u["mesh_axes"])))
+        # the policy FSDP2 keeps: the group's (older torch) or each parameter's (torch >= 2.10)
+        policies = [getattr(group, "mp_policy", None)] if hasattr(group, "mp_policy") else \
+            [fp.mp_policy for fp in group.fsdp_params]
+        for mp in policies[:1]:
+            for field, want_dt in (("param_dtype", u["param_dtype"]), ("reduce_dtype", u["reduce_dtype"]),
+                                   ("output_dtype", u.get("output_dtype"))):
+                have = getattr(mp, field)
+                if (MS_DTYPE.get(want_dt) if want_dt else None) != have:
+                    problems.append("unit %s: %s %s, the plan's %s" % (u["name"], field, have, want_dt))
+            if bool(mp.cast_forward_inputs) != bool(u["cast_forward_inputs"]):
+                problems.append("unit %s: cast_forward_inputs %s, the plan's %s" % (
+                    u["name"], mp.cast_forward_inputs, u["cast_forward_inputs"]))
+        mesh = group.mesh_info.mesh
+        by_fqn = {fqn_of.get(id(fp.sharded_param)): fp for fp in group.fsdp_params}
+        for p in u["params"]:
+            fp = by_fqn.get(p["fqn"])
+            if fp is None:
+                continue
+            dt = fp.sharded_param
+            in_units.add(p["fqn"])
+            # the rank's coordinate on the shard axis (the last of the unit's mesh)
+            coord = mesh.get_local_rank(mesh.mesh_dim_names[-1]) if mesh.ndim > 1 else mesh.get_local_rank()
+            want_shape = list(p["local_shapes"][coord])
+            have_shape = list(dt.to_local().shape)
+            if have_shape != want_shape:
+                problems.append("%s: local shape %s on rank %d, the plan's %s" % (p["fqn"], have_shape, rank, want_shape))
+            have_pl = [_placement_text(x) for x in dt.placements]
+            if have_pl != list(p["placements"]):
+                problems.append("%s: placements %s, the plan's %s" % (p["fqn"], have_pl, p["placements"]))
+            padded = list(fp.padded_sharded_param_size)
+            if padded != list(p["padded_shard_shape"]):
+                problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, p["padded_shard_shape"]))
+            bytes_held += math.prod(padded) * dt.element_size()
+            checked += 1
+    for fqn, p in named.items():
+        if fqn not in in_units:
+            problems.append("%s: in no unit of the plan (held whole: %s)" % (fqn, type(p).__name__))
+            bytes_held += p.numel() * p.element_size()
+    planned_bytes = None
+    per_rank = (plan.get("memory") or {}).get("per_rank") or []
+    if rank < len(per_rank):
+        planned_bytes = per_rank[rank]["params"]
+        if planned_bytes != bytes_held:
+            problems.append("rank %d holds %d parameter bytes, the plan %d" % (rank, bytes_held, planned_bytes))
+    if problems:
+        shown = problems[:20] + (["... and %d more" % (len(problems) - 20)] if len(problems) > 20 else [])
+        raise MoonshardError("mismatch", "rank %d: the sharded model differs from the plan (%d difference%s): %s"
+                             % (rank, len(problems), "" if len(problems) == 1 else "s", "; ".join(shown)))
+    return {"rank": rank, "params": checked, "units": len(plan["units"]), "bytes": bytes_held}

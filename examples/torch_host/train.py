@@ -1,0 +1,135 @@
+"""Fine-tune a small model sharded by a moonshard policy, with PyTorch's FSDP2 on CPU (gloo).
+
+    torchrun --nproc_per_node 4 examples/torch_host/train.py --policy policies/inkling2 --model islands
+    torchrun --nproc_per_node 4 examples/torch_host/train.py --policy policies/fsdp2_default.lua --model llama \
+        --mesh dp_replicate=2,dp_shard=2
+
+Each process describes the model to moonshard (through libmoonshard_embed), plans it with the
+policy on the mesh, applies the plan with fully_shard and checks the result against the plan
+(every parameter's local shape and placements, every unit's parameters, mesh and precision,
+the bytes each rank holds), then trains --steps steps of AdamW on seeded random tokens and
+prints "step K loss L" (the mean over the whole batch).  --reference trains the same model
+unsharded in one process on the whole batch, for comparison.  --plan FILE applies a plan
+written before (`moonshard plan --json`, or --write-plan), refused when the model or the mesh
+differ.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import models  # noqa: E402
+import moonshard_torch as mt  # noqa: E402
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", help="a moonshard policy file or directory (e.g. policies/inkling2)")
+    ap.add_argument("--model", default="llama", choices=["llama", "islands"],
+                    help="llama: a tiny transformers Llama (vocab 67, tied embeddings); islands: a small decoder "
+                         "with Inkling2's FP32 modules and grouped experts (default llama)")
+    ap.add_argument("--untied", action="store_true", help="llama: separate lm_head and embedding weights")
+    ap.add_argument("--mesh", help="e.g. dp_replicate=2,dp_shard=2 (default dp_shard=WORLD)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a policy option (as moonshard plan --set), repeatable")
+    ap.add_argument("--freeze", action="append", default=[], metavar="SUBSTRING",
+                    help="parameters whose names contain it do not train (requires_grad=False), repeatable")
+    ap.add_argument("--plan", metavar="FILE", help="apply this plan (JSON) instead of planning")
+    ap.add_argument("--write-plan", metavar="FILE", help="rank 0 writes the plan it applies (JSON)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    ap.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default 1e-2)")
+    ap.add_argument("--batch", type=int, default=8, help="rows a step, split over the data-parallel ranks (default 8)")
+    ap.add_argument("--seq", type=int, default=16, help="tokens a row (default 16)")
+    ap.add_argument("--reference", action="store_true",
+                    help="no sharding, one process, the whole batch: the losses to compare with")
+    a = ap.parse_args(argv)
+    if not a.reference and not a.policy and not a.plan:
+        ap.error("--policy (or --plan) is required unless --reference")
+    return a
+
+
+def batch(step, rows, seq, vocab):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (rows, seq), generator=g)
+
+
+def train(model, args, rows_of, all_mean):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    vocab = model.lm_head.weight.shape[0]
+    losses = []
+    for step in range(1, args.steps + 1):
+        ids = rows_of(batch(step, args.batch, args.seq, vocab))
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(all_mean(out.loss.detach().float()))
+    return losses
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model = models.build(args.model, tied=not args.untied)
+    for n, p in model.named_parameters():
+        if any(s in n for s in args.freeze):
+            p.requires_grad_(False)
+    if args.reference:
+        losses = train(model, args, lambda b: b, lambda x: x.item())
+        for k, l in enumerate(losses, 1):
+            print("step %d loss %.9g" % (k, l))
+        return 0
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        mesh = args.mesh or "dp_shard=%d" % world
+        if args.plan:
+            plan = mt.load_plan(args.plan, model, mesh)
+        else:
+            plan = mt.plan_model(model, mesh, args.policy, options=args.set)
+        if rank == 0:
+            print("# moonshard_torch: %s on %s (%d processes), %d units: %s" % (
+                args.plan or args.policy, mesh, world, len(plan["units"]),
+                ", ".join(u["name"] or "<root>" for u in plan["units"])), flush=True)
+            for w in plan.get("host_warnings", []):
+                print("# plan warning: %s" % w, flush=True)
+            if args.write_plan:
+                with open(args.write_plan, "w") as f:
+                    json.dump(plan, f)
+        mt.apply_plan(model, plan)
+        report = mt.check_plan(model, plan)
+        print("rank %d: check ok: %d parameters in %d units as planned, %d parameter bytes held (the plan's)" % (
+            rank, report["params"], report["units"], report["bytes"]), flush=True)
+        # the data-parallel ranks split the batch's rows; every other axis is 1 here
+        dp = plan["mesh"]["world"]
+        per = args.batch // dp
+        if per * dp != args.batch:
+            raise mt.MoonshardError("invalid_argument", "--batch %d does not split over %d data-parallel ranks"
+                                    % (args.batch, dp))
+
+        def all_mean(x):
+            dist.all_reduce(x)
+            return x.item() / world
+
+        losses = train(model, args, lambda b: b[rank * per:(rank + 1) * per], all_mean)
+        if rank == 0:
+            for k, l in enumerate(losses, 1):
+                print("step %d loss %.9g" % (k, l), flush=True)
+        dist.barrier()
+    except mt.MoonshardError as e:
+        print("rank %d: moonshard_torch: %s" % (rank, e), file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

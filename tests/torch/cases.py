@@ -1,0 +1,73 @@
+"""tests/torch/cases.py: checks of moonshard_torch that need no training run, under torchrun.
+
+    torchrun --nproc_per_node 2 tests/torch/cases.py divergence
+        the plan applied, then check_plan against a copy of the plan with one parameter's
+        local shape, one unit's reduce dtype and one unit's parameter list changed: each named
+    torchrun --nproc_per_node 2 tests/torch/cases.py refusals
+        what apply_plan refuses: a plan for another world size, expert parallelism (ep = 2)
+
+Prints "rank R: CASE ok: ..." per rank; exits non-zero on the first failed expectation.
+"""
+import copy
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "examples", "torch_host"))
+
+import torch.distributed as dist  # noqa: E402
+
+import models  # noqa: E402
+import moonshard_torch as mt  # noqa: E402
+
+
+def expect_error(fn, *needles):
+    try:
+        fn()
+    except mt.MoonshardError as e:
+        msg = str(e)
+        for n in needles:
+            if n not in msg:
+                raise AssertionError("the error %r lacks %r" % (msg, n))
+        return msg
+    raise AssertionError("no error; expected one naming %s" % (needles,))
+
+
+def divergence(rank, world):
+    model = models.build("llama")
+    plan = mt.plan_model(model, "dp_shard=%d" % world, os.path.join(REPO, "policies", "fsdp2_default.lua"))
+    mt.apply_plan(model, plan)
+    mt.check_plan(model, plan)
+    bad = copy.deepcopy(plan)
+    u0 = bad["units"][0]
+    p0 = u0["params"][0]
+    p0["local_shapes"][rank] = [s + 1 for s in p0["local_shapes"][rank]]
+    u0["reduce_dtype"] = "bf16"
+    moved = bad["units"][1]["params"].pop()
+    msg = expect_error(lambda: mt.check_plan(model, bad), p0["fqn"] + ": local shape", "reduce_dtype",
+                       "unit %s: FSDP2 holds ['%s']" % (bad["units"][1]["name"], moved["fqn"]))
+    print("rank %d: divergence ok: %s" % (rank, msg[:160]), flush=True)
+
+
+def refusals(rank, world):
+    model = models.build("llama")
+    other = mt.plan_model(model, "dp_shard=%d" % (world * 2), os.path.join(REPO, "policies", "fsdp2_default.lua"))
+    expect_error(lambda: mt.apply_plan(model, other), "a world of %d; this job has %d processes" % (world * 2, world))
+    ep = mt.plan_model(models.build("islands"), "dp_shard=%d,ep=%d" % (world, world),
+                       os.path.join(REPO, "policies", "inkling2"))
+    expect_error(lambda: mt.apply_plan(models.build("islands"), ep), "expert parallelism (ep = %d)" % world,
+                 "not applied by moonshard_torch yet")
+    print("rank %d: refusals ok" % rank, flush=True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    {"divergence": divergence, "refusals": refusals}[sys.argv[1]](rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
