@@ -82,12 +82,26 @@ class GroupedExperts(nn.Module):
         self.down_projs = nn.Parameter(0.1 * torch.randn(experts, inter, hidden))
 
     def forward(self, x, weights):
-        x = x.to(self.down_projs.dtype)
+        gate_and_up, down = whole(self.gate_and_up_projs), whole(self.down_projs)
+        x = x.to(down.dtype)
         out = 0
-        for e in range(self.down_projs.shape[0]):
-            gate, up = (x @ self.gate_and_up_projs[e].to(x.dtype)).chunk(2, dim=-1)
-            out = out + (F.silu(gate) * up) @ self.down_projs[e].to(x.dtype) * weights[..., e:e + 1].to(x.dtype)
+        for e in range(down.shape[0]):
+            gate, up = (x @ gate_and_up[e].to(x.dtype)).chunk(2, dim=-1)
+            out = out + (F.silu(gate) * up) @ down[e].to(x.dtype) * weights[..., e:e + 1].to(x.dtype)
         return out
+
+
+def whole(w):
+    """Expert weights split over expert parallelism (a DTensor, Shard(0) over the ep ranks) as
+    the whole tensor on every rank; in backward each rank's gradient is a partial sum
+    (Partial()) that DTensor reduce-scatters back to the experts' owners.  (Every expert runs
+    on every token here, so gathering the weights computes what dispatching the tokens to the
+    experts' ranks would: the example's numerics, not Automodel's all-to-all.)"""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    if not isinstance(w, DTensor):
+        return w
+    n = w.device_mesh.ndim
+    return w.redistribute(placements=[Replicate()] * n).to_local(grad_placements=[Partial()] * n)
 
 
 class MoE(nn.Module):

@@ -4,7 +4,7 @@
         the plan applied, then check_plan against a copy of the plan with one parameter's
         local shape, one unit's reduce dtype and one unit's parameter list changed: each named
     torchrun --nproc_per_node 2 tests/torch/cases.py refusals
-        what apply_plan refuses: a plan for another world size, expert parallelism (ep = 2)
+        what apply_plan refuses: a plan for another world size, a pipeline (pp = 2)
 
 Prints "rank R: CASE ok: ..." per rank; exits non-zero on the first failed expectation.
 """
@@ -54,10 +54,10 @@ def refusals(rank, world):
     model = models.build("llama")
     other = mt.plan_model(model, "dp_shard=%d" % (world * 2), os.path.join(REPO, "policies", "fsdp2_default.lua"))
     expect_error(lambda: mt.apply_plan(model, other), "a world of %d; this job has %d processes" % (world * 2, world))
-    ep = mt.plan_model(models.build("islands"), "dp_shard=%d,ep=%d" % (world, world),
-                       os.path.join(REPO, "policies", "inkling2"))
-    expect_error(lambda: mt.apply_plan(models.build("islands"), ep), "expert parallelism (ep = %d)" % world,
-                 "not applied by moonshard_torch yet")
+    pp = mt.plan_model(models.build("llama", tied=False), "pp=%d" % world,
+                       os.path.join(REPO, "policies", "fsdp2_default.lua"))
+    expect_error(lambda: mt.apply_plan(models.build("llama", tied=False), pp), "pp = %d" % world,
+                 "pipelines, context and tensor parallelism are not applied yet")
     print("rank %d: refusals ok" % rank, flush=True)
 
 

@@ -123,6 +123,10 @@ case_run llama_hsdp_frozen 4 1e-6 --model llama --untied --freeze layers.0.mlp -
   --mesh dp_replicate=2,dp_shard=2
 # bf16 compute with fp32 islands and the policy's own precision: bf16's tolerance
 case_run islands_inkling2_dp4 4 5e-3 --model islands -- --policy policies/inkling2
+# expert parallelism: the experts DTensors on the MoE mesh's ep axis, left alone by the layers'
+# units (ep_shard = 1), or sharded further by units of their own on ep_shard (Shard(1))
+case_run islands_ep2 2 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=2,ep=2
+case_run islands_ep2_ep_shard2 4 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=4,ep=2
 case_run llama_default_dp2 2 5e-3 --model llama -- --policy policies/fsdp2_default.lua
 
 # a plan written by one run, applied by another; refused for another mesh or model

@@ -162,10 +162,43 @@ def _world_mesh(plan, device_type):
             raise MoonshardError("not_built", "apply_plan: %s = %d: moonshard_torch applies data-parallel plans "
                                  "(dp_replicate, dp_shard) only; pipelines, context and tensor parallelism are not "
                                  "applied yet" % (a["name"], a["size"]))
-    if plan["mesh"].get("ep", 1) > 1 or plan.get("owned"):
-        raise MoonshardError("not_built", "apply_plan: expert parallelism (ep = %d): its placements are not applied "
-                             "by moonshard_torch yet" % plan["mesh"].get("ep", 1))
-    return init_device_mesh(device_type, tuple(a["size"] for a in axes), mesh_dim_names=tuple(a["name"] for a in axes))
+    dense = init_device_mesh(device_type, tuple(a["size"] for a in axes), mesh_dim_names=tuple(a["name"] for a in axes))
+    ep = plan["mesh"].get("ep", 1)
+    moe = None
+    if ep > 1:
+        # Automodel's MoE mesh: (ep_shard, ep), ep innermost (groups of ep consecutive ranks)
+        moe = init_device_mesh(device_type, (plan["mesh"]["ep_shard"], ep), mesh_dim_names=("ep_shard", "ep"))
+    return dense, moe
+
+
+def _unit_mesh(u, dense, moe):
+    axes = tuple(u["mesh_axes"])
+    mesh = moe if moe is not None and set(axes) <= {"ep_shard", "ep"} else dense
+    if axes[0] not in (mesh.mesh_dim_names or ()):
+        raise MoonshardError("not_built", "unit %s: mesh axes %s: moonshard_torch makes units on the axes of the "
+                             "world mesh or of the MoE mesh (ep_shard, ep)" % (u["name"], list(axes)))
+    return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
+
+
+def _distribute_owned(model, plan, moe):
+    """Expert parallelism's parameters (the plan's owned, by ep): each a DTensor on the MoE
+    mesh's ep axis with its placements (Shard(0): the rank's experts), as Automodel's
+    apply_ep leaves them; the units around them ignore them, or an ep_shard unit shards them
+    further."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    for o in plan.get("owned") or []:
+        if o.get("by") != "ep":
+            raise MoonshardError("not_built", "parameter %s is owned by %s; moonshard_torch applies expert "
+                                 "parallelism's ownership only" % (o["fqn"], o.get("by")))
+        dims = [_placement_dim(t) for t in o["placements"]]
+        if moe is None or None in dims or len(dims) != 1:
+            raise MoonshardError("not_built", "parameter %s: placements %s on the ep axis expected as [Shard(d)]"
+                                 % (o["fqn"], o["placements"]))
+        parent_name, _, leaf = o["fqn"].rpartition(".")
+        parent = _module(model, parent_name)
+        p = getattr(parent, leaf)
+        dt = distribute_tensor(p.detach(), moe["ep"], [Shard(dims[0])])
+        setattr(parent, leaf, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
 def _module(model, name):
@@ -197,15 +230,17 @@ def _placement_dim(text):
 
 def apply_plan(model, plan, device_type="cpu"):
     """Applies the plan to model on this rank: activation checkpointing's wrappers for the
-    modules it lists, then fully_shard for every unit in the plan's order with the unit's mesh
+    modules it lists, expert parallelism's parameters as DTensors on the MoE mesh's ep axis
+    (the rank's experts), then fully_shard for every unit in the plan's order with the unit's mesh
     (a 2-D mesh for HSDP), MixedPrecisionPolicy, reshard_after_forward, offload policy,
     ignored parameters (those inside the module that neither this unit nor an earlier one
     holds) and, where a parameter is sharded on another dim, shard_placement_fn; then the
     prefetch the plan counts.  Returns {unit name: module}."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
-    mesh = _world_mesh(plan, device_type)
+    dense, moe = _world_mesh(plan, device_type)
     _wrap_checkpointed(model, plan.get("checkpointed") or [])
+    _distribute_owned(model, plan, moe)
     named = dict(model.named_parameters())
     managed = set()
     units = {}
@@ -228,8 +263,7 @@ def apply_plan(model, plan, device_type="cpu"):
                 raise MoonshardError("not_built", "unit %s: parameter %s is placed %s; moonshard_torch applies "
                                      "Shard(d) placements" % (u["name"], p["fqn"], p["placement"]))
             dims[id(named[p["fqn"]])] = d
-        axes = u["mesh_axes"]
-        unit_mesh = mesh[axes[0]] if len(axes) == 1 else mesh[tuple(axes)]
+        unit_mesh = _unit_mesh(u, dense, moe)
         mp = MixedPrecisionPolicy(param_dtype=MS_DTYPE[u["param_dtype"]], reduce_dtype=MS_DTYPE[u["reduce_dtype"]],
                                   output_dtype=MS_DTYPE[u["output_dtype"]] if u.get("output_dtype") else None,
                                   cast_forward_inputs=u["cast_forward_inputs"])
@@ -273,6 +307,15 @@ def _placement_text(pl):
     if name == "_StridedShard":
         return "_StridedShard(%d, %d)" % (pl.dim, pl.split_factor)
     return str(pl)
+
+
+def _placements_on(dt, axes):
+    """A DTensor's placements on the named mesh axes, in DTensor notation."""
+    names = list(dt.device_mesh.mesh_dim_names or ())
+    out = []
+    for a in axes:
+        out.append(_placement_text(dt.placements[names.index(a)]) if a in names else "(no axis %s)" % a)
+    return out
 
 
 def _fsdp_group(mod):
@@ -334,7 +377,7 @@ def check_plan(model, plan, rank=None):
             have_shape = list(dt.to_local().shape)
             if have_shape != want_shape:
                 problems.append("%s: local shape %s on rank %d, the plan's %s" % (p["fqn"], have_shape, rank, want_shape))
-            have_pl = [_placement_text(x) for x in dt.placements]
+            have_pl = _placements_on(dt, p.get("placement_axes") or u["mesh_axes"])
             if have_pl != list(p["placements"]):
                 problems.append("%s: placements %s, the plan's %s" % (p["fqn"], have_pl, p["placements"]))
             padded = list(fp.padded_sharded_param_size)
@@ -342,10 +385,24 @@ def check_plan(model, plan, rank=None):
                 problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, p["padded_shard_shape"]))
             bytes_held += math.prod(padded) * dt.element_size()
             checked += 1
+    owned = {o["fqn"]: o for o in plan.get("owned") or []}
     for fqn, p in named.items():
-        if fqn not in in_units:
+        if fqn in in_units:
+            continue
+        o = owned.get(fqn)
+        if o is None:
             problems.append("%s: in no unit of the plan (held whole: %s)" % (fqn, type(p).__name__))
             bytes_held += p.numel() * p.element_size()
+            continue
+        # expert parallelism's, in no unit (ep_shard = 1): its experts on this rank
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if list(local.shape) != list(o["local_shape"]):
+            problems.append("%s: local shape %s on rank %d, the plan's %s" % (fqn, list(local.shape), rank,
+                                                                          o["local_shape"]))
+        have_pl = _placements_on(p, ["ep"]) if hasattr(p, "placements") else ["(a plain tensor)"]
+        if have_pl != list(o["placements"]):
+            problems.append("%s: placements %s on ep, the plan's %s" % (fqn, have_pl, o["placements"]))
+        bytes_held += local.numel() * local.element_size()
     planned_bytes = None
     per_rank = (plan.get("memory") or {}).get("per_rank") or []
     if rank < len(per_rank):
