@@ -129,6 +129,29 @@ case_run islands_ep2 2 5e-3 --model islands -- --policy policies/inkling2 --mesh
 case_run islands_ep2_ep_shard2 4 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=4,ep=2
 case_run llama_default_dp2 2 5e-3 --model llama -- --policy policies/fsdp2_default.lua
 
+# the policy's options: CPU offload of every unit, a deeper prefetch (explicit lists)
+case_run llama_offload_prefetch 2 5e-3 --model llama -- --policy policies/fsdp2_default.lua --set offload_policy=cpu \
+  --set prefetch.forward=2 --set prefetch.backward=2
+
+# the plan of `moonshard plan --config` (the model built from the same config.json by
+# moonshard's builder) applied to transformers' model
+"$PY" - "$TMP/config.json" <<'EOF'
+import sys
+sys.path.insert(0, "examples/torch_host")
+import models
+models.build("llama").config.to_json_file(sys.argv[1])
+EOF
+"$BUILD_DIR/moonshard" plan --config "$TMP/config.json" --mesh dp_shard=2 --policy policies/fsdp2_default.lua --json \
+  >"$TMP/cli_plan.json" 2>"$TMP/cli_plan.err"
+run cli_plan 2 --model llama --plan "$TMP/cli_plan.json"
+run cli_plan_ref 2 --model llama --policy policies/fsdp2_default.lua
+if [ "$(grep -c 'check ok' "$TMP/cli_plan.out")" = 2 ] && cmp -s <(losses "$TMP/cli_plan.out") <(losses "$TMP/cli_plan_ref.out") &&
+  [ "$(losses "$TMP/cli_plan.out" | wc -l)" = 3 ]; then
+  ok "moonshard plan --config --json of the model's config.json, applied to transformers' model: checked on every rank, the losses of planning in the process"
+else
+  fail "a plan of moonshard plan --config applied" "$TMP/cli_plan.err" "$TMP/cli_plan.out"
+fi
+
 # a plan written by one run, applied by another; refused for another mesh or model
 run plan_write 2 --model llama --policy policies/fsdp2_default.lua --write-plan "$TMP/plan.json"
 run plan_read 2 --model llama --plan "$TMP/plan.json"

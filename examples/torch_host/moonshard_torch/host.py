@@ -267,7 +267,8 @@ def apply_plan(model, plan, device_type="cpu"):
         mp = MixedPrecisionPolicy(param_dtype=MS_DTYPE[u["param_dtype"]], reduce_dtype=MS_DTYPE[u["reduce_dtype"]],
                                   output_dtype=MS_DTYPE[u["output_dtype"]] if u.get("output_dtype") else None,
                                   cast_forward_inputs=u["cast_forward_inputs"])
-        offload = CPUOffloadPolicy() if u.get("offload_policy") == "cpu" else OffloadPolicy()
+        # (pinned host memory needs a GPU: not on a CPU-only job)
+        offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if u.get("offload_policy") == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=unit_mesh, reshard_after_forward=u["reshard_after_forward"], mp_policy=mp,
                       offload_policy=offload)
         if ignored:
@@ -326,7 +327,8 @@ def _fsdp_group(mod):
 def check_plan(model, plan, rank=None):
     """Compares what FSDP2 built on this rank with the plan: every parameter's local shape and
     placements (in DTensor notation, on the unit's mesh axes), every unit's parameters, mesh
-    axes and mixed-precision policy, and the parameter bytes this rank holds against the plan's
+    axes, mixed-precision policy and offload policy, expert parallelism's parameters outside
+    any unit (their experts on this rank), and the parameter bytes this rank holds against the plan's
     memory.per_rank[rank].params.  Returns a summary dict; raises MoonshardError listing every
     difference."""
     import torch.distributed as dist
@@ -363,6 +365,12 @@ def check_plan(model, plan, rank=None):
             if bool(mp.cast_forward_inputs) != bool(u["cast_forward_inputs"]):
                 problems.append("unit %s: cast_forward_inputs %s, the plan's %s" % (
                     u["name"], mp.cast_forward_inputs, u["cast_forward_inputs"]))
+        offload = u.get("offload_policy") == "cpu"
+        wrong = [fqn_of.get(id(fp.sharded_param), "?") for fp in group.fsdp_params
+                 if bool(getattr(fp, "offload_to_cpu", False)) != offload]
+        if wrong:
+            problems.append("unit %s: %s offloaded to the CPU %s, the plan's offload_policy %s" % (
+                u["name"], ", ".join(sorted(wrong)), "not" if offload else "but", u.get("offload_policy", "none")))
         mesh = group.mesh_info.mesh
         by_fqn = {fqn_of.get(id(fp.sharded_param)): fp for fp in group.fsdp_params}
         for p in u["params"]:
