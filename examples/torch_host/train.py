@@ -107,8 +107,11 @@ def main(argv=None):
         report = mt.check_plan(model, plan)
         print("rank %d: check ok: %d parameters in %d units as planned, %d parameter bytes held (the plan's)" % (
             rank, report["params"], report["units"], report["bytes"]), flush=True)
-        # the data-parallel ranks split the batch's rows; every other axis is 1 here
-        dp = plan["mesh"]["world"]
+        # the data-parallel ranks split the batch's rows; the tp ranks of one share its rows
+        # (the mesh's ranks are row-major over pp, dp_replicate, dp_shard, cp, tp)
+        size = {a["name"]: a["size"] for a in plan["mesh"]["axes"]}
+        dp = size["dp_replicate"] * size["dp_shard"]
+        dp_index = (rank // (size["cp"] * size["tp"])) % dp
         per = args.batch // dp
         if per * dp != args.batch:
             raise mt.MoonshardError("invalid_argument", "--batch %d does not split over %d data-parallel ranks"
@@ -118,7 +121,7 @@ def main(argv=None):
             dist.all_reduce(x)
             return x.item() / world
 
-        losses = train(model, args, lambda b: b[rank * per:(rank + 1) * per], all_mean)
+        losses = train(model, args, lambda b: b[dp_index * per:(dp_index + 1) * per], all_mean)
         if rank == 0:
             for k, l in enumerate(losses, 1):
                 print("step %d loss %.9g" % (k, l), flush=True)

@@ -121,6 +121,10 @@ case_run() {
 case_run llama_fsdp2_dp2 2 1e-6 --model llama -- --policy policies/full_fp32.lua
 case_run llama_hsdp_frozen 4 1e-6 --model llama --untied --freeze layers.0.mlp -- --policy policies/full_fp32.lua \
   --mesh dp_replicate=2,dp_shard=2
+# tensor parallelism: the TP plan through parallelize_module, alone and under FSDP (2-D:
+# _StridedShard on dp_shard, Shard on tp), lm_head's 67 rows split 34 + 33
+case_run llama_tp2 2 1e-6 --model llama --untied -- --policy policies/full_fp32.lua --mesh tp=2
+case_run llama_fsdp_tp 4 1e-6 --model llama --untied -- --policy policies/full_fp32.lua --mesh dp_shard=2,tp=2
 # bf16 compute with fp32 islands and the policy's own precision: bf16's tolerance
 case_run islands_inkling2_dp4 4 5e-3 --model islands -- --policy policies/inkling2
 # expert parallelism: the experts DTensors on the MoE mesh's ep axis, left alone by the layers'

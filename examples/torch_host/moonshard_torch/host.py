@@ -158,10 +158,14 @@ def _world_mesh(plan, device_type):
                              "processes" % (",".join("%s=%d" % (a["name"], a["size"]) for a in axes if a["size"] > 1),
                                             world, dist.get_world_size()))
     for a in axes:
-        if a["name"] in ("pp", "cp", "tp") and a["size"] > 1:
-            raise MoonshardError("not_built", "apply_plan: %s = %d: moonshard_torch applies data-parallel plans "
-                                 "(dp_replicate, dp_shard) only; pipelines, context and tensor parallelism are not "
-                                 "applied yet" % (a["name"], a["size"]))
+        if a["name"] in ("pp", "cp") and a["size"] > 1:
+            raise MoonshardError("not_built", "apply_plan: %s = %d: moonshard_torch applies data, tensor and expert "
+                                 "parallelism; pipelines and context parallelism are not applied yet"
+                                 % (a["name"], a["size"]))
+    tp = plan.get("tensor_parallel") or {}
+    if tp.get("sequence_parallel"):
+        raise MoonshardError("not_built", "apply_plan: sequence_parallel: the TP plan's sequence-parallel variant is "
+                             "not applied by moonshard_torch yet")
     dense = init_device_mesh(device_type, tuple(a["size"] for a in axes), mesh_dim_names=tuple(a["name"] for a in axes))
     ep = plan["mesh"].get("ep", 1)
     moe = None
@@ -178,6 +182,35 @@ def _unit_mesh(u, dense, moe):
         raise MoonshardError("not_built", "unit %s: mesh axes %s: moonshard_torch makes units on the axes of the "
                              "world mesh or of the MoE mesh (ep_shard, ep)" % (u["name"], list(axes)))
     return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
+
+
+TP_STYLES = ("colwise", "rowwise")
+
+
+def _tensor_parallel(model, plan, dense):
+    """The plan's TP plan through parallelize_module on the tp axis: each pattern's style as
+    torch's ColwiseParallel / RowwiseParallel (the embedding rowwise takes replicated token ids,
+    lm_head colwise gives replicated logits, so an ordinary loss runs on every tp rank)."""
+    tp = plan.get("tensor_parallel") or {}
+    if not tp or tp.get("size", 1) <= 1:
+        return
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles = {}
+    for entry in tp.get("plan") or []:
+        if entry.get("modules", 0) == 0:
+            continue
+        style = entry["style"]
+        if style not in TP_STYLES:
+            raise MoonshardError("not_built", "tensor_parallel: pattern %s has style %s; moonshard_torch applies %s"
+                                 % (entry["pattern"], style, " and ".join(TP_STYLES)))
+        if style == "colwise":
+            styles[entry["pattern"]] = ColwiseParallel(output_layouts=Replicate()) \
+                if entry["pattern"] == "lm_head" else ColwiseParallel()
+        else:
+            styles[entry["pattern"]] = RowwiseParallel(input_layouts=Replicate()) \
+                if entry["pattern"].endswith("embed_tokens") else RowwiseParallel()
+    parallelize_module(model, dense["tp"], styles)
 
 
 def _distribute_owned(model, plan, moe):
@@ -229,7 +262,8 @@ def _placement_dim(text):
 
 
 def apply_plan(model, plan, device_type="cpu"):
-    """Applies the plan to model on this rank: activation checkpointing's wrappers for the
+    """Applies the plan to model on this rank: its TP plan through parallelize_module on the
+    tp axis, activation checkpointing's wrappers for the
     modules it lists, expert parallelism's parameters as DTensors on the MoE mesh's ep axis
     (the rank's experts), then fully_shard for every unit in the plan's order with the unit's mesh
     (a 2-D mesh for HSDP), MixedPrecisionPolicy, reshard_after_forward, offload policy,
@@ -239,6 +273,7 @@ def apply_plan(model, plan, device_type="cpu"):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
     dense, moe = _world_mesh(plan, device_type)
+    _tensor_parallel(model, plan, dense)
     _wrap_checkpointed(model, plan.get("checkpointed") or [])
     _distribute_owned(model, plan, moe)
     named = dict(model.named_parameters())
@@ -306,8 +341,29 @@ def _placement_text(pl):
     if name == "Replicate":
         return "Replicate()"
     if name == "_StridedShard":
-        return "_StridedShard(%d, %d)" % (pl.dim, pl.split_factor)
+        return "_StridedShard(%d, split_factor=%d)" % (pl.dim, pl.split_factor)
     return str(pl)
+
+
+def _chunk(n, parts, i):
+    """torch.chunk's piece i of n rows in `parts`: (start, rows); ceil(n / parts) each, the
+    last ones fewer or none."""
+    size = -(-n // parts)
+    start = min(i * size, n)
+    return start, max(0, min(size, n - start))
+
+
+def _tp_local(p, tp_coord, tp_size, coord, shards):
+    """The local and padded shard shapes of a tp-split parameter on tp coordinate tp_coord and
+    FSDP shard coordinate coord of `shards`: the tp piece of the global shape, then FSDP2's
+    dim-0 chunk of it (padded to the first chunk's rows)."""
+    d = int(p["tp"]["placement"][len("Shard("):-1])
+    piece = list(p["tp"]["global_shape"])
+    piece[d] = _chunk(piece[d], tp_size, tp_coord)[1]
+    local, padded = list(piece), list(piece)
+    local[0] = _chunk(piece[0], shards, coord)[1]
+    padded[0] = -(-piece[0] // shards)
+    return local, padded
 
 
 def _placements_on(dt, axes):
@@ -339,6 +395,10 @@ def check_plan(model, plan, rank=None):
     checked = 0
     bytes_held = 0
     in_units = set()
+    sizes = {a["name"]: a["size"] for a in plan["mesh"]["axes"]}
+    tp_size = sizes.get("tp", 1)
+    # the rank's tp coordinate: ranks are row-major over (pp, dp_replicate, dp_shard, cp, tp)
+    tp_coord = rank % tp_size
     for u in plan["units"]:
         mod = _module(model, u["name"])
         group = _fsdp_group(mod)
@@ -382,6 +442,11 @@ def check_plan(model, plan, rank=None):
             # the rank's coordinate on the shard axis (the last of the unit's mesh)
             coord = mesh.get_local_rank(mesh.mesh_dim_names[-1]) if mesh.ndim > 1 else mesh.get_local_rank()
             want_shape = list(p["local_shapes"][coord])
+            want_padded = list(p["padded_shard_shape"])
+            if p.get("tp") and p["tp"].get("placement", "").startswith("Shard(") and tp_size > 1:
+                # the plan's local_shapes are those of tp coordinate 0's piece; another tp
+                # coordinate's piece is cut from the global shape as torch.chunk cuts it
+                want_shape, want_padded = _tp_local(p, tp_coord, tp_size, coord, mesh.size(mesh.ndim - 1))
             have_shape = list(dt.to_local().shape)
             if have_shape != want_shape:
                 problems.append("%s: local shape %s on rank %d, the plan's %s" % (p["fqn"], have_shape, rank, want_shape))
@@ -389,8 +454,8 @@ def check_plan(model, plan, rank=None):
             if have_pl != list(p["placements"]):
                 problems.append("%s: placements %s, the plan's %s" % (p["fqn"], have_pl, p["placements"]))
             padded = list(fp.padded_sharded_param_size)
-            if padded != list(p["padded_shard_shape"]):
-                problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, p["padded_shard_shape"]))
+            if padded != want_padded:
+                problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, want_padded))
             bytes_held += math.prod(padded) * dt.element_size()
             checked += 1
     owned = {o["fqn"]: o for o in plan.get("owned") or []}
