@@ -17,7 +17,8 @@ VENV=${MOONSHARD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/moonshard/torch-ven
 PY=$VENV/bin/python
 pins() { grep -E "^($1)==" tests/reference/requirements.txt | tr '\n' ' '; }
 
-have_venv() { [ -x "$PY" ] && "$PY" -c "import torch, transformers" >/dev/null 2>&1; }
+# (complete once the stamp is there: an install cut short is made again)
+have_venv() { [ -f "$VENV/.moonshard-complete" ] && [ -x "$PY" ] && "$PY" -c "import torch, transformers" >/dev/null 2>&1; }
 
 setup() {
   have_venv && return 0
@@ -31,15 +32,13 @@ EOF
   fi
   echo "tests/torch: making $VENV ($(pins 'torch|transformers')from $index; kept for later runs)"
   mkdir -p "$(dirname "$VENV")"
-  rm -rf "$VENV.tmp"
-  if ! python3 -m venv "$VENV.tmp" >/dev/null || ! "$VENV.tmp/bin/pip" install -q --disable-pip-version-check \
+  rm -rf "$VENV"
+  if ! python3 -m venv "$VENV" >/dev/null || ! "$VENV/bin/pip" install -q --disable-pip-version-check \
     $(pins 'torch|transformers|numpy|safetensors'); then
-    echo "tests/torch: FAIL - pip could not install torch and transformers into $VENV.tmp"
+    echo "tests/torch: FAIL - pip could not install torch and transformers into $VENV"
     return 1
   fi
-  rm -rf "$VENV" && mv "$VENV.tmp" "$VENV"
-  # (a venv's scripts name its directory: made where it now is)
-  python3 -m venv "$VENV" >/dev/null
+  touch "$VENV/.moonshard-complete"
   have_venv
 }
 
@@ -74,7 +73,7 @@ fail() {
 run() { # run NAME NP ARGS...: torchrun of train.py; its output in $TMP/NAME.out
   local name=$1 np=$2
   shift 2
-  timeout -k 5 300 "$VENV/bin/torchrun" --nproc_per_node "$np" --master_port $((29500 + RANDOM % 1000)) \
+  timeout -k 5 300 "$PY" -m torch.distributed.run --nproc_per_node "$np" --master_port $((29500 + RANDOM % 1000)) \
     examples/torch_host/train.py "$@" >"$TMP/$name.out" 2>&1
 }
 losses() { grep '^step [0-9]* loss ' "$1" | awk '{print $4}'; }
@@ -174,7 +173,7 @@ else
 fi
 
 for c in divergence refusals; do
-  timeout -k 5 300 "$VENV/bin/torchrun" --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) tests/torch/cases.py \
+  timeout -k 5 300 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) tests/torch/cases.py \
     "$c" >"$TMP/$c.out" 2>&1
   code=$?
   if [ $code = 0 ] && [ "$(grep -c "^rank [01]: $c ok" "$TMP/$c.out")" = 2 ]; then
