@@ -14,6 +14,10 @@ def llama(vocab=67, hidden=24, layers=2, tied=True):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=tied,
                       max_position_embeddings=128)
     cfg._attn_implementation = "eager"
+    # training, no generation: without a KV cache (activation checkpointing's recompute of a
+    # layer would grow it again)
+    cfg.use_cache = False
+    cfg.architectures = ["LlamaForCausalLM"]
     return LlamaForCausalLM(cfg)
 
 

@@ -48,8 +48,30 @@ def parse_args(argv):
     ap.add_argument("--reference", action="store_true",
                     help="no sharding, one process, the whole batch: the losses to compare with")
     a = ap.parse_args(argv)
-    if not a.reference and not a.policy and not a.plan:
+    if a.reference:
+        given = [f for f, v in (("--policy", a.policy), ("--mesh", a.mesh), ("--plan", a.plan), ("--set", a.set),
+                                ("--write-plan", a.write_plan)) if v]
+        if given:
+            ap.error("--reference trains the model unsharded in one process: %s do not apply" % ", ".join(given))
+    elif a.plan:
+        if a.policy or a.set:
+            ap.error("--plan applies a plan as it was made: --policy and --set are for planning (give them to "
+                     "moonshard plan, or plan here without --plan)")
+    elif not a.policy:
         ap.error("--policy (or --plan) is required unless --reference")
+    if a.steps < 1:
+        ap.error("--steps %d: expected at least 1" % a.steps)
+    if a.batch < 1 or a.seq < 2:
+        ap.error("--batch and --seq: expected at least 1 row of at least 2 tokens")
+    if a.untied and a.model != "llama":
+        ap.error("--untied is for --model llama (the islands model's head is its own)")
+    if a.write_plan:
+        d = os.path.dirname(os.path.abspath(a.write_plan))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            ap.error("--write-plan %s: cannot write in %s" % (a.write_plan, d))
+    if not a.reference and "RANK" not in os.environ:
+        ap.error("run it under torchrun (python -m torch.distributed.run --nproc_per_node N %s ...), or with "
+                 "--reference for the unsharded run" % sys.argv[0])
     return a
 
 
@@ -65,7 +87,7 @@ def train(model, args, rows_of, all_mean):
     losses = []
     for step in range(1, args.steps + 1):
         ids = rows_of(batch(step, args.batch, args.seq, vocab))
-        out = model(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, labels=ids)  # (models.llama has no KV cache: use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -76,6 +98,11 @@ def train(model, args, rows_of, all_mean):
 def main(argv=None):
     args = parse_args(argv)
     model = models.build(args.model, tied=not args.untied)
+    for f in args.freeze:
+        if not any(f in n for n, _ in model.named_parameters()):
+            print("train.py: --freeze %s: no parameter of the %s model has it in its name" % (f, args.model),
+                  file=sys.stderr)
+            return 2
     for n, p in model.named_parameters():
         if any(s in n for s in args.freeze):
             p.requires_grad_(False)
@@ -98,15 +125,11 @@ def main(argv=None):
             print("# moonshard_torch: %s on %s (%d processes), %d units: %s" % (
                 args.plan or args.policy, mesh, world, len(plan["units"]),
                 ", ".join(u["name"] or "<root>" for u in plan["units"])), flush=True)
-            for w in plan.get("host_warnings", []):
+            for w in plan.get("warnings", []):
                 print("# plan warning: %s" % w, flush=True)
             if args.write_plan:
                 with open(args.write_plan, "w") as f:
                     json.dump(plan, f)
-        mt.apply_plan(model, plan)
-        report = mt.check_plan(model, plan)
-        print("rank %d: check ok: %d parameters in %d units as planned, %d parameter bytes held (the plan's)" % (
-            rank, report["params"], report["units"], report["bytes"]), flush=True)
         # the data-parallel ranks split the batch's rows; the tp ranks of one share its rows
         # (the mesh's ranks are row-major over pp, dp_replicate, dp_shard, cp, tp)
         size = {a["name"]: a["size"] for a in plan["mesh"]["axes"]}
@@ -116,6 +139,10 @@ def main(argv=None):
         if per * dp != args.batch:
             raise mt.MoonshardError("invalid_argument", "--batch %d does not split over %d data-parallel ranks"
                                     % (args.batch, dp))
+        mt.apply_plan(model, plan)
+        report = mt.check_plan(model, plan)
+        print("rank %d: check ok: %d parameters in %d units as planned, %d parameter bytes held (the plan's)" % (
+            rank, report["params"], report["units"], report["bytes"]), flush=True)
 
         def all_mean(x):
             dist.all_reduce(x)
@@ -127,7 +154,12 @@ def main(argv=None):
                 print("step %d loss %.9g" % (k, l), flush=True)
         dist.barrier()
     except mt.MoonshardError as e:
-        print("rank %d: moonshard_torch: %s" % (rank, e), file=sys.stderr, flush=True)
+        # (one write a rank, so that the ranks' lines do not run into each other)
+        msg = str(e)
+        if not msg.startswith("rank %d:" % rank):
+            msg = "rank %d: %s" % (rank, msg)
+        sys.stderr.write("moonshard_torch: %s\n" % msg)
+        sys.stderr.flush()
         dist.destroy_process_group()
         return 1
     dist.destroy_process_group()

@@ -4,7 +4,9 @@
         the plan applied, then check_plan against a copy of the plan with one parameter's
         local shape, one unit's reduce dtype and one unit's parameter list changed: each named
     torchrun --nproc_per_node 2 tests/torch/cases.py refusals
-        what apply_plan refuses: a plan for another world size, a pipeline (pp = 2)
+        what apply_plan refuses: a plan for another world size, a pipeline (pp = 2), tied
+        weights under tensor parallelism, a model sharded already; check_plan before apply_plan,
+        and a reshard_after_forward that differs
 
 Prints "rank R: CASE ok: ..." per rank; exits non-zero on the first failed expectation.
 """
@@ -58,6 +60,17 @@ def refusals(rank, world):
                        os.path.join(REPO, "policies", "fsdp2_default.lua"))
     expect_error(lambda: mt.apply_plan(models.build("llama", tied=False), pp), "pp = %d" % world,
                  "pipelines and context parallelism are not applied yet")
+    tied = mt.plan_model(models.build("llama"), "tp=%d" % world, os.path.join(REPO, "policies", "fsdp2_default.lua"))
+    expect_error(lambda: mt.apply_plan(models.build("llama"), tied), "tensor parallelism with tied parameters",
+                 "lm_head.weight = model.embed_tokens.weight")
+    fresh = models.build("llama")
+    plain = mt.plan_model(fresh, "dp_shard=%d" % world, os.path.join(REPO, "policies", "fsdp2_default.lua"))
+    expect_error(lambda: mt.check_plan(fresh, plain), "is not sharded", "call apply_plan(model, plan) first")
+    mt.apply_plan(fresh, plain)
+    expect_error(lambda: mt.apply_plan(fresh, plain), "the model is sharded already")
+    bad = copy.deepcopy(plain)
+    bad["units"][0]["reshard_after_forward"] = not bad["units"][0]["reshard_after_forward"]
+    expect_error(lambda: mt.check_plan(fresh, bad), "unit %s: reshard_after_forward" % bad["units"][0]["name"])
     print("rank %d: refusals ok" % rank, flush=True)
 
 

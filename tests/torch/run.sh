@@ -124,36 +124,19 @@ case_run llama_hsdp_frozen 4 1e-6 --model llama --untied --freeze layers.0.mlp -
 # _StridedShard on dp_shard, Shard on tp), lm_head's 67 rows split 34 + 33
 case_run llama_tp2 2 1e-6 --model llama --untied -- --policy policies/full_fp32.lua --mesh tp=2
 case_run llama_fsdp_tp 4 1e-6 --model llama --untied -- --policy policies/full_fp32.lua --mesh dp_shard=2,tp=2
+# activation checkpointing of transformers' decoder layers (CheckpointWrapper, as planned)
+case_run llama_checkpointed 2 1e-6 --model llama -- --policy policies/full_fp32.lua --set activation_checkpointing=true
 # bf16 compute with fp32 islands and the policy's own precision: bf16's tolerance
 case_run islands_inkling2_dp4 4 5e-3 --model islands -- --policy policies/inkling2
 # expert parallelism: the experts DTensors on the MoE mesh's ep axis, left alone by the layers'
 # units (ep_shard = 1), or sharded further by units of their own on ep_shard (Shard(1))
 case_run islands_ep2 2 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=2,ep=2
 case_run islands_ep2_ep_shard2 4 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=4,ep=2
-case_run llama_default_dp2 2 5e-3 --model llama -- --policy policies/fsdp2_default.lua
 
-# the policy's options: CPU offload of every unit, a deeper prefetch (explicit lists)
+# fsdp2_default (bf16) with the policy's options: CPU offload of every unit, a deeper
+# prefetch (explicit lists)
 case_run llama_offload_prefetch 2 5e-3 --model llama -- --policy policies/fsdp2_default.lua --set offload_policy=cpu \
   --set prefetch.forward=2 --set prefetch.backward=2
-
-# the plan of `moonshard plan --config` (the model built from the same config.json by
-# moonshard's builder) applied to transformers' model
-"$PY" - "$TMP/config.json" <<'EOF'
-import sys
-sys.path.insert(0, "examples/torch_host")
-import models
-models.build("llama").config.to_json_file(sys.argv[1])
-EOF
-"$BUILD_DIR/moonshard" plan --config "$TMP/config.json" --mesh dp_shard=2 --policy policies/fsdp2_default.lua --json \
-  >"$TMP/cli_plan.json" 2>"$TMP/cli_plan.err"
-run cli_plan 2 --model llama --plan "$TMP/cli_plan.json"
-run cli_plan_ref 2 --model llama --policy policies/fsdp2_default.lua
-if [ "$(grep -c 'check ok' "$TMP/cli_plan.out")" = 2 ] && cmp -s <(losses "$TMP/cli_plan.out") <(losses "$TMP/cli_plan_ref.out") &&
-  [ "$(losses "$TMP/cli_plan.out" | wc -l)" = 3 ]; then
-  ok "moonshard plan --config --json of the model's config.json, applied to transformers' model: checked on every rank, the losses of planning in the process"
-else
-  fail "a plan of moonshard plan --config applied" "$TMP/cli_plan.err" "$TMP/cli_plan.out"
-fi
 
 # a plan written by one run, applied by another; refused for another mesh or model
 run plan_write 2 --model llama --policy policies/fsdp2_default.lua --write-plan "$TMP/plan.json"
@@ -170,6 +153,24 @@ if [ -s "$TMP/plan.json" ] && [ "$(grep -c 'check ok' "$TMP/plan_read.out")" = 2
 else
   fail "a plan from a file (exit codes $c_other $c_model)" "$TMP/plan_read.out" "$TMP/plan_other_mesh.out" \
     "$TMP/plan_other_model.out"
+fi
+
+# the plan of `moonshard plan --config` (the model built from the same config.json by
+# moonshard's builder) applied to transformers' model
+"$PY" - "$TMP/config.json" <<'EOF'
+import sys
+sys.path.insert(0, "examples/torch_host")
+import models
+models.build("llama").config.to_json_file(sys.argv[1])  # (architectures set by models.llama)
+EOF
+"$BUILD_DIR/moonshard" plan --config "$TMP/config.json" --mesh dp_shard=2 --policy policies/fsdp2_default.lua --json \
+  >"$TMP/cli_plan.json" 2>"$TMP/cli_plan.err"
+run cli_plan 2 --model llama --plan "$TMP/cli_plan.json"
+if [ "$(grep -c 'check ok' "$TMP/cli_plan.out")" = 2 ] && cmp -s <(losses "$TMP/cli_plan.out") <(losses "$TMP/plan_write.out") &&
+  [ "$(losses "$TMP/cli_plan.out" | wc -l)" = 3 ]; then
+  ok "moonshard plan --config --json of the model's config.json, applied to transformers' model: checked on every rank, the losses of planning in the process"
+else
+  fail "a plan of moonshard plan --config applied" "$TMP/cli_plan.err" "$TMP/cli_plan.out"
 fi
 
 for c in divergence refusals; do

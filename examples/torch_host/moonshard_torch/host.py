@@ -76,6 +76,17 @@ def plan_model(model, mesh, policy, options=(), optimizer=None):
     """The plan (a dict, the JSON of `moonshard plan --json`) of model on mesh ("dp_shard=4",
     "dp_replicate=2,dp_shard=2") with the policy file or directory; options are the policy's
     NAME=VALUE settings (moonshard plan --set).  The same on every rank: each plans alone."""
+    if not isinstance(model, torch.nn.Module):
+        raise MoonshardError("invalid_argument", "plan_model: model must be a torch.nn.Module, got %s" % type(model).__name__)
+    for name, value in (("mesh", mesh), ("policy", policy)):
+        if not isinstance(value, str) or not value:
+            raise MoonshardError("invalid_argument", "plan_model: %s must be a non-empty string (%s), got %r" % (
+                name, "e.g. \"dp_shard=4\"" if name == "mesh" else "a policy file or directory", value))
+    if isinstance(options, str):
+        options = [options]
+    if next(model.parameters(), None) is None:
+        raise MoonshardError("invalid_argument", "plan_model: the model (%s) has no parameters: nothing to shard"
+                             % type(model).__name__)
     with Interp() as interp:
         describe(model, interp)
         if optimizer:
@@ -84,7 +95,6 @@ def plan_model(model, mesh, policy, options=(), optimizer=None):
             interp.set_option(o)
         interp.plan(mesh, policy)
         plan = interp.plan_json()
-        plan["host_warnings"] = interp.warnings()
     plan["host"] = {"mesh": mesh, "policy": policy, "options": list(options)}
     return plan
 
@@ -102,13 +112,25 @@ def parse_mesh(spec):
 
 def load_plan(path, model, mesh=None):
     """A plan written by `moonshard plan --json` (or json.dump of plan_model's), checked
-    against model and, when given, the mesh spec: every parameter's name, shape and dtype
-    (and requires_grad where the plan says), and the mesh's axis sizes.  A difference is a
+    against model and, when given, the mesh spec: every parameter's name, shape and dtype,
+    the count of trainable parameters, and the mesh's axis sizes.  A difference is a
     MoonshardError listing each."""
-    with open(path) as f:
-        plan = json.load(f)
-    if not isinstance(plan, dict) or "units" not in plan or "mesh" not in plan:
-        raise MoonshardError("invalid_argument", "%s: not a moonshard plan (no units or mesh)" % path)
+    if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+        raise MoonshardError("invalid_argument", "load_plan: a path to a plan's JSON file expected, got %s (a plan "
+                             "already in hand is applied as it is: apply_plan(model, plan))" % type(path).__name__)
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except OSError as e:
+        raise MoonshardError("io", "%s: cannot read the plan: %s" % (path, e.strerror or e))
+    except ValueError as e:
+        raise MoonshardError("invalid_argument", "%s: not JSON (%s); a plan is what `moonshard plan --json` writes"
+                             % (path, e))
+    mesh_ok = isinstance(plan, dict) and isinstance(plan.get("mesh"), dict) and \
+        isinstance(plan["mesh"].get("axes"), list) and "world" in plan["mesh"]
+    if not isinstance(plan, dict) or not isinstance(plan.get("units"), list) or not mesh_ok:
+        raise MoonshardError("invalid_argument", "%s: not a moonshard plan (it needs units and a mesh with axes and "
+                             "world, as `moonshard plan --json` writes)" % path)
     problems = []
     planned = {}
     for u in plan["units"]:
@@ -128,6 +150,11 @@ def load_plan(path, model, mesh=None):
         if ps != ms or (pd and pd != md):
             problems.append("%s: the model's is %s %s, the plan's %s %s" % (fqn, "x".join(map(str, ms)), md,
                                                                               "x".join(map(str, ps)), pd))
+    trainable = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+    planned_trainable = (plan.get("model") or {}).get("trainable_params")
+    if planned_trainable is not None and planned_trainable != trainable:
+        problems.append("the plan was made for %d trainable parameters, the model has %d (other parameters frozen: "
+                        "the plan's gradient and optimizer figures would not hold)" % (planned_trainable, trainable))
     if mesh is not None:
         want = parse_mesh(mesh)
         got = {a["name"]: a["size"] for a in plan["mesh"]["axes"]}
@@ -194,6 +221,11 @@ def _tensor_parallel(model, plan, dense):
     tp = plan.get("tensor_parallel") or {}
     if not tp or tp.get("size", 1) <= 1:
         return
+    _, ties, _ = model_description(model)
+    if ties:
+        raise MoonshardError("not_built", "apply_plan: tensor parallelism with tied parameters (%s): "
+                             "parallelize_module gives each module its own DTensor, which unties them; give the "
+                             "model untied weights" % ", ".join("%s = %s" % t for t in ties))
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     styles = {}
@@ -234,6 +266,10 @@ def _distribute_owned(model, plan, moe):
         setattr(parent, leaf, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
+def _label(name):
+    return name or "<root>"
+
+
 def _module(model, name):
     if name in ("", "<root>"):
         return model
@@ -246,10 +282,10 @@ def _module(model, name):
 def _wrap_checkpointed(model, names):
     """Wraps each module the plan checkpoints in torch's CheckpointWrapper (its child is
     _checkpoint_wrapped_module, the name the plan's units use)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
     for name in names:
         target = _module(model, name)
-        if type(target).__name__ == "CheckpointWrapper":
+        if isinstance(target, CheckpointWrapper):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = _module(model, parent_name)
@@ -272,6 +308,10 @@ def apply_plan(model, plan, device_type="cpu"):
     prefetch the plan counts.  Returns {unit name: module}."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
+    for name, m in model.named_modules():
+        if hasattr(m, "_get_fsdp_state") or type(m).__name__.startswith("FSDP"):
+            raise MoonshardError("state", "apply_plan: the model is sharded already (%s has FSDP state): apply a plan "
+                                 "to a fresh model, once" % _label(name))
     dense, moe = _world_mesh(plan, device_type)
     _tensor_parallel(model, plan, dense)
     _wrap_checkpointed(model, plan.get("checkpointed") or [])
@@ -282,7 +322,7 @@ def apply_plan(model, plan, device_type="cpu"):
     for u in plan["units"]:
         if u["kind"] not in ("module", "fp32_island", "root"):
             raise MoonshardError("not_built", "apply_plan: unit %s is a %s unit; moonshard_torch applies FSDP2 units "
-                                 "(fully_shard) only" % (u["name"], u["kind"]))
+                                 "(fully_shard) only" % (_label(u["name"]), u["kind"]))
         mod = _module(model, u["name"])
         mine = [p["fqn"] for p in u["params"]]
         for fqn in mine:
@@ -383,12 +423,17 @@ def _fsdp_group(mod):
 def check_plan(model, plan, rank=None):
     """Compares what FSDP2 built on this rank with the plan: every parameter's local shape and
     placements (in DTensor notation, on the unit's mesh axes), every unit's parameters, mesh
-    axes, mixed-precision policy and offload policy, expert parallelism's parameters outside
+    axes, mixed-precision policy, offload policy and reshard_after_forward, the modules
+    wrapped for activation checkpointing, expert parallelism's parameters outside
     any unit (their experts on this rank), and the parameter bytes this rank holds against the plan's
     memory.per_rank[rank].params.  Returns a summary dict; raises MoonshardError listing every
     difference."""
     import torch.distributed as dist
-    rank = dist.get_rank() if rank is None else rank
+    if rank is None:
+        if not dist.is_initialized():
+            raise MoonshardError("state", "check_plan: torch.distributed is not initialised (torchrun, then "
+                                 "dist.init_process_group)")
+        rank = dist.get_rank()
     named = dict(model.named_parameters())
     fqn_of = {id(p): n for n, p in named.items()}
     problems = []
@@ -401,18 +446,35 @@ def check_plan(model, plan, rank=None):
     tp_coord = rank % tp_size
     for u in plan["units"]:
         mod = _module(model, u["name"])
+        if not hasattr(mod, "_get_fsdp_state"):
+            raise MoonshardError("state", "check_plan: unit %s is not sharded (its module has no FSDP2 state): call "
+                                 "apply_plan(model, plan) first" % _label(u["name"]))
         group = _fsdp_group(mod)
         if group is None:
-            problems.append("unit %s: its module holds no FSDP2 parameter group" % u["name"])
+            problems.append("unit %s: its module holds no FSDP2 parameter group" % _label(u["name"]))
             continue
+        # reshard_after_forward: FSDP2 keeps a post-forward mesh (the unit's own for True, a
+        # smaller one for an integer) or none (False)
+        raf = u["reshard_after_forward"]
+        post = group.post_forward_mesh_info
+        if raf is True:
+            same = post is not None and post == group.mesh_info
+        elif raf is False:
+            same = post is None
+        else:
+            same = post is not None and post != group.mesh_info
+        if not same:
+            problems.append("unit %s: reshard_after_forward %s, the plan's %s" % (
+                _label(u["name"]), "False" if post is None else "True" if post == group.mesh_info else "a smaller mesh",
+                raf))
         got = {fqn_of.get(id(fp.sharded_param), "?") for fp in group.fsdp_params}
         want = {p["fqn"] for p in u["params"]}
         if got != want:
-            problems.append("unit %s: FSDP2 holds %s, the plan %s" % (u["name"], sorted(got - want) or "-",
+            problems.append("unit %s: FSDP2 holds %s, the plan %s" % (_label(u["name"]), sorted(got - want) or "-",
                                                                        sorted(want - got) or "-"))
         names = tuple(group.mesh_info.mesh.mesh_dim_names or ())
         if names != tuple(u["mesh_axes"]):
-            problems.append("unit %s: mesh %s, the plan's %s" % (u["name"], names, tuple(u["mesh_axes"])))
+            problems.append("unit %s: mesh %s, the plan's %s" % (_label(u["name"]), names, tuple(u["mesh_axes"])))
         # the policy FSDP2 keeps: the group's (older torch) or each parameter's (torch >= 2.10)
         policies = [getattr(group, "mp_policy", None)] if hasattr(group, "mp_policy") else \
             [fp.mp_policy for fp in group.fsdp_params]
@@ -421,7 +483,7 @@ def check_plan(model, plan, rank=None):
                                    ("output_dtype", u.get("output_dtype"))):
                 have = getattr(mp, field)
                 if (MS_DTYPE.get(want_dt) if want_dt else None) != have:
-                    problems.append("unit %s: %s %s, the plan's %s" % (u["name"], field, have, want_dt))
+                    problems.append("unit %s: %s %s, the plan's %s" % (_label(u["name"]), field, have, want_dt))
             if bool(mp.cast_forward_inputs) != bool(u["cast_forward_inputs"]):
                 problems.append("unit %s: cast_forward_inputs %s, the plan's %s" % (
                     u["name"], mp.cast_forward_inputs, u["cast_forward_inputs"]))
@@ -458,6 +520,11 @@ def check_plan(model, plan, rank=None):
                 problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, want_padded))
             bytes_held += math.prod(padded) * dt.element_size()
             checked += 1
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    for name in plan.get("checkpointed") or []:
+        # (fully_shard makes the wrapper's class an FSDP subclass of it)
+        if not isinstance(_module(model, name), CheckpointWrapper):
+            problems.append("%s: the plan checkpoints it, the model's is not wrapped" % name)
     owned = {o["fqn"]: o for o in plan.get("owned") or []}
     for fqn, p in named.items():
         if fqn in in_units:
