@@ -99,7 +99,11 @@ case_run() {
   while [ "$1" != -- ]; do margs+=("$1"); shift; done
   shift
   sargs=("$@")
-  "$PY" examples/torch_host/train.py --reference "${margs[@]}" >"$TMP/$name.ref" 2>&1
+  # (one reference run per model and frozen set: cases that share them share it)
+  local key
+  key=$(printf '%s_' "${margs[@]}" | tr -c 'A-Za-z0-9_' '_')
+  [ -s "$TMP/reference_$key" ] || "$PY" examples/torch_host/train.py --reference "${margs[@]}" >"$TMP/reference_$key" 2>&1
+  cp "$TMP/reference_$key" "$TMP/$name.ref"
   run "$name" "$np" "${margs[@]}" "${sargs[@]}"
   local code=$? checks
   checks=$(grep -c "^rank [0-9]*: check ok: " "$TMP/$name.out")
