@@ -691,14 +691,9 @@ function M.verify(path)
         problems[#problems + 1] = format("%s: its safetensors header does not parse: %s", path,
           tostring(list):gsub("^moonshard: safetensors: ", ""))
       else
-        local fh = assert(io.open(path, "rb"))
-        local head = fh:read(8)
-        fh:close()
-        local start = 8
-        for i = 8, 1, -1 do start = start + head:byte(i) * 256 ^ (i - 1) end
         local want, seen = of_file[f.name] or {}, {}
         for _, t in ipairs(list) do
-          local s = want[t.name]
+          local s, start = want[t.name], t.data_start
           seen[t.name] = true
           if not s then
             problems[#problems + 1] = format("%s: its header lists %s, which the index does not place in it", path, t.name)

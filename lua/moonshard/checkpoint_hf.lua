@@ -83,30 +83,20 @@ function M.resolve(path)
   return path
 end
 
--- The byte where a .safetensors file's data area starts: 8 + the header length.
-local function data_start(file)
-  local f = assert(io.open(file, "rb"))
-  local head = f:read(8)
-  f:close()
-  local n = 0
-  for i = 8, 1, -1 do n = n * 256 + head:byte(i) end
-  return 8 + n
-end
-
 --- read_tensors(path) -> {name -> {name, dtype, shape, file, offset (absolute byte of its
 -- data)}}, the list of files, the total data bytes.  Headers only.
 function M.read_tensors(path)
   local file = M.resolve(path)
   local list
   if file:match("%.json$") then list = st.read_index(file) else list = st.read_header(file) end
-  local by_name, starts, files, total = {}, {}, {}, 0
+  local by_name, seen, files, total = {}, {}, {}, 0
   for _, t in ipairs(list) do
-    if not starts[t.file] then
-      starts[t.file] = data_start(t.file)
+    if not seen[t.file] then
+      seen[t.file] = true
       files[#files + 1] = t.file
     end
     by_name[t.name] = { name = t.name, dtype = t.dtype, shape = t.shape, file = t.file,
-      offset = starts[t.file] + t.data_offsets[1] }
+      offset = t.data_start + t.data_offsets[1] }
     total = total + (t.data_offsets[2] - t.data_offsets[1])
   end
   return by_name, files, total

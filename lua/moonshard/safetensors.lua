@@ -83,7 +83,7 @@ local function read_json_header(f, path)
   if not text:find("^[ \t\r\n]*{") then
     fail(path, "the header does not start with '{' (not a safetensors file?)")
   end
-  return json.decode(text, path .. " header", { counts = true }), size - 8 - n
+  return json.decode(text, path .. " header", { counts = true }), size - 8 - n, 8 + n
 end
 
 local MAX_COUNT = module.MAX_COUNT -- 2^53: counts past it are not exact in a double
@@ -159,15 +159,16 @@ local function check_tiling(path, tensors, data_size)
 end
 
 --- read_header(path) -> tensors, metadata.  tensors: a list of {name, dtype (moonshard's
--- name), shape, data_offsets, file} sorted by data offset; metadata: the __metadata__ map
--- (empty when absent).  No tensor data is read.
+-- name), shape, data_offsets, file, data_start (the file's byte where the data area begins:
+-- 8 + the header's length; data_offsets count from it)} sorted by data offset; metadata: the
+-- __metadata__ map (empty when absent).  No tensor data is read.
 function M.read_header(path)
   -- a FIFO would block the open, /dev/zero would pass for an empty file
   local regular, why = util.check_regular(path)
   if not regular then fail(path, "cannot read: %s", why) end
   local f, err = io.open(path, "rb")
   if not f then fail(path, "cannot open: %s", util.io_reason(path, err)) end
-  local ok, header, data_size = pcall(read_json_header, f, path)
+  local ok, header, data_size, data_start = pcall(read_json_header, f, path)
   f:close()
   if not ok then error(header, 0) end
   local tensors, metadata = {}, {}
@@ -175,7 +176,9 @@ function M.read_header(path)
     if name == "__metadata__" then
       metadata = check_metadata(path, header[name])
     else
-      tensors[#tensors + 1] = check_entry(path, name, header[name], data_size)
+      local t = check_entry(path, name, header[name], data_size)
+      t.data_start = data_start
+      tensors[#tensors + 1] = t
     end
   end
   table.sort(tensors, by_offset)
