@@ -94,8 +94,10 @@ static int l_unit_action(lua_State *L) {
     return ms_lua_done(L);
 }
 
-static ms_status (*const unit_flags[])(ms_unit *, int) = {ms_unit_set_requires_gradient_sync, ms_unit_set_cpu_offload};
-static const char *const unit_flag_names[] = {"UNIT_SYNC", "UNIT_CPU_OFFLOAD"};
+static ms_status (*const unit_flags[])(ms_unit *, int) = {ms_unit_set_requires_gradient_sync, ms_unit_set_cpu_offload,
+                                                           ms_unit_set_packed};
+static const char *const unit_flag_names[] = {"UNIT_SYNC", "UNIT_CPU_OFFLOAD", "UNIT_PACKED"};
+enum { N_FLAGS = sizeof unit_flags / sizeof unit_flags[0] };
 static ms_status (*const unit_numbers[])(ms_unit *, double) = {ms_unit_set_gradient_divide_factor, ms_unit_scale_grads};
 static const char *const unit_number_names[] = {"UNIT_DIVIDE_FACTOR", "UNIT_SCALE_GRADS"};
 
@@ -103,7 +105,7 @@ static const char *const unit_number_names[] = {"UNIT_DIVIDE_FACTOR", "UNIT_SCAL
 static int l_unit_set_flag(lua_State *L) {
     ms_unit *u = check_unit(L, 1);
     lua_Integer code = luaL_checkinteger(L, 2);
-    luaL_argcheck(L, code >= 0 && code < 2, 2, "not a UNIT_* flag code");
+    luaL_argcheck(L, code >= 0 && code < N_FLAGS, 2, "not a UNIT_* flag code");
     TRY(L, unit_flags[code](u, lua_toboolean(L, 3)));
     return ms_lua_done(L);
 }
@@ -115,6 +117,28 @@ static int l_unit_set_number(lua_State *L) {
     luaL_argcheck(L, code >= 0 && code < 2, 2, "not a UNIT_* number code");
     TRY(L, unit_numbers[code](u, luaL_checknumber(L, 3)));
     return ms_lua_done(L);
+}
+
+/* unit_set_param_policy(u, i, param_dtype, reduce_dtype): dtypes as codes, -1 unset */
+static int l_unit_set_param_policy(lua_State *L) {
+    TRY(L, ms_unit_set_param_policy(check_unit(L, 1), int_arg(L, 2), int_arg(L, 3), int_arg(L, 4)));
+    return ms_lua_done(L);
+}
+
+/* unit_param_dtypes(u, i) -> stored, gather, reduce (dtype codes), requires_grad */
+static int l_unit_param_dtypes(lua_State *L) {
+    ms_unit *u = check_unit(L, 1);
+    const int i = int_arg(L, 2);
+    int nd, rg;
+    int64_t shape[MS_MAX_DIMS];
+    ms_dtype stored, gather, reduce;
+    TRY(L, ms_unit_param_info(u, i, &nd, shape, &stored, &gather, &rg));
+    TRY(L, ms_unit_param_reduce_dtype(u, i, &reduce));
+    lua_pushinteger(L, stored);
+    lua_pushinteger(L, gather);
+    lua_pushinteger(L, reduce);
+    lua_pushboolean(L, rg);
+    return 4;
 }
 
 static int l_unit_load_full(lua_State *L) {
@@ -219,6 +243,7 @@ void ms_lua_open_unit(lua_State *L) {
         {"unit_name", l_unit_name}, {"unit_fqn", l_unit_fqn}, {"unit_tensor", l_unit_tensor},
         {"unit_action", l_unit_action}, {"unit_set_flag", l_unit_set_flag}, {"unit_set_number", l_unit_set_number},
         {"unit_load_full", l_unit_load_full}, {"unit_param_offset", l_unit_param_offset},
+        {"unit_set_param_policy", l_unit_set_param_policy}, {"unit_param_dtypes", l_unit_param_dtypes},
         {"unit_grad_sq_norm", l_unit_grad_sq_norm}, {"unit_adamw_step", l_unit_adamw_step},
         {"unit_set_adamw", l_unit_set_adamw}, {"unit_adamw_state", l_unit_adamw_state},
         {"unit_adamw_skipped", l_unit_adamw_skipped}, {"unit_set_adamw_skipped", l_unit_set_adamw_skipped},
@@ -230,7 +255,7 @@ void ms_lua_open_unit(lua_State *L) {
     int k = lua_gettop(L);
     set_codes(L, k, unit_getter_names, N_GETTERS);
     set_codes(L, k, unit_action_names, N_ACTIONS);
-    set_codes(L, k, unit_flag_names, 2);
+    set_codes(L, k, unit_flag_names, N_FLAGS);
     set_codes(L, k, unit_number_names, 2);
     lua_pop(L, 1);    ms_lua_open_zero(L);
 }

@@ -417,12 +417,31 @@ void ms_unit_release(ms_unit *u);
  * gradients come back to the host.  Only before the first ms_unit_add_param (MS_ERR_STATE
  * after).  Without a GPU (threads, mpi) every buffer is on the host either way. */
 ms_status ms_unit_set_cpu_offload(ms_unit *u, int offload);
+/* Packs the unit (before the first ms_unit_add_param; MS_ERR_STATE after): a packed unit may
+ * hold trainable parameters of several stored dtypes (a layer's bf16 weights and its fp32
+ * "islands"), each with its own mixed-precision policy (ms_unit_set_param_policy).  Its
+ * parameters are still gathered by one all-gather (of bytes, u8, when their gather dtypes
+ * differ: each parameter's padded shard cast to its own gather dtype) and its gradients
+ * reduced by one reduce-scatter per distinct reduce dtype of the parameters that have a
+ * gradient this step (and, for HSDP, one all-reduce per reduce dtype), in the order the
+ * parameters first use them.  Every parameter keeps its own stored, gather and reduce
+ * dtypes: the unsharded parameter and gradient in its gather dtype, the sync-off
+ * accumulator in its reduce dtype, the gradient shard, the norm, clipping and AdamW (master
+ * weights when not stored in f32) in its stored dtype, so that each parameter's numbers are
+ * those it would have in a unit of its own with that policy.  (FSDP2 refuses trainable
+ * parameters of different stored dtypes in one unit; this is moonshard's extension.) */
+ms_status ms_unit_set_packed(ms_unit *u, int packed);
+/* Parameter i's own mixed-precision policy in a packed unit, in place of the unit's
+ * (param_dtype / reduce_dtype as ms_unit_new takes them: floating, or -1 for unset, and
+ * FSDP2's clamps apply to them per parameter).  Before finalize; MS_ERR_STATE for a unit
+ * that is not packed. */
+ms_status ms_unit_set_param_policy(ms_unit *u, int i, int param_dtype, int reduce_dtype);
 /* Adds a parameter of global `shape` (1 to 8 dims) stored in `dtype`, sharded on `dim`
  * (0 unless a shard_placement_fn says otherwise; negative dims count from the end; another
  * dim than 0 must divide by W).  The rank's padded shard is allocated zero-filled;
  * requires_grad = 0 for frozen parameters (required for integer dtypes).  The trainable
  * parameters of a unit share one stored dtype (MS_ERR_DTYPE naming both parameters
- * otherwise), as FSDP2 demands; frozen ones may have any dtype. */
+ * otherwise), as FSDP2 demands, unless the unit is packed; frozen ones may have any dtype. */
 ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t *shape,
                             ms_dtype dtype, int dim, int requires_grad);
 /* Fixes the flat layout (S = sum of the padded shard numels) and the effective dtypes; no
@@ -447,8 +466,11 @@ ms_tensor *ms_unit_param_shard(ms_unit *u, int i);
  * (FSDP2's rule), and whether it requires gradients.  MS_ERR_STATE before finalize. */
 ms_status ms_unit_param_info(const ms_unit *u, int i, int *ndim, int64_t *shape, ms_dtype *stored, ms_dtype *gather,
                              int *requires_grad);
-/* The dtype the unit reduces its gradients in (after finalize; MS_ERR_STATE before). */
+/* The dtype the unit reduces its gradients in (after finalize; MS_ERR_STATE before): a packed
+ * unit's first trainable parameter's (ms_unit_param_reduce_dtype gives each one's). */
 ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce);
+/* The dtype parameter i's gradient is reduced in (after finalize; MS_ERR_STATE before). */
+ms_status ms_unit_param_reduce_dtype(const ms_unit *u, int i, ms_dtype *reduce);
 /* The rank's sharded gradient of parameter i (stored dtype), or NULL (with an empty
  * message) while the parameter has no gradient: before the first reduce_grads that
  * reduces one for it, and after ms_unit_zero_grad until the next.  Borrowed. */

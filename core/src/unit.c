@@ -117,6 +117,11 @@ static void free_unsharded(ms_unit *u) {
 static void op_clear(ms_unit *u) {
     view_free(&u->op.slice);
     buf_free(u, MS_BYTES_UNSHARDED, &u->flat);
+    for (int g = 0; g < u->op.nred; g++) {
+        view_free(&u->op.red[g].slice);
+        buf_free(u, MS_BYTES_UNSHARDED, &u->op.red[g].flat);
+    }
+    u->op.nred = 0;
 }
 
 /* Marks u unusable after a failed or half-finished collective (its peers cannot be
@@ -296,12 +301,13 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     if (requires_grad && !ms_dtype_is_float(dtype))
         return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is %s and cannot require gradients", unit_label(u), fqn,
                         ms_dtype_name(dtype));
-    /* FSDP2 asks one stored dtype of the trainable parameters; frozen ones may differ */
-    for (int i = 0; requires_grad && i < u->nparams; i++)
+    /* FSDP2 asks one stored dtype of the trainable parameters; frozen ones may differ (and
+     * in a packed unit trainable ones too) */
+    for (int i = 0; requires_grad && !u->packed && i < u->nparams; i++)
         if (u->params[i].requires_grad && u->params[i].dtype != dtype)
             return ms__fail(MS_ERR_DTYPE, "unit '%s': parameter '%s' is stored in %s but '%s' is stored in %s: FSDP "
                             "expects uniform original parameter dtype of the trainable parameters; shard them in "
-                            "separate units", unit_label(u), fqn, ms_dtype_name(dtype), u->params[i].fqn,
+                            "separate units, or pack them (ms_unit_set_packed)", unit_label(u), fqn, ms_dtype_name(dtype), u->params[i].fqn,
                             ms_dtype_name(u->params[i].dtype));
     int64_t local[MS_MAX_DIMS], offset, padded[MS_MAX_DIMS];
     ms_status st = ms_fsdp_shard(ndim, shape, u->W, u->rank, dim, local, &offset, padded);
@@ -315,7 +321,7 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
     }
     unit_param *p = &u->params[u->nparams];
     *p = (unit_param){.ndim = ndim, .dim = dim < 0 ? dim + ndim : dim, .requires_grad = requires_grad != 0,
-                      .dtype = dtype};
+                      .dtype = dtype, .policy_param = -1, .policy_reduce = -1};
     memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
     memcpy(p->padded_shape, padded, (size_t)ndim * sizeof *padded);
     p->padded_numel = 1;
@@ -328,6 +334,36 @@ ms_status ms_unit_add_param(ms_unit *u, const char *fqn, int ndim, const int64_t
         return st;
     }
     u->nparams++;
+    return ms__ok();
+}
+
+ms_status ms_unit_set_packed(ms_unit *u, int packed) {
+    MS_NOT_NULL(u);
+    if (u->nparams || u->state != ST_BUILDING)
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_packed: the unit already holds parameters (or is finalized); "
+                        "pack it before the first ms_unit_add_param", unit_label(u));
+    u->packed = packed != 0;
+    return ms__ok();
+}
+
+ms_status ms_unit_set_param_policy(ms_unit *u, int i, int param_dtype, int reduce_dtype) {
+    MS_NOT_NULL(u);
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "set_param_policy", i, &p);
+    if (!st) st = check_state(u, "set_param_policy", ST(ST_BUILDING));
+    if (st) return st;
+    if (!u->packed)
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_param_policy '%s': the unit is not packed; a parameter has its own "
+                        "policy in a packed unit (ms_unit_set_packed before the first add_param)", unit_label(u), p->fqn);
+    char what[64 + 256];
+    snprintf(what, sizeof what, "parameter '%.200s': param_dtype", p->fqn);
+    st = check_policy_dtype(u->name, what, param_dtype);
+    snprintf(what, sizeof what, "parameter '%.200s': reduce_dtype", p->fqn);
+    if (!st) st = check_policy_dtype(u->name, what, reduce_dtype);
+    if (st) return st;
+    p->own_policy = true;
+    p->policy_param = param_dtype;
+    p->policy_reduce = reduce_dtype;
     return ms__ok();
 }
 
@@ -347,15 +383,46 @@ ms_status ms_unit_finalize(ms_unit *u) {
         if (rank > best) u->stored = p->dtype, best = rank;
     }
     /* FSDP2: reduce_dtype unset when equal to param_dtype; param_dtype unset when
-     * equal to the stored dtype or when the parameter is not floating point. */
+     * equal to the stored dtype or when the parameter is not floating point.  Every
+     * parameter by its own policy (a packed unit's own ones, else the unit's). */
+    for (int i = 0; i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        int pd = p->own_policy ? p->policy_param : u->policy_param;
+        int rd = p->own_policy ? p->policy_reduce : u->policy_reduce;
+        if (rd == pd) rd = -1;
+        p->gather = pd >= 0 && pd != (int)p->dtype && ms_dtype_is_float(p->dtype) ? (ms_dtype)pd : p->dtype;
+        p->reduce = rd >= 0 ? (ms_dtype)rd : p->gather;
+    }
+    /* the unit's dtypes: its first trainable parameter's (else the unit policy's rule on the
+     * stored dtype) */
     int pd = u->policy_param, rd = u->policy_reduce;
     if (rd == pd) rd = -1;
     u->gather = pd >= 0 && pd != (int)u->stored && ms_dtype_is_float(u->stored) ? (ms_dtype)pd : u->stored;
     u->reduce = rd >= 0 ? (ms_dtype)rd : u->gather;
+    for (int i = 0; i < u->nparams; i++)
+        if (u->params[i].requires_grad) {
+            u->gather = u->params[i].gather;
+            u->reduce = u->params[i].reduce;
+            break;
+        }
+    /* one reduce_scatter per reduce dtype of the trainable parameters */
+    u->nred = 0;
+    for (int i = 0; i < u->nparams; i++) {
+        unit_param *p = &u->params[i];
+        p->red = -1;
+        if (!p->requires_grad) continue;
+        for (int g = 0; g < u->nred && p->red < 0; g++)
+            if (u->red_dtype[g] == p->reduce) p->red = g;
+        if (p->red < 0) {
+            if (u->nred == UNIT_MAX_REDUCE) /* cannot happen: a group a floating dtype */
+                return ms__fail(MS_ERR_DTYPE, "unit '%s': more than %d reduce dtypes", unit_label(u), UNIT_MAX_REDUCE);
+            p->red = u->nred;
+            u->red_dtype[u->nred++] = p->reduce;
+        }
+    }
     u->gather_bytes = false;
     for (int i = 0; i < u->nparams; i++) {
         unit_param *p = &u->params[i];
-        p->gather = pd >= 0 && pd != (int)p->dtype && ms_dtype_is_float(p->dtype) ? (ms_dtype)pd : p->dtype;
         u->gather_bytes |= p->gather != u->gather || p->fp8; /* fp8: bytes (unit_fp8.c) */
     }
     int64_t S = 0, bytes;
@@ -365,8 +432,12 @@ ms_status ms_unit_finalize(ms_unit *u) {
         S += u->params[i].padded_numel *
              (u->gather_bytes ? (int64_t)(u->params[i].fp8 ? 1 : ms_dtype_size(u->params[i].gather)) : 1);
     }
-    int64_t es = ms_dtype_size(u->gather) > ms_dtype_size(u->reduce) ? ms_dtype_size(u->gather)
-                                                                     : ms_dtype_size(u->reduce);
+    int64_t es = 1;
+    for (int i = 0; i < u->nparams; i++) {
+        const unit_param *p = &u->params[i];
+        if (ms_dtype_size(p->gather) > es) es = ms_dtype_size(p->gather);
+        if (ms_dtype_size(p->reduce) > es) es = ms_dtype_size(p->reduce);
+    }
     if (!ms__mul_ok(S, u->W, &bytes) || !ms__mul_ok(bytes, es, &bytes))
         return ms__fail(MS_ERR_OVERFLOW, "unit '%s': the all-gather buffer of %d x %lld elements overflows int64",
                         unit_label(u), u->W, (long long)S);
@@ -435,6 +506,17 @@ ms_status ms_unit_reduce_dtype(const ms_unit *u, ms_dtype *reduce) {
     ms_status st = check_state(u, "reduce_dtype", ~ST(ST_BUILDING));
     if (st) return st;
     *reduce = u->reduce;
+    return ms__ok();
+}
+
+ms_status ms_unit_param_reduce_dtype(const ms_unit *u, int i, ms_dtype *reduce) {
+    MS_NOT_NULL(u);
+    MS_NOT_NULL(reduce);
+    unit_param *p = NULL;
+    ms_status st = param_at(u, "param_reduce_dtype", i, &p);
+    if (!st) st = check_state(u, "param_reduce_dtype", ~ST(ST_BUILDING));
+    if (st) return st;
+    *reduce = p->reduce;
     return ms__ok();
 }
 
@@ -566,8 +648,11 @@ static ms_status run_all_gather(void *arg) {
 static ms_status run_reduce(void *arg) {
     unit_op *op = arg;
     ms__coll_label = op->label;
-    ms_status st = ms_reduce_scatter(op->comm, op->slice, op->flat, op->op);
-    if (!st && op->replicate) st = ms_all_reduce(op->replicate, op->slice, op->replicate_op);
+    ms_status st = MS_OK;
+    for (int g = 0; !st && g < op->nred; g++) {
+        st = ms_reduce_scatter(op->comm, op->red[g].slice, op->red[g].flat, op->red[g].op);
+        if (!st && op->replicate) st = ms_all_reduce(op->replicate, op->red[g].slice, op->red[g].replicate_op);
+    }
     ms__coll_label = NULL;
     return st;
 }
@@ -747,12 +832,12 @@ ms_tensor *ms_unit_grad_full(ms_unit *u, int i) {
     }
     if (!p->grad_full) {
         ms_status st;
-        if (u->in_place && u->reduce == u->gather) { /* written straight into the reduce_scatter input */
+        if (u->in_place && p->reduce == p->gather) { /* written straight into the reduce_scatter input */
             const int64_t total = u->W * u->S;
-            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_flat, 1, &total, u->gather, true);
+            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_flat, 1, &total, p->gather, true);
             if (!st && (st = full_view(p, p->grad_flat, &p->grad_full))) buf_free(u, MS_BYTES_UNSHARDED, &p->grad_flat);
         } else {
-            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_full, p->ndim, p->shape, u->gather, true);
+            st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_full, p->ndim, p->shape, p->gather, true);
         }
         if (st) return NULL;
     }
@@ -792,12 +877,12 @@ typedef struct divide_plan {
     ms_op rs_op, ar_op;
 } divide_plan;
 
-static divide_plan divide_factors(const ms_unit *u) {
+static divide_plan divide_factors(const ms_unit *u, ms_dtype reduce) {
     const double n = (double)u->W * u->R;
     const bool custom = u->divide_factor > 0;
     const double f = custom ? u->divide_factor : n;
     divide_plan d = {.prediv = 1, .premul = 1, .post = 1, .rs_op = MS_OP_SUM, .ar_op = MS_OP_SUM};
-    if (u->reduce == MS_F32 || u->reduce == MS_BF16) { /* no overflow risk: the collective divides */
+    if (reduce == MS_F32 || reduce == MS_BF16) { /* no overflow risk: the collective divides */
         if (!custom) {
             if (n > 1) d.rs_op = d.ar_op = MS_OP_AVG;
         } else if (u->W == 1) {
@@ -823,7 +908,7 @@ static divide_plan divide_factors(const ms_unit *u) {
  * freed. */
 static ms_status accumulate(ms_unit *u, unit_param *p) {
     if (!p->grad_acc) {
-        ms_status st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_acc, p->ndim, p->shape, u->reduce, true);
+        ms_status st = buf_new(u, MS_BYTES_UNSHARDED, &p->grad_acc, p->ndim, p->shape, p->reduce, true);
         if (st) return st;
     }
     /* each backward's gradient rounded to the reduce dtype, then added: FSDP2's gradients
@@ -834,46 +919,60 @@ static ms_status accumulate(ms_unit *u, unit_param *p) {
     return MS_OK;
 }
 
-/* u->flat = the (W, S_r) reduce_scatter input: for every shard rank q, the padded blocks of
- * the gradients of this step (accumulator + this backward's gradient when sync was off),
- * pre-scaled (an in_place unit's gradient was written there by the caller); u->op the
- * in-place reduce_scatter and HSDP all_reduce. */
+/* u->op.red[g].flat = the (W, S_r) reduce_scatter input of reduce group g (the gradients
+ * reduced in u->red_dtype[g]; one group unless a packed unit's parameters reduce in several
+ * dtypes): for every shard rank q, the padded blocks of the group's gradients of this step
+ * (accumulator + this backward's gradient when sync was off), pre-scaled (an in_place unit's
+ * gradient was written there by the caller); u->op the in-place reduce_scatters and HSDP
+ * all_reduces, one group after another. */
 static ms_status prepare_reduce(ms_unit *u) {
-    int64_t sr = 0;
+    int64_t sr[UNIT_MAX_REDUCE] = {0};
     ms_status st = MS_OK;
     for (int i = 0; i < u->nparams; i++) {
         unit_param *p = &u->params[i];
         p->in_reduce = p->grad_full || p->grad_acc;
         if (!p->in_reduce) continue;
-        p->grad_offset = sr;
-        sr += p->padded_numel;
+        p->grad_offset = sr[p->red];
+        sr[p->red] += p->padded_numel;
         if (!st && p->grad_full && p->grad_acc) st = accumulate(u, p);
     }
-    const int64_t total = u->W * sr, es = ms_dtype_size(u->reduce);
-    unit_param *const in_place = !st && u->in_place && u->params[0].grad_flat ? &u->params[0] : NULL;
-    if (in_place) { /* the gradient was written into its (W, S) layout: nothing to pack */
-        view_free(&in_place->grad_full);
-        u->flat = in_place->grad_flat;
-        in_place->grad_flat = NULL;
-    } else if (!st) {
-        st = buf_new(u, MS_BYTES_UNSHARDED, &u->flat, 1, &total, u->reduce, false);
-    }
-    for (int q = 0; !st && !in_place && q < u->W; q++)
-        for (int i = 0; !st && i < u->nparams; i++) {
-            unit_param *p = &u->params[i];
-            if (p->in_reduce)
-                st = move_block(u, p, q, p->grad_acc ? p->grad_acc : p->grad_full, u->flat, q * sr + p->grad_offset,
-                                true);
+    u->op = (unit_op){.comm = u->shard, .label = unit_label(u), .replicate = u->replicate};
+    for (int g = 0; !st && g < u->nred; g++) {
+        bool any = false;
+        for (int i = 0; i < u->nparams; i++) any |= u->params[i].in_reduce && u->params[i].red == g;
+        if (!any) continue; /* no gradient of this dtype this step */
+        const ms_dtype rdt = u->red_dtype[g];
+        const int64_t total = u->W * sr[g], es = ms_dtype_size(rdt);
+        unit_reduce *r = &u->op.red[u->op.nred];
+        r->dtype = rdt;
+        r->group = g;
+        unit_param *const in_place = u->in_place && u->params[0].grad_flat ? &u->params[0] : NULL;
+        if (in_place) { /* the gradient was written into its (W, S) layout: nothing to pack */
+            view_free(&in_place->grad_full);
+            r->flat = in_place->grad_flat;
+            in_place->grad_flat = NULL;
+        } else {
+            st = buf_new(u, MS_BYTES_UNSHARDED, &r->flat, 1, &total, rdt, false);
         }
-    if (st) return st;
-    const divide_plan d = divide_factors(u);
-    if (d.prediv != 1 && (st = ew_tensor(u, MS_EW_DIV, u->flat, d.prediv, NULL, false))) return st;
-    if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, u->flat, d.premul, NULL, false))) return st;
-    u->op = (unit_op){.comm = u->shard, .flat = u->flat, .label = unit_label(u), .op = d.rs_op, .replicate = u->replicate,
-                      .replicate_op = d.ar_op, .post_divide = d.post};
-    st = ms_tensor_narrow(&u->op.slice, u->flat, 0, u->rank * sr, sr);
-    if (!st) st = record(u, MS_RECORD_REDUCE_SCATTER, u->reduce, u->W, total * es);
-    if (!st && u->replicate) st = record(u, MS_RECORD_ALL_REDUCE, u->reduce, u->R, sr * es);
+        if (!st) u->op.nred++; /* op_clear frees it from here on */
+        for (int q = 0; !st && !in_place && q < u->W; q++)
+            for (int i = 0; !st && i < u->nparams; i++) {
+                unit_param *p = &u->params[i];
+                if (p->in_reduce && p->red == g)
+                    st = move_block(u, p, q, p->grad_acc ? p->grad_acc : p->grad_full, r->flat,
+                                    q * sr[g] + p->grad_offset, true);
+            }
+        if (st) break;
+        const divide_plan d = divide_factors(u, rdt);
+        if (d.prediv != 1 && (st = ew_tensor(u, MS_EW_DIV, r->flat, d.prediv, NULL, false))) break;
+        if (d.premul != 1 && (st = ew_tensor(u, MS_EW_MUL, r->flat, d.premul, NULL, false))) break;
+        r->op = d.rs_op;
+        r->replicate_op = d.ar_op;
+        r->post_divide = d.post;
+        st = ms_tensor_narrow(&r->slice, r->flat, 0, u->rank * sr[g], sr[g]);
+        if (!st) st = record(u, MS_RECORD_REDUCE_SCATTER, rdt, u->W, total * es);
+        if (!st && u->replicate) st = record(u, MS_RECORD_ALL_REDUCE, rdt, u->R, sr[g] * es);
+    }
     return st;
 }
 
@@ -919,35 +1018,42 @@ static ms_status assign_grad(unit_param *p, ms_tensor *reduced, int64_t at) {
     return st;
 }
 
-/* Post-divide, cast to the stored dtype and assign to the gradient shards that have no
- * gradient (allocated by the first reduce; none after zero_grad), accumulate into those that
- * have one, as FSDP2 does, where the shards are: an offloaded unit brings the reduced chunk
- * to the host first. */
+/* Post-divide each reduce group's chunk, cast to the stored dtypes and assign to the gradient
+ * shards that have no gradient (allocated by the first reduce; none after zero_grad),
+ * accumulate into those that have one, as FSDP2 does, where the shards are: an offloaded
+ * unit brings the reduced chunks to the host first. */
 static ms_status finish_reduce(ms_unit *u) {
-    const int64_t es = ms_dtype_size(u->reduce), n = ms_tensor_numel(u->op.slice);
     const bool dev = shards_on_device(u);
-    ms_tensor *host = NULL; /* an offloaded unit's reduced chunk on the host */
-    ms_status st = u->device >= 0 && !dev ? ms_tensor_to_device(&host, u->op.slice, MS_DEVICE_CPU, 0) : MS_OK;
-    char *out = ms_tensor_data(host ? host : u->op.slice);
-    if (!st && u->op.post_divide != 1)
-        st = ew(u, dev, MS_EW_DIV, out, u->reduce, u->op.post_divide, NULL, u->reduce, false, n);
+    ms_tensor *host[UNIT_MAX_REDUCE] = {NULL}; /* an offloaded unit's reduced chunks on the host */
+    ms_status st = MS_OK;
+    for (int k = 0; !st && k < u->op.nred; k++) {
+        unit_reduce *r = &u->op.red[k];
+        if (u->device >= 0 && !dev) st = ms_tensor_to_device(&host[k], r->slice, MS_DEVICE_CPU, 0);
+        if (!st && r->post_divide != 1)
+            st = ew(u, dev, MS_EW_DIV, ms_tensor_data(host[k] ? host[k] : r->slice), r->dtype, r->post_divide, NULL,
+                    r->dtype, false, ms_tensor_numel(r->slice));
+    }
     for (int i = 0; !st && i < u->nparams; i++) {
         unit_param *p = &u->params[i];
         if (!p->in_reduce) continue;
+        int k = 0;
+        while (u->op.red[k].group != p->red) k++; /* prepare_reduce made p's group */
+        ms_tensor *reduced = host[k] ? host[k] : u->op.red[k].slice;
+        const ms_dtype rdt = u->op.red[k].dtype;
         if (!p->grad_padded) {
             int64_t len, off;
             rank_rows(u, p, u->rank, &len, &off);
-            st = buf_new(u, MS_BYTES_GRADS, &p->grad_padded, p->ndim, p->padded_shape, u->stored, true);
+            st = buf_new(u, MS_BYTES_GRADS, &p->grad_padded, p->ndim, p->padded_shape, p->dtype, true);
             if (!st) st = ms_tensor_narrow(&p->grad_shard, p->grad_padded, p->dim, 0, len);
         }
-        if (!st && p->padded_numel && !p->has_grad) st = assign_grad(p, host ? host : u->op.slice, p->grad_offset);
+        if (!st && p->padded_numel && !p->has_grad) st = assign_grad(p, reduced, p->grad_offset);
         else if (!st && p->padded_numel)
-            st = ew(u, dev, MS_EW_ADD, ms_tensor_data(p->grad_padded), u->stored, 0, out + p->grad_offset * es,
-                    u->reduce, true, p->padded_numel);
+            st = ew(u, dev, MS_EW_ADD, ms_tensor_data(p->grad_padded), p->dtype, 0,
+                    (char *)ms_tensor_data(reduced) + p->grad_offset * ms_dtype_size(rdt), rdt, true, p->padded_numel);
         p->has_grad |= !st;
         p->in_reduce = false;
     }
-    ms_tensor_release(host);
+    for (int k = 0; k < u->op.nred; k++) ms_tensor_release(host[k]);
     if (st) return st;
     op_clear(u);
     u->state = ST_SHARDED;
@@ -989,8 +1095,8 @@ ms_status ms_unit_grad_sq_norm(ms_unit *u, double *out) {
         const void *g = ms_tensor_data(p->grad_padded);
         const int64_t n = ms_tensor_numel(p->grad_shard);
         double part = 0;
-        if (!shards_on_device(u)) part = ms__sum_sq(g, u->stored, n);
-        else if ((st = ms__cuda_sum_sq(u->device, g, u->stored, n, &part))) return ms__wrap(st, "unit '%s'", unit_label(u));
+        if (!shards_on_device(u)) part = ms__sum_sq(g, p->dtype, n);
+        else if ((st = ms__cuda_sum_sq(u->device, g, p->dtype, n, &part))) return ms__wrap(st, "unit '%s'", unit_label(u));
         s += part;
     }
     *out = s / u->R; /* the R replicas hold the same shard */
@@ -1006,8 +1112,8 @@ ms_status ms_unit_scale_grads(ms_unit *u, double scale) {
     for (int i = 0; i < u->nparams && !st; i++) {
         const unit_param *p = &u->params[i];
         if (p->has_grad)
-            st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), u->stored, scale, NULL,
-                    u->stored, false, ms_tensor_numel(p->grad_shard));
+            st = ew(u, shards_on_device(u), MS_EW_MUL, ms_tensor_data(p->grad_padded), p->dtype, scale, NULL,
+                    p->dtype, false, ms_tensor_numel(p->grad_shard));
     }
     return st ? ms__wrap(st, "unit '%s': scale_grads", unit_label(u)) : ms__ok();
 }

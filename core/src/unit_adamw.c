@@ -16,10 +16,10 @@
 static ms_status adamw_state_make(ms_unit *u, unit_param *p) {
     if (p->exp_avg) return MS_OK;
     const int64_t n = ms_tensor_numel(p->shard);
-    const ms_dtype mdt = u->adamw == MS_ADAMW_TORCH ? u->stored : MS_F32;
+    const ms_dtype mdt = u->adamw == MS_ADAMW_TORCH ? p->dtype : MS_F32;
     ms_status st = buf_new(u, MS_BYTES_OPTIMIZER, &p->exp_avg, 1, &n, mdt, true);
     if (!st) st = buf_new(u, MS_BYTES_OPTIMIZER, &p->exp_avg_sq, 1, &n, mdt, true);
-    if (!st && u->adamw == MS_ADAMW_MASTER && u->stored != MS_F32 &&
+    if (!st && u->adamw == MS_ADAMW_MASTER && p->dtype != MS_F32 &&
         !(st = buf_new(u, MS_BYTES_OPTIMIZER, &p->master, 1, &n, MS_F32, true)) && n)
         st = copy_into_flat(p->master, 0, p->shard); /* the f32 master weights from the stored shard */
     return st;
@@ -35,8 +35,8 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h)
         if (!n) return MS_OK;
         void *w = ms_tensor_data(p->padded), *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
         const void *grad = ms_tensor_data(p->grad_padded);
-        if (shards_on_device(u)) return ms__cuda_adamw_torch(u->device, w, m, v, grad, u->stored, n, h);
-        ms__adamw_torch(w, m, v, grad, u->stored, n, h);
+        if (shards_on_device(u)) return ms__cuda_adamw_torch(u->device, w, m, v, grad, p->dtype, n, h);
+        ms__adamw_torch(w, m, v, grad, p->dtype, n, h);
         return MS_OK;
     }
     if (!n) return MS_OK;
@@ -44,8 +44,8 @@ static ms_status adamw_param(ms_unit *u, unit_param *p, const ms_adamw_hyper *h)
     float *m = ms_tensor_data(p->exp_avg), *v = ms_tensor_data(p->exp_avg_sq);
     const void *grad = ms_tensor_data(p->grad_padded);
     void *stored = p->master ? ms_tensor_data(p->padded) : NULL;
-    if (shards_on_device(u)) return ms__cuda_adamw(u->device, w, m, v, grad, u->stored, stored, u->stored, n, h);
-    ms__adamw(w, m, v, grad, u->stored, stored, u->stored, n, h);
+    if (shards_on_device(u)) return ms__cuda_adamw(u->device, w, m, v, grad, p->dtype, stored, p->dtype, n, h);
+    ms__adamw(w, m, v, grad, p->dtype, stored, p->dtype, n, h);
     return MS_OK;
 }
 

@@ -44,7 +44,7 @@ ms_status ms_unit_set_fp8_all_gather(ms_unit *u, int i, int enable) {
         return ms__fail(MS_ERR_DTYPE, "unit '%s': set_fp8_all_gather: '%s' is stored in %s; f32 or bf16 was expected", L,
                         p->fqn, ms_dtype_name(p->dtype));
     /* the gather dtype by finalize's rule */
-    const int pd = u->policy_param;
+    const int pd = p->own_policy ? p->policy_param : u->policy_param;
     const ms_dtype g = pd >= 0 && pd != (int)p->dtype ? (ms_dtype)pd : p->dtype;
     if (g != MS_F32 && g != MS_BF16 && g != MS_F16)
         return ms__fail(MS_ERR_DTYPE, "unit '%s': set_fp8_all_gather: '%s' gathers in %s; f32, bf16 or f16 was expected", L,

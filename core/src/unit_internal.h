@@ -42,9 +42,13 @@ typedef struct unit_param {
     bool requires_grad;
     ms_dtype dtype;  /* stored */
     ms_dtype gather; /* the dtype it is gathered (computed) in, by FSDP2's rule (finalize) */
+    ms_dtype reduce; /* the dtype its gradient is reduced in (finalize) */
+    int policy_param, policy_reduce; /* its own policy dtypes in a packed unit (-1 unset), when own_policy */
+    bool own_policy;                 /* ms_unit_set_param_policy gave it its own policy */
+    int red;                         /* its reduce group: index into u->red_dtype (finalize) */
     int64_t padded_numel;
     int64_t flat_offset; /* into each rank's S-element gather chunk: elements, bytes in a bytes unit */
-    int64_t grad_offset; /* elements into each rank's S_r-element reduce chunk (in_reduce) */
+    int64_t grad_offset; /* elements into each rank's chunk of its reduce group's buffer (in_reduce) */
     bool in_reduce;      /* part of the pending reduce_grads */
     ms_tensor *padded;      /* (padded_shape) stored dtype, zero padding; MS_BYTES_SHARDS */
     ms_tensor *shard;       /* view: padded narrowed to this rank's real rows */
@@ -68,17 +72,30 @@ typedef struct unit_param {
     float fp8_scale; /* the scale of the last fp8 gather */
 } unit_param;
 
+/* The floating dtypes a unit's gradients can be reduced in: at most one reduce group each. */
+enum { UNIT_MAX_REDUCE = 6 };
+
+/* One reduce_scatter of a pending reduce_grads: the gradients of one reduce dtype. */
+typedef struct unit_reduce {
+    ms_tensor *flat;    /* owned: the (W, S_r) reduce_scatter input in the group's dtype; MS_BYTES_UNSHARDED */
+    ms_tensor *slice;   /* owned view: this rank's chunk of flat, the reduce_scatter output */
+    ms_op op;           /* reduce_scatter */
+    ms_op replicate_op; /* HSDP all_reduce */
+    double post_divide; /* slice /= post_divide on wait */
+    ms_dtype dtype;     /* the group's reduce dtype */
+    int group;          /* its index in u->red_dtype (unit_param.red) */
+} unit_reduce;
+
 /* The pending collective.  Between submit and wait only the communication thread uses it. */
 typedef struct unit_op {
     ms_ticket ticket;
     ms_comm *comm;      /* borrowed: the all_gather's or reduce_scatter's group */
-    ms_tensor *flat;    /* borrowed: u->flat, the collective's whole buffer */
-    ms_tensor *slice;   /* owned view: this rank's slice of flat (all_gather in, reduce_scatter out) */
-    ms_op op;           /* reduce_scatter */
-    ms_comm *replicate; /* borrowed: HSDP all_reduce of slice over this group, else NULL */
-    ms_op replicate_op;
+    ms_tensor *flat;    /* borrowed: u->flat, the all_gather's whole buffer */
+    ms_tensor *slice;   /* owned view: this rank's slice of flat (all_gather in) */
+    ms_comm *replicate; /* borrowed: HSDP all_reduce of each reduce slice over this group, else NULL */
     const char *label;  /* borrowed: the unit's name in messages, labelling its collectives */
-    double post_divide; /* reduce: slice /= post_divide on wait */
+    int nred;           /* reduce: the reduce groups with gradients this step, in u->red_dtype order */
+    unit_reduce red[UNIT_MAX_REDUCE];
 } unit_op;
 
 typedef struct buf_cache buf_cache;
@@ -100,7 +117,11 @@ struct ms_unit {
     int k;              /* after forward: 0 keep, 1 free (the whole shard group), else the k-way size */
     int policy_param, policy_reduce; /* the policy's dtypes, -1 = unset */
     ms_dtype stored, gather, reduce; /* the trainable parameters' (else the first's): effective, per
-                                      * FSDP2's rule, from finalize */
+                                      * FSDP2's rule, from finalize; a packed unit's first
+                                      * trainable parameter's */
+    bool packed;        /* trainable parameters of several stored dtypes and own policies (ms_unit_set_packed) */
+    int nred;           /* the distinct reduce dtypes of the trainable parameters (finalize) */
+    ms_dtype red_dtype[UNIT_MAX_REDUCE]; /* in the order of the parameters that first have them */
     unit_state state;
     char failure[1024]; /* the first failure's message (ST_FAILED) */
     unit_param *params; /* (nparams), capacity cap */
@@ -113,7 +134,7 @@ struct ms_unit {
     bool offload;       /* the shards, gradient shards and optimizer state on the host (device >= 0) */
     int adamw;          /* MS_ADAMW_MASTER or MS_ADAMW_TORCH (ms_unit_set_adamw) */
     bool adamw_made;    /* the AdamW state exists (an adamw_step or ms_unit_adamw_state made it) */
-    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING, (W*S_r) reduce dtype while REDUCING; MS_BYTES_UNSHARDED */
+    ms_tensor *flat;    /* (W*S) gather dtype while GATHERING (while REDUCING: op.red[g].flat); MS_BYTES_UNSHARDED */
     ms_tensor *kept;    /* ((W/k)*S) gather dtype: the k-way shard (KWAY); MS_BYTES_UNSHARDED */
     unit_op op;
     bool sync;            /* requires_gradient_sync */

@@ -158,6 +158,9 @@ static const char USAGE[] =
     "                  data-parallel rank's rows, and 1F1B needs M >= pp (PyTorch's rule)\n"
     "  --schedule NAME with pp > 1: the policy's pipeline.schedule option (GPipe or 1F1B,\n"
     "                  the policy's default 1F1B)\n"
+    "  --set NAME=VALUE  one of the policy's options, as moonshard plan --set takes it\n"
+    "                  (repeatable; e.g. pack_islands=true packs the inkling2 policy's FP32\n"
+    "                  islands into their layers' units: the same numbers, fewer collectives)\n"
     "  --sequence-parallel  with tp > 1: the residual stream split over the tp ranks on\n"
     "                  the sequence (sets the policy's option sequence_parallel=true)\n"
     "  --records       after step 1, print every collective rank 0's units issued in that\n"
@@ -362,6 +365,12 @@ static int parse_options(int argc, char **argv, Options *o) {
             if (i + 1 == argc) return usage_error("%s needs a value", a);
             if (*valued[k].value) return usage_error("%s given twice", a);
             *valued[k].value = argv[++i];
+        } else if (!strcmp(a, "--set")) {
+            if (i + 1 == argc) return usage_error("--set needs a value (NAME=VALUE, the policy's option)");
+            if (o->nsets == MAX_SETS) return usage_error("--set given more than %d times", MAX_SETS);
+            if (!strchr(argv[i + 1], '=') || *argv[i + 1] == '=')
+                return usage_error("--set %s: expected NAME=VALUE (e.g. pack_islands=true)", argv[i + 1]);
+            o->sets[o->nsets++] = argv[++i];
         } else if (!strcmp(a, "--records")) {
             o->records = 1;
         } else if (!strcmp(a, "--memory")) {
@@ -1015,7 +1024,9 @@ static ms_status print_banner(Trainer *tr) {
     if (o->pp > 1) printf(" in %d micro-batches", o->microbatches);
     printf("\n# mesh: %s (world %d: pp %d, dp_replicate x dp_shard %d, ep %d, tp %d%s)\n", o->mesh, o->nranks, o->pp,
            o->dp, o->ep, o->tp, o->sp ? ", sequence parallel" : "");
-    printf("# policy: %s\n", o->policy);
+    printf("# policy: %s", o->policy);
+    for (int k = 0; k < o->nsets; k++) printf("%s%s", k ? " " : " (--set ", o->sets[k]);
+    printf("%s\n", o->nsets ? ")" : "");
     for (int w = 0; w < ms_interp_warning_count(tr->in); w++) printf("# plan warning: %s\n", ms_interp_warning(tr->in, w));
     if (o->recipe) {
         int adapted = 0, dim = 0;
@@ -1315,6 +1326,7 @@ static ms_status train(Trainer *tr) {
         }
     }
     if (opt->sp) TRY("setting the policy's sequence_parallel", ms_interp_set_option(tr->in, "sequence_parallel=true"));
+    for (int k = 0; k < opt->nsets; k++) TRY("--set", ms_interp_set_option(tr->in, opt->sets[k]));
     TRY("planning", ms_interp_plan(tr->in, opt->mesh, opt->policy, &tr->nunits));
     if (opt->recipe) CHECK(lora_setup(tr));
     CHECK(alloc_buffers(tr));

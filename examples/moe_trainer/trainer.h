@@ -18,6 +18,8 @@
 // ----------------------------------------------------------------------------
 // options
 
+enum { MAX_SETS = 16 }; // --set options
+
 typedef struct {
     int nranks;
     const char *mesh, *policy, *config, *data, *save;
@@ -46,6 +48,8 @@ typedef struct {
     int pp;         // pipeline stages, one a rank: rank r is stage r / dp, dp index r % dp (tp = 1)
     int microbatches;     // --microbatches M (pp > 1; default pp): micro-batches a step
     const char *schedule; // --schedule NAME (pp > 1), the policy's pipeline.schedule when NULL
+    const char *sets[MAX_SETS]; // --set NAME=VALUE: the policy's options, in order
+    int nsets;
     int tp;         // tensor-parallel size: groups of tp consecutive ranks share their rows (tp.c; pp = 1)
     int sp;         // --sequence-parallel
     int batch_size; // B, global rows per step

@@ -111,6 +111,7 @@ local tensor_out, mesh_out, comm_out = ffi.new("ms_tensor *[1]"), ffi.new("ms_me
 local unit_out, world_out = ffi.new("ms_unit *[1]"), ffi.new("ms_world *[1]")
 local int64_out, int64_out2, double_out = Int64s(1), Int64s(1), Doubles(4)
 local dtype_out, op_out, file_kind_out = ffi.new("ms_dtype[1]"), ffi.new("ms_op[1]"), ffi.new("ms_file_kind[1]")
+local dtype_out2 = ffi.new("ms_dtype[1]")
 local device_out, int_out, int_out2 = ffi.new("ms_device_type[1]"), Ints(1), Ints(1)
 
 local new_table = (function()
@@ -309,7 +310,7 @@ R.version = ffi.string(C.ms_version())
 -- unit_set_number; the rest are the core's enums.
 local UNIT_CODES = { "PARAM_SHARD", "GRAD_SHARD", "PARAM_FULL", "GRAD_FULL", "FINALIZE", "UNSHARD", "WAIT",
   "RESHARD", "REDUCE_GRADS", "RELEASE_UNSHARDED", "ZERO_GRAD", "SYNC", "CPU_OFFLOAD", "DIVIDE_FACTOR",
-  "SCALE_GRADS" }
+  "SCALE_GRADS", "PACKED" }
 local K = {
   F32 = C.MS_F32, F64 = F64, I64 = I64, BOOL = C.MS_BOOL, DTYPE_COUNT = C.MS_DTYPE_COUNT,
   DEVICE_CPU = CPU, DEVICE_META = C.MS_DEVICE_META, DEVICE_CUDA = C.MS_DEVICE_CUDA,
@@ -673,7 +674,7 @@ local UNIT_ACTION = { [K.UNIT_FINALIZE] = C.ms_unit_finalize, [K.UNIT_UNSHARD] =
   [K.UNIT_WAIT] = C.ms_unit_wait, [K.UNIT_RESHARD] = C.ms_unit_reshard, [K.UNIT_REDUCE_GRADS] = C.ms_unit_reduce_grads,
   [K.UNIT_RELEASE_UNSHARDED] = C.ms_unit_release_unsharded, [K.UNIT_ZERO_GRAD] = C.ms_unit_zero_grad }
 local UNIT_FLAG = { [K.UNIT_SYNC] = C.ms_unit_set_requires_gradient_sync,
-  [K.UNIT_CPU_OFFLOAD] = C.ms_unit_set_cpu_offload }
+  [K.UNIT_CPU_OFFLOAD] = C.ms_unit_set_cpu_offload, [K.UNIT_PACKED] = C.ms_unit_set_packed }
 local UNIT_NUMBER = { [K.UNIT_DIVIDE_FACTOR] = C.ms_unit_set_gradient_divide_factor,
   [K.UNIT_SCALE_GRADS] = C.ms_unit_scale_grads }
 
@@ -732,6 +733,21 @@ function R.unit_param_offset(u, i)
   local st = C.ms_unit_param_offset(unit_h(u), i, int_out, int64_out, int64_out2)
   if st ~= 0 then return failed(st) end
   return num(int64_out[0]), num(int64_out2[0]), int_out[0]
+end
+
+function R.unit_set_param_policy(u, i, param_dtype, reduce_dtype)
+  return done(C.ms_unit_set_param_policy(unit_h(u), i, param_dtype, reduce_dtype))
+end
+
+--- unit_param_dtypes(u, i) -> stored, gather, reduce (dtype codes), requires_grad
+function R.unit_param_dtypes(u, i)
+  local h = unit_h(u)
+  local st = C.ms_unit_param_info(h, i, int_out, shape_a, dtype_out, dtype_out2, int_out2)
+  if st ~= 0 then return failed(st) end
+  local stored, gather, rg = tonumber(dtype_out[0]), tonumber(dtype_out2[0]), int_out2[0] ~= 0
+  st = C.ms_unit_param_reduce_dtype(h, i, dtype_out)
+  if st ~= 0 then return failed(st) end
+  return stored, gather, tonumber(dtype_out[0]), rg
 end
 
 function R.unit_set_flag(u, code, flag)

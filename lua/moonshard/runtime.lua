@@ -155,12 +155,16 @@ function M.materialize(plan)
   -- A unit planned with offload_policy "cpu" keeps its shards, gradient shards and optimizer
   -- state in host memory (ms_unit_set_cpu_offload; on the threads and MPI backends
   -- everything is there already).
-  local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor, offload)
+  -- A packed unit (the planner's islands packed into their module's unit) holds parameters
+  -- of several stored dtypes, each island's with the island's own policy (p.mp).
+  local function add_unit(name, shard, replicate, param_dtype, reduce_dtype, reshard, params, factor, offload, packed)
     local u = ms.unit(name, shard, replicate, param_dtype, reduce_dtype, reshard)
     -- where the shards live is fixed before the first parameter is allocated
     if offload then u:set_cpu_offload(true) end
+    if packed then u:set_packed(true) end
     for i, p in ipairs(params) do
       u:add_param(p.fqn, p.shape, p.dtype, p.dim, p.requires_grad)
+      if p.mp then u:set_param_policy(i - 1, p.mp.param_dtype, p.mp.reduce_dtype) end
       -- a recipe's fp8 step with the float8 all-gather: gathered as e4m3 (unit_fp8.c)
       if p.fp8 then u:set_fp8_all_gather(i - 1) end
     end
@@ -249,11 +253,12 @@ function M.materialize(plan)
       for _, e in ipairs(pu.entries) do
         local t = tp and tp[e.param]
         params[#params + 1] = { fqn = e.fqn, shape = t and t.local_shapes[tp_coord + 1] or e.shape, dtype = e.param.dtype,
-          dim = e.dim, requires_grad = e.param.requires_grad, fp8 = e.param.fp8_gather ~= nil }
+          dim = e.dim, requires_grad = e.param.requires_grad, fp8 = e.param.fp8_gather ~= nil,
+          mp = pu.param_mp and pu.param_mp[e.param] or nil }
       end
       local experts = axes_u[#axes_u] == "ep_shard" and dp > 1
       add_unit(pu.name, group(axes_u[#axes_u]), #axes_u == 2 and group(axes_u[1]) or nil, pu.mp.param_dtype,
-        pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu")
+        pu.mp.reduce_dtype, pu.reshard, params, experts and dp or nil, pu.offload == "cpu", pu.packed)
     end
   end
   -- ep-local units: the unsharded expert parameters of each module, in plan order.  Expert

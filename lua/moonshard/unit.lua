@@ -110,6 +110,32 @@ function methods.set_cpu_offload(self, offload)
   return self
 end
 
+--- unit:set_packed(packed): before the first add_param, a unit whose trainable parameters
+-- may have several stored dtypes, each parameter with its own policy (set_param_policy):
+-- one all-gather, one reduce-scatter per reduce dtype (ms_unit_set_packed)
+function methods.set_packed(self, packed)
+  ok(R.unit_set_flag(check_unit(self, 1), K.UNIT_PACKED, truthy(packed)))
+  return self
+end
+
+--- unit:set_param_policy(i, param_dtype|nil, reduce_dtype|nil): parameter i's own
+-- mixed-precision dtypes in a packed unit (nil: unset), before finalize
+function methods.set_param_policy(self, i, param_dtype, reduce_dtype)
+  local u = check_unit(self, 1)
+  local index = param_index(u, i, 2)
+  ok(R.unit_set_param_policy(u, index, opt_dtype_or_unset(param_dtype, 3), opt_dtype_or_unset(reduce_dtype, 4)))
+  return self
+end
+
+--- unit:param_dtypes(i) -> {stored=, gather=, reduce=, requires_grad=}: parameter i's
+-- effective dtypes (after finalize)
+function methods.param_dtypes(self, i)
+  local u = check_unit(self, 1)
+  local stored, gather, reduce, rg = ok(R.unit_param_dtypes(u, param_index(u, i, 2)))
+  return { stored = R.dtype_name(stored), gather = R.dtype_name(gather), reduce = R.dtype_name(reduce),
+    requires_grad = rg }
+end
+
 function methods.set_gradient_divide_factor(self, factor)
   ok(R.unit_set_number(check_unit(self, 1), K.UNIT_DIVIDE_FACTOR, A.check_number(factor, 2)))
   return self

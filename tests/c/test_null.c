@@ -411,6 +411,10 @@ static void test_units(ms_comm *c) {
     REFUSE(ms_unit_param_info, requires_grad, u, 0, &nd, sh, &st, &ga, NULL);
     REFUSE(ms_unit_reduce_dtype, u, NULL, &dt);
     REFUSE(ms_unit_reduce_dtype, reduce, u, NULL);
+    REFUSE(ms_unit_param_reduce_dtype, u, NULL, 0, &dt);
+    REFUSE(ms_unit_param_reduce_dtype, reduce, u, 0, NULL);
+    REFUSE(ms_unit_set_packed, u, NULL, 1);
+    REFUSE(ms_unit_set_param_policy, u, NULL, 0, -1, -1);
     REFUSE_VALUE(ms_unit_grad_shard, u, NULL, NULL, 0);
     REFUSE(ms_unit_load_full, u, NULL, 0, NULL);
     REFUSE(ms_unit_load_full, full, u, 0, NULL);

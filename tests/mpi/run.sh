@@ -19,8 +19,9 @@
 #     schedule with held-out evals (dp_shard=4; pp=2) print the threads run's banner,
 #     losses, learning rates, gradient norms and eval losses and save its parameters, bit
 #     for bit (only the timing fields, the banner's backend line and its totals differ)
-#   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies) and a recipe's fp8
-#     all-gather (recipe_units.lua) on 4 ranks
+#   - Megatron-FSDP's buckets (megatron_units.lua, the four strategies), a recipe's fp8
+#     all-gather (recipe_units.lua) and a packed unit against separate units
+#     (packed_units.lua, the threads run's bits) on 4 ranks
 #   - a checkpoint saved on 4 processes and loaded on 4 (ckpt_units.lua): rank files and the
 #     export the threads run's bytes; checkpoint verify and info of what MPI wrote; HSDP,
 #     tensor-parallel and Megatron-FSDP checkpoints saved on 4 and loaded on 2 processes on
@@ -262,6 +263,19 @@ if [ "$code" = 0 ] && every_rank recipe_units 4 "^recipe_units ok R$"; then
   ok "recipe_units.lua hsdp on 4 ranks: the fp8 step's weights gathered as torchao's e4m3 on every rank"
 else
   fail "recipe_units.lua hsdp (exit $code)" "$TMP/recipe_units.out" "$TMP/recipe_units.err"
+fi
+
+# a packed unit (the layer and its fp32 islands in one unit) against separate units: the same
+# bits on every rank, and the threads backend's bits
+job packed_units 4 -- tests/lua/scripts/packed_units.lua hsdp bf16reduce
+"$BIN" -n 4 tests/lua/scripts/packed_units.lua hsdp bf16reduce >"$TMP/packed_threads.out" 2>&1
+if [ "$code" = 0 ] && every_rank packed_units 4 "^packed_units ok R collectives 5/18 " &&
+  [ "$(grep '^packed_units ok' "$TMP/packed_units.out" | sort)" = \
+    "$(grep '^packed_units ok' "$TMP/packed_threads.out" | sort)" ]; then
+  ok "packed_units.lua hsdp bf16reduce on 4 ranks: the separate units' bits in 5 collectives for 18, the threads run's"
+else
+  fail "packed_units.lua hsdp bf16reduce (exit $code)" "$TMP/packed_units.out" "$TMP/packed_units.err" \
+    "$TMP/packed_threads.out"
 fi
 
 # ---------------------------------------------------------------- checkpoints
