@@ -343,6 +343,8 @@ end
 
 local function dtypes_str(u)
   local g, r = u.gather_dtype or "-", u.reduce_dtype_eff or "-"
+  -- a packed unit reducing in several dtypes: one reduce-scatter each
+  if u.reduce_dtypes and #u.reduce_dtypes > 1 then r = table.concat(u.reduce_dtypes, "+") end
   return g, r
 end
 
