@@ -1890,11 +1890,15 @@ function M.plan(model, mesh, policy, opts)
 end
 
 --- The dtype audit: for every parameter, where it lives and its stored, gathered and
--- reduced dtypes.  A list of {fqn, unit, stored, gathered, reduced, owner}.
+-- reduced dtypes.  A list of {fqn, unit, kind, stored, gathered, reduced, island (the
+-- island of a packed unit the parameter belongs to, else nil), steps}.
 function M.audit(plan)
-  local unit_of = {}
+  local unit_of, island_of = {}, {}
   for _, u in ipairs(plan.units) do
     for _, e in ipairs(u.entries) do unit_of[e.param] = { u, e } end
+    for _, isl in ipairs(u.islands or {}) do
+      for _, p in ipairs(isl.params) do island_of[p] = isl.name end
+    end
   end
   local ep = {}
   for _, o in ipairs(plan.owned) do ep[o.fqn] = o end
@@ -1905,7 +1909,7 @@ function M.audit(plan)
     local steps = M.recipe_tags(plan, np)
     if ue then
       out[#out + 1] = { fqn = fqn, unit = ue[1].name, kind = ue[1].kind, stored = p.dtype, gathered = ue[2].gather,
-        reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
+        reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil, island = island_of[p] }
     elseif ep[fqn] then
       -- Expert parallelism moves no parameters, and an expert parameter in no unit is one the
       -- plan accepted because ep_shard = 1 (or it is frozen): each expert lives on one rank
