@@ -635,6 +635,7 @@ local function as_param_set(ctx, list)
 end
 
 local check_shard_dim -- (below, with the layouts)
+local check_mp, islands_of -- (below, with fully_shard)
 local RESHARD_OK = { [true] = true, [false] = true }
 local UNIT_KINDS = { fp32_island = true, module = true, root = true }
 
@@ -645,7 +646,9 @@ local UNIT_KINDS = { fp32_island = true, module = true, root = true }
 -- an integer, or nil for the default), ignored_params (params or fqns), shard_placement_fn
 -- (fqn, param) -> dim or nil, kind ("fp32_island", "module" or "root"; default "root" for
 -- the model's root, else "module"), offload_policy ("cpu": the shards, gradient shards and
--- optimizer state live in host memory; "none" or nil: on the device).
+-- optimizer state live in host memory; "none" or nil: on the device), islands (a list of
+-- modules strictly below `module`, or their dotted names: packed FP32 islands, see below)
+-- and islands_mp_policy (their policy; default M.ISLAND_MP, the FP32 policy).
 -- Where the policy called: "file:line" of the innermost frame outside the library, and of
 -- up to two of its callers ("a.lua:80 (from a.lua:120)": a helper's line alone would be the
 -- same for every call); nil when no policy frame is on the stack.
@@ -669,7 +672,7 @@ end
 
 -- The keys fully_shard takes, and those of its mp_policy (FSDP2's MixedPrecisionPolicy).
 local SHARD_OPTIONS = { "mesh", "mp_policy", "reshard_after_forward", "ignored_params", "shard_placement_fn",
-  "offload_policy", "kind", "stage" }
+  "offload_policy", "kind", "stage", "islands", "islands_mp_policy" }
 local MP_OPTIONS = { "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs" }
 
 -- A misspelt key would silently fall back to its default: refused, with the keys there are.
@@ -709,6 +712,115 @@ local function managed_params(ctx, module, stage)
   return out
 end
 
+-- FSDP2's MixedPrecisionPolicy of a unit (`what`: "mp_policy" or "islands_mp_policy"),
+-- checked and copied: dtypes floating, cast_forward_inputs a boolean (default true).
+function check_mp(mp, what, name)
+  if type(mp) ~= "table" then
+    fail(string.format("%s of unit %s is a %s; expected a table", what, display(name), type(mp)))
+  end
+  for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
+    check_dtype(mp[k], what .. "." .. k .. " of unit " .. (display(name)))
+    if mp[k] ~= nil and not FLOAT[mp[k]] then
+      fail(string.format("%s.%s of unit %s is '%s'; mixed precision takes a floating dtype " ..
+        "(f32 f16 bf16 f8e4m3 f8e5m2 f64)", what, k, display(name), mp[k]))
+    end
+  end
+  if mp.cast_forward_inputs ~= nil and type(mp.cast_forward_inputs) ~= "boolean" then
+    fail(string.format("%s.cast_forward_inputs of unit %s is a %s; expected true or false", what, display(name),
+      type(mp.cast_forward_inputs)))
+  end
+  return { param_dtype = mp.param_dtype, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
+    cast_forward_inputs = mp.cast_forward_inputs ~= false }
+end
+
+--- The policy of a packed unit's islands when the policy gives none: the FP32 islands' (gather,
+-- reduce and output in f32, no input cast: the island owns its casts).
+M.ISLAND_MP = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32", cast_forward_inputs = false }
+
+-- Packed FP32 islands (fully_shard's islands option): the modules of opts.islands, each
+-- strictly below the unit's module, no unit of its own, not inside another island of the
+-- list, and holding parameters the unit takes (managed, not ignored, not owned, not placed by
+-- expert parallelism).  Their parameters join the unit in FSDP2's managed order, each with
+-- the islands' policy: unit.packed, unit.islands = {{name, module, mp, params}} in the order
+-- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads it).  Returns param -> its island.
+function islands_of(ctx, unit, opts, managed, ignored)
+  local name, module = unit.name, unit.module
+  local where = string.format("fully_shard(%s): islands", display(name))
+  local list = opts.islands
+  if type(list) ~= "table" then
+    fail(string.format("%s is a %s; expected a list of modules (or their dotted names) below %s", where, type(list),
+      display(name)))
+  end
+  local n = rawlen(list)
+  for k in pairs(list) do
+    if not util.is_int(k) or k < 1 or k > n then
+      fail(string.format("%s has the key %s; expected a list (1, 2, ...) of modules below %s", where, shown(k),
+        display(name)))
+    end
+  end
+  if n == 0 then
+    fail(string.format("%s is empty; give the modules below %s to pack into its unit, or leave islands out", where,
+      display(name)))
+  end
+  local imp = check_mp(opts.islands_mp_policy == nil and M.ISLAND_MP or opts.islands_mp_policy, "islands_mp_policy",
+    name)
+  local takes = {}
+  for _, np in ipairs(managed) do
+    local p = np[2]
+    if not ignored[p] and not ctx.owner[p] and not ctx.ep[p] then takes[p] = true end
+  end
+  local seen, island_of = {}, {}
+  unit.packed, unit.islands, unit.param_mp = true, {}, {}
+  for i = 1, n do
+    local m = ctx:module(list[i])
+    local iname = ctx:name_of(m)
+    local what = string.format("%s[%d] (%s)", where, i, display(iname))
+    if m == module then
+      fail(string.format("%s is the unit's module itself; an island is a module strictly below %s", what,
+        display(name)))
+    end
+    if not is_ancestor(ctx, module, m) then
+      fail(string.format("%s is not below %s; an island is a module strictly below the unit's module", what,
+        display(name)))
+    end
+    if seen[m] then fail(string.format("%s is given twice (also islands[%d])", what, seen[m])) end
+    local prev = ctx.unit_of[m]
+    if prev then
+      fail(string.format("%s is a unit already (fully_shard at %s); an island is packed instead of being a unit of " ..
+        "its own", what, prev.site or "?"))
+    end
+    for j = 1, i - 1 do
+      local other = unit.islands[j].module
+      if is_ancestor(ctx, other, m) or is_ancestor(ctx, m, other) then
+        fail(string.format("%s and islands[%d] (%s) are nested; give the outer one only", what, j,
+          display(unit.islands[j].name)))
+      end
+    end
+    seen[m] = i
+    local entry, count = { name = iname, module = m, mp = imp, params = {} }, 0
+    for _, np in ipairs(ctx:params_of(m)) do
+      local p = np[2]
+      if takes[p] and not island_of[p] then
+        count = count + 1
+        island_of[p] = entry
+      end
+    end
+    if count == 0 then
+      fail(string.format("%s holds no parameter the unit %s takes (its parameters are ignored, owned by another " ..
+        "unit, placed by expert parallelism%s, or it has none); pack only modules with parameters of their own",
+        what, display(name), ctx.pp and ", or in another pipeline stage" or ""))
+    end
+    unit.islands[i] = entry
+  end
+  return island_of
+end
+
+--- The mixed-precision policy of parameter p in `unit`: its island's in a packed unit, else
+-- the unit's.  Every dtype the planner derives for a parameter goes through it.
+function M.param_mp(unit, p)
+  return unit.param_mp and unit.param_mp[p] or unit.mp
+end
+
 function Ctx:fully_shard(module, opts)
   opts = opts or {}
   module = self:module(module)
@@ -716,6 +828,9 @@ function Ctx:fully_shard(module, opts)
   local where = "fully_shard(" .. display(name) .. ")"
   check_keys(opts, SHARD_OPTIONS, where, "option", "the options are")
   if opts.mp_policy ~= nil then check_keys(opts.mp_policy, MP_OPTIONS, where, "mp_policy key", "mp_policy is") end
+  if opts.islands_mp_policy ~= nil then
+    check_keys(opts.islands_mp_policy, MP_OPTIONS, where, "islands_mp_policy key", "islands_mp_policy is")
+  end
   local site = call_site()
   local stage
   if self.pp then
@@ -767,18 +882,7 @@ function Ctx:fully_shard(module, opts)
       "wholly outside the shard axis in the mesh's order (pp, dp_replicate, dp_shard, cp, tp; or ep_shard, ep)",
       display(name), axes[1], axes[2]))
   end
-  local mp = opts.mp_policy or {}
-  for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
-    check_dtype(mp[k], "mp_policy." .. k .. " of unit " .. (display(name)))
-    if mp[k] ~= nil and not FLOAT[mp[k]] then
-      fail(string.format("mp_policy.%s of unit %s is '%s'; mixed precision takes a floating dtype " ..
-        "(f32 f16 bf16 f8e4m3 f8e5m2 f64)", k, display(name), mp[k]))
-    end
-  end
-  if mp.cast_forward_inputs ~= nil and type(mp.cast_forward_inputs) ~= "boolean" then
-    fail(string.format("mp_policy.cast_forward_inputs of unit %s is a %s; expected true or false", display(name),
-      type(mp.cast_forward_inputs)))
-  end
+  local mp = check_mp(opts.mp_policy or {}, "mp_policy", name)
   local raf = opts.reshard_after_forward
   if raf ~= nil and not RESHARD_OK[raf] and not util.is_int(raf) then
     fail(string.format("reshard_after_forward of unit %s is %s; expected true, false or an integer",
@@ -799,8 +903,7 @@ function Ctx:fully_shard(module, opts)
   local unit = {
     name = name, module = module, mesh_axes = axes,
     kind = opts.kind or (module == self.model and "root" or "module"),
-    mp = { param_dtype = mp.param_dtype, reduce_dtype = mp.reduce_dtype, output_dtype = mp.output_dtype,
-      cast_forward_inputs = mp.cast_forward_inputs ~= false },
+    mp = mp,
     reshard_after_forward = raf, raf_explicit = raf ~= nil,
     offload = offload == "cpu" and "cpu" or nil,
     params = {}, ignored = {}, index = #self.units + 1, site = site, stage = stage,
@@ -813,7 +916,9 @@ function Ctx:fully_shard(module, opts)
       display(name), type(placement_fn)))
   end
   unit.dims = {}
-  for _, np in ipairs(managed_params(self, module, stage)) do
+  local managed = managed_params(self, module, stage)
+  local island_of = opts.islands ~= nil and islands_of(self, unit, opts, managed, ignored) or nil
+  for _, np in ipairs(managed) do
     local fqn, p = np[1], np[2]
     local prev = self.owner[p]
     if ignored[p] then
@@ -830,6 +935,11 @@ function Ctx:fully_shard(module, opts)
     else
       unit.params[#unit.params + 1] = p
       self.owner[p] = unit
+      if island_of and island_of[p] then
+        local isl = island_of[p]
+        unit.param_mp[p] = isl.mp
+        isl.params[#isl.params + 1] = p
+      end
       if placement_fn then
         local d = placement_fn(fqn, self.present and self.present(p) or p)
         if d ~= nil and not util.is_int(d) then
@@ -1013,13 +1123,23 @@ local function shard_options(view, opts, where)
     o.mesh = {}
     for i = 1, #axes do o.mesh[i] = string_arg(axes[i], where .. ": mesh[" .. i .. "]") end
   end
-  if type(o.mp_policy) == "table" then
-    local mp = {}
-    for k, v in pairs(o.mp_policy) do mp[k] = v end
-    for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
-      mp[k] = string_arg(mp[k], where .. ": mp_policy." .. k, true)
+  for _, key in ipairs({ "mp_policy", "islands_mp_policy" }) do
+    if type(o[key]) == "table" then
+      local mp = {}
+      for k, v in pairs(o[key]) do mp[k] = v end
+      for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
+        mp[k] = string_arg(mp[k], where .. ": " .. key .. "." .. k, true)
+      end
+      o[key] = mp
     end
-    o.mp_policy = mp
+  end
+  if type(o.islands) == "table" then
+    -- modules of ctx.model (the policy's copies) or dotted names; fully_shard checks the list
+    local list = {}
+    for k, v in pairs(o.islands) do
+      list[k] = module_arg(view, v, where .. ": islands[" .. shown(k) .. "]")
+    end
+    o.islands = list
   end
   if o.ignored_params ~= nil then
     if type(o.ignored_params) ~= "table" then
@@ -1673,8 +1793,9 @@ local function plan(model, mesh, policy, opts)
   local packed, storage = {}, nil
   for _, u in ipairs(ctx.units) do
     for _, e in ipairs(u.entries or {}) do
-      if e.param.quant and u.mp and u.mp.param_dtype and u.mp.param_dtype ~= e.param.dtype then
-        packed[#packed + 1] = string.format("%s (unit %s, param_dtype %s)", e.fqn, display(u.name), u.mp.param_dtype)
+      local pmp = u.mp and M.param_mp(u, e.param)
+      if e.param.quant and pmp and pmp.param_dtype and pmp.param_dtype ~= e.param.dtype then
+        packed[#packed + 1] = string.format("%s (unit %s, param_dtype %s)", e.fqn, display(u.name), pmp.param_dtype)
         storage = storage or e.param.dtype
       end
     end
@@ -1769,11 +1890,15 @@ function M.plan(model, mesh, policy, opts)
 end
 
 --- The dtype audit: for every parameter, where it lives and its stored, gathered and
--- reduced dtypes.  A list of {fqn, unit, stored, gathered, reduced, owner}.
+-- reduced dtypes.  A list of {fqn, unit, kind, stored, gathered, reduced, island (the
+-- island of a packed unit the parameter belongs to, else nil), steps}.
 function M.audit(plan)
-  local unit_of = {}
+  local unit_of, island_of = {}, {}
   for _, u in ipairs(plan.units) do
     for _, e in ipairs(u.entries) do unit_of[e.param] = { u, e } end
+    for _, isl in ipairs(u.islands or {}) do
+      for _, p in ipairs(isl.params) do island_of[p] = isl.name end
+    end
   end
   local ep = {}
   for _, o in ipairs(plan.owned) do ep[o.fqn] = o end
@@ -1784,7 +1909,7 @@ function M.audit(plan)
     local steps = M.recipe_tags(plan, np)
     if ue then
       out[#out + 1] = { fqn = fqn, unit = ue[1].name, kind = ue[1].kind, stored = p.dtype, gathered = ue[2].gather,
-        reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil }
+        reduced = (p.requires_grad and FLOAT[p.dtype]) and ue[2].reduce or nil, island = island_of[p] }
     elseif ep[fqn] then
       -- Expert parallelism moves no parameters, and an expert parameter in no unit is one the
       -- plan accepted because ep_shard = 1 (or it is frozen): each expert lives on one rank

@@ -75,11 +75,11 @@ local util = require "moonshard.util"
 
 local A = {}
 
-local DTYPE_SIZE
+local DTYPE_SIZE, plan
 
---- Takes the planner's helpers (DTYPE_SIZE); returns A.
+--- Takes the planner's helpers (DTYPE_SIZE, plan); returns A.
 function A.bind(h)
-  DTYPE_SIZE = h.DTYPE_SIZE
+  DTYPE_SIZE, plan = h.DTYPE_SIZE, h.plan
   return A
 end
 
@@ -114,7 +114,7 @@ function Walk:size_of(m, default)
     local p = nm[2]
     if DTYPE_SIZE[p.dtype] and p.dtype ~= "i64" and p.dtype ~= "i32" then
       local u = self.ctx.owner[p]
-      return DTYPE_SIZE[self.ctx:compute_dtype(p, u and u.mp)]
+      return DTYPE_SIZE[self.ctx:compute_dtype(p, u and plan.param_mp(u, p))]
     end
   end
   return default

@@ -80,7 +80,7 @@ local function expert_token_traffic(ctx, mesh, tokens)
           "per token); plan without tokens, or from a config whose builder records it", display(ctx:name_of(experts))))
       end
       local unit = ctx.owner[p]
-      local dtype = unit and select(1, plan.effective_dtypes(p.dtype, unit.mp)) or p.dtype
+      local dtype = unit and select(1, plan.effective_dtypes(p.dtype, plan.param_mp(unit, p))) or p.dtype
       local S = mul(mul(per_rank, top_k, "the tokens an MoE layer dispatches"), p.shape[2] * DTYPE_SIZE[dtype],
         "the bytes an MoE layer dispatches")
       out[#out + 1] = { count = 4 * tokens.accumulation, bytes = S - util.ceil_div(S, ep) }
@@ -185,7 +185,7 @@ function T.tp_traffic(ctx, mesh, tokens)
     local dtype = ctx.model.attrs.dtype or "f32"
     if w then
       local unit = ctx.owner[w]
-      dtype = unit and select(1, plan.effective_dtypes(w.dtype, unit.mp)) or w.dtype
+      dtype = unit and select(1, plan.effective_dtypes(w.dtype, plan.param_mp(unit, w))) or w.dtype
     end
     return mul(mul(tok, features, "a tensor-parallel activation"), DTYPE_SIZE[dtype], "a tensor-parallel activation")
   end
@@ -249,7 +249,7 @@ function T.tp_traffic(ctx, mesh, tokens)
           local p = m.params[pname]
           local unit = ctx.owner[p]
           if p.requires_grad and unit then
-            local rd = select(2, plan.effective_dtypes(p.dtype, unit.mp)) or p.dtype
+            local rd = select(2, plan.effective_dtypes(p.dtype, plan.param_mp(unit, p))) or p.dtype
             norm.count = norm.count + 1
             norm.bytes = add(norm.bytes, bus("all_reduce", mul(p.numel, DTYPE_SIZE[rd], "a norm's gradient")),
               "tensor parallelism's all_reduce bytes")
@@ -308,7 +308,7 @@ function T.cp_traffic(ctx, mesh, tokens, rotate)
             return t and t.local_shapes[1][1] or w.shape[1]
           end
           local unit = ctx.owner[kw]
-          local dtype = unit and select(1, plan.effective_dtypes(kw.dtype, unit.mp)) or kw.dtype
+          local dtype = unit and select(1, plan.effective_dtypes(kw.dtype, plan.param_mp(unit, kw))) or kw.dtype
           local feats = rows(kw) + rows(vw)
           local kv = mul(mul(tok, feats, "a layer's keys and values"), DTYPE_SIZE[dtype], "a layer's keys and values")
           local grads = mul(mul(tok, feats, "a layer's keys and values"), 4, "a layer's key and value gradients")
@@ -384,6 +384,20 @@ function T.per_step(ctx, mesh, owned, tokens)
   -- units again (FSDP2 reshards after backward); gradients reduce once a step (accumulation
   -- without gradient sync).  A pipeline stage keeps its units gathered across micro-batches.
   local gathers = tokens and not ctx.pp and tokens.accumulation or 1
+  comm.gathers = gathers
+  -- packed units (fully_shard's islands): the collectives packing saved a step against a
+  -- unit for each island (plan_layout.packing_saved), all-gathers once per gather
+  local packing = { units = 0, islands = 0, all_gather = 0, reduce_scatter = 0, all_reduce = 0, collectives_saved = 0 }
+  for _, u in ipairs(ctx.units) do
+    if u.packing then
+      packing.units, packing.islands = packing.units + 1, packing.islands + #u.islands
+      packing.all_gather = packing.all_gather + u.packing.all_gather * gathers
+      packing.reduce_scatter = packing.reduce_scatter + u.packing.reduce_scatter
+      packing.all_reduce = packing.all_reduce + u.packing.all_reduce
+    end
+  end
+  packing.collectives_saved = packing.all_gather + packing.reduce_scatter + packing.all_reduce
+  if packing.units > 0 then comm.packing = packing end
   for _, u in ipairs(ctx.units) do
     for _, c in ipairs(u.comm.all_gather) do
       local g = c.once and 1 or gathers -- Megatron-FSDP's once-a-step gathers (plan_megatron)

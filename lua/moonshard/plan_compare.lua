@@ -138,6 +138,14 @@ local function terms(A, B)
   end
   add("units", "units", #A.units, #B.units, "count")
   for _, k in ipairs(kinds) do add("units", k, by[1][k] or 0, by[2][k] or 0, "count") end
+  -- packed units (fully_shard's islands), where either plan has one
+  local packed = { 0, 0 }
+  for i, P in ipairs({ A, B }) do
+    for _, u in ipairs(P.units) do
+      if type(u) == "table" and type(u.packed) == "table" then packed[i] = packed[i] + 1 end
+    end
+  end
+  if packed[1] + packed[2] > 0 then add("units", "packed", packed[1], packed[2], "count") end
   -- memory per rank: rank 0's, then the largest over the listed ranks, every numeric term
   local ra, rb = A.memory.per_rank or {}, B.memory.per_rank or {}
   local skip = { rank = true }
@@ -172,6 +180,12 @@ local function terms(A, B)
     local a, b = ca[k] or {}, cb[k] or {}
     add("communication per step (rank 0)", k .. " count", num(a.count), num(b.count), "count")
     add("communication per step (rank 0)", k .. " bytes", num(a.bytes), num(b.bytes), "bytes")
+  end
+  -- what packed units saved a step, where either plan has them
+  local ka, kb = type(A.comm.packing) == "table" and A.comm.packing, type(B.comm.packing) == "table" and B.comm.packing
+  if ka or kb then
+    add("communication per step (rank 0)", "collectives saved by packing", num((ka or {}).collectives_saved or 0),
+      num((kb or {}).collectives_saved or 0), "count")
   end
   -- the pipeline, where either has one
   local pa, pb = type(A.pipeline) == "table" and A.pipeline or nil, type(B.pipeline) == "table" and B.pipeline or nil

@@ -96,6 +96,16 @@ local function finish_unit(ctx, unit, fqn_of)
   local stored, reduce, gather_bytes, shard_numel, numel, padded_total = nil, nil, 0, 0, 0, 0
   local grad_shard_bytes, param_shard_bytes, trainable_shard = 0, 0, 0
   local dtypes, reduces, gathers = {}, {}, {}
+  -- a packed unit (fully_shard's islands): the FSDP2 rules below hold for the module's own
+  -- parameters and for each island's, as if each were its own unit; one reduce-scatter (and
+  -- HSDP all-reduce) per distinct reduce dtype, in the order the parameters meet them
+  local group_of = {}
+  local groups = { { stored = {}, reduce = {}, what = "" } }
+  for i, isl in ipairs(unit.islands or {}) do
+    groups[i + 1] = { stored = {}, reduce = {}, what = string.format(" (island %s)", display(isl.name)) }
+    for _, p in ipairs(isl.params) do group_of[p] = i + 1 end
+  end
+  local reduce_groups, reduce_order = {}, {}
   local uname = display(unit.name)
   unit.entries = {}
   -- A padded shard holds at most the parameter's elements, each at most 8 bytes in any
@@ -108,7 +118,7 @@ local function finish_unit(ctx, unit, fqn_of)
     local padded = util.copy(shape)
     if #shape > 0 then padded[d + 1] = util.ceil_div(shape[d + 1], W) end
     local pn = numel_of(padded)
-    local gather, red = plan.effective_dtypes(p.dtype, unit.mp)
+    local gather, red = plan.effective_dtypes(p.dtype, plan.param_mp(unit, p))
     -- torchao's float8 all-gather (a recipe's fp8 step): the weight is cast to e4m3 with its
     -- tensorwise scale before FSDP gathers it (torchao/float8/fsdp_utils.py fsdp_pre_all_gather)
     if p.fp8_gather and not replicated then gather = "f8e4m3" end
@@ -116,18 +126,27 @@ local function finish_unit(ctx, unit, fqn_of)
     -- a cast would scramble them (plan.lua warns when the policy asks for one)
     if p.quant then gather = p.dtype end
     -- FSDP2 (_init_mp_dtypes) asks one stored dtype of the trainable parameters only
+    local g = groups[group_of[p] or 1]
     if p.requires_grad and FLOAT[p.dtype] then
-      dtypes[p.dtype] = dtypes[p.dtype] or {}
-      table.insert(dtypes[p.dtype], fqn)
+      g.stored[p.dtype] = g.stored[p.dtype] or {}
+      table.insert(g.stored[p.dtype], fqn)
     end
     if p.requires_grad and FLOAT[p.dtype] then
-      reduces[red] = reduces[red] or {}
-      table.insert(reduces[red], fqn)
-      grad_shard_bytes = add(grad_shard_bytes, pn * DTYPE_SIZE[red], "the gradient shard bytes of unit %s", uname)
+      g.reduce[red] = g.reduce[red] or {}
+      table.insert(g.reduce[red], fqn)
+      local rb = mul(pn, DTYPE_SIZE[red], "the gradient shard bytes of parameter %s", fqn)
+      grad_shard_bytes = add(grad_shard_bytes, rb, "the gradient shard bytes of unit %s", uname)
+      if not reduce_groups[red] then
+        reduce_groups[red] = { dtype = red, shard_bytes = 0 }
+        reduce_order[#reduce_order + 1] = red
+      end
+      reduce_groups[red].shard_bytes = reduce_groups[red].shard_bytes + rb
       trainable_shard = trainable_shard + pn
     end
-    if (p.requires_grad and FLOAT[p.dtype]) or stored == nil then stored = p.dtype end
-    reduce = (p.requires_grad and FLOAT[p.dtype]) and red or reduce
+    if not group_of[p] then
+      if (p.requires_grad and FLOAT[p.dtype]) or stored == nil then stored = p.dtype end
+      reduce = (p.requires_grad and FLOAT[p.dtype]) and red or reduce
+    end
     gathers[gather] = true
     gather_bytes = add(gather_bytes, pn * DTYPE_SIZE[gather], "the gathered shard bytes of unit %s", uname)
     param_shard_bytes = add(param_shard_bytes, pn * DTYPE_SIZE[p.dtype], "the shard bytes of unit %s", uname)
@@ -139,7 +158,7 @@ local function finish_unit(ctx, unit, fqn_of)
       gather = gather, reduce = red }
   end
   -- One stored dtype and one reduce dtype per unit: FSDP2 fails lazily, we fail now.
-  local function uniform(groups, what)
+  local function uniform(groups, what, where)
     local keys = {}
     for k in pairs(groups) do keys[#keys + 1] = k end
     if #keys > 1 then
@@ -150,14 +169,25 @@ local function finish_unit(ctx, unit, fqn_of)
         parts[#parts + 1] = string.format("%s: %s%s", k, table.concat(names, ", ", 1, math.min(#names, 4)),
           #names > 4 and string.format(" (and %d more)", #names - 4) or "")
       end
-      fail(string.format("unit %s mixes %s dtypes (%s); FSDP expects one per unit: shard those parameters " ..
-        "in a unit of their own", display(unit.name), what, table.concat(parts, "; ")))
+      fail(string.format("unit %s%s mixes %s dtypes (%s); FSDP expects one per unit: shard those parameters " ..
+        "in a unit of their own", display(unit.name), where, what, table.concat(parts, "; ")))
     end
   end
   -- (DDP takes any mix: its buckets split by dtype)
   if not replicated then
-    uniform(dtypes, "stored")
-    uniform(reduces, "reduce")
+    for _, g in ipairs(groups) do
+      uniform(g.stored, "stored", g.what)
+      uniform(g.reduce, "reduce", g.what)
+    end
+  end
+  -- (the module's own parameters give the unit's stored and reduce dtype; a packed unit
+  -- whose module holds none takes its first island's)
+  if unit.packed and stored == nil then
+    for _, e in ipairs(unit.entries) do
+      local p = e.param
+      if (p.requires_grad and FLOAT[p.dtype]) or stored == nil then stored = p.dtype end
+      if p.requires_grad and FLOAT[p.dtype] then reduce = reduce or e.reduce end
+    end
   end
   unit.stored_dtype, unit.reduce_dtype_eff = stored, reduce
   -- parameters gathered in more than one dtype travel as bytes (FSDP2's uint8 all-gather)
@@ -195,7 +225,25 @@ local function finish_unit(ctx, unit, fqn_of)
   if R > 1 and grad_shard_bytes > 0 then
     ar = { n = R, bytes = bus(mul(2, grad_shard_bytes, "the all-reduce bytes of unit %s", uname), R) }
   end
+  -- a packed unit reduces each reduce dtype's gradients in a collective of their own (one
+  -- reduce-scatter, and under HSDP one all-reduce, per dtype): count and bytes by dtype
+  if unit.packed and not replicated then
+    local by = {}
+    for i, d in ipairs(reduce_order) do
+      local g = reduce_groups[d]
+      by[i] = { dtype = d, shard_bytes = g.shard_bytes,
+        reduce_scatter_bytes = W > 1 and #unit.params > 0 and g.shard_bytes * (W - 1) or 0,
+        all_reduce_bytes = R > 1 and bus(2 * g.shard_bytes, R) or 0 }
+    end
+    if rs then rs.count, rs.by_dtype = #by, by end
+    if ar then
+      ar.count, ar.by_dtype, ar.bytes = #by, by, 0
+      for _, g in ipairs(by) do ar.bytes = add(ar.bytes, g.all_reduce_bytes, "the all-reduce bytes of unit %s", uname) end
+    end
+    unit.reduce_dtypes = reduce_order
+  end
   unit.comm = { all_gather = ag, reduce_scatter = rs, all_reduce = ar }
+  if unit.packed then unit.packing = L.packing_saved(unit, groups, group_of, W, R, #ag) end
   unit.all_gather_bytes, unit.reduce_scatter_bytes, unit.all_reduce_bytes = 0, rs and rs.bytes or 0, ar and ar.bytes or 0
   for _, c in ipairs(ag) do
     unit.all_gather_bytes = add(unit.all_gather_bytes, c.bytes, "the all-gather bytes of unit %s", uname)
@@ -204,6 +252,34 @@ local function finish_unit(ctx, unit, fqn_of)
   unit.padding_fraction = padded_total > 0 and (padded_total - numel) / padded_total or 0
   unit.gather_bytes_per_rank = ag[1] and ag[1].bytes or 0
   if unit.kind == "megatron_fsdp" then megatron.finish(unit, R) end
+end
+
+--- What packing saved a packed unit against sharding each island as a unit of its own with
+-- the unit's options (a unit for the module's own parameters when it has any, and one per
+-- island): per gather of the units (each all-gather the unit makes: forward, and the
+-- backward re-gather when it reshards), all_gather; per step, reduce_scatter and all_reduce
+-- (one each for every separate unit with gradients, against the packed unit's one per
+-- reduce dtype).  {all_gather, reduce_scatter, all_reduce}; all 0 when the unit has no
+-- collectives (a shard of one rank).
+function L.packing_saved(unit, groups, group_of, W, R, gathers)
+  local params, grads = {}, {}
+  for _, p in ipairs(unit.params) do
+    local g = group_of[p] or 1
+    params[g] = true
+    if p.requires_grad and FLOAT[p.dtype] then grads[g] = true end
+  end
+  local units, with_grads = 0, 0
+  for i = 1, #groups do
+    if params[i] then units = units + 1 end
+    if grads[i] then with_grads = with_grads + 1 end
+  end
+  local rs = unit.comm.reduce_scatter
+  local ar = unit.comm.all_reduce
+  local saved = { all_gather = 0, reduce_scatter = 0, all_reduce = 0 }
+  if W > 1 and units > 0 then saved.all_gather = (units - 1) * gathers end
+  if rs then saved.reduce_scatter = with_grads - (rs.count or 1) end
+  if ar and R > 1 then saved.all_reduce = with_grads - (ar.count or 1) end
+  return saved
 end
 
 --- Lays out every unit of ctx: marks the FSDP2 roots, then each unit's shards, dtypes,

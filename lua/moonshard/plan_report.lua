@@ -5,6 +5,7 @@ local plan_mod = require "moonshard.plan"
 local util = require "moonshard.util"
 local activations = require "moonshard.plan_activations"
 local plan_memory = require "moonshard.plan_memory"
+local FLOATING = require("moonshard.module").FLOATING
 
 local M = {}
 
@@ -89,6 +90,10 @@ local function unit_json(u, plan)
       { "padded_shard_shape", jints(e.padded) },
       { "local_shapes", local_shapes_json(e.shape, e.dim, u.shard_size) },
       { "placements", jstrs(placements) }, { "placement_axes", jstrs(axes) },
+      -- the effective dtypes (a packed unit's island parameters have their own): gathered in,
+      -- and the gradient reduced in (null for a frozen or non-floating parameter)
+      { "gather_dtype", jstr(e.gather) },
+      { "reduce_dtype", jstr((e.param.requires_grad and FLOATING[e.param.dtype]) and e.reduce or nil) },
     }
     local t = tp and tp[e.param]
     if t then
@@ -113,6 +118,8 @@ local function unit_json(u, plan)
   if u.offload then fields[#fields + 1] = jstr("offload_policy") .. ":" .. jstr(u.offload) end
   -- under a pipeline, the stage the unit lies in
   if u.stage then fields[#fields + 1] = jstr("stage") .. ":" .. jnum(u.stage) end
+  -- only packed units carry the key: their islands' policies, and what packing saved a step
+  if u.packed then fields[#fields + 1] = jstr("packed") .. ":" .. M.packed_json(u, plan) end
   fields[#fields + 1] = jstr("params") .. ":[" ..
     (#params > 0 and "\n" .. table.concat(params, ",\n") .. "\n    " or "") .. "]"
   fields[#fields + 1] = jstr("all_gather_bytes") .. ":" .. jnum(u.all_gather_bytes)
@@ -137,6 +144,23 @@ local function unit_json(u, plan)
       jstrs = jstrs, jobj = jobj })
   end
   return "    {" .. table.concat(fields, ",") .. "}"
+end
+
+--- A packed unit's "packed" value: {islands: [{name, param_dtype, reduce_dtype, output_dtype,
+-- cast_forward_inputs}], reduce_dtypes: [one reduce-scatter each], collectives_saved:
+-- {all_gather, reduce_scatter, all_reduce}} (a step, all-gathers once per gather as the
+-- communication per step counts them).
+function M.packed_json(u, plan)
+  local islands = {}
+  for i, isl in ipairs(u.islands) do
+    islands[i] = jobj({ { "name", jstr(isl.name) }, { "param_dtype", jstr(isl.mp.param_dtype) },
+      { "reduce_dtype", jstr(isl.mp.reduce_dtype) }, { "output_dtype", jstr(isl.mp.output_dtype) },
+      { "cast_forward_inputs", jbool(isl.mp.cast_forward_inputs) } })
+  end
+  local s, g = u.packing, plan.comm.gathers or 1
+  return jobj({ { "islands", "[" .. table.concat(islands, ",") .. "]" }, { "reduce_dtypes", jstrs(u.reduce_dtypes or {}) },
+    { "collectives_saved", jobj({ { "all_gather", jnum(s.all_gather * g) }, { "reduce_scatter", jnum(s.reduce_scatter) },
+      { "all_reduce", jnum(s.all_reduce) } }) } })
 end
 
 local function jopt(n) return n and jnum(n) or "null" end
@@ -317,6 +341,12 @@ function M.to_json(plan, opts)
     tp_json = tp_json .. ',"fp8_amax":' .. jobj({ { "count", jnum(amax.count) }, { "bytes", jnum(amax.bytes) },
       { "precompute", jbool(amax.precompute) } })
   end
+  local pk = plan.comm.packing
+  if pk then
+    tp_json = tp_json .. ',"packing":' .. jobj({ { "units", jnum(pk.units) }, { "islands", jnum(pk.islands) },
+      { "collectives_saved", jnum(pk.collectives_saved) }, { "all_gather", jnum(pk.all_gather) },
+      { "reduce_scatter", jnum(pk.reduce_scatter) }, { "all_reduce", jnum(pk.all_reduce) } })
+  end
   add(' "comm":{"per_step":{' .. table.concat(comm, ",") .. "}" .. tp_json .. "},\n")
   add(require("moonshard.plan_time").json(plan, jstr, jobj))
   if opts.audit then
@@ -324,7 +354,7 @@ function M.to_json(plan, opts)
     for i, a in ipairs(plan_mod.audit(plan)) do
       rows[i] = "    " .. jobj({ { "fqn", jstr(a.fqn) }, { "unit", jstr(a.unit) }, { "kind", jstr(a.kind) },
         { "stored", jstr(a.stored) }, { "gathered", jstr(a.gathered) }, { "reduced", jstr(a.reduced) },
-        { "recipe", jstrs(a.steps or {}) } })
+        { "recipe", jstrs(a.steps or {}) }, { "island", jstr(a.island) } })
     end
     add(' "audit":[\n' .. table.concat(rows, ",\n") .. "\n ],\n")
   end
@@ -343,6 +373,8 @@ end
 
 local function dtypes_str(u)
   local g, r = u.gather_dtype or "-", u.reduce_dtype_eff or "-"
+  -- a packed unit reducing in several dtypes: one reduce-scatter each
+  if u.reduce_dtypes and #u.reduce_dtypes > 1 then r = table.concat(u.reduce_dtypes, "+") end
   return g, r
 end
 
@@ -367,6 +399,46 @@ function M.bucket_lines(u, mesh, add)
     end
     add(string.format("  %4d %10s %-5s %4d param%s  %s%s", b.index, util.bytes(b.bytes), b.dtype, #b.fqns,
       #b.fqns == 1 and " " or "s", b.fqns[1], #b.fqns > 1 and " .. " .. b.fqns[#b.fqns] or ""))
+  end
+end
+
+--- The packed units (fully_shard's islands): a line each (the first 8), their islands and
+-- policy and what packing saved a step, then the total.
+function M.packed_lines(plan, add)
+  local pk = plan.comm.packing
+  local list = {}
+  for _, u in ipairs(plan.units) do
+    if u.packed then list[#list + 1] = u end
+  end
+  if #list == 0 then return end
+  local g = plan.comm.gathers or 1
+  add("")
+  add(string.format("packed units: %d hold%s %d FP32 island%s, each island parameter with its own policy; one " ..
+    "all-gather a gather, one reduce-scatter per reduce dtype", #list, #list == 1 and "s" or "", pk and pk.islands or 0,
+    (pk and pk.islands or 0) == 1 and "" or "s"))
+  for i, u in ipairs(list) do
+    if i > 8 then
+      add(string.format("  ... and %d more packed units (--json lists them)", #list - 8))
+      break
+    end
+    local names, prefix = {}, u.name == "" and "" or u.name .. "."
+    for k, isl in ipairs(u.islands) do
+      if k > 4 then names[#names + 1] = string.format("and %d more", #u.islands - 4) break end
+      local n = isl.name:sub(1, #prefix) == prefix and isl.name:sub(#prefix + 1) or isl.name
+      names[k] = (n:gsub("_checkpoint_wrapped_module%.", ""))
+    end
+    local mp = u.islands[1].mp
+    local s = u.packing
+    add(string.format("  %s: %d island%s (%s), gather %s, reduce %s; saves %d all-gather%s, %d reduce-scatter%s%s a step",
+      u.name == "" and "<root>" or u.name, #u.islands, #u.islands == 1 and "" or "s", table.concat(names, ", "),
+      mp.param_dtype or "stored", mp.reduce_dtype or "gather", s.all_gather * g, s.all_gather * g == 1 and "" or "s",
+      s.reduce_scatter, s.reduce_scatter == 1 and "" or "s",
+      s.all_reduce > 0 and string.format(", %d all-reduce%s", s.all_reduce, s.all_reduce == 1 and "" or "s") or ""))
+  end
+  if pk then
+    add(string.format("  packing saves %d collectives a step%s: %d all-gathers, %d reduce-scatters, %d all-reduces " ..
+      "(against a unit per island)", pk.collectives_saved, plan.pipeline and " on pp rank 0" or "", pk.all_gather,
+      pk.reduce_scatter, pk.all_reduce))
   end
 end
 
@@ -541,6 +613,7 @@ function M.to_text(plan, opts)
       util.bytes(u.reduce_scatter_bytes)) .. (replicated and string.format(" %10s", util.bytes(u.all_reduce_bytes))
       or "") .. (offload and "  " .. (u.offload or "-") or "") .. (staged and string.format("  %5d", u.stage) or ""))
   end
+  M.packed_lines(plan, add)
   for _, u in ipairs(plan.units) do
     if u.kind == "replicate" then M.bucket_lines(u, plan.mesh, add) end
     if u.kind == "megatron_fsdp" then require("moonshard.plan_megatron").lines(u, plan.mesh, add) end
@@ -646,8 +719,9 @@ function M.audit_text(plan)
     "kind", "unit", tagged and "  [recipe steps]" or "") }
   local counts = {}
   for _, a in ipairs(rows) do
+    -- (an island packed into a unit: "island", its own dtypes beside the unit's)
     out[#out + 1] = string.format("%s  %-6s %-8s %-8s %-11s %s%s", pad(a.fqn, w), a.stored, a.gathered, a.reduced or "-",
-      a.kind, a.unit and (a.unit == "" and "<root>" or a.unit) or "-",
+      a.island and "island" or a.kind, a.unit and (a.unit == "" and "<root>" or a.unit) or "-",
       tagged and #a.steps > 0 and "  [" .. table.concat(a.steps, ", ") .. "]" or "")
     if a.reduced then counts[a.reduced] = (counts[a.reduced] or 0) + 1 end
   end
@@ -713,7 +787,7 @@ function M.rank_view(plan, r)
     local iu, o, t = in_unit[p], owned[fqn], tp and tp[p]
     if held(fqn) then
     local shape, placements, axes, unit
-    local padded
+    local padded, gather, reduce, packed
     if iu then
       local u, e = iu.unit, iu.entry
       -- (a replicate unit's one shard rank: every rank holds coordinate 0's, the whole)
@@ -729,6 +803,7 @@ function M.rank_view(plan, r)
       padded[e.dim + 1] = chunk
       placements, axes = plan_mod.placements(mesh, tp, u, p, e.dim)
       unit = u.name
+      gather, reduce, packed = e.gather, (p.requires_grad and FLOATING[p.dtype]) and e.reduce or nil, u.packed
     elseif o then
       shape, placements, axes = util.copy(o.local_shape), {}, {}
     elseif t then
@@ -742,7 +817,7 @@ function M.rank_view(plan, r)
       axes[#axes + 1] = "ep"
     end
     params[#params + 1] = { fqn = fqn, local_shape = shape, padded = padded, placements = placements, axes = axes,
-      unit = unit }
+      unit = unit, gather = gather, reduce = reduce, packed = packed }
     end
   end
   local memory
@@ -771,7 +846,9 @@ function M.rank_text(plan, view)
     local pl = {}
     for i, x in ipairs(p.placements) do pl[i] = x .. " " .. p.axes[i] end
     out[#out + 1] = string.format("  %s  %-20s %s%s", pad(p.fqn, fw), "[" .. table.concat(p.local_shape, ", ") .. "]",
-      #pl > 0 and table.concat(pl, ", ") or "whole", p.unit and "; unit " .. (p.unit == "" and "<root>" or p.unit) or "")
+      #pl > 0 and table.concat(pl, ", ") or "whole", p.unit and "; unit " .. (p.unit == "" and "<root>" or p.unit) or "") ..
+      -- in a packed unit each parameter has its own dtypes
+      (p.packed and string.format(" (packed: gathers %s, reduces %s)", p.gather, p.reduce or "-") or "")
   end
   return table.concat(out, "\n") .. "\n"
 end
@@ -783,7 +860,8 @@ function M.rank_json(view)
   for i, p in ipairs(view.params) do
     params[i] = { p.fqn, jobj({ { "local_shape", jints(p.local_shape) },
       { "padded_shard_shape", p.padded and jints(p.padded) or "null" }, { "placements", jstrs(p.placements) },
-      { "placement_axes", jstrs(p.axes) }, { "unit", p.unit and jstr(p.unit) or "null" } }) }
+      { "placement_axes", jstrs(p.axes) }, { "unit", p.unit and jstr(p.unit) or "null" },
+      { "gather_dtype", jstr(p.gather) }, { "reduce_dtype", jstr(p.reduce) } }) }
   end
   local fields = { { "rank", jnum(view.rank) }, { "coords", jobj(coords) } }
   if view.stages then fields[#fields + 1] = { "stages", jints(view.stages) } end

@@ -99,7 +99,7 @@ function T.flops(ctx, seq_len, pp_rank, global)
   local function put(t, dtype, v) t[dtype] = (t[dtype] or 0) + v end
   local function dtype_of(p, u)
     local owner = ctx.owner[p] or u
-    return owner and owner.mp and (plan.effective_dtypes(p.dtype, owner.mp)) or p.dtype
+    return owner and owner.mp and (plan.effective_dtypes(p.dtype, plan.param_mp(owner, p))) or p.dtype
   end
   local function walk(m, cur, active, recompute)
     local s = pp and pp.stage_of[m]
@@ -240,7 +240,8 @@ local function unit_comm(mesh, dev, u, sums)
   if ag[1] then out.agf = add("all_gather", axis_link(mesh, dev, shard, ag[1].n), 1, ag[1].bytes) end
   if ag[2] then out.agb = add("all_gather", axis_link(mesh, dev, shard, ag[2].n), 1, ag[2].bytes) end
   local r = u.comm.reduce_scatter
-  if r then out.rs = add("reduce_scatter", axis_link(mesh, dev, shard), 1, r.bytes) end
+  -- (a packed unit: one reduce-scatter per reduce dtype, r.count)
+  if r then out.rs = add("reduce_scatter", axis_link(mesh, dev, shard), r.count or 1, r.bytes) end
   local a = u.comm.all_reduce
   if a then out.rs = (out.rs or 0) + add("all_reduce", axis_link(mesh, dev, axes[1]), a.count or 1, a.bytes) end
   return out

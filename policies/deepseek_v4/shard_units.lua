@@ -47,6 +47,10 @@ M.options = {
   -- Automodel's MoE parallelizer sets no explicit chain (apply_fsdp): FSDP2's implicit prefetch
   ["prefetch.forward"] = { default = 1, min = 0, doc = "units gathered ahead in forward (FSDP2's implicit: 1)" },
   ["prefetch.backward"] = { default = 1, min = 0, doc = "units gathered ahead in backward (FSDP2's implicit: 1)" },
+  -- not Automodel's (FSDP2 cannot: a unit's trainable parameters share one stored dtype):
+  -- moonshard's packed units, docs/policies.md
+  pack_islands = { default = false, type = "boolean",
+    doc = "pack each block's (and model's) FP32 modules into its unit (fully_shard's islands), not a unit each" },
 }
 -- pp > 1: the pipeline's options, as fsdp2_default declares them (pipeline.schedule, ...)
 for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
@@ -93,7 +97,9 @@ local sharded = {}
 
 -- fsdp.py _fully_shard_once: nothing when the module is already a unit; ignored_params kept
 -- to the module's own parameters (_fsdp_kwargs_for_module).
-local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind, stage)
+-- packed: {modules = {...}, mp = policy} (pack_islands), the FP32 modules below m packed
+-- into its unit with that policy.
+local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind, stage, packed)
   if sharded[m] then return end
   local ignored = {}
   if o.ignored then
@@ -101,16 +107,45 @@ local function fully_shard_once(ctx, m, o, mp_policy, reshard, kind, stage)
       if o.ignored[np[2]] then ignored[#ignored + 1] = np[2] end
     end
   end
+  local islands = packed and #packed.modules > 0 and packed.modules or nil
   ctx:fully_shard(m, { mesh = o.mesh, mp_policy = mp_policy, reshard_after_forward = reshard, kind = kind,
-    offload_policy = ctx.options.offload_policy, ignored_params = ignored, stage = stage })
+    offload_policy = ctx.options.offload_policy, ignored_params = ignored, stage = stage, islands = islands,
+    islands_mp_policy = islands and packed.mp or nil })
+  if islands then
+    for _, isl in ipairs(islands) do sharded[isl] = true end
+  end
   if not stage then sharded[m] = true end -- a module spanning the stages is sharded once a stage
 end
+
+-- Two mixed-precision policies alike.
+local function same_mp(a, b)
+  for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs" }) do
+    if a[k] ~= b[k] then return false end
+  end
+  return true
+end
+
 
 -- fsdp.py _fp32_module_fsdp_kwargs: a DeepseekV4FP32Parameter returns its raw tensor to its
 -- parent, so it stays gathered after forward.
 local function holder_reshard(m, reshard)
   if m.type == "DeepseekV4FP32Parameter" then return false end
   return reshard
+end
+
+-- pack_islands: an FP32 module joins `packed` (the unit's islands) when its policy is the
+-- others'; else (or without packing) it is a unit of its own, as fully_shard_deepseek_v4
+-- makes it.  A DeepseekV4FP32Parameter holder keeps its reshard_after_forward false as a unit
+-- of its own (it hands its raw tensor to its parent); packed, it is gathered with the module
+-- whose forward reads it.
+local function island(ctx, sub, o, mp, packed)
+  if packed and (packed.mp == nil or same_mp(packed.mp, mp)) then
+    packed.mp = packed.mp or mp
+    packed.modules[#packed.modules + 1] = sub
+    sharded[sub] = true
+    return
+  end
+  fully_shard_once(ctx, sub, o, mp, holder_reshard(sub, o.reshard), "fp32_island")
 end
 
 --- fsdp.py fully_shard_deepseek_v4(module, mesh, mp_policy, reshard_after_forward,
@@ -120,6 +155,9 @@ end
 -- runs the parallelizer on each stage's part of the model.
 function M.fully_shard_deepseek_v4(ctx, m, o)
   local st = o.stage
+  -- pack_islands: the FP32 modules found below m join m's unit (those fully_shard_by_dtype
+  -- set aside first, o.packed, then these)
+  local packed = ctx.options.pack_islands == true and (o.packed or { modules = {} }) or nil
   -- _iter_dsv4_fp32_modules: every module below whose name matches and whose floating
   -- parameters are all f32, in named_modules() order (under a pipeline, of the stage's part)
   local function islands_below(root, prefix)
@@ -127,7 +165,7 @@ function M.fully_shard_deepseek_v4(ctx, m, o)
       local name, sub = nm[1], nm[2]
       local rel = prefix == nil and name or (name == "" and prefix or prefix .. "." .. name)
       if rel ~= "" and not sharded[sub] and M.is_fp32_module_name(rel) and all_fp32(ctx, sub) then
-        fully_shard_once(ctx, sub, o, precision.fp32_of(o.mp_policy), holder_reshard(sub, o.reshard), "fp32_island")
+        island(ctx, sub, o, precision.fp32_of(o.mp_policy), packed)
       end
     end
   end
@@ -138,7 +176,7 @@ function M.fully_shard_deepseek_v4(ctx, m, o)
       local rel = o.prefix == "" and mine or (mine:sub(1, #o.prefix + 1) == o.prefix .. "." and mine:sub(#o.prefix + 2))
       if rel then islands_below(ctx.model:get(mine), rel) end
     end
-    return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard, nil, st.index)
+    return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard, nil, st.index, packed)
   end
   local dsv4 = is_dsv4(m)
   local pd = o.mp_policy and o.mp_policy.param_dtype
@@ -147,9 +185,9 @@ function M.fully_shard_deepseek_v4(ctx, m, o)
   if all_fp32(ctx, m) and (not dsv4 or pd == nil or pd == "f32") then
     return fully_shard_once(ctx, m, o, precision.fp32_of(o.mp_policy), holder_reshard(m, o.reshard), "fp32_island")
   end
-  if not dsv4 then return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard) end
+  if not dsv4 then return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard, nil, nil, packed) end
   islands_below(m, nil)
-  return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard)
+  return fully_shard_once(ctx, m, o, o.mp_policy, o.reshard, nil, nil, packed)
 end
 
 --- The names fully_shard_by_dtype computes in f32 (its fp32_compute_module_names, substrings
@@ -173,15 +211,40 @@ function M.fully_shard_by_dtype(ctx, block, o)
     if o.ignored and o.ignored[np[2]] then ignored[#ignored + 1] = np[2] end
   end
   local fp32_names = M.fp32_names()
+  -- pack_islands: the all-f32 modules fully_shard_by_dtype would make units of before the
+  -- block are set aside and packed into the block's unit (when the block becomes one; else
+  -- they are units of their own after all, in the order met)
+  local packed = ctx.options.pack_islands == true and { modules = {} } or nil
+  local function shard(m, so, with)
+    local set = {}
+    for _, p in ipairs(so.ignored_params or {}) do set[p] = true end
+    M.fully_shard_deepseek_v4(ctx, m, { mesh = so.mesh, mp_policy = so.mp_policy,
+      reshard = so.reshard_after_forward, ignored = set, packed = with })
+  end
+  local aside = {}
   by_dtype.fully_shard_by_dtype(ctx, block, { mesh = o.mesh, mp_policy = o.mp_policy,
     reshard_after_forward = o.reshard, ignored_params = ignored, offload_policy = ctx.options.offload_policy,
     fp32_names = fp32_names,
     fully_shard_fn = function(m, so)
-      local set = {}
-      for _, p in ipairs(so.ignored_params or {}) do set[p] = true end
-      M.fully_shard_deepseek_v4(ctx, m, { mesh = so.mesh, mp_policy = so.mp_policy,
-        reshard = so.reshard_after_forward, ignored = set })
+      local pd = so.mp_policy and so.mp_policy.param_dtype
+      if packed and m ~= block and not sharded[m] and all_fp32(ctx, m) and (not is_dsv4(m) or pd == nil or pd == "f32") then
+        local mp = precision.fp32_of(so.mp_policy)
+        if packed.mp == nil or same_mp(packed.mp, mp) then
+          packed.mp = packed.mp or mp
+          packed.modules[#packed.modules + 1] = m
+          aside[#aside + 1] = { m, so }
+          sharded[m] = true -- (its unit's: not an island of the block again)
+          return
+        end
+      end
+      shard(m, so, m == block and packed or nil)
     end })
+  if packed and not sharded[block] then
+    for _, x in ipairs(aside) do
+      sharded[x[1]] = nil
+      shard(x[1], x[2])
+    end
+  end
 end
 
 --- Checks the text topology before anything is sharded: model.layers, model.embed_tokens,

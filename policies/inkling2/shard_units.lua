@@ -2,7 +2,8 @@
 -- docs/policies.md).
 --
 -- FP32 modules ("islands") become their own units with the FP32 policy, then the module
--- around them is sharded with the compute policy; parameters owned by expert parallelism
+-- around them is sharded with the compute policy (with pack_islands, the islands join the
+-- module's unit instead, each island parameter keeping the FP32 policy); parameters owned by expert parallelism
 -- are passed on as ignored and keep their placements.  Units are made in the order
 -- PyTorch's fully_shard would be called: per decoder layer its islands, then the layer
 -- (experts first on the expert mesh when ep_shard > 1); then embed_tokens, lm_head, the
@@ -34,6 +35,8 @@ M.options = {
     doc = "cpu: FSDP2's CPUOffloadPolicy, shards, gradients and optimizer state in host memory" },
   sequence_parallel = { default = false, type = "boolean",
     doc = "with tp > 1: tp_plans.inkling2's sequence-parallel variant (moe_trainer --sequence-parallel)" },
+  pack_islands = { default = false, type = "boolean",
+    doc = "pack each module's FP32 islands into its unit (fully_shard's islands): one all-gather, not one per island" },
 }
 -- pp > 1: pipeline.schedule, pipeline.layers_per_stage, pipeline.round, as fsdp2_default's
 for _, name in ipairs(fsdp2_default.PIPELINE_OPTIONS) do M.options[name] = fsdp2_default.options[name] end
@@ -71,13 +74,17 @@ end
 --- Makes `module` one unit of its remaining parameters; the owned parameters inside it are
 -- passed on as ignored.  stage (an index) for a module spanning a pipeline's stages: the
 -- unit holds that stage's part of it.
-function M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, kind, stage)
+-- islands (a list of modules below `module`, or nil): packed into the unit with the FP32
+-- policy (fully_shard's islands option) instead of being units of their own.
+function M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, kind, stage, islands)
   local ignored = {}
   for _, np in ipairs(ctx:params_of(module)) do
     if owned[np[2]] then ignored[#ignored + 1] = np[2] end
   end
+  local packed = islands and #islands > 0 or nil
   return ctx:fully_shard(module, { mesh = mesh, mp_policy = mp_policy, kind = kind, offload_policy = offload_policy,
-    reshard_after_forward = reshard_after_forward, ignored_params = ignored, stage = stage })
+    reshard_after_forward = reshard_after_forward, ignored_params = ignored, stage = stage,
+    islands = packed and islands or nil, islands_mp_policy = packed and precision.fp32 or nil })
 end
 
 -- true when the module named lies in the pipeline stage (one of its modules or below one).
@@ -91,18 +98,28 @@ end
 --- Shards every FP32 island below `module` as its own unit with the FP32 policy, adding its
 -- parameters to the owned set, then shards `module` with `mp_policy`; every unit gets
 -- `offload_policy`.  With a pipeline stage (one of ctx:pipeline's), only the islands of
--- that stage, and `module` (spanning the stages: the root) holds that stage's part.
+-- that stage, and `module` (spanning the stages: the root) holds that stage's part.  With
+-- the option pack_islands, the islands join the module's unit instead (fully_shard's
+-- islands, each island parameter with the FP32 policy): one all-gather for the layer and its
+-- islands, one reduce-scatter per reduce dtype.
 function M.fully_shard_module(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, ignored_params,
                               stage)
   local owned = {}
   for _, p in ipairs(ignored_params or {}) do owned[p] = true end
+  local pack = ctx.options.pack_islands == true
+  local packed = {}
   for _, island in ipairs(M.iter_fp32_islands(ctx, module, owned)) do
     if not stage or in_stage(ctx:name_of(island), stage) then
-      M.shard(ctx, island, mesh, precision.fp32, offload_policy, reshard_after_forward, owned, "fp32_island")
-      for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
+      if pack then
+        packed[#packed + 1] = island
+      else
+        M.shard(ctx, island, mesh, precision.fp32, offload_policy, reshard_after_forward, owned, "fp32_island")
+        for _, np in ipairs(ctx:params_of(island)) do owned[np[2]] = true end
+      end
     end
   end
-  return M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, nil, stage and stage.index)
+  return M.shard(ctx, module, mesh, mp_policy, offload_policy, reshard_after_forward, owned, nil, stage and stage.index,
+    packed)
 end
 
 --- Checks the text topology before anything is sharded: decoder layers whose MoE blocks

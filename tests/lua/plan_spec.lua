@@ -333,7 +333,7 @@ describe("shard units", function()
       end))
     end
     assert.matches("fully_shard(<root>): unknown option 'reshard_after_fwd' (options: mesh, mp_policy, " ..
-      "reshard_after_forward, ignored_params, shard_placement_fn, offload_policy, kind, stage)",
+      "reshard_after_forward, ignored_params, shard_placement_fn, offload_policy, kind, stage, islands, islands_mp_policy)",
       shard_with({ reshard_after_fwd = false }), 1, true)
     assert.matches("fully_shard(<root>): unknown mp_policy key 'bogus' (mp_policy keys: param_dtype, reduce_dtype, " ..
       "output_dtype, cast_forward_inputs)", shard_with({ mp_policy = { param_dtype = "f32", bogus = 1 } }), 1, true)
