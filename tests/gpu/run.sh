@@ -12,7 +12,8 @@
 #     a pending unit, sends and receives refused on one rank, shard units trained on the GPU
 #     and offloaded, bit for bit against the CPU's arithmetic;
 #   - under Lua: the tensor spec's device case (when busted is there), collectives.lua,
-#     p2p.lua and units.lua (the inkling2 plan's units, on the GPU and offloaded) with
+#     p2p.lua and units.lua (the inkling2 plan's units, on the GPU and offloaded, and with its
+#     FP32 islands packed into their layers' units on 2 ranks) with
 #     --backend nccl; with two GPUs or more the same on 2 NCCL ranks started torchrun-style
 #     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), sends and receives that disagree (both
 #     ranks fail) or whose peer never comes (a timeout naming it), a rank that leaves
@@ -167,6 +168,10 @@ if ms.rank() == 0 then g:send(ms.tensor({8}, "f32", ms.device()), 1) end'
     step "2 NCCL ranks torchrun-style: units on the GPUs" launch_ranks 2 units tests/lua/scripts/units.lua dp_shard=2
     step "2 NCCL ranks torchrun-style: units offloaded" launch_ranks 2 units_offload tests/lua/scripts/units.lua \
       dp_shard=2 tests/lua/configs/inkling2_tiny.json offload
+    step "2 NCCL ranks torchrun-style: units with the FP32 islands packed, on the GPUs" launch_ranks 2 units_packed \
+      tests/lua/scripts/units.lua dp_shard=2 tests/lua/configs/inkling2_tiny.json packed
+    step "2 NCCL ranks torchrun-style: units with the FP32 islands packed, offloaded" launch_ranks 2 \
+      units_packed_offload tests/lua/scripts/units.lua dp_shard=2 tests/lua/configs/inkling2_tiny.json offload,packed
     # rank 1 leaves after the first collective: rank 0's next one ends in the timeout (2 s)
     rank_dies() {
       launch_ranks 2 rank_dies --timeout 2 -e 'local ms = require "moonshard"

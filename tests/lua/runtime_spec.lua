@@ -30,6 +30,20 @@ describe("materialised plans", function()
     end)
   end
 
+  -- pack_islands: each layer's FP32 islands (mlp_query, mlp.gate; attn's on layer 1) and the
+  -- root's output_query live in their layer's (the root's) unit: 5 units, 7 with ep = 2
+  for _, case in ipairs({ { "dp_shard=4", 5 }, { "dp_replicate=2,dp_shard=2", 5 }, { "dp_shard=4,ep=2", 7 } }) do
+    it("gather, reduce and allocate as planned with the FP32 islands packed on " .. case[1], function()
+      local r = S.run({ "-n", "4", "tests/lua/scripts/units.lua", case[1], "tests/lua/configs/inkling2_tiny.json",
+        "packed" })
+      assert.equal("", r.err)
+      assert.equal(0, r.code)
+      for rank = 0, 3 do
+        assert.matches("rank " .. rank .. ": units ok %(" .. case[2] .. " units, gradient max diff 0,", r.out)
+      end
+    end)
+  end
+
   it("gather, reduce and allocate as planned with every unit offloaded (dp_shard=4,ep=2)", function()
     local r = S.run({ "-n", "4", "tests/lua/scripts/units.lua", "dp_shard=4,ep=2", "tests/lua/configs/inkling2_tiny.json",
       "offload" })

@@ -1,6 +1,7 @@
 -- units.lua: the inkling2 plan of a config made real on every rank
--- (moonshard -n 4 units.lua MESH [CONFIG [offload]], CONFIG default
--- tests/lua/configs/inkling2_tiny.json; "offload": the policy's option offload_policy = "cpu"):
+-- (moonshard -n 4 units.lua MESH [CONFIG [FLAGS]], CONFIG default
+-- tests/lua/configs/inkling2_tiny.json; FLAGS a comma list: "offload", the policy's option
+-- offload_policy = "cpu"; "packed", its option pack_islands = true):
 -- parameters gathered in each unit's param dtype and checked against the full values
 -- computed here, gradients reduced and checked against the mean computed here, the
 -- collectives each unit recorded, the bytes each rank allocated against the planner's
@@ -16,9 +17,11 @@ f:close()
 local tree = require("moonshard.models").from_config(config, arg[2] or "inkling2_tiny")
 local mesh = require("moonshard.mesh_context").new(mesh_spec)
 local policy = require("moonshard.policy").load("policies/inkling2")
-local offload = arg[3] == "offload"
+local flags = {}
+for f in (arg[3] or ""):gmatch("[^,]+") do flags[f] = true end
+local offload = flags.offload == true
 local plan = require("moonshard.plan").plan(tree, mesh, policy.shard_units,
-  { options = { offload_policy = offload and "cpu" or nil } })
+  { options = { offload_policy = offload and "cpu" or nil, pack_islands = flags.packed } })
 local rank_state = require("moonshard.runtime").materialize(plan)
 local rank = ms.rank()
 local dp = mesh:size("dp_replicate") * mesh:size("dp_shard")
@@ -152,11 +155,15 @@ for _, w in ipairs(work) do
 end
 check(max_diff <= 1e-6, string.format("gradient shards differ from the mean by up to %g", max_diff))
 
--- the records: islands gather and reduce in f32, the layers gather in bf16 and reduce in f32
+-- the records: islands gather and reduce in f32, the layers gather in bf16 and reduce in f32;
+-- a unit whose parameters gather in several dtypes (a packed unit holding its islands) moves
+-- bytes (u8)
 for _, w in ipairs(work) do
+  local gather = w.entries[1].gather
+  for _, e in ipairs(w.entries) do if e.gather ~= w.entries[1].gather then gather = "u8" end end
   for _, r in ipairs(w.unit:records()) do
     if r.kind == "all_gather" then
-      check(r.dtype == w.entries[1].gather, w.name .. " gathered in " .. r.dtype)
+      check(r.dtype == gather, w.name .. " gathered in " .. r.dtype .. ", expected " .. gather)
     elseif r.kind == "reduce_scatter" then
       check(r.dtype == w.reduce, w.name .. " reduced in " .. r.dtype)
     end
