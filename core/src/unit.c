@@ -623,6 +623,41 @@ static ms_status move_any(const ms_unit *u, const unit_param *p, int q, ms_tenso
     return st;
 }
 
+/* Host fast paths of a bytes unit.  bytes_pack: this rank's padded shard of p, cast to its
+ * gather dtype, into the u8 buffer at byte `at` (through a small aligned buffer, since the
+ * bytes of a parameter after another of an odd size need not be aligned for its dtype).
+ * bytes_unpack: rank q's real rows of p from the u8 buffer into the unsharded parameter,
+ * one copy, for a parameter whose rows are contiguous in the full tensor (nothing before its
+ * shard dim). */
+static void bytes_pack(const unit_param *p, unsigned char *flat, int64_t at) {
+    enum { CHUNK = 2048 };
+    const int gs = ms_dtype_size(p->gather), ss = ms_dtype_size(p->dtype);
+    const unsigned char *src = ms_tensor_data(p->padded);
+    if (p->gather == p->dtype) {
+        memcpy(flat + at, src, (size_t)(p->padded_numel * gs));
+        return;
+    }
+    double tmp[CHUNK]; /* room for CHUNK elements of any dtype, aligned for all */
+    for (int64_t i = 0; i < p->padded_numel; i += CHUNK) {
+        const int64_t n = p->padded_numel - i < CHUNK ? p->padded_numel - i : CHUNK;
+        ms__cast_contig(tmp, p->gather, src + i * ss, p->dtype, n);
+        memcpy(flat + at + i * gs, tmp, (size_t)(n * gs));
+    }
+}
+
+static bool rows_contiguous(const unit_param *p) {
+    int64_t outer = 1;
+    for (int d = 0; d < p->dim; d++) outer *= p->shape[d];
+    return outer == 1;
+}
+
+static void bytes_unpack(const ms_unit *u, const unit_param *p, int q, const unsigned char *flat, int64_t at) {
+    int64_t len, off;
+    rank_rows(u, p, q, &len, &off);
+    const int64_t row = p->padded_numel / p->padded_shape[p->dim] * ms_dtype_size(p->gather);
+    if (len) memcpy((unsigned char *)ms_tensor_data(p->full) + off * row, flat + at, (size_t)(len * row));
+}
+
 /* *out = the first elements of flat viewed as p's full tensor (in_place units). */
 static ms_status full_view(const unit_param *p, ms_tensor *flat, ms_tensor **out) {
     int64_t numel = 1;
@@ -697,7 +732,9 @@ static ms_status prepare_gather(ms_unit *u) {
         for (int i = 0; !st && i < u->nparams; i++) {
             const unit_param *p = &u->params[i];
             if (!p->padded_numel || p->fp8) continue; /* fp8: cast by the op (unit_fp8.c) */
-            if (u->gather_bytes) { /* cast into a block of the gather dtype, whose bytes go into the buffer */
+            if (u->gather_bytes && u->device < 0) {
+                bytes_pack(p, ms_tensor_data(u->flat), u->rank * u->S + p->flat_offset);
+            } else if (u->gather_bytes) { /* cast into a block of the gather dtype, whose bytes go into the buffer */
                 ms_tensor *blk = NULL;
                 st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
                 if (!st) st = copy_into_flat(blk, 0, p->padded);
@@ -757,6 +794,10 @@ static ms_status finish_unshard(ms_unit *u) {
                 continue;
             }
             st = buf_new(u, MS_BYTES_UNSHARDED, &p->full, p->ndim, p->shape, p->gather, false);
+            if (!st && u->gather_bytes && u->device < 0 && rows_contiguous(p)) {
+                for (int q = 0; q < u->W; q++) bytes_unpack(u, p, q, ms_tensor_data(u->flat), q * u->S + p->flat_offset);
+                continue;
+            }
             if (!st && u->gather_bytes) st = buf_new(u, MS_BYTES_UNSHARDED, &blk, 1, &p->padded_numel, p->gather, false);
             for (int q = 0; !st && q < u->W; q++)
                 st = move_any(u, p, q, p->full, u->flat, q * u->S + p->flat_offset, blk, false);
