@@ -1864,6 +1864,9 @@ local function plan(model, mesh, policy, opts)
   end
   -- with a device profile: its memory figures and the step's time (moonshard.plan_time)
   if opts.device ~= nil then require("moonshard.plan_time").attach(result, ctx, opts) end
+  -- FP32 island units whose collectives are latency bound: packing them would save calls
+  local islands = require("moonshard.plan_time").island_warning(ctx, result, result.device)
+  if islands then warnings[#warnings + 1] = islands end
   -- with a batch, each rank's peak; with a device too, whether it fits (plan_memory)
   memory.peaks(result.memory)
   return result
