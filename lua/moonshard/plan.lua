@@ -742,7 +742,8 @@ M.ISLAND_MP = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32",
 -- list, and holding parameters the unit takes (managed, not ignored, not owned, not placed by
 -- expert parallelism).  Their parameters join the unit in FSDP2's managed order, each with
 -- the islands' policy: unit.packed, unit.islands = {{name, module, mp, params}} in the order
--- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads it).  Returns param -> its island.
+-- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads
+-- it).  Returns param -> its island.
 function islands_of(ctx, unit, opts, managed, ignored)
   local name, module = unit.name, unit.module
   local where = string.format("fully_shard(%s): islands", display(name))
