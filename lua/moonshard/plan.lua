@@ -742,7 +742,8 @@ M.ISLAND_MP = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32",
 -- list, and holding parameters the unit takes (managed, not ignored, not owned, not placed by
 -- expert parallelism).  Their parameters join the unit in FSDP2's managed order, each with
 -- the islands' policy: unit.packed, unit.islands = {{name, module, mp, params}} in the order
--- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads it).  Returns param -> its island.
+-- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads
+-- it).  Returns param -> its island.
 function islands_of(ctx, unit, opts, managed, ignored)
   local name, module = unit.name, unit.module
   local where = string.format("fully_shard(%s): islands", display(name))
@@ -1864,6 +1865,9 @@ local function plan(model, mesh, policy, opts)
   end
   -- with a device profile: its memory figures and the step's time (moonshard.plan_time)
   if opts.device ~= nil then require("moonshard.plan_time").attach(result, ctx, opts) end
+  -- FP32 island units whose collectives are latency bound: packing them would save calls
+  local islands = require("moonshard.plan_time").island_warning(ctx, result, result.device)
+  if islands then warnings[#warnings + 1] = islands end
   -- with a batch, each rank's peak; with a device too, whether it fits (plan_memory)
   memory.peaks(result.memory)
   return result

@@ -412,10 +412,12 @@ function M.packed_lines(plan, add)
   end
   if #list == 0 then return end
   local g = plan.comm.gathers or 1
+  local n = 0
+  for _, u in ipairs(list) do n = n + #u.islands end
   add("")
   add(string.format("packed units: %d hold%s %d FP32 island%s, each island parameter with its own policy; one " ..
-    "all-gather a gather, one reduce-scatter per reduce dtype", #list, #list == 1 and "s" or "", pk and pk.islands or 0,
-    (pk and pk.islands or 0) == 1 and "" or "s"))
+    "all-gather a gather, one reduce-scatter per reduce dtype", #list, #list == 1 and "s" or "", n,
+    n == 1 and "" or "s"))
   for i, u in ipairs(list) do
     if i > 8 then
       add(string.format("  ... and %d more packed units (--json lists them)", #list - 8))

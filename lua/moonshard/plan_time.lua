@@ -511,6 +511,103 @@ function T.attach(result, ctx, opts)
   return result
 end
 
+-- ---------------------------------------------------------------- FP32 islands
+
+--- The warning about latency-bound FP32 island units (kind "fp32_island"), or nil.  A unit's
+-- collectives a step (its all-gathers once per gather, comm.gathers; its reduce-scatter; its
+-- HSDP all-reduce) are latency bound, with a device profile, when their per-call latency
+-- (dev's intra- or inter-node latency for the link of the unit's axis) adds up to more than
+-- their bus bytes take at the link's bandwidth; without one, when its all-gather moves less
+-- than plan.LATENCY_BOUND_BYTES a rank (the plan's latency-bound threshold).  Packing an
+-- island into the nearest unit around it (same mesh) removes its all-gathers, and its
+-- reduce-scatter and all-reduce when that unit already reduces in the island's reduce dtype;
+-- the seconds saved are those calls' latency (an estimate, before overlap).  The remedy
+-- named: the policy's pack_islands option (`--set pack_islands=true`) when it declares one
+-- and it is off, else fully_shard's islands option.
+function T.island_warning(ctx, result, dev)
+  local plan = require "moonshard.plan"
+  local mesh = ctx.mesh
+  local gathers = result.comm.gathers or 1
+  local unit_at = {}
+  for _, u in ipairs(ctx.units) do
+    if u.kind ~= "fp32_island" then unit_at[ctx:name_of(u.module)] = unit_at[ctx:name_of(u.module)] or u end
+  end
+  -- the nearest unit (not an island unit) whose module contains module `name`
+  local function around(name)
+    local n = name
+    while n ~= "" do
+      n = n:match("^(.*)%.[^.]+$") or ""
+      if unit_at[n] then return unit_at[n] end
+    end
+    return nil
+  end
+  local function same_axes(a, b)
+    if #a.mesh_axes ~= #b.mesh_axes then return false end
+    for i, x in ipairs(a.mesh_axes) do if b.mesh_axes[i] ~= x then return false end end
+    return true
+  end
+  local bound, saved = {}, { all_gather = 0, reduce_scatter = 0, all_reduce = 0, seconds = 0 }
+  for _, u in ipairs(ctx.units) do
+    local c = u.comm
+    if u.kind == "fp32_island" and c and #u.params > 0 and (#c.all_gather > 0 or c.reduce_scatter or c.all_reduce) then
+      local shard = u.mesh_axes[#u.mesh_axes]
+      local lat, bw = 0, 0
+      local calls = {} -- {kind, count, seconds of latency}
+      local function call(kind, axis, n, count, bytes)
+        local link
+        if dev then
+          local stride, size = mesh:stride(axis)
+          link = T.link(mesh.world, dev.gpus_per_node, stride, n or size)
+        end
+        local l = 0
+        if link then
+          l = count * (link == "intra" and dev.intra_node_latency_s or dev.inter_node_latency_s)
+          bw = bw + bytes / (link == "intra" and dev.intra_node_bytes_per_s or dev.inter_node_bytes_per_s)
+        end
+        lat = lat + l
+        calls[#calls + 1] = { kind = kind, count = count, seconds = l }
+      end
+      for _, ag in ipairs(c.all_gather) do call("all_gather", shard, ag.n, gathers, ag.bytes * gathers) end
+      if c.reduce_scatter then call("reduce_scatter", shard, nil, c.reduce_scatter.count or 1, c.reduce_scatter.bytes) end
+      if c.all_reduce then call("all_reduce", u.mesh_axes[1], nil, c.all_reduce.count or 1, c.all_reduce.bytes) end
+      local is_bound
+      if dev then is_bound = lat > bw else is_bound = u.gather_bytes_per_rank < plan.LATENCY_BOUND_BYTES end
+      local host = around(ctx:name_of(u.module))
+      -- (a unit around it that gathers nothing would gather for it: nothing saved)
+      if is_bound and host and same_axes(host, u) and #host.params > 0 and #host.comm.all_gather > 0 then
+        bound[#bound + 1] = plan.display(u.name)
+        local same_reduce = host.grad_shard_bytes > 0 and host.reduce_dtype_eff == u.reduce_dtype_eff
+        for _, x in ipairs(calls) do
+          if x.kind == "all_gather" or same_reduce then
+            saved[x.kind] = saved[x.kind] + x.count
+            saved.seconds = saved.seconds + x.seconds
+          end
+        end
+      end
+    end
+  end
+  if #bound == 0 then return nil end
+  local declared, on = false, false
+  for _, op in ipairs(result.options or {}) do
+    if op.name == "pack_islands" then declared, on = true, op.value == true end
+  end
+  local them = #bound == 1 and "it into the unit around it" or "them into the units around them"
+  local remedy = (declared and not on) and "set the policy's pack_islands option (--set pack_islands=true) to pack " ..
+    them or "pack " .. them .. " with ctx:fully_shard(module, {islands = {...}}) (each island parameter keeps its own " ..
+    "policy)"
+  local n = saved.all_gather + saved.reduce_scatter + saved.all_reduce
+  return string.format("%d FP32 island unit%s %s latency bound (%s): %s; %s: that saves %d collective%s a step " ..
+    "(all-gather %d, reduce-scatter %d, all-reduce %d)%s",
+    #bound, #bound == 1 and "" or "s", #bound == 1 and "is" or "are",
+    dev and string.format("the latency of %s collectives a step exceeds their time at the link's bandwidth on %s",
+      #bound == 1 and "its" or "their", dev.name) or string.format("%s all-gather moves less than %s a rank",
+      #bound == 1 and "its" or "each", util.bytes(plan.LATENCY_BOUND_BYTES)),
+    table.concat(bound, ", ", 1, math.min(#bound, 4)) .. (#bound > 4 and string.format(" (and %d more)", #bound - 4) or ""),
+    remedy, n, n == 1 and "" or "s", saved.all_gather, saved.reduce_scatter, saved.all_reduce,
+    dev and string.format(" and about %s of collective latency a step (estimate, before overlap)", T.duration(saved.seconds))
+      or "; give --device to estimate the seconds")
+end
+
 -- ---------------------------------------------------------------- output
 
 --- A duration as the table shows it: 3 significant digits, in s, ms or us.

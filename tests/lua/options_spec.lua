@@ -339,7 +339,7 @@ describe("the shipped policies' options", function()
       ["policies/inkling2"] = { offload_policy = "none", activation_checkpointing = true,
         ["prefetch.forward"] = 1, ["prefetch.backward"] = 1, ["pipeline.schedule"] = "1F1B",
         ["pipeline.layers_per_stage"] = "none", ["pipeline.round"] = "none", ["pipeline.split"] = "automodel",
-        sequence_parallel = false },
+        sequence_parallel = false, pack_islands = false },
     }, defaults)
   end)
 

@@ -260,7 +260,8 @@ describe("moonshard plan --rank", function()
     assert.equal(5, view.rank)
     assert.same({ pp = 0, dp_replicate = 0, dp_shard = 2, cp = 0, tp = 1 }, view.coords)
     assert.same({ local_shape = { 6, 10 }, padded_shard_shape = { 7, 10 }, placements = { "Shard(0)", "Shard(1)" },
-      placement_axes = { "dp_shard", "tp" }, unit = "model.layers.1" }, view.params["model.layers.1.self_attn.o_proj.weight"])
+      placement_axes = { "dp_shard", "tp" }, unit = "model.layers.1", gather_dtype = "bf16", reduce_dtype = "f32" },
+      view.params["model.layers.1.self_attn.o_proj.weight"])
   end)
 
   it("refuses a rank outside the world, or no rank at all", function()

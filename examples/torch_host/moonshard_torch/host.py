@@ -297,6 +297,42 @@ def _placement_dim(text):
     return int(m.group(1)) if m else None
 
 
+def _refuse_packed(u, named, where):
+    """A packed unit (moonshard's fully_shard islands: parameters of several stored dtypes, each
+    with its own policy) is not an FSDP2 unit: FSDP2 asks one stored dtype of a unit's trainable
+    parameters (_init_mp_dtypes: "FSDP expects uniform original parameter dtype"), and torch
+    2.15's param_dtype_override_fn lets a parameter gather in its stored dtype only when the
+    stored and reduce dtypes are uniform.  Refused, naming the unit and the two dtypes."""
+    if not u.get("packed"):
+        return
+    params = [p for p in u["params"] if named.get(p["fqn"]) is None or named[p["fqn"]].requires_grad]
+
+    def two(key):
+        seen = {}
+        for p in params:
+            if p.get(key) is not None:
+                seen.setdefault(p[key], p["fqn"])
+        return sorted(seen.items())[:2] if len(seen) > 1 else None
+
+    pair = two("dtype")
+    if pair:
+        why = "its trainable parameters are stored in %s (%s) and %s (%s); FSDP2 expects one stored dtype per " \
+              "unit (\"FSDP expects uniform original parameter dtype\")" % (pair[0][0], pair[0][1], pair[1][0], pair[1][1])
+    elif two("reduce_dtype"):
+        pair = two("reduce_dtype")
+        why = "its gradients reduce in %s (%s) and %s (%s); FSDP2 reduces a unit's in one dtype" % (
+            pair[0][0], pair[0][1], pair[1][0], pair[1][1])
+    else:
+        odd = [p for p in params if p.get("gather_dtype") not in (u["param_dtype"], p["dtype"])]
+        why = ("parameter %s gathers in %s, neither the unit's param_dtype %s nor its stored dtype %s" % (
+            odd[0]["fqn"], odd[0]["gather_dtype"], u["param_dtype"], odd[0]["dtype"]) if odd else
+            "its islands' dtypes would need torch's param_dtype_override_fn, which moonshard_torch does not apply")
+    raise MoonshardError("not_built", "%s: unit %s is a packed unit (islands packed in it, each with its own policy: "
+                         "%s): %s; plan without packing (the policy's pack_islands=false, or no islands in "
+                         "ctx:fully_shard)" % (where, _label(u["name"]),
+                                               ", ".join(i["name"] for i in u["packed"]["islands"][:3]), why))
+
+
 def apply_plan(model, plan, device_type="cpu"):
     """Applies the plan to model on this rank: its TP plan through parallelize_module on the
     tp axis, activation checkpointing's wrappers for the
@@ -317,6 +353,8 @@ def apply_plan(model, plan, device_type="cpu"):
     _wrap_checkpointed(model, plan.get("checkpointed") or [])
     _distribute_owned(model, plan, moe)
     named = dict(model.named_parameters())
+    for u in plan["units"]:
+        _refuse_packed(u, named, "apply_plan")
     managed = set()
     units = {}
     for u in plan["units"]:
@@ -444,6 +482,8 @@ def check_plan(model, plan, rank=None):
     tp_size = sizes.get("tp", 1)
     # the rank's tp coordinate: ranks are row-major over (pp, dp_replicate, dp_shard, cp, tp)
     tp_coord = rank % tp_size
+    for u in plan["units"]:
+        _refuse_packed(u, named, "check_plan")
     for u in plan["units"]:
         mod = _module(model, u["name"])
         if not hasattr(mod, "_get_fsdp_state"):
