@@ -355,6 +355,10 @@ ms_status ms_unit_set_param_policy(ms_unit *u, int i, int param_dtype, int reduc
     if (!u->packed)
         return ms__fail(MS_ERR_STATE, "unit '%s': set_param_policy '%s': the unit is not packed; a parameter has its own "
                         "policy in a packed unit (ms_unit_set_packed before the first add_param)", unit_label(u), p->fqn);
+    if (p->fp8)
+        return ms__fail(MS_ERR_STATE, "unit '%s': set_param_policy '%s': the parameter gathers in fp8 already; give it "
+                        "its policy before ms_unit_set_fp8_all_gather (which checks its gather dtype)", unit_label(u),
+                        p->fqn);
     char what[64 + 256];
     snprintf(what, sizeof what, "parameter '%.200s': param_dtype", p->fqn);
     st = check_policy_dtype(u->name, what, param_dtype);

@@ -172,6 +172,10 @@ if ms.rank() == 0 then g:send(ms.tensor({8}, "f32", ms.device()), 1) end'
       tests/lua/scripts/units.lua dp_shard=2 tests/lua/configs/inkling2_tiny.json packed
     step "2 NCCL ranks torchrun-style: units with the FP32 islands packed, offloaded" launch_ranks 2 \
       units_packed_offload tests/lua/scripts/units.lua dp_shard=2 tests/lua/configs/inkling2_tiny.json offload,packed
+    step "2 NCCL ranks torchrun-style: a packed unit with two reduce dtypes, the separate units' bits" launch_ranks 2 \
+      packed_units tests/lua/scripts/packed_units.lua bf16reduce
+    step "2 NCCL ranks torchrun-style: the same, offloaded" launch_ranks 2 packed_units_offload \
+      tests/lua/scripts/packed_units.lua bf16reduce offload
     # rank 1 leaves after the first collective: rank 0's next one ends in the timeout (2 s)
     rank_dies() {
       launch_ranks 2 rank_dies --timeout 2 -e 'local ms = require "moonshard"

@@ -1,5 +1,5 @@
 -- packed_units.lua: a packed unit against separate units, on every rank:
---   moonshard -n N tests/lua/scripts/packed_units.lua [hsdp] [bf16reduce] [reshard2]
+--   moonshard -n N tests/lua/scripts/packed_units.lua [hsdp] [bf16reduce] [reshard2] [offload]
 --   (or mpirun -np N moonshard tests/lua/scripts/packed_units.lua ...)
 -- One inkling2-shaped layer (a large bf16 weight block, a bf16 norm, and five small fp32
 -- "islands": two residual queries, two L2-clip scales and the router gate with its frozen
@@ -19,6 +19,8 @@
 --     two with bf16reduce, where the layer reduces in bf16 and the islands in f32), against
 --     one all-gather and one reduce-scatter per separate unit;
 --   - the bytes each category holds: the same sums.
+-- offload: every unit with CPU offload (on the nccl backend its shards, gradients and AdamW
+-- state on the host, the collectives on the GPU; on threads and MPI nothing changes).
 -- Prints "packed_units ok <rank> collectives <packed>/<separate> checksum <hex>".
 local ms = require "moonshard"
 
@@ -76,6 +78,7 @@ do
   for _, key in ipairs(order) do
     local pol = key == "<layer>" and COMPUTE or FP32
     local u = ms.unit(key == "<layer>" and "layer" or "layer." .. key, shard, replicate, pol[1], pol[2], reshard)
+    if opts.offload then u:set_cpu_offload(true) end
     for _, k in ipairs(by_island[key]) do
       local p = PARAMS[k]
       where_sep[k] = { u, u:add_param(p[1], p[2], p[3], 0, not p[5]) }
@@ -87,6 +90,7 @@ end
 
 -- The packed unit: every parameter in PARAMS order, the islands' with the fp32 policy.
 local packed = ms.unit("layer", shard, replicate, COMPUTE[1], COMPUTE[2], reshard):set_packed(true)
+if opts.offload then packed:set_cpu_offload(true) end
 local where_pk = {}
 for k, p in ipairs(PARAMS) do
   local i = packed:add_param(p[1], p[2], p[3], 0, not p[5])
@@ -246,6 +250,16 @@ ok, err = pcall(function()
   u:add_param("b", { 4 }, "bf16")
 end)
 check(not ok and tostring(err):find("or pack them (ms_unit_set_packed)", 1, true), tostring(err))
+
+if ms.backend() ~= "nccl" then -- the fp8 all-gather runs on cpu units
+  ok, err = pcall(function()
+    local u = ms.unit("f8", shard, nil, "bf16", "f32"):set_packed(true)
+    u:add_param("w", { 4 }, "f32")
+    u:set_fp8_all_gather(0)
+    u:set_param_policy(0, "f32", "f32")
+  end)
+  check(not ok and tostring(err):find("give it its policy before ms_unit_set_fp8_all_gather", 1, true), tostring(err))
+end
 
 -- a checksum of every final shard, to compare runs (threads against MPI)
 local crc = 0
