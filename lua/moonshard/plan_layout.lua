@@ -257,7 +257,9 @@ end
 --- What packing saved a packed unit against sharding each island as a unit of its own with
 -- the unit's options (a unit for the module's own parameters when it has any, and one per
 -- island): per gather of the units (each all-gather the unit makes: forward, and the
--- backward re-gather when it reshards), all_gather; per step, reduce_scatter and all_reduce
+-- backward re-gather when it reshards; an island's own unit, nested in the module's and so
+-- never an FSDP root, re-gathers by default, even where the packed unit is a root that
+-- does not), all_gather; per step, reduce_scatter and all_reduce
 -- (one each for every separate unit with gradients, against the packed unit's one per
 -- reduce dtype).  {all_gather, reduce_scatter, all_reduce}; all 0 when the unit has no
 -- collectives (a shard of one rank).
@@ -276,7 +278,13 @@ function L.packing_saved(unit, groups, group_of, W, R, gathers)
   local rs = unit.comm.reduce_scatter
   local ar = unit.comm.all_reduce
   local saved = { all_gather = 0, reduce_scatter = 0, all_reduce = 0 }
-  if W > 1 and units > 0 then saved.all_gather = (units - 1) * gathers end
+  if W > 1 and units > 0 then
+    local raf = unit.reshard_after_forward
+    if raf == nil then raf = true end -- a nested unit's default
+    if util.is_int(raf) then raf = raf ~= 1 end
+    local island_units = units - (params[1] and 1 or 0)
+    saved.all_gather = (params[1] and gathers or 0) + island_units * (raf and 2 or 1) - gathers
+  end
   if rs then saved.reduce_scatter = with_grads - (rs.count or 1) end
   if ar and R > 1 then saved.all_reduce = with_grads - (ar.count or 1) end
   return saved

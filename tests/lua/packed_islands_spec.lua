@@ -290,6 +290,8 @@ describe("pack_islands", function()
         assert.equal(sep.comm.all_gather.bytes - regathered, pk.comm.all_gather.bytes)
         -- what packing saved, as the plan says it
         assert.equal(sep.comm.reduce_scatter.count - pk.comm.reduce_scatter.count, pk.comm.packing.reduce_scatter)
+        assert.equal(sep.comm.all_gather.count - pk.comm.all_gather.count, pk.comm.packing.all_gather)
+        assert.equal(sep.comm.all_reduce.count - pk.comm.all_reduce.count, pk.comm.packing.all_reduce)
         -- memory per rank: each parameter keeps its dtypes, so its state is the same
         for k, run in ipairs(sep.memory.runs) do
           local other = pk.memory.runs[k]
