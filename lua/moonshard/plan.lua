@@ -744,6 +744,24 @@ M.ISLAND_MP = { param_dtype = "f32", reduce_dtype = "f32", output_dtype = "f32",
 -- the islands' policy: unit.packed, unit.islands = {{name, module, mp, params}} in the order
 -- given (params: the island's parameters the unit holds), unit.param_mp[p] (M.param_mp reads
 -- it).  Returns param -> its island.
+-- An island given as a module, or as a dotted name: the model's own name, or the name with
+-- activation checkpointing's wrapper segments left out (fp32_modules.lua's names match the
+-- same way), when exactly one module has it.
+local CHECKPOINT_SEGMENT = "%._checkpoint_wrapped_module"
+local function island_module(ctx, x, what)
+  if type(x) ~= "string" then return ctx:module(x) end
+  local found = ctx.model:get(x)
+  if found then return found end
+  local hits = {}
+  for _, nm in ipairs(ctx.model:named_modules("")) do
+    if nm[1]:gsub(CHECKPOINT_SEGMENT, "") == x then hits[#hits + 1] = nm[2] end
+  end
+  if #hits == 1 then return hits[1] end
+  fail(string.format("%s: no module named '%s' in the model%s", what, x, #hits > 1 and
+    string.format(" (%d modules have that name without activation checkpointing's wrappers)", #hits) or
+    " (nor without activation checkpointing's _checkpoint_wrapped_module segments)"))
+end
+
 function islands_of(ctx, unit, opts, managed, ignored)
   local name, module = unit.name, unit.module
   local where = string.format("fully_shard(%s): islands", display(name))
@@ -773,7 +791,7 @@ function islands_of(ctx, unit, opts, managed, ignored)
   local seen, island_of = {}, {}
   unit.packed, unit.islands, unit.param_mp = true, {}, {}
   for i = 1, n do
-    local m = ctx:module(list[i])
+    local m = island_module(ctx, list[i], string.format("%s[%d]", where, i))
     local iname = ctx:name_of(m)
     local what = string.format("%s[%d] (%s)", where, i, display(iname))
     if m == module then
@@ -831,6 +849,10 @@ function Ctx:fully_shard(module, opts)
   if opts.mp_policy ~= nil then check_keys(opts.mp_policy, MP_OPTIONS, where, "mp_policy key", "mp_policy is") end
   if opts.islands_mp_policy ~= nil then
     check_keys(opts.islands_mp_policy, MP_OPTIONS, where, "islands_mp_policy key", "islands_mp_policy is")
+    if opts.islands == nil then
+      fail(string.format("%s: islands_mp_policy is the policy of the islands packed into the unit, and no islands " ..
+        "are given; give islands = {...}, or leave islands_mp_policy out", where))
+    end
   end
   local site = call_site()
   local stage

@@ -415,9 +415,9 @@ function M.packed_lines(plan, add)
   local n = 0
   for _, u in ipairs(list) do n = n + #u.islands end
   add("")
-  add(string.format("packed units: %d hold%s %d FP32 island%s, each island parameter with its own policy; one " ..
-    "all-gather a gather, one reduce-scatter per reduce dtype", #list, #list == 1 and "s" or "", n,
-    n == 1 and "" or "s"))
+  add(string.format("packed units%s: %d hold%s %d FP32 island%s, each island parameter with its own policy; one " ..
+    "all-gather a gather, one reduce-scatter per reduce dtype", plan.pipeline and " (every stage)" or "", #list,
+    #list == 1 and "s" or "", n, n == 1 and "" or "s"))
   for i, u in ipairs(list) do
     if i > 8 then
       add(string.format("  ... and %d more packed units (--json lists them)", #list - 8))

@@ -128,11 +128,11 @@ function methods.set_param_policy(self, i, param_dtype, reduce_dtype)
 end
 
 --- unit:param_dtypes(i) -> {stored=, gather=, reduce=, requires_grad=}: parameter i's
--- effective dtypes (after finalize)
+-- effective dtypes (after finalize; reduce nil for a frozen parameter)
 function methods.param_dtypes(self, i)
   local u = check_unit(self, 1)
   local stored, gather, reduce, rg = ok(R.unit_param_dtypes(u, param_index(u, i, 2)))
-  return { stored = R.dtype_name(stored), gather = R.dtype_name(gather), reduce = R.dtype_name(reduce),
+  return { stored = R.dtype_name(stored), gather = R.dtype_name(gather), reduce = rg and R.dtype_name(reduce) or nil,
     requires_grad = rg }
 end
 

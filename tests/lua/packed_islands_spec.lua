@@ -136,7 +136,12 @@ describe("fully_shard's islands", function()
       mesh_context.new("dp_shard=4"), policy_of(function(ctx)
         ctx:fully_shard("layer", { islands = { "layer.gate" }, ignored_params = { "layer.gate.weight" } })
       end)), 1, true)
-    assert.matches("no module named 'layer.nothing'", shard({ "layer.nothing" }), 1, true)
+    assert.matches("fully_shard(layer): islands[1]: no module named 'layer.nothing' in the model (nor without " ..
+      "activation checkpointing's _checkpoint_wrapped_module segments)", shard({ "layer.nothing" }), 1, true)
+    assert.matches("fully_shard(head): islands_mp_policy is the policy of the islands packed into the unit, and no " ..
+      "islands are given", errmsg(planner.plan, tree(), mesh_context.new("dp_shard=4"), policy_of(function(ctx)
+        ctx:fully_shard("head", { islands_mp_policy = { param_dtype = "f32" } })
+      end)), 1, true)
     assert.matches("islands_mp_policy.param_dtype of unit layer is 'i8'", errmsg(planner.plan, tree(),
       mesh_context.new("dp_shard=4"), policy_of(function(ctx)
         ctx:fully_shard("layer", { islands = { "layer.gate" }, islands_mp_policy = { param_dtype = "i8" } })
@@ -162,6 +167,18 @@ describe("fully_shard's islands", function()
         ctx:fully_shard("layer", { mp_policy = COMPUTE, islands = { "layer.attn_query", "layer.gate" } })
         ctx:fully_shard(ctx.model, { mp_policy = COMPUTE })
       end)), 1, true)
+  end)
+
+  it("takes an island's dotted name with or without activation checkpointing's wrapper segments", function()
+    local root = tree()
+    local plan = planner.plan(root, mesh_context.new("dp_shard=4"), policy_of(function(ctx)
+      ctx:checkpoint_wrap(ctx.model, { 0 })
+      ctx:fully_shard("layer", { mp_policy = COMPUTE, islands = { "layer.attn_query",
+        "layer._checkpoint_wrapped_module.gate" } })
+      ctx:fully_shard(ctx.model, { mp_policy = COMPUTE })
+    end))
+    assert.same({ "layer._checkpoint_wrapped_module.attn_query", "layer._checkpoint_wrapped_module.gate" },
+      { plan.units[1].islands[1].name, plan.units[1].islands[2].name })
   end)
 
   it("takes islands from a sandboxed policy as module copies or names", function()

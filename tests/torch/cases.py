@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 tests/torch/cases.py refusals
         what apply_plan refuses: a plan for another world size, a pipeline (pp = 2), tied
         weights under tensor parallelism, a model sharded already; check_plan before apply_plan,
-        and a reshard_after_forward that differs
+        a reshard_after_forward that differs, and a packed unit FSDP2 cannot hold (bf16 weights
+        beside fp32 islands: one stored dtype a unit)
 
 Prints "rank R: CASE ok: ..." per rank; exits non-zero on the first failed expectation.
 """
@@ -18,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "examples", "torch_host"))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
@@ -71,6 +73,17 @@ def refusals(rank, world):
     bad = copy.deepcopy(plain)
     bad["units"][0]["reshard_after_forward"] = not bad["units"][0]["reshard_after_forward"]
     expect_error(lambda: mt.check_plan(fresh, bad), "unit %s: reshard_after_forward" % bad["units"][0]["name"])
+    # Inkling2's storage: bf16 weights, the FP32 modules in f32; packing its islands makes units
+    # of two stored dtypes, which FSDP2 cannot hold (the all-f32 model packs: run.sh)
+    mixed = models.build("islands")
+    islands = ("attn_query", "mlp_query", "output_query", "q_l2_clip", "rel_l2_clip", "mlp.gate")
+    for name, p in mixed.named_parameters():
+        if not any(i + "." in name for i in islands):
+            p.data = p.data.to(torch.bfloat16)
+    packed = mt.plan_model(mixed, "dp_shard=%d" % world, os.path.join(REPO, "policies", "inkling2"),
+                           options=["pack_islands=true"])
+    expect_error(lambda: mt.apply_plan(mixed, packed), "apply_plan: unit model.layers.0 is a packed unit",
+                 "stored in bf16", "and f32", "FSDP expects uniform original parameter dtype", "pack_islands=false")
     print("rank %d: refusals ok" % rank, flush=True)
 
 

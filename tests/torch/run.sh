@@ -136,6 +136,19 @@ case_run islands_inkling2_dp4 4 5e-3 --model islands -- --policy policies/inklin
 # units (ep_shard = 1), or sharded further by units of their own on ep_shard (Shard(1))
 case_run islands_ep2 2 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=2,ep=2
 case_run islands_ep2_ep_shard2 4 5e-3 --model islands -- --policy policies/inkling2 --mesh dp_shard=4,ep=2
+# the islands packed into their layers' units (pack_islands): the model is stored in f32, so
+# FSDP2 holds each packed unit with torch's param_dtype_override_fn (the islands gather in
+# f32, the rest in bf16) and moonshard_torch gives each island the casts its own unit made:
+# checked on every rank (each parameter's gather dtype too), and the separate units' losses
+run islands_packed 4 --model islands --policy policies/inkling2 --set pack_islands=true
+if [ "$(grep -c '^rank [0-9]*: check ok: ' "$TMP/islands_packed.out")" = 4 ] &&
+  [ "$(losses "$TMP/islands_packed.out" | wc -l)" = "$(losses "$TMP/islands_inkling2_dp4.out" | wc -l)" ] &&
+  [ "$(losses "$TMP/islands_packed.out" | wc -l)" -gt 0 ] &&
+  cmp -s <(losses "$TMP/islands_packed.out") <(losses "$TMP/islands_inkling2_dp4.out"); then
+  ok "islands packed into their layers' units on 4 processes (param_dtype_override_fn): checked on every rank, the separate units' losses to the last digit"
+else
+  fail "islands packed (pack_islands=true) on 4 processes" "$TMP/islands_packed.out"
+fi
 
 # fsdp2_default (bf16) with the policy's options: CPU offload of every unit, a deeper
 # prefetch (explicit lists)

@@ -297,14 +297,17 @@ def _placement_dim(text):
     return int(m.group(1)) if m else None
 
 
-def _refuse_packed(u, named, where):
-    """A packed unit (moonshard's fully_shard islands: parameters of several stored dtypes, each
-    with its own policy) is not an FSDP2 unit: FSDP2 asks one stored dtype of a unit's trainable
-    parameters (_init_mp_dtypes: "FSDP expects uniform original parameter dtype"), and torch
-    2.15's param_dtype_override_fn lets a parameter gather in its stored dtype only when the
-    stored and reduce dtypes are uniform.  Refused, naming the unit and the two dtypes."""
+def _packed_overrides(u, named, where):
+    """A packed unit (moonshard's fully_shard islands: each island parameter with its own
+    policy) as FSDP2 can hold it: torch 2.15's MixedPrecisionPolicy.param_dtype_override_fn
+    lets a parameter keep its stored dtype (gather in it) instead of the unit's param_dtype,
+    but FSDP2 still asks one stored dtype and one reduce dtype of a unit's trainable
+    parameters (_init_mp_dtypes: "FSDP expects uniform original parameter dtype").  Returns
+    {id(param): torch dtype} for the parameters that gather in their stored dtype ({} for a unit
+    that is not packed); raises, naming the unit and the two dtypes, for a packed unit FSDP2
+    cannot hold (bf16 weights beside fp32-stored islands: plan without packing)."""
     if not u.get("packed"):
-        return
+        return {}
     params = [p for p in u["params"] if named.get(p["fqn"]) is None or named[p["fqn"]].requires_grad]
 
     def two(key):
@@ -314,6 +317,7 @@ def _refuse_packed(u, named, where):
                 seen.setdefault(p[key], p["fqn"])
         return sorted(seen.items())[:2] if len(seen) > 1 else None
 
+    why = None
     pair = two("dtype")
     if pair:
         why = "its trainable parameters are stored in %s (%s) and %s (%s); FSDP2 expects one stored dtype per " \
@@ -323,14 +327,48 @@ def _refuse_packed(u, named, where):
         why = "its gradients reduce in %s (%s) and %s (%s); FSDP2 reduces a unit's in one dtype" % (
             pair[0][0], pair[0][1], pair[1][0], pair[1][1])
     else:
-        odd = [p for p in params if p.get("gather_dtype") not in (u["param_dtype"], p["dtype"])]
-        why = ("parameter %s gathers in %s, neither the unit's param_dtype %s nor its stored dtype %s" % (
-            odd[0]["fqn"], odd[0]["gather_dtype"], u["param_dtype"], odd[0]["dtype"]) if odd else
-            "its islands' dtypes would need torch's param_dtype_override_fn, which moonshard_torch does not apply")
-    raise MoonshardError("not_built", "%s: unit %s is a packed unit (islands packed in it, each with its own policy: "
-                         "%s): %s; plan without packing (the policy's pack_islands=false, or no islands in "
-                         "ctx:fully_shard)" % (where, _label(u["name"]),
-                                               ", ".join(i["name"] for i in u["packed"]["islands"][:3]), why))
+        odd = [p for p in u["params"] if p.get("gather_dtype") not in (u["param_dtype"] or p["dtype"], p["dtype"])]
+        if odd:
+            why = "parameter %s gathers in %s, neither the unit's param_dtype %s nor its stored dtype %s (what " \
+                  "param_dtype_override_fn may return)" % (odd[0]["fqn"], odd[0]["gather_dtype"], u["param_dtype"],
+                                                          odd[0]["dtype"])
+    if why:
+        raise MoonshardError("not_built", "%s: unit %s is a packed unit (islands packed in it, each with its own "
+                             "policy: %s) that FSDP2 cannot hold: %s; plan without packing (the policy's "
+                             "pack_islands=false, or no islands in ctx:fully_shard)" % (
+                                 where, _label(u["name"]), ", ".join(i["name"] for i in u["packed"]["islands"][:3]),
+                                 why))
+    return {id(named[p["fqn"]]): MS_DTYPE[p["dtype"]] for p in u["params"]
+            if p["fqn"] in named and p.get("gather_dtype") == p["dtype"] and p["dtype"] != u["param_dtype"]
+            and u["param_dtype"] is not None}
+
+
+def _cast_floating(dtype, tree):
+    """FSDP2's cast of a module's floating inputs or outputs (_cast_fp_tensor over the tree)."""
+    try:
+        from torch.distributed.utils import _apply_to_tensors
+    except ImportError:  # (torch keeps it private)
+        from torch.utils._pytree import tree_map as _apply_to_tensors
+
+    def cast(x):
+        if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x) or x.dtype == dtype:
+            return x
+        return x.to(dtype)
+    return _apply_to_tensors(cast, tree)
+
+
+def _island_hooks(model, u):
+    """The module-boundary casts FSDP2 gives a unit of its own, on each island of a packed
+    unit: its floating inputs cast to its param_dtype when cast_forward_inputs, its floating
+    outputs to its output_dtype, so that the forward computes what the islands as units did."""
+    for isl in (u.get("packed") or {}).get("islands") or []:
+        mod = _module(model, isl["name"])
+        pd, od = isl.get("param_dtype"), isl.get("output_dtype")
+        if isl.get("cast_forward_inputs") and pd:
+            mod.register_forward_pre_hook(
+                lambda m, args, kwargs, dt=MS_DTYPE[pd]: _cast_floating(dt, (args, kwargs)), with_kwargs=True)
+        if od:
+            mod.register_forward_hook(lambda m, args, out, dt=MS_DTYPE[od]: _cast_floating(dt, out))
 
 
 def apply_plan(model, plan, device_type="cpu"):
@@ -353,8 +391,7 @@ def apply_plan(model, plan, device_type="cpu"):
     _wrap_checkpointed(model, plan.get("checkpointed") or [])
     _distribute_owned(model, plan, moe)
     named = dict(model.named_parameters())
-    for u in plan["units"]:
-        _refuse_packed(u, named, "apply_plan")
+    overrides = {u["name"]: _packed_overrides(u, named, "apply_plan") for u in plan["units"]}
     managed = set()
     units = {}
     for u in plan["units"]:
@@ -377,9 +414,14 @@ def apply_plan(model, plan, device_type="cpu"):
                                      "Shard(d) placements" % (u["name"], p["fqn"], p["placement"]))
             dims[id(named[p["fqn"]])] = d
         unit_mesh = _unit_mesh(u, dense, moe)
+        mp_kwargs = {}
+        if overrides[u["name"]]:
+            # a packed unit: its islands' parameters gather in their stored dtype (torch 2.15)
+            mp_kwargs["param_dtype_override_fn"] = lambda p, o=overrides[u["name"]]: o.get(id(p))
+            _island_hooks(model, u)
         mp = MixedPrecisionPolicy(param_dtype=MS_DTYPE[u["param_dtype"]], reduce_dtype=MS_DTYPE[u["reduce_dtype"]],
                                   output_dtype=MS_DTYPE[u["output_dtype"]] if u.get("output_dtype") else None,
-                                  cast_forward_inputs=u["cast_forward_inputs"])
+                                  cast_forward_inputs=u["cast_forward_inputs"], **mp_kwargs)
         # (pinned host memory needs a GPU: not on a CPU-only job)
         offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if u.get("offload_policy") == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=unit_mesh, reshard_after_forward=u["reshard_after_forward"], mp_policy=mp,
@@ -482,8 +524,7 @@ def check_plan(model, plan, rank=None):
     tp_size = sizes.get("tp", 1)
     # the rank's tp coordinate: ranks are row-major over (pp, dp_replicate, dp_shard, cp, tp)
     tp_coord = rank % tp_size
-    for u in plan["units"]:
-        _refuse_packed(u, named, "check_plan")
+    overrides = {u["name"]: _packed_overrides(u, named, "check_plan") for u in plan["units"]}
     for u in plan["units"]:
         mod = _module(model, u["name"])
         if not hasattr(mod, "_get_fsdp_state"):
@@ -516,7 +557,9 @@ def check_plan(model, plan, rank=None):
         if names != tuple(u["mesh_axes"]):
             problems.append("unit %s: mesh %s, the plan's %s" % (_label(u["name"]), names, tuple(u["mesh_axes"])))
         # the policy FSDP2 keeps: the group's (older torch) or each parameter's (torch >= 2.10)
+        # (a packed unit's island parameters carry their override: another's is the unit's)
         policies = [getattr(group, "mp_policy", None)] if hasattr(group, "mp_policy") else \
+            [fp.mp_policy for fp in group.fsdp_params if id(fp.sharded_param) not in overrides[u["name"]]] or \
             [fp.mp_policy for fp in group.fsdp_params]
         for mp in policies[:1]:
             for field, want_dt in (("param_dtype", u["param_dtype"]), ("reduce_dtype", u["reduce_dtype"]),
@@ -555,6 +598,16 @@ def check_plan(model, plan, rank=None):
             have_pl = _placements_on(dt, p.get("placement_axes") or u["mesh_axes"])
             if have_pl != list(p["placements"]):
                 problems.append("%s: placements %s, the plan's %s" % (p["fqn"], have_pl, p["placements"]))
+            # the dtype it gathers in: the policy's param_dtype, clamped to None (its stored
+            # dtype) when they agree, or a packed unit's override
+            # (FSDPParam.init_dtype_attrs's clamp, which FSDP2 runs lazily at the first forward)
+            if p.get("gather_dtype") and hasattr(fp, "mp_policy"):
+                stored = dt.dtype
+                have_g = fp.mp_policy.param_dtype
+                if have_g is None or have_g == stored or not stored.is_floating_point:
+                    have_g = stored
+                if have_g != MS_DTYPE.get(p["gather_dtype"]):
+                    problems.append("%s: gathers in %s, the plan's %s" % (p["fqn"], have_g, p["gather_dtype"]))
             padded = list(fp.padded_sharded_param_size)
             if padded != want_padded:
                 problems.append("%s: padded shard %s, the plan's %s" % (p["fqn"], padded, want_padded))
