@@ -100,7 +100,7 @@ step "build" cmake --build "$build" -j"$(nproc)" --target test_cuda test_nccl $(
 step "test_cuda" "$build/test_cuda"
 step "test_nccl" "$build/test_nccl"
 if [ "$sim" = 1 ]; then # what one H200 cannot show: two devices, a device without memory pools
-  step "sim: test_cuda with 2 devices (copies between them)" env MS_SIM_DEVICES=2 "$build/test_cuda"
+  step "sim: test_cuda --tensors with 2 devices (copies between them)" env MS_SIM_DEVICES=2 "$build/test_cuda" --tensors
   step "sim: test_nccl on a device without memory pools (cudaMalloc)" env MS_SIM_NO_POOLS=1 "$build/test_nccl"
 fi
 if [ $lua = ON ]; then

@@ -10,6 +10,8 @@
  *     through strided views, a cast during the copy, to_device round trips, and the errors
  *     for a device that is not there.
  *
+ * `test_cuda --tensors` runs part 3 alone (tests/gpu/run.sh, on two simulated devices: the
+ * copies between them, the casts having been swept on one).
  * Exit 77 (ctest: skipped) when there is no CUDA device or moonshard was built without CUDA.
  */
 #include "check.h"
@@ -229,7 +231,12 @@ static void tensors(int ndev) {
     ms_tensor_release(d);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    const int tensors_only = argc == 2 && !strcmp(argv[1], "--tensors");
+    if (argc > 1 && !tensors_only) {
+        fprintf(stderr, "usage: test_cuda [--tensors]\n");
+        return 2;
+    }
     int ndev = 0;
     ms_status st = ms_cuda_device_count(&ndev);
     if (st != MS_OK) {
@@ -239,6 +246,7 @@ int main(void) {
     const char *q = getenv("MOONSHARD_TEST_QUICK");
     int quick = q && *q && strcmp(q, "0");
     tensors(ndev);
+    if (tensors_only) return check_summary("test_cuda");
     all_pairs();
     sweep_narrow();
     sweep_f32(quick);

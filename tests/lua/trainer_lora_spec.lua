@@ -39,7 +39,7 @@ describe("moe_trainer --recipe (LoRA)", function()
   it("computes the adapters' gradients exactly (independent computation, central differences)", function()
     local uniform = recipe([[return { peft = { target_modules = "*down_proj", dim = 4, alpha = 8,
       lora_A_init = "uniform" } }]])
-    for _, rc in ipairs({ { RECIPE, 14 }, { uniform, 4 } }) do
+    for _, rc in ipairs(TS.quick({ { RECIPE, 14 }, { uniform, 4 } })) do -- TS.quick: the 4 tensors
       local r = trainer({ "-n", "1", "--mesh", "dp_shard=1", "--policy", POLICY, "--recipe", rc[1], "--steps", "1",
         "--seed", "7", "--config", small_config, "--lora-grad-check" })
       assert.equal(0, r.code, r.err)
@@ -112,13 +112,13 @@ describe("moe_trainer --recipe (LoRA)", function()
 
   it("trains the same adapters as 1 rank on FSDP, HSDP, expert parallelism and a pipeline", function()
     assert.is_truthy(ref, "the 1-rank run above")
-    parity({
+    parity(TS.quick({ -- TS.quick: expert parallelism and the pipeline
       { n = 2, mesh = "dp_shard=2", loss = 5.8e-8, param = 5.1e-7, loose = 0 },
       { n = 4, mesh = "dp_shard=4", loss = 4.7e-8, param = 4.0e-7, loose = 0 },
       { n = 4, mesh = "dp_replicate=2,dp_shard=2", loss = 4.7e-8, param = 1.2e-7, loose = 0 },
       { n = 4, mesh = "dp_shard=4,ep=2", loss = 4.7e-8, param = 4.0e-7, loose = 0 },
       { n = 2, mesh = "pp=2", loss = 5.8e-8, param = 0, loose = 0 },
-    })
+    }, 4, 5))
   end)
 
   it("trains the same under mpirun, one rank a process (measured: the same figures as on threads)", function()
@@ -127,12 +127,12 @@ describe("moe_trainer --recipe (LoRA)", function()
       return
     end
     assert.is_truthy(ref, "the 1-rank run above")
-    parity({
+    parity(TS.quick({ -- TS.quick: HSDP
       { n = 2, mesh = "dp_shard=2", mpirun = true, label = "mpirun -np 2 dp_shard=2", loss = 5.8e-8, param = 5.1e-7,
         loose = 0 },
       { n = 4, mesh = "dp_replicate=2,dp_shard=2", mpirun = true, label = "mpirun -np 4 dp_replicate=2,dp_shard=2",
         loss = 4.7e-8, param = 1.2e-7, loose = 0 },
-    })
+    }))
   end)
 
   it("allocates gradients and optimizer state for the adapters only, as planned", function()

@@ -22,9 +22,9 @@ local function run(mesh, packed, extra, mpi)
   return r
 end
 
--- MOONSHARD_TEST_QUICK=1 (the sanitizer builds): FSDP and HSDP only
-local MESHES = { "dp_shard=4", "dp_replicate=2,dp_shard=2", "dp_shard=4,ep=2", "pp=2,dp_shard=2", "dp_shard=2,tp=2" }
-if os.getenv("MOONSHARD_TEST_QUICK") == "1" then MESHES = { "dp_shard=4", "dp_replicate=2,dp_shard=2" } end
+-- TS.quick (the sanitizer builds): FSDP and HSDP only
+local MESHES = TS.quick({ "dp_shard=4", "dp_replicate=2,dp_shard=2", "dp_shard=4,ep=2", "pp=2,dp_shard=2",
+  "dp_shard=2,tp=2" }, 1, 2)
 
 describe("moe_trainer with packed FP32 islands", function()
   for _, mesh in ipairs(MESHES) do

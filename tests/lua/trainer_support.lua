@@ -26,6 +26,19 @@ end
 -- The trainer under mpirun, one rank a process (as tests/mpi/run.sh launches moonshard); nil
 -- when there is no mpirun.
 TS.MPIRUN = os.getenv("MPIEXEC") or "mpirun"
+
+-- MOONSHARD_TEST_QUICK=1: tools/test.sh sets it for the sanitizer builds, which run after
+-- the Release build has checked every case's numerics.  There a sweep keeps only the cases at
+-- the indices given (default: the last, the most composite mesh), so that each code path
+-- still runs once under AddressSanitizer and UBSan; elsewhere it keeps them all.
+TS.QUICK = os.getenv("MOONSHARD_TEST_QUICK") == "1"
+function TS.quick(cases, ...)
+  if not TS.QUICK then return cases end
+  local keep, out = { ... }, {}
+  if #keep == 0 then keep = { #cases } end
+  for _, i in ipairs(keep) do out[#out + 1] = assert(cases[i], "TS.quick: no case " .. i) end
+  return out
+end
 local found = os.execute("command -v " .. S.quote(TS.MPIRUN) .. " >/dev/null 2>&1")
 if found ~= true and found ~= 0 then TS.MPIRUN = nil end -- Lua 5.4 or LuaJIT
 function TS.mpirun(np, args)
@@ -137,9 +150,11 @@ local function parity_run(flags, case)
   return run
 end
 
--- The first case, the reference, is run once per flags and kept for the next call.
+-- The first case, the reference, is run once per flags and kept for the next call; under
+-- TS.QUICK only the reference and the last case run.
 local references = {}
 function TS.parity(label, flags, stated)
+  stated = TS.quick(stated, 1, #stated)
   local key = table.concat(flags, " ") .. "|" .. stated[1].mesh .. "|" .. table.concat(stated[1].flags or {}, " ")
   references[key] = references[key] or parity_run(flags, stated[1])
   local runs = { references[key] }

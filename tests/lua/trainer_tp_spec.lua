@@ -71,7 +71,7 @@ describe("moe_trainer with tensor parallelism", function()
   end)
 
   it("trains inkling2 on dp_shard=2,tp=2 with and without SP: the loss falls", function()
-    for _, flags in ipairs({ {}, SP }) do
+    for _, flags in ipairs(TS.quick({ {}, SP })) do -- TS.quick: with SP only
       local args = { "-n", "4", "--mesh", "dp_shard=2,tp=2", "--policy", "policies/inkling2", "--steps", "40",
         "--seed", "7", "--config", small_config }
       for _, f in ipairs(flags) do args[#args + 1] = f end
@@ -136,9 +136,8 @@ describe("moe_trainer with tensor parallelism", function()
     return json.decode(report.to_json(plan), "plan")
   end
 
-  -- MOONSHARD_TEST_QUICK=1 (the sanitizer builds): the last case only
-  local cases = { { "4", "dp_shard=2,tp=2", {} }, { "2", "tp=2", SP }, { "4", "dp_shard=2,tp=2", SP } }
-  if os.getenv("MOONSHARD_TEST_QUICK") == "1" then cases = { cases[3] } end
+  -- TS.quick (the sanitizer builds): the last case only
+  local cases = TS.quick({ { "4", "dp_shard=2,tp=2", {} }, { "2", "tp=2", SP }, { "4", "dp_shard=2,tp=2", SP } })
   for _, case in ipairs(cases) do
     local n, mesh, flags = case[1], case[2], case[3]
     it("allocates on every rank what the planner says, also planned from its saved file: " .. mesh .. " " ..
