@@ -44,10 +44,34 @@ function M.render(plan)
   end
   for _, u in ipairs(plan.units) do
     local g = u.entries[1] and u.entries[1].gather or u.mp.param_dtype or "f32"
-    add(row_of(u.name), { label = short(u.name), size = math.max(u.numel, 1), colour = COLOURS[g] or "#95a5a6",
+    local box = { label = short(u.name), size = math.max(u.numel, 1), colour = COLOURS[g] or "#95a5a6",
       tip = string.format("%s: %s params, %s, gather %s, reduce %s", u.name == "" and "<root>" or u.name,
         util.thousands(u.numel), u.kind, g, u.reduce_dtype_eff or "-") ..
-        (u.buckets and string.format(", %d DDP buckets all-reduced over %s", #u.buckets, u.mesh_axes[1]) or "") })
+        (u.buckets and string.format(", %d DDP buckets all-reduced over %s", #u.buckets, u.mesh_axes[1]) or "") }
+    if u.packed then
+      -- a packed unit: a segment per gather dtype, by elements (its islands' f32 beside the
+      -- layer's bf16), all moved by one all-gather
+      local by, dts = {}, {}
+      for _, e in ipairs(u.entries) do
+        local n = 1
+        for _, d in ipairs(e.shape) do n = n * d end
+        if not by[e.gather] then dts[#dts + 1] = e.gather end
+        by[e.gather] = (by[e.gather] or 0) + n
+      end
+      local total, parts, names = 0, {}, {}
+      for _, dt in ipairs(dts) do total = total + by[dt] end
+      for i, dt in ipairs(dts) do
+        parts[i] = { colour = COLOURS[dt] or "#95a5a6", share = by[dt] / math.max(total, 1), dt = dt, n = by[dt] }
+      end
+      for i, isl in ipairs(u.islands) do names[i] = short(isl.name) end
+      box.parts = parts
+      local split = {}
+      for i, p in ipairs(parts) do split[i] = string.format("%s %s", util.thousands(p.n), p.dt) end
+      box.tip = string.format("%s: %s params, packed (one all-gather): %s; %d FP32 island%s: %s; reduce %s",
+        u.name == "" and "<root>" or u.name, util.thousands(u.numel), table.concat(split, ", "), #u.islands,
+        #u.islands == 1 and "" or "s", table.concat(names, ", "), table.concat(u.reduce_dtypes or {}, ", "))
+    end
+    add(row_of(u.name), box)
   end
   local ep_rows = {}
   for _, o in ipairs(plan.owned) do
@@ -101,6 +125,21 @@ function M.render(plan)
       local w = math.max(4, avail * math.sqrt(b.size) / total)
       put(string.format('<g><title>%s</title><rect x="%s" y="%d" width="%s" height="%d" fill="%s" rx="3"/>',
         esc(b.tip), util.fixed1(x), y + 4, util.fixed1(w), ROW_H - 8, b.colour))
+      if b.parts and #b.parts > 1 then
+        -- each dtype's share from the right, at least 3 px so that a small island shows,
+        -- the first (the layer's own) filling the rest; a dashed outline marks the unit packed
+        local right = x + w
+        for i = #b.parts, 2, -1 do
+          local pw = math.max(3, w * b.parts[i].share)
+          right = math.max(x, right - pw)
+          put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="%s"/>', util.fixed1(right), y + 4,
+            util.fixed1(pw), ROW_H - 8, b.parts[i].colour))
+        end
+        put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="%s"/>', util.fixed1(x), y + 4,
+          util.fixed1(right - x), ROW_H - 8, b.parts[1].colour))
+        put(string.format('<rect x="%s" y="%d" width="%s" height="%d" fill="none" stroke="black" ' ..
+          'stroke-dasharray="3,2" rx="3"/>', util.fixed1(x), y + 4, util.fixed1(w), ROW_H - 8))
+      end
       if w > 7 * #b.label then
         put(string.format('<text x="%s" y="%d" fill="white">%s</text>', util.fixed1(x + 4), y + 21, esc(b.label)))
       end

@@ -50,9 +50,10 @@ options:
   --set NAME=VALUE     a policy option for every plan, repeatable (as moonshard plan);
                        setting a knob stops the sweep over it
   --knobs LIST         the policy knobs swept, comma-separated, among
-                       activation_checkpointing, reshard_after_forward, offload_policy and
-                       prefetch.explicit (default: those the policy declares, prefetch.explicit
-                       only when named), or none
+                       activation_checkpointing, reshard_after_forward, offload_policy,
+                       prefetch.explicit and pack_islands (default: those the policy declares,
+                       prefetch.explicit and pack_islands only when named; a named knob the
+                       policy does not declare is an error), or none
   --optimizer NAME     adamw (default), torch_adamw or none
   --efficiency X       the share of the peak FLOP/s the compute reaches, in (0, 1]
   --top K              layouts shown in the table (default 10)
@@ -152,7 +153,7 @@ function M.check(o)
       for name in (o.knobs .. ","):gmatch("([^,]*),") do
         if not known[name] then
           return nil, string.format("--knobs: unknown knob '%s' (knobs: activation_checkpointing, " ..
-            "reshard_after_forward, offload_policy, prefetch.explicit; or none)", util.short_name(name))
+            "reshard_after_forward, offload_policy, prefetch.explicit, pack_islands; or none)", util.short_name(name))
         end
         s.knobs[name] = true
       end
@@ -252,6 +253,9 @@ M.KNOBS = {
   -- Automodel's explicit prefetch chains (forward 1, backward 2): no memory saver, a trade
   -- that doubles the candidates for little; swept only when --knobs names it
   { name = "prefetch.explicit", values = { "default", true }, short = "prefetch", on_request = true },
+  -- the inkling2 and DeepSeek-V4 policies' packed FP32 islands: fewer collectives, a larger
+  -- unsharded peak (the next unit prefetched is a whole layer); swept only when --knobs names it
+  { name = "pack_islands", values = { "default", true }, short = "packed", on_request = true },
 }
 local function saves(name, v)
   return (name == "activation_checkpointing" and v == true) or (name == "reshard_after_forward" and v == true) or
@@ -555,6 +559,14 @@ function M.run(o, s, progress)
   local knobs, swept = { {} }, {}
   local declared = {}
   for _, e in ipairs(decl) do declared[e.name] = true end
+  for _, d in ipairs(M.KNOBS) do -- a knob --knobs names that the policy lacks is an error, not a silent no
+    if s.knobs and s.knobs[d.name] and not declared[d.name] then
+      local names = {}
+      for _, e in ipairs(decl) do names[#names + 1] = e.name end
+      error(string.format("moonshard: --knobs %s: policy %s does not declare that option (its options: %s)", d.name,
+        o.policy, #names > 0 and table.concat(names, ", ") or "none"), 0)
+    end
+  end
   for _, d in ipairs(M.KNOBS) do
     if declared[d.name] and not set_by_user[d.name] and (s.knobs and s.knobs[d.name] or not s.knobs and not d.on_request) then
       swept[#swept + 1] = d.name
@@ -868,7 +880,7 @@ local function row_of(r)
   return { mesh = r.mesh_text, pp = c.pp, dp_replicate = c.dp_replicate, dp_shard = c.dp_shard, cp = c.cp, tp = c.tp,
     ep = c.ep, activation_checkpointing = k and k.activation_checkpointing,
     reshard_after_forward = k and k.reshard_after_forward, offload_policy = k and k.offload_policy,
-    prefetch_explicit = k and k["prefetch.explicit"],
+    prefetch_explicit = k and k["prefetch.explicit"], pack_islands = k and k.pack_islands,
     status = r.status, rank = r.rank,
     rule = r.rule, reason = r.reason, lower_bound_bytes = r.bound, estimate_s = r.estimate_s,
     tokens_per_s = r.tokens_per_s, step_s = r.step_s, mfu = r.mfu, peak_bytes = r.peak, capacity_bytes = r.capacity,
@@ -876,7 +888,7 @@ local function row_of(r)
 end
 
 M.CSV_COLUMNS = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
-  "reshard_after_forward", "offload_policy", "prefetch_explicit", "status",
+  "reshard_after_forward", "offload_policy", "prefetch_explicit", "pack_islands", "status",
   "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes", "estimate_s", "rule",
   "reason" }
 
@@ -886,7 +898,8 @@ function M.to_json(res)
   for i, r in ipairs(res.evaluated) do
     local row = row_of(r)
     local keys = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
-      "reshard_after_forward", "offload_policy", "prefetch_explicit", "status", "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
+      "reshard_after_forward", "offload_policy", "prefetch_explicit", "pack_islands", "status", "rank",
+      "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes",
       "estimate_s", "plan_s", "rule", "reason" }
     for _, k in ipairs(keys) do if row[k] == nil then row[k] = json.null end end
     rows[i] = json.object(keys, row)

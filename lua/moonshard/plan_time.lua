@@ -596,14 +596,16 @@ function T.island_warning(ctx, result, dev)
     them or "pack " .. them .. " with ctx:fully_shard(module, {islands = {...}}) (each island parameter keeps its own " ..
     "policy)"
   local n = saved.all_gather + saved.reduce_scatter + saved.all_reduce
-  return string.format("%d FP32 island unit%s %s latency bound (%s): %s; %s: that saves %d collective%s a step " ..
+  -- under a pipeline the islands of every stage are counted (as the packed header's
+  -- "(every stage)"); each rank saves its own stages' share
+  return string.format("%d FP32 island unit%s %s latency bound (%s): %s; %s: that saves %d collective%s a step%s " ..
     "(all-gather %d, reduce-scatter %d, all-reduce %d)%s",
     #bound, #bound == 1 and "" or "s", #bound == 1 and "is" or "are",
     dev and string.format("the latency of %s collectives a step exceeds their time at the link's bandwidth on %s",
       #bound == 1 and "its" or "their", dev.name) or string.format("%s all-gather moves less than %s a rank",
       #bound == 1 and "its" or "each", util.bytes(plan.LATENCY_BOUND_BYTES)),
     table.concat(bound, ", ", 1, math.min(#bound, 4)) .. (#bound > 4 and string.format(" (and %d more)", #bound - 4) or ""),
-    remedy, n, n == 1 and "" or "s", saved.all_gather, saved.reduce_scatter, saved.all_reduce,
+    remedy, n, n == 1 and "" or "s", ctx.pp and " over every stage" or "", saved.all_gather, saved.reduce_scatter, saved.all_reduce,
     dev and string.format(" and about %s of collective latency a step (estimate, before overlap)", T.duration(saved.seconds))
       or "; give --device to estimate the seconds")
 end

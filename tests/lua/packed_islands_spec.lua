@@ -347,6 +347,10 @@ describe("pack_islands", function()
     w = island_warning(bare)
     assert.matches("each all-gather moves less than 1.0 MiB a rank", w, 1, true)
     assert.matches("give --device to estimate the seconds", w, 1, true)
+    assert.is_nil(w:find("over every stage", 1, true))
+    -- under a pipeline the count covers every stage, as the packed header's, and says so
+    local piped = plan_policy(CFG, "pp=2,dp_shard=2", "policies/inkling2")
+    assert.matches("collectives a step over every stage (all-gather ", island_warning(piped), 1, true)
     -- a policy without the option: fully_shard's islands named instead
     local plain = planner.plan(tree(), mesh_context.new("dp_shard=4"), policy_of(function(ctx)
       ctx:fully_shard("layer.attn_query", { kind = "fp32_island", mp_policy = planner.ISLAND_MP })
@@ -404,5 +408,24 @@ describe("pack_islands", function()
     assert.equal(0, r.code, r.err)
     S.assert_has(r.out, "; unit model.layers.0 (packed: gathers f32, reduces f32)")
     S.assert_has(r.out, "; unit model.layers.0 (packed: gathers bf16, reduces f32)")
+    -- the picture: each packed unit outlined, its elements by gather dtype in the tip, which
+    -- add up to the unit's parameters (from the JSON above)
+    local svg = os.tmpname()
+    r = S.run({ "plan", "--config", CFG, "--mesh", "dp_shard=4", "--policy", "policies/inkling2",
+      "--set", "pack_islands=true", "--svg", svg })
+    assert.equal(0, r.code, r.err)
+    local text = S.read_file(svg)
+    os.remove(svg)
+    assert.equal(5, select(2, text:gsub('stroke%-dasharray="3,2"', "")))
+    local bf16, f32 = text:match("<title>model%.layers%.0: [%d,]+ params, packed %(one all%-gather%): ([%d,]+) bf16, " ..
+      "([%d,]+) f32; 4 FP32 islands: self_attn%.q_l2_clip, self_attn%.rel_l2_clip, mlp_query, mlp%.gate; reduce f32")
+    assert.is_truthy(bf16, "layer 0's tip")
+    local by = { bf16 = 0, f32 = 0 }
+    for _, p in ipairs(u.params) do
+      local e = 1
+      for _, d in ipairs(p.shape) do e = e * d end
+      by[p.gather_dtype] = by[p.gather_dtype] + e
+    end
+    assert.same(by, { bf16 = tonumber((bf16:gsub(",", ""))), f32 = tonumber((f32:gsub(",", ""))) })
   end)
 end)

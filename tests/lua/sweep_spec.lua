@@ -185,12 +185,12 @@ describe("moonshard sweep", function()
     local lines = {}
     for line in c.out:gmatch("[^\n]+") do lines[#lines + 1] = line end
     assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,reshard_after_forward," ..
-      "offload_policy,prefetch_explicit,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes," ..
+      "offload_policy,prefetch_explicit,pack_islands,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes," ..
       "lower_bound_bytes,estimate_s,rule,reason", lines[1])
     assert.equal(#res.evaluated + 1, #lines)
     for i = 2, #lines do
       local fields = select(2, lines[i]:gsub('"[^"]*"', "x"):gsub(",", ","))
-      assert.equal(21, fields, lines[i])
+      assert.equal(22, fields, lines[i])
     end
   end)
 
@@ -243,8 +243,52 @@ describe("moonshard sweep", function()
     local bad = sweep({ "--knobs", "prefetch" })
     assert.equal(2, bad.code)
     assert_has(bad.err, "--knobs: unknown knob 'prefetch' (knobs: activation_checkpointing, reshard_after_forward, " ..
-      "offload_policy, prefetch.explicit; or none)")
+      "offload_policy, prefetch.explicit, pack_islands; or none)")
+    local undeclared = sweep({ "--knobs", "pack_islands" })
+    assert.equal(1, undeclared.code)
+    assert_has(undeclared.err, "--knobs pack_islands: policy " .. POLICY .. " does not declare that option (its " ..
+      "options: activation_checkpointing, ")
   end)
+
+  it("sweeps pack_islands when --knobs names it: each packed fit as moonshard plan --set pack_islands=true plans it",
+    function()
+      local cfg, policy = "examples/configs/inkling2_small.json", "policies/inkling2"
+      local common = { "--device", "h100-80gb", "--seq-len", "256", "--global-batch", "16", "--policy", policy }
+      local args = { "sweep", "--config", cfg, "--world", "8", "--knobs", "pack_islands", "--max-plans", "24",
+        "--json" }
+      for _, a in ipairs(common) do args[#args + 1] = a end
+      local r = S.run(args)
+      assert.equal(0, r.code, r.err)
+      local j = json.decode(r.out, "sweep JSON")
+      assert.same({ "pack_islands" }, j.knobs)
+      local by_mesh, checked = {}, 0
+      for _, e in ipairs(j.evaluated) do
+        if e.status == "fits" or e.rule == "dominated" then
+          assert.is_true(e.pack_islands == true or e.pack_islands == "default", e.mesh)
+          by_mesh[e.mesh] = by_mesh[e.mesh] or {}
+          by_mesh[e.mesh][tostring(e.pack_islands)] = e
+        end
+      end
+      for mesh, pair in pairs(by_mesh) do
+        local packed, separate = pair["true"], pair["default"]
+        if packed and separate and packed.tokens_per_s and separate.tokens_per_s and checked < 2 then
+          -- inkling2_small's islands are latency bound: packing is faster, as the plan says
+          assert.is_true(packed.tokens_per_s > separate.tokens_per_s, mesh)
+          for _, e in ipairs({ packed, separate }) do
+            local p = { "plan", "--config", cfg, "--mesh", mesh, "--json" }
+            for _, a in ipairs(common) do p[#p + 1] = a end
+            if e == packed then p[#p + 1] = "--set" p[#p + 1] = "pack_islands=true" end
+            local plan = json.decode(S.run(p).out, "plan JSON")
+            assert.equal(e == packed, plan.comm.packing ~= nil and plan.comm.packing.units > 0, mesh)
+            assert.equal(plan.memory.fit.worst.peak, e.peak_bytes, mesh)
+            -- the plan's JSON writes 6 significant digits
+            assert.is_true(math.abs(plan.time.tokens_per_s - e.tokens_per_s) <= 5e-6 * e.tokens_per_s, mesh)
+          end
+          checked = checked + 1
+        end
+      end
+      assert.equal(2, checked)
+    end)
 
   it("refuses bad usage, naming what was wrong", function()
     local function usage(args, part)
