@@ -397,7 +397,8 @@ typedef struct ms_unit ms_unit;
 /* A unit over `shard` (its shard group, size W) and, for HSDP, `replicate` (NULL for a
  * 1-D mesh).  param_dtype / reduce_dtype: the policy's mixed-precision dtypes (floating),
  * -1 for unset (FSDP2 clamps them per parameter: an integer parameter
- * or one already stored in param_dtype is gathered as stored).  reshard_after_forward is
+ * or one already stored in param_dtype is gathered as stored; with reduce_dtype unset a
+ * gradient is reduced in its parameter's stored dtype, PyTorch 2.15's rule).  reshard_after_forward is
  * PyTorch's, as an integer: the size of the group the parameters stay sharded over after
  * forward.  MS_RESHARD_FULL (0) or k = W reshards over the whole shard group (PyTorch's
  * True: the unsharded parameters are freed); MS_RESHARD_KEEP (1) keeps them unsharded

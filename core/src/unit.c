@@ -386,23 +386,24 @@ ms_status ms_unit_finalize(ms_unit *u) {
         const int rank = p->requires_grad ? 2 : ms_dtype_is_float(p->dtype) ? 1 : 0;
         if (rank > best) u->stored = p->dtype, best = rank;
     }
-    /* FSDP2: reduce_dtype unset when equal to param_dtype; param_dtype unset when
-     * equal to the stored dtype or when the parameter is not floating point.  Every
-     * parameter by its own policy (a packed unit's own ones, else the unit's). */
+    /* FSDP2 (PyTorch 2.15, FSDPParam.init_dtype_attrs and unsharded_grad_dtype): param_dtype
+     * unset when equal to the stored dtype or when the parameter is not floating point; a
+     * gradient reduced in reduce_dtype, else in the parameter's stored dtype (2.15's
+     * grad_dtype rule: fp32 for an fp32 parameter computed in bf16; before 2.15 it was
+     * param_dtype).  Every parameter by its own policy (a packed unit's own ones, else the
+     * unit's). */
     for (int i = 0; i < u->nparams; i++) {
         unit_param *p = &u->params[i];
-        int pd = p->own_policy ? p->policy_param : u->policy_param;
-        int rd = p->own_policy ? p->policy_reduce : u->policy_reduce;
-        if (rd == pd) rd = -1;
+        const int pd = p->own_policy ? p->policy_param : u->policy_param;
+        const int rd = p->own_policy ? p->policy_reduce : u->policy_reduce;
         p->gather = pd >= 0 && pd != (int)p->dtype && ms_dtype_is_float(p->dtype) ? (ms_dtype)pd : p->dtype;
-        p->reduce = rd >= 0 ? (ms_dtype)rd : p->gather;
+        p->reduce = rd >= 0 ? (ms_dtype)rd : p->dtype;
     }
     /* the unit's dtypes: its first trainable parameter's (else the unit policy's rule on the
      * stored dtype) */
-    int pd = u->policy_param, rd = u->policy_reduce;
-    if (rd == pd) rd = -1;
+    const int pd = u->policy_param, rd = u->policy_reduce;
     u->gather = pd >= 0 && pd != (int)u->stored && ms_dtype_is_float(u->stored) ? (ms_dtype)pd : u->stored;
-    u->reduce = rd >= 0 ? (ms_dtype)rd : u->gather;
+    u->reduce = rd >= 0 ? (ms_dtype)rd : u->stored;
     for (int i = 0; i < u->nparams; i++)
         if (u->params[i].requires_grad) {
             u->gather = u->params[i].gather;

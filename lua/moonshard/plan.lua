@@ -982,14 +982,15 @@ end
 -- ---------------------------------------------------------------- precision (FSDP2's rules)
 
 --- Effective dtypes of a parameter in a unit: the dtype it is gathered (computed) in and
--- the dtype its gradient is reduced in (nil for a non-float parameter), as FSDP2 clamps them.
+-- the dtype its gradient is reduced in (nil for a non-float parameter), as PyTorch 2.15's
+-- FSDP2 resolves them (FSDPParam.init_dtype_attrs, unsharded_grad_dtype): param_dtype
+-- unset when it is the stored dtype; a gradient reduced in reduce_dtype, else in the
+-- stored dtype (2.15's grad_dtype rule; before 2.15, in param_dtype).
 function M.effective_dtypes(stored, mp)
   local pd, rd = mp.param_dtype, mp.reduce_dtype
-  if rd == pd then rd = nil end
   if not FLOAT[stored] then return stored, nil end -- no casts and no gradients
   if pd == stored then pd = nil end
-  local gather = pd or stored
-  return gather, rd or gather
+  return pd or stored, rd or stored
 end
 
 -- ---------------------------------------------------------------- unit layouts and memory
@@ -1593,9 +1594,9 @@ local function unit_warnings(ctx, warnings)
     if u.shard_size > 1 and #u.params > 0 and u.gather_bytes_per_rank < M.LATENCY_BOUND_BYTES then
       small[#small + 1] = display(u.name)
     end
-    -- gradients reduced in param_dtype only because reduce_dtype is unset: a rule that
-    -- changed between PyTorch versions
-    if u.mp.param_dtype and not u.mp.reduce_dtype and u.grad_shard_bytes > 0 and u.reduce_dtype_eff ~= u.stored_dtype then
+    -- gradients whose reduce dtype comes from a rule that changed between PyTorch versions:
+    -- reduce_dtype unset beside a param_dtype other than the stored one
+    if u.mp.param_dtype and not u.mp.reduce_dtype and u.grad_shard_bytes > 0 and u.mp.param_dtype ~= u.stored_dtype then
       unset_reduce[#unset_reduce + 1] = string.format("%s (%s)", display(u.name), u.reduce_dtype_eff)
     end
     if u.padding_fraction > M.PADDING_WASTE then
@@ -1603,10 +1604,10 @@ local function unit_warnings(ctx, warnings)
     end
   end
   if #unset_reduce > 0 then
-    warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype and reduce%s gradients " ..
-      "in param_dtype (FSDP2's documented rule), where PyTorch 2.15's FSDP2 reduces them in the " ..
-      "stored dtype: set reduce_dtype to choose: %s", #unset_reduce, #unset_reduce == 1 and "" or "s",
-      #unset_reduce == 1 and "s" or "", listing(unset_reduce))
+    warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype: planned as PyTorch " ..
+      "2.15's FSDP2 runs %s, reducing gradients in the stored dtype; FSDP2 before 2.15 reduced them in " ..
+      "param_dtype: set reduce_dtype to pin it: %s", #unset_reduce, #unset_reduce == 1 and "" or "s",
+      #unset_reduce == 1 and "it" or "them", listing(unset_reduce))
   end
   if #small > 0 then
     warnings[#warnings + 1] = string.format("%d unit%s move%s less than %s per all-gather and will be latency " ..

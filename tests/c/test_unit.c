@@ -261,16 +261,17 @@ static const policy policies[] = {
     {"f32, custom divide factor 8", MS_F32, -1, -1, 8},
     {"f32 stored, bf16 gather and reduce", MS_F32, MS_BF16, MS_BF16, 0},
     {"f32 stored, f16 reduce, factor 8", MS_F32, MS_F16, MS_F16, 8},
+    {"f32 stored, bf16 gather, reduce unset (f32: PyTorch 2.15)", MS_F32, MS_BF16, -1, 0},
 };
 enum { NPOLICY = sizeof policies / sizeof policies[0] };
 
-/* FSDP2's mixed-precision rules, written out. */
+/* FSDP2's mixed-precision rules (PyTorch 2.15), written out: reduce_dtype unset reduces in
+ * the stored dtype. */
 static ms_dtype gather_dtype(const policy *pol) {
     return pol->param_dtype >= 0 && pol->param_dtype != (int)pol->stored ? (ms_dtype)pol->param_dtype : pol->stored;
 }
 static ms_dtype reduce_dtype(const policy *pol) {
-    return pol->reduce_dtype >= 0 && pol->reduce_dtype != pol->param_dtype ? (ms_dtype)pol->reduce_dtype
-                                                                            : gather_dtype(pol);
+    return pol->reduce_dtype >= 0 ? (ms_dtype)pol->reduce_dtype : pol->stored;
 }
 
 typedef struct scenario {

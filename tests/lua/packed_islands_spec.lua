@@ -99,7 +99,7 @@ describe("fully_shard's islands", function()
       ctx:fully_shard(ctx.model, { mp_policy = COMPUTE })
     end))
     local u = plan.units[1]
-    -- the module's own parameters reduce in bf16 (param_dtype, reduce unset), the island's in f32
+    -- the module's own parameters reduce in bf16 (stored bf16, reduce_dtype unset), the island's in f32
     assert.same({ "f32", "bf16" }, u.reduce_dtypes)
     assert.equal(2, u.comm.reduce_scatter.count)
     assert.equal(2, u.comm.all_reduce.count)

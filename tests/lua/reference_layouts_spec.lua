@@ -98,23 +98,11 @@ local function problems(where)
 end
 
 -- Where moonshard knowingly disagrees with PyTorch 2.15: each difference as the spec words
--- it, by case.
-local KNOWN_PLAN = {
-  -- A unit that sets param_dtype but no reduce_dtype (tests/reference/policies/
-  -- fsdp2_no_reduce_dtype.lua on the f32 Llama): moonshard plans the reduction in param_dtype
-  -- (FSDP2's documented rule before 2.15) and warns that PyTorch 2.15 reduces in the
-  -- parameter's dtype, which torch does: its reduce-scatters are f32, twice the bytes
-  -- moonshard counts.  Memory per rank agrees (the gradient shards are in the parameter's
-  -- dtype either way).  No shipped policy leaves reduce_dtype unset.
-  llama_no_reduce_dtype_fsdp4 = {
-    'unit 1 (model.layers.0): reduce_scatter dtypes: torch ["f32"], moonshard ["bf16"]',
-    "unit 1 (model.layers.0): reduce_scatter_bytes per step: torch 14280, moonshard 7140",
-    'unit 2 (model.layers.1): reduce_scatter dtypes: torch ["f32"], moonshard ["bf16"]',
-    "unit 2 (model.layers.1): reduce_scatter_bytes per step: torch 14280, moonshard 7140",
-    'unit 3 (<root>): reduce_scatter dtypes: torch ["f32"], moonshard ["bf16"]',
-    "unit 3 (<root>): reduce_scatter_bytes per step: torch 4968, moonshard 2484",
-  },
-}
+-- it, by case.  None now: a unit that sets param_dtype but no reduce_dtype
+-- (tests/reference/policies/fsdp2_no_reduce_dtype.lua on the f32 Llama) reduces in the
+-- stored dtype, f32, as torch 2.15 does; it was the one difference while moonshard kept the
+-- rule of FSDP2 before 2.15 (param_dtype: bf16 reduce-scatters, half torch's bytes).
+local KNOWN_PLAN = {}
 
 -- nccl-tests bus bytes of a collective on a buffer of S bytes over n ranks (docs/planning.md).
 local function bus(S, n) return S - util.ceil_div(S, n) end
@@ -315,7 +303,7 @@ describe("moonshard's plans against PyTorch 2.15 FSDP2 (" .. DATA .. ")", functi
     for _ in pairs(totals.meshes) do meshes = meshes + 1 end
     -- the figures docs/verification.md quotes: cases (plans), parameters, parameter x rank layouts,
     -- units, ranks (memory per rank), values compared, known differences, meshes
-    assert.same({ cases = 19, params = 597, param_ranks = 2569, units = 116, ranks = 81, checks = 20091, known = 6,
+    assert.same({ cases = 19, params = 597, param_ranks = 2569, units = 116, ranks = 81, checks = 20091, known = 0,
       meshes = 10 }, { cases = totals.cases, params = totals.params, param_ranks = totals.param_ranks,
       units = totals.units, ranks = totals.ranks, checks = totals.checks, known = totals.known, meshes = meshes })
   end)

@@ -86,9 +86,9 @@ GROUPS = [(1e-2, 0.9, 0.999, 1e-8, 0.1), (3e-3, 0.3, 0.9, 0.3, 0.02)]
 # Modules: name, stored dtype, param_dtype, reduce_dtype, optimizer group (None: not in
 # the optimizer), [(param, shape, gradient kind, lo, hi, steps it has no gradient in)],
 # steps the whole module has no gradient in (not called in forward).  F names its
-# reduce_dtype: torch 2.15 with reduce_dtype None reduces in the gradient's dtype (f32 here),
-# where earlier versions, and a moonshard unit with reduce_dtype unset, reduce in
-# param_dtype.  f16 gradients are at least 2^-4 in magnitude: 0.001 * g^2 must not underflow
+# reduce_dtype: torch 2.15 with reduce_dtype None reduces in the parameter's dtype (f32 here),
+# as a moonshard unit with reduce_dtype unset does, where earlier versions reduce in
+# param_dtype; naming it keeps the reference the same for either.  f16 gradients are at least 2^-4 in magnitude: 0.001 * g^2 must not underflow
 # f16 (group 0's eps 1e-8 is 0 in f16, so a zero exp_avg_sq would divide 0 by 0).
 MODULES = [
     ("A1", BF16, None, None, 0, [("w", (37, 8), 0, -14, 2, ()), ("b", (2,), 0, -14, 2, ()),
