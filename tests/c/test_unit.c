@@ -20,6 +20,7 @@
  * does for W = 1..8.  Max differences are printed per scenario.
  */
 #include "check.h"
+#include "refdata.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -641,6 +642,63 @@ static void sync_off_rounding(rank_ctx *c) {
     printf("  f16 reduce, sync off then on: round(round(g1) + round(g2)) = 1, as FSDP2\n");
     ms_tensor_release(f64);
     ms_unit_release(u);
+}
+
+/* Sync off against FSDP2 itself (tests/reference/fsdp2_sync_off.py, torch 2.15 on 2 gloo
+ * ranks): per dtype case a (2, 4) parameter, three backwards of measured gradients, sync off
+ * for the first two; each rank's gradient shard bit for bit.  The cases part where the
+ * rules do: rounding to the reduce dtype each backward, and reduce_dtype unset (the stored
+ * dtype in torch 2.15, not param_dtype). */
+static const char *const SYNC_OFF_CASES[] = {"f32_f16reduce", "f32_bf16_unset", "f32_bf16_f32", "f32_bf16_bf16",
+                                             "bf16_f32_unset", "bf16_f32reduce"};
+static void sync_off_torch(rank_ctx *c) {
+    const refdata *d = c->arg;
+    const ms_dtype codes[3] = {MS_F32, MS_BF16, MS_F16};
+    char name[160];
+    double worst = 0;
+    for (size_t k = 0; k < sizeof SYNC_OFF_CASES / sizeof SYNC_OFF_CASES[0]; k++) {
+        const char *cs = SYNC_OFF_CASES[k];
+        snprintf(name, sizeof name, "case.%s", cs);
+        const refrec *cr = refdata_get(d, name);
+        const int64_t st = (int64_t)cr->v[0], pd = (int64_t)cr->v[1], rd = (int64_t)cr->v[2];
+        ms_unit *u = NULL;
+        const int64_t shape[2] = {2, 4};
+        R_OK(ms_unit_new(&u, cs, c->world, NULL, pd < 0 ? -1 : (int)codes[pd], rd < 0 ? -1 : (int)codes[rd],
+                         MS_RESHARD_FULL));
+        if (!u) return;
+        R_OK(ms_unit_add_param(u, "w", 2, shape, codes[st], 0, 1));
+        R_OK(ms_unit_finalize(u));
+        for (int b = 0; b < 3; b++) {
+            R_OK(ms_unit_set_requires_gradient_sync(u, b == 2));
+            R_OK(ms_unit_unshard(u));
+            R_OK(ms_unit_wait(u));
+            snprintf(name, sizeof name, "g.%s.r%d.b%d", cs, c->rank, b);
+            const refrec *g = refdata_get(d, name);
+            ms_tensor *src = NULL;
+            R_OK(ms_tensor_new(&src, 2, shape, MS_F64, MS_DEVICE_CPU, 0));
+            for (int64_t e = 0; src && e < 8; e++) ((double *)ms_tensor_data(src))[e] = refdata_f64(g, e);
+            R_OK(ms_tensor_copy(ms_unit_grad_full(u, 0), src)); /* the compute dtype's rounding, as torch's cast */
+            ms_tensor_release(src);
+            R_OK(ms_unit_reduce_grads(u));
+            R_OK(ms_unit_wait(u));
+        }
+        snprintf(name, sizeof name, "grad.%s.r%d", cs, c->rank);
+        const refrec *want = refdata_get(d, name);
+        ms_tensor *gs = ms_unit_grad_shard(u, 0), *f64 = gs ? as_f64(gs) : NULL;
+        int bad = 0;
+        for (int64_t e = 0; f64 && e < 4; e++) {
+            const double x = ((double *)ms_tensor_data(f64))[e], y = refdata_f64(want, e);
+            bad += x != y;
+            worst = fmax(worst, fabs(x - y));
+        }
+        R_CHECK(f64 && ms_tensor_numel(f64) == 4 && bad == 0);
+        if (bad) fprintf(stderr, "sync off against torch: case %s rank %d: %d of 4 differ\n", cs, c->rank, bad);
+        ms_tensor_release(f64);
+        ms_unit_release(u);
+    }
+    if (c->rank == 0)
+        printf("  sync off then on against FSDP2 (torch 2.15, 2 ranks, %d dtype cases): max|diff| %g\n",
+               (int)(sizeof SYNC_OFF_CASES / sizeof SYNC_OFF_CASES[0]), worst);
 }
 
 /* ---------------------------------------------------------------- scenario: reshard modes */
@@ -1607,6 +1665,9 @@ int main(void) {
         run_ranks(layouts[l].W * layouts[l].R, sync_off, &sc);
     }
     run_ranks(1, sync_off_rounding, NULL);
+    refdata *sync_ref = refdata_load("fsdp2_sync_off.txt");
+    run_ranks(2, sync_off_torch, sync_ref);
+    refdata_free(sync_ref);
     printf("reshard modes (e):\n");
     const scenario four = {{4, 1}, &policies[0]};
     run_ranks(4, reshard_modes, &four);
