@@ -1589,7 +1589,7 @@ end
 
 -- Warnings: latency-bound units and padding waste, grouped so a reader sees them once.
 local function unit_warnings(ctx, warnings)
-  local small, padded, unset_reduce = {}, {}, {}
+  local small, padded, unset_reduce, unset_islands = {}, {}, {}, 0
   for _, u in ipairs(ctx.units) do
     if u.shard_size > 1 and #u.params > 0 and u.gather_bytes_per_rank < M.LATENCY_BOUND_BYTES then
       small[#small + 1] = display(u.name)
@@ -1599,15 +1599,32 @@ local function unit_warnings(ctx, warnings)
     if u.mp.param_dtype and not u.mp.reduce_dtype and u.grad_shard_bytes > 0 and u.mp.param_dtype ~= u.stored_dtype then
       unset_reduce[#unset_reduce + 1] = string.format("%s (%s)", display(u.name), u.reduce_dtype_eff)
     end
+    -- (and a packed unit's islands, by their own policy)
+    for _, isl in ipairs(u.islands or {}) do
+      if isl.mp.param_dtype and not isl.mp.reduce_dtype then
+        local pre = isl.name .. "."
+        for _, e in ipairs(u.entries or {}) do
+          local p = e.param
+          if e.fqn:sub(1, #pre) == pre and p.requires_grad and FLOAT[p.dtype] and p.dtype ~= isl.mp.param_dtype then
+            unset_reduce[#unset_reduce + 1] = string.format("%s (island of %s, %s)", display(isl.name), display(u.name),
+              e.reduce)
+            unset_islands = unset_islands + 1
+            break
+          end
+        end
+      end
+    end
     if u.padding_fraction > M.PADDING_WASTE then
       padded[#padded + 1] = string.format("%s (%.0f%%)", display(u.name), 100 * u.padding_fraction)
     end
   end
   if #unset_reduce > 0 then
-    warnings[#warnings + 1] = string.format("%d unit%s set param_dtype but not reduce_dtype: planned as PyTorch " ..
+    local n, isl = #unset_reduce, unset_islands
+    local what = isl == 0 and (n == 1 and "unit" or "units") or isl == n and (n == 1 and "packed island" or
+      "packed islands") or "units and packed islands"
+    warnings[#warnings + 1] = string.format("%d %s set param_dtype but not reduce_dtype: planned as PyTorch " ..
       "2.15's FSDP2 runs %s, reducing gradients in the stored dtype; FSDP2 before 2.15 reduced them in " ..
-      "param_dtype: set reduce_dtype to pin it: %s", #unset_reduce, #unset_reduce == 1 and "" or "s",
-      #unset_reduce == 1 and "it" or "them", listing(unset_reduce))
+      "param_dtype: set reduce_dtype to pin it: %s", n, what, n == 1 and "it" or "them", listing(unset_reduce))
   end
   if #small > 0 then
     warnings[#warnings + 1] = string.format("%d unit%s move%s less than %s per all-gather and will be latency " ..

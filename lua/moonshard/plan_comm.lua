@@ -53,7 +53,8 @@ function T.tokens(mesh, t)
     fail(string.format("tokens: cp_rotate is %s; expected \"allgather\" or \"alltoall\" (torch's set_rotate_method)",
       type(t.cp_rotate) == "string" and "'" .. t.cp_rotate .. "'" or shown(t.cp_rotate)), true)
   end
-  return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp), cp_rotate = t.cp_rotate }
+  return { seq_len = S, micro_batch = B, global_batch = G, accumulation = util.idiv(G, B * dp), cp_rotate = t.cp_rotate,
+    global_batch_default = t.global_batch == nil }
 end
 
 -- Expert parallelism's token traffic per step: in every MoE layer whose grouped experts

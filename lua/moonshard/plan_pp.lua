@@ -406,7 +406,12 @@ function P.summary(ctx, mesh, tokens, total_of_pp)
   local n = tokens and tokens.accumulation
   if n then
     local why = P.check_microbatches(pp.schedule, npp, n, pp.per_rank)
-    if why then plan_fail("pipeline: " .. why .. " (the batch gives " .. n .. " micro-batches a step)", true) end
+    if why then
+      plan_fail("pipeline: " .. why .. " (the batch gives " .. n .. " micro-batches a step" ..
+        (tokens.global_batch_default and string.format("; without a global batch (--global-batch) a step is one " ..
+          "micro-batch of %d per data-parallel rank: give one that makes enough micro-batches", tokens.micro_batch)
+          or "") .. ")", true)
+    end
   end
   -- the ranks of each pp coordinate, in order
   local ranks_of = {}
@@ -430,9 +435,20 @@ function P.summary(ctx, mesh, tokens, total_of_pp)
     out.in_flight, out.send_recv = {}, {}
     local embed = ctx.model:get("model.embed_tokens")
     local hidden = embed and embed.params.weight and embed.params.weight.shape[2]
+    -- what a stage sends is a decoder layer's output: in its unit's output_dtype, else the
+    -- dtype it computes in (its param_dtype); else the first unit's param_dtype that is set
+    -- (an FP32 island's unit, first in post-order, does not say what the layers compute in)
     local dtype = ctx.model.attrs.dtype or "f32"
+    local layer_unit
     for _, u in ipairs(ctx.units) do
-      if u.mp.param_dtype then dtype = u.mp.param_dtype break end
+      if ctx:name_of(u.module):match("^model%.layers%.%d+$") then layer_unit = u break end
+    end
+    if layer_unit and (layer_unit.mp.output_dtype or layer_unit.mp.param_dtype) then
+      dtype = layer_unit.mp.output_dtype or layer_unit.mp.param_dtype
+    else
+      for _, u in ipairs(ctx.units) do
+        if u.mp.param_dtype then dtype = u.mp.param_dtype break end
+      end
     end
     local act = hidden and util.idiv(tokens.micro_batch * tokens.seq_len, mesh:size("cp")) * hidden *
       plan_dtype_size(dtype) or 0

@@ -402,6 +402,25 @@ function M.bucket_lines(u, mesh, add)
   end
 end
 
+-- A packed unit's island parameters' gather and reduce dtypes, each list joined with "+"
+-- ("-" for a reduce when none has a gradient).
+local function island_dtypes(u)
+  local under = {}
+  for _, isl in ipairs(u.islands) do under[#under + 1] = isl.name .. "." end
+  local g, r, gs, rs = {}, {}, {}, {}
+  for _, e in ipairs(u.entries) do
+    for _, pre in ipairs(under) do
+      if e.fqn:sub(1, #pre) == pre then
+        if not g[e.gather] then g[e.gather], gs[#gs + 1] = true, e.gather end
+        local red = (e.param.requires_grad and FLOATING[e.param.dtype]) and e.reduce or nil
+        if red and not r[red] then r[red], rs[#rs + 1] = true, red end
+        break
+      end
+    end
+  end
+  return table.concat(gs, "+"), #rs > 0 and table.concat(rs, "+") or "-"
+end
+
 --- The packed units (fully_shard's islands): a line each (the first 8), their islands and
 -- policy and what packing saved a step, then the total.
 function M.packed_lines(plan, add)
@@ -415,9 +434,11 @@ function M.packed_lines(plan, add)
   local n = 0
   for _, u in ipairs(list) do n = n + #u.islands end
   add("")
-  add(string.format("packed units%s: %d hold%s %d FP32 island%s, each island parameter with its own policy; one " ..
+  -- (under a pipeline every stage's are listed; the total below and comm.packing are pp rank 0's)
+  add(string.format("packed units%s: %d hold%s %d FP32 island%s%s, each island parameter with its own policy; one " ..
     "all-gather a gather, one reduce-scatter per reduce dtype", plan.pipeline and " (every stage)" or "", #list,
-    #list == 1 and "s" or "", n, n == 1 and "" or "s"))
+    #list == 1 and "s" or "", n, n == 1 and "" or "s", plan.pipeline and pk and
+      string.format(" (pp rank 0's stages: %d, with %d)", pk.units, pk.islands) or ""))
   for i, u in ipairs(list) do
     if i > 8 then
       add(string.format("  ... and %d more packed units (--json lists them)", #list - 8))
@@ -429,11 +450,13 @@ function M.packed_lines(plan, add)
       local n = isl.name:sub(1, #prefix) == prefix and isl.name:sub(#prefix + 1) or isl.name
       names[k] = (n:gsub("_checkpoint_wrapped_module%.", ""))
     end
-    local mp = u.islands[1].mp
+    -- the islands' parameters' effective dtypes (FSDP2's rules on the island policy: an
+    -- unset param_dtype gathers as stored, an unset reduce_dtype reduces as stored)
+    local gathers, reduces = island_dtypes(u)
     local s = u.packing
     add(string.format("  %s: %d island%s (%s), gather %s, reduce %s; saves %d all-gather%s, %d reduce-scatter%s%s a step",
       u.name == "" and "<root>" or u.name, #u.islands, #u.islands == 1 and "" or "s", table.concat(names, ", "),
-      mp.param_dtype or "stored", mp.reduce_dtype or "gather", s.all_gather * g, s.all_gather * g == 1 and "" or "s",
+      gathers, reduces, s.all_gather * g, s.all_gather * g == 1 and "" or "s",
       s.reduce_scatter, s.reduce_scatter == 1 and "" or "s",
       s.all_reduce > 0 and string.format(", %d all-reduce%s", s.all_reduce, s.all_reduce == 1 and "" or "s") or ""))
   end

@@ -150,7 +150,7 @@ function M.check(o)
     for _, d in ipairs(M.KNOBS) do known[d.name] = true end
     s.knobs = {}
     if o.knobs ~= "none" then
-      for name in (o.knobs .. ","):gmatch("([^,]*),") do
+      for name in (o.knobs .. ","):gmatch("%s*([^,]-)%s*,") do
         if not known[name] then
           return nil, string.format("--knobs: unknown knob '%s' (knobs: activation_checkpointing, " ..
             "reshard_after_forward, offload_policy, prefetch.explicit, pack_islands; or none)", util.short_name(name))
@@ -257,6 +257,7 @@ M.KNOBS = {
   -- unsharded peak (the next unit prefetched is a whole layer); swept only when --knobs names it
   { name = "pack_islands", values = { "default", true }, short = "packed", on_request = true },
 }
+local SAVERS = { activation_checkpointing = true, reshard_after_forward = true, offload_policy = true }
 local function saves(name, v)
   return (name == "activation_checkpointing" and v == true) or (name == "reshard_after_forward" and v == true) or
     (name == "offload_policy" and v == "cpu")
@@ -275,6 +276,9 @@ end
 local function saves_less(a, b)
   local fewer = false
   for _, d in ipairs(M.KNOBS) do
+    -- a knob that saves no memory (explicit prefetch, packed islands) may make b faster:
+    -- only candidates alike in those compare by their memory savers
+    if not SAVERS[d.name] and a[d.name] ~= b[d.name] then return false end
     local sa, sb = saves(d.name, a[d.name]), saves(d.name, b[d.name])
     if sa and not sb then return false end
     if sb and not sa then fewer = true end
@@ -889,8 +893,8 @@ end
 
 M.CSV_COLUMNS = { "mesh", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "activation_checkpointing",
   "reshard_after_forward", "offload_policy", "prefetch_explicit", "pack_islands", "status",
-  "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes", "estimate_s", "rule",
-  "reason" }
+  "rank", "tokens_per_s", "step_s", "mfu", "peak_bytes", "capacity_bytes", "lower_bound_bytes", "estimate_s", "plan_s",
+  "rule", "reason" }
 
 --- Every layout evaluated as JSON: {"moonshard_sweep": 1, ...}.
 function M.to_json(res)

@@ -549,7 +549,10 @@ function T.island_warning(ctx, result, dev)
   local bound, saved = {}, { all_gather = 0, reduce_scatter = 0, all_reduce = 0, seconds = 0 }
   for _, u in ipairs(ctx.units) do
     local c = u.comm
-    if u.kind == "fp32_island" and c and #u.params > 0 and (#c.all_gather > 0 or c.reduce_scatter or c.all_reduce) then
+    -- under a pipeline, pp rank 0's stages, as the communication per step and packing's
+    -- total count them
+    local mine = not ctx.pp or u.stage == nil or ctx.pp.stages[u.stage + 1].rank == 0
+    if mine and u.kind == "fp32_island" and c and #u.params > 0 and (#c.all_gather > 0 or c.reduce_scatter or c.all_reduce) then
       local shard = u.mesh_axes[#u.mesh_axes]
       local lat, bw = 0, 0
       local calls = {} -- {kind, count, seconds of latency}
@@ -596,8 +599,6 @@ function T.island_warning(ctx, result, dev)
     them or "pack " .. them .. " with ctx:fully_shard(module, {islands = {...}}) (each island parameter keeps its own " ..
     "policy)"
   local n = saved.all_gather + saved.reduce_scatter + saved.all_reduce
-  -- under a pipeline the islands of every stage are counted (as the packed header's
-  -- "(every stage)"); each rank saves its own stages' share
   return string.format("%d FP32 island unit%s %s latency bound (%s): %s; %s: that saves %d collective%s a step%s " ..
     "(all-gather %d, reduce-scatter %d, all-reduce %d)%s",
     #bound, #bound == 1 and "" or "s", #bound == 1 and "is" or "are",
@@ -605,7 +606,7 @@ function T.island_warning(ctx, result, dev)
       #bound == 1 and "its" or "their", dev.name) or string.format("%s all-gather moves less than %s a rank",
       #bound == 1 and "its" or "each", util.bytes(plan.LATENCY_BOUND_BYTES)),
     table.concat(bound, ", ", 1, math.min(#bound, 4)) .. (#bound > 4 and string.format(" (and %d more)", #bound - 4) or ""),
-    remedy, n, n == 1 and "" or "s", ctx.pp and " over every stage" or "", saved.all_gather, saved.reduce_scatter, saved.all_reduce,
+    remedy, n, n == 1 and "" or "s", ctx.pp and " on pp rank 0" or "", saved.all_gather, saved.reduce_scatter, saved.all_reduce,
     dev and string.format(" and about %s of collective latency a step (estimate, before overlap)", T.duration(saved.seconds))
       or "; give --device to estimate the seconds")
 end
@@ -614,7 +615,9 @@ end
 
 --- A duration as the table shows it: 3 significant digits, in s, ms or us.
 function T.duration(s)
-  if s == 0 then return "0 s" end
+  -- under a picosecond is the rounding of sums of seconds, not time (3.4e-15 s left by
+  -- step - compute - bubble): shown as 0
+  if math.abs(s) < 1e-12 then return "0 s" end
   if s >= 1 then return string.format("%.3g s", s) end
   if s >= 1e-3 then return string.format("%.3g ms", s * 1e3) end
   return string.format("%.3g us", s * 1e6)

@@ -23,8 +23,10 @@ end
 describe("a plan's batch", function()
   it("makes a step of global / (micro x dp) micro-batches, dp = dp_replicate x dp_shard", function()
     local p = plan("dp_replicate=2,dp_shard=2,cp=2,ep=2", { seq_len = 128, micro_batch = 2, global_batch = 32 })
-    assert.same({ seq_len = 128, micro_batch = 2, global_batch = 32, accumulation = 4 }, p.tokens)
-    assert.same({ seq_len = 128, micro_batch = 1, global_batch = 4, accumulation = 1 },
+    assert.same({ seq_len = 128, micro_batch = 2, global_batch = 32, accumulation = 4, global_batch_default = false },
+      p.tokens)
+    -- (global_batch_default: the global batch was not given, B x dp taken)
+    assert.same({ seq_len = 128, micro_batch = 1, global_batch = 4, accumulation = 1, global_batch_default = true },
       plan("dp_shard=4", { seq_len = 128 }).tokens)
     assert.is_nil(plan("dp_shard=4").tokens)
   end)

@@ -347,10 +347,14 @@ describe("pack_islands", function()
     w = island_warning(bare)
     assert.matches("each all-gather moves less than 1.0 MiB a rank", w, 1, true)
     assert.matches("give --device to estimate the seconds", w, 1, true)
-    assert.is_nil(w:find("over every stage", 1, true))
-    -- under a pipeline the count covers every stage, as the packed header's, and says so
+    assert.is_nil(w:find("on pp rank 0", 1, true))
+    -- under a pipeline the count is pp rank 0's, as the packed plan's total and comm.packing
     local piped = plan_policy(CFG, "pp=2,dp_shard=2", "policies/inkling2")
-    assert.matches("collectives a step over every stage (all-gather ", island_warning(piped), 1, true)
+    local piped_pk = plan_policy(CFG, "pp=2,dp_shard=2", "policies/inkling2", { set = { "pack_islands=true" } })
+    local pk = piped_pk.comm.packing
+    assert.matches(string.format("saves %d collectives a step on pp rank 0 (all-gather %d, reduce-scatter %d, " ..
+      "all-reduce %d)", pk.all_gather + pk.reduce_scatter + pk.all_reduce, pk.all_gather, pk.reduce_scatter,
+      pk.all_reduce), island_warning(piped), 1, true)
     -- a policy without the option: fully_shard's islands named instead
     local plain = planner.plan(tree(), mesh_context.new("dp_shard=4"), policy_of(function(ctx)
       ctx:fully_shard("layer.attn_query", { kind = "fp32_island", mp_policy = planner.ISLAND_MP })
@@ -364,6 +368,50 @@ describe("pack_islands", function()
       "{islands = {...}}) (each island parameter keeps its own policy): that saves 6 collectives a step " ..
       "(all-gather 4, reduce-scatter 2, all-reduce 0)", w, 1, true)
     assert.matches("ctx:fully_shard(module, {islands = {...}})", w, 1, true)
+  end)
+
+  it("leaves a pipeline's sends as they were: the layers' bf16 activations either way", function()
+    local function sends(set)
+      local args = { "plan", "--config", CFG, "--mesh", "pp=2,dp_shard=2", "--policy", "policies/inkling2",
+        "--seq-len", "256", "--global-batch", "8", "--json" }
+      if set then args[#args + 1] = "--set" args[#args + 1] = set end
+      local r = S.run(args)
+      assert.equal(0, r.code, r.err)
+      return json.decode(r.out, "plan").comm.per_step.send_recv
+    end
+    -- 4 sends on pp rank 0 (2 micro-batches: activations, then their gradients) of one
+    -- micro-batch's 256 tokens x hidden 256 in bf16 (the first unit, an f32 island, once
+    -- made them f32)
+    local want = { count = 4, bytes = 4 * 256 * 256 * 2 }
+    assert.same(want, sends(nil))
+    assert.same(want, sends("pack_islands=true"))
+  end)
+
+  it("shows an island policy's effective dtypes, and warns when it leaves reduce_dtype unset", function()
+    -- the islands gather in bf16 with reduce_dtype unset: reduced in their stored f32
+    local pol = S.write_file(os.tmpname() .. ".lua", [[
+      local COMPUTE = { param_dtype = "bf16", reduce_dtype = "f32", output_dtype = "bf16" }
+      return { parallelize = function(ctx)
+        for _, i in ipairs(ctx:module("model.layers").child_order) do
+          local name = "model.layers." .. i
+          local isl = {}
+          for _, m in ipairs({ "attn_query", "self_attn.q_l2_clip", "self_attn.rel_l2_clip", "mlp_query", "mlp.gate" }) do
+            if ctx.model:get(name .. "." .. m) then isl[#isl + 1] = name .. "." .. m end
+          end
+          ctx:fully_shard(name, { mp_policy = COMPUTE, islands = isl, islands_mp_policy = { param_dtype = "bf16" } })
+        end
+        ctx:fully_shard(ctx.model, { mp_policy = COMPUTE, islands = { "model.output_query" } })
+      end }]])
+    local r = S.run({ "plan", "--config", CFG, "--mesh", "dp_shard=4", "--policy", pol })
+    os.remove(pol)
+    assert.equal(0, r.code, r.err)
+    S.assert_has(r.out, "model.layers.0: 4 islands (self_attn.q_l2_clip, self_attn.rel_l2_clip, mlp_query, " ..
+      "mlp.gate), gather bf16, reduce f32;")
+    S.assert_has(r.out, "<root>: 1 island (model.output_query), gather f32, reduce f32;") -- the default fp32 policy
+    -- the 19 layer islands, not output_query (its policy is fp32 throughout)
+    S.assert_has(r.out, "19 packed islands set param_dtype but not reduce_dtype: planned as PyTorch 2.15's FSDP2 " ..
+      "runs them, reducing gradients in the stored dtype")
+    S.assert_has(r.out, "model.layers.0.self_attn.q_l2_clip (island of model.layers.0, f32)")
   end)
 
   it("shows in the table, the JSON, the audit and the rank view", function()

@@ -93,6 +93,12 @@ describe("a pipeline in a plan", function()
     -- a schedule whose micro-batch count the batch breaks is PyTorch's refusal
     assert_has(errmsg(plan, llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32, global_batch = 2 } }),
       "pipeline: Number of microbatches (1) must be greater than or equal to the number of stages (2).")
+    -- without a global batch, the message says how to give one (not with one given, above)
+    local bare = errmsg(plan, llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32 } })
+    assert_has(bare, "(the batch gives 1 micro-batches a step; without a global batch (--global-batch) a step is " ..
+      "one micro-batch of 1 per data-parallel rank: give one that makes enough micro-batches)")
+    assert.is_nil(errmsg(plan, llama(), "pp=2,dp_shard=2", nil, { tokens = { seq_len = 32, global_batch = 2 } })
+      :find("without a global batch", 1, true))
     local zbv = plan(llama({ num_hidden_layers = 8 }), "pp=2,dp_shard=2", nil,
       { set = { "pipeline.schedule=ZBVZeroBubble" }, tokens = { seq_len = 32, global_batch = 8 } })
     assert.same({ 0, 1, 1, 0 }, { zbv.pipeline.stages[1].pp_rank, zbv.pipeline.stages[2].pp_rank,

@@ -186,11 +186,11 @@ describe("moonshard sweep", function()
     for line in c.out:gmatch("[^\n]+") do lines[#lines + 1] = line end
     assert.equal("mesh,pp,dp_replicate,dp_shard,cp,tp,ep,activation_checkpointing,reshard_after_forward," ..
       "offload_policy,prefetch_explicit,pack_islands,status,rank,tokens_per_s,step_s,mfu,peak_bytes,capacity_bytes," ..
-      "lower_bound_bytes,estimate_s,rule,reason", lines[1])
+      "lower_bound_bytes,estimate_s,plan_s,rule,reason", lines[1])
     assert.equal(#res.evaluated + 1, #lines)
     for i = 2, #lines do
       local fields = select(2, lines[i]:gsub('"[^"]*"', "x"):gsub(",", ","))
-      assert.equal(22, fields, lines[i])
+      assert.equal(23, fields, lines[i])
     end
   end)
 
