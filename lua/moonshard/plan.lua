@@ -1602,12 +1602,10 @@ local function unit_warnings(ctx, warnings)
     -- (and a packed unit's islands, by their own policy)
     for _, isl in ipairs(u.islands or {}) do
       if isl.mp.param_dtype and not isl.mp.reduce_dtype then
-        local pre = isl.name .. "."
-        for _, e in ipairs(u.entries or {}) do
-          local p = e.param
-          if e.fqn:sub(1, #pre) == pre and p.requires_grad and FLOAT[p.dtype] and p.dtype ~= isl.mp.param_dtype then
+        for _, p in ipairs(isl.params) do
+          if p.requires_grad and FLOAT[p.dtype] and p.dtype ~= isl.mp.param_dtype then
             unset_reduce[#unset_reduce + 1] = string.format("%s (island of %s, %s)", display(isl.name), display(u.name),
-              e.reduce)
+              select(2, M.effective_dtypes(p.dtype, isl.mp)))
             unset_islands = unset_islands + 1
             break
           end

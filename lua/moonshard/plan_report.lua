@@ -405,17 +405,15 @@ end
 -- A packed unit's island parameters' gather and reduce dtypes, each list joined with "+"
 -- ("-" for a reduce when none has a gradient).
 local function island_dtypes(u)
-  local under = {}
-  for _, isl in ipairs(u.islands) do under[#under + 1] = isl.name .. "." end
+  local entry_of = {}
+  for _, e in ipairs(u.entries) do entry_of[e.param] = e end
   local g, r, gs, rs = {}, {}, {}, {}
-  for _, e in ipairs(u.entries) do
-    for _, pre in ipairs(under) do
-      if e.fqn:sub(1, #pre) == pre then
-        if not g[e.gather] then g[e.gather], gs[#gs + 1] = true, e.gather end
-        local red = (e.param.requires_grad and FLOATING[e.param.dtype]) and e.reduce or nil
-        if red and not r[red] then r[red], rs[#rs + 1] = true, red end
-        break
-      end
+  for _, isl in ipairs(u.islands) do
+    for _, p in ipairs(isl.params) do
+      local e = entry_of[p]
+      if not g[e.gather] then g[e.gather], gs[#gs + 1] = true, e.gather end
+      local red = (p.requires_grad and FLOATING[p.dtype]) and e.reduce or nil
+      if red and not r[red] then r[red], rs[#rs + 1] = true, red end
     end
   end
   return table.concat(gs, "+"), #rs > 0 and table.concat(rs, "+") or "-"

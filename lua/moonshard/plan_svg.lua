@@ -5,6 +5,7 @@
 -- with a batch, against the device's memory with one) and the communication per step.
 
 local util = require "moonshard.util"
+local numel_of = require("moonshard.plan_layout").numel_of
 
 local M = {}
 
@@ -53,10 +54,8 @@ function M.render(plan)
       -- layer's bf16), all moved by one all-gather
       local by, dts = {}, {}
       for _, e in ipairs(u.entries) do
-        local n = 1
-        for _, d in ipairs(e.shape) do n = n * d end
         if not by[e.gather] then dts[#dts + 1] = e.gather end
-        by[e.gather] = (by[e.gather] or 0) + n
+        by[e.gather] = (by[e.gather] or 0) + numel_of(e.shape)
       end
       local total, parts, names = 0, {}, {}
       for _, dt in ipairs(dts) do total = total + by[dt] end

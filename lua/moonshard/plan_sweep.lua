@@ -257,11 +257,9 @@ M.KNOBS = {
   -- unsharded peak (the next unit prefetched is a whole layer); swept only when --knobs names it
   { name = "pack_islands", values = { "default", true }, short = "packed", on_request = true },
 }
-local SAVERS = { activation_checkpointing = true, reshard_after_forward = true, offload_policy = true }
-local function saves(name, v)
-  return (name == "activation_checkpointing" and v == true) or (name == "reshard_after_forward" and v == true) or
-    (name == "offload_policy" and v == "cpu")
-end
+-- the memory savers: the knob and its value that saves memory
+local SAVES = { activation_checkpointing = true, reshard_after_forward = true, offload_policy = "cpu" }
+local function saves(name, v) return SAVES[name] ~= nil and v == SAVES[name] end
 -- The knobs a candidate sets for the plan: those whose value is not the policy's default.
 local function knob_settings(k)
   local out = {}
@@ -278,7 +276,7 @@ local function saves_less(a, b)
   for _, d in ipairs(M.KNOBS) do
     -- a knob that saves no memory (explicit prefetch, packed islands) may make b faster:
     -- only candidates alike in those compare by their memory savers
-    if not SAVERS[d.name] and a[d.name] ~= b[d.name] then return false end
+    if SAVES[d.name] == nil and a[d.name] ~= b[d.name] then return false end
     local sa, sb = saves(d.name, a[d.name]), saves(d.name, b[d.name])
     if sa and not sb then return false end
     if sb and not sa then fewer = true end
